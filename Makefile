@@ -6,7 +6,10 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 NBVAL := --nbval-lax --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout=600
 
-.PHONY: install run test lab clean
+.PHONY: install run test lint lab clean
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
 
 install: $(STAMP)
 
@@ -21,6 +24,7 @@ run: $(STAMP)
 	$(BIN)/python -m nblib suite
 
 test: $(STAMP)
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q tests notebooks $(NBVAL)
 
 lab: $(STAMP)

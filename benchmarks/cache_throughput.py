@@ -5,7 +5,7 @@
 
 Prints three tables, measured figures and ratios side by side:
 1. images/s populating a cache with 1 worker and with N workers, and the speed-up;
-2. shard write MB/s (ShardWriter: stream, sha256, fsync, rename) against `np.save` of the same
+2. shard write MB/s (ShardWriter, an AtomicWriter: stream, sha256, fsync, rename) against `np.save` of the same
    bytes, plain and followed by fsync (the same durability), and the ratios;
 3. per codec: stored bytes per image and decode images/s on one core (a compressed codec must
    decode >= 1,000 images/s per core, faster than a T4 encoder consumes them).
@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from nblib import cache
+from nblib.lab.cache_population import worker_scaling
 from nblib.render import render_params, render_with
 
 MIN_DECODE_PER_CORE = 1000
@@ -31,7 +32,7 @@ MIN_DECODE_PER_CORE = 1000
 
 def render_scaling(texts, size: int, workers: int, folder: Path, shard_mb: float) -> list:
     """Populate the same texts with 1 and `workers` processes; their summaries."""
-    return cache.worker_scaling(texts, sorted({1, workers}), folder, size, shard_mb, "raw")
+    return worker_scaling(texts, sorted({1, workers}), folder, size, shard_mb, "raw")
 
 
 def write_speed(images: np.ndarray, folder: Path, repeats: int = 3) -> dict[str, float]:

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from nblib import budget, cache, encode
+from nblib import budget, cache, encode, reference
 from nblib.config import preset
 
-REFERENCE_SAMPLES_PER_S = encode.REFERENCE_SAMPLES_PER_S
+REFERENCE_SAMPLES_PER_S = float(reference.ANALYSIS["samples per second"].value)  # seed_t4, T4, fp32
 
 
 def cpu_config(workers: int = 0):
@@ -109,7 +109,8 @@ def report(title: str, config, device, n: int, result: dict) -> None:
         name = torch.cuda.get_device_name(device)
         preset_name = next((k for k in budget.DEVICES if k.split("-")[0] in name.lower()), None)
         peak = budget.DEVICES[preset_name].fp16_flops if preset_name else None
-        mfu = f"{result['stream'] * flops / peak:.1%} of {peak / 1e12:.0f} TFLOP/s fp16" if peak else "n/a (unknown GPU)"
+        mfu = (f"{result['stream'] * flops / peak:.1%} of {peak / 1e12:.0f} TFLOP/s fp16" if peak
+               else "n/a (unknown GPU)")
         print(f"  {'GPU':<34} {name}")
         print(f"  {'model FLOP utilization (stream)':<34} {mfu}")
         print(f"  {'vs the reference 94 samples/s':<34} {result['stream'] / REFERENCE_SAMPLES_PER_S:>10.2f}x "

@@ -1,12 +1,12 @@
-"""Shuffle checkpoints and throughput: tf.data's shuffle buffer against ours, side by side.
+"""Shuffle checkpoints and throughput: tf.data's shuffle buffer against the resumable shuffle, side by side.
 
 For buffers of 100, 1,000 and 10,000 samples of 150 kB (224 x 224 x 3 uint8, random bytes):
   - tf.data: iterator checkpoint bytes and save seconds (plain and symbolic), via tf.train.Checkpoint;
-  - ours: the JSON state of ResumableShuffleBuffer (bytes, save seconds, atomic write) and the
-    tf.train.Checkpoint of our tf.data pipeline (nblib.tfdata.indexed_dataset);
-  - the ratios, and the check "ours <= 8 bytes x buffer + 4 KB" (the state holds indices, never
+  - resumable: the JSON state of ResumableShuffleBuffer (bytes, save seconds, atomic write) and
+    the tf.train.Checkpoint of the resumable tf.data pipeline (nblib.tfdata.indexed_dataset);
+  - the ratios, and the check "state <= 8 bytes x buffer + 4 KB" (the state holds indices, never
     samples, so the sample size does not enter it).
-Then shuffle throughput (samples/s) of ours and of tf.data's shuffle over the same in-memory
+Then shuffle throughput (samples/s) of the resumable shuffle and of tf.data's shuffle over the same in-memory
 source, one sample at a time and in batches, with their ratio (reported, not asserted).
 Measurements run one at a time; the largest tf.data buffer holds 1.5 GB in RAM.
 
@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from nblib import tfdata
+from nblib.lab import shuffle_checkpoints as lab
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,42 +43,45 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def checkpoints(buffers: list[int], sample_kb: float, folder: Path) -> None:
-    """Print tf.data vs ours, bytes and seconds, with ratios and the 8 B x buffer + 4 KB check."""
+    """Print tf.data vs resumable, bytes and seconds, with ratios and the 8 B x buffer + 4 KB check."""
     spec = tfdata.PipelineSpec(sample_kb=sample_kb)
     print(f"== checkpoints: samples {spec.image_shape} uint8 = {spec.sample_bytes:,} B, random content")
-    tf_rows, ours_rows = [], []
+    tf_rows, resumable_rows = [], []
     for b in buffers:  # one buffer at a time: the largest holds buffer x sample bytes in RAM
-        tf_rows += tfdata.measure_checkpoint([b], sample_kb, symbolic=(False, True), folder=folder)
-        ours_rows += tfdata.measure_checkpoint([b], sample_kb, ours="buffer", folder=folder)
-    state_rows = tfdata.measure_state_checkpoint(buffers, folder=folder)
-    print(tfdata.checkpoint_table(tf_rows + ours_rows))
+        tf_rows += lab.measure_checkpoint([b], sample_kb, symbolic=(False, True), folder=folder)
+        resumable_rows += lab.measure_checkpoint([b], sample_kb, resumable="buffer", folder=folder)
+    state_rows = lab.measure_state_checkpoint(buffers, folder=folder)
+    print(lab.checkpoint_table(tf_rows + resumable_rows))
     print()
-    print(f"{'buffer':>7} | {'tf.data B':>14} {'save s':>7} | {'ours JSON B':>11} {'save s':>7} | "
-          f"{'bytes ratio':>11} {'save ratio':>10} | {'ours tf.data B':>14} | {'<= 8B x buffer + 4KB':>20}")
+    print(lab.checks_table(lab.disk_model_checks(tf_rows)))
+    print()
+    print(f"{'buffer':>7} | {'tf.data B':>14} {'save s':>7} | {'JSON B':>11} {'save s':>7} | "
+          f"{'bytes ratio':>11} {'save ratio':>10} | {'resumable B':>14} | {'<= 8B x buffer + 4KB':>20}")
     for b in buffers:
         tf_row = next(r for r in tf_rows if r.buffer_size == b and not r.symbolic)
-        ours = next(r for r in ours_rows if r.buffer_size == b)
+        resumable = next(r for r in resumable_rows if r.buffer_size == b)
         state = next(r for r in state_rows if r.buffer_size == b)
         print(f"{b:>7,} | {tf_row.bytes_on_disk:>14,} {tf_row.save_s:>7.3f} | {state.state_bytes:>11,} "
               f"{state.save_s:>7.3f} | {tf_row.bytes_on_disk / state.state_bytes:>10,.0f}x "
-              f"{tf_row.save_s / state.save_s:>9.1f}x | {ours.bytes_on_disk:>14,} | "
+              f"{tf_row.save_s / state.save_s:>9.1f}x | {resumable.bytes_on_disk:>14,} | "
               f"{state.state_bytes:,} <= {state.bound_bytes:,}: {'OK' if state.within_bound else 'FAIL'}")
-    print(f"exact resume, every row: {all(r.exact_resume for r in tf_rows + ours_rows + state_rows)}")
-    print("ours holds indices, never samples: its bytes do not depend on the sample size")
+    print(f"exact resume, every row: {all(r.exact_resume for r in tf_rows + resumable_rows + state_rows)}")
+    print("the resumable state holds indices, never samples: its bytes do not depend on the sample size")
 
 
 def throughput(n: int, buffer_size: int, sample_kb: float) -> None:
-    """Print samples/s of ours and of tf.data's shuffle over one in-memory source, and the ratio."""
+    """Print samples/s of the resumable shuffle and of tf.data's shuffle over one in-memory source, and ratios."""
     print(f"\n== throughput: {n:,} samples of {sample_kb:g} kB in memory, buffer {buffer_size:,}")
     for batch_size in (0, 64):
-        rows = tfdata.shuffle_throughput(n, buffer_size, sample_kb, batch_size=batch_size)
+        rows = lab.shuffle_throughput(n, buffer_size, sample_kb, batch_size=batch_size)
         by = {r.name: r for r in rows}
         mode = "one sample at a time" if not batch_size else f"batches of {batch_size}"
         print(f"{mode}:")
         for r in rows:
-            print(f"  {r.name:<16} {r.samples_per_s:>12,.0f} samples/s  ({r.samples:,} in {r.seconds:.2f} s)")
-        print(f"  ratio ours (Python) / tf.data shuffle: {by['ours (Python)'].samples_per_s / by['tf.data shuffle'].samples_per_s:.1f}x;"
-              f" ours in tf.data / tf.data shuffle: {by['ours in tf.data'].samples_per_s / by['tf.data shuffle'].samples_per_s:.2f}x")
+            print(f"  {r.name:<20} {r.samples_per_s:>12,.0f} samples/s  ({r.samples:,} in {r.seconds:.2f} s)")
+        base = by["tf.data shuffle"].samples_per_s
+        print(f"  ratio resumable (Python) / tf.data shuffle: {by['resumable (Python)'].samples_per_s / base:.1f}x;"
+              f" resumable in tf.data / tf.data shuffle: {by['resumable in tf.data'].samples_per_s / base:.2f}x")
 
 
 if __name__ == "__main__":

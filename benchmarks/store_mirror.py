@@ -38,6 +38,15 @@ class ThrottledOps(FileOps):
         time.sleep(self.latency_s)
         return _ThrottledFile(super().open(path, mode), self.rate if "b" in mode and "r" not in mode else 4 * self.rate)
 
+    def write_atomic(self, path, blocks, expect_sha256=None):
+        time.sleep(self.latency_s)
+        return super().write_atomic(path, self._throttled(blocks), expect_sha256)
+
+    def _throttled(self, blocks):
+        for block in blocks:
+            time.sleep(memoryview(block).nbytes / self.rate)
+            yield block
+
     def replace(self, src, dst):
         time.sleep(self.latency_s)
         super().replace(src, dst)
@@ -130,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     parts = [{"sketches": rng.standard_normal(n, dtype=np.float32).astype(np.float16)} for _ in range(args.parts)]
     mb = parts[0]["sketches"].nbytes / 1e6
     ops = FileOps() if args.no_throttle else ThrottledOps(args.mirror_mbps, args.latency_ms / 1e3)
-    target = "real folder" if args.no_throttle else f"throttled to {args.mirror_mbps:g} MB/s, {args.latency_ms:g} ms/call"
+    target = ("real folder" if args.no_throttle
+              else f"throttled to {args.mirror_mbps:g} MB/s, {args.latency_ms:g} ms/call")
     print(f"{args.parts} parts x {mb:.1f} MB, {args.compute_s:g} s compute per part, mirror {target}")
 
     root = Path(tempfile.mkdtemp(prefix="store-bench-"))
@@ -151,13 +161,15 @@ def main(argv: list[str] | None = None) -> int:
               f"sha256 alone       {hashing * 1e3:7.1f} ms/part ({mb / hashing:5.0f} MB/s)   "
               f"(write_part - np.save+fsync) / sha256 = {(local_write - bare) / hashing:.2f}")
         sync_wait = results["sync mirror"]["wait_s"]
-        print(f"\n{'strategy':<14}{'caller wait/part':>18}{'loop':>10}{'end to end':>12}{'max lag':>9}{'wait vs sync':>14}")
+        print(f"\n{'strategy':<14}{'caller wait/part':>18}{'loop':>10}{'end to end':>12}{'max lag':>9}"
+              f"{'wait vs sync':>14}")
         for label, r in results.items():
             print(f"{label:<14}{r['wait_s'] * 1e3:>15.1f} ms{r['loop_s']:>9.2f}s{r['end_to_end_s']:>11.2f}s"
                   f"{r['max_lag']:>9d}{r['wait_s'] / sync_wait:>13.2f}x")
         compute = args.parts * args.compute_s
         print(f"\npure compute {compute:.2f} s; async loop overhead over compute: "
-              f"x{results['async mirror']['loop_s'] / compute:.2f}, sync: x{results['sync mirror']['loop_s'] / compute:.2f}")
+              f"x{results['async mirror']['loop_s'] / compute:.2f}, "
+              f"sync: x{results['sync mirror']['loop_s'] / compute:.2f}")
     finally:
         shutil.rmtree(root, ignore_errors=True)
         if args.mirror is not None:

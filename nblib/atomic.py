@@ -1,69 +1,186 @@
-"""Atomic files: a file is complete, or it does not exist.
+"""Atomic files: a file is complete, or it does not exist; the one writer that hashes as it writes.
 
-Write a temporary file in the same folder, flush, fsync, `os.replace` onto the final name, then
-fsync the folder so the rename itself survives a crash. Never rename across filesystems (that is
-a copy, not atomic). Temporary names start with `.tmp-`, so `verify` steps can find leftovers.
+`AtomicWriter` writes a temporary file in the same folder while a thread hashes the same bytes,
+then flushes, fsyncs, `os.replace`s it onto the final name and fsyncs the folder so the rename
+survives a crash. Every durable file in nblib (cache shards, parts, mirror copies, consolidated
+outputs, manifests) goes through it. Never rename across filesystems (that is a copy, not
+atomic). Temporary names start with `.tmp-`, so `verify` steps can find leftovers.
 """
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import os
+import queue
 import tempfile
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO
 
 TMP_PREFIX = ".tmp-"
 
 
+@dataclass(frozen=True)
+class WrittenFile:
+    """What a committed file is: its path, size, sha256 and stat fingerprint (size, mtime_ns)."""
+
+    path: Path
+    bytes: int
+    sha256: str
+    mtime_ns: int
+
+    def stat_fingerprint(self) -> dict:
+        """The quick check a reader compares before trusting the file without hashing it."""
+        return {"bytes": self.bytes, "mtime_ns": self.mtime_ns}
+
+
+class AtomicWriter:
+    """Stream bytes to a temporary file beside `path`, hashing them; `commit` makes it durable.
+
+    Hashing runs on a background thread (sha256 and file writes both release the GIL), and the
+    fsync in `commit` overlaps the hashing thread's last blocks. `discard` (or leaving a `with`
+    block without `commit`) deletes the temporary file; nothing is renamed.
+    """
+
+    def __init__(self, path: str | Path, *, background_hash: bool = True):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{self.path.name}.", dir=self.path.parent)
+        self.temporary = Path(tmp)
+        self._file: IO[bytes] | None = os.fdopen(fd, "wb")
+        self._hash = _BackgroundSha256() if background_hash else _InlineSha256()
+        self.bytes = 0
+        self.result: WrittenFile | None = None
+
+    def write(self, data) -> int:
+        """Append `data` (bytes or any buffer) to the file and the hash.
+
+        The hash reads the buffer later, on its thread: do not change it before `commit`.
+        """
+        view = memoryview(data).cast("B")
+        self._file.write(view)
+        self._hash.update(view)
+        self.bytes += view.nbytes
+        return view.nbytes
+
+    def write_array(self, array) -> None:
+        """Append `np.save`'s exact bytes for `array` (header, then the data)."""
+        import numpy as np
+
+        array = np.asarray(array)
+        if array.dtype.hasobject:
+            raise ValueError("object arrays cannot be stored; convert them to a numeric dtype")
+        self.write(npy_header(array.dtype, array.shape))
+        self.write(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+
+    def commit(self, expect_sha256: str | None = None) -> WrittenFile:
+        """Flush, fsync, rename onto `path`, fsync the folder; the file's size and sha256.
+
+        With `expect_sha256`, a file whose bytes hash differently is discarded and ValueError
+        raised, so a mismatching rewrite never replaces anything.
+        """
+        if self.result is not None:
+            return self.result
+        try:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            digest = self._hash.hexdigest()
+            if expect_sha256 is not None and digest != expect_sha256:
+                raise ValueError(f"{self.path.name}: the bytes written hash to {digest[:12]}..., "
+                                 f"expected {expect_sha256[:12]}...")
+            self._file.close()
+            os.replace(self.temporary, self.path)
+        except BaseException:
+            self.discard()
+            raise
+        fsync_dir(self.path.parent)
+        self._file = None
+        st = self.path.stat()
+        self.result = WrittenFile(self.path, self.bytes, digest, st.st_mtime_ns)
+        return self.result
+
+    def discard(self) -> None:
+        """Delete the temporary file (a no-op after `commit`)."""
+        if self.result is not None:
+            return
+        self._hash.hexdigest()  # stops the hashing thread
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.close()
+            self._file = None
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.temporary)
+
+    def __enter__(self) -> AtomicWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.discard()
+
+
 @contextlib.contextmanager
 def atomic_open(path: str | Path, mode: str = "wb") -> Iterator[IO]:
-    """Open a temporary file beside `path`; on clean exit it is fsynced and renamed onto `path`."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, mode) as f:
+    """A writable file beside `path`; on clean exit it is fsynced and renamed onto `path`."""
+    if mode not in ("wb", "w"):
+        raise ValueError(f"atomic_open writes new files only; mode {mode!r} is not 'wb' or 'w'")
+    writer = AtomicWriter(path, background_hash=False)
+    with writer:
+        f = _WriterFile(writer)
+        if mode == "wb":
             yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+        else:
+            text = io.TextIOWrapper(f, encoding="utf-8", newline="")
+            yield text
+            text.flush()
+        writer.commit()
 
 
-def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
-    """Write `data` to `path` atomically."""
-    with atomic_open(path, "wb") as f:
-        f.write(data)
-    return Path(path)
+def atomic_write_bytes(path: str | Path, data: bytes) -> WrittenFile:
+    """Write `data` to `path` atomically; what was written."""
+    with AtomicWriter(path, background_hash=False) as writer:
+        writer.write(data)
+        return writer.commit()
 
 
-def atomic_write_json(path: str | Path, obj) -> Path:
+def atomic_write_json(path: str | Path, obj) -> WrittenFile:
     """Write `obj` as indented, key-sorted JSON to `path` atomically."""
-    return atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+    return atomic_write_bytes(path, json_bytes(obj))
 
 
-def atomic_save_npy(path: str | Path, array) -> Path:
-    """`np.save` to `path` atomically."""
-    import numpy as np
-
-    with atomic_open(path, "wb") as f:
-        np.save(f, array, allow_pickle=False)
-    return Path(path)
+def atomic_save_npy(path: str | Path, array) -> WrittenFile:
+    """`np.save` to `path` atomically, hashed while written."""
+    with AtomicWriter(path) as writer:
+        writer.write_array(array)
+        return writer.commit()
 
 
-def atomic_torch_save(obj, path: str | Path) -> Path:
+def atomic_torch_save(obj, path: str | Path) -> WrittenFile:
     """`torch.save` to `path` atomically (torch imported here, not at nblib import)."""
     import torch
 
-    with atomic_open(path, "wb") as f:
-        torch.save(obj, f)
-    return Path(path)
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return atomic_write_bytes(path, buffer.getvalue())
+
+
+def json_bytes(obj) -> bytes:
+    """`obj` as indented, key-sorted JSON bytes with a final newline (how nblib stores JSON)."""
+    return (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode()
+
+
+def npy_header(dtype, shape) -> bytes:
+    """The exact .npy header `np.save` writes for an array of `dtype` and `shape`."""
+    import numpy as np
+
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        header, {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False,
+                 "shape": tuple(int(s) for s in shape)})
+    return header.getvalue()
 
 
 def fsync_dir(folder: str | Path) -> None:
@@ -94,6 +211,69 @@ def sha256_json(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
+def stat_fingerprint(path: str | Path) -> dict:
+    """A file's quick-check fingerprint: size and mtime_ns (what a manifest records on write)."""
+    st = Path(path).stat()
+    return {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
 def leftover_temporaries(folder: str | Path) -> list[Path]:
     """Temporary files an interrupted atomic write left behind in `folder` (recursively)."""
     return sorted(p for p in Path(folder).rglob(f"{TMP_PREFIX}*") if p.is_file())
+
+
+class _WriterFile(io.RawIOBase):
+    """A binary file object over an AtomicWriter (what np.save and text wrappers write into)."""
+
+    def __init__(self, writer: AtomicWriter):
+        super().__init__()
+        self._writer = writer
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        return self._writer.write(data)
+
+    def fileno(self) -> int:
+        return self._writer._file.fileno()
+
+    def close(self) -> None:  # the writer owns the file; a wrapper closing us must not close it
+        pass
+
+
+class _BackgroundSha256:
+    """sha256 computed on a thread, so hashing overlaps the file writes."""
+
+    def __init__(self):
+        self._sha, self._queue, self._digest = hashlib.sha256(), queue.SimpleQueue(), None
+        self._thread = threading.Thread(target=self._run, name="nblib-sha256", daemon=True)
+        self._thread.start()
+
+    def update(self, data) -> None:
+        self._queue.put(data)
+
+    def hexdigest(self) -> str:
+        """Wait for every queued block, then the digest (later calls return the same)."""
+        if self._digest is None:
+            self._queue.put(None)
+            self._thread.join()
+            self._digest = self._sha.hexdigest()
+        return self._digest
+
+    def _run(self) -> None:
+        while (data := self._queue.get()) is not None:
+            self._sha.update(data)
+
+
+class _InlineSha256:
+    """sha256 on the calling thread (small files: a thread costs more than it saves)."""
+
+    def __init__(self):
+        self._sha = hashlib.sha256()
+
+    def update(self, data) -> None:
+        self._sha.update(data)
+
+    def hexdigest(self) -> str:
+        return self._sha.hexdigest()

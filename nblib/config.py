@@ -14,6 +14,9 @@ from nblib.atomic import sha256_json
 from nblib.errors import ConfigError
 
 OUTPUT_NAMES = ("sketches", "checksums", "children")
+# the subsets of outputs worth comparing when disk is the wall, largest first
+OUTPUT_CHOICES = (("sketches", "checksums", "children"), ("sketches", "children"),
+                  ("sketches", "checksums"), ("sketches",), ("checksums",))
 OUTPUT_DTYPES = ("float16", "float32")
 CODECS = ("raw", "png", "zlib")
 PROFILES = ("smoke", "t4", "full")
@@ -83,7 +86,7 @@ class PipelineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
-    def replace(self, **changes) -> "PipelineConfig":
+    def replace(self, **changes) -> PipelineConfig:
         """A copy with knobs changed by their field names (model or run), validated."""
         model_names = {f.name for f in fields(ModelConfig)}
         run_names = {f.name for f in fields(RunConfig)}
@@ -105,7 +108,7 @@ class PipelineConfig:
         )
         return cfg.validate()
 
-    def validate(self) -> "PipelineConfig":
+    def validate(self) -> PipelineConfig:
         """Return self if every field is in range, else raise ConfigError naming the field."""
         validate(self)
         return self
@@ -121,7 +124,7 @@ class PipelineConfig:
         return sha256_json(payload)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "PipelineConfig":
+    def from_dict(cls, d: dict) -> PipelineConfig:
         run = dict(d.get("run", {}))
         if "outputs" in run:
             run["outputs"] = tuple(run["outputs"])

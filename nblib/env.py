@@ -17,6 +17,7 @@ from pathlib import Path
 
 from nblib.config import PROFILES
 from nblib.errors import ConfigError, DriveError
+from nblib.units import fmt_gb
 
 COLAB_MOUNT_POINT = Path("/content/drive")
 COLAB_WORKSPACE = COLAB_MOUNT_POINT / "MyDrive" / "nblib"
@@ -159,7 +160,7 @@ class HardwareReport:
 
     def rows(self) -> list[tuple[str, str]]:
         """(label, value) pairs, human-readable."""
-        gb = _fmt_gb
+        gb = fmt_gb
         return [
             ("runtime", self.runtime),
             ("GPU", self.gpu_name or "none"),
@@ -258,21 +259,3 @@ def _version(module: str) -> str | None:
         except PackageNotFoundError:
             continue
     return None
-
-
-def _fmt_gb(n: int | None) -> str:
-    return "-" if n is None else f"{n / 1e9:.1f} GB"
-
-
-def cli_main(argv: list[str]) -> int:
-    """`python -m nblib info`: runtime, profile, workspace folders and the hardware report."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m nblib info", description=cli_main.__doc__)
-    parser.parse_args(argv)
-    ws = workspace()
-    print(f"runtime  {runtime()}\nprofile  {profile()}")
-    for name, folder in ws.as_dict().items():
-        print(f"{name:<9}{folder}")
-    print(hardware_report(drive=ws.drive, local=ws.local))
-    return 0

@@ -36,3 +36,7 @@ class ResumeMismatch(NblibError):
 
 class StateError(NblibError, ValueError):
     """A saved state (shuffle, iterator, manifest) is corrupt or belongs to something else."""
+
+
+class ManifestDamaged(StateError):
+    """A manifest is torn, edited, or of another kind: it cannot be trusted as it is."""

@@ -65,7 +65,7 @@ class PeakMemory:
                     pass
         return total
 
-    def __enter__(self) -> "PeakMemory":
+    def __enter__(self) -> PeakMemory:
         torch = _cuda_torch()
         if torch is not None:
             torch.cuda.synchronize()
@@ -152,7 +152,7 @@ class DiskDelta:
     def delta(self) -> int:
         return self.after - self.before
 
-    def __enter__(self) -> "DiskDelta":
+    def __enter__(self) -> DiskDelta:
         self.before, self.free_before = disk_usage(self.folder), disk_free(self.folder)
         return self
 
@@ -250,7 +250,7 @@ class TensorPeak:
         self._live: dict[int, int] = {}
         self._mode = None
 
-    def __enter__(self) -> "TensorPeak":
+    def __enter__(self) -> TensorPeak:
         from torch.utils._python_dispatch import TorchDispatchMode
         from torch.utils._pytree import tree_flatten
 

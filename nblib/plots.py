@@ -100,8 +100,8 @@ def shuffle_checkpoint_plot(rows, disk_bytes: float | None = None, save_to=None)
     fig, ax = new_figure(width=6.4, height=4.0)
     xs = [r.buffer_size for r in rows]
     ax.plot(xs, [r.checkpoint_bytes / GB for r in rows], "o-", label="checkpoint")
-    ax.fill_between(xs, [r.peak_disk_low / GB for r in rows], [r.peak_disk_high / GB for r in rows],
-                    alpha=0.3, color="tab:orange", label="peak disk during save (1.5-2x)")
+    ax.fill_between(xs, [r.peak_disk_first_save / GB for r in rows], [r.peak_disk_keeping_previous / GB for r in rows],
+                    alpha=0.3, color="tab:orange", label="peak disk during save (first save - previous kept)")
     if disk_bytes:
         ax.axhline(disk_bytes / GB, color="crimson", ls="--", label=f"free disk {disk_bytes / GB:.0f} GB")
     ax.set_xscale("log")
@@ -200,6 +200,24 @@ def cache_worker_scaling(workers, images_per_s, save_to=None) -> Figure:
     ax.set_ylim(0, max(rates + [rates[0] * workers[-1] / workers[0]]) * 1.15)
     ax.set_title("cache population throughput")
     ax.legend(fontsize=8)
+    return finish(fig, save_to)
+
+
+def coverage_by_script(coverage, save_to=None) -> Figure:
+    """Share of each script's characters the font chain draws (render.Coverage or its as_dict())."""
+    counts = coverage.as_dict() if hasattr(coverage, "as_dict") else coverage
+    scripts = list(counts["characters"])
+    drawn = [1 - counts["missing"][s] / counts["characters"][s] for s in scripts]
+    fig, ax = new_figure(width=6.0, height=0.35 * len(scripts) + 1.4)
+    ax.barh(scripts, [100 * d for d in drawn], color=["tab:blue" if d >= 0.99 else "tab:red" for d in drawn])
+    for y, s in enumerate(scripts):
+        ax.annotate(f"{counts['characters'][s]:,} chars, {counts['missing'][s]:,} without glyph", (1, y),
+                    va="center", fontsize=7, color="white")
+    ax.invert_yaxis()
+    ax.set_xlim(0, 100)
+    ax.set_xlabel("characters with a glyph in the font chain (%)")
+    ax.set_title(f"Font coverage: {100 * (1 - counts['total_missing_share']):.2f}% of "
+                 f"{counts['total_characters']:,} characters")
     return finish(fig, save_to)
 
 
@@ -334,7 +352,8 @@ def tf_checkpoint_vs_buffer(rows, state_rows=(), save_to=None) -> Figure:
         label = f"{r.pipeline}, symbolic" if r.symbolic and r.pipeline == "tf.data shuffle" else r.pipeline
         series.setdefault(label, []).append((r.buffer_size, r.bytes_on_disk, r.save_s))
     for row in state_rows:
-        series.setdefault(f"ours ({row.algorithm}): state JSON", []).append((row.buffer_size, row.state_bytes, row.save_s))
+        series.setdefault(f"resumable ({row.algorithm}): state JSON", []).append(
+            (row.buffer_size, row.state_bytes, row.save_s))
     styles = {"tf.data shuffle": "o-", "tf.data shuffle, symbolic": "s--"}
     for label, points in series.items():
         b, size, secs = zip(*sorted(points))
@@ -356,7 +375,7 @@ def tf_checkpoint_vs_buffer(rows, state_rows=(), save_to=None) -> Figure:
 
 def tf_reference_extrapolation(extrapolation, ram_bytes: float = 12.7e9, disk_bytes: float = 80e9,
                                save_to=None) -> Figure:
-    """The reference rows (buffer x 500 kB, 1.5-2x temp) beside our fitted prediction, in GB."""
+    """The reference rows (buffer x 500 kB, its temporary-space range) beside the fitted prediction, in GB."""
     import numpy as np
 
     fig, ax = new_figure(width=8.0)
@@ -367,9 +386,9 @@ def tf_reference_extrapolation(extrapolation, ram_bytes: float = 12.7e9, disk_by
     ours = [e.predicted_bytes / GB for e in extrapolation]
     rot = [e.predicted_rotating_peak / GB for e in extrapolation]
     ax.bar(x - 1.5 * width, ref, width, label="reference: checkpoint")
-    ax.bar(x - 0.5 * width, ref_hi, width, label="reference: peak during save (2x)")
+    ax.bar(x - 0.5 * width, ref_hi, width, label="reference: peak during save (upper end)")
     ax.bar(x + 0.5 * width, ours, width, label="measured fit: checkpoint")
-    ax.bar(x + 1.5 * width, rot, width, label="measured: peak, save replacing the last one")
+    ax.bar(x + 1.5 * width, rot, width, label="budget model: peak, previous checkpoint kept")
     ax.axhline(ram_bytes / GB, color="red", ls="--", lw=1, label=f"Colab RAM {ram_bytes / GB:.1f} GB")
     ax.axhline(disk_bytes / GB, color="black", ls=":", lw=1, label=f"Colab local disk ~{disk_bytes / GB:.0f} GB")
     ax.set_xticks(x, [f"{e.buffer_size:,}" for e in extrapolation])
@@ -385,7 +404,7 @@ def shuffle_quality_vs_buffer(rows, target_share: float | None = None, save_to=N
     by_algorithm = {}
     for r in rows:
         by_algorithm.setdefault(r.algorithm, []).append(r)
-    styles = {"tf.data shuffle": "o-", "ours (buffer)": "x--", "ours (global)": "-"}
+    styles = {"tf.data shuffle": "o-", "resumable (buffer)": "x--", "resumable (global)": "-"}
     for name, group in by_algorithm.items():
         group = sorted(group, key=lambda r: r.buffer_size)
         b = [r.buffer_size for r in group]

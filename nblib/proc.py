@@ -9,7 +9,7 @@ import os
 import signal
 import subprocess
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
 def run_until(command: list[str], ready: Callable[[], bool], timeout: float = 300.0,

@@ -81,23 +81,3 @@ def format_table(results: list[NotebookResult]) -> str:
     total = sum(r.seconds for r in results)
     lines.append(f"{'total':<{width}}  {'':<6}  {total:7.1f}")
     return "\n".join(lines)
-
-
-def cli_main(argv: list[str]) -> int:
-    """`python -m nblib suite`: run every notebook headless and print the summary table."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m nblib suite", description=cli_main.__doc__)
-    parser.add_argument("--notebooks", default=None, help="folder of NN_*.ipynb (default notebooks/)")
-    parser.add_argument("--out", default=None, help="executed copies go here (default outputs/notebooks)")
-    args = parser.parse_args(argv)
-    print(f"profile: {env.profile()}   outputs: {env.outputs_dir()}", flush=True)
-    results = run_suite(args.notebooks, args.out)
-    print(format_table(results))
-    failed = [r for r in results if r.status != "ok"]
-    for r in failed:
-        print(f"FAILED {r.name}: {r.error}")
-    if not results:
-        print("no notebooks found")
-        return 1
-    return 1 if failed else 0

@@ -4,10 +4,17 @@ Tiny Recursive Models reuse one small block stack many times instead of stacking
 for each of H_cycles, L_cycles updates `z_L = f(z_L + z_H + x)`, then `z_H = f(z_H + z_L)`.
 Compute grows with H_cycles x (L_cycles + 1), parameters do not. Outputs per image:
 sketches [capsules, dim], checksums [capsules, checksum_dim], children [capsules, children, dim].
+`InferenceOptions` are opt-in speed knobs for `encode` (precision, SDPA backend, torch.compile, a
+channels_last convolution for the patch embedding) that benchmarks/gpu_report.py measures; the
+defaults are today's path, byte for byte. Trade-off: a knob that changes the kernels changes the
+rounding of the outputs, so none is on until a measurement on a GPU says it pays.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,6 +25,32 @@ from nblib.config import ModelConfig, PipelineConfig
 from nblib.errors import ConfigError, ResumeMismatch
 
 CHECKSUM_SEED = 0x5EED_C0DE
+PRECISIONS = ("auto", "fp32", "fp16", "bf16")
+SDPA_BACKENDS = ("math", "efficient", "flash", "cudnn")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+@dataclass(frozen=True)
+class InferenceOptions:
+    """How `encode` runs; every default is the suite's byte-stable path.
+
+    precision: "auto" (fp16 autocast on CUDA, fp32 on CPU), "fp32", "fp16" or "bf16" (autocast).
+    sdpa_backend: None lets PyTorch pick; else one of SDPA_BACKENDS, forced with sdpa_kernel.
+    compile_mode: None runs eagerly; else torch.compile(mode=...) with `compile_backend`.
+    channels_last_patch_embed: the patch embedding as a strided convolution over the NHWC image
+    (no patchify copy); the same weights, a different summation order.
+    """
+
+    precision: str = "auto"
+    sdpa_backend: str | None = None
+    compile_mode: str | None = None
+    compile_backend: str = "inductor"
+    channels_last_patch_embed: bool = False
+
+    def __post_init__(self):
+        _require_choice("precision", self.precision, PRECISIONS)
+        _require_choice("sdpa_backend", self.sdpa_backend, (None, *SDPA_BACKENDS))
+        _require_choice("compile_mode", self.compile_mode, (None, *COMPILE_MODES))
 
 
 class Block(nn.Module):
@@ -85,6 +118,8 @@ class TRMVisionEncoder(nn.Module):
         proj = torch.randn(d, m.checksum_dim, generator=gen) / math.sqrt(d)
         self.register_buffer("checksum_proj", proj)
         self.reset_parameters(seed)
+        self.inference = InferenceOptions()
+        self._compiled = None
 
     def reset_parameters(self, seed: int) -> None:
         """Seeded initialization: the same seed gives the same weights on every machine."""
@@ -99,15 +134,20 @@ class TRMVisionEncoder(nn.Module):
                     fan_in = param.shape[-1] if param.dim() > 1 else param.shape[0]
                     param.copy_(torch.randn(param.shape, generator=gen) * (0.5 / math.sqrt(fan_in)))
 
+    def set_inference(self, **changes) -> TRMVisionEncoder:
+        """Change how `encode` runs (fields of InferenceOptions); returns self. Weights are untouched."""
+        try:
+            self.inference = dataclasses.replace(self.inference, **changes)
+        except TypeError:
+            known = ", ".join(f.name for f in dataclasses.fields(InferenceOptions))
+            raise ConfigError(f"unknown inference option in {sorted(changes)}; known: {known}") from None
+        self._compiled = None
+        return self
+
     def patchify(self, images: torch.Tensor) -> torch.Tensor:
         """uint8 [B,H,W,3] -> float [B, tokens, 3*patch*patch], scaled to [0, 1]."""
-        b, hgt, wid, ch = images.shape
+        b, hgt, wid, ch = self._check_images(images)
         p = self.config.patch
-        if hgt != self.config.image_size or wid != self.config.image_size or ch != 3:
-            raise ConfigError(
-                f"images are {hgt}x{wid}x{ch}, the encoder expects "
-                f"{self.config.image_size}x{self.config.image_size}x3; re-render the cache at "
-                f"image_size={self.config.image_size}")
         x = images.float().view(b, hgt // p, p, wid // p, p, ch).permute(0, 1, 3, 2, 4, 5)
         return x.reshape(b, (hgt // p) * (wid // p), p * p * ch) / 255.0
 
@@ -116,27 +156,37 @@ class TRMVisionEncoder(nn.Module):
             z = block(z)
         return z
 
+    def embed_patches(self, images: torch.Tensor) -> torch.Tensor:
+        """uint8 [B,H,W,3] -> patch embeddings [B, tokens, dim] (before the position embedding)."""
+        if not self.inference.channels_last_patch_embed:
+            return self.patch_embed(self.patchify(images))
+        self._check_images(images)
+        d, p = self.config.dim, self.config.patch
+        # permute(0, 3, 1, 2) of an NHWC tensor is an NCHW view with channels_last strides
+        pixels = images.permute(0, 3, 1, 2).float() / 255.0
+        weight = self.patch_embed.weight.view(d, p, p, 3).permute(0, 3, 1, 2)
+        out = F.conv2d(pixels, weight, self.patch_embed.bias, stride=p)
+        return out.flatten(2).transpose(1, 2)
+
     def forward(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
         m = self.config
-        x = self.patch_embed(self.patchify(images)) + self.pos_embed
-        z_H = self.z_H_init.expand_as(x)
-        z_L = self.z_L_init.expand_as(x)
+        x = self.embed_patches(images) + self.pos_embed
+        z_h = self.z_H_init.expand_as(x)
+        z_l = self.z_L_init.expand_as(x)
         for _ in range(m.H_cycles):
             for _ in range(m.L_cycles):
-                z_L = self.stack(z_L + z_H + x)
-            z_H = self.stack(z_H + z_L)
-        sketches = self.pool(self.norm(z_H))
+                z_l = self.stack(z_l + z_h + x)
+            z_h = self.stack(z_h + z_l)
+        sketches = self.pool(self.norm(z_h))
         children = self.children_head(sketches).view(*sketches.shape[:2], m.children, m.dim)
         checksums = sketches @ self.checksum_proj.to(sketches.dtype)
         return {"sketches": sketches, "checksums": checksums, "children": children}
 
     @torch.inference_mode()
     def encode(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Inference: fp16 autocast on CUDA (a T4 has no fast bf16), fp32 on CPU."""
-        if images.device.type == "cuda":
-            with torch.autocast("cuda", dtype=torch.float16):
-                return self(images)
-        return self(images)
+        """Inference: fp16 autocast on CUDA (a T4 has no fast bf16), fp32 on CPU (see set_inference)."""
+        with self._autocast(images.device), self._sdpa_backend():
+            return self._runner()(images)
 
     def parameter_count(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -146,9 +196,9 @@ class TRMVisionEncoder(nn.Module):
         from nblib.atomic import atomic_torch_save
 
         payload = {"config": self.config.__dict__, "state_dict": self.state_dict()}
-        return atomic_torch_save(payload, Path(path))
+        return atomic_torch_save(payload, Path(path)).path
 
-    def load_weights(self, path: str | Path) -> "TRMVisionEncoder":
+    def load_weights(self, path: str | Path) -> TRMVisionEncoder:
         """Load weights saved by `save_weights`; refuse weights of another model shape."""
         payload = torch.load(Path(path), map_location="cpu", weights_only=True)
         if payload.get("config") != self.config.__dict__:
@@ -157,6 +207,42 @@ class TRMVisionEncoder(nn.Module):
                 f"{self.config.__dict__}; build the encoder with the config the weights came from")
         self.load_state_dict(payload["state_dict"])
         return self
+
+    def _check_images(self, images: torch.Tensor) -> tuple[int, int, int, int]:
+        b, hgt, wid, ch = images.shape
+        if hgt != self.config.image_size or wid != self.config.image_size or ch != 3:
+            raise ConfigError(
+                f"images are {hgt}x{wid}x{ch}, the encoder expects "
+                f"{self.config.image_size}x{self.config.image_size}x3; re-render the cache at "
+                f"image_size={self.config.image_size}")
+        return b, hgt, wid, ch
+
+    def _autocast(self, device: torch.device):
+        precision = self.inference.precision
+        if precision == "auto":
+            precision = "fp16" if device.type == "cuda" else "fp32"
+        if precision == "fp32":
+            return contextlib.nullcontext()
+        dtype = torch.float16 if precision == "fp16" else torch.bfloat16
+        return torch.autocast(device.type, dtype=dtype)
+
+    def _sdpa_backend(self):
+        if self.inference.sdpa_backend is None:
+            return contextlib.nullcontext()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        kinds = {"math": SDPBackend.MATH, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                 "flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+        return sdpa_kernel(kinds[self.inference.sdpa_backend])
+
+    def _runner(self):
+        """self, or its torch.compile'd twin (built on first use, rebuilt after set_inference)."""
+        if self.inference.compile_mode is None:
+            return self
+        if self._compiled is None:
+            opts = self.inference
+            self._compiled = torch.compile(self, mode=opts.compile_mode, backend=opts.compile_backend)
+        return self._compiled
 
     def weights_fingerprint(self) -> str:
         """sha256 over every parameter and buffer: changes when any weight changes."""
@@ -167,3 +253,8 @@ class TRMVisionEncoder(nn.Module):
             h.update(name.encode())
             h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
         return h.hexdigest()
+
+
+def _require_choice(name: str, value, choices: tuple) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r} is unknown; choose one of {choices}")

@@ -25,7 +25,7 @@ def _output_panel(controls: list, render) -> W.VBox:
 
 def _slider(key: str, label: str, value: int, lo: int, hi: int, step: int = 1):
     s = W.IntSlider(value=value, min=lo, max=hi, step=step, description=label, continuous_update=False,
-            style={"description_width": "initial"})
+                    style={"description_width": "initial"})
     s.description_key = key
     return s
 
@@ -37,18 +37,17 @@ def _dropdown(key: str, label: str, options, value):
     return d
 
 
-
 # ============================================================ 01 memory budgeting
 
 
 def budget_panel(config, device: str = "t4", drive_quota_gb: float = 15.0) -> W.VBox:
     """Sliders and dropdowns over budget.predict_budget; the bar chart and verdict redraw live."""
     from nblib import budget, plots
-    from nblib.config import OUTPUT_NAMES
+    from nblib.config import OUTPUT_CHOICES, OUTPUT_NAMES
     from nblib.errors import ConfigError
 
     r, m = config.run, config.model
-    output_options = [(", ".join(o), o) for o in budget.OUTPUT_CHOICES]
+    output_options = [(", ".join(o), o) for o in OUTPUT_CHOICES]
     controls = [
         _slider("batch_size", "batch size", r.batch_size, 1, max(1024, r.batch_size)),
         _slider("consolidate_every", "consolidate every", r.consolidate_every, 1, 200),
@@ -59,7 +58,7 @@ def budget_panel(config, device: str = "t4", drive_quota_gb: float = 15.0) -> W.
         _slider("n_samples", "n samples", r.n_samples, 1, max(2_000_000, r.n_samples), step=1),
         _dropdown("out_dtype", "output dtype", ["float16", "float32"], r.out_dtype),
         _dropdown("outputs", "outputs kept", output_options,
-                  r.outputs if r.outputs in budget.OUTPUT_CHOICES else OUTPUT_NAMES),
+                  r.outputs if r.outputs in OUTPUT_CHOICES else OUTPUT_NAMES),
         _dropdown("device", "device", list(budget.DEVICES), device),
     ]
 
@@ -82,8 +81,8 @@ def budget_panel(config, device: str = "t4", drive_quota_gb: float = 15.0) -> W.
 # ============================================================ 04 shuffle checkpoints
 
 def shuffle_checkpoint_panel(fit, buffer_size: int = 250_000, sample_kb: int = 500, episode_len: int = 100) -> W.VBox:
-    """Buffer size, sample kB and episode length -> checkpoint sizes (tf.data vs ours) and quality."""
-    from nblib import tfdata
+    """Buffer size, sample kB and episode length -> checkpoint sizes (tf.data vs resumable) and quality."""
+    from nblib.lab import shuffle_checkpoints as lab
 
     buffer = W.FloatLogSlider(value=buffer_size, base=10, min=1, max=6, step=0.25, description="buffer",
                               continuous_update=False, readout_format=",.0f")
@@ -92,8 +91,8 @@ def shuffle_checkpoint_panel(fit, buffer_size: int = 250_000, sample_kb: int = 5
                 _slider("episode_len", "episode length", episode_len, 1, 10_000, 1)]
 
     def render(buffer_size, sample_kb, episode_len):
-        numbers = tfdata.checkpoint_and_quality(int(buffer_size), sample_kb, episode_len, fit)
-        print(tfdata.describe_setting(numbers))
+        numbers = lab.checkpoint_and_quality(int(buffer_size), sample_kb, episode_len, fit)
+        print(lab.describe_setting(numbers))
 
     return _output_panel(controls, render)
 

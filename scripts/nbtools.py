@@ -3,6 +3,7 @@
     from nbtools import header_cells, md, code, write_notebook     # build a notebook
     python scripts/nbtools.py refresh notebooks/01_memory_budgeting.ipynb
     python scripts/nbtools.py strip notebooks/*.ipynb
+    python scripts/nbtools.py setup notebooks/*.ipynb     # rewrite every setup cell from SETUP_CELL
 
 Notebooks are committed without outputs or execution counts. The reference output nbval
 compares a `# NBVAL_CHECK_OUTPUT` cell against lives beside them instead, in
@@ -27,17 +28,15 @@ REFERENCES = Path(__file__).resolve().parents[1] / "tests" / "nbval_references"
 KERNELSPEC = {"name": "python3", "display_name": "Python 3", "language": "python"}
 
 SETUP_CELL = f'''\
-# Setup: in Colab, install nblib (torch and TensorFlow stay Colab's own) and mount Drive.
-# Locally and in CI nothing is installed here, and "Drive" is a local folder (NBLIB_DRIVE_DIR).
-import os, subprocess, sys
-if "google.colab" in sys.modules and not os.path.isdir("/content/nblib-suite"):
-    subprocess.run(["git", "clone", "-q", "--depth=1", "{REPO_URL}", "/content/nblib-suite"], check=True)
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", "/content/nblib-suite"], check=True)
+# Setup: in Colab only, clone and install nblib (Colab's own torch and TensorFlow stay) and mount Drive.
+import os, sys
+if "google.colab" in sys.modules:
+    !test -d /content/nblib-suite \\
+        || git clone -q --depth=1 {{os.environ.get("NBLIB_REPO", "{REPO_URL}")}} /content/nblib-suite
+    %pip install -q -e /content/nblib-suite
     sys.path.insert(0, "/content/nblib-suite")
 import nblib
-from nblib import env
-WORKSPACE = env.workspace()  # mounts Google Drive in Colab only
-print(f"runtime: {{env.runtime()}}   profile: {{env.profile()}}")'''
+WORKSPACE = nblib.env.workspace()  # Google Drive in Colab, a local folder elsewhere'''
 
 
 def md(text: str) -> nbformat.NotebookNode:
@@ -131,6 +130,12 @@ if __name__ == "__main__":
     if verb == "refresh":
         for p in paths:
             print("refreshed", refresh(p))
+    elif verb == "setup":
+        for p in paths:
+            nb = nbformat.read(p, as_version=4)
+            nb.cells[3].source = SETUP_CELL
+            nbformat.write(strip(nb), p)
+            print("setup cell written", p)
     elif verb == "strip":
         for p in paths:
             nb = nbformat.read(p, as_version=4)

@@ -1,14 +1,15 @@
-"""Budget predictions: parameter count, shape-derived disk lines, verdicts, preflight refusals."""
+"""Budget predictions and refusals; the reference figures as data; notebook 01's computed comparison."""
 from __future__ import annotations
 
 import shutil
 
 import pytest
 
-from nblib import budget, config
+from nblib import budget, config, reference
 from nblib.config import ModelConfig, preset
 from nblib.env import workspace
 from nblib.errors import BudgetExceeded, ConfigError
+from nblib.lab import memory_budgeting
 
 PRESETS = config.preset_names()
 
@@ -90,9 +91,9 @@ def test_max_batch_size_fits_and_one_more_does_not():
 
 
 def test_plan_finds_a_config_that_fits_or_says_why():
-    fits = budget.plan(preset("seed_t4"), "t4", drive_quota_gb=2000)
+    fits = budget.plan_budget(preset("seed_t4"), "t4", drive_quota_gb=2000)
     assert fits.fits and fits.budget.fits
-    none = budget.plan(preset("seed_t4"), "t4", drive_quota_gb=15)
+    none = budget.plan_budget(preset("seed_t4"), "t4", drive_quota_gb=15)
     assert not none.fits and "drive" in none.reason
 
 
@@ -172,30 +173,73 @@ def test_preflight_refuses_more_ram_than_available(tmp_path):
         budget.preflight(cfg, ws, device="cpu")
 
 
-def test_reference_comparison_finds_the_wrong_figures():
-    rows = {row.item: row for row in budget.reference_comparison()}
-    assert rows["attention scores (math)"].verdict == "wrong"
-    assert rows["attention scores (math)"].ours == "236.03 MB"
-    assert rows["parameters"].verdict == "wrong"
-    assert rows["RAM: 200 batches fp16"].verdict == "wrong"
-    assert rows["outputs / batch"].verdict == "wrong"
+def test_reference_comparison_computes_verdicts_from_the_tolerance():
+    rows = {row.item: row for row in memory_budgeting.reference_comparison()}
+    scores = rows["attention scores (math)"]
+    assert memory_budgeting.show_exact(scores.ours, scores.unit) == "236.03 MB"
+    assert scores.ratio == pytest.approx(471e6 / 236.03e6, rel=1e-3)
+    for item in ("attention scores (math)", "parameters", "RAM: 200 batches fp16", "outputs / batch"):
+        assert rows[item].verdict == "wrong", rows[item]
+    for item in ("patches / batch", "checkpoints", "weights fp32"):
+        assert rows[item].verdict == "right", rows[item]
+    for row in rows.values():
+        assert row.right == (abs(row.reference / row.ours - 1) <= memory_budgeting.TOLERANCE)
+    loose = memory_budgeting.reference_comparison(tolerance=10.0)
+    assert all(row.verdict == "right" for row in loose)
 
 
-def test_shuffle_checkpoint_of_250k_samples_is_125_gb():
+def test_reference_comparison_takes_its_reference_values_from_nblib_reference():
+    rows = {row.item: row for row in memory_budgeting.reference_comparison()}
+    assert rows["parameters"].reference == reference.ANALYSIS["parameters"].value
+    assert rows["weights fp32"].reference == (reference.ANALYSIS["weights fp32 (encoder)"].value
+                                              + reference.ANALYSIS["weights fp32 (capsules)"].value)
+    assert rows["image cache"].ours == budget.cache_bytes(1_907_747, 224, "raw")
+
+
+def test_reference_summary_counts_the_rows_marked_wrong():
+    rows = memory_budgeting.reference_comparison()
+    wrong = [row for row in rows if row.verdict == "wrong"]
+    summary = memory_budgeting.reference_summary(rows)
+    assert summary.startswith(f"{len(wrong)} of {len(rows)} figures")
+    assert all(row.item in summary for row in wrong)
+    table = memory_budgeting.reference_table()
+    assert table.count(" wrong ") == len(wrong) and table.count(" right ") == len(rows) - len(wrong)
+
+
+def test_reference_figures_are_data_with_a_source_and_a_unit():
+    for group in reference.GROUPS.values():
+        for name, figure in group.items():
+            assert figure.name == name and figure.source and figure.unit
+            assert not any(word in f"{figure.note} {figure.name}".lower() for word in ("wrong", "right", "agree"))
+    assert reference.T4_SAMPLES_PER_S.value == 94
+    assert reference.CHECKPOINT_TABLE["temporary space during a save"].value == (1.5, 2.0)
+
+
+def test_shuffle_checkpoint_of_250k_samples_is_125_gb_and_its_disk_peak_follows_the_model():
     ck = budget.shuffle_checkpoint(250_000, 500_000, prefetch=0)
     assert ck.checkpoint_bytes == 125 * 10 ** 9
-    assert ck.peak_disk_low == 1.5 * ck.checkpoint_bytes and ck.peak_disk_high == 2 * ck.checkpoint_bytes
+    assert ck.peak_disk_first_save == budget.checkpoint_disk_peak(ck.checkpoint_bytes, keep_previous=False)
+    assert ck.peak_disk_keeping_previous == budget.checkpoint_disk_peak(ck.checkpoint_bytes, keep_previous=True)
+    assert (ck.peak_disk_first_save, ck.peak_disk_keeping_previous) == (125 * 10 ** 9, 250 * 10 ** 9)
+    assert ck.restore_ram_bytes == budget.checkpoint_ram_peak(ck.checkpoint_bytes)
     table = budget.shuffle_checkpoint_table()
     assert [row.buffer_size for row in table][0] == 100 and table[-1].buffer_size == 400_000
 
 
-def test_shard_plan_covers_the_file_and_bounds_ram():
-    sp = budget.shard_plan(287 * 10 ** 9, 400)
+def test_checkpoint_disk_peak_is_one_checkpoint_or_two_when_the_previous_is_kept():
+    assert budget.checkpoint_disk_peak(1000, keep_previous=False) == 1000
+    assert budget.checkpoint_disk_peak(1000, keep_previous=True) == 2000
+    with pytest.raises(ConfigError, match="bytes_per_checkpoint"):
+        budget.checkpoint_disk_peak(-1, keep_previous=False)
+
+
+def test_plan_shards_covers_the_file_and_bounds_ram():
+    sp = budget.plan_shards(287 * 10 ** 9, 400)
     assert sp.n_shards == 718
     assert sp.shard_bytes * (sp.n_shards - 1) + sp.last_shard_bytes == sp.total_bytes
     assert sp.shard_bytes <= 400e6 and sp.ram_one_at_a_time == 2 * sp.shard_bytes
     with pytest.raises(ConfigError, match="total_bytes"):
-        budget.shard_plan(0)
+        budget.plan_shards(0)
 
 
 def test_budget_module_does_not_import_torch():
@@ -207,9 +251,24 @@ def test_budget_module_does_not_import_torch():
 
 
 def test_cli_prints_the_budget_and_refuses_unknown_devices(capsys):
-    from nblib.__main__ import main
+    from nblib.cli import main
 
     assert main(["budget", "--preset", "smoke", "--device", "cpu"]) == 0
     assert "VERDICT" in capsys.readouterr().out
     assert main(["budget", "--device", "tpu"]) == 2
     assert "device='tpu'" in capsys.readouterr().err
+
+
+def test_cli_prints_the_reference_table_with_computed_verdicts(capsys):
+    from nblib.cli import main
+
+    assert main(["budget", "--reference"]) == 0
+    out = capsys.readouterr().out
+    assert "ref/ours" in out and " wrong " in out and " right " in out
+
+
+def test_budget_package_keeps_the_public_names():
+    for name in ("predict_budget", "preflight", "plan_budget", "plan_shards", "max_batch_size", "cache_bytes",
+                 "choose_codec", "check_disk", "calibrate", "DEVICES", "Budget", "shuffle_checkpoint"):
+        assert hasattr(budget, name), name
+    assert budget.OUTPUT_CHOICES is config.OUTPUT_CHOICES

@@ -1,15 +1,18 @@
-"""nblib.cache in-process: round trips per codec, resume, refusals, damage found and repaired."""
+"""nblib.cache in-process: round trips per codec, resume, refusals, damage found, refused and repaired."""
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import shutil
 import warnings
 
 import numpy as np
 import pytest
 
 from nblib import cache
-from nblib.cache import ShardedImageCache, populate, read_texts, verify
+from nblib.cache import ShardedImageCache, populate, read_cache_manifest, read_texts, verify
+from nblib.cache.format import write_cache_manifest
 from nblib.errors import BudgetExceeded, CacheError, ConfigError, InputError
 from nblib.render import render_text
 
@@ -24,7 +27,15 @@ def build(folder, texts=TEXTS, codec="raw", workers=0, shard_mb=SHARD_MB, **kw):
 
 
 def folder_bytes(folder):
-    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+    """Every file's bytes, the manifest with the stat it records of each shard (mtime_ns) left out."""
+    files = {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name != "manifest.json"}
+    body = read_cache_manifest(folder)
+    files["manifest.json"] = {**body, "shards": [without_stat(s) for s in body["shards"]]}
+    return files
+
+
+def without_stat(entry):
+    return {k: v for k, v in entry.items() if k != "mtime_ns"}
 
 
 @pytest.fixture(scope="module")
@@ -36,11 +47,23 @@ def reference(tmp_path_factory):
 
 
 def copy_of(reference, tmp_path):
+    """A copy keeping each file's mtime (as `cp -p` does), so the recorded stats still match."""
     target = tmp_path / "cache"
-    target.mkdir()
-    for name, data in folder_bytes(reference).items():
-        (target / name).write_bytes(data)
+    shutil.copytree(reference, target)
     return target
+
+
+def shard_path(folder, k):
+    return folder / read_cache_manifest(folder)["shards"][k]["file"]
+
+
+def flip_byte_keeping_stat(path, at=None):
+    """Flip one byte in place and put the mtime back: a stat cannot see this edit."""
+    st = path.stat()
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2 if at is None else at] ^= 0xFF
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
 # ------------------------------------------------------------------------------ round trips
@@ -59,13 +82,13 @@ def test_every_image_reads_back_equal_to_the_renderer_for_each_codec(tmp_path, c
 
 
 def test_raw_shards_are_plain_npy_files_that_np_load_memory_maps(reference):
-    manifest = json.loads((reference / "manifest.json").read_text())
+    manifest = read_cache_manifest(reference)
     first = np.load(reference / manifest["shards"][0]["file"], mmap_mode="r")
     assert isinstance(first, np.memmap) and first.shape == (manifest["shards"][0]["count"], SIZE, SIZE, 3)
 
 
 def test_shards_are_cut_by_the_target_size(reference):
-    manifest = json.loads((reference / "manifest.json").read_text())
+    manifest = read_cache_manifest(reference)
     per_image = SIZE * SIZE * 3
     counts = [s["count"] for s in manifest["shards"]]
     assert counts[:-1] == [int(SHARD_MB * 1e6 // per_image)] * (len(counts) - 1)
@@ -115,10 +138,10 @@ def test_fingerprint_changes_when_the_cache_changes(tmp_path, reference):
 
 def test_reader_warns_when_the_folder_would_hold_too_many_files_for_drive(tmp_path, reference):
     target = copy_of(reference, tmp_path)
-    manifest = json.loads((target / "manifest.json").read_text())
+    manifest = read_cache_manifest(target)
     entry = manifest["shards"][0]
     manifest["shards"] = [dict(entry, start=i, stop=i + 1, count=1) for i in range(1200)]
-    (target / "manifest.json").write_text(json.dumps(manifest))
+    write_cache_manifest(target, manifest)
     with pytest.warns(UserWarning, match="1,201 files.*shard_mb"):
         ShardedImageCache(target)
 
@@ -128,19 +151,19 @@ def test_reader_warns_when_the_folder_would_hold_too_many_files_for_drive(tmp_pa
 
 def test_rerun_on_a_complete_cache_renders_nothing_and_changes_nothing(tmp_path, reference):
     target = copy_of(reference, tmp_path)
-    before = folder_bytes(target)
+    before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in target.iterdir()}
     summary = build(target)
     assert summary.images_rendered == 0 and summary.shards_written == 0
-    assert folder_bytes(target) == before
+    assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in target.iterdir()} == before
 
 
 def test_resume_after_losing_the_last_shards_gives_identical_bytes(tmp_path, reference):
     target = copy_of(reference, tmp_path)
-    manifest = json.loads((target / "manifest.json").read_text())
+    manifest = read_cache_manifest(target)
     for entry in manifest["shards"][10:]:
         (target / entry["file"]).unlink()
     manifest["shards"] = manifest["shards"][:10]
-    (target / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    write_cache_manifest(target, manifest)
     (target / ".tmp-shard-00010.npy.abc").write_bytes(b"half a shard")
     summary = build(target)
     assert summary.shards_reused == 10 and summary.shards_written == len(reference_shards(reference)) - 10
@@ -148,7 +171,7 @@ def test_resume_after_losing_the_last_shards_gives_identical_bytes(tmp_path, ref
 
 
 def reference_shards(reference):
-    return json.loads((reference / "manifest.json").read_text())["shards"]
+    return read_cache_manifest(reference)["shards"]
 
 
 def test_changed_source_is_refused_with_both_fingerprints(tmp_path, reference):
@@ -159,7 +182,7 @@ def test_changed_source_is_refused_with_both_fingerprints(tmp_path, reference):
 
 def test_changed_image_size_is_refused_naming_the_setting(tmp_path, reference):
     target = copy_of(reference, tmp_path)
-    with pytest.raises(CacheError, match="renderer was .*'size': 32.*now.*'size': 48"):
+    with pytest.raises(CacheError, match="renderer changed .*size 32 -> 48.*never mixed.*overwrite"):
         populate(TEXTS, target, image_size=48, shard_mb=SHARD_MB, workers=0, progress=False)
 
 
@@ -171,12 +194,27 @@ def test_overwrite_rebuilds_a_cache_of_other_texts(tmp_path, reference):
     assert verify(target).ok
 
 
-def test_manifest_holds_nothing_that_depends_on_the_run(reference):
-    manifest = json.loads((reference / "manifest.json").read_text())
-    assert set(manifest) == {"format", "version", "source", "renderer", "codec", "shard_mb",
-                             "shard_bytes", "seed", "image_shape", "shards"}
-    assert set(manifest["shards"][0]) == {"file", "start", "stop", "count", "bytes", "sha256"}
+def test_manifest_is_a_versioned_record_and_only_shard_stats_depend_on_the_run(reference):
+    record = json.loads((reference / "manifest.json").read_text())
+    assert (record["kind"], record["version"]) == ("nblib.cache", 2)
+    manifest = record["body"]
+    assert set(manifest) == {"source", "renderer", "codec", "shard_mb", "shard_bytes", "seed",
+                             "image_shape", "shards"}
+    assert set(manifest["shards"][0]) == {"file", "start", "stop", "count", "bytes", "sha256", "mtime_ns"}
     assert manifest["source"]["n_texts"] == len(TEXTS)
+    first = reference / manifest["shards"][0]["file"]
+    assert manifest["shards"][0]["mtime_ns"] == first.stat().st_mtime_ns
+
+
+def test_a_manifest_of_the_old_format_is_refused_naming_the_fix_and_overwrite_rebuilds(tmp_path):
+    (tmp_path / "manifest.json").write_text(json.dumps({"format": "nblib-image-cache", "version": 1,
+                                                        "shards": []}))
+    with pytest.raises(CacheError, match="older nblib.*overwrite=True"):
+        ShardedImageCache(tmp_path)
+    with pytest.raises(CacheError, match="older nblib.*--overwrite"):
+        build(tmp_path, texts=TEXTS[:10])
+    build(tmp_path, texts=TEXTS[:10], overwrite=True)
+    assert verify(tmp_path).ok
 
 
 def test_preflight_refuses_a_cache_larger_than_the_free_disk(tmp_path):
@@ -209,9 +247,27 @@ def test_auto_codec_lets_the_budget_pick_and_resumes_with_the_same_codec(tmp_pat
     assert build(tmp_path, texts=TEXTS[:30], codec="auto").images_rendered == 0
 
 
-def test_empty_source_gives_an_empty_complete_cache(tmp_path):
-    build(tmp_path, texts=[])
-    assert len(ShardedImageCache(tmp_path)) == 0 and verify(tmp_path).ok
+@pytest.mark.parametrize("content, match", [(b"", "is empty"), (b"\n  \n\n", "only blank lines")])
+def test_an_empty_or_blank_jsonl_is_refused_and_no_cache_is_made(tmp_path, content, match):
+    path = tmp_path / "texts.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(InputError, match=match + ".*no text to render"):
+        build(tmp_path / "c", texts=path)
+    assert not (tmp_path / "c").exists()
+    with pytest.raises(InputError, match="list of texts is empty"):
+        build(tmp_path / "c", texts=[])
+
+
+def test_a_cache_of_another_renderer_is_refused_never_mixed(tmp_path, reference):
+    target = copy_of(reference, tmp_path)
+    manifest = read_cache_manifest(target)
+    manifest["renderer"] = {**manifest["renderer"], "version": -1}
+    write_cache_manifest(target, manifest)
+    with pytest.raises(CacheError, match="renderer changed .*version -1 -> .*never mixed.*overwrite=True"):
+        build(target)
+    (target / manifest["shards"][2]["file"]).unlink()
+    with pytest.raises(CacheError, match="other renderer settings.*version -1.*overwrite=True"):
+        verify(target, repair=True, texts=TEXTS)
 
 
 # ------------------------------------------------------------------------------ verify and repair
@@ -247,6 +303,9 @@ def test_verify_finds_a_damaged_shard_and_repair_restores_its_bytes(tmp_path, co
     repaired = verify(folder, repair=True, texts=TEXTS)
     assert repaired.ok and repaired.repaired == (victim.name,)
     assert folder_bytes(folder) == original
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the manifest records the repaired shard's new stat
+        assert np.array_equal(ShardedImageCache(folder)[-1], render_text(TEXTS[-1], SIZE))
 
 
 def test_verify_finds_a_stray_temporary_and_repair_deletes_it(tmp_path, reference):
@@ -258,11 +317,74 @@ def test_verify_finds_a_stray_temporary_and_repair_deletes_it(tmp_path, referenc
     assert folder_bytes(target) == folder_bytes(reference)
 
 
-def test_reading_a_truncated_shard_raises_cache_error_pointing_at_repair(tmp_path, reference):
+def test_opening_a_cache_with_a_truncated_shard_raises_cache_error_pointing_at_repair(tmp_path, reference):
     target = copy_of(reference, tmp_path)
     damage_truncate(target / reference_shards(reference)[0]["file"])
-    with pytest.raises(CacheError, match="damaged.*--repair"):
-        ShardedImageCache(target)[0]
+    with pytest.raises(CacheError, match="shard-00000.npy .* another size.*--verify --repair"):
+        ShardedImageCache(target)
+
+
+@pytest.mark.parametrize("codec", ["raw", "zlib"])
+def test_a_same_size_shard_from_another_cache_is_refused_when_opened(tmp_path, codec):
+    build(tmp_path / "a", codec=codec, texts=TEXTS[:40])
+    build(tmp_path / "b", codec=codec, texts=[t + "!" for t in TEXTS[:40]])
+    a, b = shard_path(tmp_path / "a", 0), shard_path(tmp_path / "b", 0)
+    if codec == "zlib":
+        b.write_bytes(b.read_bytes()[:a.stat().st_size].ljust(a.stat().st_size, b"\0"))
+    shutil.copy2(b, a)  # its own mtime comes along, as with cp -p
+    assert a.stat().st_size == (tmp_path / "a" / a.name).stat().st_size
+    with pytest.raises(CacheError, match=f"{a.name} .*sha256 differs.*--verify --repair"):
+        ShardedImageCache(tmp_path / "a")
+
+
+def test_a_flipped_byte_that_changes_the_mtime_is_refused_when_opened(tmp_path, reference):
+    target = copy_of(reference, tmp_path)
+    damage_flip_byte(shard_path(target, 3))
+    with pytest.raises(CacheError, match="shard-00003.npy .*sha256 differs.*python -m nblib cache --verify"):
+        ShardedImageCache(target)
+
+
+@pytest.mark.parametrize("codec, why", [("raw", "corrupt: the bytes just read hash differently"),
+                                         ("zlib", "malformed")])
+def test_an_edit_that_kept_size_and_mtime_is_caught_by_an_in_order_pass(tmp_path, codec, why):
+    """The stat check cannot see it (documented); iter_shards, a full get_batch pass and verify do.
+
+    Raw pixels have no structure to check, so only the running sha256 sees the edit; a packed
+    shard's footer, index or deflate checksum give it away first.
+    """
+    build(tmp_path, codec=codec)
+    victim = shard_path(tmp_path, 2)
+    flip_byte_keeping_stat(victim, at=victim.stat().st_size - 3)  # in the last image / the footer
+    images = ShardedImageCache(tmp_path)  # opens: size and mtime are the recorded ones
+    with pytest.raises(CacheError, match=f"{victim.name} .*{why}.*--verify --repair"):
+        list(images.iter_shards())
+    images.close()
+    with pytest.raises(CacheError, match=f"{victim.name}"):
+        for start in range(0, len(images), 16):
+            images.get_batch(start, min(len(images), start + 16))
+    assert verify(tmp_path).corrupt == (victim.name,)
+
+
+@pytest.mark.parametrize("codec", ["zlib", "png"])
+def test_a_corrupt_compressed_image_raises_cache_error_naming_shard_and_image(tmp_path, codec):
+    build(tmp_path, codec=codec, texts=TEXTS[:40])
+    victim = shard_path(tmp_path, 0)
+    flip_byte_keeping_stat(victim, at=40)  # inside the first image's blob
+    images = ShardedImageCache(tmp_path)
+    with pytest.raises(CacheError, match=f"image 0 .*number 0 of shard {victim.name}.*corrupt.*--repair"):
+        images[0]
+
+
+def test_a_copied_cache_is_hashed_once_on_open_and_repair_records_the_new_stats(tmp_path, reference):
+    target = tmp_path / "copy"
+    shutil.copytree(reference, target, copy_function=shutil.copyfile)  # new mtimes, same bytes
+    with pytest.warns(UserWarning, match=r"25 shard\(s\) .*another mtime.*match"):
+        ShardedImageCache(target)
+    report = verify(target, repair=True)
+    assert report.ok and not report.touched
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ShardedImageCache(target)
 
 
 def test_repair_refuses_texts_that_are_not_the_source(tmp_path, reference):
@@ -279,11 +401,21 @@ def test_verify_of_a_folder_without_manifest_is_not_ok(tmp_path):
     assert not report.ok and "no manifest.json" in str(report)
 
 
-def test_populate_repairs_a_damaged_listed_shard_on_resume(tmp_path, reference):
+@pytest.mark.parametrize("damage", [damage_truncate, damage_flip_byte])
+def test_populate_repairs_a_damaged_listed_shard_on_resume(tmp_path, reference, damage):
     target = copy_of(reference, tmp_path)
-    damage_truncate(target / reference_shards(reference)[4]["file"])
+    damage(target / reference_shards(reference)[4]["file"])
     summary = build(target)
-    assert summary.shards_written == 1
+    assert summary.shards_written == 1 and summary.shards_repaired == 1 and "repaired 1" in str(summary)
+    assert folder_bytes(target) == folder_bytes(reference)
+    assert verify(target).ok
+
+
+def test_populate_repairs_a_same_size_shard_swapped_in_from_another_cache(tmp_path, reference):
+    target = copy_of(reference, tmp_path)
+    other = build(tmp_path / "other", texts=[t + "?" for t in TEXTS]).cache_dir
+    shutil.copy2(shard_path(tmp_path / "other", 1), target / reference_shards(reference)[1]["file"])
+    assert build(target).shards_repaired == 1 and other
     assert folder_bytes(target) == folder_bytes(reference)
 
 
@@ -348,6 +480,13 @@ def test_missing_text_file_is_refused(tmp_path):
         build(tmp_path, texts=tmp_path / "nope.txt")
 
 
+def test_a_folder_passed_as_texts_is_named_a_folder(tmp_path):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl").write_text('{"text": "x"}\n')
+    with pytest.raises(InputError, match=r"is a folder, not a file.*such as .*a\.jsonl"):
+        build(tmp_path / "c", texts=tmp_path / "in")
+
+
 # ------------------------------------------------------------------------------ codec stats
 
 
@@ -355,7 +494,7 @@ def test_measure_codecs_gives_the_budget_shape_and_plausible_numbers():
     sample = [render_text(t, 64) for t in TEXTS[:20]]
     stats = cache.measure_codecs(sample, min_seconds=0.05)
     assert set(stats) == {"raw", "png", "zlib"}
-    for codec, s in stats.items():
+    for s in stats.values():
         assert set(s) == {"bytes_per_image", "decode_images_per_s"} and s["decode_images_per_s"] > 0
     assert stats["raw"]["bytes_per_image"] == 64 * 64 * 3
     assert stats["zlib"]["bytes_per_image"] < stats["raw"]["bytes_per_image"] / 4
@@ -364,11 +503,18 @@ def test_measure_codecs_gives_the_budget_shape_and_plausible_numbers():
     assert budget.choose_codec(10, 10 ** 12, stats) in stats
 
 
-def test_plan_predicts_raw_bytes_within_a_percent(tmp_path, reference):
+def test_plan_predicts_raw_shard_bytes_within_a_percent(tmp_path, reference):
     plan = cache.plan_cache(len(TEXTS), tmp_path, SIZE, SHARD_MB, "raw")
-    on_disk = sum(p.stat().st_size for p in reference.iterdir())
+    on_disk = sum(p.stat().st_size for p in reference.glob("shard-*"))
     assert abs(plan.predicted_bytes - on_disk) / on_disk < 0.01
     assert plan.n_shards == len(reference_shards(reference))
+
+
+def test_plan_is_the_budgets_prediction(tmp_path):
+    from nblib import budget
+
+    plan = cache.plan_cache(10_000, tmp_path, 224, 400, "zlib", bytes_per_image=2_000)
+    assert plan.predicted_bytes == budget.cache_bytes(10_000, 224, "zlib", 2_008, shard_mb=400)
 
 
 def test_no_warnings_for_a_normal_cache(reference):

@@ -1,8 +1,8 @@
-"""`python -m nblib cache` as a real process: exit codes, and SIGKILL at several points, resumed."""
+"""`python -m nblib cache` as a real process: exit codes, one-line errors, damage repaired, SIGKILL resumed."""
 from __future__ import annotations
 
-import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,6 +11,7 @@ import time
 import pytest
 
 from conftest import subprocess_env
+from nblib.cache import read_cache_manifest
 
 SIZE = 64
 SHARD_MB = 0.05  # 4 raw images of 64 px per shard: many shards, so kills land mid-run
@@ -32,14 +33,28 @@ def write_texts(path, n):
 
 
 def folder_bytes(folder):
-    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+    """Every file's bytes; of the manifest, its body without the shard stats (mtime_ns)."""
+    files = {p.name: p.read_bytes() for p in sorted(folder.iterdir())
+             if p.is_file() and p.name != "manifest.json"}
+    body = read_cache_manifest(folder)
+    files["manifest.json"] = {**body, "shards": [{k: v for k, v in s.items() if k != "mtime_ns"}
+                                                 for s in body["shards"]]}
+    return files
 
 
 def listed_shards(folder):
     try:
-        return len(json.loads((folder / "manifest.json").read_text())["shards"])
-    except (FileNotFoundError, ValueError):
+        return len(read_cache_manifest(folder)["shards"])
+    except Exception:  # no manifest yet, or caught mid-write
         return 0
+
+
+def one_error_line(result):
+    """The run failed with exit 2 and printed exactly one line, `error: ...`, and no traceback."""
+    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
 
 
 def kill_after(args, folder, shards, timeout=60.0):
@@ -102,7 +117,7 @@ def test_verify_exit_codes_follow_damage_and_repair(tmp_path):
     shard.write_bytes(bytes(data))
     bad = run_cli("--verify", out)
     assert bad.returncode == 1 and "corrupt" in bad.stdout and shard.name in bad.stdout
-    fixed = run_cli("--verify", out, "--repair")  # the manifest recorded where the texts are
+    fixed = run_cli("--verify", "--repair", out)  # the manifest recorded where the texts are
     assert fixed.returncode == 0, fixed.stdout + fixed.stderr
     assert "repaired" in fixed.stdout
     assert run_cli("--verify", out).returncode == 0
@@ -118,3 +133,46 @@ def test_cli_refuses_a_changed_source_with_exit_2_and_one_line(tmp_path):
     assert refused.returncode == 2
     assert refused.stderr.startswith("error: ") and "--overwrite" in refused.stderr
     assert "Traceback" not in refused.stderr
+
+
+def test_rerun_repairs_a_same_size_shard_swapped_in_from_another_cache(tmp_path):
+    texts, others = tmp_path / "texts.txt", tmp_path / "others.txt"
+    texts.write_text("".join(f"line {i}\n" for i in range(40)))
+    others.write_text("".join(f"other {i}\n" for i in range(40)))
+    flags = ("--size", 32, "--shard-mb", 0.02, "--workers", 0, "--no-progress")
+    assert run_cli("--texts", texts, "--out", tmp_path / "a", *flags).returncode == 0
+    assert run_cli("--texts", others, "--out", tmp_path / "b", *flags).returncode == 0
+    original = folder_bytes(tmp_path / "a")
+    shutil.copy2(tmp_path / "b" / "shard-00001.npy", tmp_path / "a" / "shard-00001.npy")
+    rerun = run_cli("--texts", texts, "--out", tmp_path / "a", *flags)
+    assert rerun.returncode == 0, rerun.stderr
+    assert "repaired 1 damaged" in rerun.stdout
+    assert folder_bytes(tmp_path / "a") == original
+
+
+def test_texts_that_are_a_folder_are_named_a_folder(tmp_path):
+    line = one_error_line(run_cli("--texts", tmp_path, "--out", tmp_path / "c", "--size", 16))
+    assert "is a folder, not a file" in line and "does not exist" not in line
+
+
+@pytest.mark.parametrize("content", ["", "\n \n\n"])
+def test_an_empty_or_blank_jsonl_is_refused_and_makes_no_cache(tmp_path, content):
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text(content)
+    line = one_error_line(run_cli("--texts", texts, "--out", tmp_path / "c", "--size", 16))
+    assert "no text to render" in line
+    assert not (tmp_path / "c").exists()
+
+
+def test_verify_of_a_missing_folder_is_one_error_line(tmp_path):
+    line = one_error_line(run_cli("--verify", tmp_path / "nope"))
+    assert "does not exist" in line
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "0", "-1", "many"])
+def test_a_shard_mb_that_is_not_a_finite_positive_number_is_one_error_line(tmp_path, value):
+    texts = tmp_path / "texts.txt"
+    texts.write_text("a\n")
+    line = one_error_line(run_cli("--texts", texts, "--out", tmp_path / "c", "--shard-mb", value))
+    assert "--shard-mb" in line
+    assert not (tmp_path / "c").exists()

@@ -1,10 +1,9 @@
 """Streaming encode: resume after SIGKILL to identical bytes, damaged files recomputed, a failing
-mirror loses nothing, changed inputs refused. Real caches, real stores, real processes."""
+mirror loses nothing, changed inputs refused. Real caches, real stores, real processes.
+"""
 from __future__ import annotations
 
 import errno
-import hashlib
-import json
 import random
 import signal
 import subprocess
@@ -22,6 +21,7 @@ from nblib.atomic import sha256_file
 from nblib.cache import ShardedImageCache, populate
 from nblib.config import preset
 from nblib.errors import ConfigError, ResumeMismatch, StateError
+from nblib.lab import streaming_encoding as lab
 from nblib.store import DurableStore, FileOps, MirrorWarning
 from nblib.trm import TRMVisionEncoder
 
@@ -33,7 +33,7 @@ THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 def _texts(n: int, salt: str = "") -> list[str]:
-    words = "streaming encoders resume after a kill without losing a single byte".split()
+    words = ["streaming", "encoders", "resume", "after", "a", "kill", "without", "losing", "a", "single", "byte"]
     return [f"{salt}#{i} " + " ".join(words[(i * 7 + j) % len(words)] for j in range(3 + i % 5))
             for i in range(n)]
 
@@ -121,7 +121,7 @@ def test_cli_killed_three_times_at_random_points_resumes_to_identical_bytes(cach
     assert "resumed at sample" in resumed.stdout
     for name in ("sketches", "checksums", "children"):
         assert sha256_file(killed / f"{name}.npy") == sha256_file(whole.outputs[name]), name
-    index = json.loads((killed / enc.INDEX_NAME).read_text())
+    index = enc.read_index(killed)
     assert [p["range"] for p in index["parts"].values()] == [[8 * k, 8 * k + 8] for k in range(n_parts)]
 
 
@@ -194,11 +194,16 @@ def test_index_names_each_part_range_and_the_hashes_of_its_arrays(cache_dir, tmp
     report = _run(cache_dir, tmp_path / "r")
     index = enc.read_index(tmp_path / "r")
     sketches = np.load(report.outputs["sketches"])
-    for part in index["parts"].values():
-        start, stop = part["range"]
-        assert hashlib.sha256(sketches[start:stop].tobytes()).hexdigest() == part["sha256"]["sketches"]
-    for name, path in report.outputs.items():   # hashed while filling, equal to the file's bytes
-        assert index["files"][name]["sha256"] == sha256_file(path), name
+    with enc.open_store(tmp_path / "r") as store:
+        stored = {p.name: p for p in store.list_parts()}
+        for name, part in index["parts"].items():     # the part files each output was built from
+            start, stop = part["range"]
+            assert part["sha256"] == {o: stored[name].files[o].sha256 for o in report.outputs}
+            assert np.array_equal(store.read_part(name)["sketches"], sketches[start:stop])
+    for name, path in report.outputs.items():   # hashed while written, equal to the file's bytes
+        entry = index["files"][name]
+        assert entry["sha256"] == sha256_file(path), name
+        assert entry["bytes"] == path.stat().st_size and entry["mtime_ns"] == path.stat().st_mtime_ns
     assert sketches.dtype == np.float16 and sketches.shape == (N_TEXTS, 4, 64)
     assert not list((tmp_path / "r").glob(".tmp-*"))
 
@@ -238,17 +243,31 @@ class FlakyDrive(FileOps):
         self._maybe_fail()
         return super().open(path, mode)
 
+    def write_atomic(self, path, blocks, expect_sha256=None):
+        self._maybe_fail()
+        written = super().write_atomic(path, blocks, expect_sha256)
+        self._landed(path)
+        return written
+
     def replace(self, src, dst):
         self._maybe_fail()
         super().replace(src, dst)
-        if Path(dst).name == "part.json":
-            self.parts_mirrored += 1
-            if self.parts_mirrored == self.down_after_parts:
-                self.mode = "down"
+        self._landed(dst)
 
     def listdir(self, path):
         self._maybe_fail()
         return super().listdir(path)
+
+    def stat(self, path):
+        self._maybe_fail()
+        return super().stat(path)
+
+    def _landed(self, path) -> None:
+        """A part is on the mirror once its part.json is (written last); count it."""
+        if Path(path).name == "part.json":
+            self.parts_mirrored += 1
+            if self.parts_mirrored == self.down_after_parts:
+                self.mode = "down"
 
 
 def _store(run_dir: Path, mirror: Path, ops: FileOps) -> DurableStore:
@@ -341,7 +360,7 @@ def test_identical_images_collide_and_distinct_ones_rarely_do():
     rng = np.random.default_rng(0)
     checksums = rng.standard_normal((64, 4, 8)).astype(np.float16)
     checksums[10] = checksums[3]
-    report = enc.checksum_collisions(checksums, image_hashes=[str(i) for i in range(64)])
+    report = lab.checksum_collisions(checksums, image_hashes=[str(i) for i in range(64)])
     assert report.colliding_samples == 2 and report.distinct_codes == 63
     assert (report.hamming == 0).sum() == 1 and report.hamming.max() <= 32
 
@@ -350,5 +369,5 @@ def test_sketch_projection_keeps_the_main_direction():
     rng = np.random.default_rng(1)
     direction = rng.standard_normal(16)
     sketches = (rng.standard_normal((200, 2, 1)) * 10 * direction + rng.standard_normal((200, 2, 16)) * 0.1)
-    coords, explained = enc.sketch_projection(sketches)
+    coords, explained = lab.sketch_projection(sketches)
     assert coords.shape == (200, 2, 2) and explained[0] > 0.95

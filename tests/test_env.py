@@ -143,7 +143,9 @@ def test_cli_bad_profile_is_one_line_without_traceback():
 
 
 def test_import_nblib_loads_neither_torch_nor_tensorflow():
-    code = "import sys, nblib; import nblib.config, nblib.env; print(sorted(m for m in ('torch','tensorflow','matplotlib.pyplot','ipywidgets') if m in sys.modules))"
+    heavy = "('torch', 'tensorflow', 'matplotlib.pyplot', 'ipywidgets')"
+    code = ("import sys, nblib; import nblib.config, nblib.env, nblib.budget, nblib.tfdata, nblib.reference; "
+            f"print(sorted(m for m in {heavy} if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                          env=subprocess_env(), timeout=60)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -30,6 +30,13 @@ def _source(cell: dict) -> str:
     return "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
 
 
+def _python(src: str) -> str:
+    """A cell's source as the kernel runs it: IPython's `!` and `%` lines turned into calls."""
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    return TransformerManager().transform_cell(src)
+
+
 def test_there_are_numbered_notebooks_starting_with_setup():
     names = [p.name for p in NOTEBOOKS]
     assert names and names[0] == "00_setup.ipynb", names
@@ -63,6 +70,18 @@ def test_every_checked_cell_has_a_current_text_reference(path):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_setup_cell_is_the_one_from_nbtools(path):
+    """Every setup cell is scripts/nbtools.py's SETUP_CELL: the install source lives in one place."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    try:
+        import nbtools
+    finally:
+        sys.path.pop(0)
+    assert _source(_load(path)["cells"][3]) == nbtools.SETUP_CELL, (
+        f"{path.name}: the setup cell differs; run scripts/nbtools.py setup {path}")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_kernelspec_is_python3(path):
     assert _load(path)["metadata"]["kernelspec"]["name"] == "python3"
 
@@ -87,7 +106,7 @@ def test_notebook_imports_only_nblib_for_its_logic(path):
     stdlib = set(sys.stdlib_module_names)
     for cell in _code_cells(_load(path)):
         src = _source(cell)
-        tree = ast.parse("\n".join(ln for ln in src.splitlines() if not ln.lstrip().startswith(("!", "%"))))
+        tree = ast.parse(_python(src))
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 roots = [a.name.split(".")[0] for a in node.names]
@@ -111,6 +130,6 @@ def test_widget_cells_are_ignored_by_nbval(path):
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_defines_no_functions_or_classes(path):
     for cell in _code_cells(_load(path)):
-        tree = ast.parse("\n".join(ln for ln in _source(cell).splitlines() if not ln.lstrip().startswith(("!", "%"))))
+        tree = ast.parse(_python(_source(cell)))
         defs = [n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
         assert not defs, f"{path.name} defines {defs}: put reusable code in nblib"

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 
 from nblib.proc import cli_command, run_until, was_killed
 
@@ -20,7 +21,7 @@ def test_run_until_sigkills_the_process_and_its_children_once_ready(tmp_path):
     pid = int(child_pid.read_text())
     time.sleep(0.2)
     stat = f"/proc/{pid}/stat"
-    status = open(stat).read().split()[2] if os.path.exists(stat) else "gone"
+    status = Path(stat).read_text().split()[2] if os.path.exists(stat) else "gone"
     assert status in ("gone", "Z"), "the child in the same process group must die too"
 
 

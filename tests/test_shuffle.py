@@ -5,6 +5,7 @@ tf.data is compared in a subprocess (TF and torch stay out of one process).
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 import signal
@@ -12,15 +13,16 @@ import subprocess
 import sys
 import textwrap
 import time
+import zlib
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import subprocess_env
 from nblib import shuffle as sh
 from nblib.errors import ConfigError, NblibError, StateError
-from conftest import subprocess_env
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -265,7 +267,8 @@ def test_flipped_byte_in_the_buffer_fails_its_checksum():
 ])
 def test_inconsistent_buffer_state_is_refused_naming_the_field(change, field):
     with pytest.raises(StateError, match=f"'{field}'"):
-        sh.ResumableShuffleBuffer(n=100, buffer_size=10, seed=1).load_state_dict({**_buffer_state_mid_epoch(), **change})
+        sh.ResumableShuffleBuffer(n=100, buffer_size=10, seed=1).load_state_dict(
+            {**_buffer_state_mid_epoch(), **change})
 
 
 def test_missing_field_is_named():
@@ -282,6 +285,126 @@ def test_bad_constructor_arguments_are_config_errors():
         sh.GlobalShuffle(n=0, seed=0)
     with pytest.raises(ConfigError, match="window_shards=0"):
         sh.ShardAwareShuffle(n=10, seed=0, shard_size=2, window_shards=0)
+
+
+# ------------------------------------------------------------------ orders and states pinned to the pre-split code
+
+# sha256 of each order as little-endian int64 bytes, computed from the single-module nblib/shuffle.py
+# (`git show 7a3c5a4:nblib/shuffle.py` loaded as a temporary module) before it became the nblib/shuffle/
+# package: the split, and any later refactor, must keep every order byte-identical.
+PINNED_ORDERS = {
+    "buffer n=10000 b=500 seed=42": (
+        lambda: list(sh.ResumableShuffleBuffer(n=10_000, buffer_size=500, seed=42)),
+        "681b48a12e978d2860747707225ef3ec085fdaa13a75c0deb0cacda8017d1b98"),
+    "buffer n=1000 b=1000 seed=-7 epoch=3": (
+        lambda: list(sh.ResumableShuffleBuffer(n=1000, buffer_size=1000, seed=-7, epoch=3)),
+        "c1ba8c60c8d8bc92f517f12c3f9c13b47ac46473283a6e37f9f82162915f0e1f"),
+    "global n=100003 seed=42 epoch=1 (iterated)": (
+        lambda: list(sh.GlobalShuffle(n=100_003, seed=42, epoch=1)),
+        "1c2b64ae98c13d540e95252d2671124730d8fab84e7fa18687b25ece1a0285cd"),
+    "global n=2^20 seed=0 (vectorized)": (
+        lambda: sh.GlobalShuffle(n=2**20, seed=0).indices(),
+        "e50b887f2ce4d964a701786bd3900001cad302bac7021e806b300c8bbd02998c"),
+    "global n=10^12 seed=5: first 1000 and the last": (
+        lambda: [*sh.GlobalShuffle(n=10**12, seed=5).indices(0, 1000).tolist(),
+                 sh.GlobalShuffle(n=10**12, seed=5).index_at(10**12 - 1)],
+        "12fecb36de2f0db955bb19486880e94e35b971490e413588553fa0eedfe1cbbb"),
+    "shard n=54321 seed=9 epoch=2 shard=1000 window=4": (
+        lambda: list(sh.ShardAwareShuffle(n=54_321, seed=9, epoch=2, shard_size=1000, window_shards=4)),
+        "ed60d5e112e3906e17c1bbae3f118a564d2f65cb4733f483adb817fa23de3ebc"),
+    "shard n=999 seed=1 shard=10 window=1": (
+        lambda: sh.ShardAwareShuffle(n=999, seed=1, shard_size=10, window_shards=1).indices(),
+        "31042b2e25545a45c814819e548635cf53840fade329bac15517dc7cd11ece72"),
+}
+
+# States saved mid-epoch by that same pre-split code (version 1, no 'state_crc32') and the sha256 of
+# the order each continues with.
+VERSION_1_STATES = [
+    (lambda: sh.GlobalShuffle(n=1000, seed=3, epoch=1),
+     '{"algorithm":"global_feistel","epoch":1,"n":1000,"position":123,"seed":3,"version":1}',
+     "686e63dd5cee9d84eb809ca988f5baa8587372384f45dd14d4b190277d411c64"),
+    (lambda: sh.ResumableShuffleBuffer(n=100, buffer_size=10, seed=1),
+     '{"algorithm":"shuffle_buffer","buffer":"EQAAAAgAAAADAAAAFAAAABUAAAAQAAAADAAAABgAAAAZAAAA",'
+     '"buffer_crc32":1125051555,"buffer_dtype":"uint32","buffer_size":10,"cursor":26,"emitted":17,'
+     '"epoch":0,"n":100,"seed":1,"version":1}',
+     "94762f493d07ffb79100585ca0d90c6f1f6554f73e1ad017c7b2a587a49fb01f"),
+    (lambda: sh.ShardAwareShuffle(n=1000, seed=1, shard_size=100, window_shards=2),
+     '{"algorithm":"shard_window_feistel","epoch":0,"n":1000,"position":456,"seed":1,"shard_size":100,'
+     '"version":1,"window_shards":2}',
+     "cfc3d4da2d4e35c98a8da438cba3a7099ec24bb7fe64b58428c1fdf69b59e6af"),
+]
+
+
+def _sha256_of_order(order) -> str:
+    return hashlib.sha256(np.asarray(order, dtype="<i8").tobytes()).hexdigest()
+
+
+@pytest.mark.parametrize("name", list(PINNED_ORDERS))
+def test_orders_are_byte_identical_to_the_pre_split_module(name):
+    make_order, expected = PINNED_ORDERS[name]
+    assert _sha256_of_order(make_order()) == expected
+
+
+@pytest.mark.parametrize("make, text, expected", VERSION_1_STATES)
+def test_version_1_states_from_the_pre_split_module_still_resume_exactly(make, text, expected):
+    shuffle = make()
+    shuffle.load_state_dict(text)
+    assert _sha256_of_order(list(shuffle)) == expected
+
+
+# ------------------------------------------------------------------ checksummed states (issue #10)
+
+
+def _positional(kind: str):
+    if kind == "global":
+        return sh.GlobalShuffle(n=1000, seed=3, epoch=1)
+    return sh.ShardAwareShuffle(n=1000, seed=1, shard_size=100, window_shards=2)
+
+
+@pytest.mark.parametrize("kind", ["global", "shard"])
+def test_an_edited_position_is_refused_naming_the_field(kind):
+    shuffle = _positional(kind)
+    shuffle.position = 123
+    state = json.loads(sh.state_to_json(shuffle.state_dict()))
+    assert state["version"] == sh.STATE_VERSION == 2 and "state_crc32" in state
+    fresh = _positional(kind)
+    with pytest.raises(StateError, match=r"'position'=124 does not match the state's checksum") as info:
+        fresh.load_state_dict({**state, "position": 124})  # in range: without the checksum, one sample is skipped
+    assert "start the epoch afresh" in str(info.value)
+    assert fresh.position == 0  # nothing changed on the refusal
+    fresh.load_state_dict(state)
+    assert fresh.position == 123
+
+
+def test_an_edited_identity_field_is_refused_even_when_the_shuffle_is_built_to_match():
+    state = {**sh.GlobalShuffle(n=1000, seed=3).state_dict(), "seed": 4}
+    with pytest.raises(StateError, match="checksum"):
+        sh.GlobalShuffle(n=1000, seed=4).load_state_dict(state)
+
+
+def test_a_consistently_edited_buffer_is_refused_by_the_state_checksum():
+    state = _buffer_state_mid_epoch()
+    raw = bytearray(base64.b64decode(state["buffer"]))
+    raw[0:4], raw[4:8] = raw[4:8], raw[0:4]  # swap two buffered indices and fix up the buffer's own crc32
+    edited = {**state, "buffer": base64.b64encode(bytes(raw)).decode(), "buffer_crc32": zlib.crc32(raw)}
+    with pytest.raises(StateError, match="'buffer_crc32'=.* does not match the state's checksum"):
+        sh.ResumableShuffleBuffer(n=100, buffer_size=10, seed=1).load_state_dict(edited)
+
+
+@pytest.mark.parametrize("kind", ["buffer", "global", "shard"])
+def test_a_version_2_state_without_its_checksum_is_refused(kind):
+    shuffle = _make(kind, 300, 1, 20)
+    state = shuffle.state_dict()
+    del state["state_crc32"]
+    with pytest.raises(StateError, match="no field 'state_crc32'"):
+        _make(kind, 300, 1, 20).load_state_dict(state)
+
+
+def test_a_missing_state_file_is_a_state_error_naming_the_path(tmp_path):
+    path = tmp_path / "never-saved" / "shuffle.json"
+    with pytest.raises(StateError, match="no shuffle state at .*never-saved.*start the epoch afresh") as info:
+        sh.load_state(path, sh.GlobalShuffle(n=10, seed=0))
+    assert not isinstance(info.value, FileNotFoundError) and str(path) in str(info.value)
 
 
 # ------------------------------------------------------------------ state size and files

@@ -36,6 +36,11 @@ def _batches_to_indices(batches) -> list[int]:
     return [int(row[0]) for batch in batches for row in batch]
 
 
+def _at_epoch(shuffle, epoch: int):
+    """A fresh shuffle with the same arguments at another epoch (what set_epoch builds)."""
+    return type(shuffle)(**{**{name: getattr(shuffle, name) for name in shuffle.identity_fields}, "epoch": epoch})
+
+
 @pytest.mark.parametrize("kind", ["buffer", "global", "shard"])
 def test_sampler_with_two_workers_resumes_exactly_at_the_consumed_count(kind):
     expected = list(_make(kind))
@@ -109,6 +114,69 @@ def test_set_epoch_starts_a_new_permutation():
     second = list(sampler)
     assert sorted(first) == sorted(second) == list(range(100)) and first != second
     assert second == list(sh.GlobalShuffle(n=100, seed=1, epoch=1))
+
+
+@pytest.mark.parametrize("kind", ["buffer", "global", "shard"])
+def test_iterating_a_sampler_again_moves_on_to_the_next_epoch(kind):
+    sampler = sh.ShuffleSampler(_make(kind))
+    first = list(sampler)
+    assert len(sampler) == N  # what the next iteration yields, not the 0 left of this epoch
+    second = list(sampler)
+    assert sorted(first) == sorted(second) == list(range(N)) and first != second
+    assert second == list(_at_epoch(_make(kind), sampler.shuffle.epoch))
+    assert sampler.shuffle.epoch == _make(kind).epoch + 1
+
+
+def test_set_epoch_before_every_epoch_gives_the_same_orders_as_moving_on_by_itself():
+    by_itself = sh.ShuffleSampler(_make("buffer"))
+    explicit = sh.ShuffleSampler(_make("buffer"))
+    for epoch in range(3):
+        explicit.set_epoch(epoch)
+        assert list(explicit) == list(by_itself)
+
+
+@pytest.mark.parametrize("kind", ["buffer", "global"])
+def test_sampler_resumes_exactly_in_the_middle_of_its_second_epoch(kind):
+    """Two workers prefetch ahead; the state at what was consumed resumes epoch 2 at the next index."""
+    expected_epoch_2 = list(_at_epoch(_make(kind), _make(kind).epoch + 1))
+    sampler = sh.ShuffleSampler(_make(kind))
+    list(DataLoader(TaggedSource(), batch_size=BATCH, sampler=sampler, num_workers=2))  # epoch 1
+    head, consumed = [], 0
+    for step, batch in enumerate(DataLoader(TaggedSource(), batch_size=BATCH, sampler=sampler, num_workers=2)):
+        head.append(batch)
+        consumed += len(batch)
+        if step == 9:
+            break
+    state = json.loads(json.dumps(sampler.state_dict(consumed=consumed)))
+    assert state["epoch"] == _make(kind).epoch + 1
+
+    resumed = sh.ShuffleSampler(_make(kind))  # built as at the start of training, in epoch 1
+    resumed.load_state_dict(state)
+    tail = list(DataLoader(TaggedSource(), batch_size=BATCH, sampler=resumed, num_workers=2))
+    assert _batches_to_indices(head) + _batches_to_indices(tail) == expected_epoch_2
+    assert list(resumed) == list(_at_epoch(_make(kind), _make(kind).epoch + 2))  # and on to epoch 3
+
+
+def test_sampler_refuses_an_edited_state_and_keeps_its_place():
+    sampler = sh.ShuffleSampler(_make("global"))
+    iterator = iter(sampler)
+    for _ in range(20):
+        next(iterator)
+    state = {**sampler.state_dict(), "epoch": 7}  # an edited epoch would silently yield another order
+    with pytest.raises(StateError, match="checksum"):
+        sampler.load_state_dict(state)
+    assert sampler.shuffle.epoch == _make("global").epoch
+    assert list(sampler) == list(_make("global"))[20:]
+
+
+def test_iterable_dataset_resumes_a_state_taken_after_set_epoch():
+    dataset = sh.ShuffledIterableDataset(TaggedSource(), _make("global"), batch_size=BATCH)
+    dataset.set_epoch(4)
+    state = dataset.state_dict(consumed=3 * BATCH)
+    resumed = sh.ShuffledIterableDataset(TaggedSource(), _make("global"), batch_size=BATCH)
+    resumed.load_state_dict(state)
+    tail = list(DataLoader(resumed, batch_size=BATCH, num_workers=2))
+    assert _batches_to_indices(tail) == list(_at_epoch(_make("global"), 4))[3 * BATCH:]
 
 
 @pytest.mark.parametrize("style", ["sampler", "iterable"])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,22 +23,28 @@ import pytest
 
 from nblib.atomic import TMP_PREFIX, sha256_file
 from nblib.errors import ConfigError, DriveError, StateError
+from nblib.manifest import read_manifest
 from nblib.store import (
     DamagedCopyWarning,
     DurableStore,
     FileOps,
     MirrorWarning,
+    PartFolder,
+    PartInfo,
     retained_parts,
 )
 
 FAST = dict(retries=4, backoff_s=0.001, retry_interval_s=60.0)
 
 
-class FlakyOps:
-    """Real filesystem calls on the mirror that raise real OSErrors: in bursts, or always while down."""
+class FlakyOps(FileOps):
+    """Real filesystem calls on the mirror that raise real OSErrors: in bursts, or always while down.
+
+    Every primitive call, every read and every block written can fail, so copies die mid-way
+    like on a dying FUSE mount (the composite calls of FileOps are built on these).
+    """
 
     def __init__(self, burst_every: int = 0, burst_len: int = 2, down: bool = False):
-        self.real = FileOps()
         self.burst_every, self.burst_len, self.down = burst_every, burst_len, down
         self.calls = self.failures = 0
         self.gate: threading.Event | None = None   # when set to an unset Event, mirror calls block
@@ -54,15 +61,44 @@ class FlakyOps:
 
     def open(self, path, mode="rb"):
         self.check()
-        return _FlakyFile(self.real.open(path, mode), self)
+        return _FlakyFile(super().open(path, mode), self)
 
-    def __getattr__(self, name):
-        method = getattr(self.real, name)
+    def write_atomic(self, path, blocks, expect_sha256=None):
+        self.check()
+        return super().write_atomic(path, self._checked(blocks), expect_sha256)
 
-        def call(*args):
+    def _checked(self, blocks):
+        for block in blocks:
             self.check()
-            return method(*args)
-        return call
+            yield block
+
+    def replace(self, src, dst):
+        self.check()
+        return super().replace(src, dst)
+
+    def makedirs(self, path):
+        self.check()
+        return super().makedirs(path)
+
+    def listdir(self, path):
+        self.check()
+        return super().listdir(path)
+
+    def stat(self, path):
+        self.check()
+        return super().stat(path)
+
+    def unlink(self, path):
+        self.check()
+        return super().unlink(path)
+
+    def rmdir(self, path):
+        self.check()
+        return super().rmdir(path)
+
+    def fsync_dir(self, path):
+        self.check()
+        return super().fsync_dir(path)
 
 
 class _FlakyFile:
@@ -99,6 +135,24 @@ def tree_hashes(root: Path) -> dict[str, str]:
     """sha256 of every non-temporary file under root, keyed by relative path."""
     return {str(p.relative_to(root)): sha256_file(p) for p in sorted(root.rglob("*"))
             if p.is_file() and not p.name.startswith(TMP_PREFIX)}
+
+
+def assert_same_content(local: Path, mirror: Path) -> None:
+    """Both sides hold the same files: data byte for byte; part.json and manifest.json by content.
+
+    (Each side's part.json records its own files' stat fingerprints, and the mirror's manifest
+    lists the parts verified on the mirror, so those two differ in bytes, not in what they say.)
+    """
+    records = ("part.json", "manifest.json")
+    data = [{k: v for k, v in tree_hashes(root).items() if Path(k).name not in records} for root in (local, mirror)]
+    assert data[0] == data[1]
+    assert sorted(str(p.relative_to(local)) for p in local.rglob("part.json")) == \
+        sorted(str(p.relative_to(mirror)) for p in mirror.rglob("part.json"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sides = [{p.name: p.content_id for p in DurableStore(root).list_parts()} for root in (local, mirror)]
+        assert sides[0] == sides[1]
+        assert DurableStore(local).read_manifest() == DurableStore(mirror).read_manifest()
 
 
 def test_parts_round_trip_with_shapes_dtypes_and_meta(tmp_path):
@@ -150,8 +204,8 @@ def test_intermittent_mirror_failures_lose_nothing_and_remount_on_enotconn(tmp_p
     assert store.flush(timeout=60)
     store.close()
     assert ops.failures >= 5 and remounts, "the schedule must really have failed calls"
-    local, mirror = tree_hashes(tmp_path / "local"), tree_hashes(tmp_path / "mirror")
-    assert local == mirror and len(local) == 12 * 3 + 1 + 2
+    assert_same_content(tmp_path / "local", tmp_path / "mirror")
+    assert len(tree_hashes(tmp_path / "mirror")) == 12 * 3 + 1 + 2
     assert DurableStore(tmp_path / "mirror").read_manifest() == {"parts_done": 12}
 
 
@@ -199,7 +253,7 @@ def test_backlog_of_a_dead_process_is_mirrored_by_the_next_store(tmp_path):
     assert not (tmp_path / "mirror" / "part-000000" / "part.json").exists()
     with DurableStore(tmp_path / "local", tmp_path / "mirror", **FAST) as second:
         assert second.flush(timeout=60)
-    assert tree_hashes(tmp_path / "local") == tree_hashes(tmp_path / "mirror")
+    assert_same_content(tmp_path / "local", tmp_path / "mirror")
 
 
 def test_truncated_npy_is_detected_and_not_trusted(tmp_path):
@@ -210,7 +264,10 @@ def test_truncated_npy_is_detected_and_not_trusted(tmp_path):
     npy.write_bytes(npy.read_bytes()[:-100])
     with pytest.warns(DamagedCopyWarning, match="truncated"):
         assert [p.name for p in store.list_parts()] == ["part-000000"]
-    assert [(d.name, d.side) for d in store.damaged] == [("part-000001", "local")]
+    with pytest.warns(DamagedCopyWarning, match="truncated"):
+        parts, damaged = store.verify()
+    assert [p.name for p in parts] == ["part-000000"]
+    assert [(d.name, d.side) for d in damaged] == [("part-000001", "local")]
     with pytest.raises(StateError, match="part-000001.*recompute"):
         store.read_part("part-000001")
 
@@ -265,7 +322,9 @@ def test_damaged_manifest_is_detected_and_the_other_side_used(tmp_path, damage):
     assert store.flush(timeout=30)
     local = tmp_path / "local" / "manifest.json"
     raw = local.read_bytes()
-    local.write_bytes(raw[: len(raw) // 2] if damage == "half-written" else raw.replace(b'"parts_done": 3', b'"parts_done": 9'))
+    edited = raw.replace(b'"parts_done": 3', b'"parts_done": 9')
+    assert edited != raw
+    local.write_bytes(raw[: len(raw) // 2] if damage == "half-written" else edited)
     with pytest.warns(DamagedCopyWarning, match="manifest.json"):
         assert store.read_manifest() == {"parts_done": 3, "fingerprint": "abc"}
     store.close()
@@ -317,9 +376,102 @@ def test_resume_takes_the_newest_verified_copy_from_either_side(tmp_path):
         assert {p.name: p.side for p in store.list_parts()}["part-000002"] == "mirror"
 
 
+def test_mirror_folder_deleted_mid_run_is_refilled_and_the_status_says_so(tmp_path):
+    """Issue #10 item 6: a mirror deleted mid-run was reported caught up while missing parts 0-3."""
+    local, mirror = tmp_path / "local", tmp_path / "mirror"
+    store = DurableStore(local, mirror, **FAST)
+    for i in range(4):
+        store.write_part(f"part-{i:06d}", arrays_for(i))
+        store.write_manifest({"parts_done": i + 1})
+    assert store.flush(timeout=30) and store.mirror_status().refilled == 0
+    shutil.rmtree(mirror)                        # someone deletes the Drive folder between part writes
+    for i in range(4, 16):
+        store.write_part(f"part-{i:06d}", arrays_for(i))
+        store.write_manifest({"parts_done": i + 1})
+    assert store.flush(timeout=60)
+    status = store.mirror_status()
+    assert status.caught_up and status.refilled == 4 and status.lost == 0 and status.parts_mirrored == 16
+    store.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        parts, damaged = DurableStore(mirror).verify()   # every file hashed on the mirror
+    assert [p.name for p in parts] == [f"part-{i:06d}" for i in range(16)] and damaged == []
+    record = read_manifest(mirror / "manifest.json", "nblib.store.run", versions=(2,))
+    assert record.body["parts"] == [f"part-{i:06d}" for i in range(16)]
+    assert record.body["run"] == {"parts_done": 16}
+
+
+def test_mirror_deleted_while_copying_still_ends_complete(tmp_path):
+    local, mirror = tmp_path / "local", tmp_path / "mirror"
+    with DurableStore(local, mirror, **FAST) as store:
+        for i in range(12):
+            store.write_part(f"part-{i:06d}", arrays_for(i))
+            if i in (3, 7):                      # no flush: the thread may be mid-copy
+                shutil.rmtree(mirror, ignore_errors=True)
+        assert store.flush(timeout=60) and store.mirror_status().lost == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert [p.name for p in DurableStore(mirror).list_parts()] == [f"part-{i:06d}" for i in range(12)]
+
+
+def test_parts_lost_on_the_mirror_after_retention_are_reported_not_hidden(tmp_path):
+    local, mirror = tmp_path / "local", tmp_path / "mirror"
+    store = DurableStore(local, mirror, keep_local=1, **FAST)
+    for i in range(4):
+        store.write_part(f"part-{i:06d}", arrays_for(i))
+    assert store.flush(timeout=30)
+    assert [p.name for p in store.local.list()[0]] == ["part-000003"]   # retention freed the rest
+    shutil.rmtree(mirror)
+    with pytest.warns(MirrorWarning, match="lost parts.*part-000000.*recomputed"):
+        assert store.flush(timeout=30)
+    status = store.mirror_status()
+    assert status.lost == 3 and status.refilled == 1 and status.parts_mirrored == 1
+    store.close()
+    assert [p.name for p in DurableStore(mirror).list_parts()] == ["part-000003"]
+
+
+class CountingOps(FileOps):
+    """Real calls, counting which files are opened (a hash opens the file, a stat does not)."""
+
+    def __init__(self):
+        self.opened: list[str] = []
+
+    def open(self, path, mode="rb"):
+        self.opened.append(Path(path).name)
+        return super().open(path, mode)
+
+
+def test_quick_check_hashes_only_files_whose_stat_fingerprint_changed(tmp_path):
+    DurableStore(tmp_path).write_part("part-000000", arrays_for(0))
+    ops = CountingOps()
+    folder = PartFolder(tmp_path, ops)
+    assert [p.name for p in folder.list(verify="quick")[0]] == ["part-000000"]
+    assert ops.opened == ["part.json"]           # metadata only: nothing hashed
+    npy = tmp_path / "part-000000" / "ids.npy"
+    data = bytearray(npy.read_bytes())
+    data[-1] ^= 0xFF
+    npy.write_bytes(bytes(data))                 # same size, new mtime
+    ops.opened.clear()
+    assert isinstance(folder.check("part-000000", verify=False), PartInfo)       # sizes only: fooled
+    assert "sha256" in folder.check("part-000000", verify="quick").reason          # fingerprint: hashed
+    assert ops.opened.count("ids.npy") == 1 and "sketches.npy" not in ops.opened
+    with pytest.warns(DamagedCopyWarning, match="sha256"):
+        assert DurableStore(tmp_path).list_parts(verify="quick") == []
+    with pytest.raises(ConfigError, match="verify='full'"):
+        folder.check("part-000000", verify="full")
+
+
+def test_local_folder_reads_local_copies_without_a_second_store(tmp_path):
+    store = DurableStore(tmp_path / "local", tmp_path / "mirror", **FAST)
+    store.write_part("part-000000", arrays_for(0))
+    np.testing.assert_array_equal(store.local.read("part-000000", verify="quick")["ids"], arrays_for(0)["ids"])
+    assert store.local.root == store.local_dir and store.close()
+
+
 def test_retention_keeps_last_n_and_every_kth_locally():
     names = [f"part-{i:06d}" for i in range(10)]
-    assert retained_parts(names, keep_last=2, keep_every=4) == {"part-000000", "part-000004", "part-000008", "part-000009"}
+    assert retained_parts(names, keep_last=2, keep_every=4) == {"part-000000", "part-000004", "part-000008",
+                                                                "part-000009"}
     assert retained_parts(names, keep_last=None, keep_every=4) == set(names)
     assert retained_parts(names, keep_last=0, keep_every=None) == set()
 
@@ -365,7 +517,8 @@ def test_checkpoint_round_trip_with_a_real_state_dict_and_fallback_on_corruption
     assert loaded["step"] == 2 and all(torch.equal(loaded["model"][k], v) for k, v in states[2].items())
     assert loaded["opt"]["state"][0]["exp_avg"].shape == (16, 8)
     for side in ("local", "mirror"):             # last 2 versions kept on both sides
-        assert sorted(p.name for p in (tmp_path / side).glob("trainer-*.pt")) == ["trainer-000002.pt", "trainer-000003.pt"]
+        kept = sorted(p.name for p in (tmp_path / side).glob("trainer-*.pt"))
+        assert kept == ["trainer-000002.pt", "trainer-000003.pt"]
     # the newest is corrupt everywhere: truncated on the mirror, one weight silently flipped locally
     mirror_newest = tmp_path / "mirror" / "trainer-000003.pt"
     mirror_newest.write_bytes(mirror_newest.read_bytes()[:100])

@@ -1,4 +1,4 @@
-"""nblib.tfdata: what tf.data checkpoints hold (real TF), and our small, exact tf.data shuffle."""
+"""nblib.tfdata and notebook 04's lab: real tf.data checkpoints, the budget's disk model, resumable shuffles."""
 from __future__ import annotations
 
 import subprocess
@@ -7,10 +7,10 @@ import sys
 import numpy as np
 import pytest
 
-from nblib import shuffle, tfdata
-from nblib.errors import BudgetExceeded, ConfigError
-
 from conftest import subprocess_env
+from nblib import budget, shuffle, tfdata
+from nblib.errors import BudgetExceeded, ConfigError
+from nblib.lab import shuffle_checkpoints as lab
 
 SMALL_KB = 16  # 73 x 73 x 3 = 15,987 bytes per sample
 
@@ -36,57 +36,58 @@ def test_pipeline_spec_refuses_bad_knobs_naming_the_field(field, value):
 
 @pytest.mark.slow
 def test_tf_shuffle_checkpoint_holds_the_whole_buffer_even_when_symbolic(tmp_path):
-    rows = tfdata.measure_checkpoint([50, 200], SMALL_KB, symbolic=(False, True), folder=tmp_path)
+    rows = lab.measure_checkpoint([50, 200], SMALL_KB, symbolic=(False, True), folder=tmp_path)
     assert len(rows) == 4
     for row in rows:
         assert row.exact_resume, row
         assert not row.error
         assert row.bytes_on_disk >= row.buffer_size * row.sample_bytes  # every buffered sample is written
-        assert row.peak_disk_rotating_bytes >= 1.9 * row.bytes_on_disk  # old + new during a rotating save
-    fit = tfdata.fit_bytes_per_element(rows, symbolic=True)
+        assert row.peak_disk_rotating_bytes >= 1.9 * row.bytes_on_disk  # old + new while the previous is kept
+    fit = lab.fit_bytes_per_element(rows, symbolic=True)
     assert fit.sample_bytes <= fit.bytes_per_element < 1.05 * fit.sample_bytes
-    predicted = fit.predict(250_000, tfdata.REFERENCE_SAMPLE_BYTES)
+    predicted = fit.predict(250_000, lab.REFERENCE_SAMPLE_BYTES)
     assert 124e9 < predicted < 127e9  # the reference's 125 GB, recovered from small measurements
     assert tfdata.folder_bytes(tmp_path) == 0  # measured checkpoints are deleted once measured
 
 
 @pytest.mark.slow
 def test_constant_images_compress_and_would_hide_the_problem(tmp_path):
-    random, = tfdata.measure_checkpoint([200], SMALL_KB, symbolic=(True,), folder=tmp_path)
-    constant, = tfdata.measure_checkpoint([200], SMALL_KB, symbolic=(True,), folder=tmp_path, content="constant")
+    random, = lab.measure_checkpoint([200], SMALL_KB, symbolic=(True,), folder=tmp_path)
+    constant, = lab.measure_checkpoint([200], SMALL_KB, symbolic=(True,), folder=tmp_path, content="constant")
     assert constant.bytes_on_disk * 5 < random.bytes_on_disk
 
 
 @pytest.mark.slow
 def test_interleaved_pipeline_resumes_exactly(tmp_path):
-    rows = tfdata.measure_checkpoint([64], SMALL_KB, symbolic=(False, True), folder=tmp_path, sources=3)
+    rows = lab.measure_checkpoint([64], SMALL_KB, symbolic=(False, True), folder=tmp_path, sources=3)
     assert all(r.exact_resume and not r.error for r in rows)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["buffer", "global"])
-def test_our_tf_dataset_checkpoint_roundtrip_gives_the_next_elements_and_stays_small(tmp_path, algorithm):
+def test_resumable_pipeline_checkpoint_roundtrip_gives_the_next_elements_and_stays_small(tmp_path, algorithm):
     tf = tfdata.tensorflow()
     spec = tfdata.PipelineSpec(n_samples=700, sample_kb=SMALL_KB, buffer_size=500, seed=3, batch_size=4,
                                prefetch=2)
-    iterator = iter(tfdata.ours_pipeline(spec, algorithm))
+    iterator = iter(tfdata.resumable_shuffle_pipeline(spec, algorithm))
     for _ in range(9):
         next(iterator)
     path = tf.train.Checkpoint(iterator=iterator).write(str(tmp_path / "ckpt"))
     expected = [next(iterator) for _ in range(20)]
-    fresh = iter(tfdata.ours_pipeline(spec, algorithm))
+    fresh = iter(tfdata.resumable_shuffle_pipeline(spec, algorithm))
     tf.train.Checkpoint(iterator=fresh).read(path).assert_consumed()
     got = [next(fresh) for _ in range(20)]
     for e, g in zip(expected, got):
         np.testing.assert_array_equal(e["index"].numpy(), g["index"].numpy())
         np.testing.assert_array_equal(e["image"].numpy(), g["image"].numpy())
     size = tfdata.folder_bytes(tmp_path)
-    assert size < 4096, f"checkpoint of our pipeline is {size} B; a tf.data buffer would be {500 * spec.sample_bytes:,} B"
+    assert size < 4096, (f"checkpoint of the resumable pipeline is {size} B; a tf.data buffer would be "
+                         f"{500 * spec.sample_bytes:,} B")
 
 
 @pytest.mark.slow
-def test_measured_rows_for_ours_are_exact_and_tiny(tmp_path):
-    rows = tfdata.measure_checkpoint([100, 400], SMALL_KB, ours="buffer", folder=tmp_path)
+def test_measured_rows_of_the_resumable_pipeline_are_exact_and_tiny(tmp_path):
+    rows = lab.measure_checkpoint([100, 400], SMALL_KB, resumable="buffer", folder=tmp_path)
     assert all(r.exact_resume and r.bytes_on_disk < 4096 and r.symbolic for r in rows)
 
 
@@ -94,7 +95,8 @@ def test_measured_rows_for_ours_are_exact_and_tiny(tmp_path):
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 1000, 4097])
 def test_feistel_in_tf_ops_yields_global_shuffle_order(n):
     expected = shuffle.full_order(shuffle.GlobalShuffle(n=n, seed=11, epoch=2))
-    got = np.concatenate([b.numpy() for b in tfdata.index_dataset(shuffle.GlobalShuffle(n=n, seed=11, epoch=2)).batch(8192)])
+    dataset = tfdata.index_dataset(shuffle.GlobalShuffle(n=n, seed=11, epoch=2))
+    got = np.concatenate([b.numpy() for b in dataset.batch(8192)])
     np.testing.assert_array_equal(got, expected)
 
 
@@ -113,8 +115,8 @@ def test_index_dataset_continues_a_shuffle_restored_from_its_state(algorithm):
     np.testing.assert_array_equal(head + tail, shuffle.full_order(tfdata.make_shuffle(n, 200, 5, algorithm)))
 
 
-def test_our_state_file_is_within_8_bytes_per_buffered_index_plus_4kb(tmp_path):
-    rows = tfdata.measure_state_checkpoint([1, 100, 1000, 10_000], folder=tmp_path)
+def test_resumable_state_file_is_within_8_bytes_per_buffered_index_plus_4kb(tmp_path):
+    rows = lab.measure_state_checkpoint([1, 100, 1000, 10_000], folder=tmp_path)
     for row in rows:
         assert row.exact_resume, row
         assert row.within_bound, f"{row.state_bytes} B > {row.bound_bytes} B for buffer {row.buffer_size}"
@@ -123,7 +125,7 @@ def test_our_state_file_is_within_8_bytes_per_buffered_index_plus_4kb(tmp_path):
 def test_fit_refuses_a_single_buffer_size():
     row = tfdata.CheckpointRow("tf.data shuffle", 10, False, 100, 1000, 0.0, 0.0, 0, 0, 0, 0, 0, True)
     with pytest.raises(ConfigError, match="buffer"):
-        tfdata.fit_bytes_per_element([row])
+        lab.fit_bytes_per_element([row])
 
 
 def test_preflight_refuses_a_checkpoint_that_cannot_fit_with_the_numbers(tmp_path):
@@ -133,40 +135,41 @@ def test_preflight_refuses_a_checkpoint_that_cannot_fit_with_the_numbers(tmp_pat
 
 
 @pytest.mark.slow
-def test_tf_shuffle_and_our_buffer_have_the_same_quality_and_global_is_random():
-    rows = tfdata.quality_vs_buffer(20_000, [100, 1000], episode_len=50, seed=1)
+def test_tf_shuffle_and_the_resumable_buffer_have_the_same_quality_and_global_is_random():
+    rows = lab.quality_vs_buffer(20_000, [100, 1000], episode_len=50, seed=1)
     by = {(r.algorithm, r.buffer_size): r for r in rows}
     for b in (100, 1000):
-        tf_share, ours_share = by["tf.data shuffle", b].same_episode_share, by["ours (buffer)", b].same_episode_share
-        assert abs(tf_share - ours_share) < 0.15 * tf_share + 0.003
-        assert abs(by["tf.data shuffle", b].spearman - by["ours (buffer)", b].spearman) < 0.01
-    global_row = by["ours (global)", 100]
+        tf_share = by["tf.data shuffle", b].same_episode_share
+        resumable_share = by["resumable (buffer)", b].same_episode_share
+        assert abs(tf_share - resumable_share) < 0.15 * tf_share + 0.003
+        assert abs(by["tf.data shuffle", b].spearman - by["resumable (buffer)", b].spearman) < 0.01
+    global_row = by["resumable (global)", 100]
     assert global_row.same_episode_share < 3 * global_row.same_episode_share_random
     assert abs(global_row.spearman) < 0.05
 
 
 def test_buffer_needed_rule_matches_a_measured_shuffle():
     episode_len, target = 40, 0.02
-    buffer_size = tfdata.buffer_needed(episode_len, target)
+    buffer_size = lab.buffer_needed(episode_len, target)
     order = shuffle.full_order(shuffle.ResumableShuffleBuffer(n=100_000, buffer_size=buffer_size, seed=0))
     measured = shuffle.same_episode_share(order, episode_len)
     assert 0.7 * target < measured < 1.3 * target
     with pytest.raises(ConfigError, match="target_share"):
-        tfdata.buffer_needed(10, 1.5)
+        lab.buffer_needed(10, 1.5)
 
 
 def test_checkpoint_and_quality_predicts_the_reference_row():
-    fit = tfdata.BytesFit(bytes_per_element=16_200, fixed_bytes=500, sample_bytes=15_987, symbolic=True)
-    numbers = tfdata.checkpoint_and_quality(250_000, 500, episode_len=100, fit=fit)
+    fit = lab.BytesFit(bytes_per_element=16_200, fixed_bytes=500, sample_bytes=15_987, symbolic=True)
+    numbers = lab.checkpoint_and_quality(250_000, 500, episode_len=100, fit=fit)
     assert 124e9 < numbers["tf_checkpoint_bytes"] < 126e9
-    assert numbers["ours_state_bytes"] <= 8 * 250_000 + 4096
+    assert numbers["state_bytes"] <= 8 * 250_000 + 4096
     assert numbers["ratio"] > 10_000
 
 
 def test_widget_panel_shows_checkpoint_sizes_and_quality_for_its_settings(capsys):
     from nblib import widgets
 
-    fit = tfdata.BytesFit(bytes_per_element=16_200, fixed_bytes=500, sample_bytes=15_987, symbolic=True)
+    fit = lab.BytesFit(bytes_per_element=16_200, fixed_bytes=500, sample_bytes=15_987, symbolic=True)
     panel = widgets.shuffle_checkpoint_panel(fit, buffer_size=10_000, sample_kb=150, episode_len=100)
     assert "tf.data checkpoint" in capsys.readouterr().out
     slider = panel.children[0].children[1]  # sample kB
@@ -177,7 +180,7 @@ def test_widget_panel_shows_checkpoint_sizes_and_quality_for_its_settings(capsys
 
 @pytest.mark.slow
 def test_only_shuffle_keeps_its_buffer_under_symbolic_checkpointing(tmp_path):
-    rows = tfdata.measure_ops(SMALL_KB, n=128, folder=tmp_path)
+    rows = lab.measure_ops(SMALL_KB, n=128, folder=tmp_path)
     sample_bytes = tfdata.PipelineSpec(sample_kb=SMALL_KB).sample_bytes
     for row in rows:
         if row.symbolic and "shuffle" in row.pipeline:
@@ -187,3 +190,38 @@ def test_only_shuffle_keeps_its_buffer_under_symbolic_checkpointing(tmp_path):
     plain = {r.pipeline: r for r in rows if not r.symbolic}
     assert "stateful" in plain["range -> map(numpy_function)"].error
     assert plain["range -> map -> prefetch(8)"].bytes_on_disk > 4 * sample_bytes  # elements in flight are written
+
+
+@pytest.mark.slow
+def test_a_real_tf_data_save_peaks_at_the_budget_models_disk(tmp_path):
+    """The budget's temporary-space figure is what TensorFlow takes: 1x on a first save, 2x keeping the last."""
+    rows = lab.measure_checkpoint([300], SMALL_KB, symbolic=(False, True), folder=tmp_path)
+    for row in rows:
+        assert not row.error and row.bytes_on_disk >= row.buffer_bytes
+        first = budget.checkpoint_disk_peak(row.bytes_on_disk, keep_previous=False)
+        kept = budget.checkpoint_disk_peak(row.bytes_on_disk, keep_previous=True)
+        assert row.peak_disk_bytes == pytest.approx(first, rel=0.1), row
+        assert row.peak_disk_rotating_bytes == pytest.approx(kept, rel=0.1), row
+    model = lab.disk_model_checks(rows)
+    assert [c.verdict for c in model] == ["right", "right"]
+    fit = lab.BytesFit(bytes_per_element=500_100, fixed_bytes=0, sample_bytes=500_000, symbolic=True)
+    claims = {c.claim: c for c in lab.reference_checks(fit, rows)}
+    assert claims["peak disk, first save"].verdict == "wrong"           # the reference's 1.5-2x
+    assert claims["peak disk, previous checkpoint kept"].verdict == "right"
+
+
+def test_check_verdicts_follow_the_tolerance_for_values_and_ranges():
+    assert lab.Check("x", "reference", (1.5, 2.0), 1.0, "x checkpoint").verdict == "wrong"
+    assert lab.Check("x", "reference", (1.5, 2.0), 2.1, "x checkpoint").verdict == "right"
+    assert lab.Check("x", "budget model", 1.0, 1.09, "x checkpoint").verdict == "right"
+    assert lab.Check("x", "budget model", 1.0, 1.09, "x checkpoint", tolerance=0.05).verdict == "wrong"
+
+
+def test_preflight_checkpoint_asks_for_the_disk_of_the_budget_model(tmp_path):
+    from nblib.measure import disk_free
+
+    free = disk_free(tmp_path)
+    sample_bytes = 1_000_000
+    buffer_size = int(free * 0.75 // sample_bytes)  # 1x fits, the model's 2x (previous kept) does not
+    with pytest.raises(BudgetExceeded, match="new \\+ previous checkpoint"):
+        tfdata.preflight_checkpoint(buffer_size, sample_bytes, tmp_path)

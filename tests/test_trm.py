@@ -71,3 +71,61 @@ def test_parameter_count_matches_the_budget_prediction():
 
     for cfg in (SMOKE, preset("seed_t4"), SMOKE.replace(layers=3, mlp_ratio=2, children=5)):
         assert TRMVisionEncoder(cfg).parameter_count() == budget.param_count(cfg.model)
+
+
+def test_default_inference_options_run_the_plain_forward_byte_for_byte():
+    enc = TRMVisionEncoder(SMOKE, seed=5)
+    images = _images(3)
+    with torch.inference_mode():
+        plain = enc(images)
+    for out in (enc.encode(images), enc.set_inference().encode(images)):
+        assert all(torch.equal(out[k], plain[k]) for k in plain)
+
+
+def test_inference_options_leave_the_weights_alone():
+    enc = TRMVisionEncoder(SMOKE, seed=5)
+    before = enc.weights_fingerprint()
+    enc.set_inference(precision="bf16", sdpa_backend="math", channels_last_patch_embed=True)
+    assert enc.weights_fingerprint() == before
+    assert set(enc.state_dict()) == set(TRMVisionEncoder(SMOKE).state_dict())
+
+
+def test_forcing_the_backend_pytorch_picks_on_cpu_changes_nothing():
+    enc = TRMVisionEncoder(SMOKE, seed=2)
+    images = _images(2)
+    default = enc.encode(images)
+    flash = enc.set_inference(sdpa_backend="flash").encode(images)
+    assert all(torch.equal(default[k], flash[k]) for k in default)
+
+
+def test_other_kernels_agree_with_the_default_within_rounding():
+    enc = TRMVisionEncoder(SMOKE, seed=2)
+    images = _images(4)
+    ref = enc.encode(images)["sketches"]
+    for opts in ({"sdpa_backend": "math"}, {"channels_last_patch_embed": True}):
+        got = enc.set_inference(**opts).encode(images)["sketches"]
+        assert got.dtype == torch.float32
+        assert torch.allclose(got, ref, rtol=1e-4, atol=1e-5), opts
+    enc.set_inference(sdpa_backend=None, channels_last_patch_embed=False, precision="bf16")
+    low = enc.encode(images)["sketches"]
+    assert low.dtype == torch.bfloat16
+    assert (low.float() - ref).norm() / ref.norm() < 0.05
+
+
+def test_compiled_encoder_matches_eager_exactly():
+    enc = TRMVisionEncoder(SMOKE, seed=1)
+    images = _images(2)
+    eager = enc.encode(images)
+    compiled = enc.set_inference(compile_mode="default", compile_backend="eager").encode(images)
+    assert all(torch.equal(eager[k], compiled[k]) for k in eager)
+
+
+def test_unknown_inference_options_are_refused_with_the_choices():
+    enc = TRMVisionEncoder(SMOKE)
+    with pytest.raises(ConfigError, match="precision='int8'.*fp16"):
+        enc.set_inference(precision="int8")
+    with pytest.raises(ConfigError, match="sdpa_backend='fast'.*cudnn"):
+        enc.set_inference(sdpa_backend="fast")
+    with pytest.raises(ConfigError, match="unknown inference option.*channels_last_patch_embed"):
+        enc.set_inference(channels_last=True)
+    assert enc.inference.precision == "auto"

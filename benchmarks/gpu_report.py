@@ -1,0 +1,1071 @@
+"""The GPU half, measured: throughput, MFU, budget accuracy, VRAM drift, offload, precision, a T4 projection.
+
+    PYTHONPATH=. python benchmarks/gpu_report.py            # one GPU, < 8 min -> benchmarks/results/<gpu>-<date>.json
+    PYTHONPATH=. python benchmarks/gpu_report.py --smoke    # every step on CPU, tiny shapes, < 1 min
+    PYTHONPATH=. python benchmarks/gpu_report.py --compile-modes default,max-autotune --out /tmp/r
+
+One process runs every step in order and writes one JSON (every section is always there, with a
+"status": "ok", "skipped: no CUDA", "skipped: time budget" or "error: ..."), then prints a table:
+throughput at the reference shapes (seed_t4, batch 192, and the largest batch the budget allows)
+for fp32 / fp16 / bf16 autocast x SDPA backends x torch.compile; the speed candidates (compile,
+SDPA backend, channels_last patch embedding, pinned loader) and which is fastest within a
+tolerance; the budget's VRAM lines against measured peaks; allocated memory over >= 1,000 batches
+of the streaming encode and its slope; async offload against consolidate-every-K; streaming
+against a bare forward; fp16/bf16 against fp32; a roofline projection to a T4 (labelled as one);
+and the same encode capped to a T4's 15 GB against the budget's verdict. Trade-off: one process
+is fast and sees the allocator as a real run does, but earlier steps leave allocator state behind,
+so every memory figure is a delta from a state cleared with empty_cache, or says it is absolute.
+Needs only torch, numpy, psutil (and pillow through the cache renderer).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import math
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import psutil
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from nblib import budget
+from nblib.atomic import atomic_write_json, sha256_json
+from nblib.config import preset
+from nblib.trm import COMPILE_MODES, SDPA_BACKENDS, TRMVisionEncoder
+
+SCHEMA = "nblib.gpu_report/1"
+RESULTS = Path(__file__).resolve().parent / "results"
+REFERENCE_T4_FP32_SAMPLES_PER_S = 94.0   # the reference analysis: seed_t4 on a Colab T4, fp32, batch 192
+TOLERANCE = 0.03                         # candidates within 3% of the fastest are "as fast"
+MB = 1e6
+ROW_SECONDS = 1.0                        # a throughput timing aims at ~1 s (big batches: fewer calls)
+COMPILE_SECONDS_GUESS = 60.0             # inductor on the reference model, until one compile was timed
+SMOKE_BATCH = 8                          # --smoke: the smoke preset at batch 8, so 2 busy cores finish in seconds
+SECTIONS = ("environment", "budget_accuracy", "throughput", "long_run_vram", "offload",
+            "streaming_overhead", "precision", "t4_projection", "capped_memory", "throughput_compiled",
+            "candidates")
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """Datasheet peaks of one GPU: dense tensor-core FLOP/s per precision and memory bandwidth."""
+
+    name: str
+    fp32_tflops: float
+    fp16_tflops: float
+    bf16_tflops: float | None    # None: no bf16 tensor cores
+    bandwidth_gbs: float
+
+    def peak_flops(self, precision: str) -> float | None:
+        tflops = {"fp32": self.fp32_tflops, "fp16": self.fp16_tflops, "bf16": self.bf16_tflops}[precision]
+        return None if tflops is None else tflops * 1e12
+
+
+# NVIDIA datasheets, dense (no sparsity); fp32 is the non-tensor rate (TF32 is off by default in torch).
+T4 = GpuSpec("T4", 8.1, 65.0, None, 320.0)
+GPU_SPECS = (
+    (re.compile(r"H100.*PCIE", re.I), GpuSpec("H100 PCIe", 51.0, 756.0, 756.0, 2000.0)),
+    (re.compile(r"H100.*(SXM|HBM3)", re.I), GpuSpec("H100 SXM", 67.0, 989.0, 989.0, 3350.0)),
+    (re.compile(r"H200(?!.*NVL)", re.I), GpuSpec("H200 SXM", 67.0, 989.0, 989.0, 4800.0)),
+    (re.compile(r"A100.*80GB", re.I), GpuSpec("A100 80GB", 19.5, 312.0, 312.0, 2039.0)),
+    (re.compile(r"A100", re.I), GpuSpec("A100 40GB", 19.5, 312.0, 312.0, 1555.0)),
+    (re.compile(r"\bL4\b", re.I), GpuSpec("L4", 30.3, 121.0, 121.0, 300.0)),
+    (re.compile(r"\bT4\b", re.I), T4),
+)
+
+
+def gpu_spec(device_name: str) -> GpuSpec | None:
+    """The datasheet peaks of a GPU by its CUDA name; None for a GPU not in the table."""
+    return next((spec for pattern, spec in GPU_SPECS if pattern.search(device_name)), None)
+
+
+# ------------------------------------------------------------------------------ the run
+
+
+@dataclass
+class Context:
+    """What every step shares: the device, the reference config and batches, a cache, the clock."""
+
+    smoke: bool
+    device: torch.device
+    device_name: str
+    spec: GpuSpec | None
+    config: object                # the reference PipelineConfig
+    ref_batch: int
+    max_batch: int
+    long_batches: int
+    compile_modes: tuple[str, ...]
+    repeats: int
+    timed_batches: int
+    deadline: float
+    work: Path
+    cache: object = None
+    results: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def precisions(self) -> tuple[str, ...]:
+        bf16 = torch.cuda.is_bf16_supported() if self.cuda else True
+        return ("fp32", "fp16", "bf16") if bf16 else ("fp32", "fp16")
+
+    @property
+    def default_precision(self) -> str:
+        """What `encode` runs by default: fp16 autocast on CUDA, fp32 on CPU."""
+        return "fp16" if self.cuda else "fp32"
+
+    def seconds_left(self) -> float:
+        return self.deadline - time.perf_counter()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if not args.smoke and not torch.cuda.is_available():
+        print("gpu_report.py: error: no CUDA device here; run with --smoke for the CPU dry run", file=sys.stderr)
+        return 2
+    if args.threads or args.smoke:
+        torch.set_num_threads(args.threads or 1)   # 2 busy cores: one thread is 10-30x faster than two spinning
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="gpu-report-") as tmp:
+        ctx = make_context(args, Path(tmp), started)
+        report = {"schema": SCHEMA, "smoke": ctx.smoke,
+                  "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        for name in SECTIONS:
+            report[name] = run_step(name, ctx)
+            ctx.results[name] = report[name]
+            print_section(name, report[name], flush=True)
+    report["seconds"] = round(time.perf_counter() - started, 1)
+    path = output_path(args.out, ctx)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, _jsonable(report))
+    print(f"\n{summary_table(report)}\n\nwrote {path} in {report['seconds']:.0f} s")
+    return 0
+
+
+def make_context(args, work: Path, started: float) -> Context:
+    """The device, reference config and batch sizes of this run (smoke: the tiny preset on CPU)."""
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    name = torch.cuda.get_device_name(device) if cuda else "cpu"
+    config = preset("smoke").replace(batch_size=SMOKE_BATCH) if args.smoke else preset("seed_t4")
+    ref = config.run.batch_size
+    ctx = Context(smoke=args.smoke, device=device, device_name=name, spec=gpu_spec(name) if cuda else None,
+                  config=config, ref_batch=ref, max_batch=ref,
+                  long_batches=args.long_batches or (30 if args.smoke else 1000),
+                  compile_modes=args.compile_modes,
+                  repeats=args.repeats or (1 if args.smoke else 3), timed_batches=2 if args.smoke else 10,
+                  deadline=started + args.budget_s, work=work)
+    ctx.max_batch = largest_batch(ctx)
+    return ctx
+
+
+def largest_batch(ctx: Context) -> int:
+    """budget.max_batch_size on this GPU (on CPU: the budget's answer, capped at 2x the smoke batch)."""
+    largest = budget.max_batch_size(ctx.config, budget_device(ctx))
+    return min(largest, 2 * ctx.ref_batch) if ctx.smoke else largest
+
+
+def run_step(name: str, ctx: Context) -> dict:
+    """One step's section: its numbers and status; a failure is recorded, never raised."""
+    step, needs_cuda, min_seconds = STEPS[name]
+    if needs_cuda and not ctx.cuda:
+        return {"status": "skipped: no CUDA"}
+    if not ctx.smoke and ctx.seconds_left() < min_seconds:
+        return {"status": f"skipped: time budget ({ctx.seconds_left():.0f} s left, needs ~{min_seconds} s)"}
+    started = time.perf_counter()
+    try:
+        section = {"status": "ok", **step(ctx)}
+    except Exception as exc:  # a report records what failed and goes on
+        section = {"status": f"error: {_one_line(exc)}"}
+    finally:
+        _free_device_memory()
+    section["seconds"] = round(time.perf_counter() - started, 2)
+    return section
+
+
+# ------------------------------------------------------------------------------ environment
+
+
+def step_environment(ctx: Context) -> dict:
+    env = {"device": str(ctx.device), "device_name": ctx.device_name, "torch": torch.__version__,
+           "torch_threads": torch.get_num_threads(),
+           "python": platform.python_version(), "cpu_count": os.cpu_count(),
+           "ram_bytes": psutil.virtual_memory().total, "git_commit": _git_commit(),
+           "peak": dataclasses.asdict(ctx.spec) if ctx.spec else None,
+           "reference_config": ctx.config.name, "model": ctx.config.to_dict()["model"],
+           "reference_batch": ctx.ref_batch, "max_batch": ctx.max_batch,
+           "max_batch_note": ("budget.max_batch_size on this GPU (10% margin)" if ctx.cuda else
+                              "budget.max_batch_size capped at 2x the smoke batch"),
+           "flops_per_image": budget.flops_per_image(ctx.config.model),
+           "bf16": "bf16" in ctx.precisions}
+    if ctx.cuda:
+        props = torch.cuda.get_device_properties(ctx.device)
+        env.update(cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(),
+                   capability=f"{props.major}.{props.minor}", vram_bytes=props.total_memory,
+                   tf32_matmul=torch.backends.cuda.matmul.allow_tf32, driver=_nvidia_smi("driver_version"))
+    ctx.cache = build_cache(ctx)
+    env["cache_images"] = len(ctx.cache)
+    return env
+
+
+def build_cache(ctx: Context):
+    """A real cache of 2 reference batches, rendered by nblib.cache.populate; longer runs cycle it."""
+    from nblib.cache import ShardedImageCache, populate
+
+    n = 2 * ctx.ref_batch
+    texts = [f"gpu report sample {i}: the quick brown fox jumps over the lazy dog, {i * 7919 % 1000}"
+             for i in range(n)]
+    folder = ctx.work / "cache"
+    populate(texts, folder, ctx.config.model.image_size, shard_mb=16, workers=0 if ctx.smoke else None,
+             progress=False)
+    return ShardedImageCache(folder)
+
+
+class CycledImages:
+    """An image source of `n` images that repeats a small cache: image i is cache[i % len(cache)]."""
+
+    complete = True
+
+    def __init__(self, cache, n: int):
+        self.cache, self.n = cache, n
+
+    @property
+    def image_size(self) -> int:
+        return self.cache.image_size
+
+    @property
+    def fingerprint(self) -> str:
+        inner = self.cache.fingerprint
+        return sha256_json({"cycled": inner() if callable(inner) else inner, "n": self.n})
+
+    def __len__(self) -> int:
+        return self.n
+
+    def get_batch(self, start: int, stop: int) -> np.ndarray:
+        m, pieces = len(self.cache), []
+        while start < stop:
+            offset = start % m
+            take = min(stop - start, m - offset)
+            pieces.append(self.cache.get_batch(offset, offset + take))
+            start += take
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+
+# ------------------------------------------------------------------------------ throughput
+
+
+def step_throughput(ctx: Context) -> dict:
+    """samples/s and MFU per (batch, precision, SDPA backend), eager; backends at the reference batch."""
+    encoder = make_encoder(ctx)
+    rows = []
+    for batch in dict.fromkeys((ctx.ref_batch, ctx.max_batch)):
+        images = device_images(ctx, batch)
+        for precision in ctx.precisions:
+            backends = (None, *SDPA_BACKENDS) if batch == ctx.ref_batch else (None,)
+            for backend in backends:
+                rows.append(measure_rate(ctx, encoder, images, precision=precision, sdpa_backend=backend))
+        del images
+        _free_device_memory()
+    return {"rows": rows, "timed_batches": ctx.timed_batches, "repeats": ctx.repeats,
+            "method": "best of `repeats` timings of `timed_batches` encoder.encode calls on a batch "
+                      "already on the device, after 2 warm-up calls; MFU = samples/s x budget.flops_per_image "
+                      "/ the datasheet peak of that precision"}
+
+
+def step_throughput_compiled(ctx: Context) -> dict:
+    """torch.compile per precision at the reference batch (smoke: dynamo with the eager backend, fp32)."""
+    encoder = make_encoder(ctx)
+    images = device_images(ctx, ctx.ref_batch)
+    backend = "eager" if ctx.smoke else "inductor"
+    precisions = ("fp32",) if ctx.smoke else (ctx.default_precision,) + tuple(
+        p for p in ctx.precisions if p != ctx.default_precision)
+    rows, expected = [], COMPILE_SECONDS_GUESS
+    for mode in ctx.compile_modes:
+        for precision in precisions:
+            if not ctx.smoke and ctx.seconds_left() < expected:
+                why = f"skipped: time budget ({ctx.seconds_left():.0f} s left, a compile ~{expected:.0f} s)"
+                rows.append(_row(images, precision, None, mode, error=why))
+                continue
+            _reset_dynamo()
+            rows.append(measure_rate(ctx, encoder, images, precision=precision, compile_mode=mode,
+                                     compile_backend=backend))
+            expected = max(expected, 1.2 * (rows[-1]["first_call_s"] or 0))
+    return {"rows": rows, "compile_backend": backend}
+
+
+def measure_rate(ctx: Context, encoder, images, **options) -> dict:
+    """One throughput row: samples/s, ms per batch, MFU, the first call's seconds; or the error."""
+    options = {"precision": "fp32", "sdpa_backend": None, "compile_mode": None, **options}
+    row = _row(images, options["precision"], options["sdpa_backend"], options["compile_mode"])
+    try:
+        encoder.set_inference(**options)
+        started = time.perf_counter()
+        _run_batches(ctx, encoder, [images])
+        row["first_call_s"] = round(time.perf_counter() - started, 3)
+        per_call = _run_batches(ctx, encoder, [images])
+        n, repeats = timing_plan(ctx, per_call)
+        seconds = min(_run_batches(ctx, encoder, [images] * n) for _ in range(repeats))
+        row["ms_per_batch"] = 1000 * seconds / n
+        row["samples_per_s"] = images.shape[0] * n / seconds
+        row["timed"] = f"best of {repeats} x {n} batches"
+        row["mfu"] = mfu(ctx, row["samples_per_s"], options["precision"])
+    except Exception as exc:  # an unavailable kernel or an OOM is a result, not a crash
+        row["error"] = _one_line(exc)
+        _free_device_memory()
+    finally:
+        encoder.set_inference(precision="auto", sdpa_backend=None, compile_mode=None,
+                              compile_backend="inductor", channels_last_patch_embed=False)
+    return row
+
+
+def timing_plan(ctx: Context, per_call_s: float) -> tuple[int, int]:
+    """(batches per timing, timings): up to timed_batches x repeats, about ROW_SECONDS per timing on a GPU."""
+    if ctx.smoke:
+        return ctx.timed_batches, ctx.repeats
+    n = max(1, min(ctx.timed_batches, int(ROW_SECONDS / max(per_call_s, 1e-6))))
+    return n, (ctx.repeats if n * per_call_s * ctx.repeats <= 3 * ROW_SECONDS else 1)
+
+
+def mfu(ctx: Context, samples_per_s: float, precision: str) -> float | None:
+    """Model FLOP utilization: achieved FLOP/s over the datasheet peak (None: unknown GPU or CPU)."""
+    peak = ctx.spec.peak_flops(precision) if ctx.spec else None
+    return None if not peak else samples_per_s * budget.flops_per_image(ctx.config.model) / peak
+
+
+def _row(images, precision, backend, compile_mode, error=None) -> dict:
+    return {"batch": int(images.shape[0]), "precision": precision, "sdpa_backend": backend or "default",
+            "compile": compile_mode or "eager", "samples_per_s": None, "ms_per_batch": None, "mfu": None,
+            "first_call_s": None, "error": error}
+
+
+def _run_batches(ctx: Context, encoder, batches) -> float:
+    _sync(ctx.device)
+    started = time.perf_counter()
+    for images in batches:
+        encoder.encode(images)
+    _sync(ctx.device)
+    return time.perf_counter() - started
+
+
+# ------------------------------------------------------------------------------ speed candidates
+
+
+def step_candidates(ctx: Context) -> dict:
+    """The opt-in speed knobs at the reference batch and default precision; the fastest within tolerance."""
+    precision = ctx.default_precision
+    rows = [r for r in ctx.results["throughput"].get("rows", []) + ctx.results["throughput_compiled"].get("rows", [])
+            if r["batch"] == ctx.ref_batch and r["precision"] == precision]
+    named = {_candidate_name(r): r["samples_per_s"] for r in rows}
+    encoder = make_encoder(ctx)
+    images = device_images(ctx, ctx.ref_batch)
+    channels_last = measure_rate(ctx, encoder, images, precision=precision, channels_last_patch_embed=True)
+    named["channels_last patch embed"] = channels_last["samples_per_s"]
+    rates = {k: v for k, v in named.items() if v}
+    verdict = fastest_within_tolerance(rates, "default")
+    if ctx.smoke:
+        verdict["recommendation"] = f"SMOKE (CPU, tiny shapes): not a basis for defaults; {verdict['recommendation']}"
+    loader = compare_pinned_loader(ctx, encoder) if ctx.cuda else {"status": "skipped: no CUDA"}
+    errors = {_candidate_name(r): r["error"] for r in rows if r.get("error")}
+    if channels_last.get("error"):
+        errors["channels_last patch embed"] = channels_last["error"]
+    return {"precision": precision, "batch": ctx.ref_batch, "samples_per_s": named, "tolerance": TOLERANCE,
+            **verdict, "loader": loader, "errors": errors}
+
+
+def fastest_within_tolerance(rates: dict[str, float], default: str) -> dict:
+    """The fastest candidate, those within TOLERANCE of it, and whether today's default is among them."""
+    if not rates:
+        return {"fastest": None, "within_tolerance": [], "recommendation": "nothing measured"}
+    best = max(rates, key=rates.get)
+    close = sorted((k for k, v in rates.items() if v >= rates[best] * (1 - TOLERANCE)), key=lambda k: -rates[k])
+    if default in close:
+        advice = f"keep today's default: it is within {TOLERANCE:.0%} of the fastest ({best})"
+    elif default in rates:
+        advice = (f"{best} is {rates[best] / rates[default] - 1:.0%} faster than today's default: make it the "
+                  f"default in nblib.trm.InferenceOptions once the precision section shows its outputs are close")
+    else:
+        advice = f"{best} is fastest; today's default was not measured"
+    return {"fastest": best, "within_tolerance": close, "recommendation": advice}
+
+
+def compare_pinned_loader(ctx: Context, encoder) -> dict:
+    """Host -> device copy + encode per batch, from pinned against pageable host memory."""
+    host = torch.from_numpy(ctx.cache.get_batch(0, ctx.ref_batch))
+    rates = {}
+    for name, batch in (("pageable", host), ("pinned", host.pin_memory())):
+        def run(b=batch):
+            return _run_batches(ctx, encoder, (b.to(ctx.device, non_blocking=True) for _ in range(ctx.timed_batches)))
+        run()
+        rates[name] = ctx.ref_batch * ctx.timed_batches / min(run() for _ in range(ctx.repeats))
+    return {"samples_per_s": rates, **fastest_within_tolerance(rates, "pinned")}
+
+
+def _candidate_name(row: dict) -> str:
+    if row["compile"] != "eager":
+        return f"compile={row['compile']}"
+    if row["sdpa_backend"] != "default":
+        return f"sdpa={row['sdpa_backend']}"
+    return "default"
+
+
+# ------------------------------------------------------------------------------ budget accuracy
+
+
+def step_budget_accuracy(ctx: Context) -> dict:
+    """The budget's memory lines against measured peaks at three batch sizes (VRAM on CUDA, RSS on CPU)."""
+    sizes = sorted({max(1, ctx.ref_batch // 4), ctx.ref_batch, ctx.max_batch})
+    device = budget_device(ctx)
+    rows = [measure_budget_lines(ctx, device, b) for b in sizes]
+    return {"device": device.name, "memory": "CUDA allocator and driver" if ctx.cuda else "process RSS",
+            "rows": rows, "method": "cfg.replace(batch_size=b, consolidate_every=1, checkpoint_every=1); "
+            "one warm-up pass, then the second pass's peak; allocated/reserved are deltas from an emptied "
+            "allocator, the driver figure is absolute (mem_get_info: total - free)"}
+
+
+def measure_budget_lines(ctx: Context, device, batch: int) -> dict:
+    cfg = ctx.config.replace(batch_size=batch, consolidate_every=1, checkpoint_every=1)
+    predicted = budget.predict_budget(cfg, device)
+    lines = {ln.name: ln.bytes for r in ("vram", "ram") for ln in predicted.lines[r]}
+    measured = _measure_forward_memory(ctx, batch)
+    forward = budget.forward_peak_delta(cfg, on_gpu=ctx.cuda)
+    pairs = [("forward peak over weights + input", forward, measured["forward"])]
+    if ctx.cuda:   # RSS cannot resolve a few MB of weights or input; the CUDA allocator counts them exactly
+        pairs += [("weights (fp32)", lines["weights (fp32)"], measured["weights"]),
+                  ("input batch (uint8)", lines["input batch (uint8)"], measured["input"])]
+        allocated = sum(v for k, v in lines.items() if k in _ALLOCATED_LINES)
+        pairs += [("outputs held on GPU (1 batch)", lines["outputs held on GPU"], measured["outputs"]),
+                  ("allocated at peak (max_memory_allocated)", allocated, measured["max_allocated"]),
+                  ("reserved at peak (+ allocator cache)", allocated + lines["allocator cache"],
+                   measured["max_reserved"]),
+                  ("CUDA context (driver - reserved)", lines["CUDA context"], measured["context"]),
+                  ("VRAM total (mem_get_info)", predicted.totals["vram"], measured["driver_used"]),
+                  ("VRAM total (nvidia-smi)", predicted.totals["vram"], measured["nvidia_smi_used"])]
+    return {"batch": batch, "fits": predicted.fits, "lines": [
+        {"name": n, "predicted": p, "measured": m, "ratio": (m / p if m is not None and p else None)}
+        for n, p, m in pairs]}
+
+
+_ALLOCATED_LINES = ("weights (fp32)", "fp16 weight copies (autocast)", "input batch (uint8)",
+                    "activations at peak", "attention scores", "outputs held on GPU")
+
+
+def _measure_forward_memory(ctx: Context, batch: int) -> dict:
+    """Bytes: weights, input, forward peak over both, outputs, and on CUDA the allocator and driver figures."""
+    from nblib.measure import PeakMemory, pin_malloc_mmap_threshold
+
+    pin_malloc_mmap_threshold()
+    _free_device_memory()
+    read = (lambda: torch.cuda.memory_allocated()) if ctx.cuda else (lambda: psutil.Process().memory_info().rss)
+    base = read()
+    base_reserved = torch.cuda.memory_reserved() if ctx.cuda else 0
+    encoder = make_encoder(ctx)
+    after_weights = read()
+    images = device_images(ctx, batch)
+    after_input = read()
+    encoder.encode(images)                      # warm-up: kernels and workspaces sized for this batch
+    _sync(ctx.device)
+    gc.collect()
+    before = read()
+    if ctx.cuda:
+        torch.cuda.reset_peak_memory_stats()
+    with PeakMemory() as pm:
+        out = encoder.encode(images)
+        _sync(ctx.device)
+    got = {"weights": after_weights - base, "input": after_input - after_weights}
+    if not ctx.cuda:
+        return {**got, "forward": pm.delta}
+    free, total = torch.cuda.mem_get_info(ctx.device)
+    reserved_now = torch.cuda.memory_reserved()
+    got.update(forward=torch.cuda.max_memory_allocated() - before, outputs=read() - before,
+               max_allocated=torch.cuda.max_memory_allocated() - base,
+               max_reserved=torch.cuda.max_memory_reserved() - base_reserved,
+               driver_used=total - free, context=(total - free) - reserved_now,
+               nvidia_smi_used=_nvidia_smi_used_bytes())
+    del out
+    return got
+
+
+def budget_device(ctx: Context):
+    """The budget's Device for this machine: its preset when the GPU has one, else built from its figures."""
+    if not ctx.cuda:
+        return budget.device_preset("cpu")
+    props = torch.cuda.get_device_properties(ctx.device)
+    presets = {"T4": "t4", "L4": "l4", "H200 SXM": "h200", "A100 40GB": "a100-40gb"}
+    known = budget.device_preset(presets[ctx.spec.name]) if ctx.spec and ctx.spec.name in presets else None
+    spec = ctx.spec or GpuSpec("unknown", 1.0, 1.0, None, 1.0)
+    return budget.Device(
+        name=ctx.device_name, vram_bytes=props.total_memory, ram_bytes=psutil.virtual_memory().total,
+        disk_bytes=shutil.disk_usage(ctx.work).free, fp32_flops=spec.fp32_tflops * 1e12,
+        fp16_flops=spec.fp16_tflops * 1e12,
+        cuda_context_bytes=known.cuda_context_bytes if known else int(0.5e9))
+
+
+# ------------------------------------------------------------------------------ long run, offload, streaming
+
+
+def step_long_run_vram(ctx: Context) -> dict:
+    """Allocated memory before every batch of a long streaming encode (parts + mirror); its slope."""
+    from nblib.encode import encode
+
+    cfg = ctx.config
+    n = ctx.long_batches * cfg.run.batch_size
+    source = CycledImages(ctx.cache, n)
+    with BatchMemorySampler(ctx.cuda) as sampler:
+        report = encode(source, ctx.work / "long", cfg, str(ctx.device), outputs=("checksums",),
+                        mirror_dir=ctx.work / "long-mirror", progress=False, preflight=False,
+                        do_consolidate=False)
+    shutil.rmtree(ctx.work / "long", ignore_errors=True)
+    shutil.rmtree(ctx.work / "long-mirror", ignore_errors=True)
+    series = np.array(sampler.before, dtype=np.float64) / MB
+    warm = min(len(series) // 10, 50)
+    return {"batches": len(series), "batch_size": cfg.run.batch_size, "memory": sampler.what,
+            "outputs": ["checksums"], "mirror": True, "samples_per_s": report.samples_per_s,
+            "slope_mb_per_1000_batches": slope_per_1000(series[warm:]),
+            "slope_all_mb_per_1000_batches": slope_per_1000(series),
+            "warmup_batches_skipped": warm, "first_mb": float(series[0]), "last_mb": float(series[-1]),
+            "min_mb": float(series.min()), "max_mb": float(series.max()),
+            "peak_after_forward_mb": float(max(sampler.after) / MB),
+            "series_mb": _downsample(series, 200)}
+
+
+def slope_per_1000(series_mb: np.ndarray) -> float:
+    """Least-squares slope of a per-batch series, in MB per 1,000 batches."""
+    if len(series_mb) < 2:
+        return 0.0
+    return float(np.polyfit(np.arange(len(series_mb), dtype=np.float64), series_mb, 1)[0] * 1000)
+
+
+class BatchMemorySampler:
+    """Allocated CUDA memory (RSS on CPU) just before and after every TRMVisionEncoder forward.
+
+    Global module hooks (torch.nn.modules.module.register_module_forward_*_hook) see the encoder
+    that `encode` builds inside itself, so the public encode runs unchanged.
+    """
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.what = "torch.cuda.memory_allocated" if cuda else "process RSS"
+        self.before: list[int] = []
+        self.after: list[int] = []
+        self._handles = []
+        self._process = psutil.Process()
+
+    def read(self) -> int:
+        return torch.cuda.memory_allocated() if self.cuda else self._process.memory_info().rss
+
+    def __enter__(self) -> BatchMemorySampler:
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        self._handles = [register_module_forward_pre_hook(self._pre), register_module_forward_hook(self._post)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def _pre(self, module, args):
+        if isinstance(module, TRMVisionEncoder):
+            self.before.append(self.read())
+
+    def _post(self, module, args, output):
+        if isinstance(module, TRMVisionEncoder):
+            self.after.append(self.read())
+
+
+def step_offload(ctx: Context) -> dict:
+    """Async per-batch offload against consolidate-every-K: samples/s and peak memory of each."""
+    from nblib.measure import PeakMemory
+
+    cfg = ctx.config
+    n_batches = 8 if ctx.smoke else 2 * cfg.run.consolidate_every
+    source = CycledImages(ctx.cache, n_batches * cfg.run.batch_size)
+    modes = {mode: stream_once(ctx, source, mode, PeakMemory) for mode in ("async", "consolidate")}
+    ctx.results["_stream_rate"] = modes["async"]["samples_per_s"]
+    return {"batches": n_batches, "batch_size": cfg.run.batch_size, "consolidate_every": cfg.run.consolidate_every,
+            "mirror": True, **modes,
+            "faster": max(modes, key=lambda m: modes[m]["samples_per_s"])}
+
+
+def stream_once(ctx: Context, source, offload: str, peak_memory) -> dict:
+    from nblib.encode import encode
+
+    _free_device_memory()
+    run_dir, mirror = ctx.work / f"stream-{offload}", ctx.work / f"stream-{offload}-mirror"
+    with peak_memory() as pm:
+        report = encode(source, run_dir, ctx.config, str(ctx.device), offload=offload, mirror_dir=mirror,
+                        progress=False, preflight=False, do_consolidate=False)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    shutil.rmtree(mirror, ignore_errors=True)
+    return {"samples_per_s": report.samples_per_s, "write_share": report.write_seconds / report.seconds,
+            "peak_vram_allocated": pm.cuda_allocated_peak, "peak_vram_reserved": pm.cuda_reserved_peak,
+            "peak_rss": pm.peak}
+
+
+def step_streaming_overhead(ctx: Context) -> dict:
+    """The streaming encode (cache, loader, parts, mirror) against a bare forward on the same batches."""
+    encoder = make_encoder(ctx)
+    b = ctx.config.run.batch_size
+    batches = [torch.from_numpy(ctx.cache.get_batch(s, s + b)).to(ctx.device) for s in range(0, len(ctx.cache), b)]
+    n = max(ctx.timed_batches, 8)
+    cycle = [batches[i % len(batches)] for i in range(n)]
+    _run_batches(ctx, encoder, cycle[:2])
+    bare = b * n / min(_run_batches(ctx, encoder, cycle) for _ in range(ctx.repeats))
+    stream = ctx.results.get("_stream_rate")
+    if not stream:
+        from nblib.measure import PeakMemory
+
+        stream = stream_once(ctx, CycledImages(ctx.cache, 8 * b), "async", PeakMemory)["samples_per_s"]
+    return {"bare_samples_per_s": bare, "streaming_samples_per_s": stream, "ratio": stream / bare,
+            "target": ">= 0.95", "precision": ctx.default_precision}
+
+
+# ------------------------------------------------------------------------------ precision
+
+
+def step_precision(ctx: Context) -> dict:
+    """fp16 / bf16 autocast outputs against fp32 on real cache images."""
+    encoder = make_encoder(ctx)
+    images = torch.from_numpy(ctx.cache.get_batch(0, ctx.ref_batch)).to(ctx.device)
+    reference = {k: v.float() for k, v in encoder.set_inference(precision="fp32").encode(images).items()}
+    rows = {}
+    for precision in ctx.precisions[1:]:
+        try:
+            low = {k: v.float() for k, v in encoder.set_inference(precision=precision).encode(images).items()}
+            rows[precision] = compare_outputs(low, reference)
+        except Exception as exc:
+            rows[precision] = {"error": _one_line(exc)}
+    encoder.set_inference(precision="auto")
+    return {"batch": ctx.ref_batch, "against": "fp32", **rows,
+            "method": "relative error per capsule vector, ||low - fp32|| / ||fp32||; checksum bits are the "
+                      "signs of the checksums"}
+
+
+def compare_outputs(low: dict, ref: dict) -> dict:
+    """Max and mean relative error of sketches and children; share of checksum sign bits that agree."""
+    def rel(name):
+        a, b = low[name].flatten(2 if name == "sketches" else 3), ref[name].flatten(2 if name == "sketches" else 3)
+        return ((a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-12)).cpu()
+
+    sketch, children = rel("sketches"), rel("children")
+    bits = (low["checksums"] > 0) == (ref["checksums"] > 0)
+    return {"sketch_max_rel_err": float(sketch.max()), "sketch_mean_rel_err": float(sketch.mean()),
+            "children_max_rel_err": float(children.max()), "children_mean_rel_err": float(children.mean()),
+            "checksum_bits_agree": float(bits.float().mean())}
+
+
+# ------------------------------------------------------------------------------ T4 projection
+
+
+def step_t4_projection(ctx: Context) -> dict:
+    """A roofline projection to a T4 from one traced forward's FLOPs and bytes per kernel (a projection)."""
+    encoder = make_encoder(ctx)
+    images = device_images(ctx, ctx.ref_batch)
+    out = {"label": "PROJECTION, not a measurement", "batch": ctx.ref_batch,
+           "traced_on": ctx.device_name, "t4": dataclasses.asdict(T4), "method": PROJECTION_METHOD,
+           "reference_t4_fp32_measured": REFERENCE_T4_FP32_SAMPLES_PER_S}
+    for precision in ("fp32", "fp16"):
+        calls = trace_kernels(encoder.set_inference(precision=precision), images)
+        peak, bandwidth = T4.peak_flops(precision), T4.bandwidth_gbs * 1e9
+        t4 = roofline(calls, peak, bandwidth, ctx.ref_batch)
+        entry = {"kernels": len(calls), "flops_per_batch": sum(f for _, f, _ in calls),
+                 "bytes_per_batch": sum(b for _, _, b in calls),
+                 "analytic_flops_per_batch": budget.flops_per_image(ctx.config.model) * ctx.ref_batch,
+                 "t4_roofline_samples_per_s": t4["per_kernel"], "t4_bound_samples_per_s": t4["whole_batch"],
+                 "top_ops": _top_ops(calls, peak, bandwidth)}
+        entry.update(_calibrated(ctx, precision, calls, t4["per_kernel"]))
+        out[precision] = entry
+    encoder.set_inference(precision="auto")
+    return out
+
+
+PROJECTION_METHOD = (
+    "one forward at the reference batch traced with a TorchDispatchMode: per aten kernel, FLOPs from "
+    "torch.utils.flop_counter's formulas (composite ops decomposed as FlopCounterMode does) and bytes as "
+    "every input read and every output written once from DRAM (eager, unfused kernels; views move nothing; "
+    "caches ignored); each kernel takes max(FLOPs / peak, bytes / bandwidth), summed over the batch; T4: "
+    "65 TFLOP/s fp16, 8.1 fp32, 320 GB/s. 'calibrated' scales it by the share of its own roofline the "
+    "measured GPU reached on the same trace.")
+
+
+def trace_kernels(encoder, images) -> list[tuple[str, float, int]]:
+    """(op name, FLOPs, bytes moved) of every kernel one encoder.encode call runs."""
+    counter = KernelCounter()
+    with counter:
+        encoder.encode(images)
+    return counter.calls
+
+
+class KernelCounter(TorchDispatchMode):
+    """FLOPs and bytes of each aten kernel (views move nothing; a broadcast input counts its storage)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[str, float, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_flatten
+        from torch.utils.flop_counter import flop_registry
+
+        kwargs = kwargs or {}
+        packet = func.overloadpacket
+        if packet not in flop_registry:   # as FlopCounterMode: linear -> addmm, sdpa -> its kernel
+            with self:
+                decomposed = func.decompose(*args, **kwargs)
+            if decomposed is not NotImplemented:
+                return decomposed
+        out = func(*args, **kwargs)
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if outputs and not _moves_nothing(func, inputs, outputs):
+            flops = flop_registry[packet](*args, **kwargs, out_val=out) if packet in flop_registry else 0
+            self.calls.append((str(packet), float(flops), sum(_tensor_bytes(t) for t in inputs + outputs)))
+        return out
+
+
+def roofline(calls, peak_flops: float, bandwidth: float, batch: int) -> dict:
+    """samples/s: per kernel max(F/peak, B/bw) summed, and the whole batch's single bound."""
+    per_kernel = sum(max(f / peak_flops, b / bandwidth) for _, f, b in calls)
+    total_f, total_b = sum(f for _, f, _ in calls), sum(b for _, _, b in calls)
+    whole = max(total_f / peak_flops, total_b / bandwidth)
+    return {"per_kernel": batch / per_kernel, "whole_batch": batch / whole}
+
+
+def _calibrated(ctx: Context, precision: str, calls, t4_rate: float) -> dict:
+    """The T4 figure scaled by how close the measured GPU came to its own roofline of the same trace."""
+    measured = next((r["samples_per_s"] for r in ctx.results.get("throughput", {}).get("rows", [])
+                     if r["batch"] == ctx.ref_batch and r["precision"] == precision
+                     and r["sdpa_backend"] == "default" and r["samples_per_s"]), None)
+    peak = ctx.spec.peak_flops(precision) if ctx.spec else None
+    if not measured or not peak:
+        return {"measured_samples_per_s": measured, "roofline_share_on_measured_gpu": None,
+                "t4_calibrated_samples_per_s": None}
+    own = roofline(calls, peak, ctx.spec.bandwidth_gbs * 1e9, ctx.ref_batch)["per_kernel"]
+    return {"measured_samples_per_s": measured, "roofline_share_on_measured_gpu": measured / own,
+            "t4_calibrated_samples_per_s": t4_rate * measured / own}
+
+
+def _top_ops(calls, peak: float, bandwidth: float, n: int = 6) -> list[dict]:
+    """The op types that take the most roofline time, with their FLOPs, bytes and what bounds them."""
+    ops: dict[str, list[float]] = {}
+    for name, f, b in calls:
+        op = ops.setdefault(name, [0.0, 0.0, 0.0, 0.0])   # flops, bytes, seconds, compute-bound seconds
+        seconds = max(f / peak, b / bandwidth)
+        op[0], op[1], op[2] = op[0] + f, op[1] + b, op[2] + seconds
+        op[3] += seconds if f / peak >= b / bandwidth else 0.0
+    total = sum(op[2] for op in ops.values())
+    return [{"op": name, "flops": f, "bytes": b, "share": sec / total,
+             "bound": "compute" if cb >= sec / 2 else "memory"}
+            for name, (f, b, sec, cb) in sorted(ops.items(), key=lambda kv: -kv[1][2])[:n]]
+
+
+def _moves_nothing(func, inputs, outputs) -> bool:
+    """A view, or an out-of-place op whose outputs all alias its inputs (e.g. _unsafe_view)."""
+    if getattr(func, "is_view", False):
+        return True
+    if func._schema.is_mutable:
+        return False
+    shared = {t.untyped_storage().data_ptr() for t in inputs}
+    return all(t.untyped_storage().data_ptr() in shared for t in outputs)
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    try:
+        return min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
+    except RuntimeError:   # a tensor without storage
+        return t.numel() * t.element_size()
+
+
+# ------------------------------------------------------------------------------ capped memory
+
+
+def step_capped_memory(ctx: Context) -> dict:
+    """The encode with the allocator capped to a T4's 15 GB: does the budget's verdict match the run?"""
+    t4 = budget.device_preset("t4")
+    cap = t4.vram_bytes - t4.cuda_context_bytes   # the allocator's share; the context lives outside it
+    total = torch.cuda.get_device_properties(ctx.device).total_memory
+    cfg = ctx.config.replace(consolidate_every=5, checkpoint_every=5)
+    vram_only = dataclasses.replace(t4, ram_bytes=2**60)   # this host's RAM is not a T4's: test VRAM alone
+    fit = budget.max_batch_size(cfg, vram_only)
+    edge = budget.max_batch_size(cfg, vram_only, margin=0.0)
+    rows = []
+    for batch in dict.fromkeys((fit, edge + 1, int(edge * 1.25))):
+        rows.append(capped_run(ctx, cfg.replace(batch_size=batch), t4, cap / total))
+    return {"cap_bytes": cap, "fraction": cap / total, "consolidate_every": 5, "rows": rows,
+            "all_agree": all(r["agree"] for r in rows),
+            "method": "torch.cuda.set_per_process_memory_fraction(cap / total); one part of 5 batches "
+                      "(offload=consolidate) through nblib.encode.encode; fits = the budget's VRAM total "
+                      "<= the T4's 15 GB"}
+
+
+def capped_run(ctx: Context, cfg, t4, fraction: float) -> dict:
+    from nblib.encode import encode
+
+    predicted = budget.predict_budget(cfg, t4)
+    fits = predicted.totals["vram"] <= predicted.limits["vram"]
+    source = CycledImages(ctx.cache, cfg.run.consolidate_every * cfg.run.batch_size)
+    _free_device_memory()
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.set_per_process_memory_fraction(fraction, ctx.device)
+    oom, error = False, None
+    try:
+        encode(source, ctx.work / "capped", cfg, str(ctx.device), offload="consolidate", progress=False,
+               preflight=False, do_consolidate=False)
+    except Exception as exc:
+        oom, error = _is_oom(exc), _one_line(exc)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, ctx.device)
+        shutil.rmtree(ctx.work / "capped", ignore_errors=True)
+        peak = torch.cuda.max_memory_reserved()
+        _free_device_memory()
+    return {"batch": cfg.run.batch_size, "predicted_vram": predicted.totals["vram"], "budget_fits": fits,
+            "oom": oom, "agree": fits != oom and (error is None or oom), "error": error,
+            "max_reserved": peak}
+
+
+def _is_oom(exc: BaseException | None) -> bool:
+    while exc is not None:
+        if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower():
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+# ------------------------------------------------------------------------------ output
+
+
+def output_path(out: str | None, ctx: Context) -> Path:
+    """--out as a .json file or a folder; default benchmarks/results/ (GPU) or outputs/ (smoke)."""
+    date = datetime.date.today().isoformat()
+    name = f"{'smoke-' if ctx.smoke else ''}{_slug(ctx.device_name)}-{date}.json"
+    if out:
+        return Path(out) if out.endswith(".json") else Path(out) / name
+    if ctx.smoke:
+        from nblib.env import outputs_dir
+
+        return outputs_dir() / "gpu_report" / name
+    return RESULTS / name
+
+
+def print_section(name: str, section: dict, flush: bool = True) -> None:
+    print(f"[{name}] {section['status']} ({section.get('seconds', 0):.1f} s)", flush=flush)
+
+
+def summary_table(report: dict) -> str:
+    """The report as text: throughput rows, then one line per section."""
+    env = report["environment"]
+    kind = "SMOKE: tiny shapes" if report["smoke"] else "measured"
+    lines = [f"GPU report on {env.get('device_name')} ({kind}), "
+             f"torch {env.get('torch')}, config {env.get('reference_config')}"]
+    lines.append(f"{'batch':>6} {'precision':<9} {'sdpa':<10} {'compile':<14} {'samples/s':>11} "
+                 f"{'ms/batch':>9} {'MFU':>6}")
+    for row in report["throughput"].get("rows", []) + report["throughput_compiled"].get("rows", []):
+        rate = f"{row['samples_per_s']:,.1f}" if row["samples_per_s"] else (row["error"] or "-")[:40]
+        ms = f"{row['ms_per_batch']:.2f}" if row["ms_per_batch"] else ""
+        lines.append(f"{row['batch']:>6} {row['precision']:<9} {row['sdpa_backend']:<10} {row['compile']:<14} "
+                     f"{rate:>11} {ms:>9} {_pct(row['mfu']):>6}")
+    lines += [_summary_line(name, report[name]) for name in SECTIONS
+              if name not in ("throughput", "throughput_compiled")]
+    return "\n".join(lines)
+
+
+def _summary_line(name: str, s: dict) -> str:
+    if s["status"] != "ok":
+        return f"{name:<20} {s['status']}"
+    if name == "environment":
+        return (f"{name:<20} reference batch {s['reference_batch']}, largest batch {s['max_batch']} "
+                f"({s['max_batch_note']})")
+    if name == "budget_accuracy":
+        ratios = [f"b={r['batch']}: " + ", ".join(f"{ln['name'].split(' (')[0]} {ln['ratio']:.2f}" for ln in r["lines"]
+                                                  if ln["ratio"] is not None) for r in s["rows"]]
+        return f"{name:<20} measured/predicted ({s['memory']}): " + " | ".join(ratios)
+    if name == "long_run_vram":
+        return (f"{name:<20} {s['batches']} batches, {s['memory']}: slope {s['slope_mb_per_1000_batches']:+.3f} "
+                f"MB/1000 batches (all: {s['slope_all_mb_per_1000_batches']:+.3f}), "
+                f"{s['min_mb']:.0f}-{s['max_mb']:.0f} MB")
+    if name == "offload":
+        return f"{name:<20} " + ", ".join(
+            f"{m} {s[m]['samples_per_s']:,.1f} samples/s peak VRAM {_mb(s[m]['peak_vram_allocated'])} "
+            f"RSS {_mb(s[m]['peak_rss'])}" for m in ("async", "consolidate"))
+    if name == "streaming_overhead":
+        return (f"{name:<20} streaming {s['streaming_samples_per_s']:,.1f} / bare {s['bare_samples_per_s']:,.1f} "
+                f"samples/s = {s['ratio']:.3f} (target {s['target']})")
+    if name == "precision":
+        return f"{name:<20} " + "; ".join(
+            f"{p}: sketch rel err max {s[p]['sketch_max_rel_err']:.2e} mean {s[p]['sketch_mean_rel_err']:.2e}, "
+            f"checksum bits agree {s[p]['checksum_bits_agree']:.2%}" if "error" not in s[p] else f"{p}: {s[p]['error']}"
+            for p in ("fp16", "bf16") if p in s)
+    if name == "t4_projection":
+        def fmt(p):
+            e = s[p]
+            cal = f", calibrated {e['t4_calibrated_samples_per_s']:,.0f}" if e["t4_calibrated_samples_per_s"] else ""
+            return f"{p} {e['t4_roofline_samples_per_s']:,.0f} samples/s roofline{cal}"
+        return (f"{name:<20} PROJECTION (batch {s['batch']}, traced on {s['traced_on']}): {fmt('fp16')}; {fmt('fp32')} "
+                f"(measured reference fp32 on a T4: {s['reference_t4_fp32_measured']:.0f})")
+    if name == "capped_memory":
+        return f"{name:<20} cap {_mb(s['cap_bytes'])}: " + ", ".join(
+            f"b={r['batch']} budget {'fits' if r['budget_fits'] else 'over'} run {'OOM' if r['oom'] else 'ok'}"
+            f"{'' if r['agree'] else ' DISAGREE'}" for r in s["rows"])
+    if name == "candidates":
+        loader = s["loader"].get("recommendation", s["loader"].get("status"))
+        return f"{name:<20} fastest {s['fastest']}; {s['recommendation']}; loader: {loader}"
+    return f"{name:<20} ok"
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+STEPS = {   # name -> (function, needs CUDA, seconds it needs at least on a GPU)
+    "environment": (step_environment, False, 0),
+    "budget_accuracy": (step_budget_accuracy, False, 20),
+    "throughput": (step_throughput, False, 30),
+    "long_run_vram": (step_long_run_vram, False, 60),
+    "offload": (step_offload, False, 30),
+    "streaming_overhead": (step_streaming_overhead, False, 10),
+    "precision": (step_precision, False, 5),
+    "t4_projection": (step_t4_projection, False, 10),
+    "capped_memory": (step_capped_memory, True, 30),
+    "throughput_compiled": (step_throughput_compiled, False, 60),
+    "candidates": (step_candidates, False, 10),
+}
+
+
+def make_encoder(ctx: Context) -> TRMVisionEncoder:
+    return TRMVisionEncoder(ctx.config, seed=ctx.config.run.seed).eval().to(ctx.device)
+
+
+def device_images(ctx: Context, batch: int) -> torch.Tensor:
+    """`batch` images from the cache (cycled), on the device."""
+    return torch.from_numpy(CycledImages(ctx.cache, batch).get_batch(0, batch)).to(ctx.device)
+
+
+def _free_device_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _nvidia_smi(field: str) -> str | None:
+    if shutil.which("nvidia-smi") is None:
+        return None
+    index = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader,nounits", "-i", index],
+                             capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+
+
+def _nvidia_smi_used_bytes() -> int | None:
+    used = _nvidia_smi("memory.used")   # MiB
+    return int(float(used) * 2**20) if used else None
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).resolve().parent)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
+def _downsample(series: np.ndarray, n: int) -> list[float]:
+    step = max(1, math.ceil(len(series) / n))
+    return [round(float(v), 3) for v in series[::step]]
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "gpu"
+
+
+def _pct(x) -> str:
+    return f"{x:.1%}" if x is not None else "-"
+
+
+def _mb(n) -> str:
+    return f"{n / MB:,.0f} MB" if n is not None else "-"
+
+
+def _jsonable(obj):
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items() if not str(k).startswith("_")}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, (np.floating, np.integer)):
+        return obj.item()
+    return obj
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one line and exits 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _reset_dynamo() -> None:
+    import torch._dynamo
+
+    torch._dynamo.reset()
+
+
+def _compile_modes(text: str) -> tuple[str, ...]:
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    unknown = [m for m in modes if m not in COMPILE_MODES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown compile mode(s) {unknown}; choose from {', '.join(COMPILE_MODES)}")
+    return modes
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _OneLineParser(prog="gpu_report.py", description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true", help="every step on CPU (or GPU) with the tiny smoke preset")
+    p.add_argument("--out", help="a folder (the file is named <gpu>-<date>.json) or a .json path")
+    p.add_argument("--budget-s", type=_positive_int, default=400,
+                   help="seconds of the run after which steps and compiles that would not finish are skipped "
+                        "(default 400, so the whole report stays under 8 min)")
+    p.add_argument("--long-batches", type=_positive_int, help="batches of the long run (1000; smoke 30)")
+    p.add_argument("--compile-modes", type=_compile_modes, default=("default",),
+                   help="comma-separated torch.compile modes to measure ('' for none; max-autotune takes minutes)")
+    p.add_argument("--threads", type=_positive_int, help="torch CPU threads (default: torch's; smoke 1)")
+    p.add_argument("--repeats", type=_positive_int, help="timings per throughput row, best kept (3; smoke 2)")
+    return p
+
+
+if __name__ == "__main__":
+    sys.exit(main())

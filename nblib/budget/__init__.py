@@ -1,0 +1,66 @@
+"""Every prediction: the VRAM, RAM, disk and time a pipeline config needs, and refusing jobs that do not fit.
+
+`predict_budget(config, device)` returns a `Budget`: itemized lines (bytes + a one-line reason)
+for VRAM, RAM, local disk and Drive, a time estimate from FLOPs, and a verdict naming the limit
+that binds. Memory lines count only the buffers live at the peak. `preflight` checks the same
+prediction against this machine's free disk, RAM and VRAM and raises `BudgetExceeded` with the
+numbers and the knob to turn; `plan_budget` picks knobs that fit. Trade-off: a closed-form model
+is instant and explains itself, but it is only as right as its accounting;
+`benchmarks/budget_accuracy.py` checks it against measured peaks. Pure Python: no torch here.
+
+Parts: devices (the machines), memory (model arithmetic, memory lines), disk (cache, parts,
+shards, the disk check), checkpoint (tf.data shuffle checkpoints), predict (the Budget),
+preflight, knobs (plan_budget).
+"""
+from __future__ import annotations
+
+from nblib.budget._checks import require_positive
+from nblib.budget.checkpoint import (
+    RESTORE_RAM_FACTOR,
+    ShuffleCheckpoint,
+    checkpoint_disk_peak,
+    checkpoint_ram_peak,
+    shuffle_checkpoint,
+    shuffle_checkpoint_table,
+)
+from nblib.budget.devices import DEVICES, Device, device_preset
+from nblib.budget.disk import (
+    CODEC_RATIO_ESTIMATE,
+    NPY_HEADER_BYTES,
+    ShardPlan,
+    cache_bytes,
+    check_disk,
+    choose_codec,
+    disk_lines,
+    plan_shards,
+)
+from nblib.budget.knobs import BudgetPlan, plan_budget
+from nblib.budget.memory import (
+    ALLOCATOR_CACHE_SHARE,
+    LOADER_WORKER_RAM,
+    RUNTIME_RAM_CPU,
+    RUNTIME_RAM_CUDA,
+    Line,
+    autocast_weight_count,
+    flops_per_image,
+    forward_peak_delta,
+    model_memory_lines,
+    output_bytes_per_batch,
+    output_bytes_per_image,
+    output_shapes,
+    param_count,
+)
+from nblib.budget.predict import KNOBS, RESOURCES, Budget, calibrate, max_batch_size, predict_budget
+from nblib.budget.preflight import preflight
+from nblib.config import OUTPUT_CHOICES
+
+__all__ = [
+    "ALLOCATOR_CACHE_SHARE", "CODEC_RATIO_ESTIMATE", "DEVICES", "KNOBS", "LOADER_WORKER_RAM",
+    "NPY_HEADER_BYTES", "OUTPUT_CHOICES", "RESOURCES", "RESTORE_RAM_FACTOR", "RUNTIME_RAM_CPU",
+    "RUNTIME_RAM_CUDA", "Budget", "BudgetPlan", "Device", "Line", "ShardPlan", "ShuffleCheckpoint",
+    "autocast_weight_count", "cache_bytes", "calibrate", "check_disk", "checkpoint_disk_peak",
+    "checkpoint_ram_peak", "choose_codec", "device_preset", "disk_lines", "flops_per_image",
+    "forward_peak_delta", "max_batch_size", "model_memory_lines", "output_bytes_per_batch",
+    "output_bytes_per_image", "output_shapes", "param_count", "plan_budget", "plan_shards",
+    "predict_budget", "preflight", "require_positive", "shuffle_checkpoint", "shuffle_checkpoint_table",
+]

@@ -1,0 +1,70 @@
+"""The machines a job may run on: VRAM, RAM, disk and peak FLOP/s, each figure with its source."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nblib.errors import ConfigError
+from nblib.units import GB, GiB
+
+
+@dataclass(frozen=True)
+class Device:
+    """A machine the job may run on: its limits and peak arithmetic rates."""
+
+    name: str
+    vram_bytes: int           # 0: no GPU, activations live in RAM
+    ram_bytes: int            # host RAM a job may use (after the OS and the notebook server)
+    disk_bytes: int           # free local disk at the start of a session
+    fp32_flops: float         # peak FP32 FLOP/s
+    fp16_flops: float         # peak FP16 FLOP/s (tensor cores where present)
+    cuda_context_bytes: int = 0  # driver + kernels image, outside torch's allocator
+    efficiency: float = 0.25  # share of peak a batch of this encoder reaches (calibrate())
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.vram_bytes > 0
+
+    @property
+    def compute_flops(self) -> float:
+        """The rate inference runs at: fp16 autocast on CUDA, fp32 on CPU."""
+        return self.fp16_flops if self.is_gpu else self.fp32_flops
+
+
+DEVICES: dict[str, Device] = {
+    # GitHub-hosted ubuntu-latest runner (docs.github.com "About GitHub-hosted runners": 4 vCPU,
+    # 16 GB RAM, 14 GB SSD); 4 cores x ~2.5 GHz x 32 FP32 FLOP/cycle (AVX2, 2 FMA units) = 0.32
+    # TFLOP/s; no fp16 speed-up on CPU.
+    "cpu": Device("cpu", vram_bytes=0, ram_bytes=int(14 * GB), disk_bytes=int(14 * GB),
+                  fp32_flops=0.32e12, fp16_flops=0.32e12, efficiency=0.3),
+    # Colab free T4: 15.0 GB VRAM as Colab shows it (16 GB GDDR6 less ECC/reserved), 12.7 GB RAM
+    # of which ~11 GB usable, ~78 GB free of a 108 GB disk. NVIDIA T4 datasheet: 8.1 TFLOP/s
+    # FP32, 65 TFLOP/s FP16 tensor. CUDA context 300-500 MB on a T4 (nvidia-smi after init).
+    "t4": Device("t4", vram_bytes=int(15.0 * GB), ram_bytes=int(11.0 * GB),
+                 disk_bytes=int(78 * GB), fp32_flops=8.1e12, fp16_flops=65e12,
+                 cuda_context_bytes=int(0.4 * GB)),
+    # Colab L4: 22.5 GB VRAM shown, 53 GB RAM, ~200 GB free disk. NVIDIA L4 datasheet: 30.3
+    # TFLOP/s FP32, 121 TFLOP/s FP16 tensor (dense; 242 with sparsity).
+    "l4": Device("l4", vram_bytes=int(22.5 * GB), ram_bytes=int(50 * GB), disk_bytes=int(200 * GB),
+                 fp32_flops=30.3e12, fp16_flops=121e12, cuda_context_bytes=int(0.5 * GB)),
+    # Colab A100 40 GB: 40 GB VRAM, 83.5 GB RAM, ~200 GB free disk. NVIDIA A100 datasheet: 19.5
+    # TFLOP/s FP32, 312 TFLOP/s FP16 tensor (dense).
+    "a100-40gb": Device("a100-40gb", vram_bytes=int(40 * GB), ram_bytes=int(80 * GB),
+                        disk_bytes=int(200 * GB), fp32_flops=19.5e12, fp16_flops=312e12,
+                        cuda_context_bytes=int(0.5 * GB)),
+    # H200 SXM: 141 GB HBM3e; NVIDIA H200 datasheet: 67 TFLOP/s FP32, 989 TFLOP/s FP16 tensor
+    # (dense). Host as lent to this project: 128 GiB RAM, 64 GiB disk.
+    "h200": Device("h200", vram_bytes=int(141 * GB), ram_bytes=int(128 * GiB),
+                   disk_bytes=int(64 * GiB), fp32_flops=67e12, fp16_flops=989e12,
+                   cuda_context_bytes=int(0.6 * GB)),
+}
+
+
+def device_preset(device: str | Device) -> Device:
+    """The named device preset (cpu, t4, l4, a100-40gb, h200), or the Device given."""
+    if isinstance(device, Device):
+        return device
+    try:
+        return DEVICES[device]
+    except (KeyError, TypeError):
+        raise ConfigError(
+            f"device={device!r} is unknown; choose one of: {', '.join(DEVICES)}") from None

@@ -1,0 +1,102 @@
+"""Pick the knobs that make a job fit a device: batch size, output dtype and subset, cadences, codec.
+
+`plan_budget(config, device)` keeps as much output as it can: the config's own outputs and dtype
+first, then fp16, then fewer outputs (`nblib.config.OUTPUT_CHOICES`) and a compressed cache; for
+each, the largest checkpoint cadence whose RAM fits and the largest consolidation cadence whose
+VRAM fits. It returns a `BudgetPlan` that says what changed, or why nothing fits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nblib.budget._checks import validated
+from nblib.budget.devices import Device, device_preset
+from nblib.budget.predict import RESOURCES, Budget, max_batch_size, predict_budget
+from nblib.config import OUTPUT_CHOICES, PipelineConfig
+from nblib.units import fmt_bytes
+
+
+@dataclass(frozen=True)
+class BudgetPlan:
+    """A recommended config for a device, the budget it gets, and why."""
+
+    config: PipelineConfig
+    budget: Budget
+    changes: dict
+    fits: bool
+    reason: str
+
+    def __str__(self) -> str:
+        if not self.fits:
+            return f"NOTHING FITS: {self.reason}"
+        changed = ", ".join(f"{k}={v!r}" for k, v in self.changes.items()) or "the config as is"
+        return f"FITS with {changed}: {self.reason}"
+
+
+def plan_budget(config: PipelineConfig, device: str | Device = "t4", *, margin: float = 0.1,
+                **predict_kwargs) -> BudgetPlan:
+    """Pick batch_size, out_dtype, outputs, checkpoint_every and consolidate_every that fit.
+
+    Preference: the config's own outputs and dtype first, then fp16, then fewer outputs; for each,
+    the largest checkpoint_every (fewest parts) whose RAM fits and the largest consolidate_every
+    dividing it whose VRAM fits. Returns a BudgetPlan that says what changed, or why nothing fits.
+    """
+    cfg, dev = validated(config), device_preset(device)
+    r = cfg.run
+    batch = min(r.batch_size, max_batch_size(cfg.replace(consolidate_every=1, checkpoint_every=1),
+                                             dev, margin, **predict_kwargs))
+    if batch == 0:
+        b1 = predict_budget(cfg.replace(batch_size=1, consolidate_every=1, checkpoint_every=1),
+                            dev, **predict_kwargs)
+        return BudgetPlan(cfg, b1, {}, False, f"even batch_size=1 does not fit: {b1.verdict}")
+    dtypes = [r.out_dtype] + [d for d in ("float16",) if d != r.out_dtype]
+    outputs = [r.outputs] + [o for o in OUTPUT_CHOICES if o != r.outputs]
+    codecs = [r.codec] + [c for c in ("png",) if c != r.codec and "codec" not in predict_kwargs]
+    choices = [(c, o, d) for c in codecs for o in outputs for d in dtypes]
+    last = None
+    for codec, outs, dtype in choices:
+        trial = cfg.replace(batch_size=batch, outputs=outs, out_dtype=dtype, codec=codec)
+        found = _cadence_that_fits(trial, dev, margin, predict_kwargs)
+        if found is not None:
+            budget = found
+            changes = {k: v for k, v in _knobs(budget.config).items() if v != _knobs(cfg)[k]}
+            return BudgetPlan(budget.config, budget, changes, True,
+                              f"{budget.verdict}" + (f" (margin {margin:.0%} kept)" if margin else ""))
+        last = predict_budget(trial.replace(checkpoint_every=1, consolidate_every=1), dev,
+                              **predict_kwargs)
+    biggest = max(last.lines[last.binding], key=lambda line: line.bytes)
+    why = (f"even the smallest choice (outputs={last.config.run.outputs}, "
+           f"{last.config.run.out_dtype}, {last.config.run.codec} cache, batch {batch}, cadence 1) "
+           f"leaves {last.binding} at {last.usage[last.binding]:.1f}x its limit; its largest line, "
+           f"{biggest.name}, is {fmt_bytes(biggest.bytes)} alone. {last.verdict}")
+    return BudgetPlan(last.config, last, {}, False, why)
+
+
+def _cadence_that_fits(cfg: PipelineConfig, dev: Device, margin: float, kwargs) -> Budget | None:
+    """The budget with the largest checkpoint_every (then consolidate_every) that fits."""
+    n_batches = cfg.run.n_batches
+    for every in _descending_choices(min(cfg.run.checkpoint_every, n_batches) if
+                                     cfg.run.checkpoint_every <= n_batches else n_batches):
+        for cons in _descending_choices(min(cfg.run.consolidate_every, every)):
+            if every % cons:
+                continue
+            b = predict_budget(cfg.replace(checkpoint_every=every, consolidate_every=cons), dev,
+                               **kwargs)
+            if all(b.totals[r] <= b.limits[r] * (1 - margin) for r in RESOURCES
+                   if b.limits[r] > 0):
+                return b
+            if b.totals["drive"] > b.limits["drive"] * (1 - margin):
+                return None          # Drive does not depend on the cadence: give up early
+    return None
+
+
+def _descending_choices(top: int) -> list[int]:
+    """top, then round numbers below it: 200, 100, 50, 20, 10, 5, 2, 1."""
+    nice = [n for n in (1000, 500, 200, 100, 50, 20, 10, 5, 2, 1) if n < top]
+    return [top] + nice
+
+
+def _knobs(cfg: PipelineConfig) -> dict:
+    r = cfg.run
+    return {"codec": r.codec, "batch_size": r.batch_size, "out_dtype": r.out_dtype, "outputs": r.outputs,
+            "checkpoint_every": r.checkpoint_every, "consolidate_every": r.consolidate_every}

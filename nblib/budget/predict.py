@@ -1,0 +1,181 @@
+"""Predict the peak VRAM, RAM, local disk and Drive use and the run time of an encode job.
+
+`predict_budget(config, device)` returns a `Budget`: itemized lines (bytes + a one-line reason)
+for VRAM, RAM, local disk and Drive, a time estimate from FLOPs, and a verdict naming the limit
+that binds. Trade-off: a closed-form model is instant and explains itself, but it is only as
+right as its accounting; `benchmarks/budget_accuracy.py` checks it against measured peaks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nblib.budget._checks import checked_sdpa_backend, require_positive, validated
+from nblib.budget.devices import Device, device_preset
+from nblib.budget.disk import disk_lines
+from nblib.budget.memory import (
+    ALLOCATOR_CACHE_SHARE,
+    Line,
+    activation_bytes,
+    flops_per_image,
+    host_memory_lines,
+    model_memory_lines,
+    output_bytes_per_batch,
+)
+from nblib.config import PipelineConfig
+from nblib.errors import ConfigError
+from nblib.units import GB, fmt_bytes
+
+RESOURCES = ("vram", "ram", "local disk", "drive")
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A config's predicted peak VRAM, RAM, local disk and Drive use, time, and verdict."""
+
+    config: PipelineConfig
+    device: Device
+    lines: dict[str, tuple[Line, ...]]   # resource -> lines that sum to its peak
+    limits: dict[str, int]               # resource -> bytes available (0: not used)
+    flops_per_image: float
+    samples_per_s: float
+    sdpa_backend: str
+
+    @property
+    def totals(self) -> dict[str, int]:
+        return {r: sum(line.bytes for line in self.lines[r]) for r in RESOURCES}
+
+    @property
+    def usage(self) -> dict[str, float]:
+        """resource -> predicted peak / limit (only resources with a limit)."""
+        t = self.totals
+        return {r: t[r] / self.limits[r] for r in RESOURCES if self.limits[r] > 0}
+
+    @property
+    def binding(self) -> str:
+        """The resource closest to (or furthest over) its limit."""
+        return max(self.usage.items(), key=lambda kv: kv[1])[0]
+
+    @property
+    def fits(self) -> bool:
+        return all(u <= 1.0 for u in self.usage.values())
+
+    @property
+    def seconds(self) -> float:
+        return self.config.run.n_samples / self.samples_per_s
+
+    @property
+    def verdict(self) -> str:
+        """One line: fits or not, which limit binds and by how much."""
+        r = self.binding
+        need, limit = self.totals[r], self.limits[r]
+        if need <= limit:
+            return (f"fits on {self.device.name}: {r} binds at {need / GB:.2f} of "
+                    f"{limit / GB:.2f} GB ({need / limit:.0%}); time {self.seconds / 3600:.2f} h")
+        over = [f"{q} {self.totals[q] / GB:.2f} > {self.limits[q] / GB:.2f} GB"
+                for q, u in sorted(self.usage.items(), key=lambda kv: -kv[1]) if u > 1]
+        return (f"does NOT fit on {self.device.name}: {r} is {need / limit:.1f}x its limit "
+                f"({'; '.join(over)}); {KNOBS[r]}")
+
+    def table(self) -> str:
+        """The itemized lines as aligned text, one block per resource."""
+        rows = []
+        for r in RESOURCES:
+            limit = f"limit {self.limits[r] / GB:.2f} GB" if self.limits[r] else "not used"
+            rows.append(f"{r.upper():<12} {self.totals[r] / GB:>10.3f} GB   ({limit})")
+            for line in self.lines[r]:
+                rows.append(f"  {line.name:<34} {fmt_bytes(line.bytes):>11}  {line.why}")
+        rows.append(f"TIME         {self.seconds / 3600:>10.2f} h    "
+                    f"({self.flops_per_image / 1e9:.2f} GFLOP/image, "
+                    f"{self.samples_per_s:,.0f} samples/s)")
+        rows.append(f"VERDICT      {self.verdict}")
+        return "\n".join(rows)
+
+
+KNOBS = {
+    "vram": "lower run.batch_size (see max_batch_size) or run.consolidate_every",
+    "ram": "lower run.checkpoint_every, run.batch_size or run.prefetch/workers",
+    "local disk": "keep fewer parts locally (keep_local) or lower run.checkpoint_every",
+    "drive": "keep fewer run.outputs, use run.out_dtype='float16', a compressed run.codec, "
+             "or a bigger drive_quota_gb",
+}
+
+
+def predict_budget(config: PipelineConfig, device: str | Device = "t4", *,
+                   sdpa_backend: str | None = None, drive_quota_gb: float = 15.0,
+                   codec: str | None = None, bytes_per_image: float | None = None,
+                   keep_local: int = 2, efficiency: float | None = None) -> Budget:
+    """Predict peak VRAM, RAM, local disk and Drive use and the run time of an encode job.
+
+    sdpa_backend: "math" materializes the attention scores (with the softmax and a bool mask of
+    -inf entries: (2 x itemsize + 1) B per score); "efficient"/"flash" do not; default
+    "flash" (what PyTorch picks on CPU and on recent GPUs; a T4 gets "efficient", same memory).
+    keep_local: parts kept on local disk after they are mirrored to Drive.
+    """
+    cfg = validated(config)
+    dev = device_preset(device)
+    backend = checked_sdpa_backend(sdpa_backend)
+    require_positive("drive_quota_gb", drive_quota_gb, number=True)
+    require_positive("keep_local", keep_local, minimum=0)
+    m, r = cfg.model, cfg.run
+    codec = codec or r.codec
+    model_lines = model_memory_lines(cfg, on_gpu=dev.is_gpu, sdpa_backend=backend)
+    held_on_device = r.consolidate_every * output_bytes_per_batch(cfg)
+    if dev.is_gpu:
+        vram = (
+            Line("CUDA context", dev.cuda_context_bytes,
+                 "driver + kernel images, outside torch's allocator (300-500 MB on a T4)"),
+            *model_lines,
+            Line("outputs held on GPU", held_on_device,
+                 f"consolidate_every={r.consolidate_every} batches x "
+                 f"{fmt_bytes(output_bytes_per_batch(cfg))} before the copy to RAM"),
+            Line("allocator cache", int(ALLOCATOR_CACHE_SHARE * activation_bytes(model_lines)),
+                 f"freed blocks the caching allocator keeps (~{ALLOCATOR_CACHE_SHARE:.0%} of "
+                 "activations)"),
+        )
+        ram = host_memory_lines(cfg, cuda=True)
+    else:
+        vram = ()
+        ram = (*host_memory_lines(cfg, cuda=False), *model_lines)
+    local, drive = disk_lines(cfg, codec=codec, bytes_per_image=bytes_per_image,
+                              keep_local=keep_local)
+    flops = flops_per_image(m)
+    eff = dev.efficiency if efficiency is None else efficiency
+    rate = dev.compute_flops * eff / flops
+    return Budget(
+        config=cfg, device=dev,
+        lines={"vram": tuple(vram), "ram": tuple(ram), "local disk": local, "drive": drive},
+        limits={"vram": dev.vram_bytes, "ram": dev.ram_bytes, "local disk": dev.disk_bytes,
+                "drive": int(drive_quota_gb * GB)},
+        flops_per_image=flops, samples_per_s=rate, sdpa_backend=backend)
+
+
+def calibrate(device: str | Device, measured_samples_per_s: float,
+              config: PipelineConfig) -> float:
+    """The efficiency (share of peak FLOP/s) a measured run reached; pass it to predict_budget."""
+    require_positive("measured_samples_per_s", measured_samples_per_s, number=True)
+    dev = device_preset(device)
+    return measured_samples_per_s * flops_per_image(validated(config).model) / dev.compute_flops
+
+
+def max_batch_size(config: PipelineConfig, device: str | Device = "t4", margin: float = 0.1,
+                   **predict_kwargs) -> int:
+    """The largest batch whose predicted VRAM (GPU) and RAM fit in (1 - margin) of the device."""
+    cfg, dev = validated(config), device_preset(device)
+    if not 0 <= margin < 1:
+        raise ConfigError(f"margin={margin} is out of range; allowed: 0 <= margin < 1")
+
+    def fits(b: int) -> bool:
+        budget = predict_budget(cfg.replace(batch_size=b), dev, **predict_kwargs)
+        t = budget.totals
+        return all(t[r] <= budget.limits[r] * (1 - margin) for r in ("vram", "ram")
+                   if budget.limits[r] > 0)
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= 1 << 20 and fits(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo

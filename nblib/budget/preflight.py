@@ -1,0 +1,98 @@
+"""Preflight: check a job's predicted peak disk, RAM and VRAM against this machine before it starts.
+
+`preflight(config, workspace, job=...)` compares `predict_budget` with the free disk of the
+folders the job writes (local staging, the Drive copy, the cache folder), available RAM and free
+VRAM, and raises `BudgetExceeded` with the numbers and the knob to turn when something does not
+fit. Nothing is written before the check.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from nblib.budget._checks import validated
+from nblib.budget.devices import device_preset
+from nblib.budget.disk import cache_bytes, check_disk
+from nblib.budget.memory import RUNTIME_RAM_CPU, RUNTIME_RAM_CUDA
+from nblib.budget.predict import KNOBS, Budget, max_batch_size, predict_budget
+from nblib.config import PipelineConfig
+from nblib.errors import BudgetExceeded, ConfigError
+from nblib.units import GB
+
+
+def preflight(config: PipelineConfig, workspace, *, job: str = "encode", device: str | None = None,
+              disk_bytes: int | None = None, disk_folder=None, keep_local: int = 2) -> Budget:
+    """Check the predicted peak RAM, VRAM and disk against this machine; raise BudgetExceeded.
+
+    job="encode" checks local staging (workspace.staging) and the durable copy (workspace.drive);
+    job="cache" checks `disk_bytes` (default: the raw cache) on `disk_folder` (default
+    workspace.cache). Returns the Budget when everything fits.
+    """
+    if job not in ("encode", "cache"):
+        raise ConfigError(f"job={job!r} is unknown; use 'encode' or 'cache'")
+    cfg = validated(config)
+    cuda = _cuda_available()
+    dev = device_preset(device or ("t4" if cuda else "cpu"))
+    budget = predict_budget(cfg, dev, keep_local=keep_local)
+    if job == "cache":
+        need = disk_bytes if disk_bytes is not None else cache_bytes(
+            cfg.run.n_samples, cfg.model.image_size, cfg.run.codec, shard_mb=cfg.run.shard_mb)
+        check_disk(disk_folder or workspace.cache, int(need), what=f"the image cache ({cfg.run.codec})",
+                   knob="use a compressed run.codec, fewer n_samples, or free disk")
+        return budget
+    _check_ram(budget)
+    if dev.is_gpu and cuda:
+        _check_vram(budget)
+    local, drive = budget.totals["local disk"], budget.totals["drive"]
+    if disk_bytes is not None:
+        check_disk(disk_folder or workspace.runs, int(disk_bytes), what="the encode run",
+                   knob=KNOBS["drive"])
+    elif _same_filesystem(workspace.staging, workspace.drive):
+        check_disk(workspace.drive, local + drive, what="the encode run (staging + durable "
+                   "copy on one disk)", knob=f"{KNOBS['drive']}; or {KNOBS['local disk']}")
+    else:
+        check_disk(workspace.staging, local, what="local staging of the encode run",
+                   knob=KNOBS["local disk"])
+        check_disk(workspace.drive, drive, what="the durable copy of the encode run",
+                   knob=KNOBS["drive"])
+    return budget
+
+
+def _check_ram(budget: Budget) -> None:
+    import psutil
+
+    already = RUNTIME_RAM_CUDA if budget.device.is_gpu else RUNTIME_RAM_CPU
+    need = budget.totals["ram"] - already   # this process already holds its runtime
+    available = psutil.virtual_memory().available
+    if need > available:
+        biggest = max(budget.lines["ram"], key=lambda line: line.bytes)
+        raise BudgetExceeded(
+            f"the encode job needs {need / GB:.2f} GB more RAM but {available / GB:.2f} GB is "
+            f"available (largest line: {biggest.name} {biggest.bytes / GB:.2f} GB); "
+            f"{KNOBS['ram']}")
+
+
+def _check_vram(budget: Budget) -> None:
+    import torch
+
+    free, _total = torch.cuda.mem_get_info()
+    context = budget.device.cuda_context_bytes if torch.cuda.is_initialized() else 0
+    need = budget.totals["vram"] - budget.device.cuda_context_bytes + context
+    if need > free:
+        best = max_batch_size(budget.config, budget.device)
+        raise BudgetExceeded(
+            f"the encode job needs {need / GB:.2f} GB of VRAM but {free / GB:.2f} GB is free; "
+            f"lower run.batch_size (max that fits a {budget.device.name}: {best}) or "
+            f"run.consolidate_every")
+
+
+def _same_filesystem(a: Path, b: Path) -> bool:
+    from nblib.measure import existing_parent
+
+    return os.stat(existing_parent(a)).st_dev == os.stat(existing_parent(b)).st_dev
+
+
+def _cuda_available() -> bool:
+    from nblib.env import cuda_available
+
+    return cuda_available()

@@ -1,0 +1,39 @@
+"""Sharded image cache: render texts once into a few large shards; write resumably, verify, read.
+
+Parts: `format` (the shard files, codecs, `ShardWriter`, the manifest), `texts` (what is
+rendered), `populate` (render into shards, resumably), `verify` (check and repair), `reader`
+(`ShardedImageCache`, `CacheDataset`). The measurements and demos of notebook 02 live in
+`nblib.lab.cache_population`; the command line is `python -m nblib cache` (`nblib.cli`).
+"""
+from __future__ import annotations
+
+from nblib.cache.format import (
+    CODECS,
+    MANIFEST,
+    SHARD_SUFFIX,
+    ShardWriter,
+    decode_image,
+    encode_image,
+    measure_codecs,
+    read_cache_manifest,
+    write_shard,
+)
+from nblib.cache.populate import CachePlan, PopulateSummary, cache_bytes_on_disk, plan_cache, populate
+from nblib.cache.reader import CacheDataset, ShardedImageCache
+from nblib.cache.texts import (
+    TextSource,
+    read_texts,
+    sample_texts,
+    sample_texts_path,
+    source_fingerprint,
+    text_source,
+)
+from nblib.cache.verify import VerifyReport, verify
+
+__all__ = [
+    "CODECS", "MANIFEST", "SHARD_SUFFIX", "CacheDataset", "CachePlan", "PopulateSummary",
+    "ShardWriter", "ShardedImageCache", "TextSource", "VerifyReport", "cache_bytes_on_disk",
+    "decode_image", "encode_image", "measure_codecs", "plan_cache", "populate",
+    "read_cache_manifest", "read_texts", "sample_texts", "sample_texts_path", "source_fingerprint",
+    "text_source", "verify", "write_shard",
+]

@@ -1,0 +1,168 @@
+"""Verify a cache against its manifest (every shard's size and sha256), and repair what is wrong.
+
+`verify` hashes every listed shard, so it also catches what the readers' quick check (a stat per
+shard) cannot: a same-size edit that kept the file's mtime. Repair deletes leftover temporaries
+and unlisted shard files, re-renders exactly the damaged shards from the source texts (the
+recorded path, or `texts`), and records the new stat of shards whose bytes match but whose mtime
+changed (a copied cache), so readers trust them again without hashing.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from nblib.atomic import leftover_temporaries
+from nblib.cache.format import (
+    DAMAGED,
+    read_cache_manifest,
+    restamp,
+    shard_state,
+    write_cache_manifest,
+)
+from nblib.cache.populate import cache_lock, rerender_shard, resolve_workers
+from nblib.cache.texts import TextSource, scan_texts, text_source
+from nblib.errors import CacheError
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """A cache's health: missing, truncated and corrupt shards, stray files, and what was repaired."""
+
+    cache_dir: str
+    n_shards: int = 0
+    n_images: int = 0
+    expected_images: int = 0
+    missing: tuple[str, ...] = ()
+    truncated: tuple[str, ...] = ()
+    corrupt: tuple[str, ...] = ()
+    temporaries: tuple[str, ...] = ()
+    unlisted: tuple[str, ...] = ()
+    touched: tuple[str, ...] = ()   # bytes match, mtime changed since written (a copy)
+    manifest_problem: str | None = None
+    repaired: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+
+    @property
+    def damaged(self) -> tuple[str, ...]:
+        return self.missing + self.truncated + self.corrupt
+
+    @property
+    def complete(self) -> bool:
+        return self.manifest_problem is None and self.n_images == self.expected_images
+
+    @property
+    def ok(self) -> bool:
+        return self.complete and not self.damaged and not self.temporaries and not self.unlisted
+
+    def __str__(self) -> str:
+        head = f"cache {self.cache_dir}: "
+        if self.manifest_problem:
+            return head + f"BROKEN: {self.manifest_problem}"
+        lines = [head + ("OK" if self.ok else "PROBLEMS") +
+                 f" - {self.n_shards} shards, {self.n_images:,} of {self.expected_images:,} images"]
+        for label, names, hint in (
+                ("missing", self.missing, "repair re-renders them"),
+                ("truncated (size differs from the manifest)", self.truncated, "repair re-renders them"),
+                ("corrupt (sha256 differs from the manifest)", self.corrupt, "repair re-renders them"),
+                ("leftover temporary files", self.temporaries, "repair deletes them"),
+                ("shard files the manifest does not list", self.unlisted, "repair deletes them"),
+                ("intact but with a new mtime (copied)", self.touched,
+                 "readers hash them on open; repair records their new stat"),
+                ("repaired", self.repaired, ""), ("removed", self.removed, "")):
+            if names:
+                lines.append(f"  {label}: {', '.join(names)}" + (f" ({hint})" if hint else ""))
+        if not self.complete:
+            lines.append(f"  incomplete: {self.expected_images - self.n_images:,} images not rendered "
+                         f"yet; rerun the same populate command to finish")
+        if self.damaged or self.temporaries or self.unlisted:
+            lines.append(f"  fix: python -m nblib cache --verify --repair {self.cache_dir}")
+        return "\n".join(lines)
+
+
+def verify(cache_dir: str | Path, repair: bool = False, texts=None, field: str | None = None,
+           workers: int | None = None) -> VerifyReport:
+    """Check every shard's size and sha256 against the manifest; with repair, fix what is wrong.
+
+    Repair deletes leftover temporaries and unlisted shard files and re-renders exactly the
+    damaged shards from the source texts (`texts`, else the path the manifest recorded). Repair
+    holds the folder's lock: while a populate run writes the folder it is refused (FolderBusyError).
+    """
+    cache_dir = Path(cache_dir)
+    if not cache_dir.is_dir():
+        what = "is a file, not a cache folder" if cache_dir.exists() else "does not exist"
+        raise CacheError(f"{cache_dir} {what}: there is no cache to verify; check the path, or build "
+                         f"one with python -m nblib cache --texts PATH --out DIR")
+    if not repair:
+        return _inspect(cache_dir)
+    with cache_lock(cache_dir):  # no populate may write while temporaries are deleted
+        return _repair(cache_dir, texts, field, workers)
+
+
+# ====================================================================================== helpers
+
+
+def _repair(cache_dir: Path, texts, field: str | None, workers: int | None) -> VerifyReport:
+    """Inspect, then delete strays, re-render damaged shards and restamp copied ones (lock held)."""
+    report = _inspect(cache_dir)
+    if report.manifest_problem or (report.ok and not report.touched):
+        return report
+    manifest = read_cache_manifest(cache_dir)
+    removed = [*report.temporaries, *report.unlisted]
+    for name in removed:
+        (cache_dir / name).unlink(missing_ok=True)
+    source = _repair_source(manifest, texts, field) if report.damaged else None
+    workers = resolve_workers(workers) if report.damaged else 1
+    repaired = []
+    for i, entry in enumerate(manifest["shards"]):
+        if entry["file"] in report.damaged:
+            manifest["shards"][i] = rerender_shard(cache_dir, manifest, entry, source, workers)
+            repaired.append(entry["file"])
+        elif entry["file"] in report.touched:
+            manifest["shards"][i] = restamp(cache_dir, entry)
+        else:
+            continue
+        write_cache_manifest(cache_dir, manifest)
+    after = _inspect(cache_dir)
+    return dataclasses.replace(after, repaired=tuple(repaired), removed=tuple(removed))
+
+
+def _inspect(cache_dir: Path) -> VerifyReport:
+    """Full check: stat and sha256 of every listed shard, plus stray files."""
+    try:
+        manifest = read_cache_manifest(cache_dir)
+    except CacheError as exc:
+        return VerifyReport(cache_dir=str(cache_dir), manifest_problem=str(exc))
+    found: dict[str, list[str]] = {state: [] for state in (*DAMAGED, "touched")}
+    for entry in manifest["shards"]:
+        state = shard_state(cache_dir, entry, full=True)
+        if state is not None:
+            found[state].append(entry["file"])
+    listed = {entry["file"] for entry in manifest["shards"]}
+    unlisted = sorted(p.name for p in cache_dir.glob("shard-*") if p.name not in listed)
+    shards = manifest["shards"]
+    return VerifyReport(
+        cache_dir=str(cache_dir), n_shards=len(shards), n_images=shards[-1]["stop"] if shards else 0,
+        expected_images=manifest["source"]["n_texts"],
+        missing=tuple(found["missing"]), truncated=tuple(found["truncated"]),
+        corrupt=tuple(found["corrupt"]), touched=tuple(found["touched"]),
+        temporaries=tuple(str(p.relative_to(cache_dir)) for p in leftover_temporaries(cache_dir)),
+        unlisted=tuple(unlisted))
+
+
+def _repair_source(manifest: dict, texts, field_name: str | None) -> TextSource:
+    """The source to re-render from: `texts` if given, else the recorded path; fingerprint checked."""
+    recorded = manifest["source"]
+    if texts is None:
+        if not recorded.get("path"):
+            raise CacheError("this cache was built from in-memory texts; pass texts=... (or "
+                             "--texts PATH) to repair it")
+        texts = recorded["path"]
+        field_name = recorded.get("field") if field_name is None else field_name
+    source = text_source(texts, field_name, recorded.get("errors", "strict"))
+    scan = scan_texts(source, sample_size=0)
+    if (scan.sha256, scan.n_texts) != (recorded["sha256"], recorded["n_texts"]):
+        raise CacheError(f"cannot repair: the texts at hand (fingerprint {scan.sha256[:12]}, "
+                         f"{scan.n_texts:,} texts) are not the ones this cache was built from "
+                         f"({recorded['sha256'][:12]}, {recorded['n_texts']:,}); pass the original with --texts")
+    return source

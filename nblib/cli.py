@@ -1,0 +1,299 @@
+"""The command line: every `python -m nblib <verb>`; each verb calls the same function a notebook does.
+
+Verbs: info, budget, cache, encode, suite. A user-facing failure (an NblibError) prints one
+line, `error: ...`, and exits 2; so does an OSError (full disk, read-only folder, a path that is
+a file), with the path, what the error means and what to do. No traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno
+import os
+import sys
+
+from nblib.errors import NblibError
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Dispatch `python -m nblib <verb> ...`; the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in VERBS:
+        print(f"usage: python -m nblib {{{','.join(VERBS)}}} [options]\n"
+              f"       python -m nblib <verb> --help", file=sys.stderr)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    try:
+        return int(VERBS[argv[0]](argv[1:]) or 0)
+    except NblibError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"error: {describe_os_error(exc)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
+
+
+def describe_os_error(exc: OSError) -> str:
+    """One line for an OSError: the path, what the errno means, and what to do."""
+    what = os.strerror(exc.errno) if exc.errno else str(exc)
+    where = exc.filename if exc.filename is not None else "a file"
+    advice = {
+        errno.ENOSPC: "free space on that disk (or point the output elsewhere), then rerun the "
+                      "same command: finished work is kept and resumed",
+        errno.EDQUOT: "free quota on that disk, then rerun the same command to resume",
+        errno.EROFS: "that file system is read-only: choose a writable folder",
+        errno.EACCES: "you may not write there: choose a folder you own, or fix its permissions",
+        errno.EPERM: "you may not write there: choose a folder you own, or fix its permissions",
+        errno.ENOTDIR: "a path that should be a folder is a file: choose a folder",
+        errno.EISDIR: "a path that should be a file is a folder: choose a file",
+        errno.ENOENT: "it does not exist: check the path",
+        errno.ENOTCONN: "the mount is disconnected (Drive): remount it, then rerun to resume",
+        errno.EIO: "an I/O error: check the disk or mount, then rerun to resume",
+    }.get(exc.errno, "fix the cause, then rerun the same command to resume")
+    return f"{where}: {what} (errno {exc.errno}); {advice}"
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
+    return value
+
+
+def finite_positive_float(text: str) -> float:
+    """argparse type: a finite number > 0 (refuses inf and nan)."""
+    value = float(text)
+    if not (value > 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number above 0")
+    return value
+
+
+# ---------------------------------------------------------------------------------------- info
+def info_main(argv: list[str]) -> int:
+    """`python -m nblib info`: runtime, profile, workspace folders and the hardware report."""
+    from nblib.env import hardware_report, profile, runtime, workspace
+
+    parser = argparse.ArgumentParser(prog="python -m nblib info", description=info_main.__doc__)
+    parser.parse_args(argv)
+    ws = workspace()
+    print(f"runtime  {runtime()}\nprofile  {profile()}")
+    for name, folder in ws.as_dict().items():
+        print(f"{name:<9}{folder}")
+    print(hardware_report(drive=ws.drive, local=ws.local))
+    return 0
+
+
+# -------------------------------------------------------------------------------------- budget
+def budget_main(argv: list[str]) -> int:
+    """`python -m nblib budget`: print a config's budget, its plan, or the reference table."""
+    from nblib.budget import DEVICES, max_batch_size, plan_budget, predict_budget
+    from nblib.config import preset
+
+    p = argparse.ArgumentParser(prog="python -m nblib budget", description=budget_main.__doc__)
+    p.add_argument("--preset", default="seed_t4")
+    p.add_argument("--device", default="t4", help=f"one of {', '.join(DEVICES)}")
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--n-samples", type=int)
+    p.add_argument("--dtype", choices=("float16", "float32"))
+    p.add_argument("--outputs", help="comma-separated subset of sketches,checksums,children")
+    p.add_argument("--sdpa", choices=("math", "efficient", "flash"))
+    p.add_argument("--drive-quota-gb", type=float, default=15.0)
+    p.add_argument("--plan", action="store_true", help="recommend knobs that fit")
+    p.add_argument("--reference", action="store_true", help="reference analysis vs this suite")
+    args = p.parse_args(argv)
+    if args.reference:
+        from nblib.lab.memory_budgeting import reference_table
+
+        print(reference_table(args.device))
+        return 0
+    changes = {k: v for k, v in (("batch_size", args.batch_size), ("n_samples", args.n_samples),
+                                 ("out_dtype", args.dtype)) if v is not None}
+    if args.outputs:
+        changes["outputs"] = tuple(o.strip() for o in args.outputs.split(","))
+    cfg = preset(args.preset).replace(**changes)
+    kwargs = {"drive_quota_gb": args.drive_quota_gb, "sdpa_backend": args.sdpa}
+    print(predict_budget(cfg, args.device, **kwargs).table())
+    print(f"max batch size on {args.device}: {max_batch_size(cfg, args.device, **kwargs)}")
+    if args.plan:
+        print(plan_budget(cfg, args.device, **kwargs))
+    return 0
+
+
+# --------------------------------------------------------------------------------------- cache
+def cache_main(argv: list[str]) -> int:
+    """`python -m nblib cache`: build, resume, verify or repair a sharded image cache.
+
+    Build or resume: `cache --texts PATH --out DIR [--size --shard-mb --codec --workers ...]`.
+    Check: `cache --verify DIR`, fix: `cache --verify --repair DIR` (exit 0 OK, 1 problems found).
+    """
+    from nblib.cache import populate, verify
+    from nblib.errors import ConfigError
+
+    args = _cache_args(argv)
+    folder = args.verify or args.folder
+    if args.verify is not None or args.repair or args.folder:
+        if not folder:
+            raise ConfigError("--verify needs the cache folder: python -m nblib cache --verify DIR [--repair]")
+        report = verify(folder, repair=args.repair, texts=args.texts, field=args.field, workers=args.workers)
+        print(report)
+        return 0 if report.ok else 1
+    if not args.texts or not args.out:
+        raise ConfigError("building a cache needs --texts PATH and --out DIR (or check one with --verify DIR)")
+    with _os_errors_name(args.out):
+        summary = populate(args.texts, args.out, image_size=args.size, shard_mb=args.shard_mb,
+                           workers=args.workers, seed=args.seed, codec=args.codec,
+                           overwrite=args.overwrite, progress=not args.no_progress,
+                           field=args.field, errors=args.errors)
+    print(summary)
+    return 0
+
+
+@contextlib.contextmanager
+def _os_errors_name(folder):
+    """An OSError that names no path (a write into an open file: ENOSPC) names the output folder."""
+    try:
+        yield
+    except OSError as exc:
+        if isinstance(exc, NblibError) or exc.filename is not None or not exc.errno:
+            raise
+        raise OSError(exc.errno, os.strerror(exc.errno), str(folder)) from exc
+
+
+def _cache_args(argv: list[str]) -> argparse.Namespace:
+    """Parse `cache` flags; a bad value raises ConfigError (one `error:` line, exit 2)."""
+    from nblib import config, env
+    from nblib.config import CODECS
+    from nblib.errors import ConfigError
+
+    defaults = config.for_profile(env.profile())
+    p = argparse.ArgumentParser(prog="python -m nblib cache", description=cache_main.__doc__,
+                                exit_on_error=False, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--texts", help="text file (one text per line) or JSONL (see --field)")
+    p.add_argument("--out", help="cache folder to create or resume")
+    p.add_argument("--size", type=positive_int, default=defaults.model.image_size,
+                   help="image size in pixels (default: the profile's, %(default)s)")
+    p.add_argument("--shard-mb", type=finite_positive_float, default=float(defaults.run.shard_mb),
+                   help="target stored MB per shard (default %(default)s)")
+    p.add_argument("--workers", type=int, default=None, help="render processes (default: all cores)")
+    p.add_argument("--field", default=None, help="JSONL field holding the text (default 'text' for .jsonl)")
+    p.add_argument("--codec", default=defaults.run.codec, choices=(*CODECS, "auto"),
+                   help="shard format; auto lets the disk budget pick (default %(default)s)")
+    p.add_argument("--seed", type=int, default=defaults.run.seed)
+    p.add_argument("--errors", default="strict", choices=("strict", "replace"),
+                   help="invalid UTF-8 in --texts: refuse (strict) or replace with U+FFFD")
+    p.add_argument("--overwrite", action="store_true",
+                   help="rebuild a cache that was made from other texts or settings")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--verify", metavar="DIR", nargs="?", const="",
+                   help="check a cache instead of building one (DIR here or after the flags)")
+    p.add_argument("--repair", action="store_true", help="with --verify: fix what is wrong")
+    p.add_argument("folder", nargs="?", help=argparse.SUPPRESS)
+    try:
+        args = p.parse_args(argv)
+    except argparse.ArgumentError as exc:
+        raise ConfigError(f"{exc}; see python -m nblib cache --help") from None
+    if args.folder and args.verify is None and not args.repair:
+        raise ConfigError(f"unexpected argument {args.folder!r}; to check a cache use --verify DIR")
+    return args
+
+
+# -------------------------------------------------------------------------------------- encode
+def encode_main(argv: list[str]) -> int:
+    """`python -m nblib encode`: stream the encoder over a cache into durable, resumable parts."""
+    from nblib import env
+    from nblib.cache import ShardedImageCache
+    from nblib.encode import encode
+
+    args = _encode_parser().parse_args(argv)
+    config = _encode_config(args, env.profile())
+    report = encode(ShardedImageCache(args.cache), args.out, config, device=args.device,
+                    mirror_dir=args.mirror, progress=not args.no_progress, offload=args.offload,
+                    weights=args.weights, preflight=not args.no_preflight)
+    print(report)
+    return 0
+
+
+def _encode_parser() -> argparse.ArgumentParser:
+    from nblib.config import OUTPUT_DTYPES, OUTPUT_NAMES
+    from nblib.encode import OFFLOAD_MODES
+
+    p = argparse.ArgumentParser(prog="python -m nblib encode", description=encode_main.__doc__)
+    p.add_argument("--cache", required=True, help="folder of a ShardedImageCache")
+    p.add_argument("--out", required=True, help="run folder: parts, manifest, consolidated .npy")
+    p.add_argument("--profile", help="smoke | t4 | full, or a preset name (default: NBLIB_PROFILE)")
+    p.add_argument("--batch-size", type=positive_int)
+    p.add_argument("--checkpoint-every", type=positive_int, help="batches per durable part")
+    p.add_argument("--outputs", help=f"comma-separated subset of {','.join(OUTPUT_NAMES)}")
+    p.add_argument("--dtype", choices=OUTPUT_DTYPES, help="dtype of the stored outputs")
+    p.add_argument("--mirror", help="durable mirror folder (e.g. on Google Drive)")
+    p.add_argument("--weights", help="trained weights saved by TRMVisionEncoder.save_weights")
+    p.add_argument("--seed", type=int, help="seed of the initial weights")
+    p.add_argument("--workers", type=int, help="DataLoader worker processes (0: read in the main one)")
+    p.add_argument("--device", help="cpu | cuda (default: cuda when available)")
+    p.add_argument("--offload", choices=OFFLOAD_MODES, default="async")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-preflight", action="store_true", help="skip the budget check")
+    return p
+
+
+def _encode_config(args: argparse.Namespace, default_profile: str):
+    """The profile's (or preset's) config with the flags given applied."""
+    import math
+
+    from nblib.config import for_profile, preset
+    from nblib.errors import ConfigError
+
+    name = args.profile or default_profile
+    try:
+        config = for_profile(name)
+    except ConfigError:
+        config = preset(name)
+    changes = {}
+    if args.batch_size is not None:
+        changes["batch_size"] = args.batch_size
+    if args.checkpoint_every is not None:
+        changes["checkpoint_every"] = args.checkpoint_every
+        changes["consolidate_every"] = math.gcd(args.checkpoint_every, config.run.consolidate_every)
+    if args.outputs:
+        changes["outputs"] = tuple(o.strip() for o in args.outputs.split(",") if o.strip())
+    if args.dtype:
+        changes["out_dtype"] = args.dtype
+    if args.seed is not None:
+        changes["seed"] = args.seed
+    if args.workers is not None:
+        changes["workers"] = args.workers
+    return config.replace(**changes) if changes else config
+
+
+# --------------------------------------------------------------------------------------- suite
+def suite_main(argv: list[str]) -> int:
+    """`python -m nblib suite`: run every notebook headless and print the summary table."""
+    from nblib import env
+    from nblib.suite import format_table, run_suite
+
+    parser = argparse.ArgumentParser(prog="python -m nblib suite", description=suite_main.__doc__)
+    parser.add_argument("--notebooks", default=None, help="folder of NN_*.ipynb (default notebooks/)")
+    parser.add_argument("--out", default=None, help="executed copies go here (default outputs/notebooks)")
+    args = parser.parse_args(argv)
+    print(f"profile: {env.profile()}   outputs: {env.outputs_dir()}", flush=True)
+    results = run_suite(args.notebooks, args.out)
+    print(format_table(results))
+    failed = [r for r in results if r.status != "ok"]
+    for r in failed:
+        print(f"FAILED {r.name}: {r.error}")
+    if not results:
+        print("no notebooks found")
+        return 1
+    return 1 if failed else 0
+
+
+VERBS = {
+    "info": info_main,
+    "budget": budget_main,
+    "cache": cache_main,
+    "encode": encode_main,
+    "suite": suite_main,
+}

@@ -1,0 +1,43 @@
+"""Streaming, resumable encoding of an image cache with the TRM vision encoder.
+
+`encode` streams an `ImageSource` through the encoder into durable parts (`run`), moving outputs
+off the device per batch or every K batches (`offload`), then `consolidate` merges the parts into
+one `.npy` per output plus an index, and `load_outputs` maps them back, checked against it.
+Importing this package does not import torch: a run imports it when it starts, and the loader
+names (`batch_loader`, `BatchDataset`, `HostPart`) import it when first used.
+"""
+from __future__ import annotations
+
+import importlib
+
+from nblib.encode.consolidate import INDEX_NAME, consolidate, load_outputs, read_index
+from nblib.encode.protocols import ImageSource, PartStore
+from nblib.encode.run import (
+    OFFLOAD_MODES,
+    PARTS_FOLDER,
+    RUN_KIND,
+    RUN_VERSION,
+    EncodeReport,
+    RunPlan,
+    encode,
+    load_encoder,
+    open_store,
+    plan_run,
+    read_run_manifest,
+    settings_of,
+)
+
+_OFFLOAD_NAMES = ("BatchDataset", "HostPart", "batch_loader")
+
+__all__ = [
+    "INDEX_NAME", "OFFLOAD_MODES", "PARTS_FOLDER", "RUN_KIND", "RUN_VERSION", "EncodeReport",
+    "ImageSource", "PartStore", "RunPlan", "consolidate", "encode", "load_encoder", "load_outputs",
+    "open_store", "plan_run", "read_index", "read_run_manifest", "settings_of", *_OFFLOAD_NAMES,
+]
+
+
+def __getattr__(name: str):
+    """The loader names, from nblib.encode.offload (which imports torch) on first use."""
+    if name in _OFFLOAD_NAMES:
+        return getattr(importlib.import_module("nblib.encode.offload"), name)
+    raise AttributeError(f"module 'nblib.encode' has no attribute {name!r}")

@@ -1,0 +1,396 @@
+"""The streaming, resumable encode run: its plan, manifest, resume checks, preflight and progress.
+
+Batches are fixed (batch i = samples [i*B, (i+1)*B)) and grouped into parts of `checkpoint_every`
+batches. Each part is written through a `PartStore` (local first, mirrored to Drive), then the
+run manifest records the parts, the samples done and fingerprints of the settings, the weights
+and the cache. A rerun encodes only the parts that are not durable, and refuses when a
+fingerprint changed rather than mixing outputs. Same batches and threads give the same bytes, so
+a resumed run equals an uninterrupted one. Trade-off: a kill loses at most one part of work;
+smaller parts lose less but write more files. torch is imported when a run starts, not here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from nblib import budget
+from nblib.atomic import sha256_json
+from nblib.config import PipelineConfig
+from nblib.encode.protocols import ImageSource, PartStore, require_image_source, require_part_store
+from nblib.errors import CacheError, ConfigError, DriveError, ResumeMismatch, StateError
+
+RUN_KIND = "nblib.encode.run"     # the run manifest's and every part meta's "kind"
+RUN_VERSION = 2                   # layout 1 (before nblib 0.2) is refused: encode into a new folder
+PARTS_FOLDER = "parts"
+OFFLOAD_MODES = ("async", "consolidate")
+
+
+# ------------------------------------------------------------------------------ the run's plan
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Where every batch and part of a run begins and ends; fixed, so a resume sees the same batches."""
+
+    n_samples: int
+    batch_size: int
+    checkpoint_every: int
+
+    @property
+    def part_samples(self) -> int:
+        return self.batch_size * self.checkpoint_every
+
+    @property
+    def n_parts(self) -> int:
+        return -(-self.n_samples // self.part_samples)
+
+    def part_range(self, k: int) -> tuple[int, int]:
+        """Samples [start, stop) of part k."""
+        start = k * self.part_samples
+        return start, min(start + self.part_samples, self.n_samples)
+
+    def part_batches(self, k: int) -> list[tuple[int, int]]:
+        """Samples [start, stop) of each batch of part k."""
+        start, stop = self.part_range(k)
+        return [(s, min(s + self.batch_size, stop)) for s in range(start, stop, self.batch_size)]
+
+    @staticmethod
+    def part_name(k: int) -> str:
+        return f"part-{k:06d}"
+
+
+def plan_run(config: PipelineConfig, n_samples: int) -> RunPlan:
+    """The plan of encoding `n_samples` with the config's batch size and checkpoint cadence."""
+    return RunPlan(n_samples, config.run.batch_size, config.run.checkpoint_every)
+
+
+def settings_of(config: PipelineConfig, n_samples: int) -> dict:
+    """The knobs that decide the output bytes (model, batches, parts, outputs, dtype, seed).
+
+    Loader knobs (workers, prefetch, consolidate_every, offload mode) are left out on purpose: a
+    resume on another machine may change them without changing a byte.
+    """
+    r = config.run
+    return {"model": dataclasses.asdict(config.model), "n_samples": n_samples,
+            "batch_size": r.batch_size, "checkpoint_every": r.checkpoint_every,
+            "outputs": list(r.outputs), "out_dtype": r.out_dtype, "seed": r.seed}
+
+
+# ------------------------------------------------------------------------------ encode
+
+
+@dataclass(frozen=True)
+class EncodeReport:
+    """What one call of `encode` did: samples, parts, where it resumed, speed, and the outputs."""
+
+    run_dir: Path
+    n_samples: int
+    parts_total: int
+    parts_encoded: int
+    resumed_at: int
+    seconds: float
+    samples_per_s: float
+    offload: str
+    device: str
+    timeline: tuple[tuple[float, int], ...]  # (seconds since start, samples encoded), per batch
+    outputs: dict[str, Path]                 # consolidated arrays (empty when not consolidated)
+    mirror_caught_up: bool | None = None     # None without a mirror; False: parts wait locally
+    write_seconds: float = 0.0               # of `seconds`: writing parts and the manifest
+
+    def __str__(self) -> str:
+        resumed = f", resumed at sample {self.resumed_at:,}" if self.resumed_at else ""
+        lines = [f"encoded {self.parts_encoded} of {self.parts_total} parts "
+                 f"({self.n_samples:,} samples{resumed}) on {self.device} in {self.seconds:.1f} s, "
+                 f"{self.samples_per_s:,.1f} samples/s, offload={self.offload}"]
+        if self.mirror_caught_up is False:
+            lines.append("  the mirror is behind: every part is safe locally; rerun to catch it up")
+        lines += [f"  {name:<9} {path}" for name, path in self.outputs.items()]
+        return "\n".join(lines)
+
+
+def encode(cache: ImageSource, run_dir: str | Path, config: PipelineConfig, device: str | None = None, *,
+           outputs: tuple[str, ...] | None = None, out_dtype: str | None = None,
+           mirror_dir: str | Path | None = None, progress: bool = True, offload: str = "async",
+           weights: str | Path | None = None, preflight: bool = True, workspace=None,
+           do_consolidate: bool = True, store: PartStore | None = None) -> EncodeReport:
+    """Encode every image of `cache` into parts under `run_dir`, resuming what is durable.
+
+    `outputs` / `out_dtype` override the config's; `weights` loads trained weights (default: the
+    seeded initialization); `offload` is "async" (per-batch copies to pinned host buffers) or
+    "consolidate" (keep `consolidate_every` batches on the GPU, then one copy). A `store` given
+    is used as it is and left open; otherwise one is opened on run_dir/parts and closed.
+    """
+    import torch
+
+    from nblib.encode.consolidate import consolidate
+
+    run_dir = Path(run_dir)
+    cache = require_image_source(cache)
+    config = _effective_config(config, len(cache), outputs, out_dtype)
+    if offload not in OFFLOAD_MODES:
+        raise ConfigError(f"offload={offload!r} is unknown; choose one of {OFFLOAD_MODES}")
+    _require_usable_cache(cache, config)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cpu":
+        # the budget's RAM lines count live buffers; without this glibc keeps freed activations
+        # resident and a CPU run peaks 1.5-1.8x above them (see measure.pin_malloc_mmap_threshold)
+        from nblib.measure import pin_malloc_mmap_threshold
+
+        pin_malloc_mmap_threshold()
+    encoder = load_encoder(config, weights)
+    plan = plan_run(config, len(cache))
+    fingerprints = {"settings": sha256_json(settings_of(config, plan.n_samples)),
+                    "weights": encoder.weights_fingerprint(), "cache": cache.fingerprint}
+    own_store = store is None
+    store = open_store(run_dir, mirror_dir) if own_store else require_part_store(store)
+    manifest = _resume_manifest(store, config, plan, fingerprints)
+    missing = [k for k in range(plan.n_parts) if plan.part_name(k) not in manifest["parts"]]
+    resumed_at = plan.part_range(missing[0])[0] if missing else plan.n_samples
+    if missing and preflight:
+        _preflight(config, workspace, run_dir, mirror_dir)
+
+    started = time.perf_counter()
+    timeline: list[tuple[float, int]] = []
+    write_seconds = 0.0
+    if missing:
+        encoder.to(device).eval()
+        timeline, write_seconds = _encode_parts(cache, encoder, store, manifest, plan, missing,
+                                                config, device, offload, progress)
+    seconds = time.perf_counter() - started
+    encoded = sum(plan.part_range(k)[1] - plan.part_range(k)[0] for k in missing)
+    paths = consolidate(run_dir, store=store) if do_consolidate else {}
+    mirrored = store.close() if own_store else None  # waits for the mirror; warns if it is failing
+    return EncodeReport(
+        run_dir=run_dir, n_samples=plan.n_samples, parts_total=plan.n_parts,
+        parts_encoded=len(missing), resumed_at=resumed_at if resumed_at < plan.n_samples else 0,
+        seconds=seconds, samples_per_s=encoded / seconds if encoded and seconds else 0.0,
+        offload=offload, device=str(device), timeline=tuple(timeline), outputs=paths,
+        mirror_caught_up=mirrored if mirror_dir is not None else None, write_seconds=write_seconds)
+
+
+def load_encoder(config: PipelineConfig, weights: str | Path | None = None):
+    """The seeded encoder of a config, with trained weights loaded when a path is given."""
+    from nblib.trm import TRMVisionEncoder
+
+    encoder = TRMVisionEncoder(config, seed=config.run.seed)
+    return encoder.load_weights(weights) if weights is not None else encoder
+
+
+def open_store(run_dir: str | Path, mirror_dir: str | Path | None = None) -> PartStore:
+    """The DurableStore holding a run's parts and manifest (run_dir/parts, mirrored if asked)."""
+    from nblib.store import DurableStore
+
+    return DurableStore(Path(run_dir) / PARTS_FOLDER, mirror_dir=mirror_dir)
+
+
+def read_run_manifest(store: PartStore) -> dict | None:
+    """The run manifest of a store, or None when there is none or it is damaged (with a warning).
+
+    The newest copy of either side; local staging's alone (with a warning) while the mirror is
+    unreachable. StateError when the store holds something else (another kind, an older layout).
+    """
+    try:
+        try:
+            manifest = store.read_manifest()
+        except DriveError as exc:
+            warnings.warn(f"{exc}; reading the run manifest of local staging only", stacklevel=3)
+            manifest = store.read_manifest(local_only=True)
+    except (StateError, OSError) as exc:
+        warnings.warn(f"the run manifest cannot be read ({exc}); rebuilding it from the parts",
+                      stacklevel=3)
+        return None
+    if manifest is not None and (manifest.get("kind"), manifest.get("version")) != (RUN_KIND, RUN_VERSION):
+        raise StateError(f"{store.local_dir} holds a manifest of kind {manifest.get('kind')!r} "
+                         f"(layout {manifest.get('version')!r}), not an encode run of layout "
+                         f"{RUN_VERSION}; encode into an empty --out folder, or delete this one")
+    return manifest
+
+
+def part_meta(plan: RunPlan, k: int, fingerprints: dict) -> dict:
+    """The meta written with part k: what it is, which samples it holds, and the run's fingerprints."""
+    return {"kind": RUN_KIND, "version": RUN_VERSION, "name": plan.part_name(k),
+            "range": list(plan.part_range(k)), "fingerprints": fingerprints}
+
+
+def refuse_if_changed(old: dict, new: dict, old_settings: dict | None, new_settings: dict | None,
+                      where: str) -> None:
+    """ResumeMismatch naming each fingerprint (and setting) that differs between two runs."""
+    changed = [k for k in ("settings", "weights", "cache") if k in old and old[k] != new.get(k)]
+    if not changed:
+        return
+    details = []
+    for key in changed:
+        if key == "settings" and old_settings and new_settings:
+            diffs = _setting_diffs(old_settings, new_settings) or ["fingerprint differs"]
+            details.append("settings changed (" + "; ".join(diffs) + ")")
+        else:
+            details.append(f"{key} changed ({old[key][:12]} -> {str(new.get(key))[:12]})")
+    raise ResumeMismatch(
+        f"{where} was made with other inputs: {', '.join(details)}. Resuming would mix outputs "
+        f"of two different runs; rerun with the original cache, weights and settings, or encode "
+        f"into a new --out folder")
+
+
+# ------------------------------------------------------------------------------ helpers: resume
+
+
+def _effective_config(config: PipelineConfig, n_samples: int, outputs, out_dtype) -> PipelineConfig:
+    changes = {"n_samples": n_samples}
+    if outputs is not None:
+        changes["outputs"] = tuple(outputs)
+    if out_dtype is not None:
+        changes["out_dtype"] = out_dtype
+    if n_samples < 1:
+        raise ConfigError("the cache holds 0 images; populate it before encoding")
+    return config.replace(**changes)
+
+
+def _require_usable_cache(cache: ImageSource, config: PipelineConfig) -> None:
+    """Refuse a cache that is still being populated or holds images of another size."""
+    if not cache.complete:
+        raise CacheError(f"the cache holds {len(cache):,} images and is not complete; finish it first "
+                         f"(rerun nblib.cache.populate / python -m nblib cache with the same texts)")
+    size = cache.image_size
+    if size != config.model.image_size:
+        raise ConfigError(
+            f"the cache holds {size}x{size} images, the {config.name} model expects "
+            f"{config.model.image_size}x{config.model.image_size}; pick a profile with "
+            f"image_size={size} or re-render the cache at image_size={config.model.image_size}")
+
+
+def _new_manifest(config: PipelineConfig, plan: RunPlan, fingerprints: dict) -> dict:
+    shapes = budget.output_shapes(config.model)
+    return {"kind": RUN_KIND, "version": RUN_VERSION, "config_name": config.name,
+            "settings": settings_of(config, plan.n_samples), "fingerprints": fingerprints,
+            "n_samples": plan.n_samples, "batch_size": plan.batch_size,
+            "checkpoint_every": plan.checkpoint_every, "n_parts": plan.n_parts,
+            "outputs": list(config.run.outputs), "out_dtype": config.run.out_dtype,
+            "shapes": {o: list(shapes[o]) for o in config.run.outputs},
+            "parts": {}, "samples_done": 0, "complete": False}
+
+
+def _resume_manifest(store: PartStore, config: PipelineConfig, plan: RunPlan, fingerprints: dict) -> dict:
+    """The manifest to continue from: checked against this run, parts re-verified on disk.
+
+    A manifest that cannot be read is rebuilt from the parts (each part's meta carries the
+    fingerprints); parts the manifest lists but the store cannot verify are recomputed.
+    """
+    fresh = _new_manifest(config, plan, fingerprints)
+    old = read_run_manifest(store)
+    if old is not None:
+        refuse_if_changed(old.get("fingerprints", {}), fingerprints, old.get("settings", {}),
+                          fresh["settings"], where=f"the run manifest in {store.local_dir}")
+    durable = {}
+    for info in store.list_parts(verify="quick"):     # part.json, sizes, stat; hashed when changed
+        meta = dict(info.meta or {})
+        if (meta.get("kind"), meta.get("version")) != (RUN_KIND, RUN_VERSION):
+            continue
+        refuse_if_changed(meta.get("fingerprints", {}), fingerprints, old and old.get("settings"),
+                          fresh["settings"], where=f"part {meta.get('name')}")
+        durable[meta["name"]] = meta["range"]
+    listed = set((old or {}).get("parts", {}))
+    if listed - set(durable):
+        warnings.warn(f"parts {sorted(listed - set(durable))} are listed in the manifest but "
+                      f"missing or damaged on disk; they will be recomputed", stacklevel=3)
+    fresh["parts"] = {name: durable[name] for name in sorted(durable)}
+    fresh["samples_done"] = sum(stop - start for start, stop in fresh["parts"].values())
+    fresh["complete"] = fresh["samples_done"] == plan.n_samples
+    if fresh != old:
+        store.write_manifest(fresh)
+    return fresh
+
+
+def _setting_diffs(old: dict, new: dict) -> list[str]:
+    """'key: old -> new' for every setting that differs (model fields as model.<field>)."""
+    diffs = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            diffs += [f"model.{d}" for d in _setting_diffs(a, b)]
+        elif a != b:
+            diffs.append(f"{key}: {a} -> {b}")
+    return diffs
+
+
+def _preflight(config: PipelineConfig, workspace, run_dir: Path, mirror_dir) -> None:
+    """The budget's preflight before the first batch: RAM, VRAM, and the disks of run and mirror.
+
+    Without a workspace, staging is the run folder and the durable side is the mirror (or the
+    run folder when there is none). The device preset is the budget's default (t4 with CUDA).
+    """
+    if workspace is None:
+        from nblib.env import Workspace
+
+        run_dir.mkdir(parents=True, exist_ok=True)
+        durable = Path(mirror_dir) if mirror_dir is not None else run_dir
+        workspace = Workspace(drive=durable, cache=durable, runs=durable, checkpoints=durable,
+                              local=run_dir, staging=run_dir, figures=run_dir)
+    budget.preflight(config, workspace, job="encode")
+
+
+# ------------------------------------------------------------------------------ helpers: the loop
+
+
+def _encode_parts(cache: ImageSource, encoder, store: PartStore, manifest: dict, plan: RunPlan,
+                  missing: list[int], config: PipelineConfig, device, offload: str,
+                  progress: bool) -> tuple[list[tuple[float, int]], float]:
+    """Encode the missing parts in order, each written then listed: (timeline, seconds writing)."""
+    from nblib.encode.offload import HostPart, batch_loader
+
+    batches = [b for k in missing for b in plan.part_batches(k)]
+    loader = iter(batch_loader(cache, batches, config.run.workers, config.run.prefetch,
+                               pin_memory=device.type == "cuda"))
+    shapes = {o: tuple(manifest["shapes"][o]) for o in manifest["outputs"]}
+    host = HostPart(shapes, plan.part_samples, config.run.out_dtype, device, offload,
+                    config.run.consolidate_every)
+    bar = _progress_bar(plan, manifest, progress)
+    started, encoded, timeline, writing = time.perf_counter(), 0, [], 0.0
+    try:
+        for k in missing:
+            start, stop = plan.part_range(k)
+            for b_start, b_stop in plan.part_batches(k):
+                images = next(loader).to(device, non_blocking=True)
+                host.add(encoder.encode(images), b_start - start)
+                encoded += b_stop - b_start
+                timeline.append((time.perf_counter() - started, encoded))
+                bar.update(b_stop - b_start)
+            arrays = host.arrays(stop - start)          # waits for the last copy to land
+            write_started = time.perf_counter()
+            _write_part(store, manifest, plan, k, arrays)
+            writing += time.perf_counter() - write_started
+            bar.set_postfix(_postfix(store, manifest, plan, device), refresh=True)
+    finally:
+        bar.close()
+    return timeline, writing
+
+
+def _write_part(store: PartStore, manifest: dict, plan: RunPlan, k: int, arrays: dict[str, np.ndarray]) -> None:
+    """Write part k durably, then list it in the manifest (the manifest is always written last)."""
+    name, (start, stop) = plan.part_name(k), plan.part_range(k)
+    store.write_part(name, arrays, part_meta(plan, k, manifest["fingerprints"]))
+    manifest["parts"][name] = [start, stop]
+    manifest["parts"] = dict(sorted(manifest["parts"].items()))
+    manifest["samples_done"] += stop - start
+    manifest["complete"] = manifest["samples_done"] == plan.n_samples
+    store.write_manifest(manifest)
+
+
+def _progress_bar(plan: RunPlan, manifest: dict, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=plan.n_samples, initial=manifest["samples_done"], unit="img",
+                unit_scale=True, desc="encode", disable=not enabled, smoothing=0.1)
+
+
+def _postfix(store: PartStore, manifest: dict, plan: RunPlan, device) -> dict:
+    post = {"parts": f"{len(manifest['parts'])}/{plan.n_parts}", "mirror_lag": store.mirror_lag}
+    if device.type == "cuda":
+        import torch
+
+        post["gpu_mem"] = f"{torch.cuda.memory_allocated(device) / 2**30:.2f}GiB"
+    return post

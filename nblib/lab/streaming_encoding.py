@@ -1,0 +1,213 @@
+"""Notebook 03's demos and measurements: offload modes compared, a live kill, the outputs, the full run.
+
+What the notebook shows about `nblib.encode` lives here, not in the core package: both offload
+modes timed on the same cache, a CLI encode SIGKILLed mid-run (the resume is the CLI itself), a
+PCA of the sketches, how often checksum codes collide, and the full seed_t4 run's time and disk
+projected from a measured rate against the reference figures of `nblib.reference`.
+"""
+from __future__ import annotations
+
+import hashlib
+import shutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from nblib import budget, reference
+from nblib.config import OUTPUT_CHOICES, PipelineConfig, preset
+from nblib.encode import OFFLOAD_MODES, PARTS_FOLDER, encode, open_store, read_run_manifest
+from nblib.encode.protocols import ImageSource
+from nblib.errors import StateError
+
+REFERENCE_SAMPLES_PER_S = float(reference.ANALYSIS["samples per second"].value)  # seed_t4, Colab T4, fp32
+COLAB_RUNTIME_HOURS = float(reference.COLAB["runtime limit"].value)
+
+
+# ------------------------------------------------------------------------------ offload modes
+
+
+def compare_offload(cache: ImageSource, config: PipelineConfig, folder: str | Path, device: str | None = None,
+                    modes: tuple[str, ...] = OFFLOAD_MODES, repeats: int = 3) -> dict[str, float]:
+    """Encode the same cache with each offload mode, interleaved `repeats` times: mode -> best samples/s.
+
+    Best of several interleaved runs, so a busy machine's noise hits both modes alike.
+    """
+    rates: dict[str, float] = {}
+    for _ in range(repeats):
+        for mode in modes:
+            run_dir = Path(folder) / mode
+            shutil.rmtree(run_dir, ignore_errors=True)
+            report = encode(cache, run_dir, config, device, offload=mode, progress=False,
+                            preflight=False, do_consolidate=False)
+            rates[mode] = max(rates.get(mode, 0.0), report.samples_per_s)
+    return rates
+
+
+# ------------------------------------------------------------------------------ kill and resume
+
+
+def encode_command(cache_dir: str | Path, out: str | Path, **flags) -> list[str]:
+    """The `python -m nblib encode` command line: encode_command(c, o, batch_size=8, no_progress=True)."""
+    from nblib.proc import cli_command
+
+    return cli_command("encode", cache=cache_dir, out=out, **flags)
+
+
+def run_and_kill(command: list[str], run_dir: str | Path, after_parts: int, timeout: float = 300.0) -> int:
+    """Run an encode command, SIGKILL it (and its loader workers) once `after_parts` parts exist.
+
+    Returns the samples the manifest listed as durable at the kill; raises StateError if the
+    command ended on its own first (ask for fewer parts or a larger cache).
+    """
+    from nblib.proc import run_until, was_killed
+
+    parts = Path(run_dir) / PARTS_FOLDER
+    code = run_until(command, lambda: len(list(parts.glob("part-*/part.json"))) >= after_parts, timeout)
+    if not was_killed(code):
+        raise StateError(f"the command ended (exit {code}) before {after_parts} parts "
+                         f"existed; ask for fewer parts or a larger cache (run it by hand to see why)")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        store = open_store(run_dir)
+        try:
+            manifest = read_run_manifest(store)
+        finally:
+            store.close()
+    return 0 if manifest is None else manifest["samples_done"]
+
+
+# ------------------------------------------------------------------------------ a look at the outputs
+
+
+def sketch_projection(sketches: np.ndarray, max_samples: int = 4096) -> tuple[np.ndarray, np.ndarray]:
+    """PCA of every (sample, capsule) sketch to 2-D via numpy SVD: (coords [n, capsules, 2], explained ratio [2])."""
+    x = np.asarray(sketches[:max_samples], dtype=np.float64)
+    n, c, d = x.shape
+    flat = x.reshape(n * c, d)
+    flat = flat - flat.mean(axis=0)
+    _, s, vt = np.linalg.svd(flat, full_matrices=False)
+    explained = (s**2 / max((s**2).sum(), 1e-300))[:2]
+    return (flat @ vt[:2].T).reshape(n, c, 2), explained
+
+
+@dataclass(frozen=True)
+class ChecksumCollisions:
+    """How often distinct images share a checksum code (the sign bits of their checksums)."""
+
+    n_samples: int
+    bits: int
+    distinct_codes: int
+    colliding_samples: int        # samples whose code another sample also has
+    duplicate_images: int         # of those, samples whose image another sample also has
+    hamming: np.ndarray           # pairwise Hamming distances of the codes (upper triangle)
+
+    def __str__(self) -> str:
+        closest = int(self.hamming[self.hamming > 0].min(initial=self.bits))
+        return (f"{self.n_samples:,} samples, {self.bits}-bit codes: {self.distinct_codes:,} distinct, "
+                f"{self.colliding_samples} samples share a code "
+                f"({self.duplicate_images} of them are identical images); "
+                f"the closest distinct codes differ in {closest} bit(s)")
+
+
+def image_hashes(cache: ImageSource, n: int | None = None, batch: int = 256) -> list[str]:
+    """sha256 of each of the first n images of a cache: equal hashes are identical images."""
+    n = len(cache) if n is None else min(n, len(cache))
+    return [hashlib.sha256(image.tobytes()).hexdigest()
+            for start in range(0, n, batch) for image in cache.get_batch(start, min(start + batch, n))]
+
+
+def checksum_collisions(checksums: np.ndarray, image_hashes: list[str] | None = None,
+                        max_samples: int = 2048) -> ChecksumCollisions:
+    """Codes of the checksums (one bit per value: above its median over the samples or not),
+    their collisions and pairwise Hamming distances.
+
+    Thresholding at the median, not at 0, makes every bit split the samples in half: images
+    share much of their look (white page, dark glyphs), so raw signs would be nearly constant.
+    With `image_hashes` (see `image_hashes(cache)`), collisions of identical images are counted
+    apart: those are the checksum doing its job, not a collision of distinct images.
+    """
+    x = np.asarray(checksums[:max_samples], dtype=np.float32).reshape(min(len(checksums), max_samples), -1)
+    codes = x > np.median(x, axis=0)
+    packed = [c.tobytes() for c in np.packbits(codes, axis=1)]
+    counts: dict[bytes, int] = {}
+    for code in packed:
+        counts[code] = counts.get(code, 0) + 1
+    colliding = [i for i, code in enumerate(packed) if counts[code] > 1]
+    duplicates = 0
+    if image_hashes is not None:
+        seen: dict[str, int] = {}
+        for h in image_hashes[:len(x)]:
+            seen[h] = seen.get(h, 0) + 1
+        duplicates = sum(1 for i in colliding if seen[image_hashes[i]] > 1)
+    c = codes.astype(np.float32)  # float matmul: exact for counts below 2**24, and fast
+    distances = np.rint(c.shape[1] - (c @ c.T + (1 - c) @ (1 - c).T)).astype(np.int32)
+    upper = distances[np.triu_indices(len(x), k=1)]
+    return ChecksumCollisions(n_samples=len(x), bits=codes.shape[1], distinct_codes=len(counts),
+                              colliding_samples=len(colliding), duplicate_images=duplicates,
+                              hamming=upper)
+
+
+# ------------------------------------------------------------------------------ the full run
+
+
+@dataclass(frozen=True)
+class FullRunProjection:
+    """Time and disk of the full seed_t4 run on a T4, projected from a measured encode rate."""
+
+    n_samples: int
+    measured_samples_per_s: float
+    measured_on: str
+    efficiency: float                       # share of peak FLOP/s the measurement reached
+    rates: dict[str, float]                 # basis -> projected T4 samples/s
+    disk: tuple[tuple[str, int], ...]       # (outputs + dtype, bytes of the outputs)
+
+    def hours(self, rate: float) -> float:
+        return self.n_samples / rate / 3600
+
+    def table(self) -> str:
+        """The projection as aligned text: rates and hours, then disk per output choice."""
+        rows = [f"full run: {self.n_samples:,} samples (seed_t4 model) on a Colab T4",
+                f"measured here: {self.measured_samples_per_s:,.1f} samples/s on {self.measured_on} "
+                f"= {self.efficiency:.1%} of its peak FLOP/s"]
+        for basis, rate in self.rates.items():
+            rows.append(f"  {basis:<48} {rate:>8,.0f} samples/s  {self.hours(rate):>6.1f} h  "
+                        f"({rate / REFERENCE_SAMPLES_PER_S:.1f}x the reference)")
+        needed = self.n_samples / (COLAB_RUNTIME_HOURS * 3600)
+        rows.append(f"  {f'needed to finish in one {COLAB_RUNTIME_HOURS:g} h runtime':<48} {needed:>8,.0f} samples/s")
+        rows.append(f"  {'the goal: 3x the reference':<48} {3 * REFERENCE_SAMPLES_PER_S:>8,.0f} samples/s")
+        rows.append("disk of the outputs (parts; the consolidated copy needs as much again):")
+        rows += [f"  {label:<48} {b / 1e9:>8,.1f} GB" for label, b in self.disk]
+        return "\n".join(rows)
+
+
+def project_full_run(measured_samples_per_s: float, measured_config: PipelineConfig,
+                     measured_on: str | None = None, target: PipelineConfig | None = None,
+                     target_device: str = "t4") -> FullRunProjection:
+    """Project the full run's time (via FLOPs per image) and disk from a measured rate.
+
+    Rates: the reference (94 samples/s, fp32), the budget's default T4 efficiency, and the
+    efficiency measured here applied to the T4's fp16 peak; the last is only as good as the
+    guess that a T4 reaches the share of its peak this machine reached. Disk: every output in
+    float32, then each choice of `nblib.config.OUTPUT_CHOICES` in float16.
+    """
+    from nblib.env import cuda_available
+
+    target = target or preset("seed_t4")
+    measured_on = measured_on or ("t4" if cuda_available() else "cpu")
+    efficiency = budget.calibrate(measured_on, measured_samples_per_s, measured_config)
+    rates = {"reference (T4, fp32, measured)": REFERENCE_SAMPLES_PER_S,
+             "budget prediction (T4 fp16, default efficiency)":
+                 budget.predict_budget(target, target_device).samples_per_s,
+             "measured efficiency on the T4's fp16 peak":
+                 budget.predict_budget(target, target_device, efficiency=efficiency).samples_per_s}
+    if measured_on == target_device and measured_config.model == target.model:
+        rates = {"measured here": measured_samples_per_s, **rates}
+    disk = tuple((f"{'+'.join(outs)} {dtype}", target.run.n_samples *
+                  budget.output_bytes_per_image(target, outs, dtype))
+                 for outs in OUTPUT_CHOICES for dtype in ("float32", "float16")
+                 if dtype == "float16" or len(outs) == 3)
+    return FullRunProjection(n_samples=target.run.n_samples,
+                             measured_samples_per_s=measured_samples_per_s, measured_on=measured_on,
+                             efficiency=efficiency, rates=rates, disk=disk)

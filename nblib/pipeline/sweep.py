@@ -1,0 +1,150 @@
+"""Sweep a pipeline's knobs: measure each config of a grid and collect one tidy row per config.
+
+The default sweep varies one knob at a time around a base config (each knob's first value), as a
+tuning log does: n knobs of k values cost 1 + n(k - 1) runs instead of k^n, and each knob's curve
+is read off directly. `product=True` measures every combination instead. Knobs are the keyword
+parameters of `make_pipeline_for`; a grid naming another one is refused before anything runs.
+Ctrl-C stops the sweep and returns the rows measured so far.
+"""
+from __future__ import annotations
+
+import inspect
+import itertools
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from nblib.errors import ConfigError
+from nblib.pipeline.harness import measure_pipeline
+from nblib.units import fmt_bytes
+
+BASE = "base"   # the `varied` value of the base config's row
+
+
+@dataclass
+class SweepTable:
+    """One row per measured config: its knobs, which knob it varies (or "base"), the report's fields."""
+
+    knobs: tuple[str, ...]
+    rows: list[dict] = field(default_factory=list)
+    planned: int = 0
+    interrupted: bool = False
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __iter__(self):
+        return iter(self.rows)
+
+    @property
+    def base(self) -> dict | None:
+        """The base config's row (the first row of a product sweep); None before it was measured."""
+        return next((r for r in self.rows if r["varied"] == BASE), self.rows[0] if self.rows else None)
+
+    def column(self, name: str) -> list:
+        return [row[name] for row in self.rows]
+
+    def curve(self, knob: str) -> list[dict]:
+        """The rows that vary `knob` alone (with the base row), sorted by the knob's value."""
+        rows = [r for r in self.rows if r["varied"] in (knob, BASE)]
+        return sorted(rows, key=lambda r: _sort_key(r[knob]))
+
+    def find(self, **knobs) -> dict | None:
+        """The row whose knobs have these values (None when it was not measured)."""
+        return next((r for r in self.rows if all(r[k] == v for k, v in knobs.items())), None)
+
+    def __str__(self) -> str:
+        head = [*self.knobs, "samples/s", "data-wait", "startup", "peak RSS"]
+        body = [[knob_text(r[k]) for k in self.knobs] + [f"{r['samples_per_s']:,.1f}", f"{r['data_wait']:.0%}",
+                 f"{r['startup_s']:.2f} s", fmt_bytes(r["peak_rss_bytes"])] for r in self.rows]
+        widths = [max(len(str(c)) for c in col) for col in zip(head, *body)]
+        lines = ["  ".join(f"{c:>{w}}" for c, w in zip(line, widths)) for line in [head, *body]]
+        if self.interrupted:
+            lines.append(f"(interrupted: {len(self.rows)} of {self.planned} configs measured)")
+        return "\n".join(lines)
+
+
+def sweep(make_pipeline_for: Callable[..., Iterable], grid: Mapping[str, Sequence], *,
+          base: Mapping | None = None, product: bool = False, consumer_ms: float = 0.0,
+          consumer: Callable | None = None, steps: int = 20, warmup: int = 2,
+          on_row: Callable[[dict], None] | None = None) -> SweepTable:
+    """Measure `make_pipeline_for(**config)` for each config of `grid` (see `measure_pipeline`).
+
+    `grid` maps knob names to the values to try; the first value of each is the base (or give
+    `base`). Returns a SweepTable; Ctrl-C returns the rows measured so far (`interrupted=True`).
+    """
+    configs = plan_configs(grid, base=base, product=product, known=knob_names(make_pipeline_for))
+    table = SweepTable(knobs=tuple(grid), planned=len(configs))
+    try:
+        for varied, config in configs:
+            report = measure_pipeline(lambda config=config: make_pipeline_for(**config), consumer_ms,
+                                      consumer=consumer, steps=steps, warmup=warmup)
+            row = {**config, "varied": varied, **report.as_dict()}
+            table.rows.append(row)
+            if on_row is not None:
+                on_row(row)
+    except KeyboardInterrupt:
+        table.interrupted = True
+        warnings.warn(f"sweep interrupted: returning the {len(table.rows)} of {len(configs)} configs "
+                      f"measured so far", stacklevel=2)
+    return table
+
+
+def plan_configs(grid: Mapping[str, Sequence], *, base: Mapping | None = None, product: bool = False,
+                 known: Iterable[str] | None = None) -> list[tuple[str, dict]]:
+    """The configs a sweep measures, each as (knob it varies or "base", {knob: value})."""
+    values = _checked_grid(grid, known)
+    start = {k: v[0] for k, v in values.items()}
+    if base:
+        _check_known(base, values, "base")
+        start.update(base)
+    if product:
+        combos = [dict(zip(values, combo)) for combo in itertools.product(*values.values())]
+        return [(BASE if combo == start else "product", combo) for combo in combos]
+    configs = [(BASE, dict(start))]
+    for knob, options in values.items():
+        configs += [(knob, {**start, knob: v}) for v in options if v != start[knob]]
+    return configs
+
+
+def knob_text(value) -> str:
+    """A knob's value as a table shows it (-1, tf.data.AUTOTUNE, as "AUTOTUNE")."""
+    return "AUTOTUNE" if value == -1 and not isinstance(value, bool) else str(value)
+
+
+def knob_names(make_pipeline_for: Callable) -> tuple[str, ...] | None:
+    """The keyword parameters of a pipeline factory (None when it takes **kwargs: any knob goes)."""
+    params = inspect.signature(make_pipeline_for).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return tuple(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+def _checked_grid(grid: Mapping[str, Sequence], known: Iterable[str] | None) -> dict[str, list]:
+    if not grid:
+        raise ConfigError("the grid is empty; give at least one knob with its values, e.g. {'batch_size': [32, 128]}")
+    values = {}
+    for knob, options in grid.items():
+        options = list(options) if isinstance(options, (list, tuple, range)) else [options]
+        if not options:
+            raise ConfigError(f"grid[{knob!r}] has no values; give at least one")
+        values[knob] = options
+    if known is not None:
+        _check_known(values, tuple(known), "grid")
+    return values
+
+
+def _check_known(names: Iterable[str], known: Iterable[str], where: str) -> None:
+    known = tuple(known)
+    unknown = [k for k in names if k not in known]
+    if unknown:
+        raise ConfigError(f"unknown knob {unknown[0]!r} in the {where}; known knobs: {', '.join(known)}")
+
+
+def _sort_key(value):
+    return (0, value, "") if isinstance(value, (int, float)) and not isinstance(value, bool) else (1, 0, str(value))
+
+

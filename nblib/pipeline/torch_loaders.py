@@ -1,0 +1,97 @@
+"""torch DataLoaders over an image source with the knobs a sweep turns, and the per-worker TF trap.
+
+`cache_loader_for(source)` is a sweep factory: (batch_size, num_workers, prefetch_factor,
+pin_memory, persistent_workers) -> an endless iterator of uint8 batches, epoch after epoch, as
+a training loop sees them (so `persistent_workers` shows what it saves: respawning workers at
+every epoch). Batches are contiguous slices read by `get_batch` in the workers, as encode reads.
+`tf_in_workers_loader` is the trap the tuning log hit: every worker builds its own tf.data
+pipeline (its own TensorFlow, its own buffers), so RAM grows with num_workers. This module
+imports torch (`nblib.pipeline` itself does not); TensorFlow only runs in the workers that build it.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from nblib.errors import ConfigError
+
+
+def cache_loader_for(source, epochs: int | None = None):
+    """A pipeline factory for `sweep` over an ImageSource (a ShardedImageCache, a rendered source)."""
+
+    def make(batch_size: int = 32, num_workers: int = 0, prefetch_factor: int = 2, pin_memory: bool = False,
+             persistent_workers: bool = False):
+        return repeated(cache_loader(source, batch_size, num_workers, prefetch_factor, pin_memory,
+                                     persistent_workers), epochs)
+
+    return make
+
+
+def cache_loader(source, batch_size: int = 32, num_workers: int = 0, prefetch_factor: int = 2,
+                 pin_memory: bool = False, persistent_workers: bool = False, context: str | None = None):
+    """A DataLoader of the source's contiguous batches of `batch_size` (the last one may be short)."""
+    for name, value, low in (("batch_size", batch_size, 1), ("num_workers", num_workers, 0),
+                             ("prefetch_factor", prefetch_factor, 1)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+            raise ConfigError(f"{name}={value!r} must be an integer >= {low}")
+    batches = [(s, min(s + batch_size, len(source))) for s in range(0, len(source), batch_size)]
+    kwargs = {"num_workers": num_workers, "pin_memory": bool(pin_memory) and torch.cuda.is_available(),
+              "batch_size": None, "shuffle": False}
+    if num_workers > 0:
+        kwargs.update(prefetch_factor=prefetch_factor, persistent_workers=bool(persistent_workers),
+                      multiprocessing_context=context)
+    return torch.utils.data.DataLoader(SliceBatches(source, batches), **kwargs)
+
+
+def repeated(loader, epochs: int | None = None):
+    """The loader's batches, epoch after epoch (forever when epochs is None)."""
+    epoch = 0
+    while epochs is None or epoch < epochs:
+        yield from loader
+        epoch += 1
+
+
+class SliceBatches(torch.utils.data.Dataset):
+    """Item i: the uint8 tensor of the i-th (start, stop) slice of a source (a map-style dataset)."""
+
+    def __init__(self, source, batches: list[tuple[int, int]]):
+        self.source, self.batches = source, batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        start, stop = self.batches[i]
+        return torch.from_numpy(np.ascontiguousarray(self.source.get_batch(start, stop)))
+
+
+class TFPipelineInWorker(torch.utils.data.IterableDataset):
+    """An iterable dataset whose every DataLoader worker builds its own tf.data pipeline: the trap.
+
+    `build()` runs inside each worker (importing TensorFlow there); the worker then yields its
+    pipeline's first `batches_per_worker` batches as tensors. Use the "spawn" context: TensorFlow
+    does not survive a fork of a process that already runs it.
+    """
+
+    def __init__(self, build, batches_per_worker: int):
+        self.build, self.batches_per_worker = build, batches_per_worker
+
+    def __iter__(self):
+        for i, batch in enumerate(self.build()):
+            if i >= self.batches_per_worker:
+                return
+            yield torch.from_numpy(np.asarray(batch))
+
+
+def tf_in_workers_loader(build, num_workers: int, batches_per_worker: int = 8, prefetch_factor: int = 2):
+    """A DataLoader whose `num_workers` spawned workers each build and run their own tf.data pipeline."""
+    kwargs = {"num_workers": num_workers, "batch_size": None}
+    if num_workers > 0:
+        kwargs.update(prefetch_factor=prefetch_factor, multiprocessing_context="spawn")
+    return torch.utils.data.DataLoader(TFPipelineInWorker(build, batches_per_worker), **kwargs)
+
+
+def tf_feeding_torch(dataset):
+    """One tf.data pipeline in this process feeding torch: its batches as tensors (the trap's remedy)."""
+    for batch in dataset:
+        yield torch.from_numpy(batch.numpy())

@@ -1,0 +1,321 @@
+"""Durable checkpoints: write to fast local staging first, mirror to Drive in a background thread.
+
+`DurableStore` is a short front over: `parts` (the part format over one folder), `mirror` (the
+thread that copies to Drive and re-fills what the mirror lost), `retry` (Drive calls retried,
+remounted), `checkpoints` (a versioned torch checkpoint series), `run_manifest` (the run's
+manifest, newest sequence wins) and `retention` (which local copies may go). The caller never waits
+on Drive: `write_part` returns once the local copy is durable. The trade-off: the newest parts
+live only on local disk until the mirror catches up (`mirror_lag`), so a runtime death loses
+at most those, never a half-written file.
+
+Layout (the store owns both folders; put nothing else in them):
+    <dir>/<part name>/<key>.npy, <dir>/<part name>/part.json   parts
+    <dir>/manifest.json                                        the run manifest (newest seq wins)
+    <dir>/<name>-000001.pt, <dir>/<name>-000001.json           torch checkpoints
+
+Reading takes the newest complete copy from either side; damaged copies are returned by
+`verify()`, warned about (DamagedCopyWarning) and ignored, so the caller recomputes them.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from nblib.atomic import TMP_PREFIX, atomic_write_bytes
+from nblib.errors import ConfigError, DriveError, StateError
+
+from .checkpoints import CheckpointFolder, load_latest
+from .mirror import (
+    CopyCheckpoint,
+    CopyManifest,
+    CopyPart,
+    DamagedCopyWarning,
+    Mirror,
+    MirrorStatus,
+    MirrorWarning,
+    Retention,
+    Sides,
+)
+from .parts import DamagedCopy, FileEntry, FileOps, PartFolder, PartInfo, check_name, verify_level
+from .retention import checkpoints_to_drop, retained_parts
+from .retry import Retrier, RetryingOps
+from .run_manifest import MANIFEST_FILE, newest, read_run_manifest, run_manifest_bytes
+
+__all__ = ["DamagedCopy", "DamagedCopyWarning", "DurableStore", "FileEntry", "FileOps", "MirrorStatus",
+           "MirrorWarning", "PartFolder", "PartInfo", "retained_parts"]
+
+
+class DurableStore:
+    """Local-first store of parts, a run manifest and checkpoints, mirrored to `mirror_dir` in a thread."""
+
+    def __init__(self, local_dir: str | Path, mirror_dir: str | Path | None = None, *,
+                 keep_local: int | None = None, keep_every: int | None = None,
+                 keep_checkpoints: int = 3, retries: int = 5, backoff_s: float = 0.5,
+                 retry_interval_s: float = 30.0, verify_mirror: bool = True,
+                 remount: Callable[[], Any] | None = None, _ops: FileOps | None = None):
+        self.local_dir = Path(local_dir)
+        self.mirror_dir = Path(mirror_dir) if mirror_dir is not None else None
+        _check_knobs(self.local_dir, self.mirror_dir, keep_local, keep_every, keep_checkpoints,
+                     retries, backoff_s)
+        self.keep_checkpoints = keep_checkpoints
+        self.local_dir.mkdir(parents=True, exist_ok=True)
+        self.local = PartFolder(self.local_dir, FileOps(), "local")
+        self._checkpoints = [CheckpointFolder(self.local_dir, FileOps(), "local")]
+        self._folders = [self.local]
+        self._mirror: Mirror | None = None
+        self._versions: dict[str, int] = {}
+        self._manifest_seq: int | None = None
+        if self.mirror_dir is not None:
+            ops = _ops if _ops is not None else FileOps()
+            remount = remount if remount is not None else _default_remount()
+            reads = RetryingOps(ops, Retrier(retries, backoff_s, remount), self.mirror_dir)
+            self._folders.append(PartFolder(self.mirror_dir, reads, "mirror"))
+            self._checkpoints.append(CheckpointFolder(self.mirror_dir, reads, "mirror"))
+            sides = Sides(self.local, PartFolder(self.mirror_dir, ops, "mirror"), self._checkpoints[0],
+                          CheckpointFolder(self.mirror_dir, ops, "mirror"))
+            self._mirror = Mirror(sides, Retention(keep_local, keep_every, keep_checkpoints),
+                                  Retrier(retries, backoff_s, remount), retry_interval_s=retry_interval_s,
+                                  verify_readback=verify_mirror)
+
+    # ------------------------------------------------------------------------------ parts
+
+    def write_part(self, name: str, arrays: dict[str, np.ndarray], meta: dict | None = None) -> PartInfo:
+        """Write one .npy per array, then part.json last, atomically; queue the part for mirroring."""
+        info = self.local.write(name, arrays, meta)
+        self._enqueue(CopyPart(name))
+        return info
+
+    def list_parts(self, verify: bool | str = True) -> list[PartInfo]:
+        """Complete parts, newest copy of either side; verify: True (sha256), "quick" or False (sizes)."""
+        parts, damaged = self._scan(verify)
+        _warn_damaged(damaged, "ignored; the caller should recompute the parts that have no good copy")
+        return parts
+
+    def verify(self) -> tuple[list[PartInfo], list[DamagedCopy]]:
+        """Full sha256 check of every part on both sides: (good parts, damaged copies)."""
+        parts, damaged = self._scan(True)
+        _warn_damaged(damaged, "ignored; the caller should recompute the parts that have no good copy")
+        return parts, damaged
+
+    def read_part(self, name: str, mmap: bool = True, verify: bool | str = True) -> dict[str, np.ndarray]:
+        """The arrays of part `name` from a checked copy (newest; local on a tie), memory-mapped if `mmap`."""
+        check_name(name, "part name")
+        best, bad = self._best_copy(name, verify)
+        if best is None:
+            why = "; ".join(f"{d.side}: {d.reason}" for d in bad) or "no copy on either side"
+            raise StateError(f"part {name!r} has no complete, verified copy ({why}); recompute it")
+        folder, info = best
+        return folder.load(info, mmap)
+
+    def delete_part(self, name: str) -> None:
+        """Delete part `name` on both sides (each copy stops existing at once)."""
+        for folder in self._folders:
+            folder.delete(name)
+        if self._mirror is not None:
+            self._mirror.forget(name)
+
+    def leftover_temporaries(self) -> list[Path]:
+        """Temporaries that interrupted writes or deletions left on both sides (never parts)."""
+        return sorted(p for folder in self._folders for p in folder.root.rglob(f"{TMP_PREFIX}*"))
+
+    def remove_leftovers(self) -> int:
+        """Delete leftover temporaries; call it only while no other process writes to this store."""
+        leftovers = self.leftover_temporaries()
+        for path in leftovers:
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+        return len(leftovers)
+
+    # ---------------------------------------------------------------------------- manifest
+
+    def write_manifest(self, obj: dict) -> None:
+        """Write the run manifest (next sequence number, sha256) atomically, then queue its mirror."""
+        try:                                     # refuse what JSON cannot hold, now, not in the thread
+            body = json.loads(json.dumps(obj))
+        except (TypeError, ValueError) as exc:
+            raise StateError(f"the manifest must be plain JSON (dict, list, str, int, float): {exc}; "
+                             f"convert numpy values with int() / float() / .tolist()") from None
+        if self._manifest_seq is None:
+            self._manifest_seq = self._newest_manifest_seq()
+        self._manifest_seq += 1
+        atomic_write_bytes(self.local_dir / MANIFEST_FILE, run_manifest_bytes(body, self._manifest_seq))
+        self._enqueue(CopyManifest())
+
+    def read_manifest(self, local_only: bool = False) -> dict | None:
+        """The newest valid run manifest of either side (`local_only`: never touch the mirror).
+
+        None (and a warning) if no copy is valid; DriveError if the mirror stays unreachable.
+        """
+        folders = [self.local] if local_only else self._folders
+        found = [read_run_manifest(f.ops, f.root, f.side) for f in folders]
+        copies = [c for c in found if c is not None and not isinstance(c, DamagedCopy)]
+        damaged = [c for c in found if isinstance(c, DamagedCopy)]
+        _warn_damaged(damaged, "ignored" if copies else "ignored; no valid manifest is left, returning None")
+        best = newest(copies)
+        if best is None:
+            return None
+        self._manifest_seq = max(self._manifest_seq or 0, best.seq)
+        return best.body["run"]
+
+    # --------------------------------------------------------------------------- checkpoints
+
+    def save(self, obj, name: str) -> Path:
+        """torch.save `obj` as the next numbered version `name-000001.pt` (atomic), keep the last N."""
+        check_name(name, "checkpoint name")
+        if name not in self._versions:          # scan once; later saves never touch Drive here
+            self._versions[name] = max([0, *self._checkpoint_versions(name)])
+        version = self._versions[name] = self._versions[name] + 1
+        path = self._checkpoints[0].save(obj, name, version)
+        if self._mirror is None:
+            for old in checkpoints_to_drop(self._checkpoints[0].versions(name), self.keep_checkpoints):
+                self._checkpoints[0].remove(name, old)
+        self._enqueue(CopyCheckpoint(name, version))
+        return path
+
+    def load_latest(self, name: str, map_location="cpu", weights_only: bool = True):
+        """The newest checkpoint `name` that verifies and loads, from either side; None if none does."""
+        loaded = load_latest(self._checkpoints, name, map_location, weights_only)
+        self._versions[name] = max(self._versions.get(name, 0), loaded.newest_version)
+        what = "skipped; no checkpoint of this name loads, load_latest returns None"
+        _warn_damaged(loaded.damaged, what if loaded.obj is None else "skipped; loaded an older one instead")
+        return loaded.obj
+
+    # ------------------------------------------------------------------------------ mirror
+
+    @property
+    def mirror_lag(self) -> int:
+        """Parts written locally and not yet verified on the mirror."""
+        return self.mirror_status().parts_pending
+
+    def mirror_status(self) -> MirrorStatus:
+        """Pending parts and items, whether the mirror is failing, its last error, what it re-filled."""
+        return self._mirror.status() if self._mirror is not None else MirrorStatus(0, 0, False, None, 0)
+
+    def flush(self, timeout: float | None = None, *, unmount: bool = False, strict: bool = False) -> bool:
+        """Wait until the mirror caught up (and was audited): True; False and a MirrorWarning if not.
+
+        `strict` raises DriveError instead of warning. `unmount` (Colab only) then calls
+        `google.colab.drive.flush_and_unmount()`; use it last, the mirror is gone afterwards.
+        """
+        if self._mirror is None:
+            return True
+        if not self._mirror.wait(timeout):
+            status = self.mirror_status()
+            why = f"last error: {status.last_error}" if status.failing else f"waited {timeout} s"
+            msg = (f"the mirror {self.mirror_dir} is behind by {status.parts_pending} parts "
+                   f"({status.items_pending} items, {why}); everything is safe in {self.local_dir}. "
+                   f"Check that Drive is mounted (nblib.env.remount_drive()) and call flush() again")
+            if strict:
+                raise DriveError(msg)
+            warnings.warn(msg, MirrorWarning, stacklevel=2)
+            return False
+        if unmount:
+            _colab_flush_and_unmount()
+        return True
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Flush (warning if the mirror is failing), then stop the mirror thread. Idempotent."""
+        if self._mirror is None:
+            return True
+        if self._mirror.alive:
+            self.flush(timeout)
+        return self._mirror.stop()
+
+    def __enter__(self) -> DurableStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --------------------------------------------------------------------------- helpers
+
+    def _enqueue(self, item) -> None:
+        if self._mirror is not None:
+            self._mirror.enqueue(item)
+
+    def _scan(self, verify) -> tuple[list[PartInfo], list[DamagedCopy]]:
+        verify_level(verify)
+        names = sorted({n for folder in self._folders for n in folder.names()})
+        parts, damaged = [], []
+        for name in names:
+            best, bad = self._best_copy(name, verify)
+            damaged += bad
+            if best is not None:
+                parts.append(best[1])
+                if best[0] is self.local and any(d.side == "mirror" for d in bad):
+                    self._enqueue(CopyPart(name))   # repair the mirror from the good local copy
+        return parts, damaged
+
+    def _best_copy(self, name: str, verify) -> tuple[tuple[PartFolder, PartInfo] | None, list[DamagedCopy]]:
+        good, bad = [], []
+        for rank, folder in enumerate(self._folders):
+            result = folder.check(name, verify)
+            if isinstance(result, PartInfo):
+                good.append((result.created, -rank, folder, result))
+            elif result is not None:
+                bad.append(result)
+        best = max(good, key=lambda g: g[:2], default=None)
+        return (best[2], best[3]) if best else None, bad
+
+    def _checkpoint_versions(self, name: str) -> list[int]:
+        """Versions of `name` on either side, one try each; an unreachable mirror is skipped."""
+        folders = [self._checkpoints[0]] + ([self._mirror.sides.remote_checkpoints] if self._mirror else [])
+        versions = []
+        for folder in folders:
+            with contextlib.suppress(OSError):   # mirror down: the thread catches up later
+                versions += folder.versions(name)
+        return versions
+
+    def _newest_manifest_seq(self) -> int:
+        """The highest seq on either side, one try each (the thread never overwrites a newer one)."""
+        folders = [self.local] + ([self._mirror.sides.remote] if self._mirror else [])
+        seqs = [0]
+        for folder in folders:
+            with contextlib.suppress(OSError):
+                seqs.append(getattr(read_run_manifest(folder.ops, folder.root, folder.side), "seq", 0))
+        return max(seqs)
+
+
+def _check_knobs(local: Path, mirror: Path | None, keep_local, keep_every, keep_checkpoints,
+                 retries, backoff_s) -> None:
+    if mirror is not None and mirror.expanduser().absolute() == local.expanduser().absolute():
+        raise ConfigError(f"mirror_dir and local_dir are the same folder ({local}); point mirror_dir at Drive")
+    for knob, value, low in (("keep_local", keep_local, 0), ("keep_every", keep_every, 1),
+                             ("keep_checkpoints", keep_checkpoints, 1), ("retries", retries, 0)):
+        if value is not None and (not isinstance(value, int) or value < low):
+            raise ConfigError(f"{knob}={value!r} is out of range; set it to an integer >= {low}")
+    if backoff_s < 0:
+        raise ConfigError(f"backoff_s={backoff_s} is negative; set it to 0 or more seconds")
+
+
+def _warn_damaged(damaged: list[DamagedCopy], what: str) -> None:
+    if damaged:
+        listed = "; ".join(f"{d.name} ({d.side}: {d.reason})" for d in damaged[:5])
+        more = f" and {len(damaged) - 5} more" if len(damaged) > 5 else ""
+        warnings.warn(f"{len(damaged)} damaged copies {what}: {listed}{more}", DamagedCopyWarning, stacklevel=3)
+
+
+def _default_remount() -> Callable[[], Any] | None:
+    """nblib.env.remount_drive inside Colab; nothing elsewhere (a local folder needs no remount)."""
+    from nblib import env
+
+    return env.remount_drive if env.runtime() == "colab" else None
+
+
+def _colab_flush_and_unmount() -> None:
+    from nblib import env
+
+    if env._colab_drive() is not None:
+        from google.colab import drive  # type: ignore[import-not-found]
+
+        drive.flush_and_unmount()

@@ -1,0 +1,156 @@
+"""A versioned series of torch checkpoints in one folder: `<name>-000001.pt` and its record.
+
+Each version is the torch.save bytes (written atomically) plus `<name>-000001.json`, an
+`nblib.manifest` record of the file's size and sha256, written last: a version without a valid
+record does not exist. Loading walks versions newest first across the given folders and takes
+the first that verifies and loads, so a torn or corrupt newest checkpoint costs one version,
+not the run. torch is imported only when a checkpoint is written or loaded.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import re
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from nblib.errors import ManifestDamaged, StateError
+from nblib.manifest import manifest_bytes, parse_manifest
+
+from .parts import DamagedCopy, FileOps, check_name
+
+CHECKPOINT_KIND = "nblib.store.checkpoint"
+CHECKPOINT_VERSION = 2
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What `load_latest` found: the object (None if nothing loads) and the copies it skipped."""
+
+    obj: object
+    damaged: list[DamagedCopy]
+    newest_version: int          # the highest version number seen on any side (0: none)
+
+
+class CheckpointFolder:
+    """Checkpoint versions of any name under one root, read and written through `ops`."""
+
+    def __init__(self, root: str | Path, ops: FileOps | None = None, side: str = "local"):
+        self.root = Path(root)
+        self.ops = ops if ops is not None else FileOps()
+        self.side = side
+
+    def versions(self, name: str) -> list[int]:
+        """Version numbers of `name` that have a record here (unchecked), ascending."""
+        try:
+            entries = self.ops.listdir(self.root)
+        except FileNotFoundError:
+            return []
+        return versions_in(entries, name)
+
+    def stems(self) -> list[tuple[str, int]]:
+        """(name, version) of every record here, for a resync after a restart."""
+        try:
+            entries = self.ops.listdir(self.root)
+        except FileNotFoundError:
+            return []
+        found = [re.fullmatch(r"(.+)-(\d{6,})\.json", e) for e in sorted(entries)]
+        return [(m.group(1), int(m.group(2))) for m in found if m]
+
+    def save(self, obj, name: str, version: int) -> Path:
+        """torch.save `obj` as version `version` of `name` (atomic), then its record."""
+        import torch
+
+        check_name(name, "checkpoint name")
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        written = self.ops.write_atomic(self.root / f"{stem(name, version)}.pt", [buffer.getbuffer()])
+        self._write_record(name, version, written.path.name, written.bytes, written.sha256)
+        return written.path
+
+    def record_bytes(self, name: str, version: int) -> bytes | None:
+        return self.ops.read_bytes(self.root / f"{stem(name, version)}.json")
+
+    def load(self, record: bytes, name: str, version: int, map_location="cpu", weights_only: bool = True):
+        """The checkpoint object a record describes, after the file's sha256 matched it."""
+        import torch
+
+        body = _record_body(record, name, version)
+        data = self.ops.read_bytes(self.root / body["file"])
+        if data is None or len(data) != body["bytes"]:
+            raise StateError(f"{body['file']} has {0 if data is None else len(data)} bytes, "
+                             f"its record says {body['bytes']}")
+        if hashlib.sha256(data).hexdigest() != body["sha256"]:
+            raise StateError("sha256 differs from its record")
+        return torch.load(io.BytesIO(data), map_location=map_location, weights_only=weights_only)
+
+    def copy_from(self, source: CheckpointFolder, name: str, version: int) -> bool:
+        """Copy one version from `source` (sha256 checked), record last; False if it is gone there."""
+        raw = source.record_bytes(name, version)
+        if raw is None:
+            return False                          # pruned already: a newer version supersedes it
+        body = _record_body(raw, name, version)
+        self.ops.makedirs(self.root)
+        with contextlib.suppress(FileNotFoundError):
+            self.ops.unlink(self.root / f"{stem(name, version)}.json")
+        data = source.ops.read_bytes(source.root / body["file"])
+        if data is None:
+            return False
+        try:
+            self.ops.write_atomic(self.root / body["file"], [data], expect_sha256=body["sha256"])
+        except ValueError as exc:
+            raise StateError(f"{source.side} checkpoint {body['file']} changed or is corrupt: {exc}") from None
+        self.ops.write_atomic(self.root / f"{stem(name, version)}.json", [raw])
+        return True
+
+    def remove(self, name: str, version: int) -> None:
+        """Delete one version, record first (without it the file is not a checkpoint)."""
+        for suffix in (".json", ".pt"):
+            with contextlib.suppress(FileNotFoundError):
+                self.ops.unlink(self.root / f"{stem(name, version)}{suffix}")
+
+    def _write_record(self, name: str, version: int, file: str, nbytes: int, sha256: str) -> None:
+        body = {"name": name, "version": version, "file": file, "bytes": nbytes, "sha256": sha256,
+                "created": time.time()}
+        self.ops.write_atomic(self.root / f"{stem(name, version)}.json",
+                              [manifest_bytes(CHECKPOINT_KIND, body, version=CHECKPOINT_VERSION)])
+
+
+def load_latest(folders: list[CheckpointFolder], name: str, map_location="cpu",
+                weights_only: bool = True) -> Loaded:
+    """The newest version of `name` that verifies and loads from any folder (first folder first)."""
+    check_name(name, "checkpoint name")
+    versions = sorted({v for folder in folders for v in folder.versions(name)}, reverse=True)
+    damaged = []
+    for version in versions:
+        for folder in folders:
+            record = folder.record_bytes(name, version)
+            if record is None:
+                continue                          # this folder has no such version
+            try:
+                obj = folder.load(record, name, version, map_location, weights_only)
+                return Loaded(obj, damaged, versions[0])
+            except (ValueError, KeyError, TypeError, OSError, RuntimeError, EOFError) as exc:
+                damaged.append(DamagedCopy(stem(name, version), folder.side, f"{type(exc).__name__}: {exc}"))
+    return Loaded(None, damaged, versions[0] if versions else 0)
+
+
+def stem(name: str, version: int) -> str:
+    return f"{name}-{version:06d}"
+
+
+def versions_in(entries: Iterable[str], name: str) -> list[int]:
+    pattern = re.compile(rf"{re.escape(name)}-(\d{{6,}})\.json")
+    return sorted(int(m.group(1)) for e in entries if (m := pattern.fullmatch(e)))
+
+
+def _record_body(raw: bytes, name: str, version: int) -> dict:
+    body = parse_manifest(raw, CHECKPOINT_KIND, versions=(CHECKPOINT_VERSION,),
+                          where=f"{stem(name, version)}.json").body
+    if body.get("name") != name or body.get("version") != version or not isinstance(body.get("file"), str) \
+            or Path(body["file"]).name != body["file"]:
+        raise ManifestDamaged(f"{stem(name, version)}.json describes another checkpoint")
+    return body

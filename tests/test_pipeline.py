@@ -1,0 +1,225 @@
+"""nblib.pipeline: the harness against pipelines whose timing is known by construction, sweeps, recommend."""
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from nblib.errors import BudgetExceeded, ConfigError
+from nblib.pipeline import (
+    ComputeStandIn,
+    EmptyPipelineError,
+    batch_size_of,
+    measure_pipeline,
+    plan_configs,
+    recommend,
+    sweep,
+)
+
+BATCH = 8
+
+
+def serial_batches(produce_ms: float, batch: int = BATCH, first_ms: float = 0.0, n: int | None = None):
+    """A generator that sleeps `produce_ms` before each batch: nothing overlaps with the consumer."""
+    ComputeStandIn(first_ms)()
+    produce, i = ComputeStandIn(produce_ms), 0
+    while n is None or i < n:
+        produce()
+        yield np.zeros((batch, 4), np.uint8)
+        i += 1
+
+
+def prefetched_batches(produce_ms: float, depth: int = 4, batch: int = BATCH):
+    """A producer thread making a batch every `produce_ms` into a queue of `depth`: it overlaps the consumer."""
+    q: queue.Queue = queue.Queue(depth)
+    stop = threading.Event()
+
+    def produce():
+        ready = time.perf_counter()
+        while not stop.is_set():
+            ready = max(ready, time.perf_counter() - produce_ms / 1e3) + produce_ms / 1e3  # a fixed schedule
+            time.sleep(max(0.0, ready - time.perf_counter()))
+            item = np.zeros((batch, 4), np.uint8)
+            while not stop.is_set():
+                try:
+                    q.put(item, timeout=0.05)
+                    break
+                except queue.Full:
+                    pass
+
+    thread = threading.Thread(target=produce, daemon=True)
+    thread.start()
+    try:
+        while True:
+            yield q.get()
+    finally:
+        stop.set()
+        thread.join()
+
+
+def within(value: float, expected: float, rel: float = 0.10) -> bool:
+    return abs(value - expected) <= rel * expected
+
+
+# ------------------------------------------------------------------------------ harness accuracy
+
+
+def test_serial_producer_wait_share_and_rate_match_construction():
+    report = measure_pipeline(lambda: serial_batches(40), consumer_ms=20, steps=20, warmup=2)
+    assert within(report.data_wait, 40 / 60), report
+    assert within(report.samples_per_s, BATCH / 0.060), report
+    assert report.batch_size == BATCH and report.steps == 20
+
+
+def test_prefetching_producer_slower_than_consumer_waits_the_difference():
+    report = measure_pipeline(lambda: prefetched_batches(40), consumer_ms=20, steps=20, warmup=3)
+    assert within(report.data_wait, (40 - 20) / 40), report
+    assert within(report.samples_per_s, BATCH / 0.040), report
+
+
+def test_prefetching_producer_faster_than_consumer_hides_behind_compute():
+    report = measure_pipeline(lambda: prefetched_batches(10), consumer_ms=40, steps=20, warmup=3)
+    assert report.data_wait < 0.05, report
+    assert within(report.samples_per_s, BATCH / 0.040), report
+
+
+def test_a_consumer_callable_replaces_the_stand_in():
+    calls = []
+
+    def step(batch):
+        calls.append(len(batch))
+        ComputeStandIn(30)()
+
+    report = measure_pipeline(lambda: serial_batches(10), consumer=step, steps=20, warmup=2)
+    assert len(calls) == 22 and calls[0] == BATCH
+    assert within(report.data_wait, 10 / 40), report
+    assert within(report.samples_per_s, BATCH / 0.040), report
+
+
+def test_startup_counts_the_time_to_the_first_batch():
+    report = measure_pipeline(lambda: serial_batches(10, first_ms=200), consumer_ms=0, steps=5, warmup=1)
+    assert within(report.startup_s, 0.210), report
+
+
+def test_peak_rss_counts_buffers_the_pipeline_holds():
+    def holding():
+        buffer = np.ones(150_000_000, np.uint8)   # 150 MB, touched
+        yield from serial_batches(1, n=5)
+        del buffer
+
+    report = measure_pipeline(holding, steps=3, warmup=1)
+    assert report.rss_added_bytes >= 140e6, report
+
+
+def test_peak_rss_includes_child_processes():
+    def child_holding():
+        code = "import time; b = bytearray(200_000_000); print('ready', flush=True); time.sleep(30)"
+        child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        try:
+            child.stdout.readline()
+            yield from serial_batches(100, n=12)
+        finally:
+            child.kill()
+            child.wait()
+
+    report = measure_pipeline(child_holding, steps=10, warmup=1)
+    assert report.rss_added_bytes >= 180e6, report
+
+
+def test_batch_size_is_read_from_arrays_tuples_and_dicts():
+    images = np.zeros((5, 2, 2))
+    assert batch_size_of(images) == 5
+    assert batch_size_of((images, np.zeros(5))) == 5
+    assert batch_size_of({"image": images, "label": np.zeros(5)}) == 5
+    with pytest.raises(ConfigError, match="batch size"):
+        batch_size_of("not an array")
+
+
+# ------------------------------------------------------------------------------ bad input
+
+
+def test_a_pipeline_that_yields_nothing_is_refused_in_one_line():
+    with pytest.raises(EmptyPipelineError, match="yielded nothing") as info:
+        measure_pipeline(lambda: iter(()), steps=3)
+    assert "\n" not in str(info.value)
+
+
+def test_a_pipeline_that_ends_during_warmup_is_refused():
+    with pytest.raises(EmptyPipelineError, match="warm-up"):
+        measure_pipeline(lambda: serial_batches(0, n=2), steps=3, warmup=3)
+
+
+def test_a_pipeline_that_ends_early_is_measured_over_what_it_gave():
+    report = measure_pipeline(lambda: serial_batches(5, n=6), steps=50, warmup=2)
+    assert report.steps == 4
+
+
+def test_an_unknown_knob_names_itself_and_the_known_ones():
+    def family(batch_size=8, prefetch=2):
+        return serial_batches(0, batch=batch_size, n=5)
+
+    with pytest.raises(ConfigError) as info:
+        sweep(family, {"batch_size": [8, 16], "num_workres": [0, 2]})
+    message = str(info.value)
+    assert "'num_workres'" in message and "batch_size, prefetch" in message and "\n" not in message
+
+
+def test_an_rss_cap_below_every_config_is_refused_with_the_smallest_peak():
+    table = sweep(lambda batch_size=8: serial_batches(1, batch=batch_size, n=6),
+                  {"batch_size": [4, 8]}, steps=3, warmup=1)
+    with pytest.raises(BudgetExceeded, match="smallest config's peak") as info:
+        recommend(table, rss_cap_bytes=1e6)
+    assert "\n" not in str(info.value)
+
+
+def test_ctrl_c_during_a_sweep_returns_the_rows_measured_so_far():
+    built = []
+
+    def family(batch_size=8):
+        built.append(batch_size)
+        if len(built) == 3:
+            os.kill(os.getpid(), signal.SIGINT)    # a real Ctrl-C, delivered mid-measurement
+        return serial_batches(5, batch=batch_size)
+
+    with pytest.warns(UserWarning, match="interrupted"):
+        table = sweep(family, {"batch_size": [1, 2, 3, 4, 5]}, steps=10, warmup=1)
+    assert table.interrupted and len(table) == 2 and table.planned == 5
+    assert table.column("batch_size") == [1, 2]
+    assert "interrupted" in str(table)
+
+
+# ------------------------------------------------------------------------------ sweep and recommend
+
+
+def test_one_at_a_time_grid_varies_each_knob_around_the_base():
+    configs = plan_configs({"batch_size": [32, 128], "prefetch": [2, 1, 4]})
+    assert configs == [("base", {"batch_size": 32, "prefetch": 2}), ("batch_size", {"batch_size": 128, "prefetch": 2}),
+                       ("prefetch", {"batch_size": 32, "prefetch": 1}), ("prefetch", {"batch_size": 32, "prefetch": 4})]
+    assert len(plan_configs({"a": [1, 2], "b": [1, 2, 3]}, product=True)) == 6
+
+
+def test_recommend_picks_the_fastest_config_under_the_cap_and_the_knob_that_mattered():
+    def family(batch_size=8, hold_mb=0, prefetch=2):
+        buffer = np.ones(max(1, int(hold_mb * 1e6)), np.uint8)   # RAM this config holds while it runs
+
+        def batches():
+            for _ in range(12):
+                time.sleep(0.01)                          # fixed cost per batch: bigger batches go faster
+                yield np.zeros((batch_size, 2), np.uint8) + buffer[:1]
+        return batches()
+
+    table = sweep(family, {"batch_size": [8, 32], "hold_mb": [0, 300], "prefetch": [2, 4]}, product=True,
+                  steps=6, warmup=1)
+    small = min(r["peak_rss_bytes"] for r in table.rows if r["hold_mb"] == 0)
+    rec = recommend(table, rss_cap_bytes=small + 150e6)
+    assert rec.row["batch_size"] == 32 and rec.row["hold_mb"] == 0
+    assert rec.knob_that_mattered == "batch_size"
+    assert rec.speedup > 2.5
+    assert "batch_size mattered most" in str(rec) and "\n" not in str(rec)
