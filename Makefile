@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 NBVAL := --nbval-lax --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout=600
 
-.PHONY: install run test lint lab clean
+.PHONY: install run test test-browser lint lab clean
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -26,6 +26,11 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q tests notebooks $(NBVAL)
+
+# only the browser test: JupyterLab in headless Chromium (`make test` runs it too; both skip it, with the
+# reason, where Debian's chromium or playwright is missing)
+test-browser: $(STAMP)
+	$(BIN)/python -m pytest -q -m browser tests/test_browser.py -p no:cacheprovider
 
 lab: $(STAMP)
 	$(BIN)/jupyter lab notebooks

@@ -146,7 +146,7 @@ def cache_main(argv: list[str]) -> int:
         summary = populate(args.texts, args.out, image_size=args.size, shard_mb=args.shard_mb,
                            workers=args.workers, seed=args.seed, codec=args.codec,
                            overwrite=args.overwrite, progress=not args.no_progress,
-                           field=args.field, errors=args.errors)
+                           field=args.field, errors=args.errors, strict_fonts=args.strict_fonts)
     print(summary)
     return 0
 
@@ -186,6 +186,8 @@ def _cache_args(argv: list[str]) -> argparse.Namespace:
                    help="invalid UTF-8 in --texts: refuse (strict) or replace with U+FFFD")
     p.add_argument("--overwrite", action="store_true",
                    help="rebuild a cache that was made from other texts or settings")
+    p.add_argument("--strict-fonts", action="store_true",
+                   help="refuse texts with over 1%% of characters lacking a glyph (default: warn)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--verify", metavar="DIR", nargs="?", const="",
                    help="check a cache instead of building one (DIR here or after the flags)")
@@ -206,13 +208,20 @@ def encode_main(argv: list[str]) -> int:
     from nblib import env
     from nblib.cache import ShardedImageCache
     from nblib.encode import encode
+    from nblib.encode.distributed import join
 
     args = _encode_parser().parse_args(argv)
     config = _encode_config(args, env.profile())
-    report = encode(ShardedImageCache(args.cache), args.out, config, device=args.device,
-                    mirror_dir=args.mirror, progress=not args.no_progress, offload=args.offload,
-                    weights=args.weights, preflight=not args.no_preflight)
-    print(report)
+    world = join(shard=args.shard, consolidate_only=args.consolidate, device=args.device)  # torchrun ranks too
+    try:
+        with _os_errors_name(args.out):
+            report = encode(ShardedImageCache(args.cache), args.out, config, device=world.device,
+                            mirror_dir=args.mirror, progress=not args.no_progress, offload=args.offload,
+                            weights=args.weights, preflight=not args.no_preflight, world=world)
+    finally:
+        world.close()
+    if world.consolidates or world.role == "shard":   # the other ranks of a launch stay quiet
+        print(report)
     return 0
 
 
@@ -236,6 +245,10 @@ def _encode_parser() -> argparse.ArgumentParser:
     p.add_argument("--offload", choices=OFFLOAD_MODES, default="async")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--no-preflight", action="store_true", help="skip the budget check")
+    p.add_argument("--shard", metavar="I/N", help="encode part set I of N (machines sharing only --out); "
+                   "then run --consolidate once")
+    p.add_argument("--consolidate", action="store_true", help="only merge the parts the shards wrote; "
+                   "names the missing parts and shards")
     return p
 
 
@@ -290,10 +303,35 @@ def suite_main(argv: list[str]) -> int:
     return 1 if failed else 0
 
 
+# ------------------------------------------------------------------------------------ pipeline
+def pipeline_main(argv: list[str]) -> int:
+    """`python -m nblib pipeline`: sweep DataLoader knobs over a cache; print the table and the pick under a RAM cap."""
+    from nblib.cache import ShardedImageCache
+    from nblib.lab.input_pipeline import TORCH_GRID, device_step, torch_sweep
+    from nblib.pipeline import recommend
+    from nblib.units import GB
+
+    p = argparse.ArgumentParser(prog="python -m nblib pipeline", description=pipeline_main.__doc__)
+    p.add_argument("--cache", required=True, help="folder of a ShardedImageCache")
+    p.add_argument("--rss-cap-gb", type=finite_positive_float, required=True,
+                   help="peak RAM (this process + its workers) a config may take, in GB")
+    p.add_argument("--steps", type=positive_int, default=20, help="batches timed per config (default %(default)s)")
+    p.add_argument("--per-sample-ms", type=float, default=0.25,
+                   help="stand-in device step per image, in ms (default %(default)s: a 4,000 images/s device)")
+    args = p.parse_args(argv)
+    cache = ShardedImageCache(args.cache)
+    print(f"sweeping {cache!r}: {', '.join(f'{k} {v}' for k, v in TORCH_GRID.items())}", flush=True)
+    table = torch_sweep(cache, TORCH_GRID, consumer=device_step(args.per_sample_ms), steps=args.steps)
+    print(table)
+    print(f"recommended: {recommend(table, args.rss_cap_gb * GB)}")
+    return 0
+
+
 VERBS = {
     "info": info_main,
     "budget": budget_main,
     "cache": cache_main,
     "encode": encode_main,
     "suite": suite_main,
+    "pipeline": pipeline_main,
 }

@@ -70,7 +70,7 @@ def budget_bars(budget, save_to=None, top: int = 4) -> Figure:
             ax.text(0, 0.5, "not used", ha="center", transform=ax.get_yaxis_transform())
             continue
         ax.legend(fontsize=6.5, loc="upper center", bbox_to_anchor=(0.5, -0.02), frameon=False)
-    fig.suptitle(_wrap(budget.verdict, 120), fontsize=9,
+    fig.suptitle(_wrap(budget.headline, 120), fontsize=9,
                  color="darkgreen" if budget.fits else "crimson")
     return finish(fig, save_to)
 
@@ -429,3 +429,79 @@ def shuffle_quality_vs_buffer(rows, target_share: float | None = None, save_to=N
 
 
 # ============================================================ end 04
+
+
+# ============================================================ 05 input pipeline (pipeline/, lab/input_pipeline.py)
+
+
+def pipeline_knob_curves(table, knobs=None, highlight=None, save_to=None) -> Figure:
+    """samples/s (left axis) and data-wait (right axis) against each knob a sweep varied alone.
+
+    `highlight`: a row of the table, starred on each curve it lies on (the widget's pick).
+    """
+    from nblib.pipeline.sweep import knob_text
+
+    knobs = [k for k in (knobs or table.knobs) if len(table.curve(k)) > 1]
+    ncols = min(3, len(knobs)) or 1
+    nrows = -(-len(knobs) // ncols) or 1
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.2 * nrows), squeeze=False)
+    for ax, knob in zip(axes.ravel(), knobs):
+        curve = table.curve(knob)
+        xs = range(len(curve))
+        ax.plot(xs, [r["samples_per_s"] for r in curve], "o-", color="C0")
+        ax.set_xticks(list(xs), [knob_text(r[knob]) for r in curve])
+        ax.set(xlabel=knob, ylabel="samples/s")
+        ax.set_ylim(bottom=0)
+        wait = ax.twinx()
+        wait.plot(xs, [r["data_wait"] for r in curve], "s--", color="C3")
+        wait.set_ylim(0, 1.05)
+        wait.set_ylabel("data-wait (share of step)", color="C3")
+        base = next(i for i, r in enumerate(curve) if r["varied"] == "base")
+        ax.axvline(base, color="grey", lw=0.6, ls=":")
+        if highlight is not None and highlight in curve:
+            i = curve.index(highlight)
+            ax.plot([i], [highlight["samples_per_s"]], "*", color="gold", markersize=16, markeredgecolor="black")
+    for ax in axes.ravel()[len(knobs):]:
+        ax.set_visible(False)
+    return finish(fig, save_to)
+
+
+def pipeline_memory(table, trap_rows, buffer_knob: str = "shuffle_buffer", save_to=None) -> Figure:
+    """Peak RSS against the shuffle buffer (tf.data sweep), and RAM added against torch workers running TF."""
+    fig, (buf_ax, work_ax) = new_figure(ncols=2, width=5.0)
+    curve = table.curve(buffer_knob) if buffer_knob in table.knobs else []
+    buf_ax.plot([r[buffer_knob] for r in curve], [r["peak_rss_bytes"] / MB for r in curve], "o-")
+    buf_ax.set(xlabel=buffer_knob, ylabel="peak RSS (MB)", title="tf.data: RSS grows with the buffer")
+    traps = [r for r in trap_rows if r["setup"].startswith("TF in")]
+    work_ax.plot([r["num_workers"] for r in traps], [r["rss_added_bytes"] / MB for r in traps], "o-",
+                 label="TF pipeline in each worker")
+    for i, r in enumerate(r for r in trap_rows if not r["setup"].startswith("TF in")):
+        work_ax.plot([r["num_workers"]], [r["rss_added_bytes"] / MB], "s^"[i % 2], label=r["setup"])
+    work_ax.set(xlabel="torch num_workers", ylabel="RAM added (MB)", title="The per-worker TF trap")
+    work_ax.legend(fontsize=7)
+    return finish(fig, save_to)
+
+
+def mixing_bars(mixing, save_to=None) -> Figure:
+    """samples/s of one dataset, 4 mixed by sample_from_datasets, and the fix, with the 80% recovery line."""
+    fig, ax = new_figure(width=6.5)
+    names = ["one dataset", "4 sources:\nsample_from_datasets", "4 sources:\ninterleave, then decode"]
+    rates = [mixing.single, mixing.mixed, mixing.fixed]
+    ax.bar(names, rates, color=["C0", "C3", "C2"])
+    ax.axhline(0.8 * mixing.single, color="black", ls="--", lw=0.8, label="80% of one dataset")
+    ax.set(ylabel="samples/s", title=f"Mixing under a parallelism budget of {mixing.budget}")
+    ax.legend(fontsize=8)
+    return finish(fig, save_to)
+
+
+def input_rates(rows, encoder_samples_per_s: float, save_to=None) -> Figure:
+    """samples/s of each input source (bars) against the encoder's rate (a line)."""
+    fig, ax = new_figure(width=6.5)
+    ax.bar([r["source"] for r in rows], [r["samples_per_s"] for r in rows], color="C0")
+    ax.axhline(encoder_samples_per_s, color="C3", ls="--", label=f"encoder {encoder_samples_per_s:,.0f}/s")
+    ax.set(ylabel="samples/s", yscale="log", title="Can the loader feed the encoder?")
+    ax.legend(fontsize=8)
+    return finish(fig, save_to)
+
+
+# ============================================================ end 05

@@ -1,7 +1,8 @@
 """The reference figures the suite checks, as data: each one with its value, unit and source.
 
-Four groups: the published streaming analysis of the `seed_t4` encode job, the tf.data
-checkpoint-size table, the tf.data tuning log, and the Colab limits the reference assumes.
+Five groups: the published streaming analysis of the `seed_t4` encode job, the tf.data
+checkpoint-size table, the tf.data tuning log, the Colab limits the reference assumes, and
+Google Drive's own limits (items per folder, uploads per day, the free quota) from Google's pages.
 Values are as quoted (decimal units: 1 MB = 1e6 B, 1 GB = 1e9 B); a range is a tuple. No
 verdicts here: `nblib.lab` compares them with the budget and the measurements.
 """
@@ -13,6 +14,12 @@ ANALYSIS_SOURCE = "reference streaming-encode analysis of seed_t4 (1,907,747 ima
 CHECKPOINT_SOURCE = 'reference checkpoint table "Why are dataloader checkpoints so large"'
 TUNING_SOURCE = "reference tf.data tuning log (input pipeline of a training run on a Colab T4)"
 COLAB_SOURCE = "Colab free tier as the reference describes it"
+COLAB_FAQ_SOURCE = ("Colab FAQ, 'Drive timeouts' (https://research.google.com/colaboratory/faq.html): "
+                    "operations time out when a folder directly holds thousands of items")
+DRIVE_HELP_SOURCE = ("Google Drive Help, 'Files you can store in Google Drive' "
+                     "(https://support.google.com/drive/answer/37603)")
+GOOGLE_ONE_SOURCE = ("Google One Help, 'How your Google storage works' "
+                     "(https://support.google.com/googleone/answer/9312312)")
 
 
 @dataclass(frozen=True)
@@ -91,5 +98,16 @@ COLAB = _by_name(
     ReferenceFigure("Drive quota", 15e9, "B", COLAB_SOURCE, "a free Google account"),
 )
 
+DRIVE = _by_name(
+    ReferenceFigure("items per folder", 2_000, "items", COLAB_FAQ_SOURCE,
+                    "the FAQ says 'thousands of items' make mounts and listings time out; 2,000 is the "
+                    "smallest 'thousands' (Drive's hard limit, 500,000 items per folder, is far above)"),
+    ReferenceFigure("upload per day", 750e9, "B", DRIVE_HELP_SOURCE,
+                    "750 GB per user per day between My Drive and all shared drives; past it no new "
+                    "upload starts until the next day (uploads in progress complete)"),
+    ReferenceFigure("free quota", 15e9, "B", GOOGLE_ONE_SOURCE,
+                    "15 GB at no charge, shared by Drive, Gmail and Google Photos"),
+)
+
 GROUPS = {"analysis": ANALYSIS, "checkpoint table": CHECKPOINT_TABLE, "tuning log": TUNING_LOG,
-          "colab": COLAB}
+          "colab": COLAB, "drive": DRIVE}

@@ -1,8 +1,13 @@
 """tf.data pipelines, what their iterator checkpoints hold, and nblib's shuffles as tf.data datasets.
 
-A tf.data iterator checkpoint stores every element its shuffle buffer holds: buffer x sample
-bytes. `tf.data.Options().experimental_symbolic_checkpoint` drops the buffers of map, batch,
-prefetch and interleave (they are recomputed on restore) but still writes the shuffle buffer.
+A tf.data iterator checkpoint of a pipeline that shuffles with `Dataset.shuffle` stores every
+element its shuffle buffer holds: buffer x sample bytes. `tf.data.Options().experimental_symbolic_checkpoint`
+drops the buffers of map, batch, prefetch and interleave (they are recomputed on restore) but
+still writes the shuffle buffer. TensorFlow's own buffer-free shuffles are built here too, beside
+nblib's (`shuffle_pipeline(spec, method)`, `SHUFFLE_METHODS` says what each needs):
+`tf.random.experimental.index_shuffle` (public) mapped over `range(n)`, and the global shuffle of
+random-access datasets (`global_shuffle_op._global_shuffle`, private, TF >= 2.17; `None` from
+`global_shuffle_op()` where it is missing).
 The alternative, `indexed_dataset`, shuffles *indices* with nblib.shuffle and fetches each
 sample by index in a map: with symbolic checkpointing its checkpoint is a cursor, whatever the
 buffer. Trade-off: it needs a random-access source (fetch by index); tf.data's own shuffle works
@@ -35,6 +40,31 @@ from nblib.units import GB
 
 CONTENTS = ("random", "constant")
 SHUFFLE_ALGORITHMS = ("buffer", "global")
+TF_SHUFFLE = "tf.data shuffle"
+TF_GLOBAL_SHUFFLE = "tf.data global_shuffle"
+TF_INDEX_SHUFFLE = "tf index_shuffle"
+GLOBAL_SHUFFLE_SINCE = "2.17"
+
+
+@dataclass(frozen=True)
+class ShuffleMethod:
+    """One way to shuffle a tf.data pipeline, and what it needs from the source and from TensorFlow."""
+
+    name: str
+    random_access: bool        # the source must be read by index (every op before the shuffle, for global_shuffle)
+    known_size: bool           # n must be known before the first element
+    since_tf: str              # the first TensorFlow that has it ("any": every TF 2)
+    public: bool               # part of TensorFlow's public API
+    same_order_outside_tf: bool  # numpy and torch give the same order (nblib.shuffle)
+
+
+SHUFFLE_METHODS = {m.name: m for m in (
+    ShuffleMethod(TF_SHUFFLE, False, False, "any", True, False),
+    ShuffleMethod(TF_GLOBAL_SHUFFLE, True, True, GLOBAL_SHUFFLE_SINCE, False, False),
+    ShuffleMethod(TF_INDEX_SHUFFLE, True, True, "2.9", True, False),
+    ShuffleMethod("resumable (buffer)", True, True, "any", True, True),
+    ShuffleMethod("resumable (global)", True, True, "any", True, True),
+)}
 
 
 @dataclass(frozen=True)
@@ -122,6 +152,51 @@ def reference_pipeline(spec: PipelineSpec):
     if spec.buffer_size:
         ds = ds.shuffle(spec.buffer_size, seed=spec.seed, reshuffle_each_iteration=False)
     return _batch_prefetch(ds, spec)
+
+
+def shuffle_pipeline(spec: PipelineSpec, method: str):
+    """The reference pipeline (samples -> shuffle -> batch -> prefetch, spec.symbolic) with any of SHUFFLE_METHODS.
+
+    "tf.data shuffle": `Dataset.shuffle(spec.buffer_size)`; "tf.data global_shuffle": the private
+    global shuffle over the random-access source (ConfigError where this TensorFlow lacks it);
+    "tf index_shuffle": `range(n)` mapped through `tf.random.experimental.index_shuffle`;
+    "resumable (buffer)" / "resumable (global)": nblib's shuffles (`index_dataset`). All share
+    the seed, the samples (a pure function of the index) and the batch and prefetch knobs.
+    """
+    tf = tensorflow()
+    if method == TF_SHUFFLE:
+        return reference_pipeline(spec)
+    if method == TF_GLOBAL_SHUFFLE:
+        op = global_shuffle_op()
+        if op is None:
+            raise ConfigError(f"{TF_GLOBAL_SHUFFLE} needs TensorFlow >= {GLOBAL_SHUFFLE_SINCE} "
+                              f"(this is {tf.__version__}); use 'resumable (global)' instead")
+        return _batch_prefetch(op(source_dataset(spec), seed=spec.seed, reshuffle_each_iteration=False), spec)
+    if method == TF_INDEX_SHUFFLE:
+        return _batch_prefetch(index_shuffle_dataset(spec.n_samples, spec.seed).map(sample_at(spec)), spec)
+    for algorithm in SHUFFLE_ALGORITHMS:
+        if method == f"resumable ({algorithm})":
+            shuffler = make_shuffle(spec.n_samples, spec.buffer_size, spec.seed, algorithm)
+            return _batch_prefetch(index_dataset(shuffler).map(sample_at(spec)), spec)
+    raise ConfigError(f"method={method!r}: choose one of {tuple(SHUFFLE_METHODS)}")
+
+
+def global_shuffle_op():
+    """tf.data's global shuffle (`global_shuffle_op._global_shuffle`, private, TF >= 2.17), or None where missing."""
+    tensorflow()
+    try:
+        from tensorflow.python.data.experimental.ops.global_shuffle_op import _global_shuffle
+    except ImportError:
+        return None
+    return _global_shuffle
+
+
+def index_shuffle_dataset(n: int, seed: int):
+    """0..n-1 in the order of `tf.random.experimental.index_shuffle` (a stateless keyed permutation)."""
+    tf = tensorflow()
+    key = tf.constant([seed, 0], tf.int64)
+    return tf.data.Dataset.range(n).map(
+        lambda i: tf.random.experimental.index_shuffle(i, seed=key, max_index=n - 1))
 
 
 def indexed_dataset(indices, fetch: Callable, *, batch_size: int = 0, prefetch: int = 0):

@@ -1,6 +1,8 @@
 """ipywidgets panels over nblib's pure functions; the only nblib module that imports ipywidgets.
 
-Each panel calls the same function a checked notebook cell calls, and redraws on change.
+Each panel calls the same function a checked notebook cell calls, and redraws on change. Panels
+carry CSS classes for tests and styling: `nblib-budget-panel` / `nblib-shuffle-panel` on the
+panel, `nblib-knob-<key>` on each control (key: the function's argument it sets).
 """
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import ipywidgets as W  # noqa: N812
 from IPython.display import clear_output, display
 
 
-def _output_panel(controls: list, render) -> W.VBox:
+def _output_panel(controls: list, render, css_class: str) -> W.VBox:
     """A VBox of controls over an Output area; `render(**values)` reruns on every change."""
     out = W.Output()
 
@@ -20,21 +22,28 @@ def _output_panel(controls: list, render) -> W.VBox:
     for control in controls:
         control.observe(update, names="value")
     update()
-    return W.VBox([W.HBox(controls[i:i + 3]) for i in range(0, len(controls), 3)] + [out])
+    panel = W.VBox([W.HBox(controls[i:i + 3]) for i in range(0, len(controls), 3)] + [out])
+    panel.add_class(css_class)
+    return panel
+
+
+def _keyed(control, key: str):
+    """Tag a control with the argument it sets: `description_key` and the CSS class nblib-knob-<key>."""
+    control.description_key = key
+    control.add_class(f"nblib-knob-{key}")
+    return control
 
 
 def _slider(key: str, label: str, value: int, lo: int, hi: int, step: int = 1):
     s = W.IntSlider(value=value, min=lo, max=hi, step=step, description=label, continuous_update=False,
                     style={"description_width": "initial"})
-    s.description_key = key
-    return s
+    return _keyed(s, key)
 
 
 def _dropdown(key: str, label: str, options, value):
     d = W.Dropdown(options=options, value=value, description=label,
                    style={"description_width": "initial"})
-    d.description_key = key
-    return d
+    return _keyed(d, key)
 
 
 # ============================================================ 01 memory budgeting
@@ -71,9 +80,9 @@ def budget_panel(config, device: str = "t4", drive_quota_gb: float = 15.0) -> W.
         fig = plots.budget_bars(b)
         display(fig)
         plots.close(fig)
-        print(b.verdict)
+        print(b.verdict)   # one line: what fits, or every resource over its limit with the knobs that fit
 
-    return _output_panel(controls, render)
+    return _output_panel(controls, render, "nblib-budget-panel")
 
 # ============================================================ end 01
 
@@ -86,7 +95,7 @@ def shuffle_checkpoint_panel(fit, buffer_size: int = 250_000, sample_kb: int = 5
 
     buffer = W.FloatLogSlider(value=buffer_size, base=10, min=1, max=6, step=0.25, description="buffer",
                               continuous_update=False, readout_format=",.0f")
-    buffer.description_key = "buffer_size"
+    _keyed(buffer, "buffer_size")
     controls = [buffer, _slider("sample_kb", "sample kB", sample_kb, 1, 2000, 1),
                 _slider("episode_len", "episode length", episode_len, 1, 10_000, 1)]
 
@@ -94,7 +103,35 @@ def shuffle_checkpoint_panel(fit, buffer_size: int = 250_000, sample_kb: int = 5
         numbers = lab.checkpoint_and_quality(int(buffer_size), sample_kb, episode_len, fit)
         print(lab.describe_setting(numbers))
 
-    return _output_panel(controls, render)
+    return _output_panel(controls, render, "nblib-shuffle-panel")
 
 
 # ============================================================ end 04
+
+
+# ============================================================ 05 input pipeline
+
+def pipeline_sweep_panel(table) -> W.VBox:
+    """One dropdown per swept knob: the measured row of that config, marked on every knob's curve."""
+    from nblib import plots
+    from nblib.pipeline.sweep import knob_text
+
+    base = table.base
+    controls = [_dropdown(knob, knob, [(knob_text(v), v) for v in dict.fromkeys(table.column(knob))], base[knob])
+                for knob in table.knobs]
+
+    def render(**knobs):
+        row = table.find(**knobs)
+        if row is None:
+            print("not measured: this sweep varies one knob at a time from the base; change one knob only")
+            return
+        fig = plots.pipeline_knob_curves(table, highlight=row)
+        display(fig)
+        plots.close(fig)
+        print(f"{row['samples_per_s']:,.1f} samples/s, data-wait {row['data_wait']:.0%}, startup "
+              f"{row['startup_s']:.2f} s, peak RSS {row['peak_rss_bytes'] / 1e6:,.0f} MB")
+
+    return _output_panel(controls, render, "nblib-pipeline-panel")
+
+
+# ============================================================ end 05

@@ -31,10 +31,11 @@ SETUP_CELL = f'''\
 # Setup: in Colab only, clone and install nblib (Colab's own torch and TensorFlow stay) and mount Drive.
 import os, sys
 if "google.colab" in sys.modules:
-    !test -d /content/nblib-suite \\
-        || git clone -q --depth=1 {{os.environ.get("NBLIB_REPO", "{REPO_URL}")}} /content/nblib-suite
-    %pip install -q -e /content/nblib-suite
-    sys.path.insert(0, "/content/nblib-suite")
+    NBLIB_SRC = os.environ.get("NBLIB_CLONE_DIR", "/content/nblib-suite")
+    !test -d {{NBLIB_SRC}} \\
+        || git clone -q --depth=1 {{os.environ.get("NBLIB_REPO", "{REPO_URL}")}} {{NBLIB_SRC}}
+    %pip install -q -e {{NBLIB_SRC}}
+    sys.path.insert(0, NBLIB_SRC)
 import nblib
 WORKSPACE = nblib.env.workspace()  # Google Drive in Colab, a local folder elsewhere'''
 

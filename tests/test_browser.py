@@ -149,7 +149,8 @@ def test_cache_population_shows_a_widget_progress_bar_that_reaches_100_percent(o
         assert "100%" in row.inner_text(), row.inner_text()
         assert fill.evaluate("e => e.style.width") == "100%"
         assert "progress-bar-danger" not in (fill.get_attribute("class") or ""), "tqdm closed the bar on an error"
-    screenshot(nb.panel.locator(".jp-CodeCell").filter(has=bars.first), "02_populate_progress.png")
+    cell = nb.panel.locator(".jp-CodeCell").filter(has=nb.page.locator(".widget-hprogress")).first
+    screenshot(cell, "02_populate_progress.png")
 
 
 # ----------------------------------------------------------------------------------------- page reading

@@ -97,6 +97,16 @@ def test_plan_finds_a_config_that_fits_or_says_why():
     assert not none.fits and "drive" in none.reason
 
 
+def test_plan_without_a_cache_fits_a_free_drive_where_every_cache_does_not():
+    cached = budget.plan_budget(preset("seed_t4"), "t4", drive_quota_gb=15)
+    cacheless = budget.plan_budget(preset("seed_t4"), "t4", drive_quota_gb=15, cacheless=True)
+    assert not cached.fits and "png cache" in cached.reason
+    assert cacheless.fits and cacheless.changes == {"outputs": ("checksums",), "cache": budget.NO_CACHE}
+    lines = {line.name: line.bytes for line in cacheless.budget.lines["drive"]}
+    assert lines["image cache (none)"] == 0 and cacheless.budget.totals["drive"] <= 0.9 * 15e9
+    assert budget.cache_bytes(10, 224, budget.NO_CACHE) == 0
+
+
 def test_calibrate_round_trips_the_rate():
     cfg = preset("seed_t4")
     eff = budget.calibrate("t4", 94.0, cfg)
@@ -272,3 +282,122 @@ def test_budget_package_keeps_the_public_names():
                  "choose_codec", "check_disk", "calibrate", "DEVICES", "Budget", "shuffle_checkpoint"):
         assert hasattr(budget, name), name
     assert budget.OUTPUT_CHOICES is config.OUTPUT_CHOICES
+
+
+# ------------------------------------------------------------------ advice that fits the config
+
+
+def _run_value(cfg, knob: str):
+    return getattr(cfg.run, knob.removeprefix("run.")) if knob.startswith("run.") else None
+
+
+def test_batch_900_on_t4_names_the_ram_and_drive_knobs_with_the_batch_that_fits():
+    seed = preset("seed_t4")
+    b = budget.predict_budget(seed.replace(batch_size=900), "t4", drive_quota_gb=15)
+    assert {a.resource for a in b.advice} == {"ram", "drive"}
+    best = budget.max_batch_size(seed, "t4")
+    assert f"RAM 32.84 > 11.00 GB: run.batch_size={best} (the largest" in b.verdict
+    assert "Drive 658.46 > 15.00 GB: run.outputs=" in b.verdict and "drive_quota_gb=732" in b.verdict
+    ram = next(a for a in b.advice if a.resource == "ram")
+    by_knob = {s.knob: s for s in ram.suggestions}
+    assert by_knob["run.batch_size"].value == best == 223
+    every = by_knob["run.checkpoint_every"]
+    cons = int(every.also.split("=")[1]) if every.also else seed.run.consolidate_every
+    for fixed in (seed.replace(batch_size=best),
+                  seed.replace(batch_size=900, checkpoint_every=every.value, consolidate_every=cons)):
+        assert budget.predict_budget(fixed, "t4").totals["ram"] <= 0.9 * b.limits["ram"]
+
+
+def test_the_verdict_never_suggests_float16_to_a_float16_config():
+    for dtype in ("float16", "float32"):
+        verdict = budget.predict_budget(preset("seed_t4").replace(out_dtype=dtype), "t4").verdict
+        assert ("run.out_dtype='float16'" in verdict) == (dtype == "float32"), verdict
+
+
+GRID = [dict(batch_size=b, out_dtype=d, outputs=o, codec=c, checkpoint_every=ck, consolidate_every=co)
+        for b in (8, 192, 900, 4000) for d in ("float16", "float32")
+        for o in (config.OUTPUT_CHOICES[0], config.OUTPUT_CHOICES[3], config.OUTPUT_CHOICES[4])
+        for c in ("raw", "png") for ck, co in ((200, 50), (1, 1), (1000, 50))]
+
+
+@pytest.mark.parametrize("device,quota", [("t4", 15), ("t4", 2000), ("cpu", 100), ("a100-40gb", 15)])
+def test_no_suggestion_equals_the_value_already_set_and_each_fitting_one_fits(device, quota):
+    seed = preset("seed_t4")
+    advised = 0
+    for knobs in GRID:
+        cfg = seed.replace(**knobs)
+        b = budget.predict_budget(cfg, device, drive_quota_gb=quota, keep_local=3)
+        over = {r for r, u in b.usage.items() if u > 1}
+        assert over <= {a.resource for a in b.advice}, (knobs, b.verdict)   # every resource over is named
+        for advice in b.advice:
+            for s in advice.suggestions:
+                advised += 1
+                assert s.value != s.current, (knobs, str(s))
+                current = {"keep_local": 3, "drive_quota_gb": quota}.get(s.knob, _run_value(cfg, s.knob))
+                assert s.current == current, (knobs, str(s))
+                if s.knob in ("run.batch_size", "run.checkpoint_every", "keep_local", "run.consolidate_every"):
+                    changes = {s.knob.removeprefix("run."): s.value}
+                    if s.also:
+                        name, value = s.also.removeprefix("run.").split("=")
+                        changes[name] = int(value)
+                    run = {k: v for k, v in changes.items() if k != "keep_local"}
+                    after = budget.predict_budget(cfg.replace(**run), device, drive_quota_gb=quota,
+                                                  keep_local=changes.get("keep_local", 3))
+                    assert after.totals[advice.resource] <= 0.9 * b.limits[advice.resource], (knobs, str(s))
+    assert advised > 100
+
+
+def test_drive_items_per_folder_gives_the_checkpoint_cadence_and_the_shard_size_that_fit():
+    seed = preset("seed_t4")
+    b = budget.predict_budget(seed.replace(checkpoint_every=1, consolidate_every=1), "t4", drive_quota_gb=2000)
+    run_folder = next(c for c in b.drive_limits if c.name == "items in the run folder")
+    assert run_folder.crossed and run_folder.need == seed.run.n_batches + 4 and run_folder.limit == 2000
+    assert "Drive items in the run folder 9,941 > 2,000: run.checkpoint_every>=5" in b.verdict
+    assert "fits on t4" in b.verdict      # the bytes fit; the folder does not
+    every = budget.smallest_checkpoint_every(seed.replace(checkpoint_every=1, consolidate_every=1))
+    fixed = budget.predict_budget(seed.replace(checkpoint_every=every, consolidate_every=1), "t4", drive_quota_gb=2000)
+    assert not any(c.crossed for c in fixed.drive_limits) and fixed.verdict == fixed.headline
+    small_shards = budget.predict_budget(seed.replace(shard_mb=64), "t4", drive_quota_gb=2000)
+    cache_folder = next(c for c in small_shards.drive_limits if c.name == "items in the cache folder")
+    assert cache_folder.crossed and "run.shard_mb>=" in cache_folder.knob
+    shard_mb = int(cache_folder.knob.split(">=")[1].split()[0])
+    assert budget.cache_shards(seed.replace(shard_mb=shard_mb)) + 1 <= budget.FOLDER_ITEMS_LIMIT
+
+
+def test_drive_daily_upload_cap_gives_the_days_and_the_outputs_that_fit():
+    fp32 = preset("seed_t4").replace(out_dtype="float32")
+    upload = next(c for c in budget.predict_budget(fp32, "t4", drive_quota_gb=2000).drive_limits
+                  if c.name == "uploads per day")
+    assert upload.crossed and upload.limit == 750e9 == reference.DRIVE["upload per day"].value
+    assert upload.need == budget.uploaded_bytes(fp32) > 750e9
+    assert "over 2 days" in upload.knob and "run.out_dtype='float16'" in upload.knob
+    outputs = eval(upload.knob.split("run.outputs=")[1].split(" (")[0])  # noqa: S307 (a tuple literal we wrote)
+    assert budget.uploaded_bytes(fp32.replace(outputs=outputs)) <= 750e9
+    fp16 = budget.predict_budget(preset("seed_t4"), "t4", drive_quota_gb=2000)
+    assert not any(c.crossed for c in fp16.drive_limits)
+
+
+def test_the_default_drive_quota_is_the_free_quota_from_the_reference():
+    b = budget.predict_budget(preset("seed_t4"), "t4")
+    assert b.limits["drive"] == reference.DRIVE["free quota"].value == 15e9
+
+
+def test_plan_never_picks_more_parts_than_a_drive_folder_takes():
+    plan = budget.plan_budget(preset("seed_t4").replace(checkpoint_every=1, consolidate_every=1), "t4",
+                              drive_quota_gb=2000)
+    assert plan.fits and plan.config.run.checkpoint_every >= 5
+    assert not any(c.crossed for c in plan.budget.drive_limits)
+
+
+def test_preflight_refuses_a_plan_that_crosses_a_drive_limit_on_drive(tmp_path):
+    ws = workspace(tmp_path / "drive")
+    many_parts = preset("smoke").replace(n_samples=3000 * 32, batch_size=32, checkpoint_every=1,
+                                         consolidate_every=1)
+    with pytest.raises(BudgetExceeded, match=r"items in the run folder 3,004 > 2,000: run.checkpoint_every>=2"):
+        budget.preflight(many_parts, ws, device="cpu", drive_limits=True)
+    budget.preflight(many_parts, ws, device="cpu", drive_limits=False)          # a local folder: no such limit
+    budget.preflight(many_parts, ws, device="cpu")                              # not under /content/drive
+    budget.preflight(many_parts.replace(checkpoint_every=2), ws, device="cpu", drive_limits=True)
+    with pytest.raises(BudgetExceeded, match=r"items in the cache folder .* run.shard_mb>="):
+        budget.preflight(preset("smoke").replace(n_samples=3_000_000, shard_mb=1), ws, job="cache",
+                         drive_limits=True)

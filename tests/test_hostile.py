@@ -12,6 +12,7 @@ import time
 import pytest
 
 from conftest import subprocess_env
+from nblib.atomic import sha256_file
 from nblib.cache import read_cache_manifest
 from nblib.lock import LOCK_PREFIX
 
@@ -246,3 +247,241 @@ def test_a_cache_out_that_is_a_file_is_one_error_line_and_works_once_moved(tmp_p
     assert done.returncode == 0, done.stderr
     assert cache_bytes(out) == refs[0]
     shutil.rmtree(out)
+
+
+# ------------------------------------------------------------------------------------- encode
+
+
+ENCODE_TEXTS = 128
+ENCODE_TRIALS = 6
+THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+OUTPUTS = ("sketches", "checksums", "children")
+
+
+def encode_cmd(cache, out, seed=0, *extra):
+    return nblib_cmd("encode", "--cache", cache, "--out", out, "--profile", "smoke", "--batch-size", 8,
+                     "--checkpoint-every", 1, "--seed", seed, "--no-progress", *extra)
+
+
+def run_encode(cache, out, seed=0, *extra, timeout=600):
+    return subprocess.run(encode_cmd(cache, out, seed, *extra), env=subprocess_env(**THREADS),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def output_hashes(out):
+    return {name: sha256_file(out / f"{name}.npy") for name in OUTPUTS}
+
+
+@pytest.fixture(scope="module")
+def encode_refs(tmp_path_factory):
+    """A 128-image smoke cache and a solo run's output hashes per seed."""
+    root = tmp_path_factory.mktemp("encode")
+    texts = write_texts(root / "texts.txt", ENCODE_TEXTS)
+    cache = root / "cache"
+    built = run_cli("cache", "--texts", texts, "--out", cache, "--size", 64, "--workers", 0, "--no-progress")
+    assert built.returncode == 0, built.stderr
+    refs = {}
+    for seed in (0, 1):
+        done = run_encode(cache, root / f"solo-{seed}", seed)
+        assert done.returncode == 0, done.stderr
+        refs[seed] = output_hashes(root / f"solo-{seed}")
+    assert refs[0] != refs[1]
+    return cache, refs
+
+
+@pytest.mark.slow
+def test_two_encode_runs_started_together_on_one_folder_one_wins_the_other_is_refused(tmp_path, encode_refs):
+    cache, refs = encode_refs
+    winners = []
+    for trial in range(ENCODE_TRIALS):
+        out = tmp_path / f"race-{trial}"
+        commands = [encode_cmd(cache, out, seed) for seed in (0, 1)]
+        processes = [subprocess.Popen(cmd, env=subprocess_env(**THREADS), stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True) for cmd in commands]
+        results = [(p.pid, *p.communicate(timeout=600), p.returncode) for p in processes]
+        won = [seed for seed, (_, _, _, rc) in enumerate(results) if rc == 0]
+        assert len(won) == 1, (trial, [(rc, err[-400:]) for _, _, err, rc in results])
+        winner, loser = results[won[0]], results[1 - won[0]]
+        line = one_error_line(subprocess.CompletedProcess([], loser[3], loser[1], loser[2]))
+        assert f"pid {winner[0]} on host {HOST}" in line and "run folder" in line, line
+        assert output_hashes(out) == refs[won[0]], f"trial {trial}: the winner's outputs differ from a solo run"
+        assert not list(out.glob(f"{LOCK_PREFIX}*"))
+        winners.append(won[0])
+    print(f"encode race: {ENCODE_TRIALS} trials, winners by seed {winners}")
+
+
+@pytest.mark.slow
+def test_a_sigkilled_encode_leaves_a_lock_the_rerun_takes_over_to_identical_bytes(tmp_path, encode_refs):
+    cache, refs = encode_refs
+    out = tmp_path / "killed"
+    killed_pid = start_and_kill(encode_cmd(cache, out), out / "parts", "part-*/part.json", 3)
+    lock = out / f"{LOCK_PREFIX}0"
+    assert f'"pid": {killed_pid}' in lock.read_text()
+    resumed = run_encode(cache, out)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed at sample" in resumed.stdout
+    assert output_hashes(out) == refs[0] and not lock.exists()
+
+
+@pytest.mark.slow
+def test_a_full_disk_mid_encode_is_one_error_line_and_resumes_to_identical_bytes(encode_refs, small_fs):
+    cache, refs = encode_refs
+    disk = small_fs("disk", 2048)
+    filler = fill(disk, 160 * 1024)  # room for some parts, not for all of them and the outputs
+    out = disk / "run"
+    line = one_error_line(run_encode(cache, out, 0, "--no-preflight"))
+    assert "No space left on device" in line and str(disk) in line and "rerun" in line, line
+    assert list((out / "parts").glob("part-*/part.json")), "the disk filled before the first part"
+    filler.unlink()
+    resumed = run_encode(cache, out)
+    assert resumed.returncode == 0, resumed.stderr
+    assert output_hashes(out) == refs[0]
+
+
+@pytest.mark.slow
+def test_a_read_only_run_folder_is_one_error_line_and_resumes_once_writable(encode_refs, small_fs):
+    cache, refs = encode_refs
+    disk = small_fs("disk", 4096)
+    out = disk / "run"
+    start_and_kill(encode_cmd(cache, out), out / "parts", "part-*/part.json", 3)
+    remount(disk, "ro")
+    line = one_error_line(run_encode(cache, out))
+    assert "Read-only file system" in line and str(out) in line, line
+    fresh = one_error_line(run_encode(cache, disk / "fresh"))
+    assert "Read-only file system" in fresh
+    remount(disk, "rw")
+    resumed = run_encode(cache, out)
+    assert resumed.returncode == 0, resumed.stderr
+    assert output_hashes(out) == refs[0]
+
+
+@pytest.mark.slow
+def test_an_encode_out_that_is_a_file_is_one_error_line_and_works_once_moved(tmp_path, encode_refs):
+    cache, refs = encode_refs
+    out = tmp_path / "taken"
+    out.write_text("not a folder")
+    for target in (out, out / "sub"):
+        line = one_error_line(run_encode(cache, target))
+        assert f"{out} is a file, not a folder" in line, line
+    out.unlink()
+    done = run_encode(cache, out)
+    assert done.returncode == 0, done.stderr
+    assert output_hashes(out) == refs[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_shard_edited_in_place_with_its_mtime_kept_is_never_encoded(tmp_path, encode_refs, workers):
+    cache, refs = encode_refs
+    copy = tmp_path / "cache"
+    shutil.copytree(cache, copy)  # copy2: mtimes kept, so the copy opens without a hash
+    shard = copy / "shard-00000.npy"
+    st = shard.stat()
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 3] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))  # the stat check at open cannot see it
+    out = tmp_path / "run"
+    line = one_error_line(run_encode(copy, out, 0, "--workers", workers))
+    assert "shard-00000.npy" in line and "--verify --repair" in line, line
+    assert not list((out / "parts").glob("part-*")), "a part was made durable from the edited shard"
+    assert run_cli("cache", "--verify", "--repair", copy).returncode == 0
+    resumed = run_encode(copy, out, 0, "--workers", workers)
+    assert resumed.returncode == 0, resumed.stderr
+    assert output_hashes(out) == refs[0]
+
+
+# ------------------------------------------------------------------------------ encode flags
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags, says", [
+    (("--device", "tpu"), "device 'tpu' is not one torch knows"),
+    (("--device", "cuda"), "device 'cuda' asked for, but"),
+    (("--weights", "{missing}"), "does not exist"),
+    (("--weights", "{garbage}"), "is not a file that TRMVisionEncoder.save_weights wrote"),
+    (("--weights", "{folder}"), "is a folder"),
+], ids=["device-tpu", "device-cuda", "weights-missing", "weights-garbage", "weights-folder"])
+def test_bad_encode_flags_are_one_error_line_and_write_nothing(tmp_path, encode_refs, flags, says):
+    import torch
+
+    if flags == ("--device", "cuda") and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: --device cuda is valid here")
+    cache, _ = encode_refs
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(os.urandom(4096))
+    paths = {"missing": tmp_path / "nope.pt", "garbage": garbage, "folder": tmp_path}
+    flags = tuple(f.format(**paths) for f in flags)
+    out = tmp_path / "run"
+    line = one_error_line(run_encode(cache, out, 0, *flags))
+    assert says in line, line
+    assert not out.exists() or not list((out / "parts").glob("part-*"))
+
+
+@pytest.mark.slow
+def test_a_batch_size_beyond_the_cache_encodes_the_same_bytes_as_one_whole_batch(tmp_path, encode_refs):
+    cache, _ = encode_refs
+    huge = run_encode(cache, tmp_path / "huge", 0, "--batch-size", 1000000000, "--no-preflight")
+    whole = run_encode(cache, tmp_path / "whole", 0, "--batch-size", ENCODE_TEXTS, "--no-preflight")
+    assert huge.returncode == 0 and whole.returncode == 0, huge.stderr + whole.stderr
+    assert output_hashes(tmp_path / "huge") == output_hashes(tmp_path / "whole")
+
+
+@pytest.mark.slow
+def test_running_out_of_memory_is_one_error_line_naming_the_batch_size(tmp_path):
+    # a real allocation failure: the address space is capped below what one 224 px seed_t4 batch takes
+    texts = write_texts(tmp_path / "texts.txt", 64)
+    cache = tmp_path / "cache224"
+    assert run_cli("cache", "--texts", texts, "--out", cache, "--size", 224, "--workers", 0).returncode == 0
+    command = " ".join(nblib_cmd("encode", "--cache", cache, "--out", tmp_path / "run", "--profile", "seed_t4",
+                                 "--batch-size", 1000000000, "--no-preflight", "--no-progress"))
+    result = subprocess.run(["bash", "-c", f"ulimit -v 1500000; exec {command}"], env=subprocess_env(**THREADS),
+                            capture_output=True, text=True, timeout=600)
+    line = one_error_line(result)
+    assert "out of memory encoding batches of 64 samples" in line and "lower --batch-size" in line, line
+
+
+# ---------------------------------------------------------------------------- encode preflight
+
+
+def predicted_need(cache, out, mirror=None):
+    """What the encode preflight charges each disk for a fresh smoke run of this CLI's settings."""
+    from nblib.cache import ShardedImageCache
+    from nblib.cli import _encode_config, _encode_parser
+    from nblib.encode.run import disk_needs, plan_run
+
+    args = _encode_parser().parse_args(encode_cmd(cache, out)[4:])
+    config = _encode_config(args, "smoke").replace(n_samples=len(ShardedImageCache(cache)))
+    plan = plan_run(config, config.run.n_samples)
+    return disk_needs(config, out, mirror, plan, list(range(plan.n_parts)))
+
+
+@pytest.mark.slow
+def test_the_preflight_charges_each_disk_only_what_lands_on_it(tmp_path, encode_refs, small_fs):
+    cache, refs = encode_refs
+    cache_bytes_total = sum(p.stat().st_size for p in cache.iterdir())
+    run_need = sum(n for _, n in predicted_need(cache, tmp_path).values())
+    assert run_need < cache_bytes_total  # the cache would not fit where the run does
+    disk = small_fs("run-disk", 2048)
+    fill(disk, (run_need + cache_bytes_total) // 2)  # the run fits, run + cache would not
+    done = run_encode(cache, disk / "run")
+    assert done.returncode == 0, done.stderr
+    assert output_hashes(disk / "run") == refs[0]
+
+
+@pytest.mark.slow
+def test_the_preflight_refusal_shows_two_different_numbers_and_the_disk(tmp_path, encode_refs, small_fs):
+    cache, _ = encode_refs
+    disk = small_fs("run-disk", 2048)
+    needs = predicted_need(cache, disk / "run")
+    need = sum(n for _, n in needs.values())
+    fill(disk, need - 8192)  # two pages short: in GB both figures read 0.00
+    line = one_error_line(run_encode(cache, disk / "run"))
+    assert f"({need:,} bytes)" in line and str(disk) in line and "image cache" not in line, line
+    shown = line.split("needs ")[1].split(" (")[0], line.split("only ")[1].split(" (")[0]
+    assert shown[0] != shown[1] and "GB" not in shown[0], shown
+
+    mirror_disk = small_fs("mirror-disk", 256)  # the run disk has room now; the mirror does not
+    (disk / "filler.bin").unlink()
+    line = one_error_line(run_encode(cache, disk / "run2", 0, "--mirror", mirror_disk / "m"))
+    assert str(mirror_disk) in line and "mirrored parts" in line and "consolidated" not in line, line

@@ -223,3 +223,31 @@ def test_recommend_picks_the_fastest_config_under_the_cap_and_the_knob_that_matt
     assert rec.knob_that_mattered == "batch_size"
     assert rec.speedup > 2.5
     assert "batch_size mattered most" in str(rec) and "\n" not in str(rec)
+
+
+# ------------------------------------------------------------------------------ render on the fly
+
+
+@pytest.mark.slow
+def test_a_cacheless_encode_gives_the_cached_encode_bytes_and_resumes(tmp_path):
+    from nblib import config
+    from nblib.cache import ShardedImageCache, populate, sample_texts
+    from nblib.cache.rendered import RenderedImages
+    from nblib.encode import encode
+
+    cfg = config.preset("smoke").replace(n_samples=96, batch_size=16, checkpoint_every=2, consolidate_every=2)
+    texts = tmp_path / "texts.txt"
+    texts.write_text("\n".join(t.replace("\n", " ") for t in sample_texts(96)) + "\n", encoding="utf-8")
+    populate(texts, tmp_path / "cache", image_size=64, shard_mb=0.05, workers=1, progress=False)
+    cache = ShardedImageCache(tmp_path / "cache")
+    rendered = RenderedImages.like(cache)
+    assert len(rendered) == len(cache) and rendered.source_sha256 == cache.manifest["source"]["sha256"]
+    assert np.array_equal(rendered.get_batch(0, len(rendered)), cache.get_batch(0, len(cache)))
+
+    kwargs = {"device": "cpu", "progress": False, "preflight": False}
+    cached = encode(cache, tmp_path / "cached", cfg, **kwargs)
+    cacheless = encode(rendered, tmp_path / "cacheless", cfg.replace(workers=2), **kwargs)
+    for name, path in cached.outputs.items():
+        assert path.read_bytes() == cacheless.outputs[name].read_bytes(), name
+    again = encode(RenderedImages.like(cache), tmp_path / "cacheless", cfg, **kwargs)
+    assert again.parts_encoded == 0 and again.parts_total == cacheless.parts_total

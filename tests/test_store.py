@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -240,6 +241,65 @@ def test_intermittent_then_permanent_failure_runs_locally_then_mirror_catches_up
     assert mirror.read_manifest() == {"parts_done": 8}
     assert sorted(p.name for p in (tmp_path / "local").iterdir() if p.is_dir()) == ["part-000007"]
     store.close()
+
+
+def test_a_remount_waiting_for_reauthorization_pauses_the_mirror_and_the_run_goes_on(tmp_path, monkeypatch):
+    from nblib.encode.run import RunPlan, _postfix
+
+    drive = colab_stub_drive(tmp_path / "stub", monkeypatch)
+    monkeypatch.setenv("NBLIB_REMOUNT_TIMEOUT_S", "0.5")
+    mountpoint = tmp_path / "content" / "drive"
+    drive.mount(str(mountpoint))
+    local, mirror = tmp_path / "local", mountpoint / "MyDrive" / "nblib" / "parts"
+    store = DurableStore(local, mirror, retries=2, backoff_s=0.01, retry_interval_s=0.2,
+                         remount=lambda: drive.mount(str(mountpoint), force_remount=True))
+    try:
+        store.write_part("part-000000", arrays_for(0))
+        assert store.flush(timeout=30)
+        drive.control(disconnected=True, reauth=True)   # Errno 107, and the remount waits for the user
+        started = time.monotonic()
+        with pytest.warns(MirrorWarning) as caught:
+            for i in range(1, 4):
+                store.write_part(f"part-{i:06d}", arrays_for(i))
+            assert store.flush(timeout=30) is False       # returns, not hangs on the blocked remount
+        paused = r"is paused: the Drive remount did not return within 0.5 s.*re-authorized.*remount_drive\(\)"
+        assert any(re.search(paused, str(w.message)) for w in caught), [str(w.message) for w in caught]
+        assert time.monotonic() - started < 15
+        status = store.mirror_status()
+        assert status.paused and status.failing and status.parts_pending == 3
+        post = _postfix(store, {"parts": dict.fromkeys(range(4))}, RunPlan(40, 1, 10), device=_cpu())
+        assert post["mirror"] == "paused: re-authorize Drive" and post["mirror_lag"] == 3
+        with pytest.raises(DriveError, match="is paused.*re-authorized"):
+            store.list_parts()                            # a caller's read times out too
+        assert [p.name for p in store.local.list()[0]] == [f"part-{i:06d}" for i in range(4)]
+
+        drive.control(reauth=False)                       # the user accepts the prompt: the mount returns
+        assert store.flush(timeout=30) and store.mirror_lag == 0
+        assert not store.mirror_status().paused and "mirror" not in _postfix(
+            store, {"parts": {}}, RunPlan(40, 1, 10), device=_cpu())
+        store.close()
+        assert_same_content(local, mirror)
+    finally:
+        store.close(timeout=10)
+        drive.flush_and_unmount()
+
+
+def colab_stub_drive(home: Path, monkeypatch):
+    """tests/colab_stub's `google.colab.drive`, loaded under another name (this process stays non-Colab)."""
+    import importlib.util
+
+    monkeypatch.setenv("COLAB_STUB_HOME", str(home))
+    path = Path(__file__).parent / "colab_stub" / "google" / "colab" / "drive.py"
+    spec = importlib.util.spec_from_file_location("colab_stub_drive", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _cpu():
+    from types import SimpleNamespace
+
+    return SimpleNamespace(type="cpu")
 
 
 def test_backlog_of_a_dead_process_is_mirrored_by_the_next_store(tmp_path):

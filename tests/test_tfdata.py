@@ -225,3 +225,63 @@ def test_preflight_checkpoint_asks_for_the_disk_of_the_budget_model(tmp_path):
     buffer_size = int(free * 0.75 // sample_bytes)  # 1x fits, the model's 2x (previous kept) does not
     with pytest.raises(BudgetExceeded, match="new \\+ previous checkpoint"):
         tfdata.preflight_checkpoint(buffer_size, sample_bytes, tmp_path)
+
+
+# ------------------------------------------------------- tf.data's own shuffles, beside nblib's
+
+
+def test_builtin_shuffles_are_complete_permutations_with_the_same_samples():
+    spec = tfdata.PipelineSpec(n_samples=300, sample_kb=1, buffer_size=50, seed=3, batch_size=0, prefetch=0)
+    orders = {}
+    for method in tfdata.SHUFFLE_METHODS:
+        elements = list(tfdata.shuffle_pipeline(spec, method))
+        orders[method] = [int(e["index"]) for e in elements]
+        assert sorted(orders[method]) == list(range(300)), method
+        first = elements[0]
+        expected = tfdata.synthetic_image(first["index"], spec).numpy()
+        assert np.array_equal(first["image"].numpy(), expected), method     # a pure function of the index
+    assert orders[tfdata.TF_SHUFFLE] == tfdata.tf_shuffle_order(300, 50, 3).tolist()
+    assert orders["resumable (global)"] == shuffle.full_order(tfdata.make_shuffle(300, 50, 3, "global")).tolist()
+    assert len({tuple(o) for o in orders.values()}) == len(orders)          # five different orders
+
+
+@pytest.mark.slow
+def test_builtins_table_measures_checkpoint_bytes_exact_resume_and_throughput(tmp_path):
+    spec = tfdata.PipelineSpec(n_samples=600, sample_kb=SMALL_KB, buffer_size=300, seed=0, batch_size=4)
+    rows = {r.method: r for r in lab.compare_shuffles(spec, tmp_path / "cmp", cut_after=5, compared=10)}
+    assert set(rows) == set(tfdata.SHUFFLE_METHODS) and not any(r.skipped for r in rows.values())
+    buffer_bytes = 300 * spec.sample_bytes
+    tf_row = rows[tfdata.TF_SHUFFLE]
+    assert tf_row.symbolic_bytes > 0.9 * buffer_bytes and tf_row.plain_bytes > 0.9 * buffer_bytes
+    for name, row in rows.items():
+        assert row.exact_plain and row.exact_symbolic, name
+        assert row.samples_per_s > 0, name
+        if name != tfdata.TF_SHUFFLE:
+            assert row.symbolic_bytes < 4096 < buffer_bytes, name        # a cursor, not a buffer
+    assert rows["resumable (buffer)"].same_order_in_numpy and rows["resumable (global)"].same_order_in_numpy
+    assert rows[tfdata.TF_GLOBAL_SHUFFLE].same_order_in_numpy is None
+    assert "private API" in rows[tfdata.TF_GLOBAL_SHUFFLE].needs and "TF >= 2.17" in rows[tfdata.TF_GLOBAL_SHUFFLE].needs
+    assert rows[tfdata.TF_SHUFFLE].needs.startswith("any stream")
+    table, conclusion = lab.builtins_table(rows.values()), lab.builtins_conclusion(rows.values())
+    assert all(name in table for name in rows) and "Exact resume (plain and symbolic): 5 of 5." in conclusion
+    assert (tmp_path / "cmp").exists() is False                              # every checkpoint is deleted
+
+
+def test_missing_global_shuffle_is_skipped_with_a_note(tmp_path, monkeypatch):
+    tfdata.tensorflow()
+    monkeypatch.setitem(sys.modules, "tensorflow.python.data.experimental.ops.global_shuffle_op", None)
+    assert tfdata.global_shuffle_op() is None                                # what TF < 2.17 gives
+    spec = tfdata.PipelineSpec(n_samples=40, sample_kb=1, buffer_size=10, batch_size=4)
+    with pytest.raises(ConfigError, match=r"needs TensorFlow >= 2.17"):
+        tfdata.shuffle_pipeline(spec, tfdata.TF_GLOBAL_SHUFFLE)
+    row, = lab.compare_shuffles(spec, tmp_path, methods=(tfdata.TF_GLOBAL_SHUFFLE,))
+    assert row.skipped.startswith("skipped: TensorFlow") and "added in 2.17" in row.skipped
+    assert "skipped: TensorFlow" in lab.builtins_table([row]) and "skipped" in lab.builtins_conclusion([row])
+
+
+def test_global_shuffle_refuses_a_source_without_random_access():
+    spec = tfdata.PipelineSpec(n_samples=40, sample_kb=1, buffer_size=10, batch_size=4, sources=2)
+    if tfdata.global_shuffle_op() is None:
+        pytest.skip("this TensorFlow has no global shuffle")
+    with pytest.raises(Exception, match="(?i)random access"):          # interleave cannot be read by index
+        next(iter(tfdata.shuffle_pipeline(spec, tfdata.TF_GLOBAL_SHUFFLE)))

@@ -2,19 +2,22 @@
 
 `predict_budget(config, device)` returns a `Budget`: itemized lines (bytes + a one-line reason)
 for VRAM, RAM, local disk and Drive, a time estimate from FLOPs, and a verdict naming the limit
-that binds. Memory lines count only the buffers live at the peak. `preflight` checks the same
-prediction against this machine's free disk, RAM and VRAM and raises `BudgetExceeded` with the
-numbers and the knob to turn; `plan_budget` picks knobs that fit. Trade-off: a closed-form model
+that binds, and for every resource over its limit the knobs with the values that fit. Memory
+lines count only the buffers live at the peak. `preflight` checks the same prediction against
+this machine's free disk, RAM and VRAM (and Drive's own limits) and raises `BudgetExceeded` with
+the numbers and the knob to turn; `plan_budget` picks knobs that fit. Trade-off: a closed-form model
 is instant and explains itself, but it is only as right as its accounting;
 `benchmarks/budget_accuracy.py` checks it against measured peaks. Pure Python: no torch here.
 
 Parts: devices (the machines), memory (model arithmetic, memory lines), disk (cache, parts,
-shards, the disk check), checkpoint (tf.data shuffle checkpoints), predict (the Budget),
+shards, the disk check), drive (Drive's items-per-folder and daily-upload limits), checkpoint
+(tf.data shuffle checkpoints), predict (the Budget), advice (the knobs that fit, per resource),
 preflight, knobs (plan_budget).
 """
 from __future__ import annotations
 
 from nblib.budget._checks import require_positive
+from nblib.budget.advice import Advice, Suggestion, advise, advise_resource
 from nblib.budget.checkpoint import (
     RESTORE_RAM_FACTOR,
     ShuffleCheckpoint,
@@ -26,13 +29,24 @@ from nblib.budget.checkpoint import (
 from nblib.budget.devices import DEVICES, Device, device_preset
 from nblib.budget.disk import (
     CODEC_RATIO_ESTIMATE,
+    NO_CACHE,
     NPY_HEADER_BYTES,
     ShardPlan,
     cache_bytes,
+    cache_shards,
     check_disk,
     choose_codec,
     disk_lines,
     plan_shards,
+    uploaded_bytes,
+)
+from nblib.budget.drive import (
+    FOLDER_ITEMS_LIMIT,
+    FREE_QUOTA_GB,
+    UPLOAD_PER_DAY,
+    DriveLimitCheck,
+    drive_limit_checks,
+    smallest_checkpoint_every,
 )
 from nblib.budget.knobs import BudgetPlan, plan_budget
 from nblib.budget.memory import (
@@ -55,8 +69,11 @@ from nblib.budget.preflight import preflight
 from nblib.config import OUTPUT_CHOICES
 
 __all__ = [
+    "FOLDER_ITEMS_LIMIT", "FREE_QUOTA_GB", "UPLOAD_PER_DAY", "Advice", "DriveLimitCheck", "Suggestion",
+    "advise", "advise_resource", "cache_shards", "drive_limit_checks", "smallest_checkpoint_every",
+    "uploaded_bytes",
     "ALLOCATOR_CACHE_SHARE", "CODEC_RATIO_ESTIMATE", "DEVICES", "KNOBS", "LOADER_WORKER_RAM",
-    "NPY_HEADER_BYTES", "OUTPUT_CHOICES", "RESOURCES", "RESTORE_RAM_FACTOR", "RUNTIME_RAM_CPU",
+    "NO_CACHE", "NPY_HEADER_BYTES", "OUTPUT_CHOICES", "RESOURCES", "RESTORE_RAM_FACTOR", "RUNTIME_RAM_CPU",
     "RUNTIME_RAM_CUDA", "Budget", "BudgetPlan", "Device", "Line", "ShardPlan", "ShuffleCheckpoint",
     "autocast_weight_count", "cache_bytes", "calibrate", "check_disk", "checkpoint_disk_peak",
     "checkpoint_ram_peak", "choose_codec", "device_preset", "disk_lines", "flops_per_image",

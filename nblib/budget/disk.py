@@ -1,9 +1,10 @@
 """Disk a job needs: the image cache per codec, the parts of an encode run, shards; and the check.
 
 `cache_bytes` and `choose_codec` size the image cache (the cache module calls them with its
-measured bytes per image); `disk_lines` itemizes local staging and the durable (Drive) copy of
-an encode run; `plan_shards` splits a big file so one shard at a time fits in RAM; `check_disk`
-refuses, with the numbers, what does not fit a folder's free disk.
+measured bytes per image), `cache_shards` counts its files; `disk_lines` itemizes local staging
+and the durable (Drive) copy of an encode run, `uploaded_bytes` what a plan sends to Drive;
+`plan_shards` splits a big file so one shard at a time fits in RAM; `check_disk` refuses, with
+the numbers, what does not fit a folder's free disk.
 """
 from __future__ import annotations
 
@@ -22,12 +23,17 @@ from nblib.units import GB, MB, fmt_bytes
 # 1,907,747 images at 224 px in ~40 GB, i.e. 0.14 of the 287 GB raw. zlib (deflate on raw rows,
 # no PNG row filters) lands a little worse. Measure with nblib.cache and pass bytes_per_image.
 CODEC_RATIO_ESTIMATE = {"raw": 1.0, "png": 0.14, "zlib": 0.16}
+# The codec of no cache at all: images rendered on the fly by the loader's workers
+# (nblib.cache.rendered.RenderedImages), 0 bytes on any disk; plan_budget(cacheless=True) tries it.
+NO_CACHE = "none"
 NPY_HEADER_BYTES = 128
 
 
 def cache_bytes(n_images: int, image_size: int, codec: str = "raw",
                 bytes_per_image: float | None = None, *, shard_mb: int = 400) -> int:
-    """Bytes an image cache takes: raw is n x H x W x 3 plus .npy headers per shard."""
+    """Bytes an image cache takes: raw is n x H x W x 3 plus .npy headers per shard (0 for NO_CACHE)."""
+    if codec == NO_CACHE:
+        return 0
     require_positive("n_images", n_images)
     require_positive("image_size", image_size)
     require_positive("shard_mb", shard_mb)
@@ -42,6 +48,25 @@ def cache_bytes(n_images: int, image_size: int, codec: str = "raw",
     data = n_images * per_image
     shards = max(1, math.ceil(data / (shard_mb * MB)))
     return int(math.ceil(data)) + shards * NPY_HEADER_BYTES
+
+
+def cache_shards(config: PipelineConfig, *, codec: str | None = None,
+                 bytes_per_image: float | None = None) -> int:
+    """How many shard files the image cache of `config` is cut into (run.shard_mb each)."""
+    r = config.run
+    codec = codec or r.codec
+    data = cache_bytes(r.n_samples, config.model.image_size, codec, bytes_per_image, shard_mb=r.shard_mb)
+    return 0 if codec == NO_CACHE else max(1, math.ceil(data / (r.shard_mb * MB)))
+
+
+def uploaded_bytes(config: PipelineConfig, *, codec: str | None = None,
+                   bytes_per_image: float | None = None) -> int:
+    """Bytes a plan uploads to Drive: the image cache, every part, and the consolidated outputs."""
+    r = config.run
+    outputs = r.n_samples * output_bytes_per_image(config)
+    cache = cache_bytes(r.n_samples, config.model.image_size, codec or r.codec, bytes_per_image,
+                        shard_mb=r.shard_mb)
+    return cache + 2 * outputs
 
 
 def choose_codec(n_images: int, free_bytes: int, codec_stats: dict[str, dict],
@@ -91,6 +116,7 @@ def disk_lines(config: PipelineConfig, *, codec: str = "raw", bytes_per_image: f
     )
     drive = (
         Line(f"image cache ({codec})", cache,
+             "no cache: the loader's workers render each image when it is read" if codec == NO_CACHE else
              f"{r.n_samples:,} images at {config.model.image_size} px"
              + (f", {bytes_per_image:,.0f} B/image measured" if bytes_per_image else
                 f", {CODEC_RATIO_ESTIMATE[codec]:.2f} of raw (estimate)" if codec != "raw" else "")),

@@ -3,7 +3,8 @@
 `plan_budget(config, device)` keeps as much output as it can: the config's own outputs and dtype
 first, then fp16, then fewer outputs (`nblib.config.OUTPUT_CHOICES`) and a compressed cache; for
 each, the largest checkpoint cadence whose RAM fits and the largest consolidation cadence whose
-VRAM fits. It returns a `BudgetPlan` that says what changed, or why nothing fits.
+VRAM fits, never so small that the parts cross Drive's items-per-folder limit. It returns a
+`BudgetPlan` that says what changed, or why nothing fits.
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from dataclasses import dataclass
 
 from nblib.budget._checks import validated
 from nblib.budget.devices import Device, device_preset
+from nblib.budget.disk import NO_CACHE
+from nblib.budget.drive import smallest_checkpoint_every
 from nblib.budget.predict import RESOURCES, Budget, max_batch_size, predict_budget
 from nblib.config import OUTPUT_CHOICES, PipelineConfig
 from nblib.units import fmt_bytes
@@ -34,12 +37,14 @@ class BudgetPlan:
 
 
 def plan_budget(config: PipelineConfig, device: str | Device = "t4", *, margin: float = 0.1,
-                **predict_kwargs) -> BudgetPlan:
+                cacheless: bool = False, **predict_kwargs) -> BudgetPlan:
     """Pick batch_size, out_dtype, outputs, checkpoint_every and consolidate_every that fit.
 
     Preference: the config's own outputs and dtype first, then fp16, then fewer outputs; for each,
     the largest checkpoint_every (fewest parts) whose RAM fits and the largest consolidate_every
-    dividing it whose VRAM fits. Returns a BudgetPlan that says what changed, or why nothing fits.
+    dividing it whose VRAM fits. `cacheless=True` also tries, after every cached choice, no image
+    cache at all (images rendered on the fly, `NO_CACHE`): changes then holds cache="none".
+    Returns a BudgetPlan that says what changed, or why nothing fits.
     """
     cfg, dev = validated(config), device_preset(device)
     r = cfg.run
@@ -52,21 +57,28 @@ def plan_budget(config: PipelineConfig, device: str | Device = "t4", *, margin: 
     dtypes = [r.out_dtype] + [d for d in ("float16",) if d != r.out_dtype]
     outputs = [r.outputs] + [o for o in OUTPUT_CHOICES if o != r.outputs]
     codecs = [r.codec] + [c for c in ("png",) if c != r.codec and "codec" not in predict_kwargs]
+    if cacheless and "codec" not in predict_kwargs:
+        codecs.append(NO_CACHE)
     choices = [(c, o, d) for c in codecs for o in outputs for d in dtypes]
     last = None
     for codec, outs, dtype in choices:
-        trial = cfg.replace(batch_size=batch, outputs=outs, out_dtype=dtype, codec=codec)
-        found = _cadence_that_fits(trial, dev, margin, predict_kwargs)
+        kwargs = {**predict_kwargs, "codec": NO_CACHE} if codec == NO_CACHE else predict_kwargs
+        trial = cfg.replace(batch_size=batch, outputs=outs, out_dtype=dtype,
+                            codec=r.codec if codec == NO_CACHE else codec)
+        found = _cadence_that_fits(trial, dev, margin, kwargs)
         if found is not None:
             budget = found
             changes = {k: v for k, v in _knobs(budget.config).items() if v != _knobs(cfg)[k]}
+            if codec == NO_CACHE:
+                changes["cache"] = NO_CACHE
             return BudgetPlan(budget.config, budget, changes, True,
                               f"{budget.verdict}" + (f" (margin {margin:.0%} kept)" if margin else ""))
-        last = predict_budget(trial.replace(checkpoint_every=1, consolidate_every=1), dev,
-                              **predict_kwargs)
+        every = smallest_checkpoint_every(trial.replace(consolidate_every=1)) or 1   # fewest parts Drive takes
+        last = predict_budget(trial.replace(checkpoint_every=every, consolidate_every=1), dev, **kwargs)
     biggest = max(last.lines[last.binding], key=lambda line: line.bytes)
+    cache = "no" if last.options.get("codec") == NO_CACHE else last.config.run.codec
     why = (f"even the smallest choice (outputs={last.config.run.outputs}, "
-           f"{last.config.run.out_dtype}, {last.config.run.codec} cache, batch {batch}, cadence 1) "
+           f"{last.config.run.out_dtype}, {cache} cache, batch {batch}, cadence {last.config.run.checkpoint_every}) "
            f"leaves {last.binding} at {last.usage[last.binding]:.1f}x its limit; its largest line, "
            f"{biggest.name}, is {fmt_bytes(biggest.bytes)} alone. {last.verdict}")
     return BudgetPlan(last.config, last, {}, False, why)
@@ -75,8 +87,10 @@ def plan_budget(config: PipelineConfig, device: str | Device = "t4", *, margin: 
 def _cadence_that_fits(cfg: PipelineConfig, dev: Device, margin: float, kwargs) -> Budget | None:
     """The budget with the largest checkpoint_every (then consolidate_every) that fits."""
     n_batches = cfg.run.n_batches
-    for every in _descending_choices(min(cfg.run.checkpoint_every, n_batches) if
-                                     cfg.run.checkpoint_every <= n_batches else n_batches):
+    fewest = smallest_checkpoint_every(cfg.replace(consolidate_every=1)) or n_batches
+    for every in _descending_choices(min(max(cfg.run.checkpoint_every, fewest), n_batches)):
+        if every < fewest:
+            return None      # more parts than one Drive folder takes
         for cons in _descending_choices(min(cfg.run.consolidate_every, every)):
             if every % cons:
                 continue

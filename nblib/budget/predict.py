@@ -4,14 +4,18 @@
 for VRAM, RAM, local disk and Drive, a time estimate from FLOPs, and a verdict naming the limit
 that binds. Trade-off: a closed-form model is instant and explains itself, but it is only as
 right as its accounting; `benchmarks/budget_accuracy.py` checks it against measured peaks.
+The verdict names every resource over its limit and every Drive limit crossed, each with the
+knobs that fit (`nblib.budget.advice`); the widget, the CLI and the notebooks print this one text.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 
 from nblib.budget._checks import checked_sdpa_backend, require_positive, validated
 from nblib.budget.devices import Device, device_preset
 from nblib.budget.disk import disk_lines
+from nblib.budget.drive import FREE_QUOTA_GB, DriveLimitCheck, drive_limit_checks
 from nblib.budget.memory import (
     ALLOCATOR_CACHE_SHARE,
     Line,
@@ -39,6 +43,7 @@ class Budget:
     flops_per_image: float
     samples_per_s: float
     sdpa_backend: str
+    options: dict = field(default_factory=dict, compare=False)  # predict_budget's keyword arguments
 
     @property
     def totals(self) -> dict[str, int]:
@@ -64,17 +69,36 @@ class Budget:
         return self.config.run.n_samples / self.samples_per_s
 
     @property
-    def verdict(self) -> str:
-        """One line: fits or not, which limit binds and by how much."""
+    def headline(self) -> str:
+        """Fits or not, which limit binds and by how much (the chart's title)."""
         r = self.binding
         need, limit = self.totals[r], self.limits[r]
         if need <= limit:
             return (f"fits on {self.device.name}: {r} binds at {need / GB:.2f} of "
                     f"{limit / GB:.2f} GB ({need / limit:.0%}); time {self.seconds / 3600:.2f} h")
-        over = [f"{q} {self.totals[q] / GB:.2f} > {self.limits[q] / GB:.2f} GB"
-                for q, u in sorted(self.usage.items(), key=lambda kv: -kv[1]) if u > 1]
-        return (f"does NOT fit on {self.device.name}: {r} is {need / limit:.1f}x its limit "
-                f"({'; '.join(over)}); {KNOBS[r]}")
+        over = ", ".join(f"{q} {u:.1f}x" for q, u in sorted(self.usage.items(), key=lambda kv: -kv[1]) if u > 1)
+        return f"does NOT fit on {self.device.name}: over the limit: {over}"
+
+    @cached_property
+    def drive_limits(self) -> tuple[DriveLimitCheck, ...]:
+        """Drive's limits beyond bytes (items per folder, uploads per day) against this plan."""
+        return drive_limit_checks(self.config, codec=self.options.get("codec"),
+                                  bytes_per_image=self.options.get("bytes_per_image"))
+
+    @cached_property
+    def advice(self) -> tuple:
+        """One nblib.budget.advice.Advice per resource over its limit and per Drive limit crossed."""
+        from nblib.budget.advice import advise
+
+        return advise(self)
+
+    @cached_property
+    def verdict(self) -> str:
+        """One line: the headline, then for every resource over its limit the knobs with values that fit."""
+        if not self.advice:
+            return self.headline
+        joiner = ". " if not self.fits else "; but "
+        return self.headline + joiner + ". ".join(str(a) for a in self.advice)
 
     def table(self) -> str:
         """The itemized lines as aligned text, one block per resource."""
@@ -87,6 +111,8 @@ class Budget:
         rows.append(f"TIME         {self.seconds / 3600:>10.2f} h    "
                     f"({self.flops_per_image / 1e9:.2f} GFLOP/image, "
                     f"{self.samples_per_s:,.0f} samples/s)")
+        rows.append("DRIVE LIMITS (besides the quota)")
+        rows.extend(f"  {check.numbers}" + ("" if check.crossed else " (ok)") for check in self.drive_limits)
         rows.append(f"VERDICT      {self.verdict}")
         return "\n".join(rows)
 
@@ -95,13 +121,13 @@ KNOBS = {
     "vram": "lower run.batch_size (see max_batch_size) or run.consolidate_every",
     "ram": "lower run.checkpoint_every, run.batch_size or run.prefetch/workers",
     "local disk": "keep fewer parts locally (keep_local) or lower run.checkpoint_every",
-    "drive": "keep fewer run.outputs, use run.out_dtype='float16', a compressed run.codec, "
+    "drive": "keep fewer run.outputs, a float16 run.out_dtype, a compressed run.codec, "
              "or a bigger drive_quota_gb",
 }
 
 
 def predict_budget(config: PipelineConfig, device: str | Device = "t4", *,
-                   sdpa_backend: str | None = None, drive_quota_gb: float = 15.0,
+                   sdpa_backend: str | None = None, drive_quota_gb: float = FREE_QUOTA_GB,
                    codec: str | None = None, bytes_per_image: float | None = None,
                    keep_local: int = 2, efficiency: float | None = None) -> Budget:
     """Predict peak VRAM, RAM, local disk and Drive use and the run time of an encode job.
@@ -117,7 +143,7 @@ def predict_budget(config: PipelineConfig, device: str | Device = "t4", *,
     require_positive("drive_quota_gb", drive_quota_gb, number=True)
     require_positive("keep_local", keep_local, minimum=0)
     m, r = cfg.model, cfg.run
-    codec = codec or r.codec
+    codec_arg, codec = codec, codec or r.codec
     model_lines = model_memory_lines(cfg, on_gpu=dev.is_gpu, sdpa_backend=backend)
     held_on_device = r.consolidate_every * output_bytes_per_batch(cfg)
     if dev.is_gpu:
@@ -146,7 +172,9 @@ def predict_budget(config: PipelineConfig, device: str | Device = "t4", *,
         lines={"vram": tuple(vram), "ram": tuple(ram), "local disk": local, "drive": drive},
         limits={"vram": dev.vram_bytes, "ram": dev.ram_bytes, "local disk": dev.disk_bytes,
                 "drive": int(drive_quota_gb * GB)},
-        flops_per_image=flops, samples_per_s=rate, sdpa_backend=backend)
+        flops_per_image=flops, samples_per_s=rate, sdpa_backend=backend,
+        options={"sdpa_backend": sdpa_backend, "drive_quota_gb": drive_quota_gb, "codec": codec_arg,
+                 "bytes_per_image": bytes_per_image, "keep_local": keep_local, "efficiency": efficiency})
 
 
 def calibrate(device: str | Device, measured_samples_per_s: float,

@@ -2,8 +2,10 @@
 
 `preflight(config, workspace, job=...)` compares `predict_budget` with the free disk of the
 folders the job writes (local staging, the Drive copy, the cache folder), available RAM and free
-VRAM, and raises `BudgetExceeded` with the numbers and the knob to turn when something does not
-fit. Nothing is written before the check.
+VRAM, and raises `BudgetExceeded` with the numbers and the knobs to turn, each with the value that
+fits this machine (`nblib.budget.advice`), when something does not fit. When the durable root is
+Google Drive it also refuses a plan that crosses one of Drive's own limits (items per folder,
+uploads per day: `nblib.budget.drive`). Nothing is written before the check.
 """
 from __future__ import annotations
 
@@ -11,22 +13,26 @@ import os
 from pathlib import Path
 
 from nblib.budget._checks import validated
+from nblib.budget.advice import advise_resource
 from nblib.budget.devices import device_preset
 from nblib.budget.disk import cache_bytes, check_disk
+from nblib.budget.drive import cache_folder_check, run_folder_check, upload_check
 from nblib.budget.memory import RUNTIME_RAM_CPU, RUNTIME_RAM_CUDA
-from nblib.budget.predict import KNOBS, Budget, max_batch_size, predict_budget
+from nblib.budget.predict import KNOBS, Budget, predict_budget
 from nblib.config import PipelineConfig
 from nblib.errors import BudgetExceeded, ConfigError
 from nblib.units import GB
 
 
 def preflight(config: PipelineConfig, workspace, *, job: str = "encode", device: str | None = None,
-              disk_bytes: int | None = None, disk_folder=None, keep_local: int = 2) -> Budget:
+              disk_bytes: int | None = None, disk_folder=None, keep_local: int = 2,
+              drive_limits: bool | None = None) -> Budget:
     """Check the predicted peak RAM, VRAM and disk against this machine; raise BudgetExceeded.
 
     job="encode" checks local staging (workspace.staging) and the durable copy (workspace.drive);
     job="cache" checks `disk_bytes` (default: the raw cache) on `disk_folder` (default
-    workspace.cache). Returns the Budget when everything fits.
+    workspace.cache). drive_limits: check Drive's items per folder and uploads per day (default:
+    when workspace.drive is on Google Drive's mount). Returns the Budget when everything fits.
     """
     if job not in ("encode", "cache"):
         raise ConfigError(f"job={job!r} is unknown; use 'encode' or 'cache'")
@@ -34,6 +40,8 @@ def preflight(config: PipelineConfig, workspace, *, job: str = "encode", device:
     cuda = _cuda_available()
     dev = device_preset(device or ("t4" if cuda else "cpu"))
     budget = predict_budget(cfg, dev, keep_local=keep_local)
+    if _on_google_drive(workspace.drive) if drive_limits is None else drive_limits:
+        _check_drive_limits(cfg, job)
     if job == "cache":
         need = disk_bytes if disk_bytes is not None else cache_bytes(
             cfg.run.n_samples, cfg.model.image_size, cfg.run.codec, shard_mb=cfg.run.shard_mb)
@@ -69,7 +77,7 @@ def _check_ram(budget: Budget) -> None:
         raise BudgetExceeded(
             f"the encode job needs {need / GB:.2f} GB more RAM but {available / GB:.2f} GB is "
             f"available (largest line: {biggest.name} {biggest.bytes / GB:.2f} GB); "
-            f"{KNOBS['ram']}")
+            f"{_knobs(budget, 'ram', available + already)}")
 
 
 def _check_vram(budget: Budget) -> None:
@@ -79,11 +87,33 @@ def _check_vram(budget: Budget) -> None:
     context = budget.device.cuda_context_bytes if torch.cuda.is_initialized() else 0
     need = budget.totals["vram"] - budget.device.cuda_context_bytes + context
     if need > free:
-        best = max_batch_size(budget.config, budget.device)
         raise BudgetExceeded(
             f"the encode job needs {need / GB:.2f} GB of VRAM but {free / GB:.2f} GB is free; "
-            f"lower run.batch_size (max that fits a {budget.device.name}: {best}) or "
-            f"run.consolidate_every")
+            f"{_knobs(budget, 'vram', free + budget.totals['vram'] - need)}")
+
+
+def _check_drive_limits(config: PipelineConfig, job: str) -> None:
+    """Refuse a plan whose folder or daily uploads cross Drive's limits, with the number and the knob."""
+    checks = (cache_folder_check(config),) if job == "cache" else (run_folder_check(config), upload_check(config))
+    for check in checks:
+        if check.crossed:
+            raise BudgetExceeded(f"the {job} job: {check} (limit: {check.source}); or pass drive_limits=False")
+
+
+def _knobs(budget: Budget, resource: str, limit: float) -> str:
+    """The knobs that fit `limit`, each with its value, or the knobs in words."""
+    advice = advise_resource(budget, resource, limit)
+    return "; or ".join(str(s) for s in advice.suggestions) or advice.fallback
+
+
+def _on_google_drive(folder: Path) -> bool:
+    """True when `folder` lies under Colab's Drive mount point."""
+    from nblib.env import COLAB_MOUNT_POINT
+
+    try:
+        return Path(folder).resolve().is_relative_to(COLAB_MOUNT_POINT)
+    except OSError:
+        return False
 
 
 def _same_filesystem(a: Path, b: Path) -> bool:

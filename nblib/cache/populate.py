@@ -17,6 +17,7 @@ import json
 import math
 import os
 import time
+import warnings
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -42,14 +43,16 @@ from nblib.cache.format import (
     write_cache_manifest,
 )
 from nblib.cache.texts import TextScan, TextSource, require_texts, scan_texts, text_source
-from nblib.errors import CacheError, ConfigError
+from nblib.errors import CacheError, ConfigError, InputError
 from nblib.lock import FolderLock, run_identity
 from nblib.measure import disk_free
-from nblib.render import RenderParams, render_params, render_with
+from nblib.render import Coverage, RenderParams, coverage, render_params, render_with
 from nblib.units import fmt_bytes
 
 BATCH = 16              # texts per pool task
 SAMPLE_TEXTS = 64       # texts rendered to estimate compressed bytes per image
+COVERAGE_TEXTS = 10_000  # texts whose characters are checked against the font chain (the first ones)
+COVERAGE_WARN = 0.01    # share of characters without a glyph above which populate warns (strict: refuses)
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,7 @@ class PopulateSummary:
     predicted_bytes: int
     workers: int
     shards_repaired: int = 0  # listed shards found damaged and re-rendered (counted in written)
+    coverage: Coverage | None = None  # characters without a glyph in the font chain, per script
 
     @property
     def images_per_s(self) -> float:
@@ -87,7 +91,7 @@ class PopulateSummary:
 def populate(texts, cache_dir: str | Path, image_size: int = 224, shard_mb: float = 400,
              workers: int | None = None, seed: int = 0, codec: str = "raw", overwrite: bool = False,
              progress: bool = True, *, field: str | None = None, errors: str = "strict",
-             font_size: int | None = None) -> PopulateSummary:
+             font_size: int | None = None, strict_fonts: bool = False) -> PopulateSummary:
     """Render `texts` into a sharded cache at `cache_dir`, resuming whatever is already there.
 
     `texts` is a path (text file, one per line; JSONL with `field`) or a sequence of str.
@@ -95,12 +99,16 @@ def populate(texts, cache_dir: str | Path, image_size: int = 224, shard_mb: floa
     manifest (the renderer draws no randomness). `codec="auto"` measures the codecs on a sample
     and lets `nblib.budget.choose_codec` pick the one that fits the free disk. A cache of other
     texts or render settings is refused unless `overwrite`; damaged listed shards are re-rendered.
+    The characters of the first COVERAGE_TEXTS texts are checked against the font chain: the share
+    without a glyph, per script, goes into the manifest; above COVERAGE_WARN populate warns, or
+    with `strict_fonts` refuses (InputError) before anything is rendered.
     """
     started = time.perf_counter()
     source = text_source(texts, field, errors)
     scan = scan_texts(source, sample_size=SAMPLE_TEXTS, seed=seed)
     require_texts(scan, source)
     params = render_params(image_size, font_size)
+    found = check_coverage(itertools.islice(iter(source), COVERAGE_TEXTS), params, strict_fonts)
     cache_dir = Path(cache_dir)
     if cache_dir.exists() and not cache_dir.is_dir():
         raise CacheError(f"{cache_dir} is a file, not a folder: a cache needs a folder of its own; pass "
@@ -119,6 +127,7 @@ def populate(texts, cache_dir: str | Path, image_size: int = 224, shard_mb: floa
         _preflight(cache_dir, plan)  # before anything is written or cleared
         warn_many_files(plan.n_shards + 1, cache_dir, shard_mb)
         manifest = _open_manifest(cache_dir, scan, layout, source, overwrite)
+        manifest["coverage"] = found.as_dict()
         _remove_temporaries(cache_dir)
         workers = resolve_workers(workers)
 
@@ -145,7 +154,23 @@ def populate(texts, cache_dir: str | Path, image_size: int = 224, shard_mb: floa
             images_rendered=done - start + sum(s["count"] for s in repaired),
             seconds=time.perf_counter() - started, render_seconds=time.perf_counter() - render_started,
             bytes_on_disk=cache_bytes_on_disk(cache_dir), predicted_bytes=plan.predicted_bytes,
-            workers=workers, shards_repaired=len(repaired))
+            workers=workers, shards_repaired=len(repaired), coverage=found)
+
+
+def check_coverage(texts: Iterable[str], params: RenderParams, strict: bool = False) -> Coverage:
+    """The font chain's coverage of `texts`; warns past COVERAGE_WARN missing, or refuses if `strict`."""
+    found = coverage(texts, params)
+    if found.missing_share > COVERAGE_WARN:
+        by_script = ", ".join(f"{script} {found.missing_share_of(script):.0%}" for script in found.characters
+                              if found.missing.get(script))
+        message = (f"{found.missing_share:.1%} of the characters ({found.total_missing:,} of "
+                   f"{found.total_characters:,}) have no glyph in the font chain and would draw as boxes "
+                   f"(missing by script: {by_script}); set NBLIB_CJK_FONT to a full CJK font or add a font "
+                   f"for the script (data/fonts/README.md)")
+        if strict:
+            raise InputError(message + ", or drop --strict-fonts to build the cache anyway")
+        warnings.warn(message, stacklevel=3)
+    return found
 
 
 def cache_lock(cache_dir: str | Path) -> FolderLock:

@@ -23,6 +23,7 @@ from nblib.atomic import TMP_PREFIX, AtomicWriter, WrittenFile, npy_header, sha2
 from nblib.encode.protocols import PartRecord, PartStore, require_part_store
 from nblib.encode.run import RUN_KIND, RUN_VERSION, open_store, read_run_manifest, refuse_if_changed
 from nblib.errors import BudgetExceeded, DriveError, ManifestDamaged, StateError
+from nblib.lock import FolderLock, run_identity
 from nblib.manifest import read_manifest, write_manifest
 from nblib.units import fmt_bytes_pair
 
@@ -33,30 +34,36 @@ INDEX_VERSION = 2                 # layout 1 (plain JSON) is read as damaged and
 
 def consolidate(run_dir: str | Path, out_dir: str | Path | None = None, *, store: PartStore | None = None,
                 mirror_dir: str | Path | None = None, verify: bool = False,
-                check_space: bool = True) -> dict[str, Path]:
+                check_space: bool = True, lock: FolderLock | None = None) -> dict[str, Path]:
     """Write one `.npy` per output in sample order, plus an index; output name -> path.
 
     A second call with nothing new returns the existing files after a stat check (`verify=True`:
     a sha256 check) of each against the index; a file that differs is rebuilt. `check_space=False`
     skips the free-space check (for a file system whose free figure is wrong); a full disk then
-    raises OSError(ENOSPC) and the files already there stay as they were.
+    raises OSError(ENOSPC) and the files already there stay as they were. `out_dir` is locked
+    (`nblib.lock`) while it is written, unless the caller passes the `lock` it holds on it.
     """
     run_dir = Path(run_dir)
     out_dir = Path(out_dir) if out_dir is not None else run_dir
+    held = contextlib.nullcontext(lock) if lock is not None else \
+        FolderLock(out_dir, identity=run_identity("nblib.encode.consolidate"), what="run folder",
+                   hint="consolidate into another out_dir", read_only_ok=True)
     own_store = store is None
-    store = open_store(run_dir, mirror_dir) if own_store else require_part_store(store)
-    try:
-        manifest, read_part, parts = _readable_parts(store, run_dir)
-        _require_parts_of_this_run(manifest, parts, store.local_dir)
-        record = _index_record(out_dir)
-        index = record.body if record is not None and _describes(record.body, manifest) else None
-        stale, touched = _stale_outputs(index, manifest["outputs"], out_dir, verify)
-        if stale or touched or index is None:
-            _write_outputs(read_part, manifest, parts, out_dir, stale, index,
-                           seq=record.seq + 1 if record is not None else 0, check_space=check_space)
-    finally:
-        if own_store:
-            store.close()
+    with held as out_lock:
+        store = open_store(run_dir, mirror_dir) if own_store else require_part_store(store)
+        try:
+            manifest, read_part, parts = _readable_parts(store, run_dir)
+            _require_parts_of_this_run(manifest, parts, store.local_dir)
+            record = _index_record(out_dir)
+            index = record.body if record is not None and _describes(record.body, manifest) else None
+            stale, touched = _stale_outputs(index, manifest["outputs"], out_dir, verify)
+            if stale or touched or index is None:
+                out_lock.check()
+                _write_outputs(read_part, manifest, parts, out_dir, stale, index,
+                               seq=record.seq + 1 if record is not None else 0, check_space=check_space)
+        finally:
+            if own_store:
+                store.close()
     return {o: out_dir / f"{o}.npy" for o in manifest["outputs"]}
 
 

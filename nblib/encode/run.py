@@ -6,7 +6,9 @@ run manifest records the parts, the samples done and fingerprints of the setting
 and the cache. A rerun encodes only the parts that are not durable, and refuses when a
 fingerprint changed rather than mixing outputs. Same batches and threads give the same bytes, so
 a resumed run equals an uninterrupted one. Trade-off: a kill loses at most one part of work;
-smaller parts lose less but write more files. torch is imported when a run starts, not here.
+smaller parts lose less but write more files. A run holds its folder's lock (`nblib.lock`), so a
+second run on the same --out is refused instead of mixing parts. torch is imported when a run
+starts, not here.
 """
 from __future__ import annotations
 
@@ -21,13 +23,17 @@ import numpy as np
 from nblib import budget
 from nblib.atomic import sha256_json
 from nblib.config import PipelineConfig
+from nblib.encode.distributed import SINGLE, World, require_all_parts
 from nblib.encode.protocols import ImageSource, PartStore, require_image_source, require_part_store
-from nblib.errors import CacheError, ConfigError, DriveError, ResumeMismatch, StateError
+from nblib.errors import BudgetExceeded, CacheError, ConfigError, DriveError, NblibError, ResumeMismatch, StateError
+from nblib.lock import FolderLock, run_identity
+from nblib.units import fmt_bytes, fmt_bytes_pair
 
 RUN_KIND = "nblib.encode.run"     # the run manifest's and every part meta's "kind"
 RUN_VERSION = 2                   # layout 1 (before nblib 0.2) is refused: encode into a new folder
 PARTS_FOLDER = "parts"
 OFFLOAD_MODES = ("async", "consolidate")
+DISK_BLOCK = 4096                 # the preflight rounds each file up to whole blocks of this size
 
 
 # ------------------------------------------------------------------------------ the run's plan
@@ -117,25 +123,31 @@ def encode(cache: ImageSource, run_dir: str | Path, config: PipelineConfig, devi
            outputs: tuple[str, ...] | None = None, out_dtype: str | None = None,
            mirror_dir: str | Path | None = None, progress: bool = True, offload: str = "async",
            weights: str | Path | None = None, preflight: bool = True, workspace=None,
-           do_consolidate: bool = True, store: PartStore | None = None) -> EncodeReport:
+           do_consolidate: bool = True, store: PartStore | None = None,
+           world: World | None = None) -> EncodeReport:
     """Encode every image of `cache` into parts under `run_dir`, resuming what is durable.
 
     `outputs` / `out_dtype` override the config's; `weights` loads trained weights (default: the
     seeded initialization); `offload` is "async" (per-batch copies to pinned host buffers) or
     "consolidate" (keep `consolidate_every` batches on the GPU, then one copy). A `store` given
-    is used as it is and left open; otherwise one is opened on run_dir/parts and closed.
+    is used as it is and left open; otherwise one is opened on run_dir/parts and closed. The run
+    holds the run folder's lock (`run_lock`) throughout: a second run on it gets FolderBusyError.
+    `world` (`nblib.encode.distributed.join()`) makes this process one rank or shard of several:
+    it encodes its share of the parts, and only the consolidating one merges them.
     """
-    import torch
-
     from nblib.encode.consolidate import consolidate
 
-    run_dir = Path(run_dir)
+    world = world if world is not None else SINGLE
+
+    run_dir = _require_folder(Path(run_dir), "run folder (--out)")
+    if mirror_dir is not None:
+        _require_folder(Path(mirror_dir), "mirror folder (--mirror)")
     cache = require_image_source(cache)
     config = _effective_config(config, len(cache), outputs, out_dtype)
     if offload not in OFFLOAD_MODES:
         raise ConfigError(f"offload={offload!r} is unknown; choose one of {OFFLOAD_MODES}")
     _require_usable_cache(cache, config)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(device)
     if device.type == "cpu":
         # the budget's RAM lines count live buffers; without this glibc keeps freed activations
         # resident and a CPU run peaks 1.5-1.8x above them (see measure.pin_malloc_mmap_threshold)
@@ -146,25 +158,35 @@ def encode(cache: ImageSource, run_dir: str | Path, config: PipelineConfig, devi
     plan = plan_run(config, len(cache))
     fingerprints = {"settings": sha256_json(settings_of(config, plan.n_samples)),
                     "weights": encoder.weights_fingerprint(), "cache": cache.fingerprint}
-    own_store = store is None
-    store = open_store(run_dir, mirror_dir) if own_store else require_part_store(store)
-    manifest = _resume_manifest(store, config, plan, fingerprints)
-    missing = [k for k in range(plan.n_parts) if plan.part_name(k) not in manifest["parts"]]
-    resumed_at = plan.part_range(missing[0])[0] if missing else plan.n_samples
-    if missing and preflight:
-        _preflight(config, workspace, run_dir, mirror_dir)
+    with run_lock(run_dir, fingerprints, world.rank, world.lock_environ) as lock:   # another run is refused
+        own_store = store is None
+        store = open_store(run_dir, mirror_dir) if own_store else require_part_store(store)
+        store = world.part_store(store, run_dir, plan.n_parts, mirror_dir)   # ranks: no manifest writes
+        manifest = _resume_manifest(store, config, plan, fingerprints)
+        pending = [k for k in range(plan.n_parts) if plan.part_name(k) not in manifest["parts"]]
+        resumed_at = plan.part_range(pending[0])[0] if pending else plan.n_samples
+        missing = world.assign(pending, plan.n_parts, store, fingerprints)   # this process's share
+        if missing and preflight:
+            _preflight(config, workspace, run_dir, mirror_dir, plan, pending, do_consolidate)
+            world.preflight(config, str(device))
 
-    started = time.perf_counter()
-    timeline: list[tuple[float, int]] = []
-    write_seconds = 0.0
-    if missing:
-        encoder.to(device).eval()
-        timeline, write_seconds = _encode_parts(cache, encoder, store, manifest, plan, missing,
-                                                config, device, offload, progress)
-    seconds = time.perf_counter() - started
-    encoded = sum(plan.part_range(k)[1] - plan.part_range(k)[0] for k in missing)
-    paths = consolidate(run_dir, store=store) if do_consolidate else {}
-    mirrored = store.close() if own_store else None  # waits for the mirror; warns if it is failing
+        started = time.perf_counter()
+        timeline: list[tuple[float, int]] = []
+        write_seconds = 0.0
+        if missing:
+            encoder.to(device).eval()
+            with world.progress(run_dir, plan.n_parts, progress):   # one bar over all ranks' parts
+                timeline, write_seconds = _encode_parts(cache, encoder, store, manifest, plan, missing, config,
+                                                        device, offload, progress and not world.distributed, lock)
+        seconds = time.perf_counter() - started
+        encoded = sum(plan.part_range(k)[1] - plan.part_range(k)[0] for k in missing)
+        world.barrier("the end, once every rank has written its parts")
+        consolidating = do_consolidate and world.consolidates
+        if consolidating and world.distributed:   # ranks never write the manifest: rebuilt from the parts
+            manifest = _resume_manifest(store.inner, config, plan, fingerprints)
+            require_all_parts(run_dir, manifest["parts"], plan.n_parts)
+        paths = consolidate(run_dir, store=store, lock=lock) if consolidating else {}
+        mirrored = store.close() if own_store else None  # waits for the mirror; warns if it is failing
     return EncodeReport(
         run_dir=run_dir, n_samples=plan.n_samples, parts_total=plan.n_parts,
         parts_encoded=len(missing), resumed_at=resumed_at if resumed_at < plan.n_samples else 0,
@@ -174,11 +196,64 @@ def encode(cache: ImageSource, run_dir: str | Path, config: PipelineConfig, devi
 
 
 def load_encoder(config: PipelineConfig, weights: str | Path | None = None):
-    """The seeded encoder of a config, with trained weights loaded when a path is given."""
+    """The seeded encoder of a config, with trained weights loaded when a path is given.
+
+    ConfigError when `weights` is missing, a folder, or not a file `save_weights` wrote.
+    """
     from nblib.trm import TRMVisionEncoder
 
     encoder = TRMVisionEncoder(config, seed=config.run.seed)
-    return encoder.load_weights(weights) if weights is not None else encoder
+    if weights is None:
+        return encoder
+    path = Path(weights)
+    if not path.is_file():
+        what = "is a folder" if path.is_dir() else "does not exist"
+        raise ConfigError(f"weights {path} {what}: pass the file TRMVisionEncoder.save_weights wrote, "
+                          f"or leave weights out (no --weights) to encode with the seeded initial weights")
+    try:
+        return encoder.load_weights(path)
+    except (NblibError, OSError):
+        raise
+    except Exception as exc:  # torch.load fails on garbage with many types: unpickling, zip, key, index
+        raise ConfigError(f"weights {path} ({path.stat().st_size:,} bytes) is not a file that "
+                          f"TRMVisionEncoder.save_weights wrote ({type(exc).__name__} reading it); pass such "
+                          f"a file, or leave weights out to use the seeded initial weights") from exc
+
+
+def resolve_device(name: str | None):
+    """The torch.device to encode on: cuda when available for None; ConfigError for one this build lacks."""
+    import torch
+
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError, ValueError):
+        raise ConfigError(f"device {name!r} is not one torch knows; encode runs on cpu or cuda "
+                          f"(cuda:N for the N-th GPU)") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device {name!r}: encode runs on cpu or cuda only (cuda:N for the N-th GPU)")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            why = ("this torch build has no CUDA (torch " + torch.__version__ + ")"
+                   if torch.version.cuda is None else "no CUDA GPU is visible to this process")
+            raise ConfigError(f"device {name!r} asked for, but {why}; use --device cpu, or run on a "
+                              f"GPU runtime with a CUDA build of torch")
+        if device.index is not None and device.index >= count:
+            raise ConfigError(f"device {name!r} asked for, but this machine has {count} CUDA GPU(s) "
+                              f"(cuda:0 to cuda:{count - 1})")
+    return device
+
+
+def run_lock(run_dir: str | Path, fingerprints: dict, rank: int = 0, environ: dict | None = None) -> FolderLock:
+    """The lock a run's rank holds on its run folder: ranks of one launch share it (`nblib.lock`).
+
+    Its identity is the run's fingerprints plus the launch (torchrun's run id and rendezvous
+    address, else this process): another launch, or a run of other settings, is refused.
+    """
+    return FolderLock(run_dir, identity=run_identity(f"nblib.encode:{sha256_json(fingerprints)[:16]}", environ),
+                      rank=rank, what="run folder", hint="encode into another --out")
 
 
 def open_store(run_dir: str | Path, mirror_dir: str | Path | None = None) -> PartStore:
@@ -305,6 +380,17 @@ def _resume_manifest(store: PartStore, config: PipelineConfig, plan: RunPlan, fi
     return fresh
 
 
+def _require_folder(folder: Path, what: str) -> Path:
+    """`folder`, unless it (or a parent) is a file: ConfigError naming it (a run needs a folder)."""
+    for path in (folder, *folder.parents):
+        if path.exists():
+            if not path.is_dir():
+                raise ConfigError(f"the {what} {folder} cannot be made: {path} is a file, not a folder; "
+                                  f"pass another folder (or move that file away) and rerun")
+            break
+    return folder
+
+
 def _setting_diffs(old: dict, new: dict) -> list[str]:
     """'key: old -> new' for every setting that differs (model fields as model.<field>)."""
     diffs = []
@@ -317,20 +403,63 @@ def _setting_diffs(old: dict, new: dict) -> list[str]:
     return diffs
 
 
-def _preflight(config: PipelineConfig, workspace, run_dir: Path, mirror_dir) -> None:
-    """The budget's preflight before the first batch: RAM, VRAM, and the disks of run and mirror.
+def _preflight(config: PipelineConfig, workspace, run_dir: Path, mirror_dir, plan: RunPlan,
+               missing: list[int], do_consolidate: bool) -> None:
+    """The budget's preflight before the first batch: RAM and VRAM, then each disk written.
 
-    Without a workspace, staging is the run folder and the durable side is the mirror (or the
-    run folder when there is none). The device preset is the budget's default (t4 with CUDA).
+    The disks are checked here, with what this run writes to each (`disk_needs`): the parts
+    still missing, the consolidated outputs, the mirror's copies. The image cache, already
+    complete, takes nothing more. The device preset is the budget's default (t4 with CUDA).
     """
-    if workspace is None:
-        from nblib.env import Workspace
+    from nblib.env import Workspace
 
-        run_dir.mkdir(parents=True, exist_ok=True)
-        durable = Path(mirror_dir) if mirror_dir is not None else run_dir
-        workspace = Workspace(drive=durable, cache=durable, runs=durable, checkpoints=durable,
+    if workspace is None:
+        workspace = Workspace(drive=run_dir, cache=run_dir, runs=run_dir, checkpoints=run_dir,
                               local=run_dir, staging=run_dir, figures=run_dir)
-    budget.preflight(config, workspace, job="encode")
+    budget.preflight(config, workspace, job="encode", disk_bytes=0, disk_folder=run_dir)  # RAM, VRAM
+    check_disks(disk_needs(config, run_dir, mirror_dir, plan, missing, do_consolidate))
+
+
+def disk_needs(config: PipelineConfig, run_dir: Path, mirror_dir, plan: RunPlan, missing: list[int],
+               do_consolidate: bool = True) -> dict[str, tuple[Path, int]]:
+    """What the rest of a run writes, by item: name -> (folder it lands in, bytes).
+
+    Each file is rounded up to whole 4 KiB blocks (part.json and headers included), so a disk
+    of many small parts is not under-counted.
+    """
+    per_image = budget.output_bytes_per_image(config)
+    outputs = len(config.run.outputs)
+    left = sum(plan.part_range(k)[1] - plan.part_range(k)[0] for k in missing)
+    parts = left * per_image + len(missing) * (outputs + 1) * DISK_BLOCK
+    needs = {"parts still to encode": (run_dir, parts)}
+    if do_consolidate:
+        needs["consolidated outputs"] = (run_dir, plan.n_samples * per_image + (outputs + 1) * DISK_BLOCK)
+    if mirror_dir is not None:
+        needs["mirrored parts"] = (Path(mirror_dir), parts)
+    return needs
+
+
+def check_disks(needs: dict[str, tuple[Path, int]]) -> None:
+    """BudgetExceeded naming the disk, the items on it, needed and free bytes, when one does not fit.
+
+    Items on one file system (the same st_dev) are added up; a disk nothing lands on is not
+    charged at all.
+    """
+    from nblib.measure import disk_free, existing_parent
+
+    by_disk: dict[int, list[tuple[str, Path, int]]] = {}
+    for item, (folder, nbytes) in needs.items():
+        by_disk.setdefault(existing_parent(folder).stat().st_dev, []).append((item, folder, nbytes))
+    for items in by_disk.values():
+        need, folder = sum(n for _, _, n in items), items[0][1]
+        free = disk_free(folder)
+        if need > free:
+            need_s, free_s = fmt_bytes_pair(need, free)
+            what = " + ".join(f"{item} {fmt_bytes(n)} in {f}" for item, f, n in items)
+            raise BudgetExceeded(
+                f"the encode run needs {need_s} ({need:,} bytes) on the disk of {existing_parent(folder)} "
+                f"but only {free_s} ({free:,} bytes) is free there ({what}); free space, put --out or "
+                f"--mirror on a larger disk, keep fewer --outputs or use --dtype float16")
 
 
 # ------------------------------------------------------------------------------ helpers: the loop
@@ -338,19 +467,24 @@ def _preflight(config: PipelineConfig, workspace, run_dir: Path, mirror_dir) -> 
 
 def _encode_parts(cache: ImageSource, encoder, store: PartStore, manifest: dict, plan: RunPlan,
                   missing: list[int], config: PipelineConfig, device, offload: str,
-                  progress: bool) -> tuple[list[tuple[float, int]], float]:
-    """Encode the missing parts in order, each written then listed: (timeline, seconds writing)."""
+                  progress: bool, lock: FolderLock) -> tuple[list[tuple[float, int]], float]:
+    """Encode the missing parts in order, each written then listed: (timeline, seconds writing).
+
+    Buffers hold at most the run's samples (a batch size above the cache's length costs no
+    more); running out of RAM or VRAM anyway stops with BudgetExceeded, not a traceback.
+    """
     from nblib.encode.offload import HostPart, batch_loader
 
     batches = [b for k in missing for b in plan.part_batches(k)]
     loader = iter(batch_loader(cache, batches, config.run.workers, config.run.prefetch,
                                pin_memory=device.type == "cuda"))
     shapes = {o: tuple(manifest["shapes"][o]) for o in manifest["outputs"]}
-    host = HostPart(shapes, plan.part_samples, config.run.out_dtype, device, offload,
-                    config.run.consolidate_every)
     bar = _progress_bar(plan, manifest, progress)
+    shards = VerifiedShards(cache)
     started, encoded, timeline, writing = time.perf_counter(), 0, [], 0.0
     try:
+        host = HostPart(shapes, min(plan.part_samples, plan.n_samples), config.run.out_dtype, device,
+                        offload, config.run.consolidate_every)
         for k in missing:
             start, stop = plan.part_range(k)
             for b_start, b_stop in plan.part_batches(k):
@@ -361,12 +495,69 @@ def _encode_parts(cache: ImageSource, encoder, store: PartStore, manifest: dict,
                 bar.update(b_stop - b_start)
             arrays = host.arrays(stop - start)          # waits for the last copy to land
             write_started = time.perf_counter()
+            lock.check()                                # still ours: no other run took the folder
+            shards.require(start, stop)                 # never a part from a shard that is not the manifest's
             _write_part(store, manifest, plan, k, arrays)
             writing += time.perf_counter() - write_started
             bar.set_postfix(_postfix(store, manifest, plan, device), refresh=True)
+    except (MemoryError, RuntimeError) as exc:
+        if not _out_of_memory(exc):
+            raise
+        batch = min(plan.batch_size, plan.n_samples)
+        raise BudgetExceeded(
+            f"out of {'GPU ' if device.type == 'cuda' else ''}memory encoding batches of {batch:,} "
+            f"samples (batch_size {plan.batch_size:,}) on {device}: {_first_line(exc)}; lower "
+            f"--batch-size, or run without --no-preflight to see the predicted peak first. "
+            f"Finished parts are kept: rerun to resume") from exc
     finally:
         bar.close()
     return timeline, writing
+
+
+class VerifiedShards:
+    """Hashes each cache shard once, before the first part that holds any of its images is written.
+
+    The cache reader hashes a shard only when one process reads it in order, and raises at its
+    last image, after earlier batches of it were encoded; with loader workers it cannot hash at
+    all. Checking here means no part is ever made durable from shard bytes that are not the
+    manifest's (a same-size edit that kept the mtime included). Cost: each shard file is read
+    once more, usually from the page cache the loader just filled. Sources without shard files
+    (in-memory arrays) have nothing to check.
+    """
+
+    def __init__(self, cache: ImageSource):
+        from nblib.cache import ShardedImageCache
+
+        sharded = isinstance(cache, ShardedImageCache)
+        self.folder = cache.cache_dir if sharded else None
+        self.entries = cache.manifest["shards"] if sharded else []
+        self.verified: set[int] = set()
+
+    def require(self, start: int, stop: int) -> None:
+        """CacheError naming the shard (and the repair) unless every shard holding [start, stop) matches."""
+        from nblib.cache.format import DAMAGED, damaged_error, shard_state
+
+        for i, entry in enumerate(self.entries):
+            if i in self.verified or entry["stop"] <= start or entry["start"] >= stop:
+                continue
+            state = shard_state(self.folder, entry, full=True)
+            if state in DAMAGED:
+                why = {"missing": "missing", "truncated": "of another size than the manifest records",
+                       "corrupt": "not the shard the manifest records (its sha256 differs)"}[state]
+                raise damaged_error(self.folder, entry["file"], why + "; nothing was encoded from it")
+            self.verified.add(i)
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """True for a failed allocation: MemoryError, torch's OutOfMemoryError, or its allocator's error."""
+    text = str(exc)
+    return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError" or \
+        "can't allocate memory" in text or "out of memory" in text.lower()
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0][:300] if lines else type(exc).__name__
 
 
 def _write_part(store: PartStore, manifest: dict, plan: RunPlan, k: int, arrays: dict[str, np.ndarray]) -> None:
@@ -389,6 +580,9 @@ def _progress_bar(plan: RunPlan, manifest: dict, enabled: bool):
 
 def _postfix(store: PartStore, manifest: dict, plan: RunPlan, device) -> dict:
     post = {"parts": f"{len(manifest['parts'])}/{plan.n_parts}", "mirror_lag": store.mirror_lag}
+    status = store.mirror_status() if hasattr(store, "mirror_status") else None
+    if status is not None and status.failing:   # the warning says what to do; the bar says it goes on
+        post["mirror"] = "paused: re-authorize Drive" if status.paused else "failing, retrying"
     if device.type == "cuda":
         import torch
 

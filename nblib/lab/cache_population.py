@@ -16,6 +16,19 @@ from nblib.cache import PopulateSummary, ShardedImageCache, populate, read_cache
 from nblib.errors import CacheError
 
 
+def texts_sharing_an_image(texts: Sequence[str], image_size: int) -> list[list[str]]:
+    """Groups of distinct texts whose rendered images are byte-identical (what the encoder cannot tell apart)."""
+    import hashlib
+
+    from nblib.render import render_text
+
+    by_image: dict[str, list[str]] = {}
+    for text in dict.fromkeys(texts):
+        digest = hashlib.sha256(render_text(text, image_size).tobytes()).hexdigest()
+        by_image.setdefault(digest, []).append(text)
+    return [group for group in by_image.values() if len(group) > 1]
+
+
 def worker_scaling(texts, worker_counts: Sequence[int], folder: str | Path, image_size: int = 224,
                    shard_mb: float = 400, codec: str = "raw") -> list[PopulateSummary]:
     """Populate the same texts once per worker count into fresh subfolders; their summaries."""

@@ -5,7 +5,9 @@ bytes = fixed + buffer x bytes per element, extrapolates the reference's checkpo
 (nblib.reference.CHECKPOINT_TABLE), and compares the measured peak disk with nblib.budget's
 model (`checkpoint_disk_peak`) and with the reference's claim; every verdict is computed from a
 tolerance. Also: which tf.data ops keep a checkpoint small, the resumable shuffles' JSON state,
-an exact-resume proof, shuffle quality against buffer size, and throughput.
+an exact-resume proof, TensorFlow's own buffer-free shuffles (index_shuffle, the private global
+shuffle) measured beside Dataset.shuffle and nblib's in one table, shuffle quality against buffer
+size, and throughput.
 """
 from __future__ import annotations
 
@@ -21,9 +23,14 @@ from nblib import budget
 from nblib.errors import ConfigError
 from nblib.reference import CHECKPOINT_TABLE, COLAB
 from nblib.tfdata import (
+    GLOBAL_SHUFFLE_SINCE,
+    SHUFFLE_METHODS,
+    TF_GLOBAL_SHUFFLE,
+    TF_SHUFFLE,
     CheckpointRow,
     PipelineSpec,
     folder_bytes,
+    global_shuffle_op,
     index_dataset,
     make_shuffle,
     measure_iterator_checkpoint,
@@ -32,6 +39,7 @@ from nblib.tfdata import (
     resumable_shuffle_pipeline,
     same_element,
     sample_at,
+    shuffle_pipeline,
     source_dataset,
     tensorflow,
     tf_shuffle_order,
@@ -39,7 +47,6 @@ from nblib.tfdata import (
 from nblib.units import GB, MB, GiB, fmt_bytes
 
 TOLERANCE = 0.10
-TF_SHUFFLE = "tf.data shuffle"
 REFERENCE_BUFFERS = CHECKPOINT_TABLE["shuffle buffers"].value
 REFERENCE_SAMPLE_BYTES = CHECKPOINT_TABLE["sample size"].value
 REFERENCE_TEMP_FACTOR = CHECKPOINT_TABLE["temporary space during a save"].value
@@ -455,6 +462,105 @@ def resume_proof(spec: PipelineSpec, folder, *, algorithm: str = "buffer", cut_a
     return ResumeProof(algorithm, cut_after, len(got), identical, tuple(first), folder_bytes(folder))
 
 
+# ------------------------------------------------------------- tf.data's own shuffles, beside ours
+
+
+@dataclass(frozen=True)
+class BuiltinRow:
+    """One shuffle in the reference pipeline: checkpoint bytes, exact resume, throughput, what it needs."""
+
+    method: str                    # a name of tfdata.SHUFFLE_METHODS
+    buffer_size: int               # Dataset.shuffle's and ResumableShuffleBuffer's buffer (others: none)
+    n_samples: int
+    plain_bytes: int               # tf.train.Checkpoint of the iterator after `cut_after` batches
+    symbolic_bytes: int            # the same with options.experimental_symbolic_checkpoint = True
+    exact_plain: bool              # the next batches after a restore equal the uninterrupted run's
+    exact_symbolic: bool
+    samples_per_s: float           # one full pass over the pipeline (symbolic), samples and pixels
+    same_order_in_numpy: bool | None  # TF's order == nblib.shuffle.full_order (None: no numpy twin)
+    skipped: str = ""              # why the method was not measured (e.g. missing in this TensorFlow)
+
+    @property
+    def needs(self) -> str:
+        """What the method needs, in words."""
+        m = SHUFFLE_METHODS[self.method]
+        needs = [("random access" + (" in every op before it" if self.method == TF_GLOBAL_SHUFFLE else ""))
+                 if m.random_access else "any stream", "known size" if m.known_size else "",
+                 f"TF >= {m.since_tf}" if m.since_tf != "any" else "", "" if m.public else "private API",
+                 f"{self.buffer_size:,} samples in RAM" if self.method == TF_SHUFFLE else ""]
+        return ", ".join(n for n in needs if n)
+
+
+def compare_shuffles(spec: PipelineSpec, folder, *, cut_after: int = 5, compared: int = 20,
+                     methods=tuple(SHUFFLE_METHODS)) -> list[BuiltinRow]:
+    """Every shuffle method on the same pipeline: checkpoint bytes (plain, symbolic), exact resume, throughput.
+
+    For each method and each symbolic flag: iterate `cut_after` batches, write a
+    `tf.train.Checkpoint` of the iterator, restore it into a freshly built pipeline and compare
+    the next `compared` batches (indices and pixels) with an uninterrupted run's. Then one timed
+    pass over the whole pipeline (warm: after the round trips). The private global shuffle is
+    skipped, with a note, where this TensorFlow lacks it.
+    """
+    folder = Path(folder)
+    rows = []
+    for method in methods:
+        if method == TF_GLOBAL_SHUFFLE and global_shuffle_op() is None:
+            rows.append(BuiltinRow(method, spec.buffer_size, spec.n_samples, 0, 0, False, False, float("nan"), None,
+                                   f"skipped: TensorFlow {tensorflow().__version__} has no global_shuffle_op."
+                                   f"_global_shuffle (added in {GLOBAL_SHUFFLE_SINCE})"))
+            continue
+        uninterrupted = [e for _, e in zip(range(cut_after + compared), iter(shuffle_pipeline(spec, method)))]
+        plain, symbolic = (_checkpoint_round_trip(replace(spec, symbolic=flag), method, folder, cut_after,
+                                                  uninterrupted[cut_after:]) for flag in (False, True))
+        seconds, order = _timed_pass(replace(spec, symbolic=True), method)
+        rows.append(BuiltinRow(method, spec.buffer_size, spec.n_samples, plain[0], symbolic[0], plain[1],
+                               symbolic[1], spec.n_samples / seconds, _same_order_in_numpy(spec, method, order)))
+    shutil.rmtree(folder, ignore_errors=True)
+    return rows
+
+
+def builtins_table(rows) -> str:
+    """The shuffles side by side: checkpoint bytes, exact resume, samples/s, order in numpy, needs."""
+    lines = [f"{'shuffle':<24} {'plain ckpt':>10} {'symbolic':>9} {'exact':>11} {'samples/s':>10} "
+             f"{'numpy order':>11}  needs"]
+    for r in rows:
+        if r.skipped:
+            lines.append(f"{r.method:<24} {r.skipped}")
+            continue
+        same = "-" if r.same_order_in_numpy is None else str(r.same_order_in_numpy)
+        lines.append(f"{r.method:<24} {_b(r.plain_bytes):>10} {_b(r.symbolic_bytes):>9} "
+                     f"{f'{r.exact_plain}/{r.exact_symbolic}':>11} {r.samples_per_s:>10,.0f} {same:>11}  {r.needs}")
+    return "\n".join(lines)
+
+
+def builtins_conclusion(rows) -> str:
+    """What the table says, computed: which shuffles checkpoint small and resume exactly, and how fast."""
+    measured = [r for r in rows if not r.skipped]
+    by = {r.method: r for r in measured}
+    tf_row = by.get(TF_SHUFFLE)
+    small = [r for r in measured if r.method != TF_SHUFFLE]
+    lines = []
+    if tf_row:
+        lines.append(f"Dataset.shuffle's symbolic checkpoint is {_b(tf_row.symbolic_bytes)} for a buffer of "
+                     f"{tf_row.buffer_size:,} ({tf_row.symbolic_bytes / max(1, tf_row.buffer_size):,.0f} B per "
+                     "buffered sample): the buffer.")
+    if small:
+        lines.append(f"Every buffer-free shuffle checkpoints in <= {_b(max(r.symbolic_bytes for r in small))} "
+                     f"symbolic ({', '.join(r.method for r in small)}).")
+    exact = [r.method for r in measured if r.exact_plain and r.exact_symbolic]
+    lines.append(f"Exact resume (plain and symbolic): {len(exact)} of {len(measured)}"
+                 + (f"; not: {', '.join(r.method for r in measured if r.method not in exact)}"
+                    if len(exact) < len(measured) else "") + ".")
+    if tf_row:
+        lines.append("Throughput vs Dataset.shuffle: " + ", ".join(
+            f"{r.method} {r.samples_per_s / tf_row.samples_per_s:.2f}x" for r in small) + ".")
+    twins = [r.method for r in measured if r.same_order_in_numpy]
+    lines.append(f"Same order in numpy (and torch, nblib.shuffle): {', '.join(twins) or 'none'}; "
+                 "TensorFlow's own orders exist only in TF.")
+    lines.extend(f"{r.method}: {r.skipped}" for r in rows if r.skipped)
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------- shuffle quality
 
 
@@ -624,6 +730,45 @@ def describe_setting(numbers: dict) -> str:
 
 
 # ---------------------------------------------------------------------------------- helpers
+
+
+def _checkpoint_round_trip(spec: PipelineSpec, method: str, folder: Path, cut_after: int,
+                           expected: list) -> tuple[int, bool]:
+    """(checkpoint bytes, exact resume) of `method` cut after `cut_after` batches; `expected`: what follows."""
+    tf = tensorflow()
+    where = folder / f"{method.replace(' ', '_').replace('(', '').replace(')', '')}-s{int(spec.symbolic)}"
+    shutil.rmtree(where, ignore_errors=True)
+    iterator = iter(shuffle_pipeline(spec, method))
+    for _ in range(cut_after):
+        next(iterator)
+    path = tf.train.Checkpoint(iterator=iterator).write(str(where / "ckpt"))
+    size = folder_bytes(where)
+    del iterator
+    fresh = iter(shuffle_pipeline(spec, method))
+    tf.train.Checkpoint(iterator=fresh).read(path).expect_partial()
+    resumed = [e for _, e in zip(range(len(expected)), fresh)]
+    exact = len(resumed) == len(expected) and all(same_element(a, b) for a, b in zip(expected, resumed))
+    shutil.rmtree(where, ignore_errors=True)
+    return size, exact
+
+
+def _timed_pass(spec: PipelineSpec, method: str) -> tuple[float, np.ndarray]:
+    """Seconds of one full pass (construction not timed) and the order of the indices it yielded."""
+    ds = shuffle_pipeline(spec, method)
+    t0 = time.perf_counter()
+    order = [np.asarray(e["index"]).reshape(-1) for e in ds]
+    return time.perf_counter() - t0, np.concatenate(order)
+
+
+def _same_order_in_numpy(spec: PipelineSpec, method: str, order: np.ndarray) -> bool | None:
+    """nblib's shuffles: TF's order == numpy's (`shuffle.full_order`); TensorFlow's own: None."""
+    from nblib import shuffle
+
+    if not SHUFFLE_METHODS[method].same_order_outside_tf:
+        return None
+    algorithm = method.removeprefix("resumable (").removesuffix(")")
+    numpy_order = shuffle.full_order(make_shuffle(spec.n_samples, spec.buffer_size, spec.seed, algorithm))
+    return bool(np.array_equal(order, numpy_order))
 
 
 def _tf_rows(rows) -> list[CheckpointRow]:

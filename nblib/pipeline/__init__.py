@@ -18,9 +18,10 @@ from nblib.pipeline.harness import (
     measure_pipeline,
 )
 from nblib.pipeline.recommend import Recommendation, knob_effects, recommend
-from nblib.pipeline.sweep import SweepTable, knob_names, plan_configs, sweep
+from nblib.pipeline.sweep import SweepTable, knob_names, knob_text, plan_configs, sweep
 
 __all__ = [
     "REPORT_FIELDS", "ComputeStandIn", "EmptyPipelineError", "PipelineReport", "Recommendation", "SweepTable",
-    "batch_size_of", "knob_effects", "knob_names", "measure_pipeline", "plan_configs", "recommend", "sweep",
+    "batch_size_of", "knob_effects", "knob_names", "knob_text", "measure_pipeline", "plan_configs", "recommend",
+    "sweep",
 ]

@@ -17,7 +17,7 @@ import numpy as np
 from nblib.errors import ConfigError
 
 AUTOTUNE = -1
-MIXING_STRATEGIES = ("single", "sample_from_datasets", "global_budget")
+MIXING_STRATEGIES = ("single", "sample_from_datasets", "interleave")
 
 
 @dataclass(frozen=True)
@@ -68,41 +68,41 @@ def tf_pipeline(sources: EncodedSources, batch_size: int = 32, prefetch: int = 2
     """The swept pipeline: interleave(cycle_length) -> decode(num_parallel_calls) -> shuffle -> batch -> prefetch."""
     _check_knobs(batch_size, prefetch, num_parallel_calls, cycle_length, shuffle_buffer)
     tf = _tf()
-    parallel = _parallel(num_parallel_calls, tf)
-    order = {} if parallel is None else {"deterministic": bool(deterministic)}
+    cycle = min(cycle_length, sources.n_sources)
+    reading = _parallel(num_parallel_calls if num_parallel_calls == AUTOTUNE else min(num_parallel_calls, cycle), tf)
+    decoding = _parallel(num_parallel_calls, tf)
     ds = tf.data.Dataset.range(sources.n_sources).repeat().interleave(
-        _source_reader(sources, tf), cycle_length=min(cycle_length, sources.n_sources), block_length=1,
-        num_parallel_calls=parallel, **order)
-    ds = ds.map(_decode(tf), num_parallel_calls=parallel, **order)
+        _source_reader(sources, tf), cycle_length=cycle, block_length=1, num_parallel_calls=reading,
+        **_order(reading, deterministic))
+    ds = ds.map(_decode(tf), num_parallel_calls=decoding, **_order(decoding, deterministic))
     return _shuffle_batch_prefetch(ds, shuffle_buffer, batch_size, prefetch, seed, tf)
 
 
-def mixed_pipeline(sources: EncodedSources, strategy: str = "sample_from_datasets", *, num_parallel_calls: int = 4,
-                   batch_size: int = 32, prefetch: int = 2, shuffle_buffer: int = 0, seed: int = 0):
-    """Mix the sources as the reference did, or as the fix does, under one total parallelism budget.
+def mixed_pipeline(sources: EncodedSources, strategy: str = "sample_from_datasets", *, num_parallel_calls: int = 2,
+                   batch_size: int = 32, prefetch: int = 2, seed: int = 0):
+    """The same images as one dataset, as the reference mixed n sources, or as the fix mixes them.
 
-    "single": one source (source 0, repeated) decoded with the whole budget, the baseline.
-    "sample_from_datasets": each source decodes with budget / n_sources, then
-    `sample_from_datasets` draws from them (the reference's setup: each source's parallelism
-    divided by n). "global_budget": the encoded records are mixed first (`choose_from_datasets`
-    over a seeded index, which is cheap), then decoded once with the whole budget.
+    "single": all images in one dataset, decoded with the whole parallelism budget (the baseline).
+    "sample_from_datasets": each source decodes with budget / n, then `sample_from_datasets`
+    draws from them (the reference's setup: each source's parallelism divided by n).
+    "interleave": the fix; the encoded records of the n sources are interleaved first (cheap),
+    then decoded once with the whole budget.
     """
     if strategy not in MIXING_STRATEGIES:
         raise ConfigError(f"strategy={strategy!r} is unknown; choose one of {MIXING_STRATEGIES}")
     tf = _tf()
-    n, decode = sources.n_sources, _decode(tf)
-    records = [_records(sources, k, tf).repeat() for k in range(n)]
+    n, decode, budget = sources.n_sources, _decode(tf), _parallel(num_parallel_calls, tf)
     if strategy == "single":
-        ds = records[0].map(decode, num_parallel_calls=_parallel(num_parallel_calls, tf))
+        everything = tf.data.Dataset.from_tensor_slices(tf.constant(list(sources.blobs), dtype=tf.string))
+        ds = everything.repeat().map(decode, num_parallel_calls=budget)
     elif strategy == "sample_from_datasets":
-        share = max(1, num_parallel_calls // n) if num_parallel_calls > 0 else num_parallel_calls
-        decoded = [r.map(decode, num_parallel_calls=_parallel(share, tf)) for r in records]
+        share = _parallel(max(1, num_parallel_calls // n) if num_parallel_calls > 0 else num_parallel_calls, tf)
+        decoded = [_records(sources, k, tf).repeat().map(decode, num_parallel_calls=share) for k in range(n)]
         ds = tf.data.Dataset.sample_from_datasets(decoded, weights=[1 / n] * n, seed=seed)
     else:
-        index = tf.data.Dataset.range(n).repeat().shuffle(4 * n, seed=seed)
-        ds = tf.data.Dataset.choose_from_datasets(records, index)
-        ds = ds.map(decode, num_parallel_calls=_parallel(num_parallel_calls, tf))
-    return _shuffle_batch_prefetch(ds, shuffle_buffer, batch_size, prefetch, seed, tf)
+        ds = tf.data.Dataset.range(n).repeat().interleave(_source_reader(sources, tf), cycle_length=n, block_length=1)
+        ds = ds.map(decode, num_parallel_calls=budget)
+    return _shuffle_batch_prefetch(ds, 0, batch_size, prefetch, seed, tf)
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -128,6 +128,11 @@ def _check_knobs(batch_size: int, prefetch: int, num_parallel_calls: int, cycle_
 def _parallel(value: int, tf):
     """A num_parallel_calls knob as tf.data takes it: -1 AUTOTUNE, 0 or 1 sequential (None)."""
     return tf.data.AUTOTUNE if value == AUTOTUNE else (int(value) if value > 1 else None)
+
+
+def _order(parallel, deterministic: bool) -> dict:
+    """tf.data takes `deterministic` only beside a num_parallel_calls (it warns otherwise)."""
+    return {} if parallel is None else {"deterministic": bool(deterministic)}
 
 
 def _records(sources: EncodedSources, k: int, tf):

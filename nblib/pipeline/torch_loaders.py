@@ -3,7 +3,8 @@
 `cache_loader_for(source)` is a sweep factory: (batch_size, num_workers, prefetch_factor,
 pin_memory, persistent_workers) -> an endless iterator of uint8 batches, epoch after epoch, as
 a training loop sees them (so `persistent_workers` shows what it saves: respawning workers at
-every epoch). Batches are contiguous slices read by `get_batch` in the workers, as encode reads.
+every epoch). Batches are contiguous slices read by `get_batch` in the workers (encode's
+`BatchDataset`), as encode reads.
 `tf_in_workers_loader` is the trap the tuning log hit: every worker builds its own tf.data
 pipeline (its own TensorFlow, its own buffers), so RAM grows with num_workers. This module
 imports torch (`nblib.pipeline` itself does not); TensorFlow only runs in the workers that build it.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from nblib.encode.offload import BatchDataset
 from nblib.errors import ConfigError
 
 
@@ -40,7 +42,7 @@ def cache_loader(source, batch_size: int = 32, num_workers: int = 0, prefetch_fa
     if num_workers > 0:
         kwargs.update(prefetch_factor=prefetch_factor, persistent_workers=bool(persistent_workers),
                       multiprocessing_context=context)
-    return torch.utils.data.DataLoader(SliceBatches(source, batches), **kwargs)
+    return torch.utils.data.DataLoader(BatchDataset(source, batches), **kwargs)
 
 
 def repeated(loader, epochs: int | None = None):
@@ -49,20 +51,6 @@ def repeated(loader, epochs: int | None = None):
     while epochs is None or epoch < epochs:
         yield from loader
         epoch += 1
-
-
-class SliceBatches(torch.utils.data.Dataset):
-    """Item i: the uint8 tensor of the i-th (start, stop) slice of a source (a map-style dataset)."""
-
-    def __init__(self, source, batches: list[tuple[int, int]]):
-        self.source, self.batches = source, batches
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        start, stop = self.batches[i]
-        return torch.from_numpy(np.ascontiguousarray(self.source.get_batch(start, stop)))
 
 
 class TFPipelineInWorker(torch.utils.data.IterableDataset):
@@ -80,7 +68,7 @@ class TFPipelineInWorker(torch.utils.data.IterableDataset):
         for i, batch in enumerate(self.build()):
             if i >= self.batches_per_worker:
                 return
-            yield torch.from_numpy(np.asarray(batch))
+            yield torch.from_numpy(np.array(batch))   # a writable copy of the TF tensor
 
 
 def tf_in_workers_loader(build, num_workers: int, batches_per_worker: int = 8, prefetch_factor: int = 2):

@@ -23,7 +23,7 @@ from nblib.manifest import Manifest
 from .checkpoints import CheckpointFolder
 from .parts import DamagedCopy, FileOps, PartFolder, PartInfo
 from .retention import checkpoints_to_drop, local_parts_to_drop
-from .retry import Retrier, describe
+from .retry import REAUTHORIZE_HINT, RemountPending, Retrier, describe
 from .run_manifest import MANIFEST_FILE, read_run_manifest, run_manifest_bytes
 
 log = logging.getLogger("nblib.store")
@@ -93,6 +93,7 @@ class MirrorStatus:
     parts_mirrored: int       # parts known present on the mirror
     refilled: int = 0         # parts found missing on the mirror and queued again
     lost: int = 0             # parts missing on the mirror with no local copy left to re-fill from
+    paused: bool = False      # a remount blocks (Drive waits to be re-authorized): see retry.REAUTHORIZE_HINT
 
     @property
     def caught_up(self) -> bool:
@@ -129,6 +130,7 @@ class Mirror:
         self._backlog: deque[Item] = deque()
         self._in_flight: Item | None = None
         self._failing = False
+        self._paused = False        # the last failure was a remount that did not return
         self._episodes = 0          # items the thread has taken up, counted
         self._failed_episode = 0    # the number of the last one that failed for good
         self._kicked = False
@@ -164,7 +166,8 @@ class Mirror:
             return MirrorStatus(parts_pending=sum(isinstance(i, CopyPart) for i in items),
                                 items_pending=len(items), failing=self._failing,
                                 last_error=describe(self._last_error) if self._last_error else None,
-                                parts_mirrored=len(self._present), refilled=self._refilled, lost=self._lost)
+                                parts_mirrored=len(self._present), refilled=self._refilled, lost=self._lost,
+                                paused=self._paused)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Kick the thread and wait until the backlog is empty (True) or an attempt that started
@@ -234,7 +237,7 @@ class Mirror:
                 self._backlog.append(Audit())
                 self._dirty = False
             if self._failing:
-                self._failing = False
+                self._failing = self._paused = False
                 log.warning("mirror %s is back; catching up %d items", self.sides.remote.root,
                             len(self._backlog))
             self._cond.notify_all()
@@ -244,13 +247,17 @@ class Mirror:
             self._backlog.appendleft(item)       # keep the order: retried first next time
             self._in_flight = None
             self._last_error = exc
-            first = not self._failing
-            self._failing = True
+            first = not self._failing or (isinstance(exc, RemountPending) and not self._paused)
+            self._failing, self._paused = True, isinstance(exc, RemountPending)
             pending = sum(isinstance(i, CopyPart) for i in self._backlog)
-        msg = (f"mirror {self.sides.remote.root} failed {self.retrier.retries + 1} times on {item.label} "
-               f"({describe(exc)}); {pending} parts wait in {self.sides.local.root} and the run "
-               f"continues locally; the mirror retries on the next write, flush(), or every "
-               f"{self.retry_interval_s:g} s")
+        if isinstance(exc, RemountPending):
+            msg = (f"the mirror {self.sides.remote.root} is paused: {exc.strerror}. {pending} parts wait in "
+                   f"{self.sides.local.root} and the run continues locally. {REAUTHORIZE_HINT}")
+        else:
+            msg = (f"mirror {self.sides.remote.root} failed {self.retrier.retries + 1} times on {item.label} "
+                   f"({describe(exc)}); {pending} parts wait in {self.sides.local.root} and the run "
+                   f"continues locally; the mirror retries on the next write, flush(), or every "
+                   f"{self.retry_interval_s:g} s")
         if first:
             log.warning(msg)
             warnings.warn(msg, MirrorWarning, stacklevel=1)

@@ -4,6 +4,9 @@
 retries each FileOps call the caller makes on the mirror and, when Drive stays away, raises
 DriveError naming the fix. Answers such as FileNotFoundError are never retried. The trade-off:
 a dead mirror costs `retries` backoffs (capped at 30 s each) before the error surfaces.
+A remount runs on its own thread and is given `remount_timeout_s` (NBLIB_REMOUNT_TIMEOUT_S,
+default 60 s): in Colab a remount that needs Drive to be re-authorized blocks until someone
+answers, so past that it raises RemountPending and is not started again while it still blocks.
 """
 from __future__ import annotations
 
@@ -11,26 +14,38 @@ import errno
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from nblib.errors import DriveError
+from nblib.errors import ConfigError, DriveError
 
 from .parts import FileOps
 
 log = logging.getLogger("nblib.store")
 MAX_BACKOFF_S = 30.0
+REMOUNT_TIMEOUT_ENV = "NBLIB_REMOUNT_TIMEOUT_S"
+DEFAULT_REMOUNT_TIMEOUT_S = 60.0
+REAUTHORIZE_HINT = ("Colab is probably waiting for Google Drive to be re-authorized: once this cell ends "
+                    "(or after interrupting it), run nblib.env.remount_drive() and accept the prompt; "
+                    "the mirror then catches up by itself, or when you rerun the same cell")
 NOT_FAULTS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, FileExistsError)
+
+
+class RemountPending(OSError):
+    """A Drive remount did not return in time (most likely waiting for re-authorization)."""
 
 
 class Retrier:
     """Call a function, retrying OSError with exponential backoff; remount on Errno 107."""
 
     def __init__(self, retries: int, backoff_s: float, remount: Callable[[], Any] | None,
-                 stop: threading.Event | None = None):
+                 stop: threading.Event | None = None, remount_timeout_s: float | None = None):
         self.retries, self.backoff_s, self.remount = retries, backoff_s, remount
         self.stop = stop if stop is not None else threading.Event()
+        self.remount_timeout_s = remount_timeout_s if remount_timeout_s is not None else remount_timeout()
+        self._remounting: threading.Thread | None = None
 
     def call(self, fn: Callable[[], Any], what: str, passes: tuple = ()):
         """fn(), retried; the last OSError is raised. `passes` are answers, not faults: never retried."""
@@ -44,11 +59,28 @@ class Retrier:
                     raise
                 log.info("%s: %s (attempt %d of %d)", what, describe(exc), attempt + 1, self.retries + 1)
                 if is_disconnected(exc) and self.remount is not None:
-                    try:
-                        self.remount()
-                    except Exception as remount_exc:  # remount trouble is one more failed attempt
-                        log.info("remount failed: %s", remount_exc)
+                    self._remount_within_timeout(exc)
                 self.stop.wait(min(self.backoff_s * 2 ** attempt, MAX_BACKOFF_S))
+
+
+    def _remount_within_timeout(self, cause: OSError) -> None:
+        """Remount on a thread; RemountPending when it (or the one before) still blocks after the timeout."""
+        if self._remounting is None or not self._remounting.is_alive():
+            self._remounting = threading.Thread(target=self._remount_logged, name="nblib-drive-remount",
+                                                daemon=True)
+            self._remounting.start()
+        deadline = time.monotonic() + self.remount_timeout_s
+        while self._remounting.is_alive() and not self.stop.is_set() and time.monotonic() < deadline:
+            self._remounting.join(min(0.1, max(deadline - time.monotonic(), 0.0)))
+        if self._remounting.is_alive():
+            raise RemountPending(errno.ENOTCONN, f"the Drive remount did not return within "
+                                 f"{self.remount_timeout_s:g} s ({describe(cause)})") from cause
+
+    def _remount_logged(self) -> None:
+        try:
+            self.remount()
+        except Exception as exc:                 # remount trouble is one more failed attempt
+            log.info("remount failed: %s", exc)
 
 
 class RetryingOps(FileOps):
@@ -62,6 +94,9 @@ class RetryingOps(FileOps):
             return self.retrier.call(fn, what, passes=NOT_FAULTS)
         except NOT_FAULTS:
             raise
+        except RemountPending as exc:
+            raise DriveError(f"the mirror {self.root} is paused: {exc.strerror}; {REAUTHORIZE_HINT}, "
+                             f"or open the store with mirror_dir=None to use local staging only") from None
         except OSError as exc:
             raise DriveError(
                 f"the mirror {self.root} is unreachable ({what}: {describe(exc)}, "
@@ -107,6 +142,19 @@ class RetryingOps(FileOps):
     def write_atomic(self, path, blocks, expect_sha256=None):
         blocks = list(blocks)
         return self._call(f"write {path.name}", lambda: self.inner.write_atomic(path, blocks, expect_sha256))
+
+
+def remount_timeout() -> float:
+    """Seconds a remount may take before the mirror pauses: NBLIB_REMOUNT_TIMEOUT_S, default 60."""
+    raw = os.environ.get(REMOUNT_TIMEOUT_ENV, "").strip()
+    try:
+        value = float(raw) if raw else DEFAULT_REMOUNT_TIMEOUT_S
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ConfigError(f"{REMOUNT_TIMEOUT_ENV}={raw!r} is not a positive number of seconds; "
+                          f"unset it (default {DEFAULT_REMOUNT_TIMEOUT_S:g} s) or set it to e.g. 60")
+    return value
 
 
 def is_disconnected(exc: OSError) -> bool:

@@ -1,0 +1,402 @@
+"""Notebook 05's experiments: knob sweeps, the mixing slowdown and its fix, the per-worker TF trap,
+streaming vs loading the cache, and the "what moved the needle" table against the tuning log.
+
+Each function runs one experiment with real tf.data / DataLoader pipelines and returns plain
+rows; verdicts compare those rows with `nblib.reference.TUNING_LOG` under the tolerances below,
+so a finding agrees or not because of what was measured here, never because it was typed.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from nblib.pipeline import ComputeStandIn, measure_pipeline, sweep
+from nblib.reference import T4_SAMPLES_PER_S, TUNING_LOG
+from nblib.units import fmt_bytes, fmt_rate
+
+# what "agrees" means for each finding of the tuning log (the reference's own numbers are in TUNING_LOG)
+DOMINATES_SHARE = 0.5        # "the pipeline dominated": data-wait at least half the step
+HELPED_RATIO = 1.25          # "batch size helped": the largest batch at least 1.25x the smallest's rate
+SLOWER_RATIO = 0.95          # "was slower": below 95% of the best fixed setting (beyond run-to-run noise)
+MIXING_SLOWER = 0.10         # "mixing cost throughput": at least 10% slower than one source
+PER_WORKER_BYTES = 100e6     # "each worker builds its own TF": >= 100 MB more per worker
+FIX_RECOVERS = 0.80          # the mixing fix must recover >= 80% of single-source samples/s
+
+# the default grids (each knob's first value is the base config; the others are tried one at a time)
+TF_GRID = {"batch_size": [32, 8, 128], "num_parallel_calls": [2, 1, 8, -1], "prefetch": [2, 0, 8],
+           "cycle_length": [4, 1], "shuffle_buffer": [256, 0, 2048], "deterministic": [True, False]}
+TORCH_GRID = {"num_workers": [0, 1, 2], "batch_size": [32, 128], "prefetch_factor": [2, 4],
+              "persistent_workers": [False, True]}
+
+
+def cores() -> int:
+    """CPU cores this process may use: the parallelism budget of this machine."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def device_step(per_sample_ms: float, launch_ms: float = 1.0) -> ComputeStandIn:
+    """The stand-in encoder step: `launch_ms` per batch plus `per_sample_ms` per image, holding no core."""
+    return ComputeStandIn(launch_ms, per_sample_ms=per_sample_ms)
+
+
+def tf_sources(cache, n_images: int | None = None, n_sources: int = 4):
+    """The cache's first `n_images` as PNG bytes in RAM, cut into `n_sources` sources (tf.data's input)."""
+    from nblib.pipeline.tf_pipelines import encoded_sources
+
+    n = len(cache) if n_images is None else min(n_images, len(cache))
+    return encoded_sources((cache[i] for i in range(n)), n_sources)
+
+
+def where_time_goes(sources, encoder_samples_per_s: float = T4_SAMPLES_PER_S.value, batch_size: int = 32,
+                    steps: int = 8) -> dict:
+    """The default tf.data pipeline feeding a stand-in encoder of the given rate: data-wait is the pipeline's share."""
+    from nblib.pipeline.tf_pipelines import tf_pipeline
+
+    step = device_step(1e3 / encoder_samples_per_s, launch_ms=0.0)
+    report = measure_pipeline(lambda: tf_pipeline(sources, batch_size=batch_size), consumer=step, steps=steps, warmup=2)
+    capacity = measure_pipeline(lambda: tf_pipeline(sources, batch_size=batch_size), steps=3 * steps, warmup=3)
+    return {"encoder_samples_per_s": encoder_samples_per_s, "pipeline_samples_per_s": capacity.samples_per_s,
+            **report.as_dict()}
+
+
+def tf_sweep(sources, grid: dict, consumer=None, steps: int = 20, warmup: int = 3):
+    """Sweep tf.data knobs (one at a time around each knob's first value) over `sources`."""
+    from nblib.pipeline.tf_pipelines import tf_pipeline_for
+
+    return sweep(tf_pipeline_for(sources), grid, consumer=consumer, steps=steps, warmup=warmup)
+
+
+def torch_sweep(cache, grid: dict, consumer=None, steps: int = 20, warmup: int = 3):
+    """Sweep torch DataLoader knobs over the sharded cache (epoch after epoch)."""
+    from nblib.pipeline.torch_loaders import cache_loader_for
+
+    return sweep(cache_loader_for(cache), grid, consumer=consumer, steps=steps, warmup=warmup)
+
+
+# ------------------------------------------------------------------------------ mixing
+
+
+@dataclass(frozen=True)
+class MixingResult:
+    """samples/s of one dataset, of 4 sources mixed by sample_from_datasets, and of the fix, measured together."""
+
+    budget: int                 # total num_parallel_calls; the mixed pipeline gives each source budget // 4
+    single: float
+    mixed: float
+    fixed: float
+    repeats: int
+
+    @property
+    def slowdown(self) -> float:
+        """single / mixed - 1, the tuning log's way: 205 vs 148 samples/s is "38% slower"."""
+        return self.single / self.mixed - 1
+
+    @property
+    def recovery(self) -> float:
+        """fixed / single: the share of single-source throughput the fix gives back."""
+        return self.fixed / self.single
+
+    @property
+    def fix_works(self) -> bool:
+        return self.recovery >= FIX_RECOVERS
+
+    def table(self) -> str:
+        mixed, single = TUNING_LOG["rate mixing 4 datasets"].value
+        rows = [("one dataset", self.single, ""),
+                ("4 sources, sample_from_datasets", self.mixed,
+                 f"{self.slowdown:.0%} slower" if self.slowdown >= 0 else f"{-self.slowdown:.0%} faster"),
+                ("4 sources, fix: interleave records, then decode", self.fixed,
+                 f"recovers {self.recovery:.0%} of one dataset ({'>=' if self.fix_works else '<'} "
+                 f"{FIX_RECOVERS:.0%})")]
+        lines = [f"parallelism budget {self.budget} (sample_from_datasets: {max(1, self.budget // 4)} per source), "
+                 f"median of {self.repeats} interleaved runs"]
+        lines += [f"  {name:<48} {fmt_rate(rate):>18}  {note}" for name, rate, note in rows]
+        lines.append(f"  reference: {mixed} vs {single} samples/s mixing 4 vs one ({single / mixed - 1:.0%} slower)")
+        return "\n".join(lines)
+
+
+def mixing_experiment(sources, budget: int | None = None, repeats: int = 3, steps: int = 30, warmup: int = 3,
+                      batch_size: int = 32) -> MixingResult:
+    """Measure one source, 4 mixed with sample_from_datasets, and the fix, interleaved `repeats` times."""
+    from nblib.pipeline.tf_pipelines import mixed_pipeline
+
+    budget = budget or cores()
+    rates: dict[str, list[float]] = {"single": [], "sample_from_datasets": [], "interleave": []}
+    for _ in range(repeats):
+        for strategy, got in rates.items():
+            make = functools.partial(mixed_pipeline, sources, strategy, num_parallel_calls=budget,
+                                     batch_size=batch_size)
+            got.append(measure_pipeline(make, steps=steps, warmup=warmup).samples_per_s)
+    single, mixed, fixed = (statistics.median(rates[k]) for k in rates)
+    return MixingResult(budget=budget, single=single, mixed=mixed, fixed=fixed, repeats=repeats)
+
+
+# ------------------------------------------------------------------------------ the per-worker TF trap
+
+
+def tf_worker_trap(sources, worker_counts=(0, 1, 2), batch_size: int = 32, batches: int = 12) -> list[dict]:
+    """Peak RAM when every torch worker builds its own tf.data pipeline, per num_workers."""
+    from nblib.pipeline.tf_pipelines import tf_pipeline
+    from nblib.pipeline.torch_loaders import repeated, tf_in_workers_loader
+
+    build = functools.partial(tf_pipeline, sources, batch_size=batch_size)
+    rows = []
+    for workers in worker_counts:
+        per_worker = batches if workers == 0 else -(-batches // workers)
+        make = functools.partial(lambda w, n: repeated(tf_in_workers_loader(build, w, n), 1), workers, per_worker)
+        report = measure_pipeline(make, steps=max(1, batches - 2), warmup=2)
+        rows.append({"setup": f"TF in each of {workers} workers" if workers else "TF in the main process",
+                     "num_workers": workers, **report.as_dict()})
+    return rows
+
+
+def trap_remedies(sources, cache, num_workers: int = 2, batch_size: int = 32, steps: int = 20) -> list[dict]:
+    """The two ways out, measured: one TF pipeline feeding torch, or torch-native workers over the cache."""
+    from nblib.pipeline.tf_pipelines import tf_pipeline
+    from nblib.pipeline.torch_loaders import cache_loader, repeated, tf_feeding_torch
+
+    one_tf = measure_pipeline(lambda: tf_feeding_torch(tf_pipeline(sources, batch_size=batch_size)),
+                              steps=steps, warmup=3)
+    native = measure_pipeline(lambda: repeated(cache_loader(cache, batch_size, num_workers)), steps=steps, warmup=3)
+    return [{"setup": "one TF pipeline feeding torch", "num_workers": 0, **one_tf.as_dict()},
+            {"setup": f"torch workers over the sharded cache ({num_workers})", "num_workers": num_workers,
+             **native.as_dict()}]
+
+
+def trap_table(rows: list[dict]) -> str:
+    """The trap and its remedies as text: setup, samples/s, RAM added, peak RAM."""
+    lines = [f"{'setup':<44} {'samples/s':>10} {'RAM added':>11} {'peak RAM':>10}"]
+    lines += [f"{r['setup']:<44} {r['samples_per_s']:>10,.1f} {fmt_bytes(r['rss_added_bytes']):>11} "
+              f"{fmt_bytes(r['peak_rss_bytes']):>10}" for r in rows]
+    return "\n".join(lines)
+
+
+def ram_per_worker(rows: list[dict]) -> float:
+    """Bytes each extra TF-in-worker adds: the slope of RAM added against num_workers (least squares)."""
+    xs = [r["num_workers"] for r in rows]
+    ys = [r["rss_added_bytes"] for r in rows]
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    return sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread if spread else 0.0
+
+
+# ------------------------------------------------------------------------------ one shard at a time
+
+
+def streaming_vs_load_all(cache_dir: str | Path) -> dict:
+    """Peak RSS added by streaming the cache shard by shard vs loading it all, each in a fresh process."""
+    from nblib.cache import ShardedImageCache
+
+    cache = ShardedImageCache(cache_dir)
+    result = {"images": len(cache), "cache_bytes": sum(s["bytes"] for s in cache.manifest["shards"]),
+              "largest_shard_bytes": max(s["bytes"] for s in cache.manifest["shards"])}
+    for mode in ("stream", "load_all"):
+        out = subprocess.run([sys.executable, "-m", "nblib.lab.input_pipeline", mode, str(cache_dir)],
+                             capture_output=True, text=True, check=True)
+        result[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def streaming_table(results: dict[str, dict]) -> str:
+    """One line per cache size: its bytes, its largest shard, and the RAM each way of reading adds."""
+    lines = [f"{'cache':<8} {'images':>8} {'on disk':>10} {'1 shard':>10} {'stream +RAM':>12} {'load all +RAM':>14}"]
+    for name, r in results.items():
+        lines.append(f"{name:<8} {r['images']:>8,} {fmt_bytes(r['cache_bytes']):>10} "
+                     f"{fmt_bytes(r['largest_shard_bytes']):>10} {fmt_bytes(r['stream']['rss_added']):>12} "
+                     f"{fmt_bytes(r['load_all']['rss_added']):>14}")
+    return "\n".join(lines)
+
+
+def _read_cache(mode: str, cache_dir: str) -> dict:
+    """In a fresh process: read every image of a cache shard by shard ("stream") or all at once."""
+    from nblib.cache import ShardedImageCache
+    from nblib.measure import PeakMemory
+
+    cache = ShardedImageCache(cache_dir)
+    with PeakMemory() as memory:
+        if mode == "stream":
+            total = sum(int(shard[:, 0, 0, 0].sum()) for shard in cache.iter_shards())
+        else:
+            everything = cache.get_batch(0, len(cache))
+            total = int(everything[:, 0, 0, 0].sum())
+    return {"rss_added": memory.delta, "checksum": total}
+
+
+# ------------------------------------------------------------------------------ render on the fly
+
+
+def render_rate_per_core(texts, image_size: int = 224, n: int = 64) -> float:
+    """Images one core renders per second at `image_size` (the first `n` texts, one process)."""
+    import time
+
+    from nblib.render import render_params, render_with
+
+    params = render_params(image_size)
+    chosen = list(texts)[:n]
+    render_with(chosen[0], params)                    # fonts loaded outside the timing
+    started = time.perf_counter()
+    for text in chosen:
+        render_with(text, params)
+    return len(chosen) / (time.perf_counter() - started)
+
+
+def render_vs_cache(cache, texts=None, num_workers: int | None = None, batch_size: int = 32,
+                    steps: int = 12) -> list[dict]:
+    """samples/s of the DataLoader reading the cache vs rendering the same images (from `texts`) in its workers."""
+    from nblib.cache.rendered import RenderedImages
+    from nblib.pipeline.torch_loaders import cache_loader, repeated
+
+    workers = cores() if num_workers is None else num_workers
+    rendered = RenderedImages.like(cache, texts)
+    rows = []
+    for name, source in (("cache reader", cache), (f"render on the fly ({workers} workers)", rendered)):
+        report = measure_pipeline(lambda source=source: repeated(cache_loader(source, batch_size, workers)),
+                                  steps=steps, warmup=2)
+        rows.append({"source": name, **report.as_dict()})
+    return rows
+
+
+def cacheless_verdict(rows: list[dict], per_core: float, encoder_samples_per_s: float,
+                      ncores: int | None = None) -> str:
+    """Which way is faster here, and whether rendering on the fly keeps up with the encoder."""
+    ncores = ncores or cores()
+    cached, rendered = rows[0]["samples_per_s"], rows[1]["samples_per_s"]
+    render_all = per_core * ncores
+    faster = "the cache reader" if cached >= rendered else "rendering on the fly"
+    keeps_up = render_all >= encoder_samples_per_s
+    return (f"here {faster} is faster ({fmt_rate(cached)} cached vs {fmt_rate(rendered)} rendered). "
+            f"At 224 px one core renders {fmt_rate(per_core, 'images')}, {ncores} cores "
+            f"{fmt_rate(render_all, 'images')} against the encoder's {fmt_rate(encoder_samples_per_s)}: "
+            + ("rendering keeps up, so the image cache is not needed" if keeps_up else
+               f"rendering would starve the encoder (x{render_all / encoder_samples_per_s:.2f}): keep the cache"))
+
+
+def rates_table(rows: list[dict]) -> str:
+    """Sources side by side: samples/s, data-wait, startup, RAM added."""
+    lines = [f"{'source':<36} {'samples/s':>10} {'startup':>8} {'RAM added':>10}"]
+    lines += [f"{r['source']:<36} {r['samples_per_s']:>10,.1f} {r['startup_s']:>7.2f}s "
+              f"{fmt_bytes(r['rss_added_bytes']):>10}" for r in rows]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ what moved the needle
+
+
+def needle_table(time_share: dict, tf_table, mixing: MixingResult, trap_rows: list[dict],
+                 ncores: int | None = None) -> list[dict]:
+    """The tuning log's findings beside this machine's measurements, each with a computed verdict.
+
+    `time_share` is `where_time_goes`'s row, the other arguments the sweeps and experiments.
+    """
+    ncores = ncores or cores()
+    rows = [_dominates(time_share), _batch_helped(tf_table), _more_parallel_slower(tf_table, ncores),
+            _autotune_slower(tf_table), _buffers_cost_ram(tf_table), _mixing_slower(mixing),
+            _worker_trap(trap_rows)]
+    return [r for r in rows if r is not None]
+
+
+def needle_text(rows: list[dict]) -> str:
+    """The needle table as text: finding, reference, here, verdict, and why where it differs."""
+    lines = [f"{'finding':<38} {'reference':<22} {'this machine':<30} verdict"]
+    for r in rows:
+        lines.append(f"{r['finding']:<38} {r['reference']:<22} {r['measured']:<30} {r['verdict']}")
+        if r["verdict"] != "agrees":
+            lines.append(f"{'':<4}why: {r['why']}")
+    return "\n".join(lines)
+
+
+def _finding(finding: str, reference: str, measured: str, agrees: bool, why: str) -> dict:
+    return {"finding": finding, "reference": reference, "measured": measured,
+            "verdict": "agrees" if agrees else "does not", "why": why}
+
+
+def _dominates(time_share: dict) -> dict:
+    low, high = TUNING_LOG["input pipeline share of step time"].value
+    share, encoder, pipeline = (time_share[k] for k in ("data_wait", "encoder_samples_per_s", "pipeline_samples_per_s"))
+    return _finding("the pipeline dominated the step", f"{low:.0%}-{high:.0%} of step time",
+                    f"{share:.0%} feeding a {encoder:,.0f}/s encoder", share >= DOMINATES_SHARE,
+                    f"rendered-text PNGs decode at {pipeline:,.0f} samples/s, x{pipeline / encoder:,.1f} what "
+                    f"the encoder takes: for this job the encoder is the wall")
+
+
+def _batch_helped(table) -> dict | None:
+    curve = table.curve("batch_size") if "batch_size" in table.knobs else []
+    if len(curve) < 2:
+        return None
+    ratio = curve[-1]["samples_per_s"] / curve[0]["samples_per_s"]
+    ref = TUNING_LOG["rate at batch 128"].value / TUNING_LOG["rate at batch 24"].value
+    return _finding("larger batches helped", f"24->128: x{ref:.1f}",
+                    f"{curve[0]['batch_size']}->{curve[-1]['batch_size']}: x{ratio:.2f}", ratio >= HELPED_RATIO,
+                    "per-batch overheads are already small next to per-image decode here")
+
+
+def _fixed_parallel(table) -> list[dict]:
+    return [r for r in table.curve("num_parallel_calls") if r["num_parallel_calls"] > 0]
+
+
+def _more_parallel_slower(table, ncores: int) -> dict | None:
+    fixed = _fixed_parallel(table) if "num_parallel_calls" in table.knobs else []
+    beyond = [r for r in fixed if r["num_parallel_calls"] > ncores]
+    if not fixed or not beyond:
+        return None
+    best = max(r["samples_per_s"] for r in fixed if r["num_parallel_calls"] <= ncores)
+    most = max(beyond, key=lambda r: r["num_parallel_calls"])
+    ratio = most["samples_per_s"] / best
+    return _finding("more num_parallel_* was slower", "128/64 calls: slower",
+                    f"{most['num_parallel_calls']} calls: x{ratio:.2f} of <= {ncores}", ratio < SLOWER_RATIO,
+                    f"{most['num_parallel_calls']} threads on {ncores} cores queue rather than contend; the "
+                    f"reference ran 64-128 threads")
+
+
+def _autotune_slower(table) -> dict | None:
+    if "num_parallel_calls" not in table.knobs:
+        return None
+    auto = [r for r in table.curve("num_parallel_calls") if r["num_parallel_calls"] == -1]
+    fixed = _fixed_parallel(table)
+    if not auto or not fixed:
+        return None
+    ratio = auto[0]["samples_per_s"] / max(r["samples_per_s"] for r in fixed)
+    return _finding("AUTOTUNE was slower than fixed", "AUTOTUNE: slower", f"x{ratio:.2f} of the best fixed",
+                    ratio < SLOWER_RATIO, "with 2 cores AUTOTUNE has little to choose between")
+
+
+def _buffers_cost_ram(table) -> dict | None:
+    curve = table.curve("shuffle_buffer") if "shuffle_buffer" in table.knobs else []
+    if len(curve) < 2:
+        return None
+    small, large = curve[0], curve[-1]
+    low, high = TUNING_LOG["RSS with larger shuffle buffers"].value
+    grew = large["peak_rss_bytes"] > small["peak_rss_bytes"] and large["startup_s"] > small["startup_s"]
+    return _finding("larger shuffle buffers: more RAM, later start", f"RSS {fmt_bytes(low)} -> {fmt_bytes(high)}",
+                    f"{fmt_bytes(small['peak_rss_bytes'])} -> {fmt_bytes(large['peak_rss_bytes'])}, start "
+                    f"{small['startup_s']:.2f} -> {large['startup_s']:.2f} s", grew,
+                    "the buffers swept here are too small next to the process's RSS to stand out")
+
+
+def _mixing_slower(mixing: MixingResult) -> dict:
+    low, high = TUNING_LOG["rate mixing 4 datasets"].value
+    return _finding("mixing 4 datasets was slower", f"{low} vs {high}: {high / low - 1:.0%} slower",
+                    f"{mixing.mixed:,.0f} vs {mixing.single:,.0f}: {mixing.slowdown:.0%} slower",
+                    mixing.slowdown >= MIXING_SLOWER,
+                    f"with a budget of {mixing.budget}, each source keeps one decode thread, and "
+                    f"{mixing.budget} cores stay busy either way")
+
+
+def _worker_trap(rows: list[dict]) -> dict | None:
+    if len(rows) < 2:
+        return None
+    slope = ram_per_worker(rows)
+    ref = TUNING_LOG["RAM per torch worker"].value
+    return _finding("TF in each torch worker costs RAM", f"~{fmt_bytes(ref)} per worker",
+                    f"{fmt_bytes(slope)} per worker", slope >= PER_WORKER_BYTES,
+                    "the workers' pipelines hold little here")
+
+
+if __name__ == "__main__":
+    print(json.dumps(_read_cache(sys.argv[1], sys.argv[2])))
