@@ -5,6 +5,7 @@ headless runs leave figures under `outputs/figures`. Sections follow the noteboo
 """
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import matplotlib
@@ -158,13 +159,35 @@ def image_grid(images, titles=None, ncols: int = 6, cell_inches: float = 1.6,
         if k < n:
             ax.imshow(images[k], interpolation="nearest")
             if titles is not None:
-                ax.set_title(_drawable(str(titles[k])[:24]), fontsize=7)
+                ax.set_title(_printable(str(titles[k])[:24]), fontsize=7, fontfamily=_shipped_font_families())
     return finish(fig, save_to)
 
 
-def _drawable(title: str) -> str:
-    """Keep scripts matplotlib's default font draws (Latin, Greek, Cyrillic); others become '?'."""
-    return "".join(c if c.isprintable() and ord(c) < 0x530 else "?" for c in title)
+def _printable(title: str) -> str:
+    """A title matplotlib can draw: controls become spaces, characters no shipped font has become '?'."""
+    from nblib.render import has_glyph
+
+    return "".join(" " if not c.isprintable() else c if has_glyph(c) else "?" for c in title)
+
+
+@functools.lru_cache(maxsize=1)
+def _shipped_font_families() -> list[str]:
+    """The render font chain (data/fonts) registered with matplotlib, as a fallback list of family names.
+
+    Titles then draw Thai, Devanagari and CJK with real glyphs (matplotlib does not shape, so Arabic
+    shows unjoined letters), instead of boxes.
+    """
+    from matplotlib import font_manager
+
+    from nblib.render import FONTS_DIR, SHIPPED_FONTS
+
+    families = []
+    for name in SHIPPED_FONTS:
+        path = FONTS_DIR / name
+        if path.is_file():
+            font_manager.fontManager.addfont(str(path))
+            families.append(font_manager.FontProperties(fname=str(path)).get_name())
+    return families or ["DejaVu Sans"]
 
 
 def cache_disk_plan(plans: dict, free_bytes: float, save_to=None) -> Figure:

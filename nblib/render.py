@@ -226,6 +226,12 @@ def coverage(texts, params: RenderParams | None = None) -> Coverage:
                     missing={s: n for s, n in missing.items() if characters[s]})
 
 
+def has_glyph(char: str, params: RenderParams | None = None) -> bool:
+    """True when a font of the chain draws `char` (spaces and controls count as drawn)."""
+    return not char.isprintable() or char.isspace() or \
+        ord(char) in _covered_code_points((params or render_params()).fonts)
+
+
 def script_of(char: str) -> str:
     """The SCRIPTS name of one character, from code-point ranges ("other" outside them)."""
     point = ord(char)
