@@ -4,8 +4,9 @@
     python benchmarks/pipeline_sweep.py --sizes smoke --steps 20
 
 Prints, measured figures and ratios side by side:
-1. tf.data and torch DataLoader sweeps (nblib.lab.input_pipeline grids): the default config and the one
-   `recommend` picks under --rss-cap-gb, with samples/s, data-wait and peak RSS, and the speed-up;
+1. tf.data and torch DataLoader sweeps (nblib.lab.input_pipeline grids, --sweep-repeats interleaved passes,
+   median kept): the default config and the one `recommend` picks under --rss-cap-gb, with samples/s,
+   data-wait and peak RSS, and the speed-up;
 2. mixing 4 sources: one dataset, `sample_from_datasets` (budget split by 4), and the fix (interleave the
    records, decode with the whole budget), interleaved --repeats times; the fix must recover >= 80%;
 3. render on the fly vs the cache reader (DataLoader, all cores), the render rate per core at 224 px, and the
@@ -53,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default="smoke,t4", help="cache sizes for the streaming RSS table (smoke,t4)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--repeats", type=int, default=5, help="interleaved runs of the mixing experiment")
+    p.add_argument("--sweep-repeats", type=int, default=3, help="interleaved passes of each sweep (median kept)")
     p.add_argument("--rss-cap-gb", type=float, default=4.0)
     p.add_argument("--per-sample-ms", type=float, default=0.25, help="stand-in device step per image")
     p.add_argument("--folder", default="outputs/benchmarks/pipeline", help="where the caches are built")
@@ -63,9 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     sources = lab.tf_sources(images, len(images))
     print(f"{lab.cores()} cores; {images!r}; stand-in step {args.per_sample_ms} ms/image\n", flush=True)
 
-    tf_table = lab.tf_sweep(sources, lab.TF_GRID, consumer=step, steps=args.steps)
+    tf_table = lab.tf_sweep(sources, lab.TF_GRID, consumer=step, steps=args.steps, repeats=args.sweep_repeats)
     print(tf_table, "\n" + side_by_side("tf.data", tf_table, cap) + "\n", flush=True)
-    torch_table = lab.torch_sweep(images, lab.TORCH_GRID, consumer=step, steps=args.steps)
+    torch_table = lab.torch_sweep(images, lab.TORCH_GRID, consumer=step, steps=args.steps,
+                                  repeats=args.sweep_repeats)
     print(torch_table, "\n" + side_by_side("torch DataLoader", torch_table, cap) + "\n", flush=True)
 
     mixing = lab.mixing_experiment(sources, repeats=args.repeats, steps=args.steps)

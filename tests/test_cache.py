@@ -199,7 +199,7 @@ def test_manifest_is_a_versioned_record_and_only_shard_stats_depend_on_the_run(r
     assert (record["kind"], record["version"]) == ("nblib.cache", 2)
     manifest = record["body"]
     assert set(manifest) == {"source", "renderer", "codec", "shard_mb", "shard_bytes", "seed",
-                             "image_shape", "shards"}
+                             "image_shape", "shards", "coverage"}
     assert set(manifest["shards"][0]) == {"file", "start", "stop", "count", "bytes", "sha256", "mtime_ns"}
     assert manifest["source"]["n_texts"] == len(TEXTS)
     first = reference / manifest["shards"][0]["file"]

@@ -161,7 +161,8 @@ def test_a_shard_stopped_part_way_is_named_with_what_it_wrote(cache_dir, tmp_pat
     out = tmp_path / "stopped"
     _encode(cache_dir, out, dist.join(shard="1/2"))
     (out / enc.PARTS_FOLDER / "part-000009" / "part.json").unlink()    # as if killed before its last write
-    with pytest.raises(StateError, match=r"shard 0/2 owes part-000000\.\.part-000007: never ran here") as refused:
+    with pytest.raises(StateError, match=r"shard 0/2 owes part-000000\.\.part-000007: never ran here") as refused, \
+            pytest.warns(UserWarning, match="part-000009"):
         _encode(cache_dir, out, dist.join(consolidate_only=True))
     assert "shard 1/2 owes part-000009: ran on" in str(refused.value)
     assert "wrote all 8 of its parts, but these are missing or damaged now" in str(refused.value)
@@ -206,6 +207,7 @@ def test_a_mirror_is_refused_when_several_processes_write(cache_dir, tmp_path):
     with pytest.raises(ConfigError, match="--mirror is for one process"):
         enc.encode(ShardedImageCache(cache_dir), tmp_path / "r", CONFIG, device="cpu", progress=False,
                    preflight=False, mirror_dir=tmp_path / "m", world=dist.join(shard="0/2"))
+    assert not (tmp_path / "m").exists() and not (tmp_path / "r").exists()   # refused before writing anything
 
 
 def test_rank_budget_keeps_per_rank_memory_shares_the_folder_and_divides_the_time():

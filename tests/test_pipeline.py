@@ -251,3 +251,34 @@ def test_a_cacheless_encode_gives_the_cached_encode_bytes_and_resumes(tmp_path):
         assert path.read_bytes() == cacheless.outputs[name].read_bytes(), name
     again = encode(RenderedImages.like(cache), tmp_path / "cacheless", cfg, **kwargs)
     assert again.parts_encoded == 0 and again.parts_total == cacheless.parts_total
+
+
+def test_repeated_sweeps_keep_each_configs_median_run():
+    rates = iter([10, 40, 20] * 2)   # produce_ms per run, in measuring order: pass 1 (a, b), pass 2 (a, b), ...
+
+    def family(batch_size=8):
+        return serial_batches(next(rates), batch=batch_size, n=8)
+
+    table = sweep(family, {"batch_size": [8, 16]}, steps=5, warmup=1, repeats=3)
+    assert len(table) == 2 and table.planned == 2
+    # config a ran with 10, 20, 40 ms per batch; b with 40, 10, 20: both keep their 20 ms run
+    for row in table:
+        assert within(row["step_ms"], 20.0, rel=0.2), row
+
+
+def test_needle_verdicts_follow_the_measurements_not_the_text():
+    from nblib.lab.input_pipeline import MixingResult, needle_table
+    from nblib.pipeline import SweepTable
+
+    def table(batch_rates):
+        rows = [{"batch_size": b, "varied": "base" if i == 0 else "batch_size", "samples_per_s": r, "data_wait": 0.5,
+                 "startup_s": 0.1, "peak_rss_bytes": 1e8} for i, (b, r) in enumerate(batch_rates)]
+        return SweepTable(knobs=("batch_size",), rows=rows, planned=len(rows))
+
+    share = {"data_wait": 0.8, "encoder_samples_per_s": 94, "pipeline_samples_per_s": 100}
+    trap = [{"num_workers": 0, "rss_added_bytes": 0}, {"num_workers": 1, "rss_added_bytes": 5e8}]
+    agree = needle_table(share, table([(32, 100), (128, 200)]), MixingResult(2, 200, 140, 190, 1), trap)
+    assert [r["verdict"] for r in agree] == ["agrees"] * 4
+    differ = needle_table({**share, "data_wait": 0.1}, table([(32, 100), (128, 101)]),
+                          MixingResult(2, 200, 199, 190, 1), [{**trap[0]}, {**trap[1], "rss_added_bytes": 1e6}])
+    assert [r["verdict"] for r in differ] == ["does not"] * 4

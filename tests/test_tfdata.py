@@ -260,7 +260,8 @@ def test_builtins_table_measures_checkpoint_bytes_exact_resume_and_throughput(tm
             assert row.symbolic_bytes < 4096 < buffer_bytes, name        # a cursor, not a buffer
     assert rows["resumable (buffer)"].same_order_in_numpy and rows["resumable (global)"].same_order_in_numpy
     assert rows[tfdata.TF_GLOBAL_SHUFFLE].same_order_in_numpy is None
-    assert "private API" in rows[tfdata.TF_GLOBAL_SHUFFLE].needs and "TF >= 2.17" in rows[tfdata.TF_GLOBAL_SHUFFLE].needs
+    global_needs = rows[tfdata.TF_GLOBAL_SHUFFLE].needs
+    assert "private API" in global_needs and "TF >= 2.17" in global_needs and "random access" in global_needs
     assert rows[tfdata.TF_SHUFFLE].needs.startswith("any stream")
     table, conclusion = lab.builtins_table(rows.values()), lab.builtins_conclusion(rows.values())
     assert all(name in table for name in rows) and "Exact resume (plain and symbolic): 5 of 5." in conclusion

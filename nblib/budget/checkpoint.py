@@ -1,11 +1,12 @@
 """tf.data shuffle checkpoints: their size, the disk a save peaks at, and the RAM a restore adds.
 
-A tf.data iterator checkpoint writes every element buffered in shuffle and prefetch:
-(buffer + prefetch x batch) x sample bytes. TensorFlow writes the data file once and renames it,
-so a first save peaks at 1x the checkpoint on disk; a save that replaces a previous checkpoint
-(CheckpointManager(max_to_keep=1)) holds both until the new one is complete: 2x. Notebook 04
-measures both with real TensorFlow (`tests/test_tfdata.py` ties them to this model). A restore
-rebuilds the buffer beside the loaded tensors: +1x the buffer in RAM while it runs.
+A tf.data iterator checkpoint of a pipeline shuffled with `Dataset.shuffle` writes every element
+buffered in the shuffle and in prefetch: (buffer + prefetch x batch) x sample bytes (TensorFlow's
+buffer-free shuffles and nblib's write a cursor instead: notebook 04). TensorFlow writes the data
+file once and renames it, so a first save peaks at 1x the checkpoint on disk; a save that replaces
+a previous checkpoint (CheckpointManager(max_to_keep=1)) holds both until the new one is complete:
+2x. Notebook 04 measures both with real TensorFlow (`tests/test_tfdata.py` ties them to this
+model). A restore rebuilds the buffer beside the loaded tensors: +1x the buffer in RAM while it runs.
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ class ShuffleCheckpoint:
 
 def shuffle_checkpoint(buffer_size: int, sample_bytes: int = 500_000, prefetch: int = 2,
                        batch_size: int = 1) -> ShuffleCheckpoint:
-    """tf.data saves every element buffered in shuffle and prefetch: (buffer + prefetch x batch) x sample."""
+    """With `Dataset.shuffle`, tf.data saves every element buffered: (buffer + prefetch x batch) x sample."""
     require_positive("buffer_size", buffer_size)
     require_positive("sample_bytes", sample_bytes)
     require_positive("prefetch", prefetch, minimum=0)

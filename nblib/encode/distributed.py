@@ -95,7 +95,8 @@ class World:
         if self.role == "consolidate":
             return []
         if self.role == "shard":
-            mine = [k for k in split(range(n_parts), self.rank, self.size) if k in set(pending)]
+            left = set(pending)
+            mine = [k for k in split(range(n_parts), self.rank, self.size) if k in left]
         else:
             pending = self._agree(pending, n_parts, fingerprints)
             mine = split(pending, self.rank, self.size)
@@ -117,20 +118,23 @@ class World:
         except RuntimeError as exc:     # DistBackendError, gloo timeouts and closed connections
             raise self._lost(what, exc) from exc
 
-    def part_store(self, store, run_dir: str | Path, n_parts: int, mirror_dir=None):
+    def part_store(self, store, run_dir: str | Path, n_parts: int):
         """The store this process writes its parts through: `store` itself in a single run.
 
         Otherwise a `RankStore` that never writes the shared run manifest and records each part
-        written. A mirror is refused: each rank's mirror thread would copy the others' parts too.
+        written (under run_dir/ranks).
         """
         if self.role == "single":
             return store
-        if mirror_dir is not None:
+        block = split(range(n_parts), self.rank, self.size) if self.role == "shard" else range(n_parts)
+        return RankStore(store, Path(run_dir), watched={_part_name(k) for k in block})
+
+    def refuse_mirror(self) -> None:
+        """ConfigError unless single: each rank's mirror thread would copy the other ranks' parts too."""
+        if self.role != "single":
             raise ConfigError(
                 f"--mirror is for one process; with several ({self.label}) write --out on the folder "
                 f"every process shares (the Drive or network folder itself) and leave --mirror out")
-        block = split(range(n_parts), self.rank, self.size) if self.role == "shard" else range(n_parts)
-        return RankStore(store, Path(run_dir), watched={_part_name(k) for k in block})
 
     def progress(self, run_dir: str | Path, n_parts: int, enabled: bool = True):
         """Rank 0's (and each shard's) bar over the whole run's durable parts; nothing elsewhere."""
@@ -179,7 +183,7 @@ class World:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
         return PeerLost(
             f"rank {self.rank} of {self.size} gave up waiting for the other ranks at {what} ({first}): "
-            f"a rank died or stalled for more than {fmt_duration(self.timeout_s)}. Every finished part "
+            f"a rank died, or did not arrive within {fmt_duration(self.timeout_s)}. Every finished part "
             f"is kept: rerun the same command (any number of ranks) to resume. If a rank is only slow, "
             f"raise {TIMEOUT_ENV} (now {self.timeout_s:.0f} s)")
 

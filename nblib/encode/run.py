@@ -124,7 +124,7 @@ def encode(cache: ImageSource, run_dir: str | Path, config: PipelineConfig, devi
            mirror_dir: str | Path | None = None, progress: bool = True, offload: str = "async",
            weights: str | Path | None = None, preflight: bool = True, workspace=None,
            do_consolidate: bool = True, store: PartStore | None = None,
-           world: World | None = None) -> EncodeReport:
+           world: World | None = None, verify: bool = False) -> EncodeReport:
     """Encode every image of `cache` into parts under `run_dir`, resuming what is durable.
 
     `outputs` / `out_dtype` override the config's; `weights` loads trained weights (default: the
@@ -133,7 +133,8 @@ def encode(cache: ImageSource, run_dir: str | Path, config: PipelineConfig, devi
     is used as it is and left open; otherwise one is opened on run_dir/parts and closed. The run
     holds the run folder's lock (`run_lock`) throughout: a second run on it gets FolderBusyError.
     `world` (`nblib.encode.distributed.join()`) makes this process one rank or shard of several:
-    it encodes its share of the parts, and only the consolidating one merges them.
+    it encodes its share of the parts, and only the consolidating one merges them. A resume
+    checks parts by metadata (part.json, sizes, stat); `verify=True` hashes every part first.
     """
     from nblib.encode.consolidate import consolidate
 
@@ -142,6 +143,7 @@ def encode(cache: ImageSource, run_dir: str | Path, config: PipelineConfig, devi
     run_dir = _require_folder(Path(run_dir), "run folder (--out)")
     if mirror_dir is not None:
         _require_folder(Path(mirror_dir), "mirror folder (--mirror)")
+        world.refuse_mirror()                      # one process only: ranks write --out directly
     cache = require_image_source(cache)
     config = _effective_config(config, len(cache), outputs, out_dtype)
     if offload not in OFFLOAD_MODES:
@@ -161,8 +163,8 @@ def encode(cache: ImageSource, run_dir: str | Path, config: PipelineConfig, devi
     with run_lock(run_dir, fingerprints, world.rank, world.lock_environ) as lock:   # another run is refused
         own_store = store is None
         store = open_store(run_dir, mirror_dir) if own_store else require_part_store(store)
-        store = world.part_store(store, run_dir, plan.n_parts, mirror_dir)   # ranks: no manifest writes
-        manifest = _resume_manifest(store, config, plan, fingerprints)
+        store = world.part_store(store, run_dir, plan.n_parts)   # ranks: parts go through, no manifest writes
+        manifest = _resume_manifest(store, config, plan, fingerprints, verify=True if verify else "quick")
         pending = [k for k in range(plan.n_parts) if plan.part_name(k) not in manifest["parts"]]
         resumed_at = plan.part_range(pending[0])[0] if pending else plan.n_samples
         missing = world.assign(pending, plan.n_parts, store, fingerprints)   # this process's share
@@ -185,11 +187,14 @@ def encode(cache: ImageSource, run_dir: str | Path, config: PipelineConfig, devi
         if consolidating and world.distributed:   # ranks never write the manifest: rebuilt from the parts
             manifest = _resume_manifest(store.inner, config, plan, fingerprints)
             require_all_parts(run_dir, manifest["parts"], plan.n_parts)
-        paths = consolidate(run_dir, store=store, lock=lock) if consolidating else {}
+        paths, recomputed = _consolidate_recomputing(
+            lambda: consolidate(run_dir, store=store, lock=lock), store, manifest, plan,
+            lambda ks: _encode_parts(cache, encoder.to(device).eval(), store, manifest, plan, ks, config, device,
+                                     offload, False, lock)) if consolidating else ({}, [])
         mirrored = store.close() if own_store else None  # waits for the mirror; warns if it is failing
     return EncodeReport(
         run_dir=run_dir, n_samples=plan.n_samples, parts_total=plan.n_parts,
-        parts_encoded=len(missing), resumed_at=resumed_at if resumed_at < plan.n_samples else 0,
+        parts_encoded=len(missing) + len(recomputed), resumed_at=resumed_at if resumed_at < plan.n_samples else 0,
         seconds=seconds, samples_per_s=encoded / seconds if encoded and seconds else 0.0,
         offload=offload, device=str(device), timeline=tuple(timeline), outputs=paths,
         mirror_caught_up=mirrored if mirror_dir is not None else None, write_seconds=write_seconds)
@@ -349,7 +354,8 @@ def _new_manifest(config: PipelineConfig, plan: RunPlan, fingerprints: dict) -> 
             "parts": {}, "samples_done": 0, "complete": False}
 
 
-def _resume_manifest(store: PartStore, config: PipelineConfig, plan: RunPlan, fingerprints: dict) -> dict:
+def _resume_manifest(store: PartStore, config: PipelineConfig, plan: RunPlan, fingerprints: dict,
+                     verify: bool | str = "quick") -> dict:
     """The manifest to continue from: checked against this run, parts re-verified on disk.
 
     A manifest that cannot be read is rebuilt from the parts (each part's meta carries the
@@ -361,7 +367,7 @@ def _resume_manifest(store: PartStore, config: PipelineConfig, plan: RunPlan, fi
         refuse_if_changed(old.get("fingerprints", {}), fingerprints, old.get("settings", {}),
                           fresh["settings"], where=f"the run manifest in {store.local_dir}")
     durable = {}
-    for info in store.list_parts(verify="quick"):     # part.json, sizes, stat; hashed when changed
+    for info in store.list_parts(verify=verify):      # "quick": part.json, sizes, stat; hashed when changed
         meta = dict(info.meta or {})
         if (meta.get("kind"), meta.get("version")) != (RUN_KIND, RUN_VERSION):
             continue
@@ -389,6 +395,32 @@ def _require_folder(folder: Path, what: str) -> Path:
                                   f"pass another folder (or move that file away) and rerun")
             break
     return folder
+
+
+def _consolidate_recomputing(consolidate_run, store: PartStore, manifest: dict, plan: RunPlan,
+                             recompute) -> tuple[dict, list[int]]:
+    """Consolidate; parts found damaged there are deleted, recomputed and consolidated again (once).
+
+    A resume trusts part.json, sizes and stat fingerprints; consolidation hashes every byte it
+    reads, so a part whose bytes changed behind an unchanged size and mtime fails there. Then
+    every part is hashed on both sides (the rare path: a full read) to find all damaged ones.
+    """
+    try:
+        return consolidate_run(), []
+    except StateError as exc:
+        damaged = {d.name for d in store.verify()[1]} if hasattr(store, "verify") else set()
+        ks = [k for k in range(plan.n_parts) if plan.part_name(k) in damaged & set(manifest["parts"])]
+        if not ks:
+            raise
+        warnings.warn(f"consolidation found damaged parts ({exc}); recomputing parts "
+                      f"{[plan.part_name(k) for k in ks]}", stacklevel=3)
+    for k in ks:
+        store.delete_part(plan.part_name(k))
+        start, stop = manifest["parts"].pop(plan.part_name(k))
+        manifest["samples_done"] -= stop - start
+        manifest["complete"] = False
+    recompute(ks)
+    return consolidate_run(), ks
 
 
 def _setting_diffs(old: dict, new: dict) -> list[str]:

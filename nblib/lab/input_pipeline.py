@@ -65,18 +65,18 @@ def where_time_goes(sources, encoder_samples_per_s: float = T4_SAMPLES_PER_S.val
             **report.as_dict()}
 
 
-def tf_sweep(sources, grid: dict, consumer=None, steps: int = 20, warmup: int = 3):
+def tf_sweep(sources, grid: dict, consumer=None, steps: int = 20, warmup: int = 3, repeats: int = 1):
     """Sweep tf.data knobs (one at a time around each knob's first value) over `sources`."""
     from nblib.pipeline.tf_pipelines import tf_pipeline_for
 
-    return sweep(tf_pipeline_for(sources), grid, consumer=consumer, steps=steps, warmup=warmup)
+    return sweep(tf_pipeline_for(sources), grid, consumer=consumer, steps=steps, warmup=warmup, repeats=repeats)
 
 
-def torch_sweep(cache, grid: dict, consumer=None, steps: int = 20, warmup: int = 3):
+def torch_sweep(cache, grid: dict, consumer=None, steps: int = 20, warmup: int = 3, repeats: int = 1):
     """Sweep torch DataLoader knobs over the sharded cache (epoch after epoch)."""
     from nblib.pipeline.torch_loaders import cache_loader_for
 
-    return sweep(cache_loader_for(cache), grid, consumer=consumer, steps=steps, warmup=warmup)
+    return sweep(cache_loader_for(cache), grid, consumer=consumer, steps=steps, warmup=warmup, repeats=repeats)
 
 
 # ------------------------------------------------------------------------------ mixing
@@ -264,17 +264,17 @@ def render_vs_cache(cache, texts=None, num_workers: int | None = None, batch_siz
 
 def cacheless_verdict(rows: list[dict], per_core: float, encoder_samples_per_s: float,
                       ncores: int | None = None) -> str:
-    """Which way is faster here, and whether rendering on the fly keeps up with the encoder."""
+    """Which way is faster here, and whether the measured rendering loader keeps up with the encoder."""
     ncores = ncores or cores()
     cached, rendered = rows[0]["samples_per_s"], rows[1]["samples_per_s"]
-    render_all = per_core * ncores
     faster = "the cache reader" if cached >= rendered else "rendering on the fly"
-    keeps_up = render_all >= encoder_samples_per_s
-    return (f"here {faster} is faster ({fmt_rate(cached)} cached vs {fmt_rate(rendered)} rendered). "
-            f"At 224 px one core renders {fmt_rate(per_core, 'images')}, {ncores} cores "
-            f"{fmt_rate(render_all, 'images')} against the encoder's {fmt_rate(encoder_samples_per_s)}: "
+    keeps_up = rendered >= encoder_samples_per_s
+    return (f"here {faster} is faster ({fmt_rate(cached)} cached vs {fmt_rate(rendered)} rendered in the "
+            f"workers) against the encoder's {fmt_rate(encoder_samples_per_s)}: "
             + ("rendering keeps up, so the image cache is not needed" if keeps_up else
-               f"rendering would starve the encoder (x{render_all / encoder_samples_per_s:.2f}): keep the cache"))
+               f"rendering would starve the encoder (x{rendered / encoder_samples_per_s:.2f}): keep the cache")
+            + f". At 224 px one core renders {fmt_rate(per_core, 'images')} ({ncores} cores: at most "
+              f"{fmt_rate(per_core * ncores, 'images')})")
 
 
 def rates_table(rows: list[dict]) -> str:
@@ -303,11 +303,12 @@ def needle_table(time_share: dict, tf_table, mixing: MixingResult, trap_rows: li
 
 def needle_text(rows: list[dict]) -> str:
     """The needle table as text: finding, reference, here, verdict, and why where it differs."""
-    lines = [f"{'finding':<38} {'reference':<22} {'this machine':<30} verdict"]
+    lines = []
     for r in rows:
-        lines.append(f"{r['finding']:<38} {r['reference']:<22} {r['measured']:<30} {r['verdict']}")
+        lines += [f"{r['finding']}: {r['verdict'].upper()}",
+                  f"    reference     {r['reference']}", f"    this machine  {r['measured']}"]
         if r["verdict"] != "agrees":
-            lines.append(f"{'':<4}why: {r['why']}")
+            lines.append(f"    why           {r['why']}")
     return "\n".join(lines)
 
 

@@ -66,25 +66,30 @@ class SweepTable:
 
 def sweep(make_pipeline_for: Callable[..., Iterable], grid: Mapping[str, Sequence], *,
           base: Mapping | None = None, product: bool = False, consumer_ms: float = 0.0,
-          consumer: Callable | None = None, steps: int = 20, warmup: int = 2,
+          consumer: Callable | None = None, steps: int = 20, warmup: int = 2, repeats: int = 1,
           on_row: Callable[[dict], None] | None = None) -> SweepTable:
     """Measure `make_pipeline_for(**config)` for each config of `grid` (see `measure_pipeline`).
 
     `grid` maps knob names to the values to try; the first value of each is the base (or give
-    `base`). Returns a SweepTable; Ctrl-C returns the rows measured so far (`interrupted=True`).
+    `base`). `repeats` > 1 measures every config that many times, in interleaved passes (a busy
+    moment of the machine hits every config alike), and keeps each config's median run. Returns a
+    SweepTable; Ctrl-C returns the configs measured so far (`interrupted=True`).
     """
     configs = plan_configs(grid, base=base, product=product, known=knob_names(make_pipeline_for))
     table = SweepTable(knobs=tuple(grid), planned=len(configs))
+    runs: list[list] = [[] for _ in configs]
     try:
-        for varied, config in configs:
-            report = measure_pipeline(lambda config=config: make_pipeline_for(**config), consumer_ms,
-                                      consumer=consumer, steps=steps, warmup=warmup)
-            row = {**config, "varied": varied, **report.as_dict()}
-            table.rows.append(row)
-            if on_row is not None:
-                on_row(row)
+        for _ in range(max(1, repeats)):
+            for (varied, config), reports in zip(configs, runs):
+                reports.append(measure_pipeline(lambda config=config: make_pipeline_for(**config), consumer_ms,
+                                                consumer=consumer, steps=steps, warmup=warmup))
+                if on_row is not None:
+                    on_row({**config, "varied": varied, **reports[-1].as_dict()})
     except KeyboardInterrupt:
         table.interrupted = True
+    table.rows = [{**config, "varied": varied, **_median_run(reports).as_dict()}
+                  for (varied, config), reports in zip(configs, runs) if reports]
+    if table.interrupted:
         warnings.warn(f"sweep interrupted: returning the {len(table.rows)} of {len(configs)} configs "
                       f"measured so far", stacklevel=2)
     return table
@@ -121,6 +126,12 @@ def knob_names(make_pipeline_for: Callable) -> tuple[str, ...] | None:
 
 
 # ------------------------------------------------------------------------------ helpers
+
+
+def _median_run(reports: list):
+    """The run with the median samples/s (the lower middle one of an even count)."""
+    ranked = sorted(reports, key=lambda r: r.samples_per_s)
+    return ranked[(len(ranked) - 1) // 2]
 
 
 def _checked_grid(grid: Mapping[str, Sequence], known: Iterable[str] | None) -> dict[str, list]:
