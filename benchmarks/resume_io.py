@@ -1,6 +1,6 @@
 """What a restart costs: resuming a completed, mirrored encode run, hashing every part vs reading metadata.
 
-A real run (smoke model, wide outputs so parts weigh a few hundred MB) is encoded once with a
+A real run (smoke model, 16 capsules, width 192, float32: parts weigh a few hundred MB) is encoded once with a
 mirror folder, then resumed repeatedly, two ways:
   hash every part   encode(..., verify=True): every part hashed on both sides, as every resume did
   metadata only     encode(...): part.json, sizes and stat fingerprints (the default)
@@ -8,7 +8,7 @@ Before each resume the parts are dropped from the page cache (posix_fadvise DONT
 so the reads hit the disk as they would hit Drive. Prints seconds and bytes read (/proc/self/io
 rchar) per mode, medians over --repeats, and the ratio.
 
-    python benchmarks/resume_io.py [--images 3072] [--capsules 64] [--repeats 3] [--out DIR]
+    python benchmarks/resume_io.py [--images 4096] [--dim 192] [--repeats 3] [--out DIR]
 """
 from __future__ import annotations
 
@@ -28,14 +28,14 @@ MODES = {"hash every part": True, "metadata only": False}
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--images", type=int, default=3072)
-    parser.add_argument("--capsules", type=int, default=64, help="wider outputs: more part bytes per image")
+    parser.add_argument("--images", type=int, default=4096)
+    parser.add_argument("--dim", type=int, default=192, help="model width: more part bytes per image")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, help="folder for the cache and the run (default: a temporary one)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="resume-io-") as tmp:
         root = args.out or Path(tmp)
-        run_dir, mirror, resume = prepare(root, args.images, args.capsules)
+        run_dir, mirror, resume = prepare(root, args.images, args.dim)
         parts = sorted(p for side in (run_dir / "parts", mirror) for p in side.glob("part-*/*.npy"))
         one_side = sum(p.stat().st_size for p in parts if p.is_relative_to(mirror))
         print(f"run: {args.images:,} images, {len(parts) // 2} parts per side, {fmt_bytes(one_side)} of "
@@ -55,7 +55,7 @@ def main() -> None:
     print(f"ratio: a metadata-only resume takes 1/{ratio:.1f} of the time of one that hashes every part")
 
 
-def prepare(root: Path, images: int, capsules: int):
+def prepare(root: Path, images: int, dim: int):
     """Populate a cache, encode it once with a mirror; (run dir, mirror, resume(verify) -> (s, rchar))."""
     import torch
 
@@ -70,7 +70,7 @@ def prepare(root: Path, images: int, capsules: int):
         populate(texts, cache_dir, image_size=64, shard_mb=8, workers=0, progress=False)
     cache = ShardedImageCache(cache_dir)
     config = preset("smoke").replace(batch_size=128, checkpoint_every=8, consolidate_every=1,
-                                     out_dtype="float32", capsules=capsules)
+                                     out_dtype="float32", capsules=16, dim=dim)
 
     def resume(verify: bool) -> tuple[float, int]:
         before, started = rchar(), time.perf_counter()

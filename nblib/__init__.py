@@ -21,8 +21,9 @@ from nblib.errors import (
 __version__ = "0.1.0"
 
 _SUBMODULES = (
-    "budget", "cache", "config", "encode", "env", "measure", "plots", "proc", "render", "shuffle",
-    "store", "suite", "tfdata", "trm", "widgets",
+    "atomic", "budget", "cache", "cli", "config", "encode", "env", "lab", "lock", "manifest", "measure",
+    "pipeline", "plots", "proc", "reference", "render", "shuffle", "store", "suite", "tfdata", "trm",
+    "units", "widgets",
 )
 
 __all__ = [

@@ -197,10 +197,10 @@ def fsync_dir(folder: str | Path) -> None:
         os.close(fd)
 
 
-def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
-    """sha256 of a file's bytes, read in 1 MiB chunks."""
+def sha256_file(path: str | Path, chunk: int = 1 << 20, open_file=open) -> str:
+    """sha256 of a file's bytes, read in 1 MiB chunks (through `open_file`, e.g. a FileOps seam)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_file(path, "rb") as f:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()

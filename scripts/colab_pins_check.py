@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -32,6 +33,7 @@ PINS = {"ipywidgets": "7.7.1", "numpy": "1.26.4", "pillow": "9.4.0", "matplotlib
 TEST_TOOLS = ["pytest", "hypothesis", "nbformat", "psutil", "tqdm"]
 HEAVY = ("torch", "tensorflow")
 NOT_LIGHT = ["tests/test_browser.py", "tests/test_colab.py"]
+MISSING_HEAVY = re.compile(r"No module named '(torch|tensorflow)[.']")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         venv = args.venv or Path(tmp) / "venv"
         python = _venv(venv)
         pins = [f"{name}=={version}" for name, version in PINS.items()]
-        _pip(python, "install", "-q", *pins, *TEST_TOOLS)
+        _quiet(_pip(python, "install", "-q", *pins, *TEST_TOOLS, capture=True))
         problems = _would_change(python) + _pip_check(python) + _moved_pins(python)
         status = _light_tests(python, pytest_args)
     for problem in problems:
@@ -58,23 +60,16 @@ def main(argv: list[str] | None = None) -> int:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """A test that fails on a missing torch or TensorFlow is skipped: it is not a light test."""
+    """A test that fails on a missing torch or TensorFlow (here or in its subprocess) is skipped."""
     outcome = yield
-    report = outcome.get_result()
-    if call.excinfo is not None and _needs_heavy(call.excinfo.value):
-        report.outcome, report.longrepr = "skipped", (str(item.path), item.location[1] or 0,
-                                                      f"needs {call.excinfo.value.name}")
+    _skip_if_heavy(outcome.get_result(), str(item.path), item.location[1] or 0)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_make_collect_report(collector):
     """A test module that imports torch or TensorFlow is skipped as a whole."""
     outcome = yield
-    report = outcome.get_result()
-    if report.failed and "ModuleNotFoundError: No module named" in str(report.longrepr):
-        name = str(report.longrepr).split("No module named '", 1)[1].split("'", 1)[0].split(".")[0]
-        if name in HEAVY:
-            report.outcome, report.longrepr = "skipped", (str(collector.path), 0, f"needs {name}")
+    _skip_if_heavy(outcome.get_result(), str(collector.path), 0)
 
 
 # ---------------------------------------------------------------------------------- helpers
@@ -85,13 +80,19 @@ def _venv(venv: Path) -> Path:
     if not python.exists():
         base = getattr(sys, "_base_executable", sys.executable)
         subprocess.run([base, "-m", "venv", str(venv)], check=True)
-        _pip(python, "install", "-q", "--upgrade", "pip")
+        _quiet(_pip(python, "install", "-q", "--upgrade", "pip", capture=True))
     return python
 
 
 def _pip(python: Path, *args: str, capture: bool = False) -> subprocess.CompletedProcess:
     return subprocess.run([str(python), "-m", "pip", *args], check=not capture, capture_output=capture, text=True,
                           env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
+
+
+def _quiet(done: subprocess.CompletedProcess) -> None:
+    """Raise with pip's output when it failed; stay silent when it worked."""
+    if done.returncode:
+        sys.exit(f"{' '.join(map(str, done.args))} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
 
 
 def _would_change(python: Path) -> list[str]:
@@ -108,7 +109,7 @@ def _would_change(python: Path) -> list[str]:
 
 
 def _pip_check(python: Path) -> list[str]:
-    _pip(python, "install", "-q", "--no-deps", "-e", str(ROOT))
+    _quiet(_pip(python, "install", "-q", "--no-deps", "-e", str(ROOT), capture=True))
     done = _pip(python, "check", capture=True)
     return [] if done.returncode == 0 else [f"pip check: {line}" for line in done.stdout.splitlines()]
 
@@ -131,8 +132,12 @@ def _light_tests(python: Path, pytest_args: list[str]) -> int:
     return subprocess.run(command, cwd=ROOT, env=env).returncode
 
 
-def _needs_heavy(exc: BaseException) -> bool:
-    return isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] in HEAVY
+def _skip_if_heavy(report, path: str, line: int) -> None:
+    """Turn a failure whose traceback or output says torch / TensorFlow is missing into a skip."""
+    if report.failed:
+        missing = MISSING_HEAVY.search(str(report.longrepr))
+        if missing:
+            report.outcome, report.longrepr = "skipped", (path, line, f"needs {missing.group(1)}")
 
 
 if __name__ == "__main__":

@@ -107,6 +107,7 @@ class ShardedImageCache:
             images = self.get_batch(entry["start"], entry["stop"])
             self.close(shard)
             yield images
+            del images  # the caller's reference is the only one left: RAM stays near one shard
 
     def torch_dataset(self, transform=None) -> CacheDataset:
         """A map-style dataset for torch's DataLoader (torch is imported only when items are read)."""

@@ -10,7 +10,6 @@ fingerprint changed) and True (hash every file).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import os
 import re
@@ -24,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nblib.atomic import TMP_PREFIX, AtomicWriter, WrittenFile, fsync_dir, npy_header, sha256_json
+from nblib.atomic import TMP_PREFIX, AtomicWriter, WrittenFile, fsync_dir, npy_header, sha256_file, sha256_json
 from nblib.errors import ConfigError, ManifestDamaged, StateError
 from nblib.manifest import manifest_bytes, parse_manifest
 
@@ -126,11 +125,7 @@ class FileOps:
             return None
 
     def sha256(self, path: Path) -> str:
-        h = hashlib.sha256()
-        with self.open(path, "rb") as f:
-            while block := f.read(CHUNK):
-                h.update(block)
-        return h.hexdigest()
+        return sha256_file(path, CHUNK, open_file=self.open)
 
     def load_npy(self, path: Path, mmap: bool) -> np.ndarray:
         if mmap:
