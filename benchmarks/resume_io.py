@@ -38,7 +38,8 @@ def main() -> None:
         run_dir, mirror, resume = prepare(root, args.images, args.dim)
         parts = sorted(p for side in (run_dir / "parts", mirror) for p in side.glob("part-*/*.npy"))
         one_side = sum(p.stat().st_size for p in parts if p.is_relative_to(mirror))
-        print(f"run: {args.images:,} images, {len(parts) // 2} parts per side, {fmt_bytes(one_side)} of "
+        n_parts = len({p.parent.name for p in parts})
+        print(f"run: {args.images:,} images, {n_parts} parts per side, {fmt_bytes(one_side)} of "
               f"parts per side (local staging + mirror)")
         results: dict[str, list[tuple[float, int]]] = {mode: [] for mode in MODES}
         for _ in range(args.repeats):

@@ -33,7 +33,7 @@ PINS = {"ipywidgets": "7.7.1", "numpy": "1.26.4", "pillow": "9.4.0", "matplotlib
 TEST_TOOLS = ["pytest", "hypothesis", "nbformat", "psutil", "tqdm"]
 HEAVY = ("torch", "tensorflow")
 NOT_LIGHT = ["tests/test_browser.py", "tests/test_colab.py"]
-MISSING_HEAVY = re.compile(r"No module named '(torch|tensorflow)[.']")
+MISSING_HEAVY = re.compile(r"No module named \\?'(torch|tensorflow)[.'\\]")   # also as repr() escapes it
 
 
 def main(argv: list[str] | None = None) -> int:
