@@ -217,7 +217,8 @@ def encode_main(argv: list[str]) -> int:
         with _os_errors_name(args.out):
             report = encode(ShardedImageCache(args.cache), args.out, config, device=world.device,
                             mirror_dir=args.mirror, progress=not args.no_progress, offload=args.offload,
-                            weights=args.weights, preflight=not args.no_preflight, world=world)
+                            weights=args.weights, preflight=not args.no_preflight, world=world,
+                            verify=args.verify)
     finally:
         world.close()
     if world.consolidates or world.role == "shard":   # the other ranks of a launch stay quiet
@@ -245,6 +246,8 @@ def _encode_parser() -> argparse.ArgumentParser:
     p.add_argument("--offload", choices=OFFLOAD_MODES, default="async")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--no-preflight", action="store_true", help="skip the budget check")
+    p.add_argument("--verify", action="store_true", help="hash every durable part before resuming (default: "
+                   "metadata only; consolidation hashes every part it reads anyway)")
     p.add_argument("--shard", metavar="I/N", help="encode part set I of N (machines sharing only --out); "
                    "then run --consolidate once")
     p.add_argument("--consolidate", action="store_true", help="only merge the parts the shards wrote; "

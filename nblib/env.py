@@ -19,7 +19,7 @@ from nblib.config import PROFILES
 from nblib.errors import ConfigError, DriveError
 from nblib.units import fmt_gb
 
-COLAB_MOUNT_POINT = Path("/content/drive")
+COLAB_MOUNT_POINT = Path(os.environ.get("NBLIB_COLAB_MOUNT_POINT", "/content/drive"))  # tests point it elsewhere
 COLAB_WORKSPACE = COLAB_MOUNT_POINT / "MyDrive" / "nblib"
 WORKSPACE_FOLDERS = ("cache", "runs", "checkpoints")
 

@@ -24,6 +24,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from nblib.atomic import fsync_dir
 from nblib.errors import NblibError
 from nblib.units import fmt_duration
 
@@ -31,7 +32,9 @@ LOCK_PREFIX = ".lock-rank-"
 STALE_AFTER_S = 600.0      # a lock from another host without a heartbeat for this long is taken over
 UNWRITTEN_GRACE_S = 10.0   # a lock file still empty this long after its creation is a crashed creator's
 READ_RETRIES = 40          # reads of a lock file caught between its creation and its content (x 25 ms)
-ATTEMPTS = 20              # rounds of take-over-then-create before giving up
+ATTEMPTS = 200             # rounds of take-over-then-create before giving up
+TAKEOVER_SUFFIX = ".takeover"  # the short-lived mutex takers of a stale lock serialize on
+TAKEOVER_GRACE_S = 5.0     # a take-over mutex older than this was left by a taker that died
 
 
 class FolderBusyError(NblibError):
@@ -230,21 +233,29 @@ class FolderLock:
                 raise self._busy(holder)
 
     def _take_over_if_stale(self, holder: LockHolder) -> bool:
-        """Remove a stale holder's file (only that very file); False if the holder is alive."""
+        """Remove a stale holder's file (only that very file); False if the holder is alive.
+
+        Takers serialize on a short-lived `<lock>.takeover` file (O_EXCL): under it, the lock file
+        is read again and removed only if it is still the stale holder's, so a live lock that
+        another taker created meanwhile is never removed (a rename-then-check would move it away).
+        """
         if not is_stale(holder, self.stale_after_s):
             return False
-        trash = holder.path.with_name(f"{holder.path.name}.stale-{self.token}")
+        mutex = holder.path.with_name(holder.path.name + TAKEOVER_SUFFIX)
+        if not _acquire_takeover(mutex):
+            return True  # another taker is at it; the caller looks again
         try:
-            os.rename(holder.path, trash)
-        except FileNotFoundError:
-            return True  # another run removed it first; the caller looks again
-        moved = _read_holder(trash)
-        if moved is not None and (moved.token, moved.inode) != (holder.token, holder.inode):
-            _put_back(trash, holder.path)  # a live run took it over between our read and our rename
+            current = _read_holder(holder.path)
+            if current is None:
+                return True  # removed already; the caller creates its own
+            if (current.token, current.inode) != (holder.token, holder.inode):
+                return True  # replaced meanwhile: the caller judges the new holder
+            holder.path.unlink(missing_ok=True)
+            fsync_dir(holder.path.parent)
+            self.taken_over.append(holder)
             return True
-        trash.unlink(missing_ok=True)
-        self.taken_over.append(holder)
-        return True
+        finally:
+            mutex.unlink(missing_ok=True)
 
     def _busy(self, holder: LockHolder) -> FolderBusyError:
         mine = holder.readable and holder.pid == os.getpid() and holder.host == socket.gethostname()
@@ -303,16 +314,19 @@ def _read_holder(path: Path) -> LockHolder | None:
     return None
 
 
-def _put_back(trash: Path, path: Path) -> None:
-    """Return a live lock file moved away by mistake, unless a third run already made a new one."""
+def _acquire_takeover(mutex: Path) -> bool:
+    """Create the take-over mutex exclusively; one left by a taker that died is removed after a grace."""
     try:
-        os.link(trash, path)
+        os.close(os.open(mutex, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        return True
     except FileExistsError:
-        pass  # its owner's check() sees that it lost the lock
-    except OSError:  # a file system without hard links
-        if not path.exists():
-            os.rename(trash, path)
-    trash.unlink(missing_ok=True)
+        try:
+            if time.time() - mutex.stat().st_mtime > TAKEOVER_GRACE_S:
+                mutex.unlink(missing_ok=True)
+        except FileNotFoundError:
+            pass
+        time.sleep(0.01)
+        return False
 
 
 def _pid_alive(pid: int, pid_start: str | None) -> bool:

@@ -368,6 +368,16 @@ class RankStore:
     def read_manifest(self, local_only: bool = False) -> dict | None:
         return self.inner.read_manifest(local_only=local_only)
 
+    def mirror_status(self):
+        return self.inner.mirror_status()
+
+    def verify(self) -> tuple[list, list]:
+        """Every part hashed (the consolidating process calls it after the last barrier)."""
+        return self.inner.verify()
+
+    def delete_part(self, name: str) -> None:
+        self.inner.delete_part(name)
+
     def flush(self, timeout: float | None = None) -> bool:
         return self.inner.flush(timeout)
 

@@ -84,6 +84,14 @@ class PartStore(Protocol):
 
     def read_manifest(self, local_only: bool = False) -> dict | None: ...
 
+    def mirror_status(self) -> Any:
+        """The mirror's state (failing, paused, ...): a MirrorStatus."""
+
+    def verify(self) -> tuple[list, list]:
+        """Every part hashed on every side: (verified parts, damaged copies)."""
+
+    def delete_part(self, name: str) -> None: ...
+
     def flush(self, timeout: float | None = None) -> bool: ...
 
     def close(self, timeout: float | None = None) -> bool: ...

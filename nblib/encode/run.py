@@ -408,7 +408,7 @@ def _consolidate_recomputing(consolidate_run, store: PartStore, manifest: dict, 
     try:
         return consolidate_run(), []
     except StateError as exc:
-        damaged = {d.name for d in store.verify()[1]} if hasattr(store, "verify") else set()
+        damaged = {d.name for d in store.verify()[1]}
         ks = [k for k in range(plan.n_parts) if plan.part_name(k) in damaged & set(manifest["parts"])]
         if not ks:
             raise
@@ -612,8 +612,8 @@ def _progress_bar(plan: RunPlan, manifest: dict, enabled: bool):
 
 def _postfix(store: PartStore, manifest: dict, plan: RunPlan, device) -> dict:
     post = {"parts": f"{len(manifest['parts'])}/{plan.n_parts}", "mirror_lag": store.mirror_lag}
-    status = store.mirror_status() if hasattr(store, "mirror_status") else None
-    if status is not None and status.failing:   # the warning says what to do; the bar says it goes on
+    status = store.mirror_status()
+    if status.failing:   # the warning says what to do; the bar says it goes on
         post["mirror"] = "paused: re-authorize Drive" if status.paused else "failing, retrying"
     if device.type == "cuda":
         import torch
