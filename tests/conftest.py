@@ -29,3 +29,22 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra)
     return env
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Encode with one thread, as the CLI subprocesses do (OMP_NUM_THREADS=1): the same bytes everywhere."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def small_cache(folder: Path, texts: list[str]) -> Path:
+    """A real cache of `texts` at the smoke size (64 px) in 0.5 MB shards, so batches cross shard borders."""
+    from nblib.cache import populate
+
+    populate(texts, folder, image_size=64, shard_mb=0.5, workers=0, progress=False)
+    return folder

@@ -13,10 +13,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import subprocess_env
+from conftest import small_cache, subprocess_env
 from nblib import encode as enc
 from nblib.atomic import sha256_file
-from nblib.cache import ShardedImageCache, populate
+from nblib.cache import ShardedImageCache
 from nblib.config import preset
 from nblib.encode import distributed as dist
 from nblib.errors import ConfigError, StateError
@@ -30,20 +30,15 @@ OUTPUTS = ("sketches", "checksums", "children")
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_torch_thread(one_torch_thread):
+    """Every test of this module encodes with one torch thread."""
 
 
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("cache") / "c"
     texts = [f"#{i} ranks share nothing mutable " + "abc"[i % 3] * (i % 7) for i in range(N_TEXTS)]
-    populate(texts, folder, image_size=64, shard_mb=0.5, workers=0, progress=False)
+    small_cache(folder, texts)
     return folder
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import subprocess_env
+from conftest import small_cache, subprocess_env
 from nblib import encode as enc
 from nblib.atomic import sha256_file
 from nblib.cache import ShardedImageCache, populate
@@ -39,22 +39,15 @@ def _texts(n: int, salt: str = "") -> list[str]:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """Encode with one thread here too, as in the CLI subprocesses (restored afterwards)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_torch_thread(one_torch_thread):
+    """Every test of this module encodes with one torch thread."""
 
 
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory) -> Path:
     """A real 256-image cache at smoke size, cut into 7 shards (batches cross shard borders)."""
     folder = tmp_path_factory.mktemp("cache") / "c"
-    populate(_texts(N_TEXTS), folder, image_size=64, shard_mb=0.5, workers=0, progress=False)
-    return folder
+    return small_cache(folder, _texts(N_TEXTS))
 
 
 @pytest.fixture(scope="module")

@@ -73,12 +73,38 @@ def start_and_kill(cmd, folder, pattern, count, timeout=120.0):
     return process.pid
 
 
-def race(commands, timeout=300):
+def race(commands, timeout=600, **env):
     """Start the commands at the same moment; [(pid, returncode, stdout, stderr)] in order."""
-    processes = [subprocess.Popen(cmd, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    processes = [subprocess.Popen(cmd, env=subprocess_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   text=True) for cmd in commands]
     outputs = [p.communicate(timeout=timeout) for p in processes]
     return [(p.pid, p.returncode, out, err) for p, (out, err) in zip(processes, outputs)]
+
+
+def check_races(tmp_path, trials, command, env, refs, bytes_of, folder_word, other_inputs):
+    """Race seed 0 against seed 1 on one folder `trials` times: exactly one wins, with a solo run's bytes.
+
+    The loser is refused with one error line: by the lock, naming the winner's pid and host, when the
+    runs overlapped, or by the manifest (`other_inputs`) when it started after the winner finished.
+    Most trials must overlap, or the race was not exercised.
+    """
+    winners, busy = [], 0
+    for trial in range(trials):
+        out = tmp_path / f"race-{trial}"
+        results = race([command(out, seed) for seed in (0, 1)], **env)
+        won = [seed for seed, (_, rc, _, _) in enumerate(results) if rc == 0]
+        assert len(won) == 1, (trial, [(rc, err[-400:]) for _, rc, _, err in results])
+        winner, loser = results[won[0]], results[1 - won[0]]
+        line = one_error_line(subprocess.CompletedProcess([], loser[1], loser[2], loser[3]))
+        if f"pid {winner[0]} on host {HOST}" in line and folder_word in line:
+            busy += 1
+        else:
+            assert other_inputs in line, line
+        assert bytes_of(out) == refs[won[0]], f"trial {trial}: the winner's bytes differ from a solo run"
+        assert not list(out.glob(f"{LOCK_PREFIX}*"))
+        winners.append(won[0])
+    print(f"{folder_word} race: {trials} trials, winners by seed {winners}, {busy} refused by the lock")
+    assert busy >= trials // 2, "the runs hardly overlapped: the race was not exercised"
 
 
 @pytest.fixture
@@ -150,23 +176,8 @@ def cache_refs(tmp_path):
 @pytest.mark.slow
 def test_two_cache_runs_started_together_on_one_folder_one_wins_the_other_is_refused(tmp_path, cache_refs):
     texts, refs = cache_refs
-    winners, busy = [], 0
-    for trial in range(CACHE_TRIALS):
-        out = tmp_path / f"race-{trial}"
-        results = race([nblib_cmd("cache", *cache_args(texts, out, seed)) for seed in (0, 1)])
-        won = [seed for seed, (_, rc, _, _) in enumerate(results) if rc == 0]
-        assert len(won) == 1, (trial, [(rc, err[-300:]) for _, rc, _, err in results])
-        winner, loser = results[won[0]], results[1 - won[0]]
-        line = one_error_line(subprocess.CompletedProcess([], loser[1], loser[2], loser[3]))
-        if f"pid {winner[0]} on host {HOST}" in line and "cache folder" in line:
-            busy += 1          # they overlapped: the lock refused the second writer
-        else:                  # the loser started after the winner finished: the manifest refuses it
-            assert "built from other inputs" in line, line
-        assert cache_bytes(out) == refs[won[0]], f"trial {trial}: the winner's cache differs from a solo run"
-        assert not list(out.glob(f"{LOCK_PREFIX}*"))
-        winners.append(won[0])
-    print(f"cache race: {CACHE_TRIALS} trials, winners by seed {winners}, {busy} refused by the lock")
-    assert busy >= CACHE_TRIALS // 2, "the runs hardly overlapped: the race was not exercised"
+    check_races(tmp_path, CACHE_TRIALS, lambda out, seed: nblib_cmd("cache", *cache_args(texts, out, seed)),
+                {}, refs, cache_bytes, "cache folder", "built from other inputs")
 
 
 @pytest.mark.slow
@@ -296,26 +307,8 @@ def encode_refs(tmp_path_factory):
 @pytest.mark.slow
 def test_two_encode_runs_started_together_on_one_folder_one_wins_the_other_is_refused(tmp_path, encode_refs):
     cache, refs = encode_refs
-    winners, busy = [], 0
-    for trial in range(ENCODE_TRIALS):
-        out = tmp_path / f"race-{trial}"
-        commands = [encode_cmd(cache, out, seed) for seed in (0, 1)]
-        processes = [subprocess.Popen(cmd, env=subprocess_env(**THREADS), stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True) for cmd in commands]
-        results = [(p.pid, *p.communicate(timeout=600), p.returncode) for p in processes]
-        won = [seed for seed, (_, _, _, rc) in enumerate(results) if rc == 0]
-        assert len(won) == 1, (trial, [(rc, err[-400:]) for _, _, err, rc in results])
-        winner, loser = results[won[0]], results[1 - won[0]]
-        line = one_error_line(subprocess.CompletedProcess([], loser[3], loser[1], loser[2]))
-        if f"pid {winner[0]} on host {HOST}" in line and "run folder" in line:
-            busy += 1          # they overlapped: the lock refused the second writer
-        else:                  # the loser started after the winner finished: the manifest refuses it
-            assert "made with other inputs" in line, line
-        assert output_hashes(out) == refs[won[0]], f"trial {trial}: the winner's outputs differ from a solo run"
-        assert not list(out.glob(f"{LOCK_PREFIX}*"))
-        winners.append(won[0])
-    print(f"encode race: {ENCODE_TRIALS} trials, winners by seed {winners}, {busy} refused by the lock")
-    assert busy >= ENCODE_TRIALS // 2, "the runs hardly overlapped: the race was not exercised"
+    check_races(tmp_path, ENCODE_TRIALS, lambda out, seed: encode_cmd(cache, out, seed), THREADS, refs,
+                output_hashes, "run folder", "made with other inputs")
 
 
 @pytest.mark.slow
