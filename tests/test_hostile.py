@@ -200,7 +200,12 @@ def test_a_repair_while_a_cache_run_writes_is_refused_and_deletes_nothing(tmp_pa
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     while len(list(out.glob("shard-*"))) < 3 and writer.poll() is None:
         time.sleep(0.005)
-    line = one_error_line(run_cli("cache", "--verify", "--repair", out))
+    writer.send_signal(signal.SIGSTOP)  # hold the writer mid-run (a slow disk), its lock still held
+    try:
+        assert writer.poll() is None, "the writer finished before the repair could start"
+        line = one_error_line(run_cli("cache", "--verify", "--repair", out))
+    finally:
+        writer.send_signal(signal.SIGCONT)
     assert f"pid {writer.pid} on host {HOST}" in line
     _, err = writer.communicate(timeout=300)
     assert writer.returncode == 0, err
