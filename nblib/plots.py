@@ -520,7 +520,10 @@ def mixing_bars(mixing, save_to=None) -> Figure:
 def input_rates(rows, encoder_samples_per_s: float, save_to=None) -> Figure:
     """samples/s of each input source (bars) against the encoder's rate (a line)."""
     fig, ax = new_figure(width=6.5)
-    ax.bar([r["source"] for r in rows], [r["samples_per_s"] for r in rows], color="C0")
+    bars = ax.bar([_wrap(r["source"], 18) for r in rows], [r["samples_per_s"] for r in rows], color="C0")
+    for bar, r in zip(bars, rows):
+        ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), f"{r['samples_per_s']:,.0f}/s",
+                ha="center", va="bottom", fontsize=8)
     ax.axhline(encoder_samples_per_s, color="C3", ls="--", label=f"encoder {encoder_samples_per_s:,.0f}/s")
     ax.set(ylabel="samples/s", yscale="log", title="Can the loader feed the encoder?")
     ax.legend(fontsize=8)
