@@ -494,7 +494,7 @@ def pipeline_memory(table, trap_rows, buffer_knob: str = "shuffle_buffer", save_
     fig, (buf_ax, work_ax) = new_figure(ncols=2, width=5.0)
     curve = table.curve(buffer_knob) if buffer_knob in table.knobs else []
     buf_ax.plot([r[buffer_knob] for r in curve], [r["peak_rss_bytes"] / MB for r in curve], "o-")
-    buf_ax.set(xlabel=buffer_knob, ylabel="peak RSS (MB)", title="tf.data: RSS grows with the buffer")
+    buf_ax.set(xlabel=buffer_knob, ylabel="peak RSS (MB)", title="tf.data: peak RSS against the shuffle buffer")
     traps = [r for r in trap_rows if r["setup"].startswith("TF in")]
     work_ax.plot([r["num_workers"] for r in traps], [r["rss_added_bytes"] / MB for r in traps], "o-",
                  label="TF pipeline in each worker")
