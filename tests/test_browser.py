@@ -172,7 +172,8 @@ def panel_text(panel) -> str:
 
 def panel_verdict(panel) -> str:
     """The last printed line of the panel's output: the verdict."""
-    return panel_text(panel).strip().splitlines()[-1] if panel_text(panel).strip() else ""
+    text = panel_text(panel).strip()  # read once: the kernel may clear and redraw the output in between
+    return text.splitlines()[-1] if text else ""
 
 
 def panel_chart(panel) -> bytes:
