@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import subprocess_env
+from conftest import cache_folder_bytes, subprocess_env
 from nblib.cache import read_cache_manifest
 
 SIZE = 64
@@ -30,16 +30,6 @@ def write_texts(path, n):
     path.write_text("".join(f'{{"id": {i}, "body": "sample {i} {"word " * (i % 13)}"}}\n'
                             for i in range(n)))
     return path
-
-
-def folder_bytes(folder):
-    """Every file's bytes; of the manifest, its body without the shard stats (mtime_ns)."""
-    files = {p.name: p.read_bytes() for p in sorted(folder.iterdir())
-             if p.is_file() and p.name != "manifest.json"}
-    body = read_cache_manifest(folder)
-    files["manifest.json"] = {**body, "shards": [{k: v for k, v in s.items() if k != "mtime_ns"}
-                                                 for s in body["shards"]]}
-    return files
 
 
 def listed_shards(folder):
@@ -95,7 +85,7 @@ def test_sigkill_at_three_points_then_resume_gives_byte_identical_cache(tmp_path
     resumed = run_cli(*args(killed))
     assert resumed.returncode == 0, resumed.stderr
     assert f"reused {seen[-1]}" in resumed.stdout
-    assert folder_bytes(killed) == folder_bytes(reference)
+    assert cache_folder_bytes(killed) == cache_folder_bytes(reference)
     assert run_cli("--verify", killed).returncode == 0
 
 
@@ -142,12 +132,12 @@ def test_rerun_repairs_a_same_size_shard_swapped_in_from_another_cache(tmp_path)
     flags = ("--size", 32, "--shard-mb", 0.02, "--workers", 0, "--no-progress")
     assert run_cli("--texts", texts, "--out", tmp_path / "a", *flags).returncode == 0
     assert run_cli("--texts", others, "--out", tmp_path / "b", *flags).returncode == 0
-    original = folder_bytes(tmp_path / "a")
+    original = cache_folder_bytes(tmp_path / "a")
     shutil.copy2(tmp_path / "b" / "shard-00001.npy", tmp_path / "a" / "shard-00001.npy")
     rerun = run_cli("--texts", texts, "--out", tmp_path / "a", *flags)
     assert rerun.returncode == 0, rerun.stderr
     assert "repaired 1 damaged" in rerun.stdout
-    assert folder_bytes(tmp_path / "a") == original
+    assert cache_folder_bytes(tmp_path / "a") == original
 
 
 def test_texts_that_are_a_folder_are_named_a_folder(tmp_path):

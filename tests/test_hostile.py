@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import subprocess_env
+from conftest import cache_folder_bytes, subprocess_env
 from nblib.atomic import sha256_file
 from nblib.cache import read_cache_manifest
 from nblib.lock import LOCK_PREFIX
@@ -43,16 +43,6 @@ def one_error_line(result):
 def write_texts(path, n):
     path.write_text("".join(f"sample {i} {'word ' * (i % 11)}\n" for i in range(n)))
     return path
-
-
-def cache_bytes(folder):
-    """Every file's bytes; of the manifest, its body without the shard stats (mtime_ns)."""
-    files = {p.name: p.read_bytes() for p in sorted(folder.iterdir())
-             if p.is_file() and p.name != "manifest.json"}
-    body = read_cache_manifest(folder)
-    files["manifest.json"] = {**body, "shards": [{k: v for k, v in s.items() if k != "mtime_ns"}
-                                                 for s in body["shards"]]}
-    return files
 
 
 def start_and_kill(cmd, folder, pattern, count, timeout=120.0):
@@ -169,7 +159,7 @@ def cache_refs(tmp_path):
     for seed in (0, 1):
         done = run_cli("cache", *cache_args(texts, tmp_path / f"solo-{seed}", seed))
         assert done.returncode == 0, done.stderr
-        refs[seed] = cache_bytes(tmp_path / f"solo-{seed}")
+        refs[seed] = cache_folder_bytes(tmp_path / f"solo-{seed}")
     return texts, refs
 
 
@@ -177,7 +167,7 @@ def cache_refs(tmp_path):
 def test_two_cache_runs_started_together_on_one_folder_one_wins_the_other_is_refused(tmp_path, cache_refs):
     texts, refs = cache_refs
     check_races(tmp_path, CACHE_TRIALS, lambda out, seed: nblib_cmd("cache", *cache_args(texts, out, seed)),
-                {}, refs, cache_bytes, "cache folder", "built from other inputs")
+                {}, refs, cache_folder_bytes, "cache folder", "built from other inputs")
 
 
 @pytest.mark.slow
@@ -189,7 +179,7 @@ def test_a_sigkilled_cache_run_leaves_a_lock_the_rerun_takes_over_to_identical_b
     assert f'"pid": {killed_pid}' in lock.read_text()  # the dead holder's lock is still there
     resumed = run_cli("cache", *cache_args(texts, out))
     assert resumed.returncode == 0, resumed.stderr
-    assert cache_bytes(out) == refs[0] and not lock.exists()
+    assert cache_folder_bytes(out) == refs[0] and not lock.exists()
 
 
 @pytest.mark.slow
@@ -209,7 +199,7 @@ def test_a_repair_while_a_cache_run_writes_is_refused_and_deletes_nothing(tmp_pa
     assert f"pid {writer.pid} on host {HOST}" in line
     _, err = writer.communicate(timeout=300)
     assert writer.returncode == 0, err
-    assert cache_bytes(out) == refs[0]
+    assert cache_folder_bytes(out) == refs[0]
 
 
 @pytest.mark.slow
@@ -229,7 +219,7 @@ def test_a_full_disk_mid_cache_is_one_error_line_and_resumes_to_identical_bytes(
     filler.unlink()  # the fix: free space
     resumed = run_cli("cache", "--texts", texts, "--out", out, *flags)
     assert resumed.returncode == 0, resumed.stderr
-    assert cache_bytes(out) == cache_bytes(ref)
+    assert cache_folder_bytes(out) == cache_folder_bytes(ref)
 
 
 @pytest.mark.slow
@@ -246,7 +236,7 @@ def test_a_read_only_cache_folder_is_one_error_line_and_resumes_once_writable(tm
     remount(disk, "rw")
     resumed = run_cli("cache", *cache_args(texts, out))
     assert resumed.returncode == 0, resumed.stderr
-    assert cache_bytes(out) == refs[0]
+    assert cache_folder_bytes(out) == refs[0]
     remount(disk, "ro")  # a finished cache on a read-only mount is still reused, and read
     reused = run_cli("cache", *cache_args(texts, out))
     assert reused.returncode == 0 and "reused" in reused.stdout, reused.stderr
@@ -265,7 +255,7 @@ def test_a_cache_out_that_is_a_file_is_one_error_line_and_works_once_moved(tmp_p
     out.unlink()
     done = run_cli("cache", *cache_args(texts, out))
     assert done.returncode == 0, done.stderr
-    assert cache_bytes(out) == refs[0]
+    assert cache_folder_bytes(out) == refs[0]
     shutil.rmtree(out)
 
 
