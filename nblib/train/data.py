@@ -1,0 +1,170 @@
+"""What a training step reads: labels that come free with the texts, a held-out split, and the order.
+
+Labels: `kind` (the JSONL field of data/sample_texts.jsonl: twelve kinds, 7-10% each) or `script`
+(the Unicode script of most letters: Latin is 64% of the sample texts, so a model that always says
+"Latin" already scores 64%). The suite trains on `kind` by default because "above chance" then
+means above 1/12, a bar a broken loop cannot clear by guessing the majority.
+
+The order: a `GlobalShuffle` (keyed Feistel permutation) of the training indices per epoch, cut in
+global batches of `batch_size`; rank r of W takes the r-th slice of each. The state at any step
+is the shuffle's (n, seed, epoch, position): ~150 bytes of JSON, the same for every world size,
+so a resume on another number of ranks continues the same global sample order.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import unicodedata
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from nblib.errors import ConfigError, InputError, StateError
+from nblib.shuffle import GlobalShuffle, load_state_json, state_to_json
+
+SPLIT_SALT = 0x7EA1_5EED            # the held-out split does not move when the training seed does
+
+
+def script_of(text: str) -> str:
+    """The Unicode script of most letters of `text` (first word of the character name), or 'none'."""
+    counts = collections.Counter(unicodedata.name(ch, "?").split()[0] for ch in text if ch.isalpha())
+    return counts.most_common(1)[0][0].lower() if counts else "none"
+
+
+def read_labels(texts_path: str | Path, labels: str = "kind") -> tuple[np.ndarray, list[str]]:
+    """(label of each line as int64, class names) from a JSONL texts file."""
+    path = Path(texts_path)
+    if path.suffix != ".jsonl":
+        raise InputError(f"{path} is not a .jsonl file: labels come from its 'kind' field or its texts' "
+                         f"script; build the cache from data/sample_texts.jsonl (or pass --texts such a file)")
+    names = []
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            try:
+                row = json.loads(line)
+            except ValueError as exc:
+                raise InputError(f"{path} line {number} is not JSON ({exc})") from None
+            if labels == "kind":
+                if not isinstance(row.get("kind"), str):
+                    raise InputError(f"{path} line {number} has no 'kind' field; use --labels script")
+                names.append(row["kind"])
+            else:
+                names.append(script_of(str(row.get("text", ""))))
+    classes = sorted(set(names))
+    lookup = {name: i for i, name in enumerate(classes)}
+    return np.array([lookup[n] for n in names], dtype=np.int64), classes
+
+
+def labels_for_cache(cache, labels: str = "kind", texts: str | Path | None = None) -> tuple[np.ndarray, list[str]]:
+    """Labels of every image of a cache, from the texts file its manifest records (or `texts`)."""
+    source = cache.manifest["source"]
+    path = texts if texts is not None else source.get("path")
+    if path is None:
+        raise ConfigError(f"the cache {cache.cache_dir} was built from texts in memory and records no file; "
+                          f"pass --texts PATH.jsonl (the texts it was rendered from)")
+    if not Path(path).is_file():
+        raise InputError(f"the texts file {path} (recorded by the cache {cache.cache_dir}) is missing; "
+                         f"pass --texts PATH.jsonl")
+    values, classes = read_labels(path, labels)
+    if len(values) != source["n_texts"]:
+        raise InputError(f"{path} has {len(values):,} lines but the cache {cache.cache_dir} was rendered from "
+                         f"{source['n_texts']:,} texts: they are not its texts; pass the right --texts")
+    return values[: len(cache)], classes
+
+
+def split(n: int, holdout: float, labels: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(train indices, held-out indices), a fixed keyed permutation cut at `holdout`, each sorted."""
+    order = GlobalShuffle(n=n, seed=SPLIT_SALT).indices()
+    cut = max(1, int(round(n * holdout)))
+    if cut >= n:
+        raise ConfigError(f"holdout={holdout} of {n} samples leaves nothing to train on")
+    return np.sort(order[cut:]), np.sort(order[:cut])
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Which cache indices step s reads: global batch s of the epoch's permutation of `train`."""
+
+    train: np.ndarray
+    batch_size: int
+    seed: int
+
+    @property
+    def steps_per_epoch(self) -> int:
+        spe = len(self.train) // self.batch_size
+        if spe < 1:
+            raise ConfigError(f"batch_size={self.batch_size} is larger than the {len(self.train)} training "
+                              f"samples; use a smaller batch or a bigger cache")
+        return spe
+
+    def shuffle_at(self, step: int) -> GlobalShuffle:
+        """The shuffle positioned where step `step` starts reading (the last partial batch is dropped)."""
+        epoch, within = divmod(int(step), self.steps_per_epoch)
+        shuffle = GlobalShuffle(n=len(self.train), seed=self.seed, epoch=epoch)
+        shuffle.position = within * self.batch_size
+        return shuffle
+
+    def global_batch(self, step: int) -> np.ndarray:
+        """Cache indices of step `step`'s global batch, in order."""
+        shuffle = self.shuffle_at(step)
+        return self.train[shuffle.indices(shuffle.position, shuffle.position + self.batch_size)]
+
+    def rank_batch(self, step: int, rank: int, world: int) -> np.ndarray:
+        """Rank `rank`'s slice of step `step`'s global batch."""
+        per = self.batch_size // world
+        return self.global_batch(step)[rank * per:(rank + 1) * per]
+
+    def state_bytes(self, step: int) -> bytes:
+        """The data order at step `step`: the shuffle's state as JSON bytes."""
+        return state_to_json(self.shuffle_at(step).state_dict()).encode()
+
+    def step_of(self, state: bytes) -> int:
+        """The step a stored shuffle state resumes at; StateError when it is not this plan's."""
+        shuffle = GlobalShuffle(n=len(self.train), seed=self.seed)
+        loaded = load_state_json(state.decode() if isinstance(state, bytes) else state)
+        epoch = loaded.get("epoch")
+        if isinstance(epoch, int) and epoch != shuffle.epoch:
+            shuffle = GlobalShuffle(n=len(self.train), seed=self.seed, epoch=epoch)
+        shuffle.load_state_dict(loaded)       # refuses another n or seed, or an edited state
+        within, rest = divmod(shuffle.position, self.batch_size)
+        if rest:
+            raise StateError(f"the data-order state sits at position {shuffle.position}, not a multiple of "
+                             f"batch_size={self.batch_size}: it belongs to a run with another batch size")
+        return shuffle.epoch * self.steps_per_epoch + within
+
+
+class StepBatches:
+    """A batch sampler for torch's DataLoader: this rank's micro-batches for steps [start, stop)."""
+
+    def __init__(self, plan: BatchPlan, start: int, stop: int, rank: int = 0, world: int = 1,
+                 accumulation: int = 1):
+        self.plan, self.start, self.stop = plan, start, stop
+        self.rank, self.world, self.accumulation = rank, world, accumulation
+
+    def __iter__(self):
+        for step in range(self.start, self.stop):
+            mine = self.plan.rank_batch(step, self.rank, self.world)
+            for chunk in np.array_split(mine, self.accumulation):
+                yield chunk.tolist()
+
+    def __len__(self) -> int:
+        return (self.stop - self.start) * self.accumulation
+
+
+class LabelledImages:
+    """Map-style dataset: item i is (uint8 [H, W, 3] tensor, label); picklable for loader workers."""
+
+    def __init__(self, cache_dir: str, labels: np.ndarray):
+        from nblib.cache import ShardedImageCache
+
+        self.cache = ShardedImageCache(cache_dir)
+        self.labels = labels
+
+    def __len__(self) -> int:
+        return len(self.cache)
+
+    def __getitem__(self, index: int):
+        import torch
+
+        return torch.from_numpy(self.cache[index]), int(self.labels[index])

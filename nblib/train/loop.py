@@ -1,0 +1,346 @@
+"""The training loop: resume or start, step, evaluate, save locally, back up, finish with final.pt.
+
+`train(cache_dir, out, config)` is what `python -m nblib train` and notebook 06 run. Rerunning it
+on the same folder resumes from the newest state that loads (local first, then the mirror) and
+gives the same final bytes as an uninterrupted run: every input of a step is in the state (weights,
+AdamW moments, schedule, scaler, the RNGs the augmentation draws from, the data order as a
+shuffle state), CPU kernels run with `torch.use_deterministic_algorithms(True)`, and the loader's
+workers only read images by index, so 0 or 2 workers give the same batches. Under `torchrun`
+the model is wrapped in DistributedDataParallel (gloo on CPU, nccl on GPUs); each rank reads its
+slice of the global batch; rank 0 alone evaluates and writes every checkpoint and final.pt.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from nblib.atomic import atomic_torch_save
+from nblib.config import for_profile, preset
+from nblib.errors import ConfigError, ResumeMismatch
+from nblib.manifest import write_manifest
+
+from .config import TrainConfig
+from .data import BatchPlan, LabelledImages, StepBatches, labels_for_cache, split
+from .model import Classifier, shift_images
+from .state import STATE_FORMAT, capture_rng, check_identity, restore_rng, seed_everything
+from .store import Durability, TrainStore
+
+FINAL = "final.pt"
+REPORT = "train.json"
+REPORT_KIND = "nblib.train.run"
+EVAL_BATCH = 64
+
+
+@dataclass
+class TrainReport:
+    """What a run did: steps, metric history, where it resumed from, save cost, durability."""
+
+    out: Path
+    steps: int
+    start_step: int
+    resumed_from: str
+    history: list[dict]
+    best_step: int | None
+    final: Path | None
+    seconds: float
+    step_seconds: list[float] = field(default_factory=list)
+    save_seconds: list[float] = field(default_factory=list)
+    samples: int = 0
+    durability: Durability | None = None
+    classes: list[str] = field(default_factory=list)
+
+    @property
+    def first(self) -> dict:
+        return self.history[0] if self.history else {}
+
+    @property
+    def last(self) -> dict:
+        return self.history[-1] if self.history else {}
+
+    @property
+    def save_share(self) -> float:
+        """The loop's blocking time in saves as a share of its step time."""
+        steps = sum(self.step_seconds)
+        return sum(self.save_seconds) / steps if steps else 0.0
+
+    def __str__(self) -> str:
+        lines = [f"trained {self.out}: steps {self.start_step} -> {self.steps} (resumed from {self.resumed_from})"]
+        if self.first and self.last:
+            lines.append(f"held-out loss {self.first['heldout_loss']:.4f} -> {self.last['heldout_loss']:.4f}, "
+                         f"accuracy {self.first['heldout_accuracy']:.1%} -> {self.last['heldout_accuracy']:.1%} "
+                         f"(chance {1 / max(1, len(self.classes)):.1%}, {len(self.classes)} classes)")
+        if self.save_seconds:
+            lines.append(f"saves blocked the loop {sum(self.save_seconds):.2f} s = {self.save_share:.1%} of step time "
+                         f"({len(self.save_seconds)} saves, {np.mean(self.save_seconds) * 1e3:.1f} ms each)")
+        if self.durability is not None:
+            lines.append(self.durability.line())
+        if self.final is not None:
+            lines.append(f"final weights: {self.final} (python -m nblib encode --weights {self.final})")
+        return "\n".join(lines)
+
+
+def model_config(profile: str):
+    """The encoder shape a profile (or preset name) trains."""
+    try:
+        return for_profile(profile)
+    except ConfigError:
+        return preset(profile)
+
+
+def train(cache_dir: str | Path, out: str | Path, config: TrainConfig, *, mirror: str | None = None,
+          texts: str | Path | None = None, progress: bool = False, world=None, storage_options: dict | None = None,
+          mirror_timeout_s: float = 60.0, stop_after: int | None = None, on_step=None) -> TrainReport:
+    """Train (or resume) the run in `out` to `config.steps`; the report. See the module docstring.
+
+    stop_after: stop (cleanly, after saving) once this step is reached (notebook demos of a resume).
+    on_step(step, report): called after every step (progress displays, tests).
+    """
+    from nblib.cache import ShardedImageCache
+
+    started = time.perf_counter()
+    rank, world_size = (world.rank, world.size) if world is not None else (0, 1)
+    writer = rank == 0
+    _deterministic(config.device)
+    cache = ShardedImageCache(cache_dir)
+    labels, classes = labels_for_cache(cache, config.labels, texts)
+    train_idx, held_idx = split(len(cache), config.holdout)
+    plan = BatchPlan(train_idx, config.batch_size, config.seed)
+    plan.steps_per_epoch  # noqa: B018  refuses a batch larger than the training set, before any work
+    micro = config.micro_batch(world_size)
+    shape = model_config(config.profile).model
+    identity = {"format": STATE_FORMAT, "config": config.computing(), "cache": cache.fingerprint,
+                "classes": classes, "n_train": int(len(train_idx)), "model": dict(shape.__dict__)}
+    out = Path(out)
+    store = TrainStore(out, mirror, keep_last=config.keep_last, storage_options=storage_options,
+                       start_mirror=writer) if writer else None
+    model = Classifier(shape, len(classes), seed=config.seed).to(config.device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay, foreach=False)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(config.warmup_steps, config.steps))
+    scaler = torch.amp.GradScaler(_device_type(config.device), enabled=config.precision == "fp16")
+
+    state, source = _load(store, world, out)
+    if state is not None:
+        check_identity(state["identity"], identity, f"{out} ({source} state, step {state['step']})")
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        scaler.load_state_dict(state["scaler"])
+        step = plan.step_of(state["data_order"])
+        if step != state["step"]:
+            raise ResumeMismatch(f"the state's data order resumes at step {step} but it says step {state['step']}: "
+                                 f"it was edited; remove {out} or restore the file")
+        history, best = list(state["history"]), state["best"]
+    else:
+        step, history, best, source = 0, [], None, "start"
+    report = TrainReport(out, config.steps, step, source, history, best, None, 0.0, classes=classes)
+    net = _wrap(model, world)
+    try:
+        if writer and step == 0:
+            report.history.append(_evaluate(model, cache, labels, held_idx, config, 0, float("nan")))
+        stop = config.steps if stop_after is None else min(config.steps, max(step, stop_after))
+        loader = _loader(cache_dir, labels, plan, step, stop, rank, world_size, config)
+        batches = iter(loader)
+        if state is not None:
+            restore_rng(state["rng"])
+        else:
+            seed_everything(config.seed)
+        bar = _bar(progress and writer, config.steps, step)
+        while step < stop:
+            tick = time.perf_counter()
+            loss = _step(net, optimizer, scheduler, scaler, batches, config, micro)
+            step += 1
+            report.samples += config.batch_size
+            report.step_seconds.append(time.perf_counter() - tick)
+            if writer:
+                _after_step(step, loss, model, cache, labels, held_idx, config, plan, optimizer, scheduler,
+                            scaler, identity, store, report, stop)
+            if bar is not None:
+                _show(bar, report, store, loss)
+            if on_step is not None:
+                on_step(step, report)
+        if bar is not None:
+            bar.close()
+        if writer and step == config.steps:
+            report.final = _write_final(out, model, classes, config)
+    finally:
+        if store is not None:
+            report.durability = store.close(mirror_timeout_s)
+    report.seconds = time.perf_counter() - started
+    if writer:
+        _write_report(out, report, config)
+    return report
+
+
+def _after_step(step, loss, model, cache, labels, held_idx, config, plan, optimizer, scheduler, scaler,
+                identity, store, report, stop) -> None:
+    """Rank 0 after a step: evaluate, keep the best, save locally, back up."""
+    final = step == config.steps or step == stop
+    if step % config.eval_every == 0 or final:
+        report.history.append(_evaluate(model, cache, labels, held_idx, config, step, loss))
+    saving = step % config.save_every == 0 or final
+    if not saving:
+        return
+    tick = time.perf_counter()
+    backup = step % config.backup_every == 0 or step == config.steps
+    improved = _improved(report, config.best_metric)
+    if improved:
+        report.best_step = step
+        store.save_best(final_payload(model, report.classes, config), step, backup=False)
+    state = {"identity": identity, "step": step, "epoch": step // plan.steps_per_epoch,
+             "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+             "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "rng": capture_rng(),
+             "data_order": plan.state_bytes(step), "history": report.history, "best": report.best_step}
+    store.save(state, step, backup=backup)
+    if backup:
+        store.backup_best()
+    report.save_seconds.append(time.perf_counter() - tick)
+
+
+def final_payload(model: Classifier, classes: list[str], config: TrainConfig) -> dict:
+    """What final.pt holds: TRMVisionEncoder.save_weights's payload, plus the head and its classes."""
+    return {"config": model.encoder.config.__dict__, "state_dict": model.encoder.state_dict(),
+            "head": {k: v for k, v in model.state_dict().items() if not k.startswith("encoder.")},
+            "classes": list(classes), "train": config.to_dict()}
+
+
+def _write_final(out: Path, model, classes, config) -> Path:
+    return atomic_torch_save(final_payload(model, classes, config), out / FINAL).path
+
+
+def _write_report(out: Path, report: TrainReport, config: TrainConfig) -> None:
+    body = {"steps": report.steps, "start_step": report.start_step, "resumed_from": report.resumed_from,
+            "history": report.history, "best_step": report.best_step, "classes": report.classes,
+            "config": config.to_dict(), "final": None if report.final is None else report.final.name,
+            "durability": None if report.durability is None else report.durability.line(),
+            "save_share": report.save_share}
+    write_manifest(out / REPORT, REPORT_KIND, body)
+
+
+def _step(net, optimizer, scheduler, scaler, batches, config, micro) -> float:
+    """One optimizer step over `accumulation` micro-batches; the mean loss."""
+    total = 0.0
+    for k in range(config.accumulation):
+        images, labels = next(batches)
+        images = shift_images(images, config.shift_px).to(config.device)
+        labels = labels.to(config.device)
+        sync = k == config.accumulation - 1 or not hasattr(net, "no_sync")
+        with (_nullcontext() if sync else net.no_sync()), _autocast(config):
+            loss = F.cross_entropy(net(images), labels) / config.accumulation
+            scaler.scale(loss).backward()
+        total += float(loss.detach())
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    return total
+
+
+@torch.no_grad()
+def _evaluate(model, cache, labels, held_idx, config, step: int, train_loss: float) -> dict:
+    """Held-out loss and accuracy (no augmentation, no RNG drawn)."""
+    model.eval()
+    loss_sum, correct = 0.0, 0
+    for start in range(0, len(held_idx), EVAL_BATCH):
+        idx = held_idx[start:start + EVAL_BATCH]
+        images = torch.from_numpy(np.stack([cache[int(i)] for i in idx])).to(config.device)
+        target = torch.from_numpy(labels[idx]).to(config.device)
+        with _autocast(config):
+            logits = model(images).float()
+        loss_sum += float(F.cross_entropy(logits, target, reduction="sum"))
+        correct += int((logits.argmax(1) == target).sum())
+    model.train()
+    n = len(held_idx)
+    return {"step": step, "train_loss": train_loss, "heldout_loss": loss_sum / n, "heldout_accuracy": correct / n}
+
+
+def _improved(report: TrainReport, metric: str) -> bool:
+    """True when the newest evaluation is the best so far by `metric` (and came at this step)."""
+    scored = [h for h in report.history if h["step"] > 0]
+    if not scored:
+        return False
+    sign = -1 if metric == "heldout_loss" else 1
+    best = max(scored, key=lambda h: (sign * h[metric], -h["step"]))
+    return best is scored[-1] and best["step"] != report.best_step
+
+
+def _load(store, world, out):
+    """Rank 0 loads the newest state and hands it to the other ranks (one reader, the same state)."""
+    state, source = store.load_latest() if store is not None else (None, "none")
+    if world is not None and world.size > 1:
+        import torch.distributed as dist
+
+        box = [(state, source)]
+        dist.broadcast_object_list(box, src=0)
+        state, source = box[0]
+    return state, source
+
+
+def _wrap(model, world):
+    if world is None or world.size == 1:
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, process_group=world.group)
+
+
+def _loader(cache_dir, labels, plan, start, stop, rank, world_size, config):
+    from torch.utils.data import DataLoader
+
+    batches = StepBatches(plan, start, stop, rank, world_size, config.accumulation)
+    return DataLoader(LabelledImages(str(cache_dir), labels), batch_sampler=batches, num_workers=config.workers,
+                      generator=torch.Generator().manual_seed(config.seed),
+                      multiprocessing_context="fork" if config.workers else None)
+
+
+def _warmup_cosine(warmup: int, total: int):
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return factor
+
+
+def _deterministic(device: str) -> None:
+    torch.use_deterministic_algorithms(True, warn_only=device != "cpu")
+
+
+def _device_type(device: str) -> str:
+    return "cuda" if device.startswith("cuda") else "cpu"
+
+
+def _autocast(config: TrainConfig):
+    if config.precision == "fp32":
+        return _nullcontext()
+    dtype = torch.float16 if config.precision == "fp16" else torch.bfloat16
+    return torch.autocast(_device_type(config.device), dtype=dtype)
+
+
+def _nullcontext():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def _bar(show: bool, total: int, initial: int):
+    if not show:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, unit="step", desc="train")
+
+
+def _show(bar, report: TrainReport, store, loss: float) -> None:
+    recent = report.step_seconds[-20:]
+    per_step = report.samples / max(1, len(report.step_seconds))
+    rate = len(recent) * per_step / max(sum(recent), 1e-9)
+    status = store.mirror_status() if store is not None else None
+    lag = "-" if status is None or store.mirror_label is None else f"{status.items_pending} pending"
+    bar.set_postfix_str(f"loss {loss:.3f}  {rate:,.0f} samples/s  mirror {lag}", refresh=False)
+    bar.update(1)

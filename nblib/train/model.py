@@ -1,0 +1,64 @@
+"""What is trained: the TRM encoder with a linear head on its pooled sketches, run the TRM way.
+
+Tiny Recursive Models train with the first H_cycles-1 outer cycles under `torch.no_grad()` and
+back-propagate through the last one only: compute grows with H_cycles, the activations kept for
+backward do not (one outer cycle: L_cycles+1 passes through the block stack). `trm_sketches`
+is that forward; it uses the encoder's own modules, so the encoder's weights (saved with
+`save_weights`) are what `python -m nblib encode --weights` loads. Inference (`encode`) runs
+every cycle and gives the same sketches for the same weights.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nblib.config import ModelConfig
+from nblib.trm import TRMVisionEncoder
+
+HEAD_SEED_SALT = 0x4EAD
+
+
+class Classifier(nn.Module):
+    """TRMVisionEncoder + BatchNorm1d + Linear(dim, classes) over the mean of the capsule sketches."""
+
+    def __init__(self, model: ModelConfig, n_classes: int, seed: int = 0):
+        super().__init__()
+        self.encoder = TRMVisionEncoder(model, seed=seed)
+        self.head_norm = nn.BatchNorm1d(model.dim)
+        self.head = nn.Linear(model.dim, n_classes)
+        gen = torch.Generator().manual_seed(seed ^ HEAD_SEED_SALT)
+        with torch.no_grad():
+            self.head.weight.copy_(torch.randn(self.head.weight.shape, generator=gen) * model.dim ** -0.5)
+            self.head.bias.zero_()
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        """uint8 [B, H, W, 3] -> logits [B, classes]."""
+        sketches = trm_sketches(self.encoder, images)
+        return self.head(self.head_norm(sketches.mean(dim=1)))
+
+
+def trm_sketches(encoder: TRMVisionEncoder, images: torch.Tensor) -> torch.Tensor:
+    """The encoder's sketches [B, capsules, dim], with gradients through the last outer cycle only."""
+    m = encoder.config
+    x = encoder.embed_patches(images) + encoder.pos_embed
+    z_h = encoder.z_H_init.expand_as(x)
+    z_l = encoder.z_L_init.expand_as(x)
+    with torch.no_grad():
+        for _ in range(m.H_cycles - 1):
+            z_h, z_l = _outer_cycle(encoder, z_h, z_l, x, m.L_cycles)
+    z_h, z_l = _outer_cycle(encoder, z_h, z_l, x, m.L_cycles)
+    return encoder.pool(encoder.norm(z_h))
+
+
+def _outer_cycle(encoder, z_h, z_l, x, l_cycles: int):
+    for _ in range(l_cycles):
+        z_l = encoder.stack(z_l + z_h + x)
+    return encoder.stack(z_h + z_l), z_l
+
+
+def shift_images(images: torch.Tensor, max_px: int) -> torch.Tensor:
+    """Random-shift augmentation: roll each batch by (dy, dx) in [-max_px, max_px], from the torch RNG."""
+    if max_px == 0:
+        return images
+    dy, dx = torch.randint(-max_px, max_px + 1, (2,)).tolist()
+    return torch.roll(images, shifts=(dy, dx), dims=(1, 2))

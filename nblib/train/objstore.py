@@ -1,0 +1,118 @@
+"""Object storage (s3://, gs://, any fsspec URL) as the mirror's FileOps: the Drive machinery, a bucket behind it.
+
+`mirror_target(url_or_dir)` gives (root, ops) for the store's `Mirror` thread: a plain folder (a
+Drive mount) keeps the real filesystem calls; a URL gets `FsspecOps` over `fsspec.filesystem`.
+Object stores have no rename: an object appears whole when its PUT completes, so `write_atomic`
+checks the bytes' sha256 first and then PUTs them in one request (what AtomicWriter's temporary
+file plus rename gives on a disk). Listings are not cached, so the mirror sees deletions at once.
+`s3://` needs s3fs (installed, pinned); `gs://` needs gcsfs (not installed here: the error says so).
+Credentials and the endpoint come from the usual environment (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL,
+GOOGLE_APPLICATION_CREDENTIALS) or `storage_options`. Trade-off: timeouts are short (connect 5 s,
+read 30 s) so a stalled bucket fails an attempt, which the mirror retries later, instead of
+holding its thread for minutes; training never waits either way.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path, PurePosixPath
+
+from nblib.atomic import WrittenFile
+from nblib.errors import ConfigError
+from nblib.store.parts import FileOps
+
+URL = re.compile(r"^([a-z][a-z0-9+.-]*)://(.+)$")
+PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
+DEFAULT_S3_CONFIG = {"connect_timeout": 5, "read_timeout": 30, "retries": {"max_attempts": 2}}
+
+
+def is_url(target: str | Path) -> bool:
+    return isinstance(target, str) and URL.match(target) is not None
+
+
+def mirror_target(target: str | Path, storage_options: dict | None = None) -> tuple[Path, FileOps]:
+    """(root, ops) for a mirror folder or an object-store URL."""
+    if not is_url(target):
+        return Path(target), FileOps()
+    protocol, rest = URL.match(target).groups()
+    return Path(PurePosixPath(rest.rstrip("/"))), FsspecOps(open_filesystem(protocol, storage_options), target)
+
+
+def open_filesystem(protocol: str, storage_options: dict | None = None):
+    """fsspec's filesystem for `protocol`, with listing caches off and short S3 timeouts."""
+    import fsspec
+
+    options = {"use_listings_cache": False, "skip_instance_cache": True, **(storage_options or {})}
+    if protocol in ("s3", "s3a"):
+        options.setdefault("config_kwargs", DEFAULT_S3_CONFIG)
+    elif protocol == "memory":
+        options = {}
+    try:
+        return fsspec.filesystem(protocol, **options)
+    except (ImportError, ValueError) as exc:
+        package = PACKAGES.get(protocol)
+        hint = (f"install {package} (pip install {package}) to mirror to {protocol}://" if package
+                else f"fsspec knows no protocol {protocol!r}; use s3://, gs:// or a folder")
+        raise ConfigError(f"cannot open {protocol}:// ({type(exc).__name__}: {exc}); {hint}") from None
+
+
+class FsspecOps(FileOps):
+    """FileOps over an fsspec filesystem: paths are 'bucket/prefix/name' (no protocol)."""
+
+    def __init__(self, fs, label: str):
+        self.fs, self.label = fs, label
+
+    def open(self, path, mode="rb"):
+        return self.fs.open(str(path), mode)
+
+    def listdir(self, path) -> list[str]:
+        entries = self.fs.ls(str(path), detail=False)
+        if not entries and not self.fs.exists(str(path)):
+            raise FileNotFoundError(2, "no such prefix", str(path))
+        return sorted({PurePosixPath(e).name for e in entries})
+
+    def is_dir(self, path) -> bool:
+        return bool(self.fs.isdir(str(path)))
+
+    def stat(self, path):
+        info = self.fs.info(str(path))
+        return _Stat(int(info.get("size") or 0))
+
+    def makedirs(self, path) -> None:
+        self.fs.makedirs(str(path), exist_ok=True)
+
+    def unlink(self, path) -> None:
+        if not self.fs.exists(str(path)):
+            raise FileNotFoundError(2, "no such object", str(path))
+        self.fs.rm_file(str(path))
+
+    def rmdir(self, path) -> None:
+        pass                                  # prefixes vanish with their last object
+
+    def replace(self, src, dst) -> None:
+        self.fs.mv(str(src), str(dst))
+
+    def fsync_dir(self, path) -> None:
+        pass                                  # a completed PUT is durable
+
+    def read_bytes(self, path) -> bytes | None:
+        try:
+            return self.fs.cat_file(str(path))
+        except FileNotFoundError:
+            return None
+
+    def write_atomic(self, path, blocks, expect_sha256: str | None = None) -> WrittenFile:
+        """One PUT of the whole object, after its sha256 matched `expect_sha256` (if given)."""
+        data = b"".join(bytes(b) for b in blocks)
+        digest = hashlib.sha256(data).hexdigest()
+        if expect_sha256 is not None and digest != expect_sha256:
+            raise ValueError(f"{Path(path).name}: the bytes hash to {digest[:12]}..., expected {expect_sha256[:12]}...")
+        self.fs.pipe_file(str(path), data)
+        return WrittenFile(Path(path), len(data), digest, 0)
+
+
+class _Stat:
+    """The fields of os.stat_result the store reads from an object (size; objects are not folders)."""
+
+    def __init__(self, size: int):
+        self.st_size, self.st_mode, self.st_mtime_ns = size, 0o100644, 0

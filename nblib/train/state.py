@@ -1,0 +1,81 @@
+"""What a training checkpoint holds, and the check that a resume continues the same run.
+
+The state is one dict that `torch.save` writes and `torch.load(weights_only=True)` reads back:
+model, optimizer, LR schedule and GradScaler state dicts; the RNG states of Python, numpy and
+torch (CPU, and every CUDA device when there is one); step and epoch; the data order as the
+shuffle's state, a few hundred bytes of JSON (not a buffer of samples); the metric history and
+the best step so far; and the run's identity (settings that change the bytes, the cache's
+fingerprint, the labels). `check_identity` refuses a resume whose identity differs, naming the
+field, the stored value and the new one.
+"""
+from __future__ import annotations
+
+import io
+import random
+
+import numpy as np
+import torch
+
+from nblib.errors import ResumeMismatch
+
+STATE_FORMAT = 1
+PARTS = ("model", "optimizer", "scheduler", "scaler", "rng", "data_order", "history", "identity")
+
+
+def capture_rng() -> dict:
+    """Every RNG the loop may draw from: Python, numpy, torch CPU, torch CUDA (when present)."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": (version, list(internal), gauss),
+             "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                       "has_gauss": int(has_gauss), "cached": float(cached)},
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict) -> None:
+    """Put every RNG back where `capture_rng` found it."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, numpy and torch (all devices) for a fresh run."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def check_identity(stored: dict, current: dict, where: str) -> None:
+    """ResumeMismatch naming the first field whose stored value differs from this command's."""
+    for key in sorted(set(stored) | set(current)):
+        old, new = stored.get(key), current.get(key)
+        if isinstance(old, dict) and isinstance(new, dict):
+            check_identity(old, new, where)
+            continue
+        if old != new:
+            raise ResumeMismatch(
+                f"{where} holds a run with {key}={_short(old)}, this command asks for {key}={_short(new)}; "
+                f"rerun with the original setting to resume, or pass another --out to start a new run")
+
+
+def part_bytes(state: dict) -> dict[str, int]:
+    """torch.save bytes of each part of a train state (what a checkpoint holds, by part)."""
+    sizes = {}
+    for name, value in state.items():
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        sizes[name] = len(buffer.getvalue())
+    return sizes
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
