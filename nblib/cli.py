@@ -1,6 +1,6 @@
 """The command line: every `python -m nblib <verb>`; each verb calls the same function a notebook does.
 
-Verbs: info, budget, cache, encode, suite. A user-facing failure (an NblibError) prints one
+Verbs: info, budget, cache, encode, train, suite, pipeline. A user-facing failure (an NblibError) prints one
 line, `error: ...`, and exits 2; so does an OSError (full disk, read-only folder, a path that is
 a file), with the path, what the error means and what to do. No traceback.
 """
@@ -284,6 +284,62 @@ def _encode_config(args: argparse.Namespace, default_profile: str):
     return config.replace(**changes) if changes else config
 
 
+# --------------------------------------------------------------------------------------- train
+def train_main(argv: list[str]) -> int:
+    """`python -m nblib train`: train the encoder on a cache's labels; rerunning the command resumes."""
+    from nblib.encode.distributed import join
+    from nblib.train.cli import run_train
+
+    args = _train_args(argv)
+    world = join(device=args.device)
+    try:
+        with _os_errors_name(args.out):
+            report = run_train(args, world if world.size > 1 else None)
+    finally:
+        world.close()
+    if world.rank == 0:
+        print(report)
+    return 0
+
+
+def _train_args(argv: list[str]) -> argparse.Namespace:
+    from nblib.errors import ConfigError
+    from nblib.train.config import LABELS, METRICS, PRECISIONS
+
+    p = argparse.ArgumentParser(prog="python -m nblib train", description=train_main.__doc__, exit_on_error=False)
+    p.add_argument("--cache", help="folder of a ShardedImageCache built from a .jsonl texts file (required)")
+    p.add_argument("--out", help="run folder; rerun with the same folder to resume (required)")
+    p.add_argument("--steps", type=positive_int, help="optimizer steps in all (required)")
+    p.add_argument("--batch-size", type=positive_int, default=32, help="global batch (default %(default)s)")
+    p.add_argument("--accumulation", type=positive_int, default=1, help="micro-batches per step (default 1)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=finite_positive_float, default=2e-3)
+    p.add_argument("--mirror", help="durable copy: a folder (Google Drive) or an fsspec URL (s3://bucket/prefix)")
+    p.add_argument("--profile", default="smoke", help="encoder shape: smoke | t4 | full or a preset (default smoke)")
+    p.add_argument("--labels", choices=LABELS, default="kind")
+    p.add_argument("--texts", help="the .jsonl the cache was rendered from (default: the path its manifest records)")
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32")
+    p.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
+    p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes (default 0)")
+    p.add_argument("--save-every", type=positive_int, default=5, help="local checkpoint interval, steps")
+    p.add_argument("--backup-every", type=positive_int, default=10, help="mirror interval, steps")
+    p.add_argument("--keep-last", type=positive_int, default=3, help="states kept on each side")
+    p.add_argument("--eval-every", type=positive_int, default=10)
+    p.add_argument("--best-metric", choices=METRICS, default="heldout_loss")
+    p.add_argument("--mirror-timeout", type=finite_positive_float, default=60.0,
+                   help="seconds to wait at the end for the mirror to catch up (never blocks training)")
+    p.add_argument("--no-progress", action="store_true")
+    try:
+        args = p.parse_args(argv)
+    except argparse.ArgumentError as exc:
+        raise ConfigError(f"{exc}; see python -m nblib train --help") from None
+    missing = [f"--{name}" for name in ("cache", "out", "steps") if getattr(args, name) is None]
+    if missing:
+        raise ConfigError(f"train needs {', '.join(missing)}: python -m nblib train --cache CACHE --out RUN "
+                          f"--steps N [--batch-size B] [--seed S] [--mirror DIR_OR_URL]")
+    return args
+
+
 # --------------------------------------------------------------------------------------- suite
 def suite_main(argv: list[str]) -> int:
     """`python -m nblib suite`: run every notebook headless and print the summary table."""
@@ -335,6 +391,7 @@ VERBS = {
     "budget": budget_main,
     "cache": cache_main,
     "encode": encode_main,
+    "train": train_main,
     "suite": suite_main,
     "pipeline": pipeline_main,
 }

@@ -37,7 +37,7 @@ class TrainConfig:
     weight_decay: float = 0.05
     warmup_steps: int = 5
     holdout: float = 0.2
-    shift_px: int = 2               # random-shift augmentation, drawn from the torch RNG
+    dropout: float = 0.1            # on the head's input: drawn from the torch RNG, which the state keeps
     precision: str = "fp32"
     device: str = "cpu"
     seed: int = 0
@@ -55,7 +55,7 @@ class TrainConfig:
                 raise ConfigError(f"train.{f.name}={value!r} must be an integer")
         for name, low in (("steps", 1), ("batch_size", 1), ("accumulation", 1), ("save_every", 1),
                           ("backup_every", 1), ("keep_last", 1), ("eval_every", 1), ("warmup_steps", 0),
-                          ("shift_px", 0), ("workers", 0), ("seed", 0)):
+                          ("workers", 0), ("seed", 0)):
             if getattr(self, name) < low:
                 raise ConfigError(f"train.{name}={getattr(self, name)} is out of range; use an integer >= {low}")
         _choice("labels", self.labels, LABELS)
@@ -71,6 +71,8 @@ class TrainConfig:
                               f"{max(1, self.backup_every // self.save_every) * self.save_every}")
         if not 0.0 < self.holdout < 1.0:
             raise ConfigError(f"train.holdout={self.holdout} must be a fraction in (0, 1), e.g. 0.2")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"train.dropout={self.dropout} must be in [0, 1)")
         if not self.lr > 0:
             raise ConfigError(f"train.lr={self.lr} must be above 0")
         if self.precision == "fp16" and not self.device.startswith("cuda"):

@@ -27,7 +27,7 @@ from nblib.manifest import write_manifest
 
 from .config import TrainConfig
 from .data import BatchPlan, LabelledImages, StepBatches, labels_for_cache, split
-from .model import Classifier, shift_images
+from .model import Classifier
 from .state import STATE_FORMAT, capture_rng, check_identity, restore_rng, seed_everything
 from .store import Durability, TrainStore
 
@@ -119,7 +119,7 @@ def train(cache_dir: str | Path, out: str | Path, config: TrainConfig, *, mirror
     out = Path(out)
     store = TrainStore(out, mirror, keep_last=config.keep_last, storage_options=storage_options,
                        start_mirror=writer) if writer else None
-    model = Classifier(shape, len(classes), seed=config.seed).to(config.device)
+    model = Classifier(shape, len(classes), seed=config.seed, dropout=config.dropout).to(config.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay, foreach=False)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(config.warmup_steps, config.steps))
     scaler = torch.amp.GradScaler(_device_type(config.device), enabled=config.precision == "fp16")
@@ -227,7 +227,7 @@ def _step(net, optimizer, scheduler, scaler, batches, config, micro) -> float:
     total = 0.0
     for k in range(config.accumulation):
         images, labels = next(batches)
-        images = shift_images(images, config.shift_px).to(config.device)
+        images = images.to(config.device)
         labels = labels.to(config.device)
         sync = k == config.accumulation - 1 or not hasattr(net, "no_sync")
         with (_nullcontext() if sync else net.no_sync()), _autocast(config):

@@ -1,0 +1,30 @@
+"""Training on the cached images whose state (model, optimizer, RNG, data order) resumes exactly.
+
+- `config`: `TrainConfig` (the knobs; which of them a resume must match).
+- `data`: labels that come free with the texts (kind, script), the held-out split, `BatchPlan`
+  (the global sample order as a shuffle state of a few hundred bytes, the same on any world size).
+- `model`: `Classifier`, the TRM encoder with gradients through its last outer cycle, plus a head.
+- `state`: what a checkpoint holds, RNG capture/restore, the identity check of a resume.
+- `store`: `TrainStore`, local-first states mirrored to Drive or a bucket by nblib.store's thread.
+- `objstore`: fsspec (s3://, gs://) as the mirror's file operations.
+- `loop`: `train`, the loop behind `python -m nblib train` and notebook 06.
+- `ops`: bucket cost from a dated price table, disk and Drive-quota warnings.
+torch is imported when `train` (or a module that needs it) is first used, not by `import nblib`.
+"""
+from __future__ import annotations
+
+from nblib.train.config import TrainConfig
+
+__all__ = ["TrainConfig", "TrainReport", "train", "TrainStore"]
+
+
+def __getattr__(name: str):
+    if name in ("train", "TrainReport"):
+        from nblib.train import loop
+
+        return getattr(loop, name)
+    if name == "TrainStore":
+        from nblib.train.store import TrainStore
+
+        return TrainStore
+    raise AttributeError(f"module 'nblib.train' has no attribute {name!r}")
