@@ -153,7 +153,7 @@ class StepBatches:
 
 
 class LabelledImages:
-    """Map-style dataset: item i is (uint8 [H, W, 3] tensor, label); picklable for loader workers."""
+    """Map-style dataset: item i is (uint8 [H, W, 3] tensor, label, i); picklable for loader workers."""
 
     def __init__(self, cache_dir: str, labels: np.ndarray):
         from nblib.cache import ShardedImageCache
@@ -167,4 +167,4 @@ class LabelledImages:
     def __getitem__(self, index: int):
         import torch
 
-        return torch.from_numpy(self.cache[index]), int(self.labels[index])
+        return torch.from_numpy(self.cache[index]), int(self.labels[index]), int(index)

@@ -12,6 +12,7 @@ slice of the global batch; rank 0 alone evaluates and writes every checkpoint an
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,7 @@ from .state import STATE_FORMAT, capture_rng, check_identity, restore_rng, seed_
 from .store import Durability, TrainStore
 
 FINAL = "final.pt"
+SAMPLE_LOG_ENV = "NBLIB_TRAIN_SAMPLE_LOG"   # set: each rank appends "step: indices" per step under RUN/samples/
 REPORT = "train.json"
 REPORT_KIND = "nblib.train.run"
 EVAL_BATCH = 64
@@ -112,7 +114,7 @@ def train(cache_dir: str | Path, out: str | Path, config: TrainConfig, *, mirror
     train_idx, held_idx = split(len(cache), config.holdout)
     plan = BatchPlan(train_idx, config.batch_size, config.seed)
     plan.steps_per_epoch  # noqa: B018  refuses a batch larger than the training set, before any work
-    micro = config.micro_batch(world_size)
+    config.micro_batch(world_size)          # refuses a batch that does not split over the ranks
     shape = model_config(config.profile).model
     identity = {"format": STATE_FORMAT, "config": config.computing(), "cache": cache.fingerprint,
                 "classes": classes, "n_train": int(len(train_idx)), "model": dict(shape.__dict__)}
@@ -153,8 +155,10 @@ def train(cache_dir: str | Path, out: str | Path, config: TrainConfig, *, mirror
         bar = _bar(progress and writer, config.steps, step)
         while step < stop:
             tick = time.perf_counter()
-            loss = _step(net, optimizer, scheduler, scaler, batches, config, micro)
+            loss, seen = _step(net, optimizer, scheduler, scaler, batches, config)
             step += 1
+            if os.environ.get(SAMPLE_LOG_ENV):
+                _log_samples(out, rank, step, seen)
             report.samples += config.batch_size
             report.step_seconds.append(time.perf_counter() - tick)
             if writer:
@@ -222,11 +226,12 @@ def _write_report(out: Path, report: TrainReport, config: TrainConfig) -> None:
     write_manifest(out / REPORT, REPORT_KIND, body)
 
 
-def _step(net, optimizer, scheduler, scaler, batches, config, micro) -> float:
-    """One optimizer step over `accumulation` micro-batches; the mean loss."""
-    total = 0.0
+def _step(net, optimizer, scheduler, scaler, batches, config) -> tuple[float, list[int]]:
+    """One optimizer step over `accumulation` micro-batches; the mean loss and the sample indices read."""
+    total, seen = 0.0, []
     for k in range(config.accumulation):
-        images, labels = next(batches)
+        images, labels, indices = next(batches)
+        seen += indices.tolist()
         images = images.to(config.device)
         labels = labels.to(config.device)
         sync = k == config.accumulation - 1 or not hasattr(net, "no_sync")
@@ -238,7 +243,15 @@ def _step(net, optimizer, scheduler, scaler, batches, config, micro) -> float:
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
-    return total
+    return total, seen
+
+
+def _log_samples(out: Path, rank: int, step: int, seen: list[int]) -> None:
+    """The audit trail of what each rank read (tests count it: no sample skipped or repeated)."""
+    folder = out / "samples"
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / f"rank{rank}-pid{os.getpid()}.txt", "a") as f:
+        f.write(f"{step}: {' '.join(map(str, seen))}\n")
 
 
 @torch.no_grad()
