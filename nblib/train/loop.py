@@ -139,7 +139,8 @@ def train(cache_dir: str | Path, out: str | Path, config: TrainConfig, *, mirror
                                  f"it was edited; remove {out} or restore the file")
         history, best = list(state["history"]), state["best"]
     else:
-        step, history, best, source = 0, [], None, "start"
+        step, history, best = 0, [], None
+        source = "start" if source == "none" else source
     report = TrainReport(out, config.steps, step, source, history, best, None, 0.0, classes=classes)
     net = _wrap(model, world)
     try:

@@ -13,6 +13,7 @@ holding its thread for minutes; training never waits either way.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import re
 from pathlib import Path, PurePosixPath
@@ -57,10 +58,20 @@ def open_filesystem(protocol: str, storage_options: dict | None = None):
 
 
 class FsspecOps(FileOps):
-    """FileOps over an fsspec filesystem: paths are 'bucket/prefix/name' (no protocol)."""
+    """FileOps over an fsspec filesystem: paths are 'bucket/prefix/name' (no protocol).
+
+    Client errors that are not OSErrors (botocore's EndpointConnectionError, ClientError, ...)
+    become OSError(EIO) naming the bucket, so the mirror retries them as it retries Drive.
+    """
 
     def __init__(self, fs, label: str):
         self.fs, self.label = fs, label
+        self._bind()
+
+    def _bind(self) -> None:
+        for name in ("open", "listdir", "is_dir", "stat", "makedirs", "unlink", "replace", "read_bytes",
+                     "write_atomic"):
+            setattr(self, name, _as_oserror(getattr(self, name), self.label))
 
     def open(self, path, mode="rb"):
         return self.fs.open(str(path), mode)
@@ -109,6 +120,17 @@ class FsspecOps(FileOps):
             raise ValueError(f"{Path(path).name}: the bytes hash to {digest[:12]}..., expected {expect_sha256[:12]}...")
         self.fs.pipe_file(str(path), data)
         return WrittenFile(Path(path), len(data), digest, 0)
+
+
+def _as_oserror(fn, label: str):
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (OSError, ValueError):
+            raise
+        except Exception as exc:
+            raise OSError(errno.EIO, f"{label}: {type(exc).__name__}: {str(exc)[:300]}") from exc
+    return call
 
 
 class _Stat:

@@ -13,6 +13,7 @@ newest states exist on one disk only; the backup interval bounds what a lost VM 
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 import warnings
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from nblib.store.retry import Retrier, RetryingOps
 from .objstore import is_url, mirror_target
 
 STATE, BEST = "state", "best"
+log = logging.getLogger("nblib.train")
 FOLDER = "checkpoints"
 
 
@@ -111,8 +113,14 @@ class TrainStore:
             return None, "none"
         try:
             found = load_latest([self.remote], STATE, weights_only=True)
-        except DriveError:
-            raise
+        except DriveError as exc:
+            # Safe to start over: a run is deterministic, so any state this run writes at step s has
+            # the bytes of one the mirror may hold for step s; only the recomputation is lost.
+            log.warning("no local state and the mirror cannot be read (%s): starting from step 0", exc)
+            warnings.warn(f"no local state in {self.local_root} and the mirror cannot be read ({exc}); "
+                          f"training starts from step 0 (a deterministic run: nothing it writes conflicts with "
+                          f"what the mirror may hold)", stacklevel=2)
+            return None, "start (mirror unreachable)"
         _warn(found.damaged)
         return (found.obj, "mirror") if found.obj is not None else (None, "none")
 
