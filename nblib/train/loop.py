@@ -3,7 +3,7 @@
 `train(cache_dir, out, config)` is what `python -m nblib train` and notebook 06 run. Rerunning it
 on the same folder resumes from the newest state that loads (local first, then the mirror) and
 gives the same final bytes as an uninterrupted run: every input of a step is in the state (weights,
-AdamW moments, schedule, scaler, the RNGs the augmentation draws from, the data order as a
+AdamW moments, schedule, scaler, the RNGs dropout draws from, the data order as a
 shuffle state), CPU kernels run with `torch.use_deterministic_algorithms(True)`, and the loader's
 workers only read images by index, so 0 or 2 workers give the same batches. Under `torchrun`
 the model is wrapped in DistributedDataParallel (gloo on CPU, nccl on GPUs); each rank reads its
@@ -122,7 +122,8 @@ def train(cache_dir: str | Path, out: str | Path, config: TrainConfig, *, mirror
     store = TrainStore(out, mirror, keep_last=config.keep_last, storage_options=storage_options,
                        start_mirror=writer) if writer else None
     model = Classifier(shape, len(classes), seed=config.seed, dropout=config.dropout).to(config.device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay, foreach=False)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=config.lr, weight_decay=config.weight_decay, foreach=False)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(config.warmup_steps, config.steps))
     scaler = torch.amp.GradScaler(_device_type(config.device), enabled=config.precision == "fp16")
 

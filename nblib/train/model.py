@@ -37,11 +37,23 @@ class Classifier(nn.Module):
         with torch.no_grad():
             self.head.weight.copy_(torch.randn(self.head.weight.shape, generator=gen) * model.dim ** -0.5)
             self.head.bias.zero_()
+        for name, param in self.encoder.named_parameters():
+            if name in untrained_names(model):
+                param.requires_grad_(False)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         """uint8 [B, H, W, 3] -> logits [B, classes]."""
         sketches = trm_sketches(self.encoder, images)
         return self.head(self.head_drop(self.head_norm(sketches.mean(dim=1))))
+
+
+def untrained_names(model: ModelConfig) -> set[str]:
+    """Encoder parameters no gradient reaches here: the children head (only sketches are trained) and,
+    with H_cycles > 1, the initial states (used only inside the no-grad cycles). Frozen, so DDP
+    does not wait for their gradients.
+    """
+    names = {"children_head.weight", "children_head.bias"}
+    return names | ({"z_H_init", "z_L_init"} if model.H_cycles > 1 else set())
 
 
 def trm_sketches(encoder: TRMVisionEncoder, images: torch.Tensor) -> torch.Tensor:
