@@ -67,6 +67,8 @@ class TrainStore:
         self.remote: CheckpointFolder | None = None
         self._mirror: Mirror | None = None
         self._queued: int | None = None
+        self._mirror_dir = None if mirror is None or is_url(mirror) else Path(mirror)
+        self.watch = None
         if mirror is not None:
             root, ops = mirror_target(mirror, storage_options)
             root = root / FOLDER
@@ -83,6 +85,7 @@ class TrainStore:
     def save(self, state: dict, step: int, *, backup: bool) -> Path:
         """Write `state` as version `step` locally (atomic); queue it for the mirror when `backup`."""
         path = self.local.save(state, STATE, step)
+        self._watch_disks(path.stat().st_size)
         if backup and self._mirror is not None:
             self._queued = step
             self._mirror.enqueue(CopyCheckpoint(STATE, step))
@@ -147,6 +150,17 @@ class TrainStore:
         result = self.durability(max(self.local.versions(STATE), default=0))
         self._mirror.stop()
         return result
+
+    def _watch_disks(self, checkpoint_bytes: int) -> None:
+        """Warn before the local disk or the mirror folder (Drive) runs out of room for the next states."""
+        from .ops import DiskWatch
+
+        if self.watch is None:
+            folders = {"local disk": self.local_root}
+            if self._mirror_dir is not None:
+                folders["mirror"] = self._mirror_dir
+            self.watch = DiskWatch(folders, checkpoint_bytes, headroom=self.keep_last + 1)
+        self.watch.check()
 
     def _prune_local(self, name: str, keep_also: int | None = None) -> None:
         """Keep the newest `keep_last` versions locally, and the newest queued backup until copied."""

@@ -1,0 +1,136 @@
+"""The training-memory budget: what one optimizer step of the TRM encoder + head holds at its peak.
+
+Beside the encode budget (inference: weights and the live activations of one pass), a training
+step also holds gradients (one fp32 per trainable parameter), AdamW's two fp32 moments, under AMP
+autocast's fp16 weight copies (the fp32 parameters are the master weights: no second copy), the
+GradScaler's scale and growth tracker, and the activations saved for backward. TRM runs its first
+H_cycles-1 outer cycles under no_grad, so only the last cycle's L_cycles+1 passes through the block
+stack are saved; the earlier cycles cost time, not memory. Counted per block from its operations
+(LayerNorm, qkv, SDPA, projection, MLP with GELU): 16 tensors of [B, tokens, dim] in fp32 (fp16
+halves the ones autocast casts). Loader buffers and the checkpoint on disk and on the mirror
+complete it. Pure Python; `nblib.lab.training` measures the twins. Trade-off: a count, not a
+trace: right where activations dominate, an underestimate by the process's fixed cost elsewhere.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from nblib.budget.memory import (
+    LOADER_WORKER_RAM,
+    RUNTIME_RAM_CPU,
+    RUNTIME_RAM_CUDA,
+    Line,
+    autocast_weight_count,
+    param_count,
+)
+from nblib.config import ModelConfig
+from nblib.units import fmt_bytes
+
+BLOCK_SAVED_BTD = 16        # [B, T, D] tensors one block saves for backward (see the module docstring)
+POOL_SAVED_BTD = 5          # final norm in/out, kv input, k and v for the pooling attention
+TRANSIENT_BTD = 4           # the widest gradient of a block's backward (the MLP's 4 x BTD), before its input frees
+STATE_OVERHEAD = 64 * 1024  # torch.save's zip records, the RNG states, history, data order
+SCALER_BYTES = 16           # GradScaler: scale (fp32) + growth tracker (int32) + found_inf per device
+
+
+@dataclass(frozen=True)
+class TrainingBudget:
+    """Memory lines of one training step, and the checkpoint's bytes on disk and the mirror."""
+
+    lines: tuple[Line, ...]
+    checkpoint_bytes: int
+    local_disk: int
+    mirror: int
+    batch_size: int
+
+    @property
+    def total(self) -> int:
+        return sum(line.bytes for line in self.lines)
+
+    def line(self, name: str) -> int:
+        return sum(line.bytes for line in self.lines if line.name == name)
+
+    def table(self) -> str:
+        rows = [f"{line.name:<34}{fmt_bytes(line.bytes):>11}  {line.why}" for line in self.lines]
+        rows.append(f"{'peak, predicted':<34}{fmt_bytes(self.total):>11}")
+        rows.append(f"{'checkpoint (one train state)':<34}{fmt_bytes(self.checkpoint_bytes):>11}")
+        rows.append(f"{'local disk (retention)':<34}{fmt_bytes(self.local_disk):>11}")
+        rows.append(f"{'mirror (retention)':<34}{fmt_bytes(self.mirror):>11}")
+        return "\n".join(rows)
+
+
+def trainable_count(model: ModelConfig, n_classes: int) -> int:
+    """Parameters the step updates: the encoder without its children head and, with H_cycles > 1,
+    without the initial states (no gradient reaches them), plus the head (BatchNorm + Linear).
+    """
+    frozen = model.dim * model.children * model.dim + model.children * model.dim
+    if model.H_cycles > 1:
+        frozen += 2 * model.dim
+    return param_count(model) - frozen + head_count(model, n_classes)
+
+
+def head_count(model: ModelConfig, n_classes: int) -> int:
+    return 2 * model.dim + model.dim * n_classes + n_classes
+
+
+def saved_activation_bytes(model: ModelConfig, batch_size: int, precision: str = "fp32") -> int:
+    """Bytes autograd keeps for backward: the last outer cycle only (L_cycles + 1 stack passes)."""
+    b, t, d = batch_size, model.tokens, model.dim
+    item = 4 if precision == "fp32" else 2
+    passes = model.L_cycles + 1
+    blocks = passes * model.layers * BLOCK_SAVED_BTD * b * t * d * item
+    patches = b * t * 3 * model.patch ** 2 * 4             # the patchified input, fp32
+    pooling = POOL_SAVED_BTD * b * t * d * item
+    return blocks + patches + pooling
+
+
+def predict_training(model: ModelConfig, batch_size: int, *, n_classes: int = 12, precision: str = "fp32",
+                     device: str = "cpu", workers: int = 0, prefetch: int = 2, keep_last: int = 3,
+                     with_runtime: bool = True) -> TrainingBudget:
+    """The peak of one training step at micro-batch `batch_size`, line by line, and the disk lines."""
+    total = param_count(model) + head_count(model, n_classes)
+    trained = trainable_count(model, n_classes)
+    buffers = model.dim * model.checksum_dim * 4 + 2 * model.dim * 4 + 8
+    b, t, d = batch_size, model.tokens, model.dim
+    image = model.image_size ** 2 * 3
+    amp = precision != "fp32"
+    lines = []
+    if with_runtime:
+        runtime = RUNTIME_RAM_CUDA if device.startswith("cuda") else RUNTIME_RAM_CPU
+        lines.append(Line("python + torch runtime", runtime, "measured on Colab and locally"))
+    lines += [
+        Line("parameters (fp32)", total * 4 + buffers, f"{total:,} params x 4 B + buffers; the AMP master copy"),
+        Line("gradients (fp32)", trained * 4, f"{trained:,} trained params x 4 B"),
+        Line("AdamW moments (fp32)", trained * 8, "exp_avg + exp_avg_sq: 2 x 4 B per trained param"),
+        Line("autocast fp16 weights", autocast_weight_count(model) * 2 if amp else 0,
+             "fp16 copies of Linear weights while autocast runs" if amp else "fp32: none"),
+        Line("GradScaler", SCALER_BYTES if precision == "fp16" else 0, "scale + growth tracker"),
+        Line("activations saved for backward", saved_activation_bytes(model, b, precision),
+             f"last of {model.H_cycles} outer cycles: {model.L_cycles + 1} passes x {model.layers} blocks x "
+             f"{BLOCK_SAVED_BTD} x B x T x D"),
+        Line("backward temporaries", TRANSIENT_BTD * b * t * d * 4, f"{TRANSIENT_BTD} x B x T x D fp32"),
+        Line("input batch (uint8)", b * image, "its fp32 patches are among the saved activations"),
+        Line("loader workers", workers * LOADER_WORKER_RAM, f"{workers} x ~150 MB forked Python"),
+        Line("prefetched batches", (workers * prefetch if workers else 0) * b * image, "uint8 batches in flight"),
+    ]
+    checkpoint = (total * 4 + buffers) + trained * 8 + STATE_OVERHEAD
+    return TrainingBudget(tuple(lines), checkpoint, (keep_last + 1) * checkpoint + 2 * total * 4,
+                          keep_last * checkpoint + total * 4, batch_size)
+
+
+def largest_batch(model: ModelConfig, cap_bytes: int, **kwargs) -> int:
+    """The largest micro-batch whose predicted step fits in `cap_bytes` (0 if not even 1 fits)."""
+    fixed = predict_training(model, 0, **kwargs).total
+    per_sample = predict_training(model, 1, **kwargs).total - fixed
+    return max(0, int((cap_bytes - fixed) // per_sample)) if per_sample > 0 else 0
+
+
+def accumulation_for(target_batch: int, micro_batch: int) -> tuple[int, int]:
+    """(accumulation steps, micro-batch) reaching `target_batch` with micro-batches <= `micro_batch`."""
+    if micro_batch < 1:
+        raise ValueError("micro_batch must be >= 1: not even one sample fits")
+    steps = math.ceil(target_batch / micro_batch)
+    while target_batch % steps:
+        steps += 1
+    return steps, target_batch // steps

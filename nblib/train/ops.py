@@ -1,0 +1,129 @@
+"""The TPU storage guide's operations for a training run: what the bucket costs, and disks that fill up.
+
+`PRICES` is a dated, sourced table (data, not code): storage per GB-month and requests per 1,000
+for S3 Standard and GCS Standard, the classes a checkpoint bucket uses. `bucket_cost` prices a
+run's backups: the bytes retention keeps (last N states + the best weights) for the months you
+keep them, plus one PUT per file of each backup (a state is two objects: .pt and its record),
+LIST calls on every start and every mirror audit, and the GETs of one resume. `DiskWatch` warns
+(logging and a `DiskWarning`) before the local disk or the Drive quota runs out: when the free
+space would not hold the next `headroom` checkpoints. Trade-off: list prices, no free tier, no
+egress (a resume on a VM in the bucket's region pays none), no taxes.
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from nblib.units import GB, fmt_bytes
+
+log = logging.getLogger("nblib.train")
+
+
+@dataclass(frozen=True)
+class BucketPrice:
+    """List prices of one storage class: USD per GB-month, per 1,000 writes (PUT/LIST), per 1,000 reads."""
+
+    name: str
+    storage_gb_month: float
+    writes_per_1000: float
+    reads_per_1000: float
+    source: str
+    as_of: str
+
+
+# List prices as published on the vendors' pricing pages for the first pricing tier; recorded on the
+# date below from the pages named (no network at run time: check the page before relying on them).
+PRICES = {
+    "s3": BucketPrice("Amazon S3 Standard, us-east-1, first 50 TB", 0.023, 0.005, 0.0004,
+                      "https://aws.amazon.com/s3/pricing/", "2026-11-23"),
+    "gs": BucketPrice("Google Cloud Storage Standard, us-central1 (regional), Class A / Class B operations",
+                      0.020, 0.005, 0.0004, "https://cloud.google.com/storage/pricing", "2026-11-23"),
+}
+GB_DECIMAL = 1e9            # the vendors bill in GB of 10^9 bytes (S3: GiB-month in practice; the gap is 7%)
+
+
+class DiskWarning(UserWarning):
+    """A disk or the Drive quota will not hold the next checkpoints."""
+
+
+@dataclass(frozen=True)
+class BucketCost:
+    storage_usd: float
+    requests_usd: float
+    stored_bytes: int
+    writes: int
+    reads: int
+    price: BucketPrice
+
+    @property
+    def total_usd(self) -> float:
+        return self.storage_usd + self.requests_usd
+
+    def line(self) -> str:
+        return (f"{self.price.name}: {fmt_bytes(self.stored_bytes)} kept -> ${self.storage_usd:.4f} storage + "
+                f"{self.writes:,} writes / {self.reads:,} reads -> ${self.requests_usd:.4f} requests = "
+                f"${self.total_usd:.4f} (list prices of {self.price.as_of}, {self.price.source})")
+
+
+def bucket_cost(state_bytes: int, best_bytes: int, *, steps: int, backup_every: int, keep_last: int,
+                months: float = 1.0, provider: str = "s3", restarts: int = 1) -> BucketCost:
+    """The bucket's cost for one run's backups, kept `months` after the run."""
+    price = PRICES[provider]
+    backups = max(1, steps // backup_every)
+    stored = keep_last * state_bytes + keep_last * best_bytes
+    writes = backups * 4 + restarts * 2 + backups           # state + best (.pt + record) each; LISTs
+    reads = restarts * 4                                     # one resume: record + file, twice at most
+    storage = stored / GB_DECIMAL * price.storage_gb_month * months
+    requests = writes / 1000 * price.writes_per_1000 + reads / 1000 * price.reads_per_1000
+    return BucketCost(storage, requests, stored, writes, reads, price)
+
+
+class DiskWatch:
+    """Warn once per folder when its free space would not hold `headroom` more checkpoints."""
+
+    def __init__(self, folders: dict[str, str | Path], checkpoint_bytes: int, headroom: int = 3,
+                 quota_bytes: dict[str, int] | None = None):
+        self.folders = {name: Path(folder) for name, folder in folders.items()}
+        self.checkpoint_bytes, self.headroom = checkpoint_bytes, headroom
+        self.quota_bytes = quota_bytes or {}
+        self.warned: set[str] = set()
+
+    def check(self) -> list[str]:
+        """The warnings raised now (each folder warns once)."""
+        raised = []
+        need = self.headroom * self.checkpoint_bytes
+        for name, folder in self.folders.items():
+            free = free_bytes(folder, self.quota_bytes.get(name))
+            if free is None or free >= need or name in self.warned:
+                continue
+            self.warned.add(name)
+            msg = (f"{name} ({folder}) has {fmt_bytes(free)} free, less than {self.headroom} checkpoints of "
+                   f"{fmt_bytes(self.checkpoint_bytes)}: free space there, lower --keep-last, or raise "
+                   f"--backup-every before it runs out (training continues; a failed save stops it)")
+            log.warning(msg)
+            warnings.warn(msg, DiskWarning, stacklevel=2)
+            raised.append(msg)
+        return raised
+
+
+def free_bytes(folder: Path, quota: int | None = None) -> int | None:
+    """Free bytes where `folder` lives (or under a quota: quota minus what the folder holds); None if unknown."""
+    probe = folder
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        free = shutil.disk_usage(probe).free
+    except OSError:
+        return None
+    if quota is not None:
+        used = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.exists() else 0
+        free = min(free, quota - used)
+    return int(free)
+
+
+def drive_quota_bytes(gb: float = 15.0) -> int:
+    """The free Google account quota (15 GB, shared by Drive, Gmail and Photos)."""
+    return int(gb * GB)

@@ -1,0 +1,172 @@
+"""Measure one training step in a fresh process: peak RSS, and whether it fits under a memory cap.
+
+`step_peak(model, batch)` runs `python -m nblib.train.probe` in a subprocess (so the peak is this
+step's, not the notebook's) with glibc's mmap threshold pinned (freed activations leave the RSS).
+After one warm-up step at batch 1 (threads, AdamW state, allocator pools exist), it records the RSS,
+optionally caps new memory with RLIMIT_AS at (address space now + cap), then runs two steps at
+`batch`: an allocation past the cap raises inside torch and is reported as "does not fit": a real
+out-of-memory, caught. On CUDA the same worker catches torch.cuda.OutOfMemoryError and empties the
+cache between tries (written for a GPU; no GPU runs here). `saved_bytes` counts what autograd
+keeps for backward with saved_tensors_hooks (unique storages). Trade-off: RLIMIT_AS caps address
+space, not RSS; after the warm-up, new address space is new memory to within the allocator's slack.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from nblib.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class StepPeak:
+    """One measured step: RSS before it, peak RSS during it (bytes), and whether it fit under the cap."""
+
+    batch_size: int
+    rss_before: int
+    peak_rss: int
+    fits: bool
+    error: str = ""
+
+    @property
+    def delta(self) -> int:
+        return self.peak_rss - self.rss_before
+
+
+def step_peak(model: ModelConfig, batch_size: int, *, n_classes: int = 12, cap_bytes: int | None = None,
+              device: str = "cpu", precision: str = "fp32", timeout: float = 600.0) -> StepPeak:
+    """Run two training steps at `batch_size` in a fresh process; its peak RSS (and fit under `cap_bytes`)."""
+    payload = json.dumps({"model": model.__dict__, "batch": batch_size, "classes": n_classes, "cap": cap_bytes,
+                          "device": device, "precision": precision})
+    done = subprocess.run([sys.executable, "-m", "nblib.train.probe", payload], capture_output=True, text=True,
+                          timeout=timeout, env=_env())
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        return StepPeak(batch_size, 0, 0, False, (done.stderr.strip().splitlines() or ["killed"])[-1])
+    return StepPeak(**json.loads(lines[-1]))
+
+
+def probe_largest_batch(model: ModelConfig, cap_bytes: int, start: int, *, tries: int = 6, **kwargs) -> list[StepPeak]:
+    """Try batches from `start` (the budget's answer): up by 1.25x while they fit, down by 0.8x while not."""
+    results, batch = [], max(1, start)
+    for _ in range(tries):
+        result = step_peak(model, batch, cap_bytes=cap_bytes, **kwargs)
+        results.append(result)
+        fits = [r.batch_size for r in results if r.fits]
+        fails = [r.batch_size for r in results if not r.fits]
+        if fits and fails and min(fails) - max(fits) <= max(1, max(fits) // 16):
+            break
+        if result.fits:
+            batch = int(batch * 1.25) if not fails else (batch + min(fails)) // 2
+        else:
+            batch = max(1, int(batch * 0.8)) if not fits else (batch + max(fits)) // 2
+    return results
+
+
+def largest_fitting(results: list[StepPeak]) -> int:
+    return max((r.batch_size for r in results if r.fits), default=0)
+
+
+def saved_bytes(model: ModelConfig, batch_size: int, n_classes: int = 12) -> int:
+    """Bytes of the unique storages autograd saves for backward in one forward of the Classifier."""
+    import torch
+
+    from nblib.train.model import Classifier
+
+    net = Classifier(model, n_classes)
+    images = torch.randint(0, 256, (batch_size, model.image_size, model.image_size, 3), dtype=torch.uint8)
+    seen = {}
+
+    def pack(tensor):
+        if tensor.requires_grad or tensor.grad_fn is not None or not any(tensor is p for p in net.parameters()):
+            storage = tensor.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    params = {p.untyped_storage().data_ptr() for p in net.parameters()}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        net(images).sum()
+    return sum(n for ptr, n in seen.items() if ptr not in params)
+
+
+def _env() -> dict:
+    import os
+
+    return {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        import os
+
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _vm() -> int:
+    with open("/proc/self/statm") as f:
+        import os
+
+        return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak_since_reset() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _worker(payload: dict) -> dict:
+    import resource
+
+    import torch
+    import torch.nn.functional as F
+
+    from nblib.measure import pin_malloc_mmap_threshold
+    from nblib.train.model import Classifier
+
+    pin_malloc_mmap_threshold()
+    model = ModelConfig(**payload["model"])
+    device, batch = payload["device"], payload["batch"]
+    net = Classifier(model, payload["classes"]).to(device)
+    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], foreach=False)
+
+    def step(b: int) -> None:
+        images = torch.randint(0, 256, (b, model.image_size, model.image_size, 3), dtype=torch.uint8).to(device)
+        labels = torch.randint(0, payload["classes"], (b,)).to(device)
+        F.cross_entropy(net(images), labels).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step(2)
+    rss_before = _rss()
+    if payload["cap"] and device == "cpu":
+        limit = _vm() + int(payload["cap"])
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    _reset_peak()
+    try:
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        step(batch)
+        step(batch)
+        fits, error = True, ""
+    except (RuntimeError, MemoryError) as exc:     # CPU: allocator failure; CUDA: OutOfMemoryError
+        fits, error = False, str(exc).splitlines()[0][:200]
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    peak = (torch.cuda.max_memory_allocated() + rss_before) if device.startswith("cuda") else _peak_since_reset()
+    return {"batch_size": batch, "rss_before": rss_before, "peak_rss": max(peak, rss_before), "fits": fits,
+            "error": error}
+
+
+if __name__ == "__main__":
+    print(json.dumps(_worker(json.loads(sys.argv[1]))), flush=True)
