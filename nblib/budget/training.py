@@ -32,6 +32,7 @@ POOL_SAVED_BTD = 5          # final norm in/out, kv input, k and v for the pooli
 TRANSIENT_BTD = 4           # the widest gradient of a block's backward (the MLP's 4 x BTD), before its input frees
 STATE_OVERHEAD = 64 * 1024  # torch.save's zip records, the RNG states, history, data order
 SCALER_BYTES = 16           # GradScaler: scale (fp32) + growth tracker (int32) + found_inf per device
+RESIDENT = ("python + torch runtime", "parameters (fp32)", "AdamW moments (fp32)")   # held between steps
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,11 @@ class TrainingBudget:
     @property
     def total(self) -> int:
         return sum(line.bytes for line in self.lines)
+
+    @property
+    def step_bytes(self) -> int:
+        """What a step adds to a process that already holds the runtime, the weights and AdamW's state."""
+        return self.total - sum(self.line(name) for name in RESIDENT)
 
     def line(self, name: str) -> int:
         return sum(line.bytes for line in self.lines if line.name == name)
@@ -119,11 +125,29 @@ def predict_training(model: ModelConfig, batch_size: int, *, n_classes: int = 12
                           keep_last * checkpoint + total * 4, batch_size)
 
 
-def largest_batch(model: ModelConfig, cap_bytes: int, **kwargs) -> int:
-    """The largest micro-batch whose predicted step fits in `cap_bytes` (0 if not even 1 fits)."""
-    fixed = predict_training(model, 0, **kwargs).total
-    per_sample = predict_training(model, 1, **kwargs).total - fixed
+def largest_batch(model: ModelConfig, cap_bytes: int, *, step_only: bool = False, **kwargs) -> int:
+    """The largest micro-batch whose predicted peak fits in `cap_bytes` (0 if not even 1 fits).
+
+    step_only: `cap_bytes` is what the step may add (the probe's cap), not the whole process.
+    """
+    size = (lambda b: predict_training(model, b, **kwargs).step_bytes) if step_only else \
+        (lambda b: predict_training(model, b, **kwargs).total)
+    fixed = size(0)
+    per_sample = size(1) - fixed
     return max(0, int((cap_bytes - fixed) // per_sample)) if per_sample > 0 else 0
+
+
+def t4_training_table(model: ModelConfig, batches: tuple[int, ...], *, n_classes: int = 12) -> list[dict]:
+    """Projection (closed form, not a measurement): VRAM and host RAM of a fp16-autocast step on a T4."""
+    from nblib.budget.devices import device_preset
+
+    t4 = device_preset("t4")
+    rows = []
+    for b in batches:
+        gpu = predict_training(model, b, n_classes=n_classes, precision="fp16", device="cuda", with_runtime=False)
+        rows.append({"batch": b, "vram_bytes": gpu.total, "vram_limit": t4.vram_bytes,
+                     "fits": gpu.total <= t4.vram_bytes})
+    return rows
 
 
 def accumulation_for(target_batch: int, micro_batch: int) -> tuple[int, int]:

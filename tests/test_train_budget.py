@@ -1,0 +1,78 @@
+"""The training-memory budget against measurements: autograd's saved tensors, a step's peak RSS in a
+fresh process, and the largest batch confirmed under a real memory cap (an allocation that fails).
+"""
+from __future__ import annotations
+
+import pytest
+
+from nblib.budget.training import (
+    accumulation_for,
+    largest_batch,
+    predict_training,
+    saved_activation_bytes,
+    trainable_count,
+)
+from nblib.config import preset
+
+SMOKE = preset("smoke").model
+
+
+def test_trainable_parameters_are_counted_as_the_model_has_them():
+    from nblib.train.model import Classifier
+
+    net = Classifier(SMOKE, 12)
+    assert trainable_count(SMOKE, 12) == sum(p.numel() for p in net.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("batch", [32, 128])
+def test_saved_activations_match_what_autograd_keeps_within_10_percent(batch):
+    from nblib.train.probe import saved_bytes
+
+    measured = saved_bytes(SMOKE, batch)
+    assert abs(saved_activation_bytes(SMOKE, batch) / measured - 1) <= 0.10
+
+
+def test_only_the_last_outer_cycle_is_saved_so_more_cycles_cost_no_memory():
+    more = SMOKE.__class__(**{**SMOKE.__dict__, "H_cycles": 4})
+    assert saved_activation_bytes(more, 64) == saved_activation_bytes(SMOKE, 64)
+    from nblib.train.probe import saved_bytes
+
+    assert abs(saved_bytes(more, 64) / saved_bytes(SMOKE, 64) - 1) <= 0.02
+
+
+def test_adamw_holds_two_fp32_moments_per_trained_parameter_and_amp_adds_fp16_copies():
+    fp32 = predict_training(SMOKE, 8)
+    bf16 = predict_training(SMOKE, 8, precision="bf16")
+    assert fp32.line("AdamW moments (fp32)") == 8 * trainable_count(SMOKE, 12)
+    assert fp32.line("autocast fp16 weights") == 0 < bf16.line("autocast fp16 weights")
+    assert bf16.line("activations saved for backward") < fp32.line("activations saved for backward")
+
+
+@pytest.mark.slow
+def test_a_steps_peak_rss_is_predicted_within_10_percent_where_activations_dominate():
+    from nblib.train.probe import step_peak
+
+    measured = step_peak(SMOKE, 1024)
+    assert measured.fits, measured.error
+    assert measured.delta > measured.rss_before          # the step, not the runtime, dominates here
+    predicted = measured.rss_before + predict_training(SMOKE, 1024).step_bytes
+    assert abs(predicted / measured.peak_rss - 1) <= 0.10, (predicted, measured)
+
+
+@pytest.mark.slow
+def test_the_budgets_largest_batch_fits_under_a_real_cap_and_a_third_more_does_not():
+    from nblib.train.probe import step_peak
+
+    cap = 300 * 2**20
+    best = largest_batch(SMOKE, cap, step_only=True)
+    assert best > 100
+    inside, over = step_peak(SMOKE, best, cap_bytes=cap), step_peak(SMOKE, int(best * 1.35), cap_bytes=cap)
+    assert inside.fits, inside.error
+    assert not over.fits and "allocate" in over.error
+
+
+def test_accumulation_reaches_the_target_batch_with_micro_batches_that_fit():
+    assert accumulation_for(256, 100) == (3, 85) or accumulation_for(256, 100) == (4, 64)
+    steps, micro = accumulation_for(256, 100)
+    assert steps * micro == 256 and micro <= 100
+    assert accumulation_for(64, 64) == (1, 64)
