@@ -25,6 +25,7 @@ import torch
 
 from nblib import budget, cache, encode, reference
 from nblib.config import preset
+from nblib.measure import synchronize as _sync
 
 REFERENCE_SAMPLES_PER_S = float(reference.ANALYSIS["samples per second"].value)  # seed_t4, T4, fp32
 
@@ -145,11 +146,6 @@ def main(argv: list[str] | None = None) -> int:
             result = compare(images, config, torch.device("cuda"), tmp / "gpu", args.repeats)
             report("GPU, seed_t4 shapes, fp16 autocast", config, torch.device("cuda"), len(images), result)
     return 0
-
-
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from nblib import budget
 from nblib.atomic import atomic_write_json, sha256_json
 from nblib.config import preset
+from nblib.measure import synchronize as _sync
 from nblib.trm import COMPILE_MODES, SDPA_BACKENDS, TRMVisionEncoder
 
 SCHEMA = "nblib.gpu_report/1"
@@ -957,11 +958,6 @@ def _free_device_memory() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _nvidia_smi(field: str) -> str | None:

@@ -187,7 +187,7 @@ def hardware_report(drive: str | Path | None = None, local: str | Path | None = 
     """Measure this machine. Imports torch (if installed) to read the GPU, never TensorFlow."""
     import psutil
 
-    from nblib.measure import disk_space
+    from nblib.disk import disk_space
 
     gpu = _gpu_info()
     local_path = Path(local) if local is not None else outputs_dir()

@@ -34,8 +34,8 @@ from pathlib import Path
 import numpy as np
 
 from nblib.budget import checkpoint_disk_peak, checkpoint_ram_peak
+from nblib.disk import disk_free, disk_usage
 from nblib.errors import BudgetExceeded, ConfigError
-from nblib.measure import disk_free, disk_usage
 from nblib.units import GB
 
 CONTENTS = ("random", "constant")

@@ -152,8 +152,8 @@ def encode(cache: ImageSource, run_dir: str | Path, config: PipelineConfig, devi
     device = resolve_device(device)
     if device.type == "cpu":
         # the budget's RAM lines count live buffers; without this glibc keeps freed activations
-        # resident and a CPU run peaks 1.5-1.8x above them (see measure.pin_malloc_mmap_threshold)
-        from nblib.measure import pin_malloc_mmap_threshold
+        # resident and a CPU run peaks 1.5-1.8x above them (see malloc.pin_malloc_mmap_threshold)
+        from nblib.malloc import pin_malloc_mmap_threshold
 
         pin_malloc_mmap_threshold()
     encoder = load_encoder(config, weights)
@@ -477,7 +477,7 @@ def check_disks(needs: dict[str, tuple[Path, int]]) -> None:
     Items on one file system (the same st_dev) are added up; a disk nothing lands on is not
     charged at all.
     """
-    from nblib.measure import disk_free, existing_parent
+    from nblib.disk import disk_free, existing_parent
 
     by_disk: dict[int, list[tuple[str, Path, int]]] = {}
     for item, (folder, nbytes) in needs.items():
