@@ -10,7 +10,7 @@ import torch.utils.data
 
 from nblib.errors import StateError
 from nblib.shuffle.iterate import advance, fresh_like, outputs_done
-from nblib.shuffle.state import as_state, int_field
+from nblib.shuffle.state import as_state, int_field, state_fields
 
 
 class _ReplayFromCheckpoint:
@@ -28,7 +28,7 @@ class _ReplayFromCheckpoint:
 
     def _load_shuffle_state(self, state: dict) -> None:
         """Continue from a shuffle state of any epoch of this shuffle (the epoch is progress here)."""
-        epoch = state.get("epoch")
+        epoch = state_fields(state).get("epoch")
         same_epoch = isinstance(epoch, bool) or not isinstance(epoch, int) or epoch == self.shuffle.epoch
         shuffle = self.shuffle if same_epoch else fresh_like(self.shuffle, epoch=epoch)
         shuffle.load_state_dict(state)  # refuses a foreign or edited state before anything changes
