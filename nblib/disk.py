@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 from pathlib import Path
 
 
@@ -60,3 +61,34 @@ class DiskDelta:
 
     def __exit__(self, *exc) -> None:
         self.after, self.free_after = disk_usage(self.folder), disk_free(self.folder)
+
+
+class DiskPeak:
+    """Context manager: sample a folder's size in a thread while a block runs; keep the peak.
+
+    Samples on entry, every `every_s` seconds, and once more on exit. A save's temporary files
+    that live shorter than one interval can be missed: the peak is a lower bound.
+    """
+
+    def __init__(self, folder: str | Path, every_s: float = 0.002):
+        self.folder, self.every_s, self.peak = Path(folder), every_s, 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> DiskPeak:
+        self._sample()
+        self._thread = threading.Thread(target=self._run, name="DiskPeak", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self._sample()
+
+    def _sample(self) -> None:
+        self.peak = max(self.peak, disk_usage(self.folder))
