@@ -403,10 +403,12 @@ def checkpoint_round_trip(build: Callable, folder, cut_after: int, compared: int
     return RoundTrip(size, identical, got)
 
 
-def iterator_checkpoint_bytes(dataset, consumed: int, folder) -> int:
-    """Bytes of a tf.train.Checkpoint of `dataset`'s iterator after `consumed` elements (TF's error if refused).
+def iterator_checkpoint_bytes(dataset, consumed: int, folder) -> tuple[int, str]:
+    """(bytes, "") of a tf.train.Checkpoint of `dataset`'s iterator after `consumed` elements, or (0, why).
 
-    `folder` is removed afterwards, also when TensorFlow refuses to save.
+    TensorFlow refuses to save some iterators (e.g. "PyFunc is stateful"): that refusal is the
+    answer, returned as its first line; an error while iterating is raised. `folder` is removed
+    afterwards, in every case.
     """
     tf = tensorflow()
     folder = Path(folder)
@@ -415,7 +417,9 @@ def iterator_checkpoint_bytes(dataset, consumed: int, folder) -> int:
         next(iterator)
     try:
         tf.train.Checkpoint(iterator=iterator).write(str(folder / "ckpt"))
-        return folder_bytes(folder)
+        return folder_bytes(folder), ""
+    except Exception as exc:  # TF raises several types for an iterator it cannot save
+        return 0, fmt_exception(exc, 160, with_type=True)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

@@ -35,7 +35,6 @@ from nblib.tfdata import (
     shuffle_pipeline,
     tf_shuffle_order,
 )
-from nblib.units import fmt_exception
 
 
 def measure_checkpoint(buffer_sizes, sample_kb: float, *, symbolic=(False, True), folder=None,
@@ -75,11 +74,9 @@ def measure_ops(sample_kb: float = 16.0, *, n: int = 256, seed: int = 0, folder=
     with _work_folder(folder, "nblib-tfckpt-ops-") as root:
         for name in builds[False]:
             for symbolic in (False, True):
-                try:
-                    size = iterator_checkpoint_bytes(builds[symbolic][name](), 5, root / f"op-{len(rows)}")
-                    rows.append(OpRow(name, symbolic, size))
-                except Exception as exc:  # e.g. "PyFunc is stateful": the answer, not a crash
-                    rows.append(OpRow(name, symbolic, 0, fmt_exception(exc, 160, with_type=True)))
+                # TensorFlow's refusal (e.g. "PyFunc is stateful") is the answer, not a crash
+                size, refused = iterator_checkpoint_bytes(builds[symbolic][name](), 5, root / f"op-{len(rows)}")
+                rows.append(OpRow(name, symbolic, size, refused))
     return rows
 
 
