@@ -31,7 +31,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
+import psutil
 
+from nblib import shuffle
 from nblib.budget import checkpoint_disk_peak, checkpoint_ram_peak
 from nblib.disk import DiskPeak, disk_free, disk_usage
 from nblib.errors import BudgetExceeded, ConfigError
@@ -230,8 +232,6 @@ def index_dataset(indices):
     memory, no Python in the loop). ResumableShuffleBuffer or any other shuffle: its remaining
     order precomputed (8 bytes per sample in RAM) and sliced. An array: sliced as is.
     """
-    from nblib import shuffle
-
     tf = tensorflow()
     if isinstance(indices, shuffle.GlobalShuffle):
         return _feistel_dataset(indices)
@@ -242,8 +242,6 @@ def index_dataset(indices):
 
 def make_shuffle(n: int, buffer_size: int, seed: int, algorithm: str = "buffer"):
     """A fresh nblib.shuffle object: ResumableShuffleBuffer ("buffer") or GlobalShuffle ("global")."""
-    from nblib import shuffle
-
     if algorithm == "buffer":
         return shuffle.ResumableShuffleBuffer(n=n, buffer_size=max(1, buffer_size), seed=seed)
     if algorithm == "global":
@@ -522,8 +520,6 @@ def preflight_checkpoint(buffer_size: int, sample_bytes: int, folder) -> None:
     Disk: `nblib.budget.checkpoint_disk_peak` with the previous checkpoint kept (2x); RAM: the
     buffer plus what a restore adds (`nblib.budget.checkpoint_ram_peak`).
     """
-    import psutil
-
     buffer_bytes = buffer_size * sample_bytes
     need_disk = checkpoint_disk_peak(buffer_bytes, keep_previous=True)
     need_ram = checkpoint_ram_peak(buffer_bytes)

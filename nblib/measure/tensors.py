@@ -5,6 +5,8 @@ Trade-off of `TensorPeak`: exact and allocator-independent, but blind to a kerne
 """
 from __future__ import annotations
 
+import weakref
+
 
 class TensorPeak:
     """Context manager: exact peak bytes of torch tensors created inside it and still alive.
@@ -41,8 +43,6 @@ class TensorPeak:
         self._mode.__exit__(*exc)
 
     def _add(self, storage) -> None:
-        import weakref
-
         key, size = storage.data_ptr(), storage.nbytes()
         if size == 0 or key in self._live:
             return

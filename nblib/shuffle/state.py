@@ -17,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from nblib.errors import StateError
+from nblib.atomic import atomic_write_bytes
+from nblib.errors import ConfigError, StateError
 from nblib.manifest import body_sha256
 
 STATE_KIND = "nblib.shuffle.state"
@@ -55,8 +56,6 @@ def state_bytes(shuffle) -> int:
 
 def save_state(path: str | Path, shuffle) -> Path:
     """Write the shuffle's state to `path` atomically (temporary file, fsync, rename); return the path."""
-    from nblib.atomic import atomic_write_bytes
-
     return atomic_write_bytes(path, state_to_json(shuffle.state_dict()).encode()).path
 
 
@@ -182,8 +181,6 @@ def int_field(state: dict, name: str, low: int, high: int) -> int:
 
 def as_int(name: str, value) -> int:
     """A constructor argument that must be an integer (an int or numpy integer; not 1.0, not True)."""
-    from nblib.errors import ConfigError
-
     if isinstance(value, bool):
         raise ConfigError(f"{name}={value!r} must be an integer, not a bool")
     try:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from nblib import shuffle
 from nblib.lab.shuffle_checkpoints.maths import resumable_label
 from nblib.lab.shuffle_checkpoints.rows import BuiltinRow, OpRow, QualityRow, ResumeProof, StateRow, ThroughputRow
 from nblib.tfdata import (
@@ -83,8 +84,6 @@ def measure_ops(sample_kb: float = 16.0, *, n: int = 256, seed: int = 0, folder=
 def measure_state_checkpoint(buffer_sizes, *, algorithm: str = "buffer", n_factor: int = 4, seed: int = 0,
                              folder=None) -> list[StateRow]:
     """Save and restore a resumable shuffle's JSON state mid-epoch (buffer full) for each buffer size."""
-    from nblib import shuffle
-
     rows = []
     with _work_folder(folder, "nblib-tfckpt-state-") as root:
         for buffer_size in (int(b) for b in buffer_sizes):
@@ -155,8 +154,6 @@ def compare_shuffles(spec: PipelineSpec, folder, *, cut_after: int = 5, compared
 
 def quality_vs_buffer(n: int, buffer_sizes, episode_len: int, seed: int = 0) -> list[QualityRow]:
     """Quality of tf.data's shuffle, ResumableShuffleBuffer (same algorithm) and GlobalShuffle."""
-    from nblib import shuffle
-
     rows = []
     global_q = shuffle.shuffle_quality(shuffle.full_order(make_shuffle(n, 1, seed, "global")), episode_len)
     for b in (int(b) for b in buffer_sizes):
@@ -177,8 +174,6 @@ def shuffle_throughput(n: int, buffer_size: int, sample_kb: float, *, batch_size
     buffer and into an EagerTensor, so the ratio is mostly per-element overhead; batched, both copy
     every sample. Dataset construction is not timed; the first element is.
     """
-    from nblib import shuffle
-
     sample_bytes = PipelineSpec(sample_kb=sample_kb).sample_bytes
     source = np.random.default_rng(seed).integers(0, 256, size=(n, sample_bytes), dtype=np.uint8)
     order = make_shuffle(n, buffer_size, seed, "buffer")
@@ -230,8 +225,6 @@ def _timed_pass(spec: PipelineSpec, method: str) -> tuple[float, np.ndarray]:
 
 def _same_order_in_numpy(spec: PipelineSpec, method: str, order: np.ndarray) -> bool | None:
     """nblib's shuffles: TF's order == numpy's (`shuffle.full_order`); TensorFlow's own: None."""
-    from nblib import shuffle
-
     if not SHUFFLE_METHODS[method].same_order_outside_tf:
         return None
     algorithm = method.removeprefix("resumable (").removesuffix(")")
