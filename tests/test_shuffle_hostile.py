@@ -125,3 +125,15 @@ def test_a_shard_aware_shuffle_of_2_to_the_34_samples_in_real_shards_works():
     shuffle = sh.ShardAwareShuffle(n=2**34, seed=0, shard_size=4096, window_shards=4)
     first = shuffle.indices(0, 10)
     assert len(set(first.tolist())) == 10 and all(0 <= i < 2**34 for i in first.tolist())
+
+
+def test_the_torch_sampler_refuses_an_unchecked_state_unless_asked():
+    pytest.importorskip("torch")
+    shuffle = _positional("global")
+    shuffle.position = 40
+    unchecked = {**shuffle.state_dict()["body"], "version": 1}
+    sampler = sh.ShuffleSampler(_positional("global"))
+    with pytest.raises(StateError, match="no checksum"):
+        sampler.load_state_dict(unchecked)
+    sampler.load_state_dict(unchecked, allow_unchecked=True)
+    assert list(sampler) == list(_positional("global"))[40:]
