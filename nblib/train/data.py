@@ -7,7 +7,7 @@ means above 1/12, a bar a broken loop cannot clear by guessing the majority.
 
 The order: a `GlobalShuffle` (keyed Feistel permutation) of the training indices per epoch, cut in
 global batches of `batch_size`; rank r of W takes the r-th slice of each. The state at any step
-is the shuffle's (n, seed, epoch, position): ~150 bytes of JSON, the same for every world size,
+is the shuffle's (n, seed, epoch, position): ~200 bytes of JSON, the same for every world size,
 so a resume on another number of ranks continues the same global sample order.
 """
 from __future__ import annotations
@@ -22,6 +22,7 @@ import numpy as np
 
 from nblib.errors import ConfigError, InputError, StateError
 from nblib.shuffle import GlobalShuffle, load_state_json, state_to_json
+from nblib.shuffle.state import state_fields
 
 SPLIT_SALT = 0x7EA1_5EED            # the held-out split does not move when the training seed does
 
@@ -123,7 +124,7 @@ class BatchPlan:
         """The step a stored shuffle state resumes at; StateError when it is not this plan's."""
         shuffle = GlobalShuffle(n=len(self.train), seed=self.seed)
         loaded = load_state_json(state.decode() if isinstance(state, bytes) else state)
-        epoch = loaded.get("epoch")
+        epoch = state_fields(loaded).get("epoch")
         if isinstance(epoch, int) and epoch != shuffle.epoch:
             shuffle = GlobalShuffle(n=len(self.train), seed=self.seed, epoch=epoch)
         shuffle.load_state_dict(loaded)       # refuses another n or seed, or an edited state
