@@ -1,0 +1,159 @@
+"""Notebook 06's demos: the training budget against measurements, the largest batch, a kill and an exact
+resume, what a checkpoint holds, retention and the bucket's cost. Verdicts come from comparisons
+computed here, never typed. Real subprocesses for peaks and kills; the same `train` as the CLI.
+"""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from nblib.budget.training import predict_training
+from nblib.units import fmt_bytes
+
+REPO = Path(__file__).resolve().parents[2]
+SAMPLE_TEXTS = REPO / "data" / "sample_texts.jsonl"
+PEAK_TOLERANCE = 0.10
+
+
+def texts_subset(n: int, folder: str | Path) -> Path:
+    """The first `n` sample texts as a .jsonl in `folder` (the cache records its path: labels come with it)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"sample_texts_{n}.jsonl"
+    lines = SAMPLE_TEXTS.read_text(encoding="utf-8").splitlines(keepends=True)[:n]
+    path.write_text("".join(lines), encoding="utf-8")
+    return path
+
+
+def memory_rows(model, batches: tuple[int, ...]) -> list[dict]:
+    """Per batch: the step's predicted peak RSS (measured fixed cost + predicted step) and the measured one."""
+    from nblib.train.probe import step_peak
+
+    rows = []
+    for b in batches:
+        measured = step_peak(model, b)
+        budget = predict_training(model, b)
+        predicted = measured.rss_before + budget.step_bytes
+        rows.append({"batch": b, "fixed": measured.rss_before, "predicted": predicted, "measured": measured.peak_rss,
+                     "ratio": predicted / measured.peak_rss if measured.peak_rss else float("nan"),
+                     "step_share": (measured.peak_rss - measured.rss_before) / max(1, measured.peak_rss),
+                     "full_prediction": budget.total})
+    return rows
+
+
+def memory_table(rows: list[dict]) -> str:
+    head = (f"{'batch':>6}{'fixed (measured)':>18}{'peak predicted':>16}{'peak measured':>15}{'pred/meas':>11}"
+            f"{'step share':>12}   verdict")
+    lines = [head]
+    for r in rows:
+        dominated = r["step_share"] >= 0.5
+        ok = abs(r["ratio"] - 1) <= PEAK_TOLERANCE
+        verdict = (("within" if ok else "OUTSIDE") + f" +-{PEAK_TOLERANCE:.0%}") if dominated else \
+            "fixed cost dominates: not judged"
+        lines.append(f"{r['batch']:>6}{fmt_bytes(r['fixed']):>18}{fmt_bytes(r['predicted']):>16}"
+                     f"{fmt_bytes(r['measured']):>15}{r['ratio']:>11.3f}{r['step_share']:>12.0%}   {verdict}")
+    return "\n".join(lines)
+
+
+def largest_batch_demo(model, cap_bytes: int) -> tuple[int, list]:
+    """(the budget's largest micro-batch under a cap on what a step adds, the probes that confirm it)."""
+    from nblib.budget.training import largest_batch
+    from nblib.train.probe import probe_largest_batch
+
+    predicted = largest_batch(model, cap_bytes, step_only=True)
+    return predicted, probe_largest_batch(model, cap_bytes, predicted, tries=3)
+
+
+def train_command(cache: str | Path, out: str | Path, steps: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "nblib", "train", "--cache", str(cache), "--out", str(out), "--steps", str(steps),
+            "--no-progress", *extra]
+
+
+def kill_and_resume(cache: str | Path, folder: str | Path, steps: int, kill_after_step: int,
+                    *extra: str) -> dict:
+    """An uninterrupted CLI run, and one SIGKILLed once step `kill_after_step` is saved, then rerun."""
+    import os
+
+    folder = Path(folder)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    whole, killed = folder / "uninterrupted", folder / "killed"
+    subprocess.run(train_command(cache, whole, steps, *extra), env=env, check=True, capture_output=True)
+    proc = subprocess.Popen(train_command(cache, killed, steps, *extra), env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    while proc.poll() is None and _newest_step(killed) < kill_after_step:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    at_kill = _newest_step(killed)
+    finished_before_kill = (killed / "final.pt").exists()
+    rerun = subprocess.run(train_command(cache, killed, steps, *extra), env=env, check=True, capture_output=True,
+                           text=True)
+    return {"killed_after_saved_step": at_kill, "finished_before_kill": finished_before_kill,
+            "rerun_output": rerun.stdout.strip(), "identical": weights_identical(whole, killed)}
+
+
+def weights_identical(run_a: str | Path, run_b: str | Path) -> bool:
+    """True when both runs' final.pt hold the same tensors, bit for bit (encoder and head)."""
+    import torch
+
+    a = torch.load(Path(run_a) / "final.pt", weights_only=True)
+    b = torch.load(Path(run_b) / "final.pt", weights_only=True)
+    flat = lambda p: {**p["state_dict"], **{f"head.{k}": v for k, v in p["head"].items()}}  # noqa: E731
+    fa, fb = flat(a), flat(b)
+    return fa.keys() == fb.keys() and all(torch.equal(fa[k], fb[k]) for k in fa)
+
+
+def newest_state(run_dir: str | Path) -> dict:
+    from nblib.train.store import TrainStore
+
+    state, _ = TrainStore(run_dir, start_mirror=False).load_latest()
+    return state
+
+
+def checkpoint_contents(state: dict, *, buffer_size: int = 250_000, sample_bytes: int = 500_000) -> str:
+    """What a train state holds, by part, beside what tf.data's Dataset.shuffle checkpoint holds."""
+    from nblib.budget import shuffle_checkpoint
+    from nblib.train.state import part_bytes
+
+    sizes = part_bytes(state)
+    names = {"model": "model weights + BatchNorm stats", "optimizer": "AdamW moments + step counts",
+             "scheduler": "LR schedule", "scaler": "GradScaler", "rng": "RNG states (python, numpy, torch)",
+             "data_order": "data order (nblib shuffle state)", "history": "metric history",
+             "identity": "run identity (settings, cache, labels)", "step": "step", "epoch": "epoch",
+             "best": "best step"}
+    lines = [f"{'part':<42}{'bytes':>14}"]
+    for key, value in sorted(sizes.items(), key=lambda kv: -kv[1]):
+        lines.append(f"{names.get(key, key):<42}{value:>14,}")
+    lines.append(f"{'all parts (torch.save each)':<42}{sum(sizes.values()):>14,}")
+    order = len(state["data_order"])
+    tf = shuffle_checkpoint(buffer_size, sample_bytes).checkpoint_bytes
+    lines.append("")
+    lines.append(f"data order, nblib: {order:,} bytes of JSON at any dataset size")
+    lines.append(f"data order, tf.data Dataset.shuffle(buffer_size={buffer_size:,}) of {fmt_bytes(sample_bytes)} "
+                 f"samples: {fmt_bytes(tf)} (the buffer itself; reference arithmetic, nblib.budget.shuffle_checkpoint)")
+    lines.append(f"ratio: {tf / order:,.0f} x")
+    return "\n".join(lines)
+
+
+def retention_listing(run_dir: str | Path, mirror: str | Path | None) -> str:
+    """The state and best versions kept on each side."""
+    from nblib.store.checkpoints import versions_in
+
+    rows = []
+    for side, root in (("local", Path(run_dir) / "checkpoints"), ("mirror", None if mirror is None else
+                                                                   Path(mirror) / "checkpoints")):
+        if root is None or not root.exists():
+            continue
+        entries = [p.name for p in root.iterdir()]
+        size = sum(p.stat().st_size for p in root.iterdir() if p.is_file())
+        rows.append(f"{side:<7} states at steps {versions_in(entries, 'state')}, best at steps "
+                    f"{versions_in(entries, 'best')}  ({fmt_bytes(size)})")
+    return "\n".join(rows)
+
+
+def _newest_step(run: Path) -> int:
+    return max((int(p.stem.split("-")[1]) for p in (run / "checkpoints").glob("state-*.json")), default=0) \
+        if (run / "checkpoints").exists() else 0
