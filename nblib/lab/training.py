@@ -127,7 +127,7 @@ def checkpoint_contents(state: dict, *, buffer_size: int = 250_000, sample_bytes
     lines = [f"{'part':<42}{'bytes':>14}"]
     for key, value in sorted(sizes.items(), key=lambda kv: -kv[1]):
         lines.append(f"{names.get(key, key):<42}{value:>14,}")
-    lines.append(f"{'all parts (torch.save each)':<42}{sum(sizes.values()):>14,}")
+    lines.append(f"{'all parts (less torch.save containers)':<42}{sum(sizes.values()):>14,}")
     order = len(state["data_order"])
     tf = shuffle_checkpoint(buffer_size, sample_bytes).checkpoint_bytes
     lines.append("")

@@ -67,13 +67,14 @@ def check_identity(stored: dict, current: dict, where: str) -> None:
 
 
 def part_bytes(state: dict) -> dict[str, int]:
-    """torch.save bytes of each part of a train state (what a checkpoint holds, by part)."""
-    sizes = {}
-    for name, value in state.items():
-        buffer = io.BytesIO()
-        torch.save(value, buffer)
-        sizes[name] = len(buffer.getvalue())
-    return sizes
+    """Bytes each part of a train state adds to its checkpoint: its torch.save size less the container's."""
+    return {name: max(0, _saved_size(value) - _saved_size(None)) for name, value in state.items()}
+
+
+def _saved_size(value) -> int:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return len(buffer.getvalue())
 
 
 def _short(value) -> str:
