@@ -32,6 +32,7 @@ from nblib.store import (
     MirrorWarning,
     PartFolder,
     PartInfo,
+    VerifyLevel,
     retained_parts,
 )
 
@@ -339,7 +340,7 @@ def test_flipped_byte_of_same_size_is_detected_by_sha256(tmp_path):
     data = bytearray(npy.read_bytes())
     data[-1] ^= 0xFF
     npy.write_bytes(bytes(data))
-    assert [p.name for p in DurableStore(tmp_path).list_parts(verify=False)] == ["part-000000"]  # size only
+    assert [p.name for p in DurableStore(tmp_path).list_parts(verify=VerifyLevel.SIZES)] == ["part-000000"]  # size only
     with pytest.warns(DamagedCopyWarning, match="sha256"):
         assert DurableStore(tmp_path).list_parts() == []
 
@@ -505,18 +506,18 @@ def test_quick_check_hashes_only_files_whose_stat_fingerprint_changed(tmp_path):
     DurableStore(tmp_path).write_part("part-000000", arrays_for(0))
     ops = CountingOps()
     folder = PartFolder(tmp_path, ops)
-    assert [p.name for p in folder.list(verify="quick")[0]] == ["part-000000"]
+    assert [p.name for p in folder.list(verify=VerifyLevel.STAT)[0]] == ["part-000000"]
     assert ops.opened == ["part.json"]           # metadata only: nothing hashed
     npy = tmp_path / "part-000000" / "ids.npy"
     data = bytearray(npy.read_bytes())
     data[-1] ^= 0xFF
     npy.write_bytes(bytes(data))                 # same size, new mtime
     ops.opened.clear()
-    assert isinstance(folder.check("part-000000", verify=False), PartInfo)       # sizes only: fooled
-    assert "sha256" in folder.check("part-000000", verify="quick").reason          # fingerprint: hashed
+    assert isinstance(folder.check("part-000000", verify=VerifyLevel.SIZES), PartInfo)       # sizes only: fooled
+    assert "sha256" in folder.check("part-000000", verify=VerifyLevel.STAT).reason          # fingerprint: hashed
     assert ops.opened.count("ids.npy") == 1 and "sketches.npy" not in ops.opened
     with pytest.warns(DamagedCopyWarning, match="sha256"):
-        assert DurableStore(tmp_path).list_parts(verify="quick") == []
+        assert DurableStore(tmp_path).list_parts(verify=VerifyLevel.STAT) == []
     with pytest.raises(ConfigError, match="verify='full'"):
         folder.check("part-000000", verify="full")
 
@@ -524,7 +525,7 @@ def test_quick_check_hashes_only_files_whose_stat_fingerprint_changed(tmp_path):
 def test_local_folder_reads_local_copies_without_a_second_store(tmp_path):
     store = DurableStore(tmp_path / "local", tmp_path / "mirror", **FAST)
     store.write_part("part-000000", arrays_for(0))
-    np.testing.assert_array_equal(store.local.read("part-000000", verify="quick")["ids"], arrays_for(0)["ids"])
+    np.testing.assert_array_equal(store.local.read("part-000000", verify=VerifyLevel.STAT)["ids"], arrays_for(0)["ids"])
     assert store.local.root == store.local_dir and store.close()
 
 

@@ -14,7 +14,8 @@ from nblib.budget._checks import validated
 from nblib.budget.devices import Device, device_preset
 from nblib.budget.disk import NO_CACHE
 from nblib.budget.drive import smallest_checkpoint_every
-from nblib.budget.predict import RESOURCES, Budget, max_batch_size, predict_budget
+from nblib.budget.predict import Budget, max_batch_size, predict_budget
+from nblib.budget.resources import RESOURCES
 from nblib.config import OUTPUT_CHOICES, PipelineConfig
 from nblib.units import fmt_bytes
 

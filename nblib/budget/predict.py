@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from nblib.budget._checks import checked_sdpa_backend, require_positive, validated
+from nblib.budget.advice import advise
 from nblib.budget.devices import Device, device_preset
 from nblib.budget.disk import disk_lines
 from nblib.budget.drive import FREE_QUOTA_GB, DriveLimitCheck, drive_limit_checks
@@ -25,11 +26,10 @@ from nblib.budget.memory import (
     model_memory_lines,
     output_bytes_per_batch,
 )
+from nblib.budget.resources import RESOURCES
 from nblib.config import PipelineConfig
 from nblib.errors import ConfigError
 from nblib.units import GB, fmt_bytes
-
-RESOURCES = ("vram", "ram", "local disk", "drive")
 
 
 @dataclass(frozen=True)
@@ -88,9 +88,12 @@ class Budget:
     @cached_property
     def advice(self) -> tuple:
         """One nblib.budget.advice.Advice per resource over its limit and per Drive limit crossed."""
-        from nblib.budget.advice import advise
-
         return advise(self)
+
+    def with_changes(self, run: dict | None = None, options: dict | None = None) -> Budget:
+        """The budget of this config with run knobs and predict_budget options changed (advice's search)."""
+        config = self.config.replace(**run) if run else self.config
+        return predict_budget(config, self.device, **{**self.options, **(options or {})})
 
     @cached_property
     def verdict(self) -> str:
@@ -115,15 +118,6 @@ class Budget:
         rows.extend(f"  {check.numbers}" + ("" if check.crossed else " (ok)") for check in self.drive_limits)
         rows.append(f"VERDICT      {self.verdict}")
         return "\n".join(rows)
-
-
-KNOBS = {
-    "vram": "lower run.batch_size (see max_batch_size) or run.consolidate_every",
-    "ram": "lower run.checkpoint_every, run.batch_size or run.prefetch/workers",
-    "local disk": "keep fewer parts locally (keep_local) or lower run.checkpoint_every",
-    "drive": "keep fewer run.outputs, a float16 run.out_dtype, a compressed run.codec, "
-             "or a bigger drive_quota_gb",
-}
 
 
 def predict_budget(config: PipelineConfig, device: str | Device = "t4", *,

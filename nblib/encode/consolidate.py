@@ -20,11 +20,12 @@ from pathlib import Path
 import numpy as np
 
 from nblib.atomic import TMP_PREFIX, AtomicWriter, WrittenFile, npy_header, sha256_file
+from nblib.encode.layout import RUN_KIND, RUN_VERSION, open_store, read_run_manifest, refuse_if_changed
 from nblib.encode.protocols import PartRecord, PartStore, require_part_store
-from nblib.encode.run import RUN_KIND, RUN_VERSION, open_store, read_run_manifest, refuse_if_changed
 from nblib.errors import BudgetExceeded, DriveError, ManifestDamaged, StateError
 from nblib.lock import FolderLock, run_identity
 from nblib.manifest import read_manifest, write_manifest
+from nblib.store.parts import VerifyLevel
 from nblib.units import fmt_bytes_pair
 
 INDEX_NAME = "index.json"
@@ -114,11 +115,11 @@ def _readable_parts(store: PartStore, run_dir: Path) -> tuple[dict, Callable, di
     Parts are listed by size here; each is hashed when read.
     """
     manifest = read_run_manifest(store)
-    local = {p.name: p for p in store.local.list(verify=False)[0]}
+    local = {p.name: p for p in store.local.list(verify=VerifyLevel.SIZES)[0]}
     if manifest is not None and manifest.get("complete") and set(manifest["parts"]) <= set(local):
         return manifest, store.local.read, local
     try:
-        parts = {p.name: p for p in store.list_parts(verify=False)}
+        parts = {p.name: p for p in store.list_parts(verify=VerifyLevel.SIZES)}
     except DriveError as exc:
         warnings.warn(f"{exc}; consolidating from the local copies instead", stacklevel=3)
         parts = local
@@ -256,7 +257,7 @@ def _stream_parts(read_part: Callable, manifest: dict, writers: dict[str, Atomic
             raise StateError(f"{name} starts at sample {start:,}, the parts before it end at "
                              f"{filled:,}; the manifest is damaged: rerun encode to rebuild it")
         filled = stop
-        arrays = read_part(name, mmap=True, verify=True)
+        arrays = read_part(name, mmap=True, verify=VerifyLevel.HASH)
         for o, writer in writers.items():
             part = arrays[o]
             if part.shape != (stop - start, *manifest["shapes"][o]) or part.dtype != dtype:

@@ -31,8 +31,10 @@ from typing import Any
 import numpy as np
 
 from nblib.config import PipelineConfig
+from nblib.encode.layout import part_name, parts_dir
 from nblib.errors import BudgetExceeded, ConfigError, ManifestDamaged, NblibError, StateError
 from nblib.manifest import read_manifest, write_manifest
+from nblib.store.parts import VerifyLevel
 from nblib.units import GB, fmt_bytes, fmt_duration
 
 ROLES = ("single", "rank", "shard", "consolidate")
@@ -127,7 +129,7 @@ class World:
         if self.role == "single":
             return store
         block = split(range(n_parts), self.rank, self.size) if self.role == "shard" else range(n_parts)
-        return RankStore(store, Path(run_dir), watched={_part_name(k) for k in block})
+        return RankStore(store, Path(run_dir), watched={part_name(k) for k in block})
 
     def refuse_mirror(self) -> None:
         """ConfigError unless single: each rank's mirror thread would copy the other ranks' parts too."""
@@ -141,10 +143,8 @@ class World:
         shows = self.role == "shard" or (self.role == "rank" and self.rank == 0)
         if not (enabled and shows):
             return contextlib.nullcontext()
-        from nblib.encode.run import PARTS_FOLDER
-
-        names = [_part_name(k) for k in range(n_parts)]
-        return DurableProgress(Path(run_dir) / PARTS_FOLDER, names, desc=f"encode ({self.label})")
+        names = [part_name(k) for k in range(n_parts)]
+        return DurableProgress(parts_dir(run_dir), names, desc=f"encode ({self.label})")
 
     def preflight(self, config: PipelineConfig, device: str | None = None) -> None:
         """The host's RAM for all of its ranks (local rank 0 checks); the rest is per rank already."""
@@ -292,7 +292,7 @@ def read_records(run_dir: str | Path) -> list[dict]:
 def require_all_parts(run_dir: str | Path, durable: Sequence[str], n_parts: int) -> None:
     """StateError naming the parts not yet durable and the shards (or ranks) that were to write them."""
     durable = set(durable)
-    missing = [k for k in range(n_parts) if _part_name(k) not in durable]
+    missing = [k for k in range(n_parts) if part_name(k) not in durable]
     if not missing:
         return
     lines = [f"run {run_dir} is not complete: {len(missing)} of {n_parts} parts are not durable yet "
@@ -337,7 +337,7 @@ class RankStore:
         self._path = self.run_dir / RANKS_FOLDER / name
         self._record = {"role": world.role, "rank": world.rank, "size": world.size, "launch": world.launch,
                         "host": socket.gethostname(), "pid": os.getpid(),
-                        "assigned": [_part_name(k) for k in assigned], "written": [],
+                        "assigned": [part_name(k) for k in assigned], "written": [],
                         "started": time.time(), "updated": time.time()}
         self._save()
 
@@ -349,7 +349,7 @@ class RankStore:
             self._save()
         return info
 
-    def list_parts(self, verify: bool | str = True) -> list:
+    def list_parts(self, verify: VerifyLevel = VerifyLevel.HASH) -> list:
         """The verified parts; damaged copies are named unless another shard is writing them now."""
         parts, damaged = self.inner.local.list(verify)
         mine = [d for d in damaged if d.name in self._watched]
@@ -359,7 +359,7 @@ class RankStore:
                           f"{listed}", stacklevel=3)
         return parts
 
-    def read_part(self, name: str, mmap: bool = True, verify: bool | str = True) -> dict[str, np.ndarray]:
+    def read_part(self, name: str, mmap: bool = True, verify: VerifyLevel = VerifyLevel.HASH) -> dict[str, np.ndarray]:
         return self.inner.read_part(name, mmap=mmap, verify=verify)
 
     def write_manifest(self, obj: dict) -> None:
@@ -573,12 +573,6 @@ def _timeout(env) -> float:
     return value
 
 
-def _part_name(k: int) -> str:
-    from nblib.encode.run import RunPlan
-
-    return RunPlan.part_name(k)
-
-
 def _name_ranges(indices: list[int]) -> str:
     """part-000002..part-000005, part-000009: runs of consecutive parts, the first 8 runs."""
     runs: list[list[int]] = []
@@ -587,7 +581,7 @@ def _name_ranges(indices: list[int]) -> str:
             runs[-1][1] = k
         else:
             runs.append([k, k])
-    text = [_part_name(a) if a == b else f"{_part_name(a)}..{_part_name(b)}" for a, b in runs[:8]]
+    text = [part_name(a) if a == b else f"{part_name(a)}..{part_name(b)}" for a, b in runs[:8]]
     return ", ".join(text) + (f" and {len(runs) - 8} more runs" if len(runs) > 8 else "")
 
 

@@ -12,7 +12,6 @@ starts, not here.
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 import warnings
 from dataclasses import dataclass
@@ -23,68 +22,28 @@ import numpy as np
 from nblib import budget
 from nblib.atomic import sha256_json
 from nblib.config import PipelineConfig
+from nblib.encode.consolidate import consolidate
 from nblib.encode.distributed import SINGLE, World, require_all_parts
+from nblib.encode.layout import (
+    RUN_KIND,
+    RUN_VERSION,
+    RunPlan,
+    is_run_part,
+    open_store,
+    part_meta,
+    plan_run,
+    read_run_manifest,
+    refuse_if_changed,
+    settings_of,
+)
 from nblib.encode.protocols import ImageSource, PartStore, require_image_source, require_part_store
-from nblib.errors import BudgetExceeded, CacheError, ConfigError, DriveError, NblibError, ResumeMismatch, StateError
+from nblib.errors import BudgetExceeded, CacheError, ConfigError, NblibError, StateError
 from nblib.lock import FolderLock, run_identity
+from nblib.store.parts import VerifyLevel
 from nblib.units import fmt_bytes, fmt_bytes_pair
 
-RUN_KIND = "nblib.encode.run"     # the run manifest's and every part meta's "kind"
-RUN_VERSION = 2                   # layout 1 (before nblib 0.2) is refused: encode into a new folder
-PARTS_FOLDER = "parts"
 OFFLOAD_MODES = ("async", "consolidate")
 DISK_BLOCK = 4096                 # the preflight rounds each file up to whole blocks of this size
-
-
-# ------------------------------------------------------------------------------ the run's plan
-
-
-@dataclass(frozen=True)
-class RunPlan:
-    """Where every batch and part of a run begins and ends; fixed, so a resume sees the same batches."""
-
-    n_samples: int
-    batch_size: int
-    checkpoint_every: int
-
-    @property
-    def part_samples(self) -> int:
-        return self.batch_size * self.checkpoint_every
-
-    @property
-    def n_parts(self) -> int:
-        return -(-self.n_samples // self.part_samples)
-
-    def part_range(self, k: int) -> tuple[int, int]:
-        """Samples [start, stop) of part k."""
-        start = k * self.part_samples
-        return start, min(start + self.part_samples, self.n_samples)
-
-    def part_batches(self, k: int) -> list[tuple[int, int]]:
-        """Samples [start, stop) of each batch of part k."""
-        start, stop = self.part_range(k)
-        return [(s, min(s + self.batch_size, stop)) for s in range(start, stop, self.batch_size)]
-
-    @staticmethod
-    def part_name(k: int) -> str:
-        return f"part-{k:06d}"
-
-
-def plan_run(config: PipelineConfig, n_samples: int) -> RunPlan:
-    """The plan of encoding `n_samples` with the config's batch size and checkpoint cadence."""
-    return RunPlan(n_samples, config.run.batch_size, config.run.checkpoint_every)
-
-
-def settings_of(config: PipelineConfig, n_samples: int) -> dict:
-    """The knobs that decide the output bytes (model, batches, parts, outputs, dtype, seed).
-
-    Loader knobs (workers, prefetch, consolidate_every, offload mode) are left out on purpose: a
-    resume on another machine may change them without changing a byte.
-    """
-    r = config.run
-    return {"model": dataclasses.asdict(config.model), "n_samples": n_samples,
-            "batch_size": r.batch_size, "checkpoint_every": r.checkpoint_every,
-            "outputs": list(r.outputs), "out_dtype": r.out_dtype, "seed": r.seed}
 
 
 # ------------------------------------------------------------------------------ encode
@@ -124,7 +83,7 @@ def encode(cache: ImageSource, run_dir: str | Path, config: PipelineConfig, devi
            mirror_dir: str | Path | None = None, progress: bool = True, offload: str = "async",
            weights: str | Path | None = None, preflight: bool = True, workspace=None,
            do_consolidate: bool = True, store: PartStore | None = None,
-           world: World | None = None, verify: bool = False) -> EncodeReport:
+           world: World | None = None, verify: VerifyLevel = VerifyLevel.STAT) -> EncodeReport:
     """Encode every image of `cache` into parts under `run_dir`, resuming what is durable.
 
     `outputs` / `out_dtype` override the config's; `weights` loads trained weights (default: the
@@ -134,10 +93,9 @@ def encode(cache: ImageSource, run_dir: str | Path, config: PipelineConfig, devi
     holds the run folder's lock (`run_lock`) throughout: a second run on it gets FolderBusyError.
     `world` (`nblib.encode.distributed.join()`) makes this process one rank or shard of several:
     it encodes its share of the parts, and only the consolidating one merges them. A resume
-    checks parts by metadata (part.json, sizes, stat); `verify=True` hashes every part first.
+    checks parts at `verify`: VerifyLevel.STAT (part.json, sizes, stat; a file whose stat changed
+    is hashed), VerifyLevel.HASH (every part hashed first) or VerifyLevel.SIZES.
     """
-    from nblib.encode.consolidate import consolidate
-
     world = world if world is not None else SINGLE
 
     run_dir = _require_folder(Path(run_dir), "run folder (--out)")
@@ -164,7 +122,7 @@ def encode(cache: ImageSource, run_dir: str | Path, config: PipelineConfig, devi
         own_store = store is None
         store = open_store(run_dir, mirror_dir) if own_store else require_part_store(store)
         store = world.part_store(store, run_dir, plan.n_parts)   # ranks: parts go through, no manifest writes
-        manifest = _resume_manifest(store, config, plan, fingerprints, verify=True if verify else "quick")
+        manifest = _resume_manifest(store, config, plan, fingerprints, verify=VerifyLevel.of(verify))
         pending = [k for k in range(plan.n_parts) if plan.part_name(k) not in manifest["parts"]]
         resumed_at = plan.part_range(pending[0])[0] if pending else plan.n_samples
         missing = world.assign(pending, plan.n_parts, store, fingerprints)   # this process's share
@@ -261,61 +219,6 @@ def run_lock(run_dir: str | Path, fingerprints: dict, rank: int = 0, environ: di
                       rank=rank, what="run folder", hint="encode into another --out")
 
 
-def open_store(run_dir: str | Path, mirror_dir: str | Path | None = None) -> PartStore:
-    """The DurableStore holding a run's parts and manifest (run_dir/parts, mirrored if asked)."""
-    from nblib.store import DurableStore
-
-    return DurableStore(Path(run_dir) / PARTS_FOLDER, mirror_dir=mirror_dir)
-
-
-def read_run_manifest(store: PartStore) -> dict | None:
-    """The run manifest of a store, or None when there is none or it is damaged (with a warning).
-
-    The newest copy of either side; local staging's alone (with a warning) while the mirror is
-    unreachable. StateError when the store holds something else (another kind, an older layout).
-    """
-    try:
-        try:
-            manifest = store.read_manifest()
-        except DriveError as exc:
-            warnings.warn(f"{exc}; reading the run manifest of local staging only", stacklevel=3)
-            manifest = store.read_manifest(local_only=True)
-    except (StateError, OSError) as exc:
-        warnings.warn(f"the run manifest cannot be read ({exc}); rebuilding it from the parts",
-                      stacklevel=3)
-        return None
-    if manifest is not None and (manifest.get("kind"), manifest.get("version")) != (RUN_KIND, RUN_VERSION):
-        raise StateError(f"{store.local_dir} holds a manifest of kind {manifest.get('kind')!r} "
-                         f"(layout {manifest.get('version')!r}), not an encode run of layout "
-                         f"{RUN_VERSION}; encode into an empty --out folder, or delete this one")
-    return manifest
-
-
-def part_meta(plan: RunPlan, k: int, fingerprints: dict) -> dict:
-    """The meta written with part k: what it is, which samples it holds, and the run's fingerprints."""
-    return {"kind": RUN_KIND, "version": RUN_VERSION, "name": plan.part_name(k),
-            "range": list(plan.part_range(k)), "fingerprints": fingerprints}
-
-
-def refuse_if_changed(old: dict, new: dict, old_settings: dict | None, new_settings: dict | None,
-                      where: str) -> None:
-    """ResumeMismatch naming each fingerprint (and setting) that differs between two runs."""
-    changed = [k for k in ("settings", "weights", "cache") if k in old and old[k] != new.get(k)]
-    if not changed:
-        return
-    details = []
-    for key in changed:
-        if key == "settings" and old_settings and new_settings:
-            diffs = _setting_diffs(old_settings, new_settings) or ["fingerprint differs"]
-            details.append("settings changed (" + "; ".join(diffs) + ")")
-        else:
-            details.append(f"{key} changed ({old[key][:12]} -> {str(new.get(key))[:12]})")
-    raise ResumeMismatch(
-        f"{where} was made with other inputs: {', '.join(details)}. Resuming would mix outputs "
-        f"of two different runs; rerun with the original cache, weights and settings, or encode "
-        f"into a new --out folder")
-
-
 # ------------------------------------------------------------------------------ helpers: resume
 
 
@@ -355,7 +258,7 @@ def _new_manifest(config: PipelineConfig, plan: RunPlan, fingerprints: dict) -> 
 
 
 def _resume_manifest(store: PartStore, config: PipelineConfig, plan: RunPlan, fingerprints: dict,
-                     verify: bool | str = "quick") -> dict:
+                     verify: VerifyLevel = VerifyLevel.STAT) -> dict:
     """The manifest to continue from: checked against this run, parts re-verified on disk.
 
     A manifest that cannot be read is rebuilt from the parts (each part's meta carries the
@@ -367,9 +270,9 @@ def _resume_manifest(store: PartStore, config: PipelineConfig, plan: RunPlan, fi
         refuse_if_changed(old.get("fingerprints", {}), fingerprints, old.get("settings", {}),
                           fresh["settings"], where=f"the run manifest in {store.local_dir}")
     durable = {}
-    for info in store.list_parts(verify=verify):      # "quick": part.json, sizes, stat; hashed when changed
+    for info in store.list_parts(verify=verify):      # STAT: part.json, sizes, stat; hashed when changed
         meta = dict(info.meta or {})
-        if (meta.get("kind"), meta.get("version")) != (RUN_KIND, RUN_VERSION):
+        if not is_run_part(meta):
             continue
         refuse_if_changed(meta.get("fingerprints", {}), fingerprints, old and old.get("settings"),
                           fresh["settings"], where=f"part {meta.get('name')}")
@@ -421,18 +324,6 @@ def _consolidate_recomputing(consolidate_run, store: PartStore, manifest: dict, 
         manifest["complete"] = False
     recompute(ks)
     return consolidate_run(), ks
-
-
-def _setting_diffs(old: dict, new: dict) -> list[str]:
-    """'key: old -> new' for every setting that differs (model fields as model.<field>)."""
-    diffs = []
-    for key in sorted(set(old) | set(new)):
-        a, b = old.get(key), new.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            diffs += [f"model.{d}" for d in _setting_diffs(a, b)]
-        elif a != b:
-            diffs.append(f"{key}: {a} -> {b}")
-    return diffs
 
 
 def _preflight(config: PipelineConfig, workspace, run_dir: Path, mirror_dir, plan: RunPlan,

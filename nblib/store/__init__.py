@@ -43,13 +43,13 @@ from .mirror import (
     Retention,
     Sides,
 )
-from .parts import DamagedCopy, FileEntry, FileOps, PartFolder, PartInfo, check_name, verify_level
+from .parts import DamagedCopy, FileEntry, FileOps, PartFolder, PartInfo, VerifyLevel, check_name
 from .retention import checkpoints_to_drop, retained_parts
 from .retry import Retrier, RetryingOps
 from .run_manifest import MANIFEST_FILE, newest, read_run_manifest, run_manifest_bytes
 
 __all__ = ["DamagedCopy", "DamagedCopyWarning", "DurableStore", "FileEntry", "FileOps", "MirrorStatus",
-           "MirrorWarning", "PartFolder", "PartInfo", "retained_parts"]
+           "MirrorWarning", "PartFolder", "PartInfo", "VerifyLevel", "retained_parts"]
 
 
 class DurableStore:
@@ -92,19 +92,19 @@ class DurableStore:
         self._enqueue(CopyPart(name))
         return info
 
-    def list_parts(self, verify: bool | str = True) -> list[PartInfo]:
-        """Complete parts, newest copy of either side; verify: True (sha256), "quick" or False (sizes)."""
+    def list_parts(self, verify: VerifyLevel = VerifyLevel.HASH) -> list[PartInfo]:
+        """Complete parts, newest copy of either side, checked at the `VerifyLevel` asked."""
         parts, damaged = self._scan(verify)
         _warn_damaged(damaged, "ignored; the caller should recompute the parts that have no good copy")
         return parts
 
     def verify(self) -> tuple[list[PartInfo], list[DamagedCopy]]:
         """Full sha256 check of every part on both sides: (good parts, damaged copies)."""
-        parts, damaged = self._scan(True)
+        parts, damaged = self._scan(VerifyLevel.HASH)
         _warn_damaged(damaged, "ignored; the caller should recompute the parts that have no good copy")
         return parts, damaged
 
-    def read_part(self, name: str, mmap: bool = True, verify: bool | str = True) -> dict[str, np.ndarray]:
+    def read_part(self, name: str, mmap: bool = True, verify: VerifyLevel = VerifyLevel.HASH) -> dict[str, np.ndarray]:
         """The arrays of part `name` from a checked copy (newest; local on a tie), memory-mapped if `mmap`."""
         check_name(name, "part name")
         best, bad = self._best_copy(name, verify)
@@ -243,8 +243,8 @@ class DurableStore:
         if self._mirror is not None:
             self._mirror.enqueue(item)
 
-    def _scan(self, verify) -> tuple[list[PartInfo], list[DamagedCopy]]:
-        verify_level(verify)
+    def _scan(self, verify: VerifyLevel) -> tuple[list[PartInfo], list[DamagedCopy]]:
+        verify = VerifyLevel.of(verify)
         names = sorted({n for folder in self._folders for n in folder.names()})
         parts, damaged = [], []
         for name in names:
@@ -256,7 +256,8 @@ class DurableStore:
                     self._enqueue(CopyPart(name))   # repair the mirror from the good local copy
         return parts, damaged
 
-    def _best_copy(self, name: str, verify) -> tuple[tuple[PartFolder, PartInfo] | None, list[DamagedCopy]]:
+    def _best_copy(self, name: str,
+                   verify: VerifyLevel) -> tuple[tuple[PartFolder, PartInfo] | None, list[DamagedCopy]]:
         good, bad = [], []
         for rank, folder in enumerate(self._folders):
             result = folder.check(name, verify)
