@@ -221,7 +221,7 @@ def encode_main(argv: list[str]) -> int:
                             verify=VerifyLevel.HASH if args.verify else VerifyLevel.STAT)
     finally:
         world.close()
-    if world.consolidates or world.role == "shard":   # the other ranks of a launch stay quiet
+    if world.reports:   # the other ranks of a launch stay quiet
         print(report)
     return 0
 
