@@ -67,16 +67,6 @@ class AtomicWriter:
         self.bytes += view.nbytes
         return view.nbytes
 
-    def write_array(self, array) -> None:
-        """Append `np.save`'s exact bytes for `array` (header, then the data)."""
-        import numpy as np
-
-        array = np.asarray(array)
-        if array.dtype.hasobject:
-            raise ValueError("object arrays cannot be stored; convert them to a numeric dtype")
-        self.write(npy_header(array.dtype, array.shape))
-        self.write(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
-
     def commit(self, expect_sha256: str | None = None) -> WrittenFile:
         """Flush, fsync, rename onto `path`, fsync the folder; the file's size and sha256.
 
@@ -149,13 +139,6 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> WrittenFile:
 def atomic_write_json(path: str | Path, obj) -> WrittenFile:
     """Write `obj` as indented, key-sorted JSON to `path` atomically."""
     return atomic_write_bytes(path, json_bytes(obj))
-
-
-def atomic_save_npy(path: str | Path, array) -> WrittenFile:
-    """`np.save` to `path` atomically, hashed while written."""
-    with AtomicWriter(path) as writer:
-        writer.write_array(array)
-        return writer.commit()
 
 
 def atomic_torch_save(obj, path: str | Path) -> WrittenFile:

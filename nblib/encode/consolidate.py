@@ -12,8 +12,8 @@ every file. `load_outputs` refuses a file that disagrees with the index.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,6 +27,8 @@ from nblib.lock import FolderLock, run_identity
 from nblib.manifest import read_manifest, write_manifest
 from nblib.store.parts import VerifyLevel
 from nblib.units import fmt_bytes_pair
+
+log = logging.getLogger(__name__)
 
 INDEX_NAME = "index.json"
 INDEX_KIND = "nblib.encode.index"
@@ -121,7 +123,7 @@ def _readable_parts(store: PartStore, run_dir: Path) -> tuple[dict, Callable, di
     try:
         parts = {p.name: p for p in store.list_parts(verify=VerifyLevel.SIZES)}
     except DriveError as exc:
-        warnings.warn(f"{exc}; consolidating from the local copies instead", stacklevel=3)
+        log.warning("%s; consolidating from the local copies instead", exc)
         parts = local
     _require_complete(manifest, parts, run_dir)
     return manifest, store.read_part, parts
@@ -159,7 +161,7 @@ def _index_record(out_dir: Path):
     try:
         return read_manifest(out_dir / INDEX_NAME, INDEX_KIND, versions=(INDEX_VERSION,))
     except ManifestDamaged as exc:
-        warnings.warn(f"{exc}; every output is rebuilt", stacklevel=3)
+        log.warning("%s; every output is rebuilt", exc)
         return None
 
 

@@ -10,7 +10,7 @@ can all import it (no cycle).
 from __future__ import annotations
 
 import dataclasses
-import warnings
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +18,8 @@ from nblib.config import PipelineConfig
 from nblib.encode.protocols import PartStore
 from nblib.errors import DriveError, ResumeMismatch, StateError
 from nblib.store import DurableStore
+
+log = logging.getLogger(__name__)
 
 RUN_KIND = "nblib.encode.run"     # the run manifest's and every part meta's "kind"
 RUN_VERSION = 2                   # layout 1 (before nblib 0.2) is refused: encode into a new folder
@@ -103,20 +105,19 @@ def open_store(run_dir: str | Path, mirror_dir: str | Path | None = None) -> Par
 
 
 def read_run_manifest(store: PartStore) -> dict | None:
-    """The run manifest of a store, or None when there is none or it is damaged (with a warning).
+    """The run manifest of a store, or None when there is none or it is damaged (logged).
 
-    The newest copy of either side; local staging's alone (with a warning) while the mirror is
+    The newest copy of either side; local staging's alone (logged) while the mirror is
     unreachable. StateError when the store holds something else (another kind, an older layout).
     """
     try:
         try:
             manifest = store.read_manifest()
         except DriveError as exc:
-            warnings.warn(f"{exc}; reading the run manifest of local staging only", stacklevel=3)
+            log.warning("%s; reading the run manifest of local staging only", exc)
             manifest = store.read_manifest(local_only=True)
     except (StateError, OSError) as exc:
-        warnings.warn(f"the run manifest cannot be read ({exc}); rebuilding it from the parts",
-                      stacklevel=3)
+        log.warning("the run manifest cannot be read (%s); rebuilding it from the parts", exc)
         return None
     if manifest is not None and not is_run_part(manifest):
         raise StateError(f"{store.local_dir} holds a manifest of kind {manifest.get('kind')!r} "

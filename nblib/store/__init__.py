@@ -14,12 +14,16 @@ Layout (the store owns both folders; put nothing else in them):
     <dir>/<name>-000001.pt, <dir>/<name>-000001.json           torch checkpoints
 
 Reading takes the newest complete copy from either side; damaged copies are returned by
-`verify()`, warned about (DamagedCopyWarning) and ignored, so the caller recomputes them.
+`verify()`, logged (one WARNING record per copy, logger `nblib.store`) and ignored, so the caller
+recomputes them. Run events go through `logging`, not `warnings` (which shows a call site's
+warning once and hides the next); only a mirror that fails or is behind warns (MirrorWarning),
+as the user has to act (remount Drive).
 """
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import shutil
 import warnings
 from collections.abc import Callable
@@ -36,7 +40,6 @@ from .mirror import (
     CopyCheckpoint,
     CopyManifest,
     CopyPart,
-    DamagedCopyWarning,
     Mirror,
     MirrorStatus,
     MirrorWarning,
@@ -48,7 +51,9 @@ from .retention import checkpoints_to_drop, retained_parts
 from .retry import Retrier, RetryingOps
 from .run_manifest import MANIFEST_FILE, newest, read_run_manifest, run_manifest_bytes
 
-__all__ = ["DamagedCopy", "DamagedCopyWarning", "DurableStore", "FileEntry", "FileOps", "MirrorStatus",
+log = logging.getLogger(__name__)
+
+__all__ = ["DamagedCopy", "DurableStore", "FileEntry", "FileOps", "MirrorStatus",
            "MirrorWarning", "PartFolder", "PartInfo", "VerifyLevel", "retained_parts"]
 
 
@@ -300,10 +305,9 @@ def _check_knobs(local: Path, mirror: Path | None, keep_local, keep_every, keep_
 
 
 def _warn_damaged(damaged: list[DamagedCopy], what: str) -> None:
-    if damaged:
-        listed = "; ".join(f"{d.name} ({d.side}: {d.reason})" for d in damaged[:5])
-        more = f" and {len(damaged) - 5} more" if len(damaged) > 5 else ""
-        warnings.warn(f"{len(damaged)} damaged copies {what}: {listed}{more}", DamagedCopyWarning, stacklevel=3)
+    """One WARNING log record per damaged copy (a second damaged part is never folded into the first)."""
+    for d in damaged:
+        log.warning("damaged copy %s (%s: %s) %s", d.name, d.side, d.reason, what)
 
 
 def _default_remount() -> Callable[[], Any] | None:

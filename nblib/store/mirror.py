@@ -26,15 +26,11 @@ from .retention import checkpoints_to_drop, local_parts_to_drop
 from .retry import REAUTHORIZE_HINT, RemountPending, Retrier, describe
 from .run_manifest import MANIFEST_FILE, read_run_manifest, run_manifest_bytes
 
-log = logging.getLogger("nblib.store")
+log = logging.getLogger(__name__)
 
 
 class MirrorWarning(UserWarning):
     """The mirror (Drive) keeps failing: data is safe locally and is mirrored when it is back."""
-
-
-class DamagedCopyWarning(UserWarning):
-    """A copy of a part, manifest or checkpoint failed verification and is ignored."""
 
 
 @dataclass(frozen=True)
@@ -225,8 +221,7 @@ class Mirror:
                 self._failed(item, exc, episode)
                 continue
             except Exception as exc:             # a local copy that no longer verifies: not retried
-                log.error("cannot mirror %s: %s", item.label, exc)
-                warnings.warn(f"not mirroring {item.label}: {exc}", DamagedCopyWarning, stacklevel=1)
+                log.error("cannot mirror %s: %s; not mirroring it", item.label, exc)
             self._done(item)
 
     def _done(self, item: Item) -> None:
@@ -351,9 +346,8 @@ class Mirror:
             log.warning("the mirror %s lost %d parts; re-filling %d from local staging", remote.root,
                         len(vanished), len(refill))
         if lost:
-            warnings.warn(f"the mirror {remote.root} lost parts {lost} and local staging no longer "
-                          f"has them (retention deleted them after they were mirrored); they must be "
-                          f"recomputed", MirrorWarning, stacklevel=1)
+            log.warning("the mirror %s lost parts %s and local staging no longer has them (retention "
+                        "deleted them after they were mirrored); they must be recomputed", remote.root, lost)
         with self._cond:
             self._refilled += len(refill)
             self._lost += len(lost)
