@@ -5,9 +5,11 @@ sample order), so it is hashed while written, never held in RAM, never read back
 raises OSError(ENOSPC) instead of killing the process as a memory-mapped write would. The free
 space is checked first. The index (an `nblib.manifest` record written last) names each part's
 range and the sha256 of the part files it came from, and per output file its bytes, sha256,
-dtype, shape and stat fingerprint. A rerun trusts a file whose size, header and stat agree with
-the index, hashes one that disagrees and rebuilds it if its bytes differ; `verify=True` hashes
-every file. `load_outputs` refuses a file that disagrees with the index.
+dtype and shape. Each file's mtime (the stat fingerprint) is kept apart, in `index.stat.json`
+(`nblib.manifest`'s stat cache), so two identical runs write byte-identical outputs and index;
+only the stat cache differs. A rerun trusts a file whose size, header and recorded mtime agree,
+hashes one that disagrees and rebuilds it if its bytes differ; `verify=True` hashes every file.
+`load_outputs` refuses a file that disagrees with the index.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from nblib.encode.layout import RUN_KIND, RUN_VERSION, open_store, read_run_mani
 from nblib.encode.protocols import PartRecord, PartStore, require_part_store
 from nblib.errors import BudgetExceeded, DriveError, ManifestDamaged, StateError
 from nblib.lock import FolderLock, run_identity
-from nblib.manifest import read_manifest, write_manifest
+from nblib.manifest import read_manifest, read_stat_cache, write_manifest, write_stat_cache
 from nblib.store.parts import VerifyLevel
 from nblib.units import fmt_bytes_pair
 
@@ -32,7 +34,8 @@ log = logging.getLogger(__name__)
 
 INDEX_NAME = "index.json"
 INDEX_KIND = "nblib.encode.index"
-INDEX_VERSION = 2                 # layout 1 (plain JSON) is read as damaged and rebuilt
+INDEX_VERSION = 3                 # 3: mtimes in index.stat.json; 2 (mtimes inside) is still read
+INDEX_VERSIONS = (2, INDEX_VERSION)   # layout 1 (plain JSON) is read as damaged and rebuilt
 
 
 def consolidate(run_dir: str | Path, out_dir: str | Path | None = None, *, store: PartStore | None = None,
@@ -59,11 +62,15 @@ def consolidate(run_dir: str | Path, out_dir: str | Path | None = None, *, store
             _require_parts_of_this_run(manifest, parts, store.local_dir)
             record = _index_record(out_dir)
             index = record.body if record is not None and _describes(record.body, manifest) else None
-            stale, touched = _stale_outputs(index, manifest["outputs"], out_dir, verify)
-            if stale or touched or index is None:
+            stats = _recorded_mtimes(index, out_dir)
+            stale, touched = _stale_outputs(index, manifest["outputs"], out_dir, verify, stats)
+            if stale or index is None or record.version != INDEX_VERSION:
                 out_lock.check()
-                _write_outputs(read_part, manifest, parts, out_dir, stale, index,
+                _write_outputs(read_part, manifest, parts, out_dir, stale, index, stats,
                                seq=record.seq + 1 if record is not None else 0, check_space=check_space)
+            elif touched:                       # same bytes, new mtime: only the stat cache changes
+                out_lock.check()
+                write_stat_cache(out_dir / INDEX_NAME, {**stats, **{o: _mtime(out_dir, o) for o in touched}})
         finally:
             if own_store:
                 store.close()
@@ -75,7 +82,7 @@ def read_index(out_dir: str | Path) -> dict | None:
 
     ManifestDamaged when the index is torn, edited or of an older layout (consolidate rebuilds it).
     """
-    record = read_manifest(Path(out_dir) / INDEX_NAME, INDEX_KIND, versions=(INDEX_VERSION,))
+    record = read_manifest(Path(out_dir) / INDEX_NAME, INDEX_KIND, versions=INDEX_VERSIONS)
     return None if record is None else record.body
 
 
@@ -90,10 +97,10 @@ def load_outputs(out_dir: str | Path, mmap: bool = True, verify: bool = False) -
     index = read_index(out_dir)
     if index is None:
         raise StateError(f"no consolidated outputs in {out_dir}; run encode (or consolidate) first")
-    arrays = {}
+    arrays, stats = {}, _recorded_mtimes(index, out_dir)
     for name in index["outputs"]:
         path, entry = out_dir / f"{name}.npy", index["files"][name]
-        problem = _quick_problem(path, entry)
+        problem = _quick_problem(path, entry, stats.get(name))
         if verify and (problem is None or problem.startswith("was modified")):
             problem = _hash_problem(path, entry)
         if problem is not None:
@@ -159,7 +166,7 @@ def _require_parts_of_this_run(manifest: dict, parts: dict[str, PartRecord], fol
 def _index_record(out_dir: Path):
     """The index record, or None when there is none or it cannot be trusted (with a warning)."""
     try:
-        return read_manifest(out_dir / INDEX_NAME, INDEX_KIND, versions=(INDEX_VERSION,))
+        return read_manifest(out_dir / INDEX_NAME, INDEX_KIND, versions=INDEX_VERSIONS)
     except ManifestDamaged as exc:
         log.warning("%s; every output is rebuilt", exc)
         return None
@@ -174,28 +181,39 @@ def _describes(index: dict, manifest: dict) -> bool:
             and set(index.get("files", {})) == set(manifest["outputs"]))
 
 
-def _stale_outputs(index: dict | None, outputs: list[str], out_dir: Path,
-                   verify: bool) -> tuple[list[str], list[str]]:
-    """(outputs to rebuild, outputs only touched since): a touched file's index entry is refreshed."""
+def _stale_outputs(index: dict | None, outputs: list[str], out_dir: Path, verify: bool,
+                   stats: dict[str, int]) -> tuple[list[str], list[str]]:
+    """(outputs to rebuild, outputs only touched since: same bytes, their new mtime is recorded)."""
     if index is None:
         return list(outputs), []
     stale, touched = [], []
     for name in outputs:
         path, entry = out_dir / f"{name}.npy", index["files"][name]
-        problem = _quick_problem(path, entry)
+        problem = _quick_problem(path, entry, stats.get(name))
         if problem is None and not verify:
             continue
         size_or_header = problem is not None and not problem.startswith("was modified")
         if size_or_header or _hash_problem(path, entry) is not None:
             stale.append(name)
         elif problem is not None:               # touched, same bytes: trust its new stat from now on
-            index["files"][name] = {**entry, "mtime_ns": path.stat().st_mtime_ns}
             touched.append(name)
     return stale, touched
 
 
-def _quick_problem(path: Path, entry: dict) -> str | None:
-    """Why a file disagrees with its index entry by size, `.npy` header or mtime; None if it agrees."""
+def _recorded_mtimes(index: dict | None, out_dir: Path) -> dict[str, int]:
+    """output -> the mtime recorded at its last check: the stat cache, else (layout 2) the index's."""
+    if index is None:
+        return {}
+    inline = {o: e["mtime_ns"] for o, e in index.get("files", {}).items() if "mtime_ns" in e}
+    return {**inline, **read_stat_cache(out_dir / INDEX_NAME)}
+
+
+def _mtime(out_dir: Path, output: str) -> int:
+    return (out_dir / f"{output}.npy").stat().st_mtime_ns
+
+
+def _quick_problem(path: Path, entry: dict, mtime_ns: int | None) -> str | None:
+    """Why a file disagrees with its index entry by size, `.npy` header or recorded mtime; None if it agrees."""
     try:
         st = path.stat()
     except FileNotFoundError:
@@ -206,8 +224,8 @@ def _quick_problem(path: Path, entry: dict) -> str | None:
     with open(path, "rb") as f:
         if f.read(len(header)) != header:
             return f"has a .npy header other than {entry['dtype']}{entry['shape']}, which the index records"
-    if st.st_mtime_ns != entry["mtime_ns"]:
-        return f"was modified after consolidation (mtime {st.st_mtime_ns} != {entry['mtime_ns']} recorded)"
+    if st.st_mtime_ns != mtime_ns:
+        return f"was modified after consolidation (mtime {st.st_mtime_ns} != {mtime_ns} recorded)"
     return None
 
 
@@ -222,7 +240,8 @@ def _hash_problem(path: Path, entry: dict) -> str | None:
 
 
 def _write_outputs(read_part: Callable, manifest: dict, parts: dict[str, PartRecord], out_dir: Path,
-                   stale: list[str], index: dict | None, *, seq: int, check_space: bool) -> None:
+                   stale: list[str], index: dict | None, stats: dict[str, int], *, seq: int,
+                   check_space: bool) -> None:
     """Stream the stale outputs part by part through one AtomicWriter each; then the index, last."""
     out_dir.mkdir(parents=True, exist_ok=True)
     n, dtype = manifest["n_samples"], np.dtype(manifest["out_dtype"])
@@ -242,13 +261,16 @@ def _write_outputs(read_part: Callable, manifest: dict, parts: dict[str, PartRec
             written = {o: writer.commit() for o, writer in writers.items()}
     files = dict(index["files"]) if index is not None else {}
     files.update({o: {"file": w.path.name, "bytes": w.bytes, "sha256": w.sha256, "dtype": dtype.name,
-                      "shape": list(shapes[o]), "mtime_ns": w.mtime_ns} for o, w in written.items()})
+                      "shape": list(shapes[o])} for o, w in written.items()})
+    files = {o: {k: v for k, v in e.items() if k != "mtime_ns"} for o, e in files.items()}   # layout 2's
     body = {"n_samples": n, "outputs": manifest["outputs"], "fingerprints": manifest["fingerprints"],
             "parts": {name: {"range": rng, "sha256": {o: parts[name].files[o].sha256
                                                       for o in manifest["outputs"]}}
                       for name, rng in manifest["parts"].items()},
             "files": files}
     write_manifest(out_dir / INDEX_NAME, INDEX_KIND, body, version=INDEX_VERSION, seq=seq)
+    write_stat_cache(out_dir / INDEX_NAME, {**{o: stats[o] for o in files if o in stats and o not in written},
+                                            **{o: w.mtime_ns for o, w in written.items()}})
 
 
 def _stream_parts(read_part: Callable, manifest: dict, writers: dict[str, AtomicWriter], dtype: np.dtype) -> None:
