@@ -21,6 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+__all__ = [
+    "TMP_PREFIX", "AtomicWriter", "WrittenFile", "atomic_open", "atomic_torch_save", "atomic_write_bytes",
+    "atomic_write_json", "fsync_dir", "json_bytes", "leftover_temporaries", "npy_header", "sha256_file",
+    "sha256_json", "stat_fingerprint",
+]
+
 TMP_PREFIX = ".tmp-"
 
 
@@ -157,7 +163,7 @@ def json_bytes(obj) -> bytes:
 
 def npy_header(dtype, shape) -> bytes:
     """The exact .npy header `np.save` writes for an array of `dtype` and `shape`."""
-    import numpy as np
+    import numpy as np  # not at module level: nblib.config imports this module, numpy costs ~150 ms
 
     header = io.BytesIO()
     np.lib.format.write_array_header_1_0(

@@ -13,6 +13,11 @@ from dataclasses import dataclass, field, fields
 from nblib.atomic import sha256_json
 from nblib.errors import ConfigError
 
+__all__ = [
+    "CODECS", "OUTPUT_CHOICES", "OUTPUT_DTYPES", "OUTPUT_NAMES", "PROFILES", "ModelConfig", "PipelineConfig",
+    "RunConfig", "for_profile", "preset", "preset_names", "table", "validate",
+]
+
 OUTPUT_NAMES = ("sketches", "checksums", "children")
 # the subsets of outputs worth comparing when disk is the wall, largest first
 OUTPUT_CHOICES = (("sketches", "checksums", "children"), ("sketches", "children"),

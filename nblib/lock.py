@@ -28,6 +28,12 @@ from nblib.atomic import fsync_dir
 from nblib.errors import FolderBusyError, LockLostError
 from nblib.units import fmt_duration
 
+__all__ = [
+    "ATTEMPTS", "LOCK_PREFIX", "READ_RETRIES", "STALE_AFTER_S", "TAKEOVER_GRACE_S", "TAKEOVER_SUFFIX",
+    "UNWRITTEN_GRACE_S", "FolderBusyError", "FolderLock", "LockHolder", "LockLostError", "is_stale", "launch_id",
+    "read_holders", "run_identity",
+]
+
 LOCK_PREFIX = ".lock-rank-"
 STALE_AFTER_S = 600.0      # a lock from another host without a heartbeat for this long is taken over
 UNWRITTEN_GRACE_S = 10.0   # a lock file still empty this long after its creation is a crashed creator's

@@ -15,6 +15,10 @@ from pathlib import Path
 from nblib.atomic import WrittenFile, atomic_write_bytes, json_bytes
 from nblib.errors import ManifestDamaged
 
+__all__ = [
+    "STAT_KIND", "STAT_SUFFIX", "Manifest", "body_sha256", "manifest_bytes", "parse_manifest",
+    "read_manifest", "read_stat_cache", "stat_cache_path", "write_manifest", "write_stat_cache",
+]
 
 @dataclass(frozen=True)
 class Manifest:

@@ -130,3 +130,17 @@ def test_import_nblib_does_not_import_heavy_frameworks(heavy):
             f"print({heavy!r} in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert result.stdout.strip() == "False", f"import nblib pulled in {heavy}"
+
+
+def _packages() -> list[str]:
+    return sorted(module_name(p) for p in PACKAGE.rglob("__init__.py"))
+
+
+@pytest.mark.parametrize("package", _packages())
+def test_every_package_declares_its_public_names_and_each_resolves(package):
+    code = (f"import importlib; m = importlib.import_module({package!r}); names = m.__all__; "
+            "missing = [n for n in names if not hasattr(m, n)]; print(len(names), missing)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    count, missing = result.stdout.split(" ", 1)
+    assert int(count) > 0 and missing.strip() == "[]", result.stdout

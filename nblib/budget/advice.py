@@ -20,6 +20,10 @@ from nblib.budget.resources import KNOBS
 from nblib.config import OUTPUT_CHOICES
 from nblib.units import GB
 
+__all__ = [
+    "MARGIN", "NAMES", "OPTION_KNOBS", "RUN_KNOBS", "Advice", "Suggestion", "advise", "advise_resource",
+]
+
 MARGIN = 0.1
 RUN_KNOBS = ("batch_size", "checkpoint_every", "consolidate_every", "prefetch", "workers", "outputs",
              "out_dtype", "codec")

@@ -31,6 +31,9 @@ from nblib.config import PipelineConfig
 from nblib.errors import ConfigError
 from nblib.units import GB, fmt_bytes
 
+__all__ = [
+    "Budget", "calibrate", "max_batch_size", "predict_budget",
+]
 
 @dataclass(frozen=True)
 class Budget:
@@ -126,10 +129,23 @@ def predict_budget(config: PipelineConfig, device: str | Device = "t4", *,
                    keep_local: int = 2, efficiency: float | None = None) -> Budget:
     """Predict peak VRAM, RAM, local disk and Drive use and the run time of an encode job.
 
-    sdpa_backend: "math" materializes the attention scores (with the softmax and a bool mask of
-    -inf entries: (2 x itemsize + 1) B per score); "efficient"/"flash" do not; default
-    "flash" (what PyTorch picks on CPU and on recent GPUs; a T4 gets "efficient", same memory).
-    keep_local: parts kept on local disk after they are mirrored to Drive.
+    Args:
+        config: the pipeline config (model, batch size, cadences, outputs, dtype, codec).
+        device: a preset name of `nblib.budget.DEVICES` ("t4", "cpu", ...) or a `Device`.
+        sdpa_backend: "math" materializes the attention scores (with the softmax and a bool mask
+            of -inf entries: (2 x itemsize + 1) B per score); "efficient"/"flash" do not; default
+            "flash" (what PyTorch picks on CPU and on recent GPUs; a T4 gets "efficient", same memory).
+        drive_quota_gb: the Drive space the run may fill (default: the free 15 GB).
+        codec: the image cache's codec (default: the config's); bytes_per_image: a measured size
+            per cached image, which replaces the codec's estimate.
+        keep_local: parts kept on local disk after they are mirrored to Drive.
+        efficiency: the share of the device's peak FLOP/s reached (`calibrate`); default the preset's.
+
+    Returns:
+        A `Budget`: itemized lines per resource, totals, limits, time, verdict and advice.
+
+    Raises:
+        ConfigError naming the knob out of range.
     """
     cfg = validated(config)
     dev = device_preset(device)

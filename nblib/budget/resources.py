@@ -5,6 +5,10 @@ these, so they live below both and neither module imports the other for them.
 """
 from __future__ import annotations
 
+__all__ = [
+    "KNOBS", "RESOURCES",
+]
+
 RESOURCES = ("vram", "ram", "local disk", "drive")
 
 KNOBS = {

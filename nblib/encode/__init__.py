@@ -10,7 +10,14 @@ from __future__ import annotations
 
 import importlib
 
-from nblib.encode.consolidate import INDEX_NAME, consolidate, load_outputs, read_index
+from nblib.encode.consolidate import (
+    INDEX_NAME,
+    consolidate,
+    hash_outputs,
+    load_outputs,
+    read_index,
+    recorded_hashes,
+)
 from nblib.encode.layout import (
     PARTS_FOLDER,
     RUN_KIND,
@@ -29,8 +36,9 @@ _OFFLOAD_NAMES = ("BatchDataset", "HostPart", "batch_loader")
 
 __all__ = [
     "INDEX_NAME", "OFFLOAD_MODES", "PARTS_FOLDER", "RUN_KIND", "RUN_VERSION", "EncodeReport",
-    "ImageSource", "PartStore", "RunPlan", "VerifyLevel", "consolidate", "encode", "load_encoder", "load_outputs",
-    "open_store", "plan_run", "read_index", "read_run_manifest", "settings_of", *_OFFLOAD_NAMES,
+    "ImageSource", "PartStore", "RunPlan", "VerifyLevel", "consolidate", "encode", "hash_outputs",
+    "load_encoder", "load_outputs", "open_store", "plan_run", "read_index", "read_run_manifest",
+    "recorded_hashes", "settings_of", *_OFFLOAD_NAMES,
 ]
 
 

@@ -27,8 +27,14 @@ from nblib.encode.protocols import PartRecord, PartStore, require_part_store
 from nblib.errors import BudgetExceeded, DriveError, ManifestDamaged, StateError
 from nblib.lock import FolderLock, run_identity
 from nblib.manifest import read_manifest, read_stat_cache, write_manifest, write_stat_cache
+from nblib.measure import disk_free
 from nblib.store.parts import VerifyLevel
 from nblib.units import fmt_bytes_pair
+
+__all__ = [
+    "INDEX_KIND", "INDEX_NAME", "INDEX_VERSION", "INDEX_VERSIONS", "consolidate", "hash_outputs",
+    "load_outputs", "read_index", "recorded_hashes",
+]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +48,18 @@ def consolidate(run_dir: str | Path, out_dir: str | Path | None = None, *, store
                 mirror_dir: str | Path | None = None, verify: bool = False,
                 check_space: bool = True, lock: FolderLock | None = None) -> dict[str, Path]:
     """Write one `.npy` per output in sample order, plus an index; output name -> path.
+
+    Args:
+        run_dir: the run folder whose parts (run_dir/parts) are merged.
+        out_dir: where the outputs and index go (default: run_dir).
+        store: a `PartStore` to read the parts through (default: one opened on run_dir/parts).
+        mirror_dir: the run's mirror, read for parts local staging lacks.
+        verify: hash every existing output against the index instead of a stat check.
+        check_space: refuse up front when the outputs do not fit the free space.
+        lock: the lock the caller holds on out_dir (default: taken here).
+
+    Returns:
+        output name -> path of its consolidated `.npy`.
 
     A second call with nothing new returns the existing files after a stat check (`verify=True`:
     a sha256 check) of each against the index; a file that differs is rebuilt. `check_space=False`
@@ -89,6 +107,17 @@ def read_index(out_dir: str | Path) -> dict | None:
 def load_outputs(out_dir: str | Path, mmap: bool = True, verify: bool = False) -> dict[str, np.ndarray]:
     """The consolidated arrays of a run, memory-mapped by default, each checked against the index.
 
+    Args:
+        out_dir: the folder `consolidate` wrote (the run folder by default).
+        mmap: memory-map the files (False: read them into RAM).
+        verify: hash each file instead of trusting its recorded mtime.
+
+    Returns:
+        output name -> array [n_samples, ...].
+
+    Raises:
+        StateError naming the file that is not the one consolidate wrote, and the fix.
+
     A file whose size, `.npy` header or stat fingerprint (size, mtime) differs from the index is
     refused; with `verify=True` each file is hashed instead, and one whose sha256 matches is
     accepted even if it was touched or copied since.
@@ -111,6 +140,23 @@ def load_outputs(out_dir: str | Path, mmap: bool = True, verify: bool = False) -
                              f"with the same arguments{hint}")
         arrays[name] = np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
     return arrays
+
+
+def recorded_hashes(out_dir: str | Path) -> dict[str, str]:
+    """output name -> the sha256 the index records for its consolidated `.npy` (nothing is read but the index).
+
+    StateError when there are no consolidated outputs yet. Two runs whose recorded hashes agree
+    wrote the same bytes (the check a resumed == uninterrupted comparison makes).
+    """
+    index = read_index(out_dir)
+    if index is None:
+        raise StateError(f"no consolidated outputs in {out_dir}; run encode (or consolidate) first")
+    return {name: index["files"][name]["sha256"] for name in index["outputs"]}
+
+
+def hash_outputs(out_dir: str | Path) -> dict[str, str]:
+    """output name -> the sha256 of its consolidated `.npy` as it is on disk now (reads every byte)."""
+    return {name: sha256_file(Path(out_dir) / f"{name}.npy") for name in recorded_hashes(out_dir)}
 
 
 # ------------------------------------------------------------------------------ helpers: the parts
@@ -297,8 +343,6 @@ def _stream_parts(read_part: Callable, manifest: dict, writers: dict[str, Atomic
 
 def _require_free_space(out_dir: Path, sizes: dict[str, int]) -> None:
     """BudgetExceeded, with the bytes needed and free, when the outputs to write do not fit."""
-    from nblib.measure import disk_free
-
     need, free = sum(sizes.values()), disk_free(out_dir)
     if need > free:
         need_s, free_s = fmt_bytes_pair(need, free)

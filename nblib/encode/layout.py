@@ -19,6 +19,11 @@ from nblib.encode.protocols import PartStore
 from nblib.errors import DriveError, ResumeMismatch, StateError
 from nblib.store import DurableStore
 
+__all__ = [
+    "PARTS_FOLDER", "RUN_KIND", "RUN_VERSION", "RunPlan", "is_run_part", "open_store", "part_meta",
+    "part_name", "parts_dir", "plan_run", "read_run_manifest", "refuse_if_changed", "settings_of",
+]
+
 log = logging.getLogger(__name__)
 
 RUN_KIND = "nblib.encode.run"     # the run manifest's and every part meta's "kind"

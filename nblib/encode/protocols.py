@@ -16,6 +16,10 @@ import numpy as np
 from nblib.errors import ConfigError
 from nblib.store.parts import VerifyLevel
 
+__all__ = [
+    "ImageSource", "LocalParts", "PartFile", "PartRecord", "PartStore", "require_image_source",
+    "require_part_store",
+]
 
 @runtime_checkable
 class ImageSource(Protocol):

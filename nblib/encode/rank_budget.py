@@ -17,6 +17,9 @@ from nblib.config import PipelineConfig
 from nblib.errors import BudgetExceeded
 from nblib.units import GB, fmt_bytes, fmt_duration
 
+__all__ = [
+    "RankBudget", "check_host_ram", "rank_budget",
+]
 
 @dataclass(frozen=True)
 class RankBudget:

@@ -23,6 +23,11 @@ from nblib.errors import ManifestDamaged, StateError
 from nblib.manifest import read_manifest, write_manifest
 from nblib.store.parts import VerifyLevel
 
+__all__ = [
+    "PROGRESS_POLL_S", "RANKS_FOLDER", "RECORD_KIND", "RECORD_VERSION", "DurableProgress", "RankRecord",
+    "durable_parts_shared", "part_writes", "read_records", "require_all_parts", "split",
+]
+
 log = logging.getLogger(__name__)
 
 RANKS_FOLDER = "ranks"             # under the run folder: one record per process that encoded parts

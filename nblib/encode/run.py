@@ -49,6 +49,12 @@ from nblib.measure import disk_free, existing_parent, pin_malloc_mmap_threshold
 from nblib.store.parts import VerifyLevel
 from nblib.units import fmt_bytes, fmt_bytes_pair
 
+__all__ = [
+    "DISK_BLOCK", "OFFLOAD_MODES", "Consolidated", "EncodeReport", "EncodedParts", "RunInputs",
+    "VerifiedShards", "check_disks", "consolidate_run", "disk_needs", "encode", "encode_parts",
+    "load_encoder", "pending_parts", "plan_encode", "resolve_device", "resume", "run_lock",
+]
+
 log = logging.getLogger(__name__)
 
 OFFLOAD_MODES = ("async", "consolidate")

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from nblib import env
 from nblib.atomic import TMP_PREFIX, atomic_write_bytes
 from nblib.errors import ConfigError, DriveError, StateError
 
@@ -58,7 +59,21 @@ __all__ = ["DamagedCopy", "DurableStore", "FileEntry", "FileOps", "MirrorStatus"
 
 
 class DurableStore:
-    """Local-first store of parts, a run manifest and checkpoints, mirrored to `mirror_dir` in a thread."""
+    """Local-first store of parts, a run manifest and checkpoints, mirrored to `mirror_dir` in a thread.
+
+    Args:
+        local_dir: fast local staging; every write is durable here before the call returns.
+        mirror_dir: the durable copy (Drive), filled by a background thread; None: no mirror.
+        keep_local: parts kept locally once mirrored (None: all); keep_every: keep every N-th too.
+        keep_checkpoints: torch checkpoint versions kept per name.
+        retries, backoff_s: how a failing mirror call is retried (exponential backoff).
+        retry_interval_s: how often a failing mirror tries its backlog again.
+        verify_mirror: hash each mirrored part again after the copy.
+        remount: what to call on "Transport endpoint is not connected" (default: Colab's remount).
+
+    Raises:
+        ConfigError for a knob out of range or a mirror that is the local folder itself.
+    """
 
     def __init__(self, local_dir: str | Path, mirror_dir: str | Path | None = None, *,
                  keep_local: int | None = None, keep_every: int | None = None,
@@ -312,14 +327,10 @@ def _warn_damaged(damaged: list[DamagedCopy], what: str) -> None:
 
 def _default_remount() -> Callable[[], Any] | None:
     """nblib.env.remount_drive inside Colab; nothing elsewhere (a local folder needs no remount)."""
-    from nblib import env
-
     return env.remount_drive if env.runtime() == "colab" else None
 
 
 def _colab_flush_and_unmount() -> None:
-    from nblib import env
-
     if env._colab_drive() is not None:
         from google.colab import drive  # type: ignore[import-not-found]
 

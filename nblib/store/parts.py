@@ -29,6 +29,11 @@ from nblib.atomic import TMP_PREFIX, AtomicWriter, WrittenFile, fsync_dir, npy_h
 from nblib.errors import ConfigError, ManifestDamaged, StateError
 from nblib.manifest import manifest_bytes, parse_manifest
 
+__all__ = [
+    "CHUNK", "PART_FILE", "PART_KIND", "PART_VERSION", "DamagedCopy", "FileEntry", "FileOps", "PartFolder",
+    "PartInfo", "VerifyLevel", "check_name", "is_plain_name",
+]
+
 PART_KIND = "nblib.store.part"
 PART_VERSION = 2
 PART_FILE = "part.json"

@@ -14,6 +14,11 @@ from nblib.manifest import Manifest, manifest_bytes, parse_manifest
 
 from .parts import DamagedCopy, FileOps
 
+__all__ = [
+    "MANIFEST_FILE", "MANIFEST_KIND", "MANIFEST_VERSION", "newest", "read_run_manifest",
+    "run_manifest_bytes",
+]
+
 MANIFEST_KIND = "nblib.store.run"    # the store's envelope around the caller's dict (not the run's kind:
 MANIFEST_VERSION = 2                 # an encode run says its own, nblib.encode.layout.RUN_KIND, inside)
 MANIFEST_FILE = "manifest.json"
