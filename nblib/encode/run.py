@@ -43,7 +43,7 @@ from nblib.encode.layout import (
 from nblib.encode.protocols import ImageSource, PartStore, require_image_source, require_part_store
 from nblib.encode.ranks import RankRecord, require_all_parts
 from nblib.env import Workspace
-from nblib.errors import BudgetExceeded, CacheError, ConfigError, NblibError, StateError
+from nblib.errors import BudgetExceeded, CacheError, ConfigError, NblibError, StateError, first_line
 from nblib.lock import FolderLock, run_identity
 from nblib.measure import disk_free, existing_parent, pin_malloc_mmap_threshold
 from nblib.store.parts import VerifyLevel
@@ -544,7 +544,7 @@ def _encode_loop(run: RunInputs, store: PartStore, manifest: dict, parts: list[i
         batch = min(plan.batch_size, plan.n_samples)
         raise BudgetExceeded(
             f"out of {'GPU ' if device.type == 'cuda' else ''}memory encoding batches of {batch:,} "
-            f"samples (batch_size {plan.batch_size:,}) on {device}: {_first_line(exc)}; lower "
+            f"samples (batch_size {plan.batch_size:,}) on {device}: {first_line(exc)}; lower "
             f"--batch-size, or run without --no-preflight to see the predicted peak first. "
             f"Finished parts are kept: rerun to resume") from exc
     finally:
@@ -587,11 +587,6 @@ def _out_of_memory(exc: BaseException) -> bool:
     text = str(exc)
     return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError" or \
         "can't allocate memory" in text or "out of memory" in text.lower()
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0][:300] if lines else type(exc).__name__
 
 
 def _write_part(store: PartStore, manifest: dict, plan: RunPlan, k: int, arrays: dict[str, np.ndarray],
