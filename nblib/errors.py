@@ -10,7 +10,7 @@ from __future__ import annotations
 __all__ = [
     "BudgetExceeded", "CacheError", "ConfigError", "DriveError", "EmptyPipelineError", "FolderBusyError",
     "InputError", "LockLostError", "ManifestDamaged", "NblibError", "PeerLost", "ResumeMismatch",
-    "StateError", "WeightsError", "first_line",
+    "StateError", "WeightsError",
 ]
 
 
@@ -69,11 +69,3 @@ class PeerLost(NblibError):
 class EmptyPipelineError(NblibError, ValueError):
     """A pipeline yielded no batch (or fewer than its warm-up) to measure."""
 
-
-def first_line(exc: BaseException, limit: int = 300) -> str:
-    """The first line of an exception's message, clipped to `limit` characters (its type name if empty).
-
-    The one home of "what went wrong, in one line" that messages quote from a lower-level error.
-    """
-    lines = str(exc).strip().splitlines()
-    return lines[0][:limit] if lines else type(exc).__name__

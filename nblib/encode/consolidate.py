@@ -22,12 +22,12 @@ from pathlib import Path
 import numpy as np
 
 from nblib.atomic import TMP_PREFIX, AtomicWriter, WrittenFile, npy_header, sha256_file
+from nblib.disk import disk_free
 from nblib.encode.layout import RUN_KIND, RUN_VERSION, open_store, read_run_manifest, refuse_if_changed
 from nblib.encode.protocols import PartRecord, PartStore, require_part_store
 from nblib.errors import BudgetExceeded, DriveError, ManifestDamaged, StateError
 from nblib.lock import FolderLock, run_identity
 from nblib.manifest import read_manifest, read_stat_cache, write_manifest, write_stat_cache
-from nblib.measure import disk_free
 from nblib.store.parts import VerifyLevel
 from nblib.units import fmt_bytes_pair
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 from nblib import budget
 from nblib.config import PipelineConfig
+from nblib.disk import disk_free, existing_parent
 from nblib.encode.layout import RunPlan
 from nblib.errors import BudgetExceeded
-from nblib.measure import disk_free, existing_parent
 from nblib.units import fmt_bytes, fmt_bytes_pair
 
 __all__ = ["DISK_BLOCK", "check_disks", "disk_needs"]

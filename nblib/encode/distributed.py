@@ -42,10 +42,10 @@ from nblib.encode.ranks import (
     require_all_parts,
     split,
 )
-from nblib.errors import ConfigError, PeerLost, StateError, first_line
+from nblib.errors import ConfigError, PeerLost, StateError
 from nblib.lock import launch_id
 from nblib.store.parts import VerifyLevel
-from nblib.units import fmt_duration
+from nblib.units import fmt_duration, fmt_exception
 
 __all__ = [
     "DEFAULT_TIMEOUT_S", "RANKS_FOLDER", "RECORD_KIND", "RECORD_VERSION", "ROLES", "SINGLE", "TIMEOUT_ENV",
@@ -271,7 +271,7 @@ class Rank(World):
         return list(theirs_pending)
 
     def _lost(self, what: str, exc: BaseException) -> PeerLost:
-        first = first_line(exc)
+        first = fmt_exception(exc)
         return PeerLost(
             f"rank {self.rank} of {self.size} gave up waiting for the other ranks at {what} ({first}): "
             f"a rank died, or did not arrive within {fmt_duration(self.timeout_s)}. Every finished part "
@@ -376,7 +376,7 @@ def _join_group(world: Rank, device: str | None, timeout_s: float) -> Rank:
             dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
         group = dist.new_group(backend="gloo", timeout=timeout) if cuda else dist.group.WORLD
     except (RuntimeError, ValueError) as exc:
-        first = first_line(exc)
+        first = fmt_exception(exc)
         raise PeerLost(f"rank {world.rank} of {world.size} could not meet the others at "
                        f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} ({first}); check "
                        f"that every node runs the same command and can reach rank 0's address, then rerun") from exc

@@ -44,10 +44,11 @@ from nblib.encode.layout import (
 from nblib.encode.protocols import ImageSource, PartStore, require_image_source, require_part_store
 from nblib.encode.ranks import RankRecord, require_all_parts
 from nblib.env import Workspace
-from nblib.errors import BudgetExceeded, CacheError, ConfigError, NblibError, StateError, first_line
+from nblib.errors import BudgetExceeded, CacheError, ConfigError, NblibError, StateError
 from nblib.lock import FolderLock, run_identity
-from nblib.measure import pin_malloc_mmap_threshold
+from nblib.malloc import pin_malloc_mmap_threshold
 from nblib.store.parts import VerifyLevel
+from nblib.units import fmt_exception
 
 __all__ = [
     "DISK_BLOCK", "OFFLOAD_MODES", "Consolidated", "EncodeReport", "EncodedParts", "RunInputs",
@@ -503,7 +504,7 @@ def _encode_loop(run: RunInputs, store: PartStore, manifest: dict, parts: list[i
         batch = min(plan.batch_size, plan.n_samples)
         raise BudgetExceeded(
             f"out of {'GPU ' if device.type == 'cuda' else ''}memory encoding batches of {batch:,} "
-            f"samples (batch_size {plan.batch_size:,}) on {device}: {first_line(exc)}; lower "
+            f"samples (batch_size {plan.batch_size:,}) on {device}: {fmt_exception(exc)}; lower "
             f"--batch-size, or run without --no-preflight to see the predicted peak first. "
             f"Finished parts are kept: rerun to resume") from exc
     finally:
