@@ -237,8 +237,7 @@ def plan_cache(n_images: int, cache_dir: str | Path, image_size: int = 224, shar
     per_shard = float(images_per_raw_shard(target, (image_size, image_size, 3))) if codec == "raw" \
         else max(1.0, target / stored)
     # budget.cache_bytes takes whole MB per shard; the shard count only moves its per-shard header term
-    predicted = budget.cache_bytes(n_images, image_size, codec, None if codec == "raw" else stored,
-                                   shard_mb=max(1, math.ceil(shard_mb)))
+    predicted = budget.cache_bytes(n_images, image_size, codec, stored, shard_mb=max(1, math.ceil(shard_mb)))
     return CachePlan(n_images=n_images, image_size=image_size, codec=codec, shard_mb=shard_mb,
                      bytes_per_image=float(bytes_per_image), predicted_bytes=int(predicted),
                      images_per_shard=per_shard, n_shards=math.ceil(n_images / per_shard),
