@@ -127,6 +127,8 @@ def cache_main(argv: list[str]) -> int:
     """`python -m nblib cache`: build, resume, verify or repair a sharded image cache.
 
     Build or resume: `cache --texts PATH --out DIR [--size --shard-mb --codec --workers ...]`.
+    Your own images: `cache --images PATH --out DIR` (a folder of image files, a Parquet file or an
+    HF datasets folder; `--column` names the image column).
     Check: `cache --verify DIR`, fix: `cache --verify --repair DIR` (exit 0 OK, 1 problems found).
     """
     from nblib.cache import populate, verify
@@ -140,13 +142,35 @@ def cache_main(argv: list[str]) -> int:
         report = verify(folder, repair=args.repair, texts=args.texts, field=args.field, workers=args.workers)
         print(report)
         return 0 if report.ok else 1
+    if args.images:
+        return _cache_images(args)
     if not args.texts or not args.out:
-        raise ConfigError("building a cache needs --texts PATH and --out DIR (or check one with --verify DIR)")
+        raise ConfigError("building a cache needs --texts PATH (or --images PATH) and --out DIR (or check "
+                          "one with --verify DIR)")
     with _os_errors_name(args.out):
         summary = populate(args.texts, args.out, image_size=args.size, shard_mb=args.shard_mb,
                            workers=args.workers, seed=args.seed, codec=args.codec,
                            overwrite=args.overwrite, progress=not args.no_progress,
-                           field=args.field, errors=args.errors, strict_fonts=args.strict_fonts)
+                           field=args.field, errors=args.errors, strict_fonts=args.strict_fonts,
+                           codec_level=args.codec_level)
+    print(summary)
+    return 0
+
+
+def _cache_images(args: argparse.Namespace) -> int:
+    """`cache --images PATH --out DIR`: your own images into a cache (nblib.cache.write_images)."""
+    from nblib.cache import image_source, write_images
+    from nblib.errors import ConfigError
+
+    if not args.out or args.texts:
+        raise ConfigError("--images PATH needs --out DIR and no --texts")
+    if args.codec == "auto":
+        raise ConfigError("--codec auto is for --texts; pick one of raw, zlib, zstd, png for --images")
+    images, count = image_source(args.images, args.column)
+    with _os_errors_name(args.out):
+        summary = write_images(images, args.out, shard_mb=args.shard_mb, codec=args.codec,
+                               codec_level=args.codec_level, n_images=count, seed=args.seed,
+                               overwrite=args.overwrite, progress=not args.no_progress)
     print(summary)
     return 0
 
@@ -172,6 +196,11 @@ def _cache_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m nblib cache", description=cache_main.__doc__,
                                 exit_on_error=False, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--texts", help="text file (one text per line) or JSONL (see --field)")
+    p.add_argument("--images", help="your own images instead of texts: a folder of image files, a "
+                                    "Parquet file or an HF datasets folder (see --column)")
+    p.add_argument("--column", default=None, help="with --images: the image column (default 'image')")
+    p.add_argument("--codec-level", type=int, default=None,
+                   help="compression level of zlib/png (0-9) or zstd (1-22; default 3)")
     p.add_argument("--out", help="cache folder to create or resume")
     p.add_argument("--size", type=positive_int, default=defaults.model.image_size,
                    help="image size in pixels (default: the profile's, %(default)s)")
