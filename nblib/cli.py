@@ -1,6 +1,6 @@
 """The command line: every `python -m nblib <verb>`; each verb calls the same function a notebook does.
 
-Verbs: info, budget, cache, encode, suite. A user-facing failure (an NblibError) prints one
+Verbs: info, budget, cache, encode, suite, pipeline, export. A user-facing failure (an NblibError) prints one
 line, `error: ...`, and exits 2; so does an OSError (full disk, read-only folder, a path that is
 a file), with the path, what the error means and what to do. No traceback.
 """
@@ -359,6 +359,42 @@ def pipeline_main(argv: list[str]) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------------------- export
+def export_main(argv: list[str]) -> int:
+    """`python -m nblib export`: a cache, or an encode run's outputs, to Parquet or an HF datasets folder.
+
+    A cache: `export --cache DIR --out DIR [--format parquet|hf]` (one file per shard).
+    Outputs: `export --outputs DIR --out DIR [--texts PATH] [--format parquet|hf]` (row-aligned
+    with the texts). A killed export resumes when the same command is rerun.
+    """
+    from nblib.errors import ConfigError
+    from nblib.export import FORMATS, export_cache, export_outputs
+
+    p = argparse.ArgumentParser(prog="python -m nblib export", description=export_main.__doc__,
+                                exit_on_error=False, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cache", help="a cache folder to export")
+    p.add_argument("--outputs", help="an encode run's consolidated outputs folder to export")
+    p.add_argument("--texts", help="with --outputs: the texts the run encoded (adds a text column)")
+    p.add_argument("--field", default=None, help="JSONL field holding the text")
+    p.add_argument("--out", help="export folder to create or resume")
+    p.add_argument("--format", default="parquet", choices=FORMATS)
+    p.add_argument("--overwrite", action="store_true", help="replace an export of something else")
+    try:
+        args = p.parse_args(argv)
+    except argparse.ArgumentError as exc:
+        raise ConfigError(f"{exc}; see python -m nblib export --help") from None
+    if not args.out or bool(args.cache) == bool(args.outputs):
+        raise ConfigError("export needs --out DIR and one of --cache DIR or --outputs DIR")
+    with _os_errors_name(args.out):
+        if args.cache:
+            summary = export_cache(args.cache, args.out, args.format, overwrite=args.overwrite)
+        else:
+            summary = export_outputs(args.outputs, args.out, args.format, texts=args.texts, field=args.field,
+                                     overwrite=args.overwrite)
+    print(summary)
+    return 0
+
+
 VERBS = {
     "info": info_main,
     "budget": budget_main,
@@ -366,4 +402,5 @@ VERBS = {
     "encode": encode_main,
     "suite": suite_main,
     "pipeline": pipeline_main,
+    "export": export_main,
 }
