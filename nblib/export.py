@@ -260,7 +260,8 @@ def _to_numpy(column) -> np.ndarray:
     """A fixed-shape nested-list (or datasets extension) Arrow column as a numpy array."""
     import pyarrow as pa
 
-    column = column.combine_chunks()
+    if hasattr(column, "combine_chunks"):
+        column = column.combine_chunks()
     if isinstance(column.type, pa.ExtensionType):
         column = column.storage
     shape = []

@@ -321,7 +321,8 @@ def open_raw(path: Path, count: int, shape) -> tuple[np.ndarray, np.ndarray]:
     if magic != SHARD_MAGIC or n != count or leading != leading_bytes("raw", shape, count):
         raise ValueError(f"its header or trailer is not a v{MANIFEST_VERSION} cache shard of {count} images")
     check_tables(leading + tail, header_xxh3, tables_xxh3, len(leading), len(leading))
-    return array, np.frombuffer(tail, dtype="<u8", count=count).copy()
+    # a plain ndarray view of the map: slicing an np.memmap costs a subclass finalize per read
+    return array.view(np.ndarray), np.frombuffer(tail, dtype="<u8", count=count).copy()
 
 
 def check_tables(data, header_xxh3: int, tables_xxh3: int, header_end: int, tables_at: int) -> None:

@@ -61,6 +61,7 @@ class ShardedImageCache:
         self.codec = self.manifest["codec"]
         self.spec = CodecSpec.from_record(self.codec, self.manifest.get("codec_options"))
         self.shape = tuple(self.manifest["image_shape"])
+        self._image_bytes = int(np.prod(self.shape))
         self._starts = np.array([s["start"] for s in self.manifest["shards"]], dtype=np.int64)
         self._open: dict[int, tuple] = {}
         self._touched: set[int] = set()  # shards whose whole-file xxh3 matched in this process
@@ -220,14 +221,10 @@ class ShardedImageCache:
 
     def _check_rows(self, shard: int, lo: int, rows: np.ndarray, expected: np.ndarray) -> None:
         """CacheError naming the first image of `rows` whose xxh3 is not the table's."""
-        step = int(np.prod(self.shape))
-        flat = memoryview(rows.reshape(-1))
-        digest = xxhash.xxh3_64_intdigest
-        got = np.fromiter((digest(flat[k * step:(k + 1) * step]) for k in range(len(rows))),
-                          dtype=np.uint64, count=len(rows))
-        bad = np.flatnonzero(got != expected)
-        if len(bad):
-            raise self._corrupt(shard, lo + int(bad[0]), "its bytes do not match the shard's xxh3 table")
+        step, flat, digest = self._image_bytes, memoryview(rows.reshape(-1)), xxhash.xxh3_64_intdigest
+        for k, want in enumerate(expected.tolist()):
+            if digest(flat[k * step:(k + 1) * step]) != want:
+                raise self._corrupt(shard, lo + k, "its bytes do not match the shard's xxh3 table")
 
     def _corrupt(self, shard: int, local: int, why: str) -> CacheError:
         entry = self.manifest["shards"][shard]

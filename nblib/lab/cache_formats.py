@@ -1,0 +1,174 @@
+"""Notebook 02's side-by-side of storage formats: nblib raw, zlib, zstd and PNG shards against Parquet+zstd.
+
+`compare_formats` writes the same in-memory images in each format, then reads them back in
+order and at random, `repeats` times with the order of the formats rotated every repeat (so
+a slow minute of a shared machine does not land on one format), and reports the median and the
+spread (min-max) of each rate. Like for like: the same images, the same batch size, arrays in and
+arrays out (Parquet rows are decoded to uint8 arrays, as a training loop needs them), every file
+fsynced. `checked_read_ratio` times in-order raw reads with the per-image xxh3 check on and off,
+interleaved, and returns the ratio (the check's cost). `benchmarks/cache_throughput.py` prints both.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from nblib.cache import ShardedImageCache, write_images
+
+NBLIB_CODECS = ("raw", "zlib", "zstd", "png")
+PARQUET = "parquet+zstd"
+
+
+def compare_formats(images: np.ndarray, folder: str | Path, *, formats: Sequence[str] = (*NBLIB_CODECS, PARQUET),
+                    repeats: int = 3, shard_mb: float = 8.0, batch_size: int = 64, n_random: int = 200,
+                    random_s: float = 0.5, seed: int = 0) -> list[dict]:
+    """One row per format: bytes/image, and the median and spread of write, in-order and random images/s.
+
+    Random reads stop after `n_random` images or `random_s` seconds, whichever comes first (a
+    Parquet random read decodes a whole row group).
+    """
+    images = np.ascontiguousarray(images, dtype=np.uint8)
+    folder = Path(folder)
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(images), size=min(n_random, 4 * len(images)))
+    samples: dict[str, dict[str, list[float]]] = {f: {"write": [], "in_order": [], "random": []} for f in formats}
+    sizes: dict[str, int] = {}
+    for r in range(repeats):
+        order = list(formats[r % len(formats):]) + list(formats[:r % len(formats)])
+        for fmt in order:
+            target = folder / f"{fmt}-{r}"
+            shutil.rmtree(target, ignore_errors=True)
+            write, read_in_order, read_at = _functions(fmt, images, target, shard_mb, batch_size)
+            samples[fmt]["write"].append(len(images) / _seconds(write))
+            sizes[fmt] = sum(p.stat().st_size for p in target.rglob("*") if p.is_file())
+            samples[fmt]["in_order"].append(len(images) / _seconds(read_in_order))
+            read_one = read_at()  # opened before the clock starts, as a loader opens once
+            start = time.perf_counter()
+            done = _until(start + random_s, picks, read_one)
+            samples[fmt]["random"].append(done / (time.perf_counter() - start))
+            shutil.rmtree(target, ignore_errors=True)
+    rows = []
+    for fmt in formats:
+        row = {"format": fmt, "bytes_per_image": sizes[fmt] / len(images)}
+        for key, values in samples[fmt].items():
+            row[f"{key}_per_s"] = statistics.median(values)
+            row[f"{key}_spread"] = (min(values), max(values))
+        rows.append(row)
+    return rows
+
+
+def checked_read_ratio(cache_dir: str | Path, repeats: int = 5, batch_size: int = 64) -> dict[str, float]:
+    """In-order images/s with the per-image xxh3 check ("image") and without ("off"), interleaved; their ratio."""
+    rates: dict[str, list[float]] = {"image": [], "off": []}
+    for r in range(repeats):
+        for check in (("image", "off") if r % 2 == 0 else ("off", "image")):
+            cache = ShardedImageCache(cache_dir, check=check)
+            n = len(cache)
+            start = time.perf_counter()
+            for first in range(0, n, batch_size):
+                cache.get_batch(first, min(n, first + batch_size))
+            rates[check].append(n / (time.perf_counter() - start))
+            cache.close()
+    checked, unchecked = statistics.median(rates["image"]), statistics.median(rates["off"])
+    return {"checked_per_s": checked, "unchecked_per_s": unchecked, "ratio": checked / unchecked,
+            "ratio_spread": (min(rates["image"]) / max(rates["off"]), max(rates["image"]) / min(rates["off"]))}
+
+
+def format_table(rows: list[dict]) -> str:
+    """The side-by-side as text: bytes/image, x smaller than raw, and each rate with its spread."""
+    raw = next((r["bytes_per_image"] for r in rows if r["format"] == "raw"), None)
+    lines = [f"{'format':<13}{'bytes/img':>10}{'vs raw':>8}  {'write img/s':>22}  {'in-order img/s':>22}  "
+             f"{'random img/s':>22}"]
+    for r in rows:
+        cells = [f"{r[k + '_per_s']:>8,.0f} ({r[k + '_spread'][0]:,.0f}-{r[k + '_spread'][1]:,.0f})"
+                 for k in ("write", "in_order", "random")]
+        ratio = f"{raw / r['bytes_per_image']:>7.1f}x" if raw else ""
+        lines.append(f"{r['format']:<13}{r['bytes_per_image']:>10,.0f}{ratio:>8}  " +
+                     "  ".join(f"{c:>22}" for c in cells))
+    return "\n".join(lines)
+
+
+# ====================================================================================== helpers
+
+
+def _seconds(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _until(deadline: float, indexes, read) -> int:
+    """Read images at `indexes` until the deadline (at least one); how many were read."""
+    done = 0
+    for i in indexes:
+        read(int(i))
+        done += 1
+        if time.perf_counter() > deadline:
+            break
+    return done
+
+
+def _functions(fmt: str, images: np.ndarray, target: Path, shard_mb: float, batch_size: int):
+    """(write, read in order, open for random reads -> read one) for one format over `target`."""
+    if fmt == PARQUET:
+        return _parquet_functions(images, target, shard_mb, batch_size)
+
+    def write():
+        write_images(images, target, shard_mb=shard_mb, codec=fmt, progress=False)
+
+    def in_order():
+        cache = ShardedImageCache(target)
+        for first in range(0, len(cache), batch_size):
+            cache.get_batch(first, min(len(cache), first + batch_size))
+
+    def read_at():
+        cache = ShardedImageCache(target)
+        return cache.__getitem__
+
+    return write, in_order, read_at
+
+
+def _parquet_functions(images: np.ndarray, target: Path, shard_mb: float, batch_size: int):
+    """Parquet with zstd, channel-first Array3D (nblib.export's layout), one row group per ~shard_mb."""
+    import pyarrow.parquet as pq
+
+    from nblib.export import _arrow_table, _hf_features, _to_numpy
+
+    n, h, w, c = images.shape
+    per_group = max(1, int(shard_mb * 1e6) // images[0].nbytes)
+    path = target / "images.parquet"
+    features = _hf_features({"image": ("uint8", (c, h, w))})
+
+    def write():
+        target.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb") as f:
+            writer = None
+            for start in range(0, n, per_group):
+                table = _arrow_table({"image": images[start:start + per_group].transpose(0, 3, 1, 2)}, features)
+                writer = writer or pq.ParquetWriter(f, table.schema, compression="zstd")
+                writer.write_table(table, row_group_size=len(table))
+            writer.close()
+            f.flush()
+            os.fsync(f.fileno())
+
+    def in_order():
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_size, columns=["image"]):
+            _to_numpy(batch.column(0)).transpose(0, 2, 3, 1).copy()
+
+    def read_at():
+        parquet = pq.ParquetFile(path)
+
+        def one(i):
+            group, row = divmod(i, per_group)
+            column = parquet.read_row_group(group, columns=["image"]).column(0)
+            return _to_numpy(column.slice(row, 1)).transpose(0, 2, 3, 1).copy()
+
+        return one
+
+    return write, in_order, read_at
