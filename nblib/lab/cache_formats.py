@@ -100,6 +100,32 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def formats_verdict(rows: list[dict], reference: str = "zlib") -> list[str]:
+    """One line per format against `reference`: bytes ratio, and each rate faster, slower or within the spread.
+
+    A rate counts as faster or slower only when the two spreads (min-max over repeats) do not
+    overlap; otherwise the line says the difference is within the noise of this machine.
+    """
+    by = {r["format"]: r for r in rows}
+    base = by[reference]
+    lines = []
+    for fmt, row in by.items():
+        if fmt == reference:
+            continue
+        parts = [f"{fmt}: {row['bytes_per_image'] / base['bytes_per_image']:.2f}x the bytes of {reference}"]
+        for key, label in (("write", "writes"), ("in_order", "reads in order"), ("random", "reads at random")):
+            (lo, hi), (base_lo, base_hi) = row[f"{key}_spread"], base[f"{key}_spread"]
+            ratio = row[f"{key}_per_s"] / base[f"{key}_per_s"]
+            if lo > base_hi:
+                parts.append(f"{label} {ratio:.1f}x faster")
+            elif hi < base_lo:
+                parts.append(f"{label} {1 / ratio:.1f}x slower")
+            else:
+                parts.append(f"{label} within the spread ({ratio:.2f}x)")
+        lines.append(", ".join(parts))
+    return lines
+
+
 # ====================================================================================== helpers
 
 
