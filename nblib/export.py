@@ -148,6 +148,35 @@ def read_parquet_column(path: str | Path, column: str) -> np.ndarray:
     return np.concatenate(parts)
 
 
+def read_export(folder: str | Path) -> dict:
+    """Every column of an export, read back: with `datasets.load_from_disk` for an HF folder, with
+    pyarrow alone for Parquet. Array columns come back as numpy arrays, text as a list of str.
+    """
+    folder = Path(folder)
+    if (folder / "state.json").exists():
+        import datasets
+
+        dataset = datasets.load_from_disk(str(folder))
+        out = {}
+        for name, feature in dataset.features.items():
+            column = dataset.data.table.column(name)
+            if getattr(feature, "shape", None) is not None:
+                out[name] = _to_numpy(column).astype(feature.dtype)
+            elif getattr(feature, "dtype", None) == "string":
+                out[name] = column.to_pylist()
+            else:
+                out[name] = column.to_numpy()
+        return out
+    import pyarrow.parquet as pq
+
+    names = pq.read_schema(sorted(folder.glob("*.parquet"))[0]).names
+    out = {}
+    for name in names:
+        values = read_parquet_column(folder, name)
+        out[name] = values.tolist() if values.dtype == object else values
+    return out
+
+
 def check_format(fmt: str) -> None:
     if fmt not in FORMATS:
         raise ConfigError(f"export format {fmt!r} is not one of {FORMATS}")

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import small_cache, subprocess_env
 from nblib.cache import ShardedImageCache, populate
-from nblib.export import export_cache, export_outputs, layout_bytes, read_parquet_column
+from nblib.export import export_cache, export_outputs, layout_bytes, read_export, read_parquet_column
 from nblib.render import render_text
 
 pa = pytest.importorskip("pyarrow")
@@ -99,6 +99,9 @@ def test_outputs_export_row_aligned_with_the_texts_and_read_back(outputs_dir, tm
         for name, array in arrays.items():
             back = np.stack([np.asarray(row[name]) for row in dataset.with_format("numpy")]).astype(array.dtype)
             assert np.array_equal(back, np.asarray(array)), name
+    back = read_export(tmp_path)
+    assert back["text"] == texts and list(back["index"]) == list(range(24))
+    assert all(np.array_equal(back[name], np.asarray(array)) for name, array in arrays.items())
 
 
 def test_texts_that_do_not_match_the_rows_are_refused(outputs_dir, tmp_path):
