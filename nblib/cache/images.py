@@ -69,7 +69,7 @@ def write_images(images, out: str | Path, *, shard_mb: float = 400, codec: str =
     check_codec(codec)
     total = n_images if n_images is not None else _length(images)
     stream = (as_image(item, column, k) for k, item in enumerate(_items(images, column)))
-    head = list(itertools.islice(stream, DICT_SAMPLES))
+    head = list(itertools.islice(stream, DICT_SAMPLES if codec == "zstd" else 64))  # dictionary / size sample
     if not head:
         raise InputError("write_images got no images; pass a non-empty list, dataset or folder")
     shape = [int(s) for s in head[0].shape]
