@@ -11,7 +11,8 @@ changed, so a shard swapped in from another cache is refused before any image is
 the first time a process touches it: its whole-file xxh3 must equal the manifest's, so a shard
 rewritten in place with a self-consistent table (another cache's shard of the same size, its mtime
 put back) is refused before any of its images is served. Trade-off: one extra read of each shard
-per process (per DataLoader worker), usually from the page cache, against catching what the
+per process (per DataLoader worker: per epoch unless `persistent_workers=True`), usually from the
+page cache, against catching what the
 per-image tables cannot. `check="off"` serves unchecked bytes (the benchmark's baseline only).
 Raw shards are memory-mapped, packed ones with `mmap`, each once and lazily. Arrays returned
 are copies (writable).
