@@ -12,8 +12,8 @@ the first time a process touches it: its whole-file xxh3 must equal the manifest
 rewritten in place with a self-consistent table (another cache's shard of the same size, its mtime
 put back) is refused before any of its images is served. Trade-off: one extra read of each shard
 per process (per DataLoader worker: per epoch unless `persistent_workers=True`), usually from the
-page cache, against catching what the
-per-image tables cannot. `check="off"` serves unchecked bytes (the benchmark's baseline only).
+page cache, against catching what the per-image tables cannot. `check="off"` serves unchecked
+bytes (the benchmark's baseline only).
 Raw shards are memory-mapped, packed ones with `mmap`, each once and lazily. Arrays returned
 are copies (writable).
 """
