@@ -121,6 +121,8 @@ def train(cache_dir: str | Path, out: str | Path, config: TrainConfig, *, mirror
     out = Path(out)
     store = TrainStore(out, mirror, keep_last=config.keep_last, storage_options=storage_options,
                        start_mirror=writer) if writer else None
+    if store is not None:
+        store.startup_timeout_s = mirror_timeout_s
     model = Classifier(shape, len(classes), seed=config.seed, dropout=config.dropout).to(config.device)
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=config.lr, weight_decay=config.weight_decay, foreach=False)

@@ -69,6 +69,7 @@ class TrainStore:
         self._queued: int | None = None
         self._mirror_dir = None if mirror is None or is_url(mirror) else Path(mirror)
         self.watch = None
+        self.startup_timeout_s = 60.0      # a stalled mirror at start: give up on it after this, start afresh
         if mirror is not None:
             root, ops = mirror_target(mirror, storage_options)
             root = root / FOLDER
@@ -115,8 +116,8 @@ class TrainStore:
         if self.remote is None:
             return None, "none"
         try:
-            found = load_latest([self.remote], STATE, weights_only=True)
-        except DriveError as exc:
+            found = _within(lambda: load_latest([self.remote], STATE, weights_only=True), self.startup_timeout_s)
+        except (DriveError, TimeoutError) as exc:
             # Safe to start over: a run is deterministic, so any state this run writes at step s has
             # the bytes of one the mirror may hold for step s; only the recomputation is lost.
             log.warning("no local state and the mirror cannot be read (%s): starting from step 0", exc)
@@ -167,6 +168,28 @@ class TrainStore:
         for version in checkpoints_to_drop(self.local.versions(name), self.keep_last):
             if version != keep_also:
                 self.local.remove(name, version)
+
+
+def _within(fn, timeout_s: float):
+    """fn() on a daemon thread; TimeoutError when it has not returned in `timeout_s` (a stalled mount or bucket)."""
+    import threading
+
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as exc:          # handed to the caller
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="nblib-train-mirror-read", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise TimeoutError(f"the mirror did not answer within {timeout_s:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def _warn(damaged) -> None:
