@@ -6,6 +6,7 @@ headless runs leave figures under `outputs/figures`. Sections follow the noteboo
 from __future__ import annotations
 
 import functools
+import statistics
 from pathlib import Path
 
 import matplotlib
@@ -208,19 +209,23 @@ def cache_disk_plan(plans: dict, free_bytes: float, save_to=None) -> Figure:
     return finish(fig, save_to)
 
 
-def cache_worker_scaling(workers, images_per_s, save_to=None) -> Figure:
-    """Measured render throughput against worker count, with ideal linear scaling from 1 worker."""
+def cache_worker_scaling(rates, save_to=None) -> Figure:
+    """Render throughput per worker count: medians with their min-max range, and linear from 1 worker.
+
+    `rates` maps worker count to an `nblib.compare.Spread` (a lab `Scaling.rates`).
+    """
     fig, ax = new_figure(width=5.5, height=3.6)
-    workers, rates = list(workers), list(images_per_s)
-    ax.plot(workers, rates, "o-", label="measured")
-    ax.plot(workers, [rates[0] * w / workers[0] for w in workers], ":", color="gray",
-            label="ideal (linear)")
-    for w, r in zip(workers, rates):
-        ax.annotate(f"{r:,.0f}", (w, r), textcoords="offset points", xytext=(4, -12), fontsize=8)
+    workers = list(rates)
+    med = [rates[w].median for w in workers]
+    err = [[m - rates[w].low for w, m in zip(workers, med)], [rates[w].high - m for w, m in zip(workers, med)]]
+    ax.errorbar(workers, med, yerr=err, fmt="o-", capsize=4, label=f"measured (median, range of {rates[workers[0]].n})")
+    ax.plot(workers, [med[0] * w / workers[0] for w in workers], ":", color="gray", label="ideal (linear)")
+    for w, r in zip(workers, med):
+        ax.annotate(f"{r:,.0f}", (w, r), textcoords="offset points", xytext=(6, -12), fontsize=8)
     ax.set_xlabel("render workers (processes)")
     ax.set_ylabel("images / s")
     ax.set_xticks(workers)
-    ax.set_ylim(0, max(rates + [rates[0] * workers[-1] / workers[0]]) * 1.15)
+    ax.set_ylim(0, max([rates[w].high for w in workers] + [med[0] * workers[-1] / workers[0]]) * 1.15)
     ax.set_title("cache population throughput")
     ax.legend(fontsize=8)
     return finish(fig, save_to)
@@ -517,16 +522,21 @@ def mixing_bars(mixing, save_to=None) -> Figure:
     return finish(fig, save_to)
 
 
-def input_rates(rows, encoder_samples_per_s: float, save_to=None) -> Figure:
-    """samples/s of each input source (bars) against the encoder's rate (a line)."""
+def input_rates(rows, encoder_samples_per_s: float, encoder_label: str = "encoder", save_to=None) -> Figure:
+    """samples/s of each input source (bars: median, whiskers: the runs' range) against the encoder's rate."""
     fig, ax = new_figure(width=6.5)
-    bars = ax.bar([_wrap(r["source"], 18) for r in rows], [r["samples_per_s"] for r in rows], color="C0")
-    for bar, r in zip(bars, rows):
-        ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), f"{r['samples_per_s']:,.0f}/s",
-                ha="center", va="bottom", fontsize=8)
-    ax.axhline(encoder_samples_per_s, color="C3", ls="--", label=f"encoder {encoder_samples_per_s:,.0f}/s")
-    ax.set(ylabel="samples/s", yscale="log", title="Can the loader feed the encoder?")
-    ax.legend(fontsize=8)
+    med = [float(statistics.median(r.get("runs", [r["samples_per_s"]]))) for r in rows]
+    low = [m - min(r.get("runs", [m])) for r, m in zip(rows, med)]
+    high = [max(r.get("runs", [m])) - m for r, m in zip(rows, med)]
+    bars = ax.bar([_wrap(r["source"], 18) for r in rows], med, yerr=[low, high], capsize=4, color="C0")
+    for bar, m in zip(bars, med):
+        ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), f"{m:,.0f}/s ", ha="right", va="bottom",
+                fontsize=8)
+    ax.axhline(encoder_samples_per_s, color="C3", ls="--",
+               label=f"{_wrap(encoder_label, 60)}: {encoder_samples_per_s:,.0f}/s")
+    ax.set(ylabel="samples/s (median, range of runs)", title="Can the loader feed the encoder?")
+    ax.set_ylim(0, max(max(m + h for m, h in zip(med, high)), encoder_samples_per_s) * 1.2)
+    ax.legend(fontsize=7, loc="upper right")
     return finish(fig, save_to)
 
 
