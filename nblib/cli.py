@@ -102,6 +102,8 @@ def budget_main(argv: list[str]) -> int:
     p.add_argument("--sdpa", choices=("math", "efficient", "flash"))
     p.add_argument("--drive-quota-gb", type=float, default=15.0)
     p.add_argument("--plan", action="store_true", help="recommend knobs that fit")
+    p.add_argument("--texts", help="your texts (file or JSONL): the plan measures the cache's bytes per image "
+                                   "on a few hundred of them (default: the reference analysis' ratios)")
     p.add_argument("--reference", action="store_true", help="reference analysis vs this suite")
     args = p.parse_args(argv)
     if args.reference:
@@ -118,7 +120,11 @@ def budget_main(argv: list[str]) -> int:
     print(predict_budget(cfg, args.device, **kwargs).table())
     print(f"max batch size on {args.device}: {max_batch_size(cfg, args.device, **kwargs)}")
     if args.plan:
-        print(plan_budget(cfg, args.device, **kwargs))
+        from nblib.codec_sizes import codec_sizes
+
+        sizes = codec_sizes(args.texts, cfg.model.image_size)
+        print(sizes)
+        print(plan_budget(cfg, args.device, codec_sizes=sizes, **kwargs))
     return 0
 
 

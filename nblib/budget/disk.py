@@ -14,7 +14,7 @@ from pathlib import Path
 
 from nblib.budget._checks import require_positive
 from nblib.budget.memory import Line, output_bytes_per_image
-from nblib.config import PipelineConfig
+from nblib.config import CODECS, PipelineConfig
 from nblib.errors import BudgetExceeded, ConfigError
 from nblib.units import GB, MB, fmt_bytes
 
@@ -37,8 +37,9 @@ def cache_bytes(n_images: int, image_size: int, codec: str = "raw",
     require_positive("n_images", n_images)
     require_positive("image_size", image_size)
     require_positive("shard_mb", shard_mb)
-    if codec not in CODEC_RATIO_ESTIMATE:
-        raise ConfigError(f"codec={codec!r} is unknown; choose one of {tuple(CODEC_RATIO_ESTIMATE)}")
+    if codec not in CODEC_RATIO_ESTIMATE and (bytes_per_image is None or codec not in CODECS):
+        raise ConfigError(f"codec={codec!r} is unknown; choose one of {tuple(CODEC_RATIO_ESTIMATE)}"
+                          + (f" (or measure {codec} and pass bytes_per_image)" if codec in CODECS else ""))
     raw = image_size * image_size * 3
     if bytes_per_image is not None:
         require_positive("bytes_per_image", bytes_per_image, number=True)
