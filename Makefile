@@ -33,7 +33,7 @@ test-browser: $(STAMP)
 	$(BIN)/python -m pytest -q -m browser tests/test_browser.py -p no:cacheprovider
 
 lab: $(STAMP)
-	$(BIN)/jupyter lab notebooks
+	$(BIN)/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) notebooks
 
 clean:
 	rm -rf outputs/notebooks outputs/figures outputs/drive outputs/staging
