@@ -58,6 +58,24 @@ def profile() -> str:
     return "t4" if cuda_available() else "smoke"
 
 
+PROFILE_MEANING = {
+    "smoke": "tiny model, 512 images at 64 px: every mechanism runs in minutes on 2 CPU cores, "
+             "none of a T4's numbers",
+    "t4": "the seed_t4 model on 20,000 images at 224 px, sized for a Colab T4",
+    "full": "the whole 1,907,747-image job",
+}
+
+
+def profile_note(profile_name: str, runtime_name: str, cuda: bool) -> str:
+    """What the profile means here and, in Colab without a GPU, how to get a T4 (pure; 00 prints it)."""
+    why = "NBLIB_PROFILE" if os.environ.get("NBLIB_PROFILE") else ("a GPU is present" if cuda else "no GPU")
+    line = f"profile: {profile_name} ({why}): {PROFILE_MEANING.get(profile_name, '')}"
+    if runtime_name == "colab" and not cuda:
+        line += ("\nThis Colab runtime has no GPU. For the T4 numbers: Runtime > Change runtime type > "
+                 "T4 GPU > Save, then Runtime > Run all (the setup cell reinstalls nblib in seconds).")
+    return line
+
+
 def repo_root() -> Path | None:
     """The source checkout nblib runs from (editable install or Colab clone), if any."""
     root = Path(__file__).resolve().parents[1]

@@ -21,13 +21,35 @@ MB = 1e6
 
 
 def finish(fig: Figure, save_to: str | Path | None = None) -> Figure:
-    """Tighten the layout and, if asked, save the figure as a PNG; returns the figure."""
+    """Readable log ticks, a tight layout and, if asked, a PNG; returns the figure."""
+    readable_log_ticks(fig)
     fig.tight_layout()
     if save_to is not None:
         path = Path(save_to)
         path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=150)
     return fig
+
+
+def readable_log_ticks(fig: Figure) -> None:
+    """Every log axis gets ticks at 1, 2, 5 x 10^k written as plain numbers (3 MB, not 3x10^0).
+
+    Axes whose ticks a figure set itself (a FixedLocator, e.g. the batch sizes) keep them, as plain numbers.
+    """
+    from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullFormatter
+
+    for ax in fig.axes:
+        for axis, scale in ((ax.xaxis, ax.get_xscale()), (ax.yaxis, ax.get_yscale())):
+            if scale != "log":
+                continue
+            if not isinstance(axis.get_major_locator(), FixedLocator):
+                axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+            axis.set_major_formatter(FuncFormatter(_plain_number))
+            axis.set_minor_formatter(NullFormatter())
+
+
+def _plain_number(value: float, _pos=None) -> str:
+    return f"{value:,.0f}" if value >= 1 else f"{value:g}"
 
 
 def close(fig: Figure) -> None:
@@ -50,15 +72,15 @@ def budget_bars(budget, save_to=None, top: int = 4) -> Figure:
     from nblib.budget import RESOURCES
 
     fig, axes = new_figure(ncols=4, width=3.0, height=4.2)
-    colors = plt.get_cmap("tab10").colors
     for ax, resource in zip(axes, RESOURCES):
         lines = sorted(budget.lines[resource], key=lambda ln: -ln.bytes)
         shown, rest = lines[:top], sum(ln.bytes for ln in lines[top:])
+        names = [line.name for line in shown] + ([] if not rest else ["other lines"])
+        colors = line_colors(names)
         bottom = 0.0
-        for i, line in enumerate(shown + ([] if not rest else [None])):
+        for name, line in zip(names, shown + ([] if not rest else [None])):
             gb = (line.bytes if line else rest) / GB
-            ax.bar(0, gb, bottom=bottom, width=0.6, color=colors[i % 10],
-                   label=(line.name if line else "other lines"))
+            ax.bar(0, gb, bottom=bottom, width=0.6, color=colors[name], label=name)
             bottom += gb
         limit = budget.limits[resource] / GB
         if limit:
@@ -77,6 +99,25 @@ def budget_bars(budget, save_to=None, top: int = 4) -> Figure:
     return finish(fig, save_to)
 
 
+def line_colors(names) -> dict:
+    """A colour per budget line, fixed by the line's name: a redraw never changes what a colour means.
+
+    The colour is the name's crc32 in tab20; two names of one bar that land on the same colour
+    take the next free one, in the order given.
+    """
+    import zlib
+
+    palette = plt.get_cmap("tab20").colors
+    taken, out = set(), {}
+    for name in names:
+        index = 7 if name == "other lines" else zlib.crc32(name.encode()) % len(palette)   # grey for the rest
+        while index in taken:
+            index = (index + 1) % len(palette)
+        taken.add(index)
+        out[name] = palette[index]
+    return out
+
+
 def predicted_vs_measured(batch_sizes, predicted, measured, *, what: str = "peak RSS increase",
                           save_to=None) -> Figure:
     """Predicted and measured memory against batch size, the ratio written at each point."""
@@ -88,6 +129,7 @@ def predicted_vs_measured(batch_sizes, predicted, measured, *, what: str = "peak
                     fontsize=8)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    ax.set_xticks(list(batch_sizes))
     ax.margins(x=0.12, y=0.15)
     ax.set_xlabel("batch size")
     ax.set_ylabel(f"{what} (MB)")
@@ -308,7 +350,12 @@ def encode_throughput(timeline, part_samples: int | None = None, resumed_at: int
     if len(rate) >= 2:
         mean = (done[-1] - done[0]) / max(t[-1], 1e-9)
         ax_rate.axhline(mean, color="C3", ls="--", label=f"mean {mean:,.0f}/s")
-    ax_rate.set(xlabel="seconds", ylabel="samples / s", title="throughput over time", ylim=(0, None))
+    top = float(np.percentile(rate, 95)) * 1.3 if len(rate) >= 5 else None
+    clipped = int((rate > top).sum()) if top else 0
+    if clipped:       # a short last batch or a timer tick can read 10x the rest and squash the axis
+        ax_rate.plot([], [], " ", label=f"{clipped} batch(es) above {top:,.0f}/s not shown")
+    ax_rate.set(xlabel="seconds", ylabel="samples / s", title="throughput over time",
+                ylim=(0, top if clipped else None))
     ax_rate.legend(loc="best")
     fig.suptitle(title)
     return finish(fig, save_to)
@@ -507,6 +554,9 @@ def pipeline_memory(table, trap_rows, buffer_knob: str = "shuffle_buffer", save_
         work_ax.plot([r["num_workers"]], [r["rss_added_bytes"] / MB], "s^"[i % 2], label=r["setup"])
     work_ax.set(xlabel="torch num_workers", ylabel="RAM added (MB)", title="The per-worker TF trap")
     work_ax.legend(fontsize=7)
+    for ax in (buf_ax, work_ax):      # from 0: a truncated axis would turn a few MB of drift into a trend
+        low, high = ax.get_ylim()
+        ax.set_ylim(min(0.0, low), max(high, 1.0) * 1.1)
     return finish(fig, save_to)
 
 
@@ -515,9 +565,12 @@ def mixing_bars(mixing, save_to=None) -> Figure:
     fig, ax = new_figure(width=6.5)
     names = ["one dataset", "4 sources:\nsample_from_datasets", "4 sources:\ninterleave, then decode"]
     rates = [mixing.single, mixing.mixed, mixing.fixed]
-    ax.bar(names, rates, color=["C0", "C3", "C2"])
+    spreads = [mixing.spread(k) for k in ("single", "mixed", "fixed")]
+    ax.bar(names, rates, color=["C0", "C3", "C2"], capsize=4,
+           yerr=[[r - s.low for r, s in zip(rates, spreads)], [s.high - r for r, s in zip(rates, spreads)]])
     ax.axhline(0.8 * mixing.single, color="black", ls="--", lw=0.8, label="80% of one dataset")
-    ax.set(ylabel="samples/s", title=f"Mixing under a parallelism budget of {mixing.budget}")
+    ax.set(ylabel=f"samples/s (median, range of {mixing.repeats} runs)",
+           title=f"Mixing under a parallelism budget of {mixing.budget}")
     ax.legend(fontsize=8)
     return finish(fig, save_to)
 
