@@ -154,14 +154,21 @@ def pipeline_sweep_panel(table) -> Panel:
                   f"{runs.text(unit='samples/s')}, data-wait {row['data_wait']:.0%}, startup "
                   f"{row['startup_s']:.2f} s, peak RSS {row['peak_rss_bytes'] / 1e6:,.0f} MB")
 
+    switching = [False]
+
+    def new_value(_change=None):
+        if not switching[0]:
+            render()
+
     def new_knob(_change=None):
-        value.unobserve(render, names="value")
+        switching[0] = True
         value.options = values_of(knob.value)      # only the values measured with the other knobs at base
         value.value = table.base[knob.value]
-        value.observe(render, names="value")
+        switching[0] = False
         render()
 
     knob.observe(new_knob, names="value")
+    value.observe(new_value, names="value")
     new_knob()
     panel = Panel([W.HBox([knob, value]), out])
     panel.add_class("nblib-pipeline-panel")
