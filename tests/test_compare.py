@@ -161,3 +161,23 @@ def test_the_cacheless_verdict_needs_every_run_on_one_side_of_the_encoder():
     assert "keeps up" in cacheless_verdict(spread([500, 520, 480]), 345, method, 224, workers=2)
     assert "starve" in cacheless_verdict(spread([200, 220, 210]), 345, method, 224, workers=2)
     assert "at 224 px" in covers
+
+
+def test_the_time_share_verdict_needs_every_run_on_one_side():
+    from nblib.lab.input_pipeline import time_share_verdict
+
+    share = {"encoder_samples_per_s": 94, "data_wait": 0.02, "pipeline_samples_per_s": 3000,
+             "data_wait_runs": (0.01, 0.02, 0.03), "pipeline_runs": (2500, 3000, 3300)}
+    assert time_share_verdict(share).startswith("the encoder is the wall")
+    assert time_share_verdict({**share, "data_wait_runs": (0.1, 0.2, 0.7)}).startswith("not distinguishable")
+    assert time_share_verdict({**share, "data_wait_runs": (0.8, 0.7, 0.75)}).startswith("the input pipeline")
+    assert time_share_verdict({**share, "data_wait_runs": (0.02,)}).startswith("too few runs")
+
+
+def test_the_offload_verdict_is_computed_from_the_ranges():
+    from nblib.lab.streaming_encoding import offload_verdict
+
+    noisy = {"async": spread([100, 120, 90]), "consolidate": spread([110, 95, 130])}
+    assert "not distinguishable" in offload_verdict(noisy, on_gpu=False)
+    clear = {"async": spread([100, 102, 99]), "consolidate": spread([70, 72, 69])}
+    assert "consolidate vs async: x0.70, slower" in offload_verdict(clear, on_gpu=True)

@@ -56,15 +56,47 @@ def tf_sources(cache, n_images: int | None = None, n_sources: int = 4):
 
 
 def where_time_goes(sources, encoder_samples_per_s: float = T4_SAMPLES_PER_S.value, batch_size: int = 32,
-                    steps: int = 8) -> dict:
-    """The default tf.data pipeline feeding a stand-in encoder of the given rate: data-wait is the pipeline's share."""
+                    steps: int = 8, repeats: int = MIN_REPEATS) -> dict:
+    """The default tf.data pipeline feeding a stand-in encoder of the given rate: data-wait is the pipeline's share.
+
+    Both measurements (fed to the encoder, and the pipeline alone) run `repeats` interleaved times; the
+    row holds the median run and every run's data-wait and pipeline rate.
+    """
     from nblib.pipeline.tf_pipelines import tf_pipeline
 
     step = device_step(1e3 / encoder_samples_per_s, launch_ms=0.0)
-    report = measure_pipeline(lambda: tf_pipeline(sources, batch_size=batch_size), consumer=step, steps=steps, warmup=2)
-    capacity = measure_pipeline(lambda: tf_pipeline(sources, batch_size=batch_size), steps=3 * steps, warmup=3)
-    return {"encoder_samples_per_s": encoder_samples_per_s, "pipeline_samples_per_s": capacity.samples_per_s,
-            **report.as_dict()}
+    reports: dict[str, list] = {"fed": [], "alone": []}
+
+    def fed() -> float:
+        reports["fed"].append(measure_pipeline(lambda: tf_pipeline(sources, batch_size=batch_size), consumer=step,
+                                               steps=steps, warmup=2))
+        return reports["fed"][-1].data_wait
+
+    def alone() -> float:
+        reports["alone"].append(measure_pipeline(lambda: tf_pipeline(sources, batch_size=batch_size),
+                                                 steps=3 * steps, warmup=3))
+        return reports["alone"][-1].samples_per_s
+
+    got = interleaved({"fed": fed, "alone": alone}, repeats)
+    median_fed = sorted(reports["fed"], key=lambda r: r.data_wait)[(len(reports["fed"]) - 1) // 2]
+    return {"encoder_samples_per_s": encoder_samples_per_s, "pipeline_samples_per_s": got["alone"].median,
+            "pipeline_runs": got["alone"].values, "data_wait_runs": got["fed"].values, **median_fed.as_dict()}
+
+
+def time_share_verdict(share: dict) -> str:
+    """Who is the wall, computed from every run: the pipeline (data-wait >= DOMINATES_SHARE) or the encoder."""
+    waits = Spread(tuple(share.get("data_wait_runs", (share["data_wait"],))))
+    alone = Spread(tuple(share.get("pipeline_runs", (share["pipeline_samples_per_s"],))))
+    encoder = share["encoder_samples_per_s"]
+    numbers = (f"data-wait {waits.low:.0%}-{waits.high:.0%} of each step over {waits.n} runs; the pipeline alone "
+               f"{alone.text(unit='samples/s')} against the encoder's {encoder:,.0f}")
+    if waits.n < MIN_REPEATS:
+        return f"too few runs for a verdict: {numbers}"
+    if waits.high < DOMINATES_SHARE and against_value(alone, encoder) == "above":
+        return f"the encoder is the wall, in every run: {numbers}"
+    if waits.low >= DOMINATES_SHARE:
+        return f"the input pipeline is the wall, in every run: {numbers}"
+    return f"not distinguishable on this machine: {numbers}"
 
 
 def tf_sweep(sources, grid: dict, consumer=None, steps: int = 20, warmup: int = 3, repeats: int = MIN_REPEATS,
@@ -413,6 +445,11 @@ def _finding(finding: str, reference: str, measured: str, agrees: bool, why: str
 def _dominates(time_share: dict) -> dict:
     low, high = TUNING_LOG["input pipeline share of step time"].value
     share, encoder, pipeline = (time_share[k] for k in ("data_wait", "encoder_samples_per_s", "pipeline_samples_per_s"))
+    waits = Spread(tuple(time_share.get("data_wait_runs", (share,))))
+    if waits.low < DOMINATES_SHARE <= waits.high:
+        return {"finding": "the pipeline dominated the step", "reference": f"{low:.0%}-{high:.0%} of step time",
+                "measured": f"{waits.low:.0%}-{waits.high:.0%} over {waits.n} runs", "verdict": NOT_DISTINGUISHABLE,
+                "why": "the runs fall on both sides of half the step"}
     return _finding("the pipeline dominated the step", f"{low:.0%}-{high:.0%} of step time",
                     f"{share:.0%} feeding a {encoder:,.0f}/s encoder", share >= DOMINATES_SHARE,
                     f"rendered-text PNGs decode at {pipeline:,.0f} samples/s, x{pipeline / encoder:,.1f} what "
