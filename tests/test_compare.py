@@ -181,3 +181,14 @@ def test_the_offload_verdict_is_computed_from_the_ranges():
     assert "not distinguishable" in offload_verdict(noisy, on_gpu=False)
     clear = {"async": spread([100, 102, 99]), "consolidate": spread([70, 72, 69])}
     assert "consolidate vs async: x0.70, slower" in offload_verdict(clear, on_gpu=True)
+
+
+def test_the_read_verdict_needs_every_run_above_the_encoder():
+    from nblib.lab.cache_population import read_verdict
+
+    method = "projection"
+    fast = {"raw: random": spread([5000, 5200, 4900]), "zlib: stream": spread([900, 1000, 950])}
+    assert read_verdict(fast, 345, method).startswith("every read pattern beats")
+    one_slow_run = {**fast, "zlib: random": spread([300, 900, 1000])}
+    verdict = read_verdict(one_slow_run, 345, method)
+    assert verdict.startswith("not every read pattern") and "zlib: random" in verdict and "raw" not in verdict

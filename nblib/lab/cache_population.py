@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from nblib.cache import ShardedImageCache, populate, read_cache_manifest
-from nblib.compare import MIN_REPEATS, Spread, compare, interleaved
+from nblib.compare import MIN_REPEATS, Spread, against_value, compare, interleaved, interleaved_order
 from nblib.errors import CacheError
 
 
@@ -139,6 +139,27 @@ def read_throughput(images: ShardedImageCache, n_random: int = 500, batch_size: 
     return {"random cache[i]": len(indexes) / random_s,
             f"get_batch({batch_size}) in order": n / batch_s,
             "iter_shards (stream)": streamed / stream_s}
+
+
+def read_throughput_runs(caches: dict, repeats: int = MIN_REPEATS) -> dict[str, Spread]:
+    """`read_throughput` of each cache, `repeats` interleaved rounds: "<cache>: <pattern>" -> Spread of images/s."""
+    got: dict[str, list[float]] = {}
+    for name in interleaved_order(list(caches), repeats):
+        for pattern, rate in read_throughput(caches[name]).items():
+            got.setdefault(f"{name}: {pattern}", []).append(rate)
+    return {key: Spread(tuple(values)) for key, values in got.items()}
+
+
+def read_verdict(rates: dict[str, Spread], encoder_samples_per_s: float, encoder_method: str) -> str:
+    """Does every read pattern feed the encoder? Only when every run of it is above the encoder's rate."""
+    slow = {name: s for name, s in rates.items() if against_value(s, encoder_samples_per_s) != "above"}
+    where = f"the encoder's {encoder_samples_per_s:,.0f} images/s ({encoder_method})"
+    if not slow:
+        worst = min(rates, key=lambda k: rates[k].low)
+        return (f"every read pattern beats {where} in every run; the slowest run, {worst}, reads "
+                f"{rates[worst].low:,.0f} images/s (x{rates[worst].low / encoder_samples_per_s:,.1f})")
+    return "not every read pattern keeps up with " + where + ": " + "; ".join(
+        f"{name} {s.text(unit='images/s')}" for name, s in slow.items())
 
 
 def cache_command(texts: str | Path, out: str | Path, **flags) -> list[str]:
