@@ -102,15 +102,19 @@ def budget_bars(budget, save_to=None, top: int = 4) -> Figure:
 def line_colors(names) -> dict:
     """A colour per budget line, fixed by the line's name: a redraw never changes what a colour means.
 
-    The colour is the name's crc32 in tab20; two names of one bar that land on the same colour
-    take the next free one, in the order given.
+    The colour is the name's crc32 in tab20 without its greys; two names of one bar that land on the
+    same colour take the next free one, in the order given; "other lines" is always grey.
     """
     import zlib
 
-    palette = plt.get_cmap("tab20").colors
+    tab20 = plt.get_cmap("tab20").colors
+    grey, palette = tab20[15], [c for i, c in enumerate(tab20) if i not in (14, 15)]   # grey only for the rest
     taken, out = set(), {}
     for name in names:
-        index = 7 if name == "other lines" else zlib.crc32(name.encode()) % len(palette)   # grey for the rest
+        if name == "other lines":
+            out[name] = grey
+            continue
+        index = zlib.crc32(name.encode()) % len(palette)
         while index in taken:
             index = (index + 1) % len(palette)
         taken.add(index)

@@ -192,3 +192,4 @@ def test_the_read_verdict_needs_every_run_above_the_encoder():
     one_slow_run = {**fast, "zlib: random": spread([300, 900, 1000])}
     verdict = read_verdict(one_slow_run, 345, method)
     assert verdict.startswith("not every read pattern") and "zlib: random" in verdict and "raw" not in verdict
+    assert read_verdict(fast, 345, method, image_size=64).startswith("this profile cannot show it")

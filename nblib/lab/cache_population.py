@@ -150,10 +150,17 @@ def read_throughput_runs(caches: dict, repeats: int = MIN_REPEATS) -> dict[str, 
     return {key: Spread(tuple(values)) for key, values in got.items()}
 
 
-def read_verdict(rates: dict[str, Spread], encoder_samples_per_s: float, encoder_method: str) -> str:
-    """Does every read pattern feed the encoder? Only when every run of it is above the encoder's rate."""
+def read_verdict(rates: dict[str, Spread], encoder_samples_per_s: float, encoder_method: str,
+                 image_size: int = 224, encoder_image_size: int = 224) -> str:
+    """Does every read pattern feed the encoder? Only when every run of it beats the encoder's rate, at the
+    same image size: a cache of smaller images than the encoder's cannot answer it (like for like).
+    """
+    where = f"the encoder's {encoder_samples_per_s:,.0f} images/s at {encoder_image_size} px ({encoder_method})"
+    if image_size != encoder_image_size:
+        fewer = encoder_image_size ** 2 / image_size ** 2
+        return (f"this profile cannot show it: its cache holds {image_size} px images, {fewer:,.0f}x fewer bytes "
+                f"than the {encoder_image_size} px images {where} is for; run the t4 profile")
     slow = {name: s for name, s in rates.items() if against_value(s, encoder_samples_per_s) != "above"}
-    where = f"the encoder's {encoder_samples_per_s:,.0f} images/s ({encoder_method})"
     if not slow:
         worst = min(rates, key=lambda k: rates[k].low)
         return (f"every read pattern beats {where} in every run; the slowest run, {worst}, reads "
