@@ -88,7 +88,7 @@ def time_share_verdict(share: dict) -> str:
     waits = Spread(tuple(share.get("data_wait_runs", (share["data_wait"],))))
     alone = Spread(tuple(share.get("pipeline_runs", (share["pipeline_samples_per_s"],))))
     encoder = share["encoder_samples_per_s"]
-    numbers = (f"data-wait {waits.low:.0%}-{waits.high:.0%} of each step over {waits.n} runs; the pipeline alone "
+    numbers = (f"data-wait {waits.low:.1%}-{waits.high:.1%} of each step over {waits.n} runs; the pipeline alone "
                f"{alone.text(unit='samples/s')} against the encoder's {encoder:,.0f}")
     if waits.n < MIN_REPEATS:
         return f"too few runs for a verdict: {numbers}"
