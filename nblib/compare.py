@@ -121,6 +121,14 @@ class Verdict:
                     f"(spread {self.spread:.0%})")
         return f"{self.b} vs {self.a}: x{self.ratio:.2f}, {higher if self.ratio > 1 else lower}"
 
+    def short(self) -> str:
+        """The verdict without the names: 'x1.32' or 'x1.03, not distinguishable on this machine (spread 12%)'."""
+        if not self.enough_runs:
+            return f"x{self.ratio:.2f}, too few runs for a verdict"
+        if not self.distinguishable:
+            return f"x{self.ratio:.2f}, not distinguishable on this machine (spread {self.spread:.0%})"
+        return f"x{self.ratio:.2f}, beyond the spread"
+
     def __str__(self) -> str:
         return self.text()
 

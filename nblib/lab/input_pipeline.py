@@ -186,9 +186,9 @@ class MixingResult:
         mixed, single = TUNING_LOG["rate mixing 4 datasets"].value
         rows = [("one dataset", self.single, ""),
                 ("4 sources, sample_from_datasets", self.mixed,
-                 f"{self.slowdown:.0%} slower" if self.slowdown >= 0 else f"{-self.slowdown:.0%} faster"),
+                 f"medians: {self.slowdown:.0%} slower" if self.slowdown >= 0 else f"{-self.slowdown:.0%} faster"),
                 ("4 sources, fix: interleave records, then decode", self.fixed,
-                 f"recovers {self.recovery:.0%} of one dataset ({'>=' if self.fix_works else '<'} "
+                 f"medians: recovers {self.recovery:.0%} of one dataset ({'>=' if self.fix_works else '<'} "
                  f"{FIX_RECOVERS:.0%})")]
         lines = [f"parallelism budget {self.budget} (sample_from_datasets: {max(1, self.budget // 4)} per source), "
                  f"median of {self.repeats} interleaved runs (range min-max)"]
@@ -398,7 +398,7 @@ def rates_table(rows: list[dict]) -> str:
                      f"{r['startup_s']:>7.2f}s {fmt_bytes(r['rss_added_bytes']):>10}")
     if len(rows) == 2:
         a, b = (Spread(tuple(r.get("runs", (r["samples_per_s"],)))) for r in rows)
-        lines.append("rendered vs cached: " + compare(a, b).text("faster", "slower"))
+        lines.append(compare(a, b, (rows[0]["source"], rows[1]["source"])).text("faster", "slower"))
     return "\n".join(lines)
 
 
@@ -436,7 +436,7 @@ def _finding(finding: str, reference: str, measured: str, agrees: bool, why: str
              versus: Verdict | None = None) -> dict:
     """A finding's row; with `versus` (the two spreads compared), overlapping ranges give no verdict."""
     if versus is not None and not versus.distinguishable:
-        return {"finding": finding, "reference": reference, "measured": f"{measured} ({versus.text()})",
+        return {"finding": finding, "reference": reference, "measured": f"{measured} ({versus.short()})",
                 "verdict": NOT_DISTINGUISHABLE, "why": "the spread of the repeated runs covers the difference"}
     return {"finding": finding, "reference": reference, "measured": measured,
             "verdict": "agrees" if agrees else "does not", "why": why}
