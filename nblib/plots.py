@@ -527,7 +527,9 @@ def pipeline_knob_curves(table, knobs=None, highlight=None, save_to=None) -> Fig
     for ax, knob in zip(axes.ravel(), knobs):
         curve = table.curve(knob)
         xs = range(len(curve))
-        ax.plot(xs, [r["samples_per_s"] for r in curve], "o-", color="C0")
+        ax.errorbar(xs, [r["samples_per_s"] for r in curve], fmt="o-", color="C0", capsize=3,
+                    yerr=[[r["samples_per_s"] - r.get("low", r["samples_per_s"]) for r in curve],
+                          [r.get("high", r["samples_per_s"]) - r["samples_per_s"] for r in curve]])
         ax.set_xticks(list(xs), [knob_text(r[knob]) for r in curve])
         ax.set(xlabel=knob, ylabel="samples/s")
         ax.set_ylim(bottom=0)
@@ -557,6 +559,9 @@ def pipeline_memory(table, trap_rows, buffer_knob: str = "shuffle_buffer", save_
     for i, r in enumerate(r for r in trap_rows if not r["setup"].startswith("TF in")):
         work_ax.plot([r["num_workers"]], [r["rss_added_bytes"] / MB], "s^"[i % 2], label=r["setup"])
     work_ax.set(xlabel="torch num_workers", ylabel="RAM added (MB)", title="The per-worker TF trap")
+    from matplotlib.ticker import MaxNLocator
+
+    work_ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     work_ax.legend(fontsize=7)
     for ax in (buf_ax, work_ax):      # from 0: a truncated axis would turn a few MB of drift into a trend
         low, high = ax.get_ylim()
