@@ -194,3 +194,19 @@ def time_readout(b) -> str:
     return (f"time {b.seconds / 3600:,.2f} h: {b.config.run.n_samples:,} images at {b.samples_per_s:,.0f} images/s "
             f"(projection: {b.flops_per_image / 1e9:,.2f} GFLOP per image, H_cycles x (L_cycles + 1) passes, at "
             f"{b.device.efficiency:.0%} of the {b.device.name}'s peak)")
+
+
+def measure_forward_peaks(config, batch_sizes, on_gpu: bool = False, progress: bool = True) -> tuple[list, list]:
+    """(predicted, measured) peak bytes of one forward pass per batch size, each measured in a fresh
+    subprocess (`measure.encoder_peak`): RSS increase on CPU, CUDA max-allocated increase on GPU.
+    """
+    from tqdm.auto import tqdm
+
+    from nblib.measure import encoder_peak
+
+    predicted = [budget.forward_peak_delta(config.replace(batch_size=b), on_gpu=on_gpu) for b in batch_sizes]
+    measured = []
+    for b in tqdm(batch_sizes, desc="forward passes", unit="batch size", disable=not progress):
+        run = encoder_peak(config.replace(batch_size=b), b, device="cuda" if on_gpu else "cpu")
+        measured.append(run["cuda_allocated_delta"] if on_gpu else run["rss_delta"])
+    return predicted, measured
