@@ -13,10 +13,16 @@ from nblib.errors import (
     CacheError,
     ConfigError,
     DriveError,
+    EmptyPipelineError,
+    FolderBusyError,
     InputError,
+    LockLostError,
+    ManifestDamaged,
     NblibError,
+    PeerLost,
     ResumeMismatch,
     StateError,
+    WeightsError,
 )
 
 __version__ = "0.1.0"
@@ -35,8 +41,9 @@ _SUBMODULES = (
 )
 
 __all__ = [
-    "BudgetExceeded", "CacheError", "ConfigError", "DriveError", "InputError", "NblibError",
-    "ResumeMismatch", "StateError", "__version__", *_SUBMODULES,
+    "BudgetExceeded", "CacheError", "ConfigError", "DriveError", "EmptyPipelineError", "FolderBusyError",
+    "InputError", "LockLostError", "ManifestDamaged", "NblibError", "PeerLost", "ResumeMismatch",
+    "StateError", "WeightsError", "__version__", *_SUBMODULES,
 ]
 
 

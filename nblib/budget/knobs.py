@@ -14,10 +14,14 @@ from nblib.budget._checks import validated
 from nblib.budget.devices import Device, device_preset
 from nblib.budget.disk import CODEC_RATIO_ESTIMATE, NO_CACHE
 from nblib.budget.drive import smallest_checkpoint_every
-from nblib.budget.predict import RESOURCES, Budget, max_batch_size, predict_budget
+from nblib.budget.predict import Budget, max_batch_size, predict_budget
+from nblib.budget.resources import RESOURCES
 from nblib.config import CODECS, OUTPUT_CHOICES, PipelineConfig
 from nblib.units import fmt_bytes
 
+__all__ = [
+    "BudgetPlan", "plan_budget",
+]
 
 @dataclass(frozen=True)
 class BudgetPlan:
@@ -45,10 +49,19 @@ def plan_budget(config: PipelineConfig, device: str | Device = "t4", *, margin: 
     dividing it whose VRAM fits. `cacheless=True` also tries, after every cached choice, no image
     cache at all (images rendered on the fly, `NO_CACHE`): changes then holds cache="none".
     Every codec of the cache's registry is tried (`nblib.config.CODECS`), the config's own first,
-    then the smallest cache first;
-    `codec_sizes` (an `nblib.codec_sizes.CodecSizes`, measured on the user's texts) gives each
-    codec's bytes per image, else the reference's ratios are used and the reason says so.
-    Returns a BudgetPlan that says what changed, or why nothing fits.
+    then the smallest cache first.
+
+    Args:
+        config: the pipeline config to start from.
+        device: a preset name of `nblib.budget.DEVICES` or a `Device`.
+        margin: the share of each limit kept free (0.1: aim at 90%).
+        cacheless: also try rendering on the fly instead of an image cache.
+        codec_sizes: an `nblib.codec_sizes.CodecSizes` (bytes per image per codec, measured on the
+            user's texts); None uses the reference's ratios, and the reason says so.
+        **predict_kwargs: passed to `predict_budget` (codec, keep_local, drive_quota_gb, ...).
+
+    Returns:
+        A `BudgetPlan`: the config that fits, its Budget, what changed, or why nothing fits.
     """
     cfg, dev = validated(config), device_preset(device)
     r = cfg.run
