@@ -13,13 +13,12 @@ import os
 from pathlib import Path
 
 from nblib.budget._checks import validated
-from nblib.budget.advice import advise_resource
+from nblib.budget.advice import advise_resource, knob_words
 from nblib.budget.devices import device_preset
 from nblib.budget.disk import cache_bytes, check_disk
 from nblib.budget.drive import cache_folder_check, run_folder_check, upload_check
 from nblib.budget.memory import RUNTIME_RAM_CPU, RUNTIME_RAM_CUDA
 from nblib.budget.predict import Budget, predict_budget
-from nblib.budget.resources import KNOBS
 from nblib.config import PipelineConfig
 from nblib.errors import BudgetExceeded, ConfigError
 from nblib.units import GB
@@ -47,23 +46,25 @@ def preflight(config: PipelineConfig, workspace, *, job: str = "encode", device:
         need = disk_bytes if disk_bytes is not None else cache_bytes(
             cfg.run.n_samples, cfg.model.image_size, cfg.run.codec, shard_mb=cfg.run.shard_mb)
         check_disk(disk_folder or workspace.cache, int(need), what=f"the image cache ({cfg.run.codec})",
-                   knob="use a compressed run.codec, fewer n_samples, or free disk")
+                   knob=knob_words(cfg, "cache"))
         return budget
     _check_ram(budget)
     if dev.is_gpu and cuda:
         _check_vram(budget)
     local, drive = budget.totals["local disk"], budget.totals["drive"]
+    on_drive = _on_google_drive(workspace.drive)      # only then is drive_quota_gb the knob of that disk
     if disk_bytes is not None:
         check_disk(disk_folder or workspace.runs, int(disk_bytes), what="the encode run",
-                   knob=KNOBS["drive"])
+                   knob=knob_words(cfg, "drive", on_drive=on_drive))
     elif _same_filesystem(workspace.staging, workspace.drive):
         check_disk(workspace.drive, local + drive, what="the encode run (staging + durable "
-                   "copy on one disk)", knob=f"{KNOBS['drive']}; or {KNOBS['local disk']}")
+                   "copy on one disk)", knob=f"{knob_words(cfg, 'drive', on_drive=False)}; or "
+                                          f"{knob_words(cfg, 'local disk')}")
     else:
         check_disk(workspace.staging, local, what="local staging of the encode run",
-                   knob=KNOBS["local disk"])
+                   knob=knob_words(cfg, "local disk"))
         check_disk(workspace.drive, drive, what="the durable copy of the encode run",
-                   knob=KNOBS["drive"])
+                   knob=knob_words(cfg, "drive", on_drive=on_drive))
     return budget
 
 
