@@ -27,6 +27,7 @@ RACE = """
 import os, sys, time
 from nblib.lock import FolderBusyError, FolderLock
 folder, identity, go = sys.argv[1], sys.argv[2], sys.argv[3]
+print("ready", flush=True)  # imports done: the parent starts the race once every child has said so
 while not os.path.exists(go):
     time.sleep(0.001)
 try:
@@ -198,7 +199,8 @@ def _race(tmp_path, n, trial, prepare=None):
         prepare(folder)
     processes = [subprocess.Popen([sys.executable, "-c", RACE, str(folder), f"run-{i}", str(go)],
                                   env=subprocess_env(), stdout=subprocess.PIPE, text=True) for i in range(n)]
-    time.sleep(1.0)  # every process is spinning on the go file
+    for p in processes:  # a start barrier that holds under any load: every child spins on the go file
+        assert p.stdout.readline().strip() == "ready"
     go.touch()
     outputs = [p.communicate(timeout=60)[0] for p in processes]
     return processes, outputs
