@@ -5,7 +5,6 @@ The harness and the cases are in tests/state_harness.py (add new resumable objec
 from __future__ import annotations
 
 import pytest
-
 from state_harness import CASES, TORCH_CASES, Resumable, assert_resumes_at_every_step
 
 
