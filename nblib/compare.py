@@ -154,6 +154,17 @@ def against_value(measured: Spread, value: float) -> str:
 def _bar(total: int, progress: bool | str):
     if not progress:
         return None
-    from tqdm.auto import tqdm
+    return progress_bar(total, progress if isinstance(progress, str) else "measuring", "run")
 
-    return tqdm(total=total, desc=progress if isinstance(progress, str) else "measuring", unit="run")
+
+def progress_bar(total: int, desc: str, unit: str):
+    """A text progress bar (tqdm) for a measuring loop, on stderr.
+
+    Plain text, not tqdm's notebook widget, and no monitor thread: a bar that sends widget
+    messages from a thread while a panel redraws its Output area was seen to stall a notebook
+    kernel under load; text bars cannot.
+    """
+    from tqdm.std import tqdm
+
+    tqdm.monitor_interval = 0
+    return tqdm(total=total, desc=desc, unit=unit, mininterval=1.0)

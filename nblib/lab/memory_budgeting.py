@@ -200,13 +200,17 @@ def measure_forward_peaks(config, batch_sizes, on_gpu: bool = False, progress: b
     """(predicted, measured) peak bytes of one forward pass per batch size, each measured in a fresh
     subprocess (`measure.encoder_peak`): RSS increase on CPU, CUDA max-allocated increase on GPU.
     """
-    from tqdm.auto import tqdm
-
+    from nblib.compare import progress_bar
     from nblib.measure import encoder_peak
 
     predicted = [budget.forward_peak_delta(config.replace(batch_size=b), on_gpu=on_gpu) for b in batch_sizes]
     measured = []
-    for b in tqdm(batch_sizes, desc="forward passes", unit="batch size", disable=not progress):
+    bar = progress_bar(len(batch_sizes), "forward passes", "batch size") if progress else None
+    for b in batch_sizes:
         run = encoder_peak(config.replace(batch_size=b), b, device="cuda" if on_gpu else "cpu")
         measured.append(run["cuda_allocated_delta"] if on_gpu else run["rss_delta"])
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
     return predicted, measured

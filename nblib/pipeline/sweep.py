@@ -21,7 +21,7 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from nblib.compare import MIN_REPEATS, Spread, interleaved_order
+from nblib.compare import MIN_REPEATS, Spread, interleaved_order, progress_bar
 from nblib.errors import ConfigError
 from nblib.pipeline.harness import measure_pipeline
 from nblib.units import fmt_bytes
@@ -184,9 +184,8 @@ def _range_text(spread: Spread) -> str:
 def _bar(total: int, progress: bool | str):
     if not progress:
         return None
-    from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=progress if isinstance(progress, str) else "sweep", unit="run")
+    return progress_bar(total, progress if isinstance(progress, str) else "sweep", "run")
 
 
 def _tick(bar) -> None:
