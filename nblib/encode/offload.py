@@ -50,15 +50,17 @@ class HostPart:
                  device: torch.device, mode: str = "async", every: int = 1):
         self.mode, self.every, self.device = mode, max(1, every), device
         self.dtype = getattr(torch, dtype)
-        pin = device.type == "cuda"
-        self.host = {n: torch.empty((part_samples, *s), dtype=self.dtype, pin_memory=pin)
-                     for n, s in shapes.items()}
+        self.host = {n: self._host_buffer((part_samples, *s), self.dtype) for n, s in shapes.items()}
         self.pending: list[tuple[int, dict[str, torch.Tensor]]] = []
         self.event = None
 
     def add(self, outputs: dict[str, torch.Tensor], offset: int) -> None:
         """Take one batch's outputs, which belong at rows [offset, offset + batch) of the part."""
-        cast = {n: outputs[n].to(self.dtype) for n in self.host}
+        # consolidate keeps the batch on the device: copy=True, because `.to` returns the very
+        # tensor when the dtype already matches, and a CUDA-graph replay (compile_mode
+        # "reduce-overhead") overwrites its outputs in place on the next batch
+        keep = self.mode != "async"
+        cast = {n: outputs[n].to(self.dtype, copy=keep) for n in self.host}
         if self.mode == "async":
             self._copy(cast, offset)
         else:
@@ -84,6 +86,19 @@ class HostPart:
     def _copy(self, tensors: dict[str, torch.Tensor], offset: int) -> None:
         for name, t in tensors.items():
             self.host[name][offset:offset + t.shape[0]].copy_(t, non_blocking=True)
+        self._mark_copied()
+
+    def _host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A part's host buffer: pinned on CUDA, so the device-to-host copies run asynchronously."""
+        return torch.empty(shape, dtype=dtype, pin_memory=self.device.type == "cuda")
+
+    def _mark_copied(self) -> None:
+        """Record an event after the copies just queued, on the stream of *this part's* device.
+
+        `torch.cuda.Event().record()` with no stream records on the current device's stream:
+        with --device cuda:1 and no torchrun that is cuda:0, and `arrays` would return before
+        the copies landed.
+        """
         if self.device.type == "cuda":
             self.event = torch.cuda.Event()
-            self.event.record()
+            self.event.record(torch.cuda.current_stream(self.device))
