@@ -150,31 +150,28 @@ def device_memory_lines(config: PipelineConfig, *, compute_capability: int = 75,
     per_batch = [r.batch_size * math.prod(output_shapes(m)[n]) * r.out_itemsize for n in r.outputs]
     model_itemsize = 2 if precision in ("fp16", "bf16") else 4
     forward = sum(line.bytes for line in out if line.name in ("activations at peak", "attention scores"))
+    every = r.consolidate_every if offload == "consolidate" else 1
     if offload == "consolidate":
-        pending = r.consolidate_every - 1
-        flush = (2 * r.consolidate_every * sum(per_batch)
+        pending = every - 1
+        flush = (2 * every * sum(per_batch)
                  + sum(per_batch) * model_itemsize // r.out_itemsize)   # the pending, their cat, the batch in hand
         out.append(Line("outputs held on GPU", pending * sum(per_batch),
                         f"offload=consolidate: up to consolidate_every - 1 = {pending} batches x "
                         f"{fmt_bytes(sum(per_batch))} wait for the copy during a forward pass"))
         extra = max(0, flush - forward - pending * sum(per_batch))
         out.append(Line("consolidation copy", extra,
-                        f"torch.cat of {r.consolidate_every} pending batches beside them"
+                        f"torch.cat of {every} pending batches beside them"
                         + ("" if extra else "; less than a forward pass's activations")))
-        if extra:     # the copy is the peak: the pending batches and their cat instead of activations
-            blocks = weight_blocks + singles + [workspace]
-            blocks += [b for _ in range(2 * r.consolidate_every) for b in per_batch]
-        else:
-            blocks += [b for _ in range(pending) for b in per_batch]
     else:
         out.append(Line("outputs held on GPU", 0, "offload=async copies each batch's outputs to "
                         "pinned RAM at once: only the batch in hand is on the GPU"))
-    allocated = sum(_rounded(b) for b in blocks)
-    reserved = _reserved(blocks)
-    out.append(Line("allocator cache", reserved - allocated,
-                    "segments the caching allocator holds beyond the live blocks (its 2 MiB / 20 MiB "
-                    "segments packed with the blocks live at the peak, plus the largest block freed "
-                    "and not handed back)"))
+    allocated = sum(line.bytes for line in out)
+    reserved = _reserved(weight_blocks + singles + [workspace], act_blocks, per_batch, every,
+                         keep=offload == "consolidate")
+    out.append(Line("allocator cache", max(0, reserved - allocated),
+                    "segments the caching allocator holds beyond the live bytes: the blocks of "
+                    f"{every if offload == 'consolidate' else 2} batches replayed through its model "
+                    "(2 MiB / 20 MiB segments, best fit, splitting; nblib.simulate.allocator)"))
     return tuple(out)
 
 
@@ -265,24 +262,37 @@ def _param_sizes(model: ModelConfig) -> list[int]:
             + linear(d, model.children * d) + [d * model.checksum_dim * 4])
 
 
-def _rounded(nbytes: int) -> int:
-    from nblib.simulate.allocator import round_size
+def _reserved(fixed: list[int], activations: list[int], outputs: list[int], every: int, *,
+              keep: bool) -> int:
+    """Peak reserved bytes of the caching-allocator model over a synthetic run of block sizes.
 
-    return round_size(nbytes)
-
-
-def _reserved(blocks: list[int]) -> int:
-    """Reserved bytes after the caching-allocator model allocates `blocks` in order, plus the
-    largest one again (a freed block of another size class it could not reuse).
+    The fixed blocks (weights, input, workspace), then per batch: the activation blocks live at
+    the peak plus the largest one again (a block freed mid-pass that the next one of another
+    size cannot reuse), freed after the pass, then the batch's outputs, kept until their copy
+    when `keep` (offload=consolidate: `every` batches, then their torch.cat), else freed.
     """
     from nblib.simulate.allocator import CachingAllocatorModel
 
     alloc = CachingAllocatorModel()
-    for size in blocks:
+    for size in fixed:
         alloc.malloc(size)
-    if blocks:
-        alloc.malloc(max(blocks))
-    return alloc.reserved
+    for _group in range(2):
+        held = []
+        for _batch in range(every if keep else 2):
+            passing = [alloc.malloc(size) for size in activations + [max(activations)]]
+            for handle in passing:
+                alloc.free(handle)
+            batch = [alloc.malloc(size) for size in outputs]
+            if keep:
+                held += batch
+            else:
+                for handle in batch:
+                    alloc.free(handle)
+        if keep:
+            joined = [alloc.malloc(every * size) for size in outputs]
+            for handle in held + joined:
+                alloc.free(handle)
+    return alloc.max_reserved
 
 
 def host_memory_lines(config: PipelineConfig, *, cuda: bool) -> tuple[Line, ...]:

@@ -85,6 +85,7 @@ class DeviceTrace(TorchDispatchMode):
         self.kernels: list[Kernel] = []
         self.live = self.max_live = 0          # exact storage bytes
         self.live_rounded = self.max_live_rounded = 0   # in 512 B granules (MemTracker's unit)
+        self.tensor_rounded = self.max_tensor_rounded = 0   # the same without the cuBLAS workspace
         self.peak: PeakOp | None = None
         self.sdpa_used: dict[str, int] = {}
         self._seen: weakref.WeakSet = weakref.WeakSet()
@@ -112,7 +113,7 @@ class DeviceTrace(TorchDispatchMode):
     # -------------------------------------------------------------- dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.ops.aten.scaled_dot_product_attention.default:
+        if func is torch.ops.aten.scaled_dot_product_attention.default and self.device_type == "cuda":
             with self:
                 return self._attention(*args, **kwargs)
         if func.namespace == "aten":
@@ -144,11 +145,13 @@ class DeviceTrace(TorchDispatchMode):
                                                         is_causal, scale=scale)[0]
 
     def _cublas_workspace(self, args) -> None:
-        if self._workspace is None and any(isinstance(a, torch.Tensor) and a.device.type == self.device_type
+        if self.device_type != "cuda":
+            return
+        if self._workspace is None and any(isinstance(a, torch.Tensor) and a.device.type == "cuda"
                                            for a in args):
             size = CUBLAS_WORKSPACE[self.cc >= 90]
             self._workspace = self.allocator.malloc(size)   # held for the stream's life
-            self._add_live(size, PeakOp("cuBLAS workspace", (size,), "uint8", 0))
+            self._add_live(size, PeakOp("cuBLAS workspace", (size,), "uint8", 0), tensor=False)
 
     def _after(self, func, args, kwargs, out) -> None:
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
@@ -176,9 +179,12 @@ class DeviceTrace(TorchDispatchMode):
         self._add_live(nbytes, PeakOp(op, tuple(t.shape), str(t.dtype).replace("torch.", ""), 0))
         return True
 
-    def _add_live(self, nbytes: int, op: PeakOp) -> None:
+    def _add_live(self, nbytes: int, op: PeakOp, tensor: bool = True) -> None:
         self.live += nbytes
         self.live_rounded += round_size(nbytes)
+        if tensor:
+            self.tensor_rounded += round_size(nbytes)
+            self.max_tensor_rounded = max(self.max_tensor_rounded, self.tensor_rounded)
         if self.live > self.max_live:
             self.max_live = self.live
             self.peak = PeakOp(op.op, op.shape, op.dtype, self.live)
@@ -188,6 +194,7 @@ class DeviceTrace(TorchDispatchMode):
         self.allocator.free(handle)
         self.live -= nbytes
         self.live_rounded -= round_size(nbytes)
+        self.tensor_rounded -= round_size(nbytes)
 
 
 def _flops(func, args, kwargs, out) -> int:
