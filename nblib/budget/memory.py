@@ -296,11 +296,18 @@ def _reserved(fixed: list[int], activations: list[int], outputs: list[int], ever
 
 
 def host_memory_lines(config: PipelineConfig, *, cuda: bool) -> tuple[Line, ...]:
-    """Host RAM outside the model: runtime, loader prefetch, outputs held until a part is written."""
+    """Host RAM outside the model: runtime, loader prefetch, outputs held until a part is written.
+
+    On CUDA the part's host buffers are one pinned block (nblib.encode.offload.HostPart), which
+    PyTorch's caching host allocator rounds up to a power of two (`pinned_bytes`).
+    """
     m, r = config.model, config.run
     batch_pixels = r.batch_size * m.image_size ** 2 * 3
     in_flight = max(1, r.workers) * r.prefetch
+    part_samples = r.checkpoint_every * r.batch_size
     held = r.checkpoint_every * output_bytes_per_batch(config)
+    if cuda:
+        held = pinned_bytes(part_samples * output_bytes_per_image(config))
     largest = max(output_bytes_per_image(config, outputs=(name,)) for name in r.outputs)
     return (
         Line("python + torch runtime", RUNTIME_RAM_CUDA if cuda else RUNTIME_RAM_CPU,
@@ -311,7 +318,8 @@ def host_memory_lines(config: PipelineConfig, *, cuda: bool) -> tuple[Line, ...]
              f"{in_flight} uint8 batches in flight (max(1, workers) x prefetch)"),
         Line("outputs held until the part", held,
              f"checkpoint_every={r.checkpoint_every} batches x "
-             f"{fmt_bytes(output_bytes_per_batch(config))} ({r.out_dtype})"),
+             f"{fmt_bytes(output_bytes_per_batch(config))} ({r.out_dtype})"
+             + (", one pinned block rounded up to a power of two" if cuda else "")),
         Line("part assembly copy", r.checkpoint_every * r.batch_size * largest,
              "one output concatenated into its .npy at a time"),
     )

@@ -140,7 +140,7 @@ def predict_budget(config: PipelineConfig, device: str | Device = "t4", *,
     """
     cfg = validated(config)
     dev = device_preset(device)
-    backend = checked_sdpa_backend(sdpa_backend)
+    backend = _attention_on(dev, sdpa_backend)
     require_positive("drive_quota_gb", drive_quota_gb, number=True)
     require_positive("keep_local", keep_local, minimum=0)
     m, r = cfg.model, cfg.run
@@ -176,6 +176,19 @@ def predict_budget(config: PipelineConfig, device: str | Device = "t4", *,
         options={"sdpa_backend": sdpa_backend, "drive_quota_gb": drive_quota_gb, "codec": codec_arg,
                  "bytes_per_image": bytes_per_image, "keep_local": keep_local, "efficiency": efficiency,
                  "precision": precision, "offload": offload})
+
+
+def _attention_on(dev: Device, sdpa_backend: str | None) -> str:
+    """The attention backend the device runs: the one forced, else flash, or efficient before sm_80."""
+    from nblib.sdpa import runs_on
+
+    if sdpa_backend is None and dev.is_gpu and not runs_on("flash", dev.compute_capability):
+        return "efficient"
+    backend = checked_sdpa_backend(sdpa_backend)
+    if dev.is_gpu and not runs_on(backend, dev.compute_capability):
+        raise ConfigError(f"sdpa_backend={backend!r} needs sm_80 or newer and a {dev.name} is "
+                          f"sm_{dev.compute_capability}; use 'efficient' or 'math'")
+    return backend
 
 
 def calibrate(device: str | Device, measured_samples_per_s: float,

@@ -66,10 +66,28 @@ def preflight(config: PipelineConfig, workspace, *, job: str = "encode", device:
     return budget
 
 
+def ram_already_held(gpu_job: bool, cuda_initialized: bool) -> int:
+    """The runtime RAM this process holds before the job: the host side of CUDA only once it started.
+
+    A GPU job's budget counts RUNTIME_RAM_CUDA; before CUDA is initialized the process holds only
+    the CPU runtime, and the rest is still to come, so it must fit in what is available now.
+    """
+    return RUNTIME_RAM_CUDA if gpu_job and cuda_initialized else RUNTIME_RAM_CPU
+
+
+def vram_needed(total_vram: int, context_bytes: int) -> int:
+    """VRAM the job still needs beside what torch.cuda.mem_get_info() reports free.
+
+    mem_get_info() creates the CUDA context when there is none, and reports free memory after
+    it: the context is never part of what is free, so it is never charged against it.
+    """
+    return total_vram - context_bytes
+
+
 def _check_ram(budget: Budget) -> None:
     import psutil
 
-    already = RUNTIME_RAM_CUDA if budget.device.is_gpu else RUNTIME_RAM_CPU
+    already = ram_already_held(budget.device.is_gpu, _cuda_initialized())
     need = budget.totals["ram"] - already   # this process already holds its runtime
     available = psutil.virtual_memory().available
     if need > available:
@@ -83,9 +101,8 @@ def _check_ram(budget: Budget) -> None:
 def _check_vram(budget: Budget) -> None:
     import torch
 
-    free, _total = torch.cuda.mem_get_info()
-    context = budget.device.cuda_context_bytes if torch.cuda.is_initialized() else 0
-    need = budget.totals["vram"] - budget.device.cuda_context_bytes + context
+    free, _total = torch.cuda.mem_get_info(torch.cuda.current_device())
+    need = vram_needed(budget.totals["vram"], budget.device.cuda_context_bytes)
     if need > free:
         raise BudgetExceeded(
             f"the encode job needs {need / GB:.2f} GB of VRAM but {free / GB:.2f} GB is free; "
@@ -120,6 +137,14 @@ def _same_filesystem(a: Path, b: Path) -> bool:
     from nblib.measure import existing_parent
 
     return os.stat(existing_parent(a)).st_dev == os.stat(existing_parent(b)).st_dev
+
+
+def _cuda_initialized() -> bool:
+    """True when this process has started CUDA (never starts it: torch is not imported for this)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_initialized())
 
 
 def _cuda_available() -> bool:
