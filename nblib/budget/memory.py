@@ -167,7 +167,7 @@ def device_memory_lines(config: PipelineConfig, *, compute_capability: int = 75,
                         "pinned RAM at once: only the batch in hand is on the GPU"))
     allocated = sum(line.bytes for line in out)
     reserved = _reserved(weight_blocks + singles + [workspace], act_blocks, per_batch, every,
-                         keep=offload == "consolidate")
+                         keep=offload == "consolidate", outer=3 + (m.H_cycles >= 2))
     out.append(Line("allocator cache", max(0, reserved - allocated),
                     "segments the caching allocator holds beyond the live bytes: the blocks of "
                     f"{every if offload == 'consolidate' else 2} batches replayed through its model "
@@ -263,13 +263,14 @@ def _param_sizes(model: ModelConfig) -> list[int]:
 
 
 def _reserved(fixed: list[int], activations: list[int], outputs: list[int], every: int, *,
-              keep: bool) -> int:
+              keep: bool, outer: int = 0) -> int:
     """Peak reserved bytes of the caching-allocator model over a synthetic run of block sizes.
 
-    The fixed blocks (weights, input, workspace), then per batch: the activation blocks live at
-    the peak plus the largest one again (a block freed mid-pass that the next one of another
-    size cannot reuse), freed after the pass, then the batch's outputs, kept until their copy
-    when `keep` (offload=consolidate: `every` batches, then their torch.cat), else freed.
+    The fixed blocks (weights, input, workspace), then per batch: the `outer` streams held through
+    the pass (x, z_L, z_H, the block input), the block's buffers plus the largest one again (a
+    block freed mid-pass that the next one of another size cannot reuse), freed; then the batch's
+    outputs while the outer streams still live, kept until their copy when `keep`
+    (offload=consolidate: `every` batches, then their torch.cat), else freed.
     """
     from nblib.simulate.allocator import CachingAllocatorModel
 
@@ -279,10 +280,13 @@ def _reserved(fixed: list[int], activations: list[int], outputs: list[int], ever
     for _group in range(2):
         held = []
         for _batch in range(every if keep else 2):
-            passing = [alloc.malloc(size) for size in activations + [max(activations)]]
+            held_through = [alloc.malloc(size) for size in activations[:outer]]
+            passing = [alloc.malloc(size) for size in activations[outer:] + [max(activations)]]
             for handle in passing:
                 alloc.free(handle)
-            batch = [alloc.malloc(size) for size in outputs]
+            batch = [alloc.malloc(size) for size in outputs]     # the heads run while x, z_L, z_H live
+            for handle in held_through:
+                alloc.free(handle)
             if keep:
                 held += batch
             else:
