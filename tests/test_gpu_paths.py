@@ -66,7 +66,8 @@ def test_the_offload_event_is_recorded_on_the_parts_own_device(monkeypatch):
             recorded.append(stream)
 
     monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: streams.append(device) or f"stream of {device}")
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device=None: streams.append(device) or f"stream of {device}")
     host = _UnpinnedHostPart({"a": (3,)}, 4, "float32", torch.device("cuda", 1))
     host._copy({"a": torch.ones(2, 3)}, 0)          # the code path add() takes in async mode
     assert streams == [torch.device("cuda", 1)] and recorded == ["stream of cuda:1"]

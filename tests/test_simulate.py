@@ -1,5 +1,6 @@
 """The simulated T4 (nblib.simulate): the allocator model rule by rule, the fake CUDA device, the
-trace against MemTracker and measured RSS, the roofline, and the budget against the simulation."""
+trace against MemTracker and measured RSS, the roofline, and the budget against the simulation.
+"""
 from __future__ import annotations
 
 import pytest
