@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nblib import budget, env
-from nblib.budget.preflight import ram_already_held, vram_needed
+from nblib.budget.preflight import preset_of_this_gpu, ram_already_held, vram_needed
 from nblib.config import preset
 from nblib.encode.offload import HostPart
 from nblib.errors import ConfigError
@@ -111,3 +111,23 @@ def test_devices_know_h100_and_h200_and_their_bandwidth():
         dev = budget.device_preset(name)
         assert dev.compute_capability == 90 and dev.memory_bandwidth > 3e12 and dev.fp16_flops > 900e12
     assert all(d.memory_bandwidth > 0 for d in budget.DEVICES.values())
+
+
+def test_preflight_budgets_each_gpu_by_its_own_preset():
+    assert preset_of_this_gpu("NVIDIA H100 80GB HBM3") == "h100"
+    assert preset_of_this_gpu("NVIDIA L4") == "l4"
+    assert preset_of_this_gpu("NVIDIA L40S") == "t4"        # no preset: the smallest GPU's limits
+    assert preset_of_this_gpu("Tesla T4") == "t4"
+
+
+def test_peak_memory_never_starts_cuda_around_cpu_work(monkeypatch):
+    from nblib.measure import PeakMemory
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)     # a GPU machine, CUDA not started
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append("synchronize"))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: calls.append("reset"))
+    with PeakMemory() as pm:
+        sum(range(1000))
+    assert calls == [] and pm.cuda_allocated_peak is None

@@ -38,7 +38,7 @@ def preflight(config: PipelineConfig, workspace, *, job: str = "encode", device:
         raise ConfigError(f"job={job!r} is unknown; use 'encode' or 'cache'")
     cfg = validated(config)
     cuda = _cuda_available()
-    dev = device_preset(device or ("t4" if cuda else "cpu"))
+    dev = device_preset(device or (preset_of_this_gpu(_gpu_name()) if cuda else "cpu"))
     budget = predict_budget(cfg, dev, keep_local=keep_local)
     if _on_google_drive(workspace.drive) if drive_limits is None else drive_limits:
         _check_drive_limits(cfg, job)
@@ -64,6 +64,13 @@ def preflight(config: PipelineConfig, workspace, *, job: str = "encode", device:
         check_disk(workspace.drive, drive, what="the durable copy of the encode run",
                    knob=KNOBS["drive"])
     return budget
+
+
+def preset_of_this_gpu(gpu_name: str | None) -> str:
+    """The device preset whose limits and advice fit this GPU: by its name, else the T4 (the smallest)."""
+    from nblib.env import device_preset_name
+
+    return device_preset_name(gpu_name) or "t4"
 
 
 def ram_already_held(gpu_job: bool, cuda_initialized: bool) -> int:
@@ -137,6 +144,12 @@ def _same_filesystem(a: Path, b: Path) -> bool:
     from nblib.disk import existing_parent
 
     return os.stat(existing_parent(a)).st_dev == os.stat(existing_parent(b)).st_dev
+
+
+def _gpu_name() -> str | None:
+    import torch
+
+    return torch.cuda.get_device_name(torch.cuda.current_device())
 
 
 def _cuda_initialized() -> bool:
