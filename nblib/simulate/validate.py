@@ -33,7 +33,7 @@ class Agreement:
                 f"difference {(self.simulated - self.reference) / 1e6:+.2f} MB)")
 
 
-def live_vs_rss(config: PipelineConfig, batch_size: int) -> Agreement:
+def live_vs_rss(config: PipelineConfig, batch_size: int, timeout_s: float = 900) -> Agreement:
     """The traced live-bytes increase of a CPU forward pass vs its measured RSS increase."""
     import json
     import subprocess
@@ -41,10 +41,10 @@ def live_vs_rss(config: PipelineConfig, batch_size: int) -> Agreement:
 
     from nblib.measure import encoder_peak
 
-    measured = encoder_peak(config, batch_size, "cpu")
+    measured = encoder_peak(config, batch_size, "cpu", timeout_s=timeout_s)
     payload = json.dumps({"config": config.to_dict(), "batch_size": batch_size})
     proc = subprocess.run([sys.executable, "-m", "nblib.simulate.validate", payload],
-                          capture_output=True, text=True, timeout=600, check=True)
+                          capture_output=True, text=True, timeout=timeout_s, check=True)
     traced = json.loads(proc.stdout.strip().splitlines()[-1])["delta"]
     return Agreement("forward-pass peak (CPU)", batch_size, traced, measured["rss_delta"],
                      "measured RSS growth")
