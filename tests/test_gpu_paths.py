@@ -131,3 +131,41 @@ def test_peak_memory_never_starts_cuda_around_cpu_work(monkeypatch):
     with PeakMemory() as pm:
         sum(range(1000))
     assert calls == [] and pm.cuda_allocated_peak is None
+
+
+def test_the_cuda_timeline_is_read_from_completed_events_not_the_enqueue_clock(monkeypatch):
+    from nblib.encode.offload import BatchClock
+
+    gpu_ms = iter([0.0, 1500.0, 4000.0])       # when the device really reached each event
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.at, self.waited = None, False
+
+        def record(self, stream=None):
+            self.at = next(gpu_ms)
+
+        def synchronize(self):
+            self.waited = True
+
+        def elapsed_time(self, other):
+            return other.at - self.at
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "stream")
+    clock = BatchClock(torch.device("cuda", 0))
+    clock.mark(8)
+    clock.mark(16)                               # both enqueued at once: the clock would say ~0 s
+    assert clock.series() == [(1.5, 8), (4.0, 16)]
+    assert clock._marks[-1][0].waited
+
+
+def test_the_cpu_timeline_reads_the_clock_at_each_mark():
+    from nblib.encode.offload import BatchClock
+
+    clock = BatchClock(torch.device("cpu"))
+    clock.mark(8)
+    clock.mark(16)
+    (t1, n1), (t2, n2) = clock.series()
+    assert 0 <= t1 <= t2 and (n1, n2) == (8, 16)

@@ -7,6 +7,8 @@ run's fixed batches in order, read ahead by worker processes and pinned on CUDA.
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -118,3 +120,38 @@ class HostPart:
         if self.device.type == "cuda":
             self.event = torch.cuda.Event()
             self.event.record(torch.cuda.current_stream(self.device))
+
+
+class BatchClock:
+    """When each batch's work finished: the encode timeline, true on CUDA too.
+
+    On CUDA, work is queued: reading the clock after `encode` gives the time the batch was
+    *enqueued*. So on CUDA each mark records a timing event on the device's stream, and the
+    times are read once the events completed (`series`, called after a part's copies landed);
+    on CPU a mark reads the clock at once. No mark synchronizes the device.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.started = time.perf_counter()
+        self._marks: list[tuple[object, int]] = []
+        if self.cuda:
+            self._start = self._event()
+
+    def mark(self, samples_done: int) -> None:
+        """Note that the work queued so far covers `samples_done` samples."""
+        self._marks.append((self._event() if self.cuda else time.perf_counter() - self.started, samples_done))
+
+    def series(self) -> list[tuple[float, int]]:
+        """(seconds since the clock started, samples done) per mark; waits for the last mark's event."""
+        if not self.cuda:
+            return list(self._marks)
+        if self._marks:
+            self._marks[-1][0].synchronize()
+        return [(self._start.elapsed_time(event) / 1000.0, done) for event, done in self._marks]
+
+    def _event(self):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
