@@ -13,12 +13,17 @@ from dataclasses import dataclass, field, fields
 from nblib.atomic import sha256_json
 from nblib.errors import ConfigError
 
+__all__ = [
+    "CODECS", "OUTPUT_CHOICES", "OUTPUT_DTYPES", "OUTPUT_NAMES", "PROFILES", "ModelConfig", "PipelineConfig",
+    "RunConfig", "for_profile", "preset", "preset_names", "table", "validate",
+]
+
 OUTPUT_NAMES = ("sketches", "checksums", "children")
 # the subsets of outputs worth comparing when disk is the wall, largest first
 OUTPUT_CHOICES = (("sketches", "checksums", "children"), ("sketches", "children"),
                   ("sketches", "checksums"), ("sketches",), ("checksums",))
 OUTPUT_DTYPES = ("float16", "float32")
-CODECS = ("raw", "png", "zlib")
+CODECS = ("raw", "png", "zlib", "zstd")  # the cache's registry: nblib.cache.codecs.CODECS
 PROFILES = ("smoke", "t4", "full")
 
 
@@ -42,10 +47,6 @@ class ModelConfig:
     def tokens(self) -> int:
         """Patch tokens per image: (image_size / patch) ** 2."""
         return (self.image_size // self.patch) ** 2
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.heads
 
     @property
     def passes(self) -> int:
@@ -72,10 +73,6 @@ class RunConfig:
     @property
     def n_batches(self) -> int:
         return -(-self.n_samples // self.batch_size)
-
-    @property
-    def out_itemsize(self) -> int:
-        return 2 if self.out_dtype == "float16" else 4
 
 
 @dataclass(frozen=True)
