@@ -147,14 +147,15 @@ def device_memory_lines(config: PipelineConfig, *, compute_capability: int = 75,
     out.append(Line("cuBLAS workspace", workspace,
                     f"allocated on the first GEMM and kept ({workspace / 2**20:.3g} MiB, sm_{compute_capability})"))
     blocks.append(workspace)
-    per_batch = [r.batch_size * math.prod(output_shapes(m)[n]) * r.out_itemsize for n in r.outputs]
+    out_itemsize = {"float16": 2, "float32": 4}[r.out_dtype]
+    per_batch = [r.batch_size * math.prod(output_shapes(m)[n]) * out_itemsize for n in r.outputs]
     model_itemsize = 2 if precision in ("fp16", "bf16") else 4
     forward = sum(line.bytes for line in out if line.name in ("activations at peak", "attention scores"))
     every = r.consolidate_every if offload == "consolidate" else 1
     if offload == "consolidate":
         pending = every - 1
         flush = (2 * every * sum(per_batch)
-                 + sum(per_batch) * model_itemsize // r.out_itemsize)   # the pending, their cat, the batch in hand
+                 + sum(per_batch) * model_itemsize // out_itemsize)   # the pending, their cat, the batch in hand
         out.append(Line("outputs held on GPU", pending * sum(per_batch),
                         f"offload=consolidate: up to consolidate_every - 1 = {pending} batches x "
                         f"{fmt_bytes(sum(per_batch))} wait for the copy during a forward pass"))
