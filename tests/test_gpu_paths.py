@@ -169,3 +169,13 @@ def test_the_cpu_timeline_reads_the_clock_at_each_mark():
     clock.mark(16)
     (t1, n1), (t2, n2) = clock.series()
     assert 0 <= t1 <= t2 and (n1, n2) == (8, 16)
+
+
+def test_an_explicit_gpu_under_torchrun_is_refused_when_ranks_share_a_host():
+    from nblib.encode.distributed import _rank_device
+
+    assert _rank_device(None, 1, True, local_size=2) == "cuda:1"
+    assert _rank_device("cuda", 1, True, local_size=2) == "cuda:1"
+    assert _rank_device("cuda:0", 0, True, local_size=1) == "cuda:0"      # one rank per host: its GPU
+    with pytest.raises(ConfigError, match="every rank on one GPU"):
+        _rank_device("cuda:0", 1, True, local_size=2)
