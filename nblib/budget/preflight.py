@@ -27,19 +27,20 @@ from nblib.units import GB
 
 def preflight(config: PipelineConfig, workspace, *, job: str = "encode", device: str | None = None,
               disk_bytes: int | None = None, disk_folder=None, keep_local: int = 2,
-              drive_limits: bool | None = None) -> Budget:
+              drive_limits: bool | None = None, cuda_device=None) -> Budget:
     """Check the predicted peak RAM, VRAM and disk against this machine; raise BudgetExceeded.
 
     job="encode" checks local staging (workspace.staging) and the durable copy (workspace.drive);
     job="cache" checks `disk_bytes` (default: the raw cache) on `disk_folder` (default
     workspace.cache). drive_limits: check Drive's items per folder and uploads per day (default:
-    when workspace.drive is on Google Drive's mount). Returns the Budget when everything fits.
+    when workspace.drive is on Google Drive's mount). cuda_device: the job's GPU (default the current
+    one): its free VRAM and its preset are checked. Returns the Budget when everything fits.
     """
     if job not in ("encode", "cache"):
         raise ConfigError(f"job={job!r} is unknown; use 'encode' or 'cache'")
     cfg = validated(config)
     cuda = _cuda_available()
-    dev = device_preset(device or (preset_of_this_gpu(_gpu_name()) if cuda else "cpu"))
+    dev = device_preset(device or (preset_of_this_gpu(_gpu_name(cuda_device)) if cuda else "cpu"))
     budget = predict_budget(cfg, dev, keep_local=keep_local)
     if _on_google_drive(workspace.drive) if drive_limits is None else drive_limits:
         _check_drive_limits(cfg, job)
@@ -51,7 +52,7 @@ def preflight(config: PipelineConfig, workspace, *, job: str = "encode", device:
         return budget
     _check_ram(budget)
     if dev.is_gpu and cuda:
-        _check_vram(budget)
+        _check_vram(budget, cuda_device)
     local, drive = budget.totals["local disk"], budget.totals["drive"]
     if disk_bytes is not None:
         check_disk(disk_folder or workspace.runs, int(disk_bytes), what="the encode run",
@@ -106,10 +107,10 @@ def _check_ram(budget: Budget) -> None:
             f"{_knobs(budget, 'ram', available + already)}")
 
 
-def _check_vram(budget: Budget) -> None:
+def _check_vram(budget: Budget, cuda_device=None) -> None:
     import torch
 
-    free, _total = torch.cuda.mem_get_info(torch.cuda.current_device())
+    free, _total = torch.cuda.mem_get_info(_cuda_index(cuda_device))
     need = vram_needed(budget.totals["vram"], budget.device.cuda_context_bytes)
     if need > free:
         raise BudgetExceeded(
@@ -147,10 +148,19 @@ def _same_filesystem(a: Path, b: Path) -> bool:
     return os.stat(existing_parent(a)).st_dev == os.stat(existing_parent(b)).st_dev
 
 
-def _gpu_name() -> str | None:
+def _gpu_name(cuda_device=None) -> str | None:
     import torch
 
-    return torch.cuda.get_device_name(torch.cuda.current_device())
+    return torch.cuda.get_device_name(_cuda_index(cuda_device))
+
+
+def _cuda_index(cuda_device) -> int:
+    """The job's GPU (a torch.device or "cuda:N"), else the current one."""
+    import torch
+
+    if cuda_device is not None and torch.device(cuda_device).index is not None:
+        return torch.device(cuda_device).index
+    return torch.cuda.current_device()
 
 
 def _cuda_initialized() -> bool:

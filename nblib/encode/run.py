@@ -453,7 +453,8 @@ def _preflight(run: RunInputs, workspace, pending: list[int], do_consolidate: bo
     if workspace is None:
         d = run.run_dir
         workspace = Workspace(drive=d, cache=d, runs=d, checkpoints=d, local=d, staging=d, figures=d)
-    budget.preflight(run.config, workspace, job="encode", disk_bytes=0, disk_folder=run.run_dir)  # RAM, VRAM
+    budget.preflight(run.config, workspace, job="encode", disk_bytes=0, disk_folder=run.run_dir,   # RAM, VRAM
+                     cuda_device=run.torch_device if run.torch_device.type == "cuda" else None)
     check_disks(disk_needs(run.config, run.run_dir, run.mirror_dir, run.plan, pending, do_consolidate))
 
 
