@@ -164,3 +164,14 @@ def test_budget_vram_within_10_percent_of_the_simulated_t4(name, precision, offl
     b = budget.predict_budget(cfg, "t4", precision=precision, offload=offload)
     ratio = (b.totals["vram"] - b.device.cuda_context_bytes) / sim.max_reserved
     assert 0.9 <= ratio <= 1.1, f"budget / simulated reserved = {ratio:.3f}"
+
+
+@pytest.mark.xfail(strict=True, reason="known gap: for the t4 preset in fp32 with offload=consolidate at batch >= 128 "
+                   "the budget's allocator replay over-counts the cache (budget / simulated 1.19)")
+def test_budget_known_overcount_t4_consolidate_fp32():
+    from nblib.simulate import simulate_encode
+
+    cfg = preset("t4").replace(batch_size=128)
+    sim = simulate_encode(cfg, "t4", precision="fp32", offload="consolidate")
+    b = budget.predict_budget(cfg, "t4", precision="fp32", offload="consolidate")
+    assert 0.9 <= (b.totals["vram"] - b.device.cuda_context_bytes) / sim.max_reserved <= 1.1
