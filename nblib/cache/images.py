@@ -30,8 +30,8 @@ from nblib.cache.format import (
     MANIFEST,
     ShardWriter,
     read_cache_manifest,
-    read_stat_cache,
-    record_stats,
+    read_shard_stats,
+    record_shard_stats,
     shard_bytes,
     shard_index,
     shard_state,
@@ -104,7 +104,7 @@ def write_images(images, out: str | Path, *, shard_mb: float = 400, codec: str =
                 manifest["shards"].append(entry)
                 lock.check()
                 write_cache_manifest(out, manifest)
-                record_stats(out, stat)
+                record_shard_stats(out, stat)
                 written += 1
         done = manifest["shards"][-1]["stop"] if manifest["shards"] else 0
         if total is not None and done != total:
@@ -286,7 +286,7 @@ def _nothing_done(plan):
 
 def _pass_over_done_shards(out: Path, manifest: dict, spec: CodecSpec, images: Iterator) -> list[dict]:
     """Consume the images of shards already written: check they are the same, rewrite damaged shards."""
-    coder, stats, rewritten = codec_for(spec), read_stat_cache(out), []
+    coder, stats, rewritten = codec_for(spec), read_shard_stats(out), []
     for entry in manifest["shards"]:
         batch = list(itertools.islice(images, entry["count"]))
         digest = xxhash.xxh3_64()
@@ -304,10 +304,10 @@ def _pass_over_done_shards(out: Path, manifest: dict, spec: CodecSpec, images: I
                 for image in batch:
                     writer.add(coder.encode(image), image)
                 writer.commit(expect_sha256=entry["sha256"])
-            record_stats(out, {entry["file"]: writer.stat})
+            record_shard_stats(out, {entry["file"]: writer.stat})
             rewritten.append(entry)
         elif state == "touched":
             from nblib.cache.format import current_stat
 
-            record_stats(out, current_stat(out, entry))
+            record_shard_stats(out, current_stat(out, entry))
     return rewritten

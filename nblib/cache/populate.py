@@ -29,14 +29,15 @@ from nblib.atomic import leftover_temporaries
 from nblib.cache.codecs import CodecSpec, check_codec, codec_for, train_dictionary
 from nblib.cache.format import (
     DAMAGED,
+    LEGACY_STAT_CACHE,
     MANIFEST,
     STAT_CACHE,
     ShardWriter,
     current_stat,
     images_per_raw_shard,
     read_cache_manifest,
-    read_stat_cache,
-    record_stats,
+    read_shard_stats,
+    record_shard_stats,
     shard_bytes,
     shard_index,
     shard_state,
@@ -150,7 +151,7 @@ def populate(texts, cache_dir: str | Path, image_size: int = 224, shard_mb: floa
                 manifest["shards"].append(entry)
                 lock.check()  # still ours: no other run took the folder over
                 write_cache_manifest(cache_dir, manifest)
-                record_stats(cache_dir, stat)
+                record_shard_stats(cache_dir, stat)
                 written += 1
         done = manifest["shards"][-1]["stop"] if manifest["shards"] else 0
         if done != scan.n_texts:
@@ -250,7 +251,7 @@ def cache_bytes_on_disk(cache_dir: str | Path) -> int:
     if not folder.is_dir():
         return 0
     return sum(p.stat().st_size for p in folder.iterdir()
-               if p.is_file() and (p.name.startswith("shard-") or p.name in (MANIFEST, STAT_CACHE)))
+               if p.is_file() and (p.name.startswith("shard-") or p.name in (MANIFEST, STAT_CACHE, LEGACY_STAT_CACHE)))
 
 
 # ====================================================================================== rendering
@@ -267,7 +268,7 @@ def rerender_shard(cache_dir: Path, manifest: dict, entry: dict, source: TextSou
         for blob in rendered_blobs(texts, params, spec, workers):
             writer.add(blob)
         new = writer.commit(expect_sha256=entry["sha256"])
-    record_stats(cache_dir, {new["file"]: writer.stat})
+    record_shard_stats(cache_dir, {new["file"]: writer.stat})
     return new
 
 
@@ -419,7 +420,7 @@ def _repair_listed_shards(cache_dir: Path, manifest: dict, source: TextSource, w
     A shard whose bytes still match but whose stat changed (a copy) gets its new stat recorded in
     the stat cache. The manifest is rewritten after each re-render. Returns the entries re-rendered.
     """
-    repaired, stats = [], read_stat_cache(cache_dir)
+    repaired, stats = [], read_shard_stats(cache_dir)
     for i, entry in enumerate(manifest["shards"]):
         state = shard_state(cache_dir, entry, stats=stats, digest="xxh3")
         if state in DAMAGED:
@@ -427,7 +428,7 @@ def _repair_listed_shards(cache_dir: Path, manifest: dict, source: TextSource, w
             repaired.append(entry)
             write_cache_manifest(cache_dir, manifest)
         elif state == "touched":
-            record_stats(cache_dir, current_stat(cache_dir, entry))
+            record_shard_stats(cache_dir, current_stat(cache_dir, entry))
     return repaired
 
 
@@ -503,7 +504,7 @@ def _dict_changes(old: dict, new: dict) -> str:
 def _clear(cache_dir: Path) -> None:
     """Delete a cache's own files (shards, manifest, temporaries); nothing else in the folder."""
     for path in [*cache_dir.glob("shard-*"), *leftover_temporaries(cache_dir), cache_dir / MANIFEST,
-                 cache_dir / STAT_CACHE]:
+                 cache_dir / STAT_CACHE, cache_dir / LEGACY_STAT_CACHE]:
         path.unlink(missing_ok=True)
 
 

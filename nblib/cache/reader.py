@@ -35,7 +35,7 @@ from nblib.cache.format import (
     open_packed,
     open_raw,
     read_cache_manifest,
-    read_stat_cache,
+    read_shard_stats,
     shard_state,
     warn_many_files,
     xxh3_file,
@@ -154,7 +154,7 @@ class ShardedImageCache:
 
     def _check_shards(self) -> None:
         """Refuse a listed shard that is missing, resized, or (stat changed) hashes differently."""
-        hashed, stats = [], read_stat_cache(self.cache_dir)
+        hashed, stats = [], read_shard_stats(self.cache_dir)
         for entry in self.manifest["shards"]:
             state = shard_state(self.cache_dir, entry, stats=stats, digest="xxh3")
             if state == "touched":

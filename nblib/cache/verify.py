@@ -18,8 +18,8 @@ from nblib.cache.format import (
     DAMAGED,
     current_stat,
     read_cache_manifest,
-    read_stat_cache,
-    record_stats,
+    read_shard_stats,
+    record_shard_stats,
     shard_state,
     write_cache_manifest,
 )
@@ -124,7 +124,7 @@ def _repair(cache_dir: Path, texts, field: str | None, workers: int | None) -> V
             repaired.append(entry["file"])
             write_cache_manifest(cache_dir, manifest)
         elif entry["file"] in report.touched:
-            record_stats(cache_dir, current_stat(cache_dir, entry))
+            record_shard_stats(cache_dir, current_stat(cache_dir, entry))
     after = _inspect(cache_dir)
     return dataclasses.replace(after, repaired=tuple(repaired), removed=tuple(removed))
 
@@ -136,7 +136,7 @@ def _inspect(cache_dir: Path) -> VerifyReport:
     except CacheError as exc:
         return VerifyReport(cache_dir=str(cache_dir), manifest_problem=str(exc))
     found: dict[str, list[str]] = {state: [] for state in (*DAMAGED, "touched")}
-    stats = read_stat_cache(cache_dir)
+    stats = read_shard_stats(cache_dir)
     for entry in manifest["shards"]:
         state = shard_state(cache_dir, entry, full=True, stats=stats)
         if state is not None:
