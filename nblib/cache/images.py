@@ -61,9 +61,33 @@ def write_images(images, out: str | Path, *, shard_mb: float = 400, codec: str =
                  seed: int = 0, overwrite: bool = False, progress: bool = True) -> PopulateSummary:
     """Write `images` into a sharded cache at `out`, resuming whatever is already there.
 
-    Every image must have the shape of the first. `n_images` (else `len(images)` when it has one)
-    lets the disk preflight run first and the cache report itself complete; without either, the
-    count is known when the images run out. Pass the same images in the same order to resume.
+    Every image must have the shape of the first. Pass the same images in the same order to
+    resume: the shards already written are checked against the images (`source_xxh3`), damaged
+    ones rewritten, other images refused. The folder is locked while written.
+
+    Args:
+        images: a list or iterable of images (uint8 [H, W, 3] / [H, W] / [H, W, 4] arrays, PIL
+            images, CHW torch tensors), a torch map-style dataset ((image, label) items), or a
+            Hugging Face `datasets.Dataset` (`column`).
+        out: the cache folder (created; a folder of its own).
+        shard_mb: target size of one shard file, in MB.
+        codec: "raw", "zlib", "png" or "zstd" (`nblib.cache.CODECS`).
+        codec_level: a compressed codec's level (zstd: 1-22, default 3; zlib/png: 0-9).
+        column: the image column of a dataset or of dict items (default "image").
+        n_images: the number of images, when `images` has no len(): lets the disk preflight run
+            first and the cache report itself complete (else the count is known at the end, and a
+            raw cache buffers one shard in RAM).
+        seed: recorded in the manifest.
+        overwrite: delete a cache of other images or settings in `out` instead of refusing.
+        progress: show a progress bar.
+
+    Returns:
+        A `PopulateSummary` (images and shards in the cache, written, reused, rewritten, speed).
+
+    Raises:
+        InputError (no images, an image of another shape, dtype or layout, named by its index),
+        ConfigError (codec, level), CacheError (another cache there, other images on resume, a
+        count other than announced), BudgetExceeded (the disk cannot hold it), FolderBusyError.
     """
     started = time.perf_counter()
     check_codec(codec)

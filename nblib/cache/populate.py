@@ -98,16 +98,40 @@ def populate(texts, cache_dir: str | Path, image_size: int = 224, shard_mb: floa
              codec_level: int | None = None) -> PopulateSummary:
     """Render `texts` into a sharded cache at `cache_dir`, resuming whatever is already there.
 
-    `texts` is a path (text file, one per line; JSONL with `field`) or a sequence of str.
-    `workers=None` uses all cores; 0 or 1 renders in this process. `seed` is recorded in the
-    manifest (the renderer draws no randomness). `codec="auto"` measures the codecs on a sample
-    and lets `nblib.budget.choose_codec` pick the one that fits the free disk; `codec_level` sets
-    a compressed codec's level (zstd: 1-22, default 3; a zstd cache also trains a dictionary on
-    its first images and keeps it when it pays, see `nblib.cache.codecs`). A cache of other
-    texts or render settings is refused unless `overwrite`; damaged listed shards are re-rendered.
-    The characters of the first COVERAGE_TEXTS texts are checked against the font chain: the share
-    without a glyph, per script, goes into the manifest; above COVERAGE_WARN populate warns, or
-    with `strict_fonts` refuses (InputError) before anything is rendered.
+    A cache of other texts or render settings is refused unless `overwrite`; damaged listed shards
+    are re-rendered. The characters of the first COVERAGE_TEXTS texts are checked against the font
+    chain: the share without a glyph, per script, goes into the manifest; above COVERAGE_WARN
+    populate warns, or with `strict_fonts` refuses before anything is rendered. The folder is
+    locked while written. Two identical builds give byte-identical folders apart from the stat
+    cache (`STAT_CACHE`, non-canonical).
+
+    Args:
+        texts: a path (text file, one text per line; JSONL with `field`) or a sequence of str.
+        cache_dir: the cache folder (created; a folder of its own).
+        image_size: pixels per side of every image.
+        shard_mb: target size of one shard file, in MB (Google Drive prefers few large files).
+        workers: render processes; None: all cores; 0 or 1: render in this process.
+        seed: recorded in the manifest (the renderer draws no randomness).
+        codec: "raw", "zlib", "png", "zstd" (`nblib.cache.CODECS`) or "auto" (measures the codecs
+            on a sample and lets `nblib.budget.choose_codec` pick the one that fits the free disk).
+        overwrite: delete a cache of other texts or settings in `cache_dir` instead of refusing.
+        progress: show a progress bar.
+        field: the JSON field holding the text of each line of a JSONL file.
+        errors: "strict" (undecodable bytes are refused, naming the line) or "replace" (U+FFFD).
+        font_size: font size in pixels; None: scaled with `image_size`.
+        strict_fonts: refuse texts whose characters the font chain cannot draw (above COVERAGE_WARN).
+        codec_level: a compressed codec's level (zstd: 1-22, default 3, and a dictionary trained on
+            the first images, kept when it pays, see `nblib.cache.codecs`; zlib/png: 0-9).
+
+    Returns:
+        A `PopulateSummary`: images and shards in the cache, what this run wrote, reused and
+        repaired, bytes on disk against the prediction, speed, font coverage.
+
+    Raises:
+        InputError (texts missing, empty or undecodable; fonts with `strict_fonts`), ConfigError
+        (codec, level, size), CacheError (another cache there, texts changed while rendering),
+        BudgetExceeded (the disk cannot hold the cache), FolderBusyError (another run writes it);
+        each names the cause and the fix.
     """
     started = time.perf_counter()
     source = text_source(texts, field, errors)

@@ -88,9 +88,23 @@ def verify(cache_dir: str | Path, repair: bool = False, texts=None, field: str |
            workers: int | None = None) -> VerifyReport:
     """Check every shard's size and sha256 against the manifest; with repair, fix what is wrong.
 
-    Repair deletes leftover temporaries and unlisted shard files and re-renders exactly the
-    damaged shards from the source texts (`texts`, else the path the manifest recorded). Repair
+    Repair deletes leftover temporaries and unlisted shard files, re-renders exactly the damaged
+    shards from the source texts and records the new stat of shards that were only copied. Repair
     holds the folder's lock: while a populate run writes the folder it is refused (FolderBusyError).
+
+    Args:
+        cache_dir: the cache folder.
+        repair: fix what is wrong (else only report it).
+        texts: the source texts for a re-render (default: the path the manifest recorded).
+        field: the JSON field of a JSONL `texts` file.
+        workers: render processes for a re-render; None: all cores.
+
+    Returns:
+        A `VerifyReport` (`ok`; missing, truncated, corrupt, touched shards; stray files; what was
+        repaired and removed). After a repair it describes the folder as it is now.
+
+    Raises:
+        CacheError when `cache_dir` is not a folder; FolderBusyError (repair while it is written).
     """
     cache_dir = Path(cache_dir)
     if not cache_dir.is_dir():
