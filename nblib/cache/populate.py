@@ -29,14 +29,15 @@ from nblib.atomic import leftover_temporaries
 from nblib.cache.codecs import CodecSpec, check_codec, codec_for, train_dictionary
 from nblib.cache.format import (
     DAMAGED,
+    LEGACY_STAT_CACHE,
     MANIFEST,
     STAT_CACHE,
     ShardWriter,
     current_stat,
     images_per_raw_shard,
     read_cache_manifest,
-    read_stat_cache,
-    record_stats,
+    read_shard_stats,
+    record_shard_stats,
     shard_bytes,
     shard_index,
     shard_state,
@@ -97,16 +98,40 @@ def populate(texts, cache_dir: str | Path, image_size: int = 224, shard_mb: floa
              codec_level: int | None = None) -> PopulateSummary:
     """Render `texts` into a sharded cache at `cache_dir`, resuming whatever is already there.
 
-    `texts` is a path (text file, one per line; JSONL with `field`) or a sequence of str.
-    `workers=None` uses all cores; 0 or 1 renders in this process. `seed` is recorded in the
-    manifest (the renderer draws no randomness). `codec="auto"` measures the codecs on a sample
-    and lets `nblib.budget.choose_codec` pick the one that fits the free disk; `codec_level` sets
-    a compressed codec's level (zstd: 1-22, default 3; a zstd cache also trains a dictionary on
-    its first images and keeps it when it pays, see `nblib.cache.codecs`). A cache of other
-    texts or render settings is refused unless `overwrite`; damaged listed shards are re-rendered.
-    The characters of the first COVERAGE_TEXTS texts are checked against the font chain: the share
-    without a glyph, per script, goes into the manifest; above COVERAGE_WARN populate warns, or
-    with `strict_fonts` refuses (InputError) before anything is rendered.
+    A cache of other texts or render settings is refused unless `overwrite`; damaged listed shards
+    are re-rendered. The characters of the first COVERAGE_TEXTS texts are checked against the font
+    chain: the share without a glyph, per script, goes into the manifest; above COVERAGE_WARN
+    populate warns, or with `strict_fonts` refuses before anything is rendered. The folder is
+    locked while written. Two identical builds give byte-identical folders apart from the stat
+    cache (`STAT_CACHE`, non-canonical).
+
+    Args:
+        texts: a path (text file, one text per line; JSONL with `field`) or a sequence of str.
+        cache_dir: the cache folder (created; a folder of its own).
+        image_size: pixels per side of every image.
+        shard_mb: target size of one shard file, in MB (Google Drive prefers few large files).
+        workers: render processes; None: all cores; 0 or 1: render in this process.
+        seed: recorded in the manifest (the renderer draws no randomness).
+        codec: "raw", "zlib", "png", "zstd" (`nblib.cache.CODECS`) or "auto" (measures the codecs
+            on a sample and lets `nblib.budget.choose_codec` pick the one that fits the free disk).
+        overwrite: delete a cache of other texts or settings in `cache_dir` instead of refusing.
+        progress: show a progress bar.
+        field: the JSON field holding the text of each line of a JSONL file.
+        errors: "strict" (undecodable bytes are refused, naming the line) or "replace" (U+FFFD).
+        font_size: font size in pixels; None: scaled with `image_size`.
+        strict_fonts: refuse texts whose characters the font chain cannot draw (above COVERAGE_WARN).
+        codec_level: a compressed codec's level (zstd: 1-22, default 3, and a dictionary trained on
+            the first images, kept when it pays, see `nblib.cache.codecs`; zlib/png: 0-9).
+
+    Returns:
+        A `PopulateSummary`: images and shards in the cache, what this run wrote, reused and
+        repaired, bytes on disk against the prediction, speed, font coverage.
+
+    Raises:
+        InputError (texts missing, empty or undecodable; fonts with `strict_fonts`), ConfigError
+        (codec, level, size), CacheError (another cache there, texts changed while rendering),
+        BudgetExceeded (the disk cannot hold the cache), FolderBusyError (another run writes it);
+        each names the cause and the fix.
     """
     started = time.perf_counter()
     source = text_source(texts, field, errors)
@@ -150,7 +175,7 @@ def populate(texts, cache_dir: str | Path, image_size: int = 224, shard_mb: floa
                 manifest["shards"].append(entry)
                 lock.check()  # still ours: no other run took the folder over
                 write_cache_manifest(cache_dir, manifest)
-                record_stats(cache_dir, stat)
+                record_shard_stats(cache_dir, stat)
                 written += 1
         done = manifest["shards"][-1]["stop"] if manifest["shards"] else 0
         if done != scan.n_texts:
@@ -250,7 +275,7 @@ def cache_bytes_on_disk(cache_dir: str | Path) -> int:
     if not folder.is_dir():
         return 0
     return sum(p.stat().st_size for p in folder.iterdir()
-               if p.is_file() and (p.name.startswith("shard-") or p.name in (MANIFEST, STAT_CACHE)))
+               if p.is_file() and (p.name.startswith("shard-") or p.name in (MANIFEST, STAT_CACHE, LEGACY_STAT_CACHE)))
 
 
 # ====================================================================================== rendering
@@ -267,7 +292,7 @@ def rerender_shard(cache_dir: Path, manifest: dict, entry: dict, source: TextSou
         for blob in rendered_blobs(texts, params, spec, workers):
             writer.add(blob)
         new = writer.commit(expect_sha256=entry["sha256"])
-    record_stats(cache_dir, {new["file"]: writer.stat})
+    record_shard_stats(cache_dir, {new["file"]: writer.stat})
     return new
 
 
@@ -419,7 +444,7 @@ def _repair_listed_shards(cache_dir: Path, manifest: dict, source: TextSource, w
     A shard whose bytes still match but whose stat changed (a copy) gets its new stat recorded in
     the stat cache. The manifest is rewritten after each re-render. Returns the entries re-rendered.
     """
-    repaired, stats = [], read_stat_cache(cache_dir)
+    repaired, stats = [], read_shard_stats(cache_dir)
     for i, entry in enumerate(manifest["shards"]):
         state = shard_state(cache_dir, entry, stats=stats, digest="xxh3")
         if state in DAMAGED:
@@ -427,7 +452,7 @@ def _repair_listed_shards(cache_dir: Path, manifest: dict, source: TextSource, w
             repaired.append(entry)
             write_cache_manifest(cache_dir, manifest)
         elif state == "touched":
-            record_stats(cache_dir, current_stat(cache_dir, entry))
+            record_shard_stats(cache_dir, current_stat(cache_dir, entry))
     return repaired
 
 
@@ -503,7 +528,7 @@ def _dict_changes(old: dict, new: dict) -> str:
 def _clear(cache_dir: Path) -> None:
     """Delete a cache's own files (shards, manifest, temporaries); nothing else in the folder."""
     for path in [*cache_dir.glob("shard-*"), *leftover_temporaries(cache_dir), cache_dir / MANIFEST,
-                 cache_dir / STAT_CACHE]:
+                 cache_dir / STAT_CACHE, cache_dir / LEGACY_STAT_CACHE]:
         path.unlink(missing_ok=True)
 
 
