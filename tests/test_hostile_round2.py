@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import time
@@ -18,7 +19,20 @@ from hypothesis import strategies as st
 
 from conftest import cache_folder_bytes, subprocess_env
 from nblib.render import RenderFailed, clean_text, render_params, render_text, render_with
-from tests.test_hostile import nblib_cmd, one_error_line, run_cli
+from nblib.store import ForeignMirror
+from tests import test_hostile
+from tests.test_hostile import (
+    THREADS,
+    encode_cmd,
+    nblib_cmd,
+    one_error_line,
+    output_hashes,
+    race,
+    run_cli,
+    run_encode,
+)
+
+encode_refs = test_hostile.encode_refs  # the fixture: a 128-image smoke cache and solo runs' output hashes
 
 # ------------------------------------------------------------------------------ item 5: the renderer
 
@@ -257,3 +271,127 @@ def test_out_of_range_flags_are_one_error_line(tmp_path, verb, flags, says):
     flags = [str(tmp_path / f) if f in ("t.txt", "c", "r") else f for f in flags]
     line = one_error_line(run_cli(verb, *flags))
     assert says in line, line
+
+
+# ------------------------------------------------------------- items 1 and 2: a shared and a stalled mirror
+
+
+MIRROR_TRIALS = 3
+DEADLINE = {"NBLIB_MIRROR_DEADLINE_S": "3"}
+
+
+def fresh_resume_from_mirror(cache, mirror, out, seed, refs):
+    """A new machine: an empty --out, the same --mirror: nothing re-encoded, the solo run's bytes."""
+    done = run_encode(cache, out, seed, "--mirror", mirror)
+    assert done.returncode == 0, done.stderr
+    assert "encoded 0 of" in done.stdout, done.stdout
+    assert output_hashes(out) == refs[seed]
+
+
+@pytest.mark.slow
+def test_two_runs_sharing_one_mirror_one_is_refused_naming_the_mirror_and_the_survivor_resumes_alone(
+        tmp_path, encode_refs):
+    cache, refs = encode_refs
+    for trial in range(MIRROR_TRIALS):
+        mirror = tmp_path / f"mirror-{trial}"
+        outs = [tmp_path / f"run-{trial}-{seed}" for seed in (0, 1)]
+        results = race([encode_cmd(cache, outs[seed], seed, "--mirror", mirror) for seed in (0, 1)], **THREADS)
+        won = [seed for seed, (_, rc, _, _) in enumerate(results) if rc == 0]
+        assert len(won) == 1, (trial, [(rc, err[-400:]) for _, rc, _, err in results])
+        loser = results[1 - won[0]]
+        line = one_error_line(subprocess.CompletedProcess([], loser[1], loser[2], loser[3]))
+        assert f"the mirror folder {mirror} belongs to another run" in line and "--mirror" in line, line
+        assert str(outs[1 - won[0]]) in line or "first used from" in line
+        assert output_hashes(outs[won[0]]) == refs[won[0]]
+        shutil.rmtree(outs[won[0]])                 # the runtime is gone: only the mirror is left
+        fresh_resume_from_mirror(cache, mirror, tmp_path / f"fresh-{trial}", won[0], refs)
+
+
+def test_the_mirror_thread_never_overwrites_a_folder_another_run_claimed(tmp_path):
+    from nblib.store import DurableStore, MirrorWarning
+    from nblib.store.identity import IDENTITY_FILE
+
+    mirror = tmp_path / "mirror"
+    arrays = {"x": np.arange(8, dtype=np.float32)}
+    with pytest.warns(MirrorWarning, match="belongs to another run"):
+        store = DurableStore(tmp_path / "a", mirror, identity={"run": "a"}, retries=0, backoff_s=0)
+        store.write_part("part-000000", arrays)
+        assert store.flush()
+        claim = json.loads((mirror / IDENTITY_FILE).read_text())
+        assert claim["identity"] == {"run": "a"}
+        # another run takes the folder over (its owner deleted the claim and started run b there)
+        (mirror / IDENTITY_FILE).write_text(json.dumps({**claim, "identity": {"run": "b"}}))
+        theirs = {"part-000000": (mirror / "part-000000" / "part.json").read_bytes()}
+        store.write_part("part-000001", {"x": np.ones(8, dtype=np.float32)})
+        store.write_part("part-000000", {"x": np.zeros(8, dtype=np.float32)})   # rewritten locally
+        assert not store.flush()
+        status = store.mirror_status()
+        store.close()
+    assert status.foreign and "belongs to another run" in status.foreign
+    assert not (mirror / "part-000001").exists()
+    assert (mirror / "part-000000" / "part.json").read_bytes() == theirs["part-000000"]
+    with pytest.raises(ForeignMirror, match=f"the mirror folder {mirror} belongs to another run"):
+        DurableStore(tmp_path / "c", mirror, identity={"run": "a"})
+
+
+def wait_for_reader(fifo, process, timeout=300):
+    """Open `fifo` for writing once a reader blocks on it (the reader then blocks in read()): the fd."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:                             # ENXIO: no reader yet (ENOENT: not made yet)
+            time.sleep(0.002)
+    raise AssertionError(f"nothing ever read {fifo}")
+
+
+def finished(process, timeout=300):
+    out, err = process.communicate(timeout=timeout)  # a hang fails here (it hung forever before)
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+
+
+@pytest.mark.slow
+def test_a_mirror_frozen_at_start_does_not_hang_encode_and_nothing_is_lost(tmp_path, encode_refs):
+    cache, refs = encode_refs
+    mirror = tmp_path / "mirror"
+    mirror.mkdir()
+    os.mkfifo(mirror / "manifest.json")             # open() never returns, like a frozen FUSE mount
+    process = subprocess.Popen(encode_cmd(cache, tmp_path / "run", 0, "--mirror", mirror),
+                               env=subprocess_env(**THREADS, **DEADLINE), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    done = finished(process)
+    assert done.returncode == 0, done.stderr
+    assert "mirror=stalled" in done.stderr and "read manifest.json" in done.stderr, done.stderr
+    assert "the mirror is behind: every part is safe locally" in done.stdout, done.stdout
+    assert output_hashes(tmp_path / "run") == refs[0]
+    os.unlink(mirror / "manifest.json")             # the mount answers again
+    caught_up = run_encode(cache, tmp_path / "run", 0, "--mirror", mirror)
+    assert caught_up.returncode == 0 and "mirror is behind" not in caught_up.stdout, caught_up.stderr
+    fresh_resume_from_mirror(cache, mirror, tmp_path / "fresh", 0, refs)
+
+
+@pytest.mark.slow
+def test_a_mirror_that_freezes_mid_run_does_not_hang_consolidation_or_the_final_flush(tmp_path, encode_refs):
+    cache, refs = encode_refs
+    mirror, out = tmp_path / "mirror", tmp_path / "run"
+    process = subprocess.Popen(encode_cmd(cache, out, 0, "--mirror", mirror),
+                               env=subprocess_env(**THREADS, **DEADLINE), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    held = []
+    try:
+        while not (out / "parts" / "part-000000" / "part.json").exists() and process.poll() is None:
+            time.sleep(0.002)                       # the run read the mirror at start, and encodes
+        (mirror / "part-000003").mkdir(parents=True)
+        os.mkfifo(mirror / "part-000003" / "part.json")   # the mirror thread freezes copying part 3
+        held.append(wait_for_reader(mirror / "part-000003" / "part.json", process))
+        os.mkfifo(tmp_path / "frozen")                     # ... and so does the manifest the main thread
+        os.replace(tmp_path / "frozen", mirror / "manifest.json")   # reads at consolidation
+        done = finished(process)
+    finally:
+        for fd in held:
+            os.close(fd)
+    assert done.returncode == 0, done.stderr
+    assert "read manifest.json" in done.stderr, done.stderr                 # the consolidation's read
+    assert "mirror=stalled" in done.stderr and "blocked on part part-000003" in done.stderr, done.stderr
+    assert "the mirror is behind: every part is safe locally" in done.stdout, done.stdout
+    assert output_hashes(out) == refs[0]

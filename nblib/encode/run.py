@@ -162,7 +162,7 @@ def encode(cache: ImageSource, run_dir: str | Path, config: PipelineConfig, devi
                     "weights": encoder.weights_fingerprint(), "cache": cache.fingerprint}
     with run_lock(run_dir, fingerprints, world.rank, world.lock_environ) as lock:   # another run is refused
         own_store = store is None
-        store = open_store(run_dir, mirror_dir) if own_store else require_part_store(store)
+        store = open_store(run_dir, mirror_dir, fingerprints) if own_store else require_part_store(store)
         store = world.part_store(store, run_dir, plan.n_parts)   # ranks: parts go through, no manifest writes
         manifest = _resume_manifest(store, config, plan, fingerprints, verify=True if verify else "quick")
         pending = [k for k in range(plan.n_parts) if plan.part_name(k) not in manifest["parts"]]
@@ -261,11 +261,15 @@ def run_lock(run_dir: str | Path, fingerprints: dict, rank: int = 0, environ: di
                       rank=rank, what="run folder", hint="encode into another --out")
 
 
-def open_store(run_dir: str | Path, mirror_dir: str | Path | None = None) -> PartStore:
-    """The DurableStore holding a run's parts and manifest (run_dir/parts, mirrored if asked)."""
+def open_store(run_dir: str | Path, mirror_dir: str | Path | None = None, identity: dict | None = None) -> PartStore:
+    """The DurableStore holding a run's parts and manifest (run_dir/parts, mirrored if asked).
+
+    `identity` (the run's fingerprints) claims the mirror folder for this run: a mirror another
+    run claimed is refused (ForeignMirror, naming the mirror folder).
+    """
     from nblib.store import DurableStore
 
-    return DurableStore(Path(run_dir) / PARTS_FOLDER, mirror_dir=mirror_dir)
+    return DurableStore(Path(run_dir) / PARTS_FOLDER, mirror_dir=mirror_dir, identity=identity)
 
 
 def read_run_manifest(store: PartStore) -> dict | None:
