@@ -33,6 +33,7 @@ from tests.test_hostile import (
 )
 
 encode_refs = test_hostile.encode_refs  # the fixture: a 128-image smoke cache and solo runs' output hashes
+small_fs = test_hostile.small_fs        # the fixture: real size-limited file systems (tmpfs)
 
 # ------------------------------------------------------------------------------ item 5: the renderer
 
@@ -395,3 +396,19 @@ def test_a_mirror_that_freezes_mid_run_does_not_hang_consolidation_or_the_final_
     assert "mirror=stalled" in done.stderr and "blocked on part part-000003" in done.stderr, done.stderr
     assert "the mirror is behind: every part is safe locally" in done.stdout, done.stdout
     assert output_hashes(out) == refs[0]
+
+
+def test_a_full_mirror_disk_says_free_drive_space_not_check_the_mount(tmp_path, small_fs):
+    from nblib.store import DurableStore, MirrorWarning
+
+    mirror = small_fs("drive", 256)
+    store = DurableStore(tmp_path / "local", mirror / "m", retries=0, backoff_s=0, retry_interval_s=3600)
+    with pytest.warns(MirrorWarning) as caught:
+        for k in range(4):
+            store.write_part(f"part-{k:06d}", {"x": np.full(40_000, k, dtype=np.float32)})   # 160 KB each
+        assert not store.flush(timeout=120)
+    store.close(timeout=1)
+    said = " ".join(str(w.message) for w in caught)
+    assert "No space left on device" in said and "Free Drive space" in said, said
+    assert "Check that Drive is mounted" not in said
+    assert len(store.list_parts()) == 4            # every part safe locally

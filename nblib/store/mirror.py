@@ -14,6 +14,7 @@ never keeps the process alive.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 import time
@@ -295,9 +296,10 @@ class Mirror:
             msg = (f"the mirror {self.sides.remote.root} is paused: {exc.strerror}. {pending} parts wait in "
                    f"{self.sides.local.root} and the run continues locally. {REAUTHORIZE_HINT}")
         else:
+            fix = "free Drive space; " if exc.errno in (errno.ENOSPC, errno.EDQUOT) else ""
             msg = (f"mirror {self.sides.remote.root} failed {self.retrier.retries + 1} times on {item.label} "
                    f"({describe(exc)}); {pending} parts wait in {self.sides.local.root} and the run "
-                   f"continues locally; the mirror retries on the next write, flush(), or every "
+                   f"continues locally; {fix}the mirror retries on the next write, flush(), or every "
                    f"{self.retry_interval_s:g} s")
         if first:
             log.warning(msg)
