@@ -250,7 +250,8 @@ def encode_main(argv: list[str]) -> int:
             report = encode(ShardedImageCache(args.cache), args.out, config, device=world.device,
                             mirror_dir=args.mirror, progress=not args.no_progress, offload=args.offload,
                             weights=args.weights, preflight=not args.no_preflight, world=world,
-                            verify=args.verify)
+                            verify=args.verify, precision=args.precision,
+                            reencode_numerics=args.reencode_numerics)
     finally:
         world.close()
     if world.consolidates or world.role == "shard":   # the other ranks of a launch stay quiet
@@ -261,6 +262,7 @@ def encode_main(argv: list[str]) -> int:
 def _encode_parser() -> argparse.ArgumentParser:
     from nblib.config import OUTPUT_DTYPES, OUTPUT_NAMES
     from nblib.encode import OFFLOAD_MODES
+    from nblib.trm import PRECISIONS
 
     p = argparse.ArgumentParser(prog="python -m nblib encode", description=encode_main.__doc__,
                                 exit_on_error=False)
@@ -277,6 +279,11 @@ def _encode_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, help="DataLoader worker processes (0: read in the main one)")
     p.add_argument("--device", help="cpu | cuda (default: cuda when available)")
     p.add_argument("--offload", choices=OFFLOAD_MODES, default="async")
+    p.add_argument("--precision", choices=PRECISIONS, default="auto",
+                   help="encoder precision: auto (fp16 autocast on CUDA, fp32 on CPU), fp32, fp16, bf16")
+    p.add_argument("--reencode-numerics", action="store_true",
+                   help="on a resume with another device, precision or torch: encode again the parts made "
+                        "with the other numerics (default: refuse, naming the change)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--no-preflight", action="store_true", help="skip the budget check")
     p.add_argument("--verify", action="store_true", help="hash every durable part before resuming (default: "

@@ -9,6 +9,7 @@ import random
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import unicodedata
 
@@ -30,6 +31,7 @@ from tests.test_hostile import (
     race,
     run_cli,
     run_encode,
+    start_and_kill,
 )
 
 encode_refs = test_hostile.encode_refs  # the fixture: a 128-image smoke cache and solo runs' output hashes
@@ -412,3 +414,121 @@ def test_a_full_mirror_disk_says_free_drive_space_not_check_the_mount(tmp_path, 
     assert "No space left on device" in said and "Free Drive space" in said, said
     assert "Check that Drive is mounted" not in said
     assert len(store.list_parts()) == 4            # every part safe locally
+
+
+# --------------------------------------------------- item 3: a resume on other hardware or precision
+
+
+@pytest.mark.slow
+def test_a_resume_with_other_numerics_is_refused_naming_the_change_and_reencodes_only_when_asked(
+        tmp_path, encode_refs):
+    # the stand-in for a run started on a T4 (fp16 autocast) and resumed on a CPU runtime (fp32):
+    # bf16 autocast on this CPU, killed after 5 parts, then resumed plainly ("auto" is fp32 here)
+    cache, refs = encode_refs
+    out = tmp_path / "run"
+    start_and_kill(encode_cmd(cache, out, 0, "--precision", "bf16"), out / "parts", "part-*/part.json", 5)
+    for extra in ((), ("--verify",)):
+        line = one_error_line(run_encode(cache, out, 0, *extra))
+        assert "precision bf16 -> fp32: this run was started on cpu" in line and "--reencode-numerics" in line, line
+    done = run_encode(cache, out, 0, "--reencode-numerics")
+    assert done.returncode == 0, done.stderr
+    assert "encoded 16 of 16 parts" in done.stdout, done.stdout    # the bf16 parts were encoded again
+    assert output_hashes(out) == refs[0]                           # a clean fp32 run's bytes
+
+
+# --------------------------------------------------------------- item 4: damaged consolidated outputs
+
+
+def flip_a_byte_keeping_mtime(path):
+    st = path.stat()
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))          # what bit rot looks like
+
+
+@pytest.mark.slow
+def test_verify_hashes_the_consolidated_outputs_and_rebuilds_a_damaged_one(tmp_path, encode_refs):
+    from nblib.encode.consolidate import load_outputs
+
+    cache, refs = encode_refs
+    out = tmp_path / "run"
+    assert run_encode(cache, out).returncode == 0
+    for flags in (("--verify",), ("--consolidate", "--verify")):
+        flip_a_byte_keeping_mtime(out / "sketches.npy")
+        assert output_hashes(out) != refs[0]
+        load_outputs(out)                          # the default load trusts size, header and mtime (README)
+        with pytest.raises(Exception, match="sketches.npy"):
+            load_outputs(out, verify=True)
+        done = run_encode(cache, out, 0, *flags)
+        assert done.returncode == 0, done.stderr
+        assert "rebuilt" in done.stderr + done.stdout and "sketches.npy" in done.stderr + done.stdout, done
+        assert output_hashes(out) == refs[0], flags
+
+
+# -------------------------------------------------------------- item 9: budget caps at the sample count
+
+
+@pytest.mark.parametrize("knob", ["batch_size", "checkpoint_every"])
+def test_the_budget_caps_batch_and_part_sizes_at_the_number_of_samples(knob):
+    from nblib.budget import max_batch_size, predict_budget
+    from nblib.config import preset
+
+    config = preset("smoke").replace(n_samples=400, batch_size=32, checkpoint_every=4, consolidate_every=2)
+    huge = predict_budget(config.replace(**{knob: 1_000_000_000}), "cpu")
+    whole = predict_budget(config.replace(batch_size=400, checkpoint_every=1, consolidate_every=1) if knob ==
+                           "batch_size" else config.replace(checkpoint_every=13, consolidate_every=1), "cpu")
+    assert huge.totals["ram"] <= whole.totals["ram"] * 1.01, (huge.table(), whole.table())
+    assert huge.fits
+    assert max_batch_size(config, "t4") <= 400
+    # a run too big for the device even at the capped values: what it advises stays within the run
+    n = 5000 if knob == "batch_size" else 200_000
+    big = preset("seed_t4").replace(n_samples=n, **{knob: 1_000_000_000})
+    over = predict_budget(big, "t4")
+    batches = -(-n // big.run.batch_size) if knob == "checkpoint_every" else 1
+    limits = {"run.batch_size": n, "run.checkpoint_every": batches}
+    suggested = [s for a in over.advice for s in a.suggestions if s.knob in limits]
+    assert not over.fits and suggested, over.verdict
+    assert all(s.value <= limits[s.knob] for s in suggested), suggested
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flag", ["--checkpoint-every", "--batch-size"])
+def test_a_knob_beyond_the_cache_is_not_refused_by_the_preflight(tmp_path, encode_refs, flag):
+    cache, refs = encode_refs
+    done = run_encode(cache, tmp_path / "run", 0, flag, 1_000_000_000)
+    assert done.returncode == 0, done.stderr
+    assert "GB more RAM" not in done.stderr
+
+
+# ------------------------------------------------------------------------------------ item 10: messages
+
+
+@pytest.mark.slow
+def test_a_shard_with_other_settings_is_refused_naming_the_setting(tmp_path, encode_refs):
+    cache, _ = encode_refs
+    out = tmp_path / "run"
+    first = run_encode(cache, out, 0, "--shard", "0/2")
+    assert first.returncode == 0, first.stderr
+    line = one_error_line(run_encode(cache, out, 0, "--shard", "1/2", "--batch-size", 16))
+    assert "batch_size: 8 -> 16" in line, line
+
+
+@pytest.mark.slow
+def test_a_cpu_device_with_an_index_is_one_error_line(tmp_path, encode_refs):
+    cache, _ = encode_refs
+    line = one_error_line(run_encode(cache, tmp_path / "r", 0, "--device", "cpu:5"))
+    assert "device 'cpu:5'" in line and "--device cpu" in line, line
+    assert not (tmp_path / "r" / "parts").exists() or not list((tmp_path / "r" / "parts").glob("part-*"))
+
+
+@pytest.mark.slow
+def test_rank_0_of_a_torchrun_launch_reports_every_part_the_launch_encoded(tmp_path, encode_refs):
+    cache, refs = encode_refs
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "--max-restarts", "0", *encode_cmd(cache, out, 0, "--device", "cpu")[1:]]
+    done = subprocess.run(command, env=subprocess_env(**THREADS), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "encoded 16 of 16 parts" in done.stdout, done.stdout
+    assert output_hashes(out) == refs[0]

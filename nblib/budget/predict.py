@@ -136,8 +136,10 @@ def predict_budget(config: PipelineConfig, device: str | Device = "t4", *,
     -inf entries: (2 x itemsize + 1) B per score); "efficient"/"flash" do not; default
     "flash" (what PyTorch picks on CPU and on recent GPUs; a T4 gets "efficient", same memory).
     keep_local: parts kept on local disk after they are mirrored to Drive.
+    Batch and part sizes are capped at the run's n_samples first, as the run caps them
+    (`capped_to_samples`): a batch of 10^9 over 400 images costs what a batch of 400 does.
     """
-    cfg = validated(config)
+    cfg = capped_to_samples(validated(config))
     dev = device_preset(device)
     backend = checked_sdpa_backend(sdpa_backend)
     require_positive("drive_quota_gb", drive_quota_gb, number=True)
@@ -177,6 +179,22 @@ def predict_budget(config: PipelineConfig, device: str | Device = "t4", *,
                  "bytes_per_image": bytes_per_image, "keep_local": keep_local, "efficiency": efficiency})
 
 
+def capped_to_samples(config: PipelineConfig) -> PipelineConfig:
+    """The config with batch_size, checkpoint_every and consolidate_every no larger than the run holds.
+
+    A run never holds more than n_samples in a batch or a part, so neither does its budget, nor
+    any value the budget advises.
+    """
+    r = config.run
+    batch = min(r.batch_size, r.n_samples)
+    every = min(r.checkpoint_every, -(-r.n_samples // batch))
+    cons = min(r.consolidate_every, every)
+    every = -(-every // cons) * cons                 # a multiple of consolidate_every, as validate() wants
+    if (batch, every, cons) == (r.batch_size, r.checkpoint_every, r.consolidate_every):
+        return config
+    return config.replace(batch_size=batch, checkpoint_every=every, consolidate_every=cons)
+
+
 def calibrate(device: str | Device, measured_samples_per_s: float,
               config: PipelineConfig) -> float:
     """The efficiency (share of peak FLOP/s) a measured run reached; pass it to predict_budget."""
@@ -187,7 +205,9 @@ def calibrate(device: str | Device, measured_samples_per_s: float,
 
 def max_batch_size(config: PipelineConfig, device: str | Device = "t4", margin: float = 0.1,
                    **predict_kwargs) -> int:
-    """The largest batch whose predicted VRAM (GPU) and RAM fit in (1 - margin) of the device."""
+    """The largest batch, at most the run's n_samples, whose predicted VRAM (GPU) and RAM fit in
+    (1 - margin) of the device.
+    """
     cfg, dev = validated(config), device_preset(device)
     if not 0 <= margin < 1:
         raise ConfigError(f"margin={margin} is out of range; allowed: 0 <= margin < 1")
@@ -200,9 +220,11 @@ def max_batch_size(config: PipelineConfig, device: str | Device = "t4", margin: 
 
     if not fits(1):
         return 0
+    cap = min(1 << 20, cfg.run.n_samples)            # a batch never holds more than the run's samples
     lo, hi = 1, 2
-    while hi <= 1 << 20 and fits(hi):
+    while hi <= cap and fits(hi):
         lo, hi = hi, hi * 2
+    hi = min(hi, cap + 1)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)

@@ -57,6 +57,9 @@ def consolidate(run_dir: str | Path, out_dir: str | Path | None = None, *, store
             record = _index_record(out_dir)
             index = record.body if record is not None and _describes(record.body, manifest) else None
             stale, touched = _stale_outputs(index, manifest["outputs"], out_dir, verify)
+            if stale and index is not None:
+                warnings.warn(f"rebuilt {', '.join(f'{o}.npy' for o in stale)} in {out_dir}: not the bytes the "
+                              f"index records (damaged, edited or cut); rebuilt from the parts", stacklevel=2)
             if stale or touched or index is None:
                 out_lock.check()
                 _write_outputs(read_part, manifest, parts, out_dir, stale, index,

@@ -23,6 +23,7 @@ import numpy as np
 from nblib import budget
 from nblib.atomic import sha256_json
 from nblib.config import PipelineConfig
+from nblib.encode import numerics
 from nblib.encode.distributed import SINGLE, World, require_all_parts
 from nblib.encode.protocols import ImageSource, PartStore, require_image_source, require_part_store
 from nblib.errors import BudgetExceeded, CacheError, ConfigError, DriveError, NblibError, ResumeMismatch, StateError
@@ -124,7 +125,8 @@ def encode(cache: ImageSource, run_dir: str | Path, config: PipelineConfig, devi
            mirror_dir: str | Path | None = None, progress: bool = True, offload: str = "async",
            weights: str | Path | None = None, preflight: bool = True, workspace=None,
            do_consolidate: bool = True, store: PartStore | None = None,
-           world: World | None = None, verify: bool = False) -> EncodeReport:
+           world: World | None = None, verify: bool = False, precision: str = "auto",
+           reencode_numerics: bool = False) -> EncodeReport:
     """Encode every image of `cache` into parts under `run_dir`, resuming what is durable.
 
     `outputs` / `out_dtype` override the config's; `weights` loads trained weights (default: the
@@ -134,7 +136,11 @@ def encode(cache: ImageSource, run_dir: str | Path, config: PipelineConfig, devi
     holds the run folder's lock (`run_lock`) throughout: a second run on it gets FolderBusyError.
     `world` (`nblib.encode.distributed.join()`) makes this process one rank or shard of several:
     it encodes its share of the parts, and only the consolidating one merges them. A resume
-    checks parts by metadata (part.json, sizes, stat); `verify=True` hashes every part first.
+    checks parts by metadata (part.json, sizes, stat); `verify=True` hashes every part first, and
+    the consolidated outputs too (a damaged one is rebuilt). `precision` is the encoder's ("auto":
+    fp16 autocast on CUDA, fp32 on CPU); the device, the precision used and the torch/CUDA versions
+    are recorded (`nblib.encode.numerics`), and a resume with other ones is refused unless
+    `reencode_numerics` (the parts made with other numerics are encoded again).
     """
     from nblib.encode.consolidate import consolidate
 
@@ -156,15 +162,17 @@ def encode(cache: ImageSource, run_dir: str | Path, config: PipelineConfig, devi
         from nblib.measure import pin_malloc_mmap_threshold
 
         pin_malloc_mmap_threshold()
-    encoder = load_encoder(config, weights)
+    encoder = load_encoder(config, weights).set_inference(precision=precision)
     plan = plan_run(config, len(cache))
-    fingerprints = {"settings": sha256_json(settings_of(config, plan.n_samples)),
-                    "weights": encoder.weights_fingerprint(), "cache": cache.fingerprint}
-    with run_lock(run_dir, fingerprints, world.rank, world.lock_environ) as lock:   # another run is refused
+    identity = {"settings": sha256_json(settings_of(config, plan.n_samples)),
+                "weights": encoder.weights_fingerprint(), "cache": cache.fingerprint}
+    fingerprints = {**identity, numerics.KEY: numerics.numerics_of(device, precision)}
+    with run_lock(run_dir, identity, world.rank, world.lock_environ) as lock:   # another run is refused
         own_store = store is None
-        store = open_store(run_dir, mirror_dir, fingerprints) if own_store else require_part_store(store)
+        store = open_store(run_dir, mirror_dir, identity) if own_store else require_part_store(store)
         store = world.part_store(store, run_dir, plan.n_parts)   # ranks: parts go through, no manifest writes
-        manifest = _resume_manifest(store, config, plan, fingerprints, verify=True if verify else "quick")
+        manifest = _resume_manifest(store, config, plan, fingerprints, verify=True if verify else "quick",
+                                    numerics_apply=world.role != "consolidate", reencode=reencode_numerics)
         pending = [k for k in range(plan.n_parts) if plan.part_name(k) not in manifest["parts"]]
         resumed_at = plan.part_range(pending[0])[0] if pending else plan.n_samples
         missing = world.assign(pending, plan.n_parts, store, fingerprints)   # this process's share
@@ -188,13 +196,14 @@ def encode(cache: ImageSource, run_dir: str | Path, config: PipelineConfig, devi
             manifest = _resume_manifest(store.inner, config, plan, fingerprints)
             require_all_parts(run_dir, manifest["parts"], plan.n_parts)
         paths, recomputed = _consolidate_recomputing(
-            lambda: consolidate(run_dir, store=store, lock=lock), store, manifest, plan,
+            lambda: consolidate(run_dir, store=store, lock=lock, verify=bool(verify)), store, manifest, plan,
             lambda ks: _encode_parts(cache, encoder.to(device).eval(), store, manifest, plan, ks, config, device,
                                      offload, False, lock)) if consolidating else ({}, [])
         mirrored = store.close() if own_store else None  # waits for the mirror; warns if it is failing
     return EncodeReport(
         run_dir=run_dir, n_samples=plan.n_samples, parts_total=plan.n_parts,
-        parts_encoded=len(missing) + len(recomputed), resumed_at=resumed_at if resumed_at < plan.n_samples else 0,
+        parts_encoded=(len(pending) if world.role == "rank" else len(missing)) + len(recomputed),  # a launch's
+        resumed_at=resumed_at if resumed_at < plan.n_samples else 0,
         seconds=seconds, samples_per_s=encoded / seconds if encoded and seconds else 0.0,
         offload=offload, device=str(device), timeline=tuple(timeline), outputs=paths,
         mirror_caught_up=mirrored if mirror_dir is not None else None, write_seconds=write_seconds)
@@ -238,6 +247,9 @@ def resolve_device(name: str | None):
                           f"(cuda:N for the N-th GPU)") from None
     if device.type not in ("cpu", "cuda"):
         raise ConfigError(f"device {name!r}: encode runs on cpu or cuda only (cuda:N for the N-th GPU)")
+    if device.type == "cpu" and device.index not in (None, 0):
+        raise ConfigError(f"device {name!r}: the CPU has no numbered devices (torch uses every core as one "
+                          f"device); use --device cpu, or cuda:N for the N-th GPU")
     if device.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
@@ -295,10 +307,15 @@ def read_run_manifest(store: PartStore) -> dict | None:
     return manifest
 
 
-def part_meta(plan: RunPlan, k: int, fingerprints: dict) -> dict:
-    """The meta written with part k: what it is, which samples it holds, and the run's fingerprints."""
-    return {"kind": RUN_KIND, "version": RUN_VERSION, "name": plan.part_name(k),
+def part_meta(plan: RunPlan, k: int, fingerprints: dict, settings: dict | None = None) -> dict:
+    """The meta written with part k: what it is, which samples it holds, the run's fingerprints and
+    settings (so a refusal names the setting that changed, even with no run manifest: shards).
+    """
+    meta = {"kind": RUN_KIND, "version": RUN_VERSION, "name": plan.part_name(k),
             "range": list(plan.part_range(k)), "fingerprints": fingerprints}
+    if settings is not None:
+        meta["settings"] = settings
+    return meta
 
 
 def refuse_if_changed(old: dict, new: dict, old_settings: dict | None, new_settings: dict | None,
@@ -359,25 +376,41 @@ def _new_manifest(config: PipelineConfig, plan: RunPlan, fingerprints: dict) -> 
 
 
 def _resume_manifest(store: PartStore, config: PipelineConfig, plan: RunPlan, fingerprints: dict,
-                     verify: bool | str = "quick") -> dict:
+                     verify: bool | str = "quick", numerics_apply: bool = True, reencode: bool = False) -> dict:
     """The manifest to continue from: checked against this run, parts re-verified on disk.
 
     A manifest that cannot be read is rebuilt from the parts (each part's meta carries the
-    fingerprints); parts the manifest lists but the store cannot verify are recomputed.
+    fingerprints and settings); parts the manifest lists but the store cannot verify are
+    recomputed. Parts made with other numerics (device, precision, torch) are refused, or with
+    `reencode` left out so they are encoded again; `numerics_apply=False` (a process that only
+    consolidates, encoding nothing) takes them as they are.
     """
     fresh = _new_manifest(config, plan, fingerprints)
+    mine = fingerprints.get(numerics.KEY)
     old = read_run_manifest(store)
     if old is not None:
         refuse_if_changed(old.get("fingerprints", {}), fingerprints, old.get("settings", {}),
                           fresh["settings"], where=f"the run manifest in {store.local_dir}")
-    durable = {}
+        if numerics_apply and not reencode:
+            numerics.refuse_other_numerics(old.get("fingerprints", {}).get(numerics.KEY), mine,
+                                           f"the run manifest in {store.local_dir}", len(old.get("parts", {})))
+    durable, other_numerics = {}, []
     for info in store.list_parts(verify=verify):      # "quick": part.json, sizes, stat; hashed when changed
         meta = dict(info.meta or {})
         if (meta.get("kind"), meta.get("version")) != (RUN_KIND, RUN_VERSION):
             continue
-        refuse_if_changed(meta.get("fingerprints", {}), fingerprints, old and old.get("settings"),
-                          fresh["settings"], where=f"part {meta.get('name')}")
+        refuse_if_changed(meta.get("fingerprints", {}), fingerprints, meta.get("settings") or (old and old.get(
+            "settings")), fresh["settings"], where=f"part {meta.get('name')}")
+        theirs = meta.get("fingerprints", {}).get(numerics.KEY)
+        if numerics_apply and theirs and theirs != mine:
+            if not reencode:
+                numerics.refuse_other_numerics(theirs, mine, f"part {meta.get('name')}")
+            other_numerics.append(meta["name"])
+            continue                                  # encoded again with this process's numerics
         durable[meta["name"]] = meta["range"]
+    if other_numerics:
+        warnings.warn(f"re-encoding {len(other_numerics)} parts made with other numerics "
+                      f"({'; '.join(numerics.numerics_changes(theirs, mine))})", stacklevel=3)
     listed = set((old or {}).get("parts", {}))
     if listed - set(durable):
         warnings.warn(f"parts {sorted(listed - set(durable))} are listed in the manifest but "
@@ -599,7 +632,7 @@ def _first_line(exc: BaseException) -> str:
 def _write_part(store: PartStore, manifest: dict, plan: RunPlan, k: int, arrays: dict[str, np.ndarray]) -> None:
     """Write part k durably, then list it in the manifest (the manifest is always written last)."""
     name, (start, stop) = plan.part_name(k), plan.part_range(k)
-    store.write_part(name, arrays, part_meta(plan, k, manifest["fingerprints"]))
+    store.write_part(name, arrays, part_meta(plan, k, manifest["fingerprints"], manifest["settings"]))
     manifest["parts"][name] = [start, stop]
     manifest["parts"] = dict(sorted(manifest["parts"].items()))
     manifest["samples_done"] += stop - start
