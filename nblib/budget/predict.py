@@ -139,7 +139,8 @@ def predict_budget(config: PipelineConfig, device: str | Device = "t4", *,
     Batch and part sizes are capped at the run's n_samples first, as the run caps them
     (`capped_to_samples`): a batch of 10^9 over 400 images costs what a batch of 400 does.
     """
-    cfg = capped_to_samples(validated(config))
+    given = validated(config)
+    cfg = capped_to_samples(given)                   # what the run really holds; the Budget keeps `given`
     dev = device_preset(device)
     backend = checked_sdpa_backend(sdpa_backend)
     require_positive("drive_quota_gb", drive_quota_gb, number=True)
@@ -170,7 +171,7 @@ def predict_budget(config: PipelineConfig, device: str | Device = "t4", *,
     eff = dev.efficiency if efficiency is None else efficiency
     rate = dev.compute_flops * eff / flops
     return Budget(
-        config=cfg, device=dev,
+        config=given, device=dev,
         lines={"vram": tuple(vram), "ram": tuple(ram), "local disk": local, "drive": drive},
         limits={"vram": dev.vram_bytes, "ram": dev.ram_bytes, "local disk": dev.disk_bytes,
                 "drive": int(drive_quota_gb * GB)},
