@@ -5,7 +5,7 @@ per config (nblib.measure.encoder_peak): after model build, a 2-image warm-up, t
 and one full pass at that batch size (one-time GEMM workspaces), the second pass's increase is
 the steady state every later batch of a long job adds; predicted = the budget's live buffers at
 the peak (nblib.budget.forward_peak_delta). The prediction assumes glibc's mmap threshold is
-pinned (nblib.measure.pin_malloc_mmap_threshold). For contrast the last columns show the first
+pinned (nblib.malloc.pin_malloc_mmap_threshold). For contrast the last columns show the first
 pass (with the one-time workspaces) and the default glibc (first pass, threshold not pinned).
 GPU (when CUDA is present): torch.cuda max allocated increase vs the same lines for CUDA
 (fp16 autocast weight copies included). Targets: CPU 0.85-1.15, GPU 0.9-1.1.

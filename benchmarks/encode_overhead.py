@@ -23,8 +23,9 @@ from pathlib import Path
 
 import torch
 
-from nblib import budget, cache, encode, reference
+from nblib import budget, cache, encode, env, reference
 from nblib.config import preset
+from nblib.measure import synchronize as _sync
 
 REFERENCE_SAMPLES_PER_S = float(reference.ANALYSIS["samples per second"].value)  # seed_t4, T4, fp32
 
@@ -107,7 +108,7 @@ def report(title: str, config, device, n: int, result: dict) -> None:
     print(f"  {'consolidate afterwards':<34} {result['consolidate_s']:>10.2f} s")
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        preset_name = next((k for k in budget.DEVICES if k.split("-")[0] in name.lower()), None)
+        preset_name = env.device_preset_name(name)
         peak = budget.DEVICES[preset_name].fp16_flops if preset_name else None
         mfu = (f"{result['stream'] * flops / peak:.1%} of {peak / 1e12:.0f} TFLOP/s fp16" if peak
                else "n/a (unknown GPU)")
@@ -145,11 +146,6 @@ def main(argv: list[str] | None = None) -> int:
             result = compare(images, config, torch.device("cuda"), tmp / "gpu", args.repeats)
             report("GPU, seed_t4 shapes, fp16 autocast", config, torch.device("cuda"), len(images), result)
     return 0
-
-
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 if __name__ == "__main__":

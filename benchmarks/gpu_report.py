@@ -40,10 +40,12 @@ import psutil
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nblib import budget
+from nblib import budget, env
 from nblib.atomic import atomic_write_json, sha256_json
 from nblib.config import preset
+from nblib.measure import synchronize as _sync
 from nblib.trm import COMPILE_MODES, SDPA_BACKENDS, TRMVisionEncoder
+from nblib.units import fmt_exception
 
 SCHEMA = "nblib.gpu_report/1"
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -190,7 +192,7 @@ def run_step(name: str, ctx: Context) -> dict:
     try:
         section = {"status": "ok", **step(ctx)}
     except Exception as exc:  # a report records what failed and goes on
-        section = {"status": f"error: {_one_line(exc)}"}
+        section = {"status": f"error: {fmt_exception(exc, with_type=True)}"}
     finally:
         _free_device_memory()
     section["seconds"] = round(time.perf_counter() - started, 2)
@@ -324,7 +326,7 @@ def measure_rate(ctx: Context, encoder, images, **options) -> dict:
         row["timed"] = f"best of {repeats} x {n} batches"
         row["mfu"] = mfu(ctx, row["samples_per_s"], options["precision"])
     except Exception as exc:  # an unavailable kernel or an OOM is a result, not a crash
-        row["error"] = _one_line(exc)
+        row["error"] = fmt_exception(exc, with_type=True)
         _free_device_memory()
     finally:
         encoder.set_inference(precision="auto", sdpa_backend=None, compile_mode=None,
@@ -504,8 +506,8 @@ def budget_device(ctx: Context):
     if not ctx.cuda:
         return budget.device_preset("cpu")
     props = torch.cuda.get_device_properties(ctx.device)
-    presets = {"T4": "t4", "L4": "l4", "H200 SXM": "h200", "A100 40GB": "a100-40gb"}
-    known = budget.device_preset(presets[ctx.spec.name]) if ctx.spec and ctx.spec.name in presets else None
+    preset_name = env.device_preset_name(ctx.device_name)
+    known = budget.device_preset(preset_name) if preset_name else None
     spec = ctx.spec or GpuSpec("unknown", 1.0, 1.0, None, 1.0)
     return budget.Device(
         name=ctx.device_name, vram_bytes=props.total_memory, ram_bytes=psutil.virtual_memory().total,
@@ -647,7 +649,7 @@ def step_precision(ctx: Context) -> dict:
             low = {k: v.float() for k, v in encoder.set_inference(precision=precision).encode(images).items()}
             rows[precision] = compare_outputs(low, reference)
         except Exception as exc:
-            rows[precision] = {"error": _one_line(exc)}
+            rows[precision] = {"error": fmt_exception(exc, with_type=True)}
     encoder.set_inference(precision="auto")
     return {"batch": ctx.ref_batch, "against": "fp32", **rows,
             "method": "relative error per capsule vector, ||low - fp32|| / ||fp32||; checksum bits are the "
@@ -825,7 +827,7 @@ def capped_run(ctx: Context, cfg, t4, fraction: float) -> dict:
         encode(source, ctx.work / "capped", cfg, str(ctx.device), offload="consolidate", progress=False,
                preflight=False, do_consolidate=False)
     except Exception as exc:
-        oom, error = _is_oom(exc), _one_line(exc)
+        oom, error = _is_oom(exc), fmt_exception(exc, with_type=True)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, ctx.device)
         shutil.rmtree(ctx.work / "capped", ignore_errors=True)
@@ -959,11 +961,6 @@ def _free_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _nvidia_smi(field: str) -> str | None:
     if shutil.which("nvidia-smi") is None:
         return None
@@ -993,11 +990,6 @@ def _git_commit() -> str | None:
 def _downsample(series: np.ndarray, n: int) -> list[float]:
     step = max(1, math.ceil(len(series) / n))
     return [round(float(v), 3) for v in series[::step]]
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
 
 
 def _slug(name: str) -> str:

@@ -25,18 +25,31 @@ from __future__ import annotations
 import copy
 import os
 import shutil
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
+import psutil
 
+from nblib import shuffle
 from nblib.budget import checkpoint_disk_peak, checkpoint_ram_peak
+from nblib.disk import DiskPeak, disk_free, disk_usage
 from nblib.errors import BudgetExceeded, ConfigError
-from nblib.measure import disk_free, disk_usage
-from nblib.units import GB
+from nblib.malloc import release_free_heap
+from nblib.measure import PeakMemory
+from nblib.units import GB, fmt_exception
+
+__all__ = [
+    "CONTENTS", "SHUFFLE_ALGORITHMS", "TF_SHUFFLE", "TF_GLOBAL_SHUFFLE", "TF_INDEX_SHUFFLE", "GLOBAL_SHUFFLE_SINCE",
+    "ShuffleMethod", "SHUFFLE_METHODS", "PipelineSpec", "image_shape", "tensorflow", "synthetic_image", "sample_at",
+    "source_dataset", "reference_pipeline", "shuffle_pipeline", "method_unavailable", "global_shuffle_op",
+    "index_shuffle_dataset", "indexed_dataset", "index_dataset", "make_shuffle", "resumable_shuffle_pipeline",
+    "tf_shuffle_order", "one_op_pipelines", "in_memory_shuffles", "CheckpointRow", "measure_iterator_checkpoint",
+    "RoundTrip", "checkpoint_round_trip", "iterator_checkpoint_bytes", "preflight_checkpoint", "folder_bytes",
+    "same_element",
+]
 
 CONTENTS = ("random", "constant")
 SHUFFLE_ALGORITHMS = ("buffer", "global")
@@ -219,8 +232,6 @@ def index_dataset(indices):
     memory, no Python in the loop). ResumableShuffleBuffer or any other shuffle: its remaining
     order precomputed (8 bytes per sample in RAM) and sliced. An array: sliced as is.
     """
-    from nblib import shuffle
-
     tf = tensorflow()
     if isinstance(indices, shuffle.GlobalShuffle):
         return _feistel_dataset(indices)
@@ -231,8 +242,6 @@ def index_dataset(indices):
 
 def make_shuffle(n: int, buffer_size: int, seed: int, algorithm: str = "buffer"):
     """A fresh nblib.shuffle object: ResumableShuffleBuffer ("buffer") or GlobalShuffle ("global")."""
-    from nblib import shuffle
-
     if algorithm == "buffer":
         return shuffle.ResumableShuffleBuffer(n=n, buffer_size=max(1, buffer_size), seed=seed)
     if algorithm == "global":
@@ -254,13 +263,17 @@ def tf_shuffle_order(n: int, buffer_size: int, seed: int) -> np.ndarray:
 
 
 def _batch_prefetch(ds, spec: PipelineSpec):
-    tf = tensorflow()
     if spec.batch_size:
         ds = ds.batch(spec.batch_size)
     if spec.prefetch:
         ds = ds.prefetch(spec.prefetch)
-    options = tf.data.Options()
-    options.experimental_symbolic_checkpoint = spec.symbolic
+    return _with_symbolic(ds, spec.symbolic)
+
+
+def _with_symbolic(ds, symbolic: bool):
+    """`ds` with tf.data's symbolic checkpointing on or off."""
+    options = tensorflow().data.Options()
+    options.experimental_symbolic_checkpoint = symbolic
     return ds.with_options(options)
 
 
@@ -303,6 +316,110 @@ def _splitmix64_tf(value, key: int, tf):
     z = shift_xor(z, 30) * tf.constant(0xBF58476D1CE4E5B9, tf.uint64)
     z = shift_xor(z, 27) * tf.constant(0x94D049BB133111EB, tf.uint64)
     return shift_xor(z, 31)
+
+
+def method_unavailable(method: str) -> str:
+    """Why `method` cannot run in this TensorFlow ("" when it can): the private global shuffle may be missing."""
+    if method not in SHUFFLE_METHODS:
+        raise ConfigError(f"method={method!r}: choose one of {tuple(SHUFFLE_METHODS)}")
+    if method == TF_GLOBAL_SHUFFLE and global_shuffle_op() is None:
+        return (f"skipped: TensorFlow {tensorflow().__version__} has no global_shuffle_op._global_shuffle "
+                f"(added in {GLOBAL_SHUFFLE_SINCE})")
+    return ""
+
+
+def one_op_pipelines(spec: PipelineSpec) -> dict[str, Callable]:
+    """Builders of small pipelines of one op each over `spec`'s samples (`spec.symbolic` applied).
+
+    What they show: which ops keep an iterator checkpoint small (notebook 04's ops table).
+    """
+    tf = tensorflow()
+    n, seed, fetch = spec.n_samples, spec.seed, sample_at(spec)
+    order = np.random.default_rng(seed).permutation(n)
+    builds = {
+        "range -> map": lambda: tf.data.Dataset.range(n).map(fetch),
+        "range -> map(parallel=4)": lambda: tf.data.Dataset.range(n).map(fetch, num_parallel_calls=4),
+        "range -> map -> batch(8)": lambda: tf.data.Dataset.range(n).map(fetch).batch(8),
+        "range -> map -> prefetch(8)": lambda: tf.data.Dataset.range(n).map(fetch).prefetch(8),
+        "interleave(4 sources)": lambda: source_dataset(replace(spec, sources=4)),
+        "from_tensor_slices(order) -> map": lambda: tf.data.Dataset.from_tensor_slices(order).map(fetch),
+        "range -> map(numpy_function)": lambda: tf.data.Dataset.range(n).map(
+            lambda i: tf.numpy_function(lambda x: x, [i], tf.int64)),
+        "range -> map -> shuffle(32)": lambda: tf.data.Dataset.range(n).map(fetch).shuffle(32, seed=seed),
+    }
+    return {name: (lambda b=build: _with_symbolic(b(), spec.symbolic)) for name, build in builds.items()}
+
+
+def in_memory_shuffles(source: np.ndarray, buffer_size: int, seed: int, batch_size: int = 0) -> dict:
+    """tf.data's shuffle and nblib's buffer shuffle (indices gathered in TF) over one in-memory uint8 array."""
+    tf = tensorflow()
+    with tf.device("/CPU:0"):
+        constant = tf.constant(source)
+    tf_ds = tf.data.Dataset.from_tensor_slices(constant).shuffle(buffer_size, seed=seed)
+    indexed_ds = index_dataset(make_shuffle(len(source), buffer_size, seed, "buffer"))
+    if batch_size:
+        tf_ds, indexed_ds = tf_ds.batch(batch_size), indexed_ds.batch(batch_size)
+    return {TF_SHUFFLE: tf_ds, "resumable in tf.data": indexed_ds.map(lambda i: tf.gather(constant, i))}
+
+
+@dataclass(frozen=True)
+class RoundTrip:
+    """A tf.train.Checkpoint of an iterator after `cut_after` elements, restored into a fresh one."""
+
+    checkpoint_bytes: int
+    identical: bool                # the restored elements equal the expected ones (structure and values)
+    restored: list                 # the elements the restored iterator yielded
+
+
+def checkpoint_round_trip(build: Callable, folder, cut_after: int, compared: int, *, expected: list | None = None,
+                          strict: bool = False) -> RoundTrip:
+    """Cut `build()`'s iterator after `cut_after` elements, checkpoint it in `folder`, restore, compare `compared`.
+
+    `expected`: what must follow the cut (default: what the saved iterator itself yields next).
+    `strict`: every object of the checkpoint must be consumed on restore (`assert_consumed`).
+    `folder` is emptied first and removed afterwards, also on an exception.
+    """
+    tf = tensorflow()
+    folder = Path(folder)
+    shutil.rmtree(folder, ignore_errors=True)
+    try:
+        iterator = iter(build())
+        for _ in range(cut_after):
+            next(iterator)
+        path = tf.train.Checkpoint(iterator=iterator).write(str(folder / "ckpt"))
+        size = folder_bytes(folder)
+        if expected is None:
+            expected = [e for _, e in zip(range(compared), iterator)]
+        del iterator
+        fresh = iter(build())
+        status = tf.train.Checkpoint(iterator=fresh).read(path)
+        status.assert_consumed() if strict else status.expect_partial()
+        got = [e for _, e in zip(range(len(expected)), fresh)]
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    identical = len(got) == len(expected) and all(same_element(a, b) for a, b in zip(expected, got))
+    return RoundTrip(size, identical, got)
+
+
+def iterator_checkpoint_bytes(dataset, consumed: int, folder) -> tuple[int, str]:
+    """(bytes, "") of a tf.train.Checkpoint of `dataset`'s iterator after `consumed` elements, or (0, why).
+
+    TensorFlow refuses to save some iterators (e.g. "PyFunc is stateful"): that refusal is the
+    answer, returned as its first line; an error while iterating is raised. `folder` is removed
+    afterwards, in every case.
+    """
+    tf = tensorflow()
+    folder = Path(folder)
+    iterator = iter(dataset)
+    for _ in range(consumed):
+        next(iterator)
+    try:
+        tf.train.Checkpoint(iterator=iterator).write(str(folder / "ckpt"))
+        return folder_bytes(folder), ""
+    except Exception as exc:  # TF raises several types for an iterator it cannot save
+        return 0, fmt_exception(exc, 160, with_type=True)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------- checkpoint measuring
@@ -351,18 +468,24 @@ def measure_iterator_checkpoint(label: str, spec: PipelineSpec, build: Callable,
     emptied before and removed after. The first save lands in an empty folder (its peak is the
     save's own temporary space); the second replaces it (the old checkpoint is deleted only once
     the new one is complete). RSS peaks come from nblib.measure.PeakMemory, disk peaks from
-    `DiskPeak`. A pipeline TensorFlow refuses to save gives a row with `error` set.
+    `nblib.disk.DiskPeak`. A pipeline TensorFlow refuses to save gives a row with `error` set.
     """
-    from nblib.measure import PeakMemory
-
-    tf = tensorflow()
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
+    try:
+        return _measure_in(label, spec, build, folder, steps)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _measure_in(label: str, spec: PipelineSpec, build: Callable, folder: Path, steps: int) -> CheckpointRow:
+    """measure_iterator_checkpoint's work inside `folder` (which the caller removes)."""
+    tf = tensorflow()
     iterator = iter(build())
     for _ in range(steps):
         next(iterator)
     manager = tf.train.CheckpointManager(tf.train.Checkpoint(iterator=iterator), str(folder), max_to_keep=1)
-    _release_free_heap()
+    release_free_heap()
     try:
         with PeakMemory(interval_s=0.005) as save_mem, DiskPeak(folder) as first:
             t0 = time.perf_counter()
@@ -370,7 +493,7 @@ def measure_iterator_checkpoint(label: str, spec: PipelineSpec, build: Callable,
             save_s = time.perf_counter() - t0
     except Exception as exc:  # TF refuses some pipelines (e.g. stateful ops): report, don't crash
         return CheckpointRow(label, spec.buffer_size, spec.symbolic, spec.sample_bytes, 0, 0.0, 0.0, 0, 0,
-                             0, 0, 0, False, f"{type(exc).__name__}: {exc}"[:300])
+                             0, 0, 0, False, fmt_exception(exc, with_type=True))
     next(iterator)
     with DiskPeak(folder) as rotating:
         path = manager.save()
@@ -378,7 +501,7 @@ def measure_iterator_checkpoint(label: str, spec: PipelineSpec, build: Callable,
     bytes_on_disk = folder_bytes(folder)
     del iterator, manager
     fresh = iter(build())
-    _release_free_heap()
+    release_free_heap()
     with PeakMemory(interval_s=0.005) as restore_mem:
         t0 = time.perf_counter()
         tf.train.Checkpoint(iterator=fresh).read(path).expect_partial()
@@ -386,7 +509,6 @@ def measure_iterator_checkpoint(label: str, spec: PipelineSpec, build: Callable,
         restore_s = time.perf_counter() - t0
     exact = same_element(expected, got)
     del fresh
-    shutil.rmtree(folder, ignore_errors=True)
     return CheckpointRow(label, spec.buffer_size, spec.symbolic, spec.sample_bytes, bytes_on_disk, save_s,
                          restore_s, first.peak, rotating.peak, max(save_mem.peak, restore_mem.peak),
                          max(0, save_mem.delta), max(0, restore_mem.delta), exact)
@@ -398,8 +520,6 @@ def preflight_checkpoint(buffer_size: int, sample_bytes: int, folder) -> None:
     Disk: `nblib.budget.checkpoint_disk_peak` with the previous checkpoint kept (2x); RAM: the
     buffer plus what a restore adds (`nblib.budget.checkpoint_ram_peak`).
     """
-    import psutil
-
     buffer_bytes = buffer_size * sample_bytes
     need_disk = checkpoint_disk_peak(buffer_bytes, keep_previous=True)
     need_ram = checkpoint_ram_peak(buffer_bytes)
@@ -425,41 +545,3 @@ def same_element(a, b) -> bool:
     tf = tensorflow()
     flat_a, flat_b = tf.nest.flatten(a), tf.nest.flatten(b)
     return len(flat_a) == len(flat_b) and all(np.array_equal(x.numpy(), y.numpy()) for x, y in zip(flat_a, flat_b))
-
-
-@dataclass
-class DiskPeak:
-    """Sample a folder's size in a thread while a block runs; keep the peak (exit samples once more)."""
-
-    folder: Path
-    every_s: float = 0.002
-    peak: int = 0
-    _stop: threading.Event = field(default_factory=threading.Event)
-
-    def __enter__(self) -> DiskPeak:
-        self._sample()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._sample()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.every_s):
-            self._sample()
-
-    def _sample(self) -> None:
-        self.peak = max(self.peak, folder_bytes(self.folder))
-
-
-def _release_free_heap() -> None:
-    """Hand freed heap back to the OS (glibc malloc_trim), so RSS deltas measure new memory only."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc (macOS, musl): deltas are then lower bounds
-        pass

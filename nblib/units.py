@@ -1,4 +1,6 @@
-"""Units: byte, rate and duration constants and formatters (decimal units, as disks are sold)."""
+"""Units: byte, rate and duration constants and formatters (decimal units, as disks are sold), and an
+exception's first line, clipped, for one-line reports.
+"""
 from __future__ import annotations
 
 KB, MB, GB, TB = 1e3, 1e6, 1e9, 1e12
@@ -44,3 +46,13 @@ def fmt_duration(seconds: float) -> str:
     if seconds < 7200:
         return f"{seconds / 60:.1f} min"
     return f"{seconds / 3600:.1f} h"
+
+
+def fmt_exception(exc: BaseException, limit: int = 300, *, with_type: bool = False) -> str:
+    """The first non-empty line of `exc`'s message, clipped to `limit` characters (its type's name if empty).
+
+    with_type: prefix the type's name ("OSError: ..."), clipped together.
+    """
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    first = lines[0] if lines else ("" if with_type else type(exc).__name__)
+    return (f"{type(exc).__name__}: {first}" if with_type else first)[:limit]

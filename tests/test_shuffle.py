@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from conftest import subprocess_env
 from nblib import shuffle as sh
 from nblib.errors import ConfigError, NblibError, StateError
+from nblib.shuffle.state import state_crc32
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -203,6 +204,18 @@ def _buffer_state_mid_epoch(**kw):
     return shuffle.state_dict()
 
 
+def _edited(state: dict, **fields) -> dict:
+    """A copy of a state record with body fields changed ("version" is the record's own field)."""
+    version = fields.pop("version", state["version"])
+    return {**state, "version": version, "body": {**state["body"], **fields}}
+
+
+def _version_2(state: dict) -> dict:
+    """The flat, crc32-sealed layout nblib wrote before states became manifest records (version 2)."""
+    flat = {**state["body"], "version": 2}
+    return {**flat, "state_crc32": state_crc32(flat)}
+
+
 @pytest.mark.parametrize("field, other", [
     ("n", {"n": 101}), ("seed", {"seed": 2}), ("buffer_size", {"buffer_size": 11}), ("epoch", {"epoch": 1}),
 ])
@@ -216,7 +229,7 @@ def test_buffer_state_from_another_shuffle_is_refused_naming_the_field(field, ot
     ("n", 11), ("seed", 8), ("epoch", 3), ("algorithm", "shuffle_buffer"), ("version", 99),
 ])
 def test_global_state_with_a_foreign_field_is_refused_naming_it(field, value):
-    state = {**sh.GlobalShuffle(n=10, seed=7).state_dict(), field: value}
+    state = _edited(sh.GlobalShuffle(n=10, seed=7).state_dict(), **{field: value})
     with pytest.raises(StateError, match=f"'{field}'") as info:
         sh.GlobalShuffle(n=10, seed=7).load_state_dict(state)
     assert isinstance(info.value, NblibError) and repr(value) in str(info.value)
@@ -226,7 +239,7 @@ def test_global_state_with_a_foreign_field_is_refused_naming_it(field, value):
 def test_shard_aware_state_with_another_layout_is_refused(field, value):
     make = lambda: sh.ShardAwareShuffle(n=1000, seed=1, shard_size=100, window_shards=2)  # noqa: E731
     with pytest.raises(StateError, match=f"'{field}'"):
-        make().load_state_dict({**make().state_dict(), field: value})
+        make().load_state_dict(_edited(make().state_dict(), **{field: value}))
 
 
 def test_global_state_cannot_be_loaded_into_a_buffer():
@@ -254,11 +267,11 @@ def test_truncated_state_file_is_refused(tmp_path):
 
 def test_flipped_byte_in_the_buffer_fails_its_checksum():
     state = _buffer_state_mid_epoch()
-    raw = bytearray(base64.b64decode(state["buffer"]))
+    raw = bytearray(base64.b64decode(state["body"]["buffer"]))
     raw[3] ^= 0x01
     with pytest.raises(StateError, match="checksum"):
         sh.ResumableShuffleBuffer(n=100, buffer_size=10, seed=1).load_state_dict(
-            {**state, "buffer": base64.b64encode(bytes(raw)).decode()})
+            _edited(state, buffer=base64.b64encode(bytes(raw)).decode()))
 
 
 @pytest.mark.parametrize("change, field", [
@@ -268,12 +281,12 @@ def test_flipped_byte_in_the_buffer_fails_its_checksum():
 def test_inconsistent_buffer_state_is_refused_naming_the_field(change, field):
     with pytest.raises(StateError, match=f"'{field}'"):
         sh.ResumableShuffleBuffer(n=100, buffer_size=10, seed=1).load_state_dict(
-            {**_buffer_state_mid_epoch(), **change})
+            _edited(_buffer_state_mid_epoch(), **change))
 
 
 def test_missing_field_is_named():
     state = sh.GlobalShuffle(n=10, seed=7).state_dict()
-    del state["seed"]
+    del state["body"]["seed"]
     with pytest.raises(StateError, match="no field 'seed'"):
         sh.GlobalShuffle(n=10, seed=7).load_state_dict(state)
 
@@ -347,8 +360,19 @@ def test_orders_are_byte_identical_to_the_pre_split_module(name):
 
 @pytest.mark.parametrize("make, text, expected", VERSION_1_STATES)
 def test_version_1_states_from_the_pre_split_module_still_resume_exactly(make, text, expected):
+    # Version 1 has no checksum: since issue 20 (item 7) it loads only when the caller asks for it.
+    with pytest.raises(StateError, match="no checksum.*allow_unchecked=True"):
+        make().load_state_dict(text)
     shuffle = make()
-    shuffle.load_state_dict(text)
+    shuffle.load_state_dict(text, allow_unchecked=True)
+    assert _sha256_of_order(list(shuffle)) == expected
+
+
+@pytest.mark.parametrize("make, text, expected", VERSION_1_STATES)
+def test_version_2_flat_states_still_load_checked(make, text, expected):
+    flat = {**json.loads(text), "version": 2}
+    shuffle = make()
+    shuffle.load_state_dict({**flat, "state_crc32": state_crc32(flat)})
     assert _sha256_of_order(list(shuffle)) == expected
 
 
@@ -366,10 +390,10 @@ def test_an_edited_position_is_refused_naming_the_field(kind):
     shuffle = _positional(kind)
     shuffle.position = 123
     state = json.loads(sh.state_to_json(shuffle.state_dict()))
-    assert state["version"] == sh.STATE_VERSION == 2 and "state_crc32" in state
+    assert state["kind"] == "nblib.shuffle.state" and state["version"] == sh.STATE_VERSION == 3 and "sha256" in state
     fresh = _positional(kind)
     with pytest.raises(StateError, match=r"'position'=124 does not match the state's checksum") as info:
-        fresh.load_state_dict({**state, "position": 124})  # in range: without the checksum, one sample is skipped
+        fresh.load_state_dict(_edited(state, position=124))  # in range: without the checksum, one sample is skipped
     assert "start the epoch afresh" in str(info.value)
     assert fresh.position == 0  # nothing changed on the refusal
     fresh.load_state_dict(state)
@@ -377,27 +401,31 @@ def test_an_edited_position_is_refused_naming_the_field(kind):
 
 
 def test_an_edited_identity_field_is_refused_even_when_the_shuffle_is_built_to_match():
-    state = {**sh.GlobalShuffle(n=1000, seed=3).state_dict(), "seed": 4}
+    state = _edited(sh.GlobalShuffle(n=1000, seed=3).state_dict(), seed=4)
     with pytest.raises(StateError, match="checksum"):
         sh.GlobalShuffle(n=1000, seed=4).load_state_dict(state)
 
 
 def test_a_consistently_edited_buffer_is_refused_by_the_state_checksum():
     state = _buffer_state_mid_epoch()
-    raw = bytearray(base64.b64decode(state["buffer"]))
+    raw = bytearray(base64.b64decode(state["body"]["buffer"]))
     raw[0:4], raw[4:8] = raw[4:8], raw[0:4]  # swap two buffered indices and fix up the buffer's own crc32
-    edited = {**state, "buffer": base64.b64encode(bytes(raw)).decode(), "buffer_crc32": zlib.crc32(raw)}
+    edited = _edited(state, buffer=base64.b64encode(bytes(raw)).decode(), buffer_crc32=zlib.crc32(raw))
     with pytest.raises(StateError, match="'buffer_crc32'=.* does not match the state's checksum"):
         sh.ResumableShuffleBuffer(n=100, buffer_size=10, seed=1).load_state_dict(edited)
 
 
 @pytest.mark.parametrize("kind", ["buffer", "global", "shard"])
-def test_a_version_2_state_without_its_checksum_is_refused(kind):
-    shuffle = _make(kind, 300, 1, 20)
-    state = shuffle.state_dict()
-    del state["state_crc32"]
-    with pytest.raises(StateError, match="no field 'state_crc32'"):
+def test_a_state_without_its_checksum_is_refused(kind):
+    # Since states became nblib.manifest records (version 3) the checksum is the record's sha256.
+    state = _make(kind, 300, 1, 20).state_dict()
+    del state["sha256"]
+    with pytest.raises(StateError, match="does not match the state's checksum"):
         _make(kind, 300, 1, 20).load_state_dict(state)
+    legacy = _version_2(_make(kind, 300, 1, 20).state_dict())
+    del legacy["state_crc32"]
+    with pytest.raises(StateError, match="no field 'state_crc32'"):
+        _make(kind, 300, 1, 20).load_state_dict(legacy)
 
 
 def test_a_missing_state_file_is_a_state_error_naming_the_path(tmp_path):
@@ -421,8 +449,10 @@ def test_buffer_state_is_at_most_8_bytes_per_buffered_element_plus_4_kb(buffer_s
 
 
 def test_permutation_states_are_constant_size():
-    assert sh.state_bytes(sh.GlobalShuffle(n=10**12, seed=1)) < 200
-    assert sh.state_bytes(sh.ShardAwareShuffle(n=10**9, seed=1, shard_size=10**6, window_shards=8)) < 250
+    # Bounds raised by 64 bytes when states became nblib.manifest records (a sha256 where a crc32 was).
+    assert sh.state_bytes(sh.GlobalShuffle(n=10**12, seed=1)) < 264
+    assert sh.state_bytes(sh.ShardAwareShuffle(n=10**9, seed=1, shard_size=10**6, window_shards=8)) < 314
+    assert sh.state_bytes(sh.GlobalShuffle(n=10**12, seed=1)) == sh.state_bytes(sh.GlobalShuffle(n=10**3, seed=1)) + 9
 
 
 def test_save_and_load_state_through_a_file_resumes_exactly(tmp_path):
@@ -468,12 +498,12 @@ def test_resume_after_a_real_sigkill_gives_the_uninterrupted_order(tmp_path):
     victim = subprocess.Popen(run, env=subprocess_env(SLOW="1"), stdout=subprocess.PIPE)
     deadline = time.time() + 60
     while not (tmp_path / "state.json").exists() or \
-            json.loads((tmp_path / "state.json").read_text())["emitted"] < 500:
+            json.loads((tmp_path / "state.json").read_text())["body"]["emitted"] < 500:
         assert time.time() < deadline and victim.poll() is None
         time.sleep(0.02)
     os.kill(victim.pid, signal.SIGKILL)
     victim.wait()
-    killed_at = json.loads((tmp_path / "state.json").read_text())["emitted"]
+    killed_at = json.loads((tmp_path / "state.json").read_text())["body"]["emitted"]
     assert 0 < killed_at < 3000
     subprocess.run(run, env=subprocess_env(), check=True, capture_output=True, timeout=60)
     resumed = [int(x) for x in (tmp_path / "order.txt").read_text().split()]

@@ -148,7 +148,7 @@ def test_sampler_resumes_exactly_in_the_middle_of_its_second_epoch(kind):
         if step == 9:
             break
     state = json.loads(json.dumps(sampler.state_dict(consumed=consumed)))
-    assert state["epoch"] == _make(kind).epoch + 1
+    assert state["body"]["epoch"] == _make(kind).epoch + 1
 
     resumed = sh.ShuffleSampler(_make(kind))  # built as at the start of training, in epoch 1
     resumed.load_state_dict(state)
@@ -162,7 +162,8 @@ def test_sampler_refuses_an_edited_state_and_keeps_its_place():
     iterator = iter(sampler)
     for _ in range(20):
         next(iterator)
-    state = {**sampler.state_dict(), "epoch": 7}  # an edited epoch would silently yield another order
+    state = {**sampler.state_dict()}
+    state["body"] = {**state["body"], "epoch": 7}  # an edited epoch would silently yield another order
     with pytest.raises(StateError, match="checksum"):
         sampler.load_state_dict(state)
     assert sampler.shuffle.epoch == _make("global").epoch

@@ -218,7 +218,7 @@ def test_check_verdicts_follow_the_tolerance_for_values_and_ranges():
 
 
 def test_preflight_checkpoint_asks_for_the_disk_of_the_budget_model(tmp_path):
-    from nblib.measure import disk_free
+    from nblib.disk import disk_free
 
     free = disk_free(tmp_path)
     sample_bytes = 1_000_000

@@ -90,7 +90,7 @@ def choose_codec(n_images: int, free_bytes: int, codec_stats: dict[str, dict],
 
 def check_disk(folder: str | Path, need_bytes: int, *, what: str, knob: str) -> None:
     """Raise BudgetExceeded when `need_bytes` exceed the free disk of `folder`'s filesystem."""
-    from nblib.measure import disk_free, existing_parent
+    from nblib.disk import disk_free, existing_parent
 
     path, free = existing_parent(folder), disk_free(folder)
     if need_bytes > free:

@@ -117,7 +117,7 @@ def _on_google_drive(folder: Path) -> bool:
 
 
 def _same_filesystem(a: Path, b: Path) -> bool:
-    from nblib.measure import existing_parent
+    from nblib.disk import existing_parent
 
     return os.stat(existing_parent(a)).st_dev == os.stat(existing_parent(b)).st_dev
 

@@ -43,9 +43,9 @@ from nblib.cache.format import (
     write_cache_manifest,
 )
 from nblib.cache.texts import TextScan, TextSource, require_texts, scan_texts, text_source
+from nblib.disk import disk_free
 from nblib.errors import CacheError, ConfigError, InputError
 from nblib.lock import FolderLock, run_identity
-from nblib.measure import disk_free
 from nblib.pool import pool_context, watch_owner
 from nblib.render import Coverage, RenderFailed, RenderParams, coverage, render_params, render_with
 from nblib.units import fmt_bytes

@@ -275,7 +275,7 @@ def _stream_parts(read_part: Callable, manifest: dict, writers: dict[str, Atomic
 
 def _require_free_space(out_dir: Path, sizes: dict[str, int]) -> None:
     """BudgetExceeded, with the bytes needed and free, when the outputs to write do not fit."""
-    from nblib.measure import disk_free
+    from nblib.disk import disk_free
 
     need, free = sum(sizes.values()), disk_free(out_dir)
     if need > free:

@@ -33,7 +33,7 @@ import numpy as np
 from nblib.config import PipelineConfig
 from nblib.errors import BudgetExceeded, ConfigError, ManifestDamaged, NblibError, StateError
 from nblib.manifest import read_manifest, write_manifest
-from nblib.units import GB, fmt_bytes, fmt_duration
+from nblib.units import GB, fmt_bytes, fmt_duration, fmt_exception
 
 ROLES = ("single", "rank", "shard", "consolidate")
 RANKS_FOLDER = "ranks"             # under the run folder: one record per process that encoded parts
@@ -180,7 +180,7 @@ class World:
         return list(theirs_pending)
 
     def _lost(self, what: str, exc: BaseException) -> PeerLost:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        first = fmt_exception(exc)
         return PeerLost(
             f"rank {self.rank} of {self.size} gave up waiting for the other ranks at {what} ({first}): "
             f"a rank died, or did not arrive within {fmt_duration(self.timeout_s)}. Every finished part "
@@ -545,7 +545,7 @@ def _join_group(world: World, device: str | None, timeout_s: float) -> World:
             dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
         group = dist.new_group(backend="gloo", timeout=timeout) if cuda else dist.group.WORLD
     except (RuntimeError, ValueError) as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        first = fmt_exception(exc)
         raise PeerLost(f"rank {world.rank} of {world.size} could not meet the others at "
                        f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} ({first}); check "
                        f"that every node runs the same command and can reach rank 0's address, then rerun") from exc

@@ -28,7 +28,7 @@ from nblib.encode.distributed import SINGLE, World, require_all_parts
 from nblib.encode.protocols import ImageSource, PartStore, require_image_source, require_part_store
 from nblib.errors import BudgetExceeded, CacheError, ConfigError, DriveError, NblibError, ResumeMismatch, StateError
 from nblib.lock import FolderLock, run_identity
-from nblib.units import fmt_bytes, fmt_bytes_pair
+from nblib.units import fmt_bytes, fmt_bytes_pair, fmt_exception
 
 RUN_KIND = "nblib.encode.run"     # the run manifest's and every part meta's "kind"
 RUN_VERSION = 2                   # layout 1 (before nblib 0.2) is refused: encode into a new folder
@@ -158,8 +158,8 @@ def encode(cache: ImageSource, run_dir: str | Path, config: PipelineConfig, devi
     device = resolve_device(device)
     if device.type == "cpu":
         # the budget's RAM lines count live buffers; without this glibc keeps freed activations
-        # resident and a CPU run peaks 1.5-1.8x above them (see measure.pin_malloc_mmap_threshold)
-        from nblib.measure import pin_malloc_mmap_threshold
+        # resident and a CPU run peaks 1.5-1.8x above them (see malloc.pin_malloc_mmap_threshold)
+        from nblib.malloc import pin_malloc_mmap_threshold
 
         pin_malloc_mmap_threshold()
     encoder = load_encoder(config, weights).set_inference(precision=precision)
@@ -514,7 +514,7 @@ def check_disks(needs: dict[str, tuple[Path, int]]) -> None:
     Items on one file system (the same st_dev) are added up; a disk nothing lands on is not
     charged at all.
     """
-    from nblib.measure import disk_free, existing_parent
+    from nblib.disk import disk_free, existing_parent
 
     by_disk: dict[int, list[tuple[str, Path, int]]] = {}
     for item, (folder, nbytes) in needs.items():
@@ -575,7 +575,7 @@ def _encode_parts(cache: ImageSource, encoder, store: PartStore, manifest: dict,
         batch = min(plan.batch_size, plan.n_samples)
         raise BudgetExceeded(
             f"out of {'GPU ' if device.type == 'cuda' else ''}memory encoding batches of {batch:,} "
-            f"samples (batch_size {plan.batch_size:,}) on {device}: {_first_line(exc)}; lower "
+            f"samples (batch_size {plan.batch_size:,}) on {device}: {fmt_exception(exc)}; lower "
             f"--batch-size, or run without --no-preflight to see the predicted peak first. "
             f"Finished parts are kept: rerun to resume") from exc
     finally:
@@ -622,11 +622,6 @@ def _out_of_memory(exc: BaseException) -> bool:
     text = str(exc)
     return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError" or \
         "can't allocate memory" in text or "out of memory" in text.lower()
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0][:300] if lines else type(exc).__name__
 
 
 def _write_part(store: PartStore, manifest: dict, plan: RunPlan, k: int, arrays: dict[str, np.ndarray]) -> None:

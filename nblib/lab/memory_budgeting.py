@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from nblib import budget
 from nblib.reference import ANALYSIS
 from nblib.units import GB, MB, fmt_bytes
-
-TOLERANCE = 0.10
+from nblib.verdict import TOLERANCE, within_tolerance
+from nblib.verdict import verdict as verdict_word
 
 
 @dataclass(frozen=True)
@@ -33,11 +33,12 @@ class ReferenceCheck:
 
     @property
     def right(self) -> bool:
-        return abs(self.ratio - 1) <= self.tolerance
+        """The reference lies within `tolerance` of the budget's figure (nblib.verdict)."""
+        return within_tolerance(self.reference, self.ours, self.tolerance)
 
     @property
     def verdict(self) -> str:
-        return "right" if self.right else "wrong"
+        return verdict_word(self.right)
 
 
 def reference_comparison(device: str | budget.Device = "t4",

@@ -10,16 +10,17 @@ checkpoint never holds samples, only integers. One algorithm or concern per modu
 - `shard_aware`: `ShardAwareShuffle`, shard order shuffled, then samples within windows of
   `window_shards` shards; sequential reads, at a measured cost in neighbour locality.
 - `positional`: what the two permutation shuffles share (state = identity + position).
-- `state`: versioned, checksummed JSON states; `save_state` / `load_state` files.
+- `state`: states as `nblib.manifest` records (kind, version, body, sha256); `save_state` / `load_state` files.
 - `iterate`: `iter_samples`, `full_order`; `quality`: displacement, spearman, same-episode share.
 - `torch_adapters`: `ShuffleSampler`, `ShuffledIterableDataset` (loaded, with torch, on first use).
 
 The state contract (shared by all three): keyword-only constructors; iterating yields source
 indices (Python ints); `state_dict()` taken between any two yielded indices lets a fresh object
 built with the same arguments continue, after `load_state_dict(state)`, with exactly the next
-index. States are versioned, checksummed, JSON-serializable dicts; a state from another algorithm,
-n, seed, epoch, buffer_size or shard layout, or one edited after saving, is refused with a
-`StateError` naming the field.
+index. States are JSON-serializable `nblib.manifest` records whose sha256 covers the body; a
+state from another algorithm, n, seed, epoch, buffer_size or shard layout, one edited after
+saving, or an unchecked version-1 state (unless `allow_unchecked=True`) is refused with a
+`StateError` naming the field. `len(shuffle)` is what the epoch still yields.
 """
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from nblib.errors import ConfigError, StateError
 from nblib.shuffle.keyed_random import check_n, derive_keys, draw_below
 from nblib.shuffle.state import (
+    as_int,
     decode_indices,
     encode_indices,
     int_field,
@@ -42,7 +43,9 @@ class ResumableShuffleBuffer:
 
     def __init__(self, *, n: int, buffer_size: int, seed: int, epoch: int = 0):
         check_n(n)
-        if int(buffer_size) < 1:
+        n, buffer_size, seed, epoch = (as_int(k, v) for k, v in
+                                       (("n", n), ("buffer_size", buffer_size), ("seed", seed), ("epoch", epoch)))
+        if buffer_size < 1:
             raise ConfigError(f"buffer_size={buffer_size} must be >= 1 (1 means no shuffling)")
         self.n, self.buffer_size, self.seed, self.epoch = int(n), int(buffer_size), int(seed), int(epoch)
         self._key = derive_keys("buffer", self.seed, self.epoch, self.n, count=1)[0]
@@ -68,8 +71,8 @@ class ResumableShuffleBuffer:
             yield index
 
     def __len__(self) -> int:
-        """The epoch length n (not what is left: see `remaining`)."""
-        return self.n
+        """How many indices this epoch still yields (`remaining`), so `list(shuffle)` sizes itself right."""
+        return self.remaining
 
     @property
     def remaining(self) -> int:
@@ -82,20 +85,23 @@ class ResumableShuffleBuffer:
         return [self._ring[p % size] for p in range(self.emitted, self.cursor)]
 
     def state_dict(self) -> dict:
-        """Versioned, checksummed, JSON-serializable state: RNG counter (= emitted), cursor, buffered indices."""
+        """A checksummed manifest record (JSON-serializable): RNG counter (= emitted), cursor, buffered indices."""
         progress = {"emitted": self.emitted, "cursor": self.cursor, **encode_indices(self.buffered_indices(), self.n)}
         return seal({**state_header(self), **progress})
 
-    def load_state_dict(self, state: dict | str) -> None:
-        """Continue from `state` (a dict or its JSON text); refuse one from another shuffle or edited."""
-        state = open_state(self, state)
-        emitted = int_field(state, "emitted", 0, self.n)
-        cursor = int_field(state, "cursor", 0, self.n)
+    def load_state_dict(self, state: dict | str, *, allow_unchecked: bool = False) -> None:
+        """Continue from `state` (a dict or its JSON text); refuse one from another shuffle or edited.
+
+        allow_unchecked: also load a version-1 state, which has no checksum (refused by default).
+        """
+        state, fields = open_state(self, state, allow_unchecked=allow_unchecked)
+        emitted = int_field(fields, "emitted", 0, self.n)
+        cursor = int_field(fields, "cursor", 0, self.n)
         expected_cursor = 0 if emitted == 0 else min(self.n, emitted - 1 + self.buffer_size)
         if cursor != expected_cursor:
             raise StateError(f"state field 'cursor' is {cursor}, but after {emitted} outputs with "
                              f"buffer_size={self.buffer_size} it must be {expected_cursor}: the state is corrupt")
-        buffered = decode_indices(state, self.n, expected_len=cursor - emitted)
+        buffered = decode_indices(fields, self.n, expected_len=cursor - emitted)
         if buffered.size and int(buffered.max()) >= cursor:
             raise StateError(f"state field 'buffer' holds index {int(buffered.max())} >= cursor {cursor}: "
                              "the state is corrupt")

@@ -11,6 +11,7 @@ import numpy as np
 from nblib.shuffle.feistel import FeistelPermutation
 from nblib.shuffle.keyed_random import derive_keys
 from nblib.shuffle.positional import PositionalShuffle
+from nblib.shuffle.state import as_int
 
 
 class GlobalShuffle(PositionalShuffle):
@@ -20,7 +21,7 @@ class GlobalShuffle(PositionalShuffle):
     identity_fields = ("n", "seed", "epoch")
 
     def __init__(self, *, n: int, seed: int, epoch: int = 0):
-        self.n, self.seed, self.epoch = int(n), int(seed), int(epoch)
+        self.n, self.seed, self.epoch = as_int("n", n), as_int("seed", seed), as_int("epoch", epoch)
         self._permutation = FeistelPermutation(self.n, derive_keys("global", self.seed, self.epoch, self.n))
         self.position = 0
 
@@ -35,5 +36,5 @@ class GlobalShuffle(PositionalShuffle):
 
     def indices(self, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Source indices of output positions [start, stop) as an int64 array."""
-        stop = self.n if stop is None else min(int(stop), self.n)
-        return self._permutation.indices(np.arange(start, max(start, stop), dtype=np.uint64))
+        start, stop = self.check_range(start, stop)
+        return self._permutation.indices(np.arange(start, stop, dtype=np.uint64))

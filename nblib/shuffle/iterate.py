@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from nblib.shuffle.state import state_fields
+
 
 def iter_samples(source, shuffle) -> Iterator[Any]:
     """Yield `source[i]` in the shuffle's order; after a restore, continues with the next sample.
@@ -47,4 +49,5 @@ def advance(shuffle, steps: int) -> None:
 
 def outputs_done(state: dict) -> int:
     """How many outputs of the epoch a state has already yielded."""
-    return int(state["emitted"] if "emitted" in state else state["position"])
+    fields = state_fields(state)
+    return int(fields["emitted"] if "emitted" in fields else fields["position"])

@@ -6,10 +6,12 @@ state and random access to any position, but reads land anywhere, so the source 
 """
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator
 
 import numpy as np
 
+from nblib.errors import ConfigError
 from nblib.shuffle.state import int_field, open_state, seal, state_header, verify_checksum
 
 CHUNK = 8192  # positions computed per vectorized call while iterating
@@ -44,8 +46,8 @@ class PositionalShuffle:
                 yield index
 
     def __len__(self) -> int:
-        """The epoch length n (not what is left: see `remaining`)."""
-        return self.n
+        """How many indices this epoch still yields (`remaining`), so `list(shuffle)` sizes itself right."""
+        return self.remaining
 
     @property
     def remaining(self) -> int:
@@ -53,12 +55,24 @@ class PositionalShuffle:
         return self.n - self.position
 
     def state_dict(self) -> dict:
-        """Versioned, checksummed, JSON-serializable state: the shuffle's arguments and the position."""
+        """A checksummed manifest record (JSON-serializable): the shuffle's arguments and the position."""
         return seal({**state_header(self), "position": self.position})
 
-    def load_state_dict(self, state: dict | str) -> None:
-        """Continue from `state` (a dict or its JSON text); refuse one from another shuffle or edited."""
-        state = open_state(self, state)
-        position = int_field(state, "position", 0, self.n)
+    def load_state_dict(self, state: dict | str, *, allow_unchecked: bool = False) -> None:
+        """Continue from `state` (a dict or its JSON text); refuse one from another shuffle or edited.
+
+        allow_unchecked: also load a version-1 state, which has no checksum (refused by default).
+        """
+        state, fields = open_state(self, state, allow_unchecked=allow_unchecked)
+        position = int_field(fields, "position", 0, self.n)
         verify_checksum(state, ("position",))
         self.position = position
+
+    def check_range(self, start: int, stop: int | None) -> tuple[int, int]:
+        """(start, stop) of an `indices` call as ints clipped to n; ConfigError for a negative or reversed range."""
+        start = operator.index(start)
+        stop = self.n if stop is None else min(operator.index(stop), self.n)
+        if not 0 <= start <= self.n or stop < 0:
+            raise ConfigError(f"indices(start={start}, stop={stop}) of a shuffle of n={self.n}: positions run "
+                              f"from 0 to n; pass 0 <= start <= stop <= {self.n}")
+        return start, max(start, stop)

@@ -12,6 +12,10 @@ from nblib.errors import ConfigError
 from nblib.shuffle.feistel import FeistelPermutation
 from nblib.shuffle.keyed_random import check_n, derive_keys
 from nblib.shuffle.positional import PositionalShuffle
+from nblib.shuffle.state import as_int
+
+MAX_SHARDS = 2**25        # the shard order is held in RAM: ~40 bytes per shard while it is built
+BYTES_PER_SHARD = 40
 
 
 class ShardAwareShuffle(PositionalShuffle):
@@ -29,11 +33,12 @@ class ShardAwareShuffle(PositionalShuffle):
 
     def __init__(self, *, n: int, seed: int, epoch: int = 0, shard_size: int, window_shards: int):
         check_n(n)
-        if int(shard_size) < 1 or int(window_shards) < 1:
+        self.n, self.seed, self.epoch = as_int("n", n), as_int("seed", seed), as_int("epoch", epoch)
+        self.shard_size, self.window_shards = as_int("shard_size", shard_size), as_int("window_shards", window_shards)
+        if self.shard_size < 1 or self.window_shards < 1:
             raise ConfigError(f"shard_size={shard_size} and window_shards={window_shards} must both be >= 1")
-        self.n, self.seed, self.epoch = int(n), int(seed), int(epoch)
-        self.shard_size, self.window_shards = int(shard_size), int(window_shards)
         num_shards = -(-self.n // self.shard_size)
+        check_shard_count(self.n, self.shard_size, num_shards)
         shard_perm = FeistelPermutation(num_shards, derive_keys("shards", self.seed, self.epoch, self.n))
         self.shard_order = shard_perm.indices(np.arange(num_shards, dtype=np.uint64))
         sizes = np.full(num_shards, self.shard_size, dtype=np.int64)
@@ -53,7 +58,7 @@ class ShardAwareShuffle(PositionalShuffle):
 
     def indices(self, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Source indices of output positions [start, stop) as an int64 array."""
-        stop = self.n if stop is None else min(int(stop), self.n)
+        start, stop = self.check_range(start, stop)
         parts = []
         window = int(np.searchsorted(self._window_starts, start, side="right")) - 1
         while start < stop:
@@ -76,3 +81,14 @@ class ShardAwareShuffle(PositionalShuffle):
         slot = np.searchsorted(offsets, local, side="right") - 1
         shards = self.shard_order[window * self.window_shards + slot]
         return shards * self.shard_size + (local - offsets[slot])
+
+
+def check_shard_count(n: int, shard_size: int, num_shards: int) -> None:
+    """Refuse a layout whose per-shard arrays would not fit in RAM (the shard order is held in full)."""
+    if num_shards > MAX_SHARDS:
+        need = num_shards * BYTES_PER_SHARD
+        raise ConfigError(f"n={n:,} in shards of shard_size={shard_size:,} is {num_shards:,} shards; "
+                          f"ShardAwareShuffle holds ~{BYTES_PER_SHARD} bytes per shard in RAM "
+                          f"({need / 2**30:,.1f} GiB), more than the {MAX_SHARDS:,} shards it allows: pass "
+                          f"shard_size >= {-(-n // MAX_SHARDS):,} (the source's real shard size), or use "
+                          "GlobalShuffle, whose state and memory are O(1) at any n")

@@ -1,23 +1,31 @@
-"""Shuffle states as versioned, checksummed JSON: build, verify, (de)serialize, save and load.
+"""Shuffle states as nblib manifest records: build, verify, (de)serialize, save and load.
 
-A state is the shuffle's identity (algorithm, n, seed, epoch, layout), its progress (a position,
-or the buffer's counters and base64 indices) and a crc32 over all of it; loading names the field
-that is foreign, out of range or edited. Trade-off: a checksum catches damage and edits, not forgery.
+A state is one `nblib.manifest` record {kind, version, seq, body, sha256}: the body holds the
+shuffle's identity (algorithm, n, seed, epoch, layout) and its progress (a position, or the
+buffer's counters and base64 indices); the record's sha256 covers the body. Loading names the
+field that is foreign, out of range or edited. States of earlier nblib versions (flat JSON,
+version 2 with a crc32) still load, checked; version 1 predates any checksum, so it loads only
+when the caller asks for an unchecked load. Trade-off: a checksum catches damage and edits, not forgery.
 """
 from __future__ import annotations
 
 import base64
 import json
+import operator
 import zlib
 from pathlib import Path
 
 import numpy as np
 
-from nblib.errors import StateError
+from nblib.atomic import atomic_write_bytes
+from nblib.errors import ConfigError, StateError
+from nblib.manifest import body_sha256
 
-STATE_VERSION = 2  # 2: every state carries 'state_crc32'; 1 (before it) still loads, unchecked
-READABLE_VERSIONS = (1, 2)
-CHECKSUM_FIELD = "state_crc32"
+STATE_KIND = "nblib.shuffle.state"
+STATE_VERSION = 3  # 3: a manifest record; 2: flat JSON with 'state_crc32'; 1: flat, no checksum
+LEGACY_VERSIONS = (1, 2)
+CHECKSUM_FIELD = "state_crc32"  # the checksum of a version-2 (flat) state
+UNCHECKED_HINT = "pass allow_unchecked=True to load it anyway, at your own risk"
 
 
 def state_to_json(state: dict) -> str:
@@ -26,12 +34,16 @@ def state_to_json(state: dict) -> str:
 
 
 def load_state_json(text: str | bytes) -> dict:
-    """Parse a state's JSON text; corrupt or truncated text raises StateError."""
+    """Parse a state's JSON text; corrupt, truncated or absurdly nested text raises StateError."""
     try:
         state = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise StateError(f"shuffle state is not valid JSON ({exc}): the file is corrupt or truncated; "
                          "use an older checkpoint or start the epoch afresh") from None
+    except RecursionError:
+        raise StateError("shuffle state is not valid JSON for a state: it nests deeper than Python can "
+                         "parse (a state is a flat record); the file is corrupt, use an older checkpoint "
+                         "or start the epoch afresh") from None
     if not isinstance(state, dict):
         raise StateError(f"shuffle state must be a JSON object, got {type(state).__name__}")
     return state
@@ -44,12 +56,10 @@ def state_bytes(shuffle) -> int:
 
 def save_state(path: str | Path, shuffle) -> Path:
     """Write the shuffle's state to `path` atomically (temporary file, fsync, rename); return the path."""
-    from nblib.atomic import atomic_write_bytes
-
     return atomic_write_bytes(path, state_to_json(shuffle.state_dict()).encode()).path
 
 
-def load_state(path: str | Path, shuffle) -> None:
+def load_state(path: str | Path, shuffle, *, allow_unchecked: bool = False) -> None:
     """Load the state saved at `path` into `shuffle`; a missing or unreadable file is a StateError."""
     try:
         raw = Path(path).read_bytes()
@@ -59,63 +69,95 @@ def load_state(path: str | Path, shuffle) -> None:
     except OSError as exc:
         raise StateError(f"cannot read the shuffle state at {path} ({exc.strerror}): "
                          "pass the path of a file that save_state wrote") from None
-    shuffle.load_state_dict(load_state_json(raw))
+    shuffle.load_state_dict(load_state_json(raw), allow_unchecked=allow_unchecked)
+
+
+def state_fields(state: dict) -> dict:
+    """The fields of a state (a record's body, or a legacy flat state itself)."""
+    body = state.get("body") if "kind" in state else state
+    if not isinstance(body, dict):
+        raise StateError(f"shuffle state field 'body' is {type(body).__name__}, not an object: the state is corrupt")
+    return body
 
 
 # ---------------------------------------------------------------- what the shuffle classes call
 
 
 def state_header(shuffle) -> dict:
-    """Version, algorithm and the identity fields a state must share with the shuffle that loads it."""
+    """The algorithm and the identity fields a state must share with the shuffle that loads it."""
     fields = {name: getattr(shuffle, name) for name in shuffle.identity_fields}
-    return {"version": STATE_VERSION, "algorithm": shuffle.algorithm, **fields}
+    return {"algorithm": shuffle.algorithm, **fields}
 
 
-def seal(state: dict) -> dict:
-    """The state with its checksum 'state_crc32' over every other field added."""
-    return {**state, CHECKSUM_FIELD: state_crc32(state)}
+def seal(body: dict) -> dict:
+    """The state record of `body`: a manifest record (kind, version, seq, body, sha256)."""
+    return {"kind": STATE_KIND, "version": STATE_VERSION, "seq": 0, "body": body, "sha256": body_sha256(body)}
 
 
-def open_state(shuffle, state) -> dict:
-    """The state as a dict (from a dict or JSON text), refused if its version or identity differs."""
+def open_state(shuffle, state, *, allow_unchecked: bool = False) -> tuple[dict, dict]:
+    """(record, fields) of a state dict or JSON text, refused if its kind, version or identity differs."""
     state = as_state(state)
-    if state.get("version", READABLE_VERSIONS[0]) not in READABLE_VERSIONS:
-        raise StateError(f"state field 'version' is {state['version']!r}; this nblib reads versions "
-                         f"{list(READABLE_VERSIONS)}: save the state again with this nblib or start the epoch afresh")
+    fields = state_fields(state)
+    if "kind" in state:
+        if state["kind"] != STATE_KIND:
+            raise StateError(f"state field 'kind' is {state['kind']!r}, not {STATE_KIND!r}: it is not a "
+                             "nblib.shuffle state; pass what state_dict() or save_state wrote")
+        if state.get("version") != STATE_VERSION:
+            raise StateError(f"state field 'version' is {state.get('version')!r}; this nblib reads version "
+                             f"{STATE_VERSION} records (and the flat versions {list(LEGACY_VERSIONS)}): save the "
+                             "state again with this nblib or start the epoch afresh")
+    elif fields.get("version", LEGACY_VERSIONS[0]) not in LEGACY_VERSIONS:
+        raise StateError(f"state field 'version' is {fields['version']!r}; this nblib reads versions "
+                         f"{[*LEGACY_VERSIONS, STATE_VERSION]}: save the state again with this nblib or start "
+                         "the epoch afresh")
+    elif fields.get("version", 1) == 1 and not allow_unchecked:
+        raise StateError("shuffle state has 'version' 1 and no checksum: nothing shows whether its position "
+                         "was edited or damaged, and loading an edited one silently skips or repeats samples. "
+                         f"Use a state saved by this nblib, or, if you trust this file, {UNCHECKED_HINT}")
     for name, expected in state_header(shuffle).items():
-        if name not in state:
+        if name not in fields:
             raise StateError(f"shuffle state has no field '{name}': it is not a nblib.shuffle state "
-                             f"(fields: {sorted(state)})")
-        if name != "version" and state[name] != expected:
-            raise StateError(f"state field '{name}' is {state[name]!r} but this {type(shuffle).__name__} "
+                             f"(fields: {sorted(fields)})")
+        value = fields[name]
+        if name != "algorithm" and (isinstance(value, bool) or not isinstance(value, int)):
+            raise StateError(f"state field '{name}' is {value!r}; it must be an integer (this "
+                             f"{type(shuffle).__name__} has {name}={expected!r}): the state is damaged or was "
+                             "written by something else; use the state as saved or start the epoch afresh")
+        if value != expected:
+            raise StateError(f"state field '{name}' is {value!r} but this {type(shuffle).__name__} "
                              f"has {name}={expected!r}: the state belongs to another shuffle; build it with "
-                             f"{name}={state[name]!r} or start the epoch afresh")
-    return state
+                             f"{name}={value!r} or start the epoch afresh")
+    return state, fields
 
 
 def verify_checksum(state: dict, progress_fields: tuple[str, ...]) -> None:
-    """Refuse a state whose fields no longer match 'state_crc32', naming its progress fields.
+    """Refuse a state whose fields no longer match its checksum, naming its progress fields.
 
     The identity fields were already compared with the loading shuffle, so a mismatch means a
     progress field (a position, a counter) was edited: loading it would skip or repeat samples.
-    Version-1 states predate the checksum and load unchecked.
+    Version-1 states predate the checksum: `open_state` lets them through only when asked.
     """
-    if CHECKSUM_FIELD not in state:
-        if state["version"] == 1:
-            return
-        raise StateError(f"shuffle state has no field '{CHECKSUM_FIELD}' (a version-{state['version']} state "
-                         "always carries one): the state was edited; use the file as saved or start the epoch afresh")
-    expected = state_crc32(state)
-    if state[CHECKSUM_FIELD] != expected:
-        fields = ", ".join(f"'{name}'={state.get(name)!r}" for name in progress_fields)
-        raise StateError(f"state field {fields} does not match the state's checksum ('{CHECKSUM_FIELD}' is "
-                         f"{state[CHECKSUM_FIELD]!r}, the fields give {expected}): it was edited or damaged "
+    fields = state_fields(state)
+    if "kind" in state:
+        stored, expected, name = state.get("sha256"), _body_sha256(fields), "sha256"
+    else:
+        if CHECKSUM_FIELD not in fields:
+            if fields.get("version", 1) == 1:
+                return
+            raise StateError(f"shuffle state has no field '{CHECKSUM_FIELD}' (a version-{fields['version']} "
+                             "state always carries one): the state was edited; use the file as saved or start "
+                             "the epoch afresh")
+        stored, expected, name = fields[CHECKSUM_FIELD], state_crc32(fields), CHECKSUM_FIELD
+    if stored != expected:
+        shown = ", ".join(f"'{f}'={fields.get(f)!r}" for f in progress_fields)
+        raise StateError(f"state field {shown} does not match the state's checksum ('{name}' is "
+                         f"{stored!r}, the fields give {expected}): it was edited or damaged "
                          "after saving and would silently skip or repeat samples; use the state as saved, "
                          "an older checkpoint, or start the epoch afresh")
 
 
 def state_crc32(state: dict) -> int:
-    """crc32 of the compact JSON of every field but the checksum itself."""
+    """crc32 of the compact JSON of every field but the checksum itself (version-2 flat states)."""
     fields = {name: value for name, value in state.items() if name != CHECKSUM_FIELD}
     return zlib.crc32(state_to_json(fields).encode())
 
@@ -130,11 +172,22 @@ def as_state(state) -> dict:
 
 
 def int_field(state: dict, name: str, low: int, high: int) -> int:
-    """An integer field of a state, within [low, high]."""
+    """An integer field of a state's fields, within [low, high]."""
     value = state.get(name)
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise StateError(f"state field '{name}' is {value!r}; it must be an integer in [{low}, {high}]")
     return value
+
+
+def as_int(name: str, value) -> int:
+    """A constructor argument that must be an integer (an int or numpy integer; not 1.0, not True)."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{name}={value!r} must be an integer, not a bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ConfigError(f"{name}={value!r} must be an integer ({type(value).__name__} given): "
+                          f"pass {name}=int(...) of the value you mean") from None
 
 
 def encode_indices(indices: list[int], n: int) -> dict:
@@ -146,7 +199,7 @@ def encode_indices(indices: list[int], n: int) -> dict:
 
 
 def decode_indices(state: dict, n: int, expected_len: int) -> np.ndarray:
-    """Decode and verify the base64 'buffer' of a state (int64), naming the field that is wrong."""
+    """Decode and verify the base64 'buffer' of a state's fields (int64), naming the field that is wrong."""
     dtype_name = state.get("buffer_dtype")
     if dtype_name != index_dtype(n).name:
         raise StateError(f"state field 'buffer_dtype' is {dtype_name!r}, expected {index_dtype(n).name!r}")
@@ -167,3 +220,11 @@ def decode_indices(state: dict, n: int, expected_len: int) -> np.ndarray:
 def index_dtype(n: int) -> np.dtype:
     """The narrowest unsigned dtype holding indices < n (uint32 up to 4 billion samples)."""
     return np.dtype(np.uint32) if n <= 2**32 else np.dtype(np.uint64)
+
+
+def _body_sha256(fields: dict) -> str:
+    try:
+        return body_sha256(fields)
+    except (RecursionError, TypeError, ValueError):
+        raise StateError("shuffle state's body cannot be hashed (nested too deep or not JSON values): "
+                         "the state is corrupt; use an older checkpoint or start the epoch afresh") from None

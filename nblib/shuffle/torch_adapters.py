@@ -10,7 +10,7 @@ import torch.utils.data
 
 from nblib.errors import StateError
 from nblib.shuffle.iterate import advance, fresh_like, outputs_done
-from nblib.shuffle.state import as_state, int_field
+from nblib.shuffle.state import as_state, int_field, state_fields
 
 
 class _ReplayFromCheckpoint:
@@ -26,12 +26,12 @@ class _ReplayFromCheckpoint:
         self.shuffle = shuffle
         self._base_state = shuffle.state_dict()
 
-    def _load_shuffle_state(self, state: dict) -> None:
+    def _load_shuffle_state(self, state: dict, allow_unchecked: bool = False) -> None:
         """Continue from a shuffle state of any epoch of this shuffle (the epoch is progress here)."""
-        epoch = state.get("epoch")
+        epoch = state_fields(state).get("epoch")
         same_epoch = isinstance(epoch, bool) or not isinstance(epoch, int) or epoch == self.shuffle.epoch
         shuffle = self.shuffle if same_epoch else fresh_like(self.shuffle, epoch=epoch)
-        shuffle.load_state_dict(state)  # refuses a foreign or edited state before anything changes
+        shuffle.load_state_dict(state, allow_unchecked=allow_unchecked)  # refuses a foreign or edited state first
         self._set_shuffle(shuffle)
 
     def _shuffle_state_at(self, consumed: int) -> dict:
@@ -82,9 +82,12 @@ class ShuffleSampler(_ReplayFromCheckpoint, torch.utils.data.Sampler):
         """The shuffle's state now (torchdata) or after `consumed` outputs of the current epoch."""
         return self.shuffle.state_dict() if consumed is None else self._shuffle_state_at(consumed)
 
-    def load_state_dict(self, state: dict | str) -> None:
-        """Continue from `state` (a shuffle state, of any epoch); the next iteration starts at its next index."""
-        self._load_shuffle_state(as_state(state))
+    def load_state_dict(self, state: dict | str, *, allow_unchecked: bool = False) -> None:
+        """Continue from `state` (a shuffle state, of any epoch); the next iteration starts at its next index.
+
+        allow_unchecked: also load a version-1 shuffle state, which has no checksum (refused by default).
+        """
+        self._load_shuffle_state(as_state(state), allow_unchecked)
 
 
 class ShuffledIterableDataset(_ReplayFromCheckpoint, torch.utils.data.IterableDataset):
@@ -121,15 +124,15 @@ class ShuffledIterableDataset(_ReplayFromCheckpoint, torch.utils.data.IterableDa
             return {"shuffle": self.shuffle.state_dict(), "chunk_origin": self.chunk_origin}
         return {"shuffle": self._shuffle_state_at(consumed), "chunk_origin": int(consumed)}
 
-    def load_state_dict(self, state: dict | str) -> None:
-        """Continue from a state of `state_dict` (dict or JSON text)."""
+    def load_state_dict(self, state: dict | str, *, allow_unchecked: bool = False) -> None:
+        """Continue from a state of `state_dict` (dict or JSON text); allow_unchecked: as ShuffleSampler's."""
         state = as_state(state)
         if not isinstance(state.get("shuffle"), dict):
             raise StateError("dataset state has no field 'shuffle' (a shuffle state): pass what "
                              "ShuffledIterableDataset.state_dict() returned")
         shuffle_state = state["shuffle"]
         chunk_origin = int_field(state, "chunk_origin", 0, self.shuffle.n)
-        self._load_shuffle_state(shuffle_state)
+        self._load_shuffle_state(shuffle_state, allow_unchecked)
         self.chunk_origin = chunk_origin
 
     def set_epoch(self, epoch: int) -> None:

@@ -1,0 +1,94 @@
+"""Disk and path helpers: bytes under a folder, free space of the filesystem holding a path.
+
+Budgets (`nblib.budget`), preflights and runs read free space here; the measured twin of a disk
+prediction is `DiskDelta`. A job's folder may not exist yet, so free space is read on its nearest
+existing parent. Trade-off: `disk_usage` walks the tree (O(files)), exact but not free on huge folders.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from pathlib import Path
+
+
+def disk_usage(folder: str | Path) -> int:
+    """Bytes of all regular files under `folder` (0 if it does not exist)."""
+    total = 0
+    for root, _dirs, files in os.walk(folder):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except FileNotFoundError:   # removed while walking (a temporary renamed away)
+                pass
+    return total
+
+
+def existing_parent(folder: str | Path) -> Path:
+    """`folder` if it exists, else its nearest existing parent (a job's folder may not exist yet)."""
+    path = Path(folder).expanduser().absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def disk_space(folder: str | Path) -> tuple[int, int]:
+    """(total, free) bytes of the filesystem holding `folder` (or its nearest existing parent)."""
+    usage = shutil.disk_usage(existing_parent(folder))
+    return usage.total, usage.free
+
+
+def disk_free(folder: str | Path) -> int:
+    """Free bytes on the filesystem holding `folder` (or its nearest existing parent)."""
+    return disk_space(folder)[1]
+
+
+class DiskDelta:
+    """Context manager: bytes a folder grew by (files under it) and free-disk change."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        self.before = self.after = 0
+        self.free_before = self.free_after = 0
+
+    @property
+    def delta(self) -> int:
+        return self.after - self.before
+
+    def __enter__(self) -> DiskDelta:
+        self.before, self.free_before = disk_usage(self.folder), disk_free(self.folder)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.after, self.free_after = disk_usage(self.folder), disk_free(self.folder)
+
+
+class DiskPeak:
+    """Context manager: sample a folder's size in a thread while a block runs; keep the peak.
+
+    Samples on entry, every `every_s` seconds, and once more on exit. A save's temporary files
+    that live shorter than one interval can be missed: the peak is a lower bound.
+    """
+
+    def __init__(self, folder: str | Path, every_s: float = 0.002):
+        self.folder, self.every_s, self.peak = Path(folder), every_s, 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> DiskPeak:
+        self._sample()
+        self._thread = threading.Thread(target=self._run, name="DiskPeak", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self._sample()
+
+    def _sample(self) -> None:
+        self.peak = max(self.peak, disk_usage(self.folder))
