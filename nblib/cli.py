@@ -262,7 +262,7 @@ def encode_main(argv: list[str]) -> int:
 def _encode_parser() -> argparse.ArgumentParser:
     from nblib.config import OUTPUT_DTYPES, OUTPUT_NAMES
     from nblib.encode import OFFLOAD_MODES
-    from nblib.trm import PRECISIONS
+    from nblib.encode.numerics import PRECISIONS
 
     p = argparse.ArgumentParser(prog="python -m nblib encode", description=encode_main.__doc__,
                                 exit_on_error=False)

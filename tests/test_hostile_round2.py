@@ -306,8 +306,8 @@ def test_two_runs_sharing_one_mirror_one_is_refused_naming_the_mirror_and_the_su
         assert f"the mirror folder {mirror} belongs to another run" in line and "--mirror" in line, line
         assert str(outs[1 - won[0]]) in line or "first used from" in line
         assert output_hashes(outs[won[0]]) == refs[won[0]]
-        shutil.rmtree(outs[won[0]])                 # the runtime is gone: only the mirror is left
-        fresh_resume_from_mirror(cache, mirror, tmp_path / f"fresh-{trial}", won[0], refs)
+    shutil.rmtree(outs[won[0]])                     # the runtime is gone: only the mirror is left
+    fresh_resume_from_mirror(cache, mirror, tmp_path / "fresh", won[0], refs)
 
 
 def test_the_mirror_thread_never_overwrites_a_folder_another_run_claimed(tmp_path):
@@ -430,6 +430,10 @@ def test_a_resume_with_other_numerics_is_refused_naming_the_change_and_reencodes
     for extra in ((), ("--verify",)):
         line = one_error_line(run_encode(cache, out, 0, *extra))
         assert "precision bf16 -> fp32: this run was started on cpu" in line and "--reencode-numerics" in line, line
+    from nblib.encode.numerics import PRECISIONS
+    from nblib.trm import PRECISIONS as ENCODER_PRECISIONS
+
+    assert PRECISIONS == ENCODER_PRECISIONS          # the CLI's choices are the encoder's
     done = run_encode(cache, out, 0, "--reencode-numerics")
     assert done.returncode == 0, done.stderr
     assert "encoded 16 of 16 parts" in done.stdout, done.stdout    # the bf16 parts were encoded again

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 from nblib.errors import ResumeMismatch
 
-__all__ = ["KEY", "numerics_changes", "numerics_of", "refuse_other_numerics", "resolved_precision"]
+__all__ = ["KEY", "PRECISIONS", "numerics_changes", "numerics_of", "refuse_other_numerics", "resolved_precision"]
 
 KEY = "numerics"   # the key under a run's fingerprints and each part's meta fingerprints
+PRECISIONS = ("auto", "fp32", "fp16", "bf16")   # nblib.trm.PRECISIONS, here without importing torch
 
 
 def resolved_precision(precision: str, device_type: str) -> str:
