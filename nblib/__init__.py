@@ -12,10 +12,16 @@ from nblib.errors import (
     CacheError,
     ConfigError,
     DriveError,
+    EmptyPipelineError,
+    FolderBusyError,
     InputError,
+    LockLostError,
+    ManifestDamaged,
     NblibError,
+    PeerLost,
     ResumeMismatch,
     StateError,
+    WeightsError,
 )
 
 __version__ = "0.1.0"
@@ -27,8 +33,9 @@ _SUBMODULES = (
 )
 
 __all__ = [
-    "BudgetExceeded", "CacheError", "ConfigError", "DriveError", "InputError", "NblibError",
-    "ResumeMismatch", "StateError", "__version__", *_SUBMODULES,
+    "BudgetExceeded", "CacheError", "ConfigError", "DriveError", "EmptyPipelineError", "FolderBusyError",
+    "InputError", "LockLostError", "ManifestDamaged", "NblibError", "PeerLost", "ResumeMismatch",
+    "StateError", "WeightsError", "__version__", *_SUBMODULES,
 ]
 
 

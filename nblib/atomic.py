@@ -21,6 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+__all__ = [
+    "TMP_PREFIX", "AtomicWriter", "WrittenFile", "atomic_open", "atomic_torch_save", "atomic_write_bytes",
+    "atomic_write_json", "fsync_dir", "json_bytes", "leftover_temporaries", "npy_header", "sha256_file",
+    "sha256_json", "stat_fingerprint",
+]
+
 TMP_PREFIX = ".tmp-"
 
 
@@ -66,16 +72,6 @@ class AtomicWriter:
         self._hash.update(view)
         self.bytes += view.nbytes
         return view.nbytes
-
-    def write_array(self, array) -> None:
-        """Append `np.save`'s exact bytes for `array` (header, then the data)."""
-        import numpy as np
-
-        array = np.asarray(array)
-        if array.dtype.hasobject:
-            raise ValueError("object arrays cannot be stored; convert them to a numeric dtype")
-        self.write(npy_header(array.dtype, array.shape))
-        self.write(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
 
     def commit(self, expect_sha256: str | None = None) -> WrittenFile:
         """Flush, fsync, rename onto `path`, fsync the folder; the file's size and sha256.
@@ -151,13 +147,6 @@ def atomic_write_json(path: str | Path, obj) -> WrittenFile:
     return atomic_write_bytes(path, json_bytes(obj))
 
 
-def atomic_save_npy(path: str | Path, array) -> WrittenFile:
-    """`np.save` to `path` atomically, hashed while written."""
-    with AtomicWriter(path) as writer:
-        writer.write_array(array)
-        return writer.commit()
-
-
 def atomic_torch_save(obj, path: str | Path) -> WrittenFile:
     """`torch.save` to `path` atomically (torch imported here, not at nblib import)."""
     import torch
@@ -174,7 +163,7 @@ def json_bytes(obj) -> bytes:
 
 def npy_header(dtype, shape) -> bytes:
     """The exact .npy header `np.save` writes for an array of `dtype` and `shape`."""
-    import numpy as np
+    import numpy as np  # not at module level: nblib.config imports this module, numpy costs ~150 ms
 
     header = io.BytesIO()
     np.lib.format.write_array_header_1_0(

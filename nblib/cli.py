@@ -239,7 +239,7 @@ def encode_main(argv: list[str]) -> int:
     """`python -m nblib encode`: stream the encoder over a cache into durable, resumable parts."""
     from nblib import env
     from nblib.cache import ShardedImageCache
-    from nblib.encode import encode
+    from nblib.encode import VerifyLevel, encode
     from nblib.encode.distributed import join
 
     args = parse_or_refuse(_encode_parser(), argv)
@@ -250,11 +250,11 @@ def encode_main(argv: list[str]) -> int:
             report = encode(ShardedImageCache(args.cache), args.out, config, device=world.device,
                             mirror_dir=args.mirror, progress=not args.no_progress, offload=args.offload,
                             weights=args.weights, preflight=not args.no_preflight, world=world,
-                            verify=args.verify, precision=args.precision,
-                            reencode_numerics=args.reencode_numerics)
+                            verify=VerifyLevel.HASH if args.verify else VerifyLevel.STAT,
+                            precision=args.precision, reencode_numerics=args.reencode_numerics)
     finally:
         world.close()
-    if world.consolidates or world.role == "shard":   # the other ranks of a launch stay quiet
+    if world.reports:   # the other ranks of a launch stay quiet
         print(report)
     return 0
 

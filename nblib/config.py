@@ -13,6 +13,11 @@ from dataclasses import dataclass, field, fields
 from nblib.atomic import sha256_json
 from nblib.errors import ConfigError
 
+__all__ = [
+    "CODECS", "OUTPUT_CHOICES", "OUTPUT_DTYPES", "OUTPUT_NAMES", "PROFILES", "ModelConfig", "PipelineConfig",
+    "RunConfig", "for_profile", "preset", "preset_names", "table", "validate",
+]
+
 OUTPUT_NAMES = ("sketches", "checksums", "children")
 # the subsets of outputs worth comparing when disk is the wall, largest first
 OUTPUT_CHOICES = (("sketches", "checksums", "children"), ("sketches", "children"),
@@ -44,10 +49,6 @@ class ModelConfig:
         return (self.image_size // self.patch) ** 2
 
     @property
-    def head_dim(self) -> int:
-        return self.dim // self.heads
-
-    @property
     def passes(self) -> int:
         """Passes through the shared block stack per image: H_cycles x (L_cycles + 1)."""
         return self.H_cycles * (self.L_cycles + 1)
@@ -72,10 +73,6 @@ class RunConfig:
     @property
     def n_batches(self) -> int:
         return -(-self.n_samples // self.batch_size)
-
-    @property
-    def out_itemsize(self) -> int:
-        return 2 if self.out_dtype == "float16" else 4
 
 
 @dataclass(frozen=True)

@@ -186,7 +186,7 @@ class HardwareReport:
 
 def hardware_report(drive: str | Path | None = None, local: str | Path | None = None) -> HardwareReport:
     """Measure this machine. Imports torch (if installed) to read the GPU, never TensorFlow."""
-    import psutil
+    import psutil  # here, not at module level: psutil costs 50-100 ms of `import nblib.env`
 
     from nblib.disk import disk_space
 

@@ -1,9 +1,17 @@
 """The one error type of nblib and its subclasses.
 
 Every user-facing failure raises a subclass of `NblibError`. Its message names what is wrong,
-the numbers, and what to do; `python -m nblib` prints it as one line, without a traceback.
+the numbers, and what to do; `python -m nblib` prints it as one line, without a traceback. Every
+class lives here (the modules that raise them re-export their own: `nblib.lock.FolderBusyError`
+is this `FolderBusyError`).
 """
 from __future__ import annotations
+
+__all__ = [
+    "BudgetExceeded", "CacheError", "ConfigError", "DriveError", "EmptyPipelineError", "FolderBusyError",
+    "InputError", "LockLostError", "ManifestDamaged", "NblibError", "PeerLost", "ResumeMismatch",
+    "StateError", "WeightsError",
+]
 
 
 class NblibError(Exception):
@@ -40,3 +48,24 @@ class StateError(NblibError, ValueError):
 
 class ManifestDamaged(StateError):
     """A manifest is torn, edited, or of another kind: it cannot be trusted as it is."""
+
+
+class WeightsError(ConfigError):
+    """A weights file is for another model shape (or is not a weights file at all)."""
+
+
+class FolderBusyError(NblibError):
+    """Another run holds the folder's lock: its pid, host and rank are in the message."""
+
+
+class LockLostError(NblibError):
+    """This run's lock file was taken over or removed while it was writing: stop before mixing outputs."""
+
+
+class PeerLost(NblibError):
+    """A rank of the launch died or stalled: the others stop instead of waiting for ever."""
+
+
+class EmptyPipelineError(NblibError, ValueError):
+    """A pipeline yielded no batch (or fewer than its warm-up) to measure."""
+

@@ -25,8 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nblib.atomic import fsync_dir
-from nblib.errors import NblibError
+from nblib.errors import FolderBusyError, LockLostError
 from nblib.units import fmt_duration
+
+__all__ = [
+    "ATTEMPTS", "LOCK_PREFIX", "READ_RETRIES", "STALE_AFTER_S", "TAKEOVER_GRACE_S", "TAKEOVER_SUFFIX",
+    "UNWRITTEN_GRACE_S", "FolderBusyError", "FolderLock", "LockHolder", "LockLostError", "is_stale", "launch_id",
+    "read_holders", "run_identity",
+]
 
 LOCK_PREFIX = ".lock-rank-"
 STALE_AFTER_S = 600.0      # a lock from another host without a heartbeat for this long is taken over
@@ -35,14 +41,6 @@ READ_RETRIES = 40          # reads of a lock file caught between its creation an
 ATTEMPTS = 200             # rounds of take-over-then-create before giving up
 TAKEOVER_SUFFIX = ".takeover"  # the short-lived mutex takers of a stale lock serialize on
 TAKEOVER_GRACE_S = 5.0     # a take-over mutex older than this was left by a taker that died
-
-
-class FolderBusyError(NblibError):
-    """Another run holds the folder's lock: its pid, host and rank are in the message."""
-
-
-class LockLostError(NblibError):
-    """This run's lock file was taken over or removed while it was writing: stop before mixing outputs."""
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,10 @@ from pathlib import Path
 from nblib.atomic import WrittenFile, atomic_write_bytes, json_bytes
 from nblib.errors import ManifestDamaged
 
+__all__ = [
+    "STAT_KIND", "STAT_SUFFIX", "Manifest", "body_sha256", "manifest_bytes", "parse_manifest",
+    "read_manifest", "read_stat_cache", "stat_cache_path", "write_manifest", "write_stat_cache",
+]
 
 @dataclass(frozen=True)
 class Manifest:
@@ -75,3 +79,37 @@ def read_manifest(path: str | Path, kind: str, *, versions: tuple[int, ...] = (1
 def body_sha256(body) -> str:
     """sha256 of a manifest body as compact key-sorted JSON."""
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+# ------------------------------------------------------------------------------ the stat cache
+
+STAT_KIND = "nblib.stat-cache"
+STAT_SUFFIX = ".stat.json"     # index.json -> index.stat.json, beside the manifest it serves
+
+
+def stat_cache_path(manifest_path: str | Path) -> Path:
+    """Where the stat cache of the manifest at `manifest_path` lives (`index.json` -> `index.stat.json`)."""
+    path = Path(manifest_path)
+    return path.with_name(path.stem + STAT_SUFFIX)
+
+
+def read_stat_cache(manifest_path: str | Path) -> dict[str, int]:
+    """file name -> st_mtime_ns recorded when the file was last checked; {} when missing or damaged.
+
+    The stat cache is the non-canonical side of a manifest (as git keeps its index apart from its
+    objects): the manifest itself holds only what two identical runs agree on (sizes, sha256,
+    shapes), so its bytes are the same; the mtimes that let a quick check skip hashing live here.
+    Losing this file costs one hash per file, never a wrong answer.
+    """
+    try:
+        record = read_manifest(stat_cache_path(manifest_path), STAT_KIND)
+    except ManifestDamaged:
+        return {}
+    if record is None or not isinstance(record.body.get("mtime_ns"), dict):
+        return {}
+    return {str(k): int(v) for k, v in record.body["mtime_ns"].items() if isinstance(v, int)}
+
+
+def write_stat_cache(manifest_path: str | Path, mtime_ns: dict[str, int]) -> None:
+    """Record each file's st_mtime_ns beside the manifest at `manifest_path` (atomically)."""
+    write_manifest(stat_cache_path(manifest_path), STAT_KIND, {"mtime_ns": dict(sorted(mtime_ns.items()))})

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 
@@ -45,8 +46,6 @@ def cli_command(verb: str, **flags) -> list[str]:
     cli_command("cache", texts="t.jsonl", out="c", size=64, no_progress=True); lists and tuples
     are joined with commas (`outputs=("sketches", "checksums")`); None and False are left out.
     """
-    import sys
-
     command = [sys.executable, "-m", "nblib", verb]
     for name, value in flags.items():
         option = "--" + name.replace("_", "-")

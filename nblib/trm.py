@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nblib.config import ModelConfig, PipelineConfig
-from nblib.errors import ConfigError, ResumeMismatch
+from nblib.errors import ConfigError, WeightsError
 
 CHECKSUM_SEED = 0x5EED_C0DE
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")
@@ -202,7 +202,7 @@ class TRMVisionEncoder(nn.Module):
         """Load weights saved by `save_weights`; refuse weights of another model shape."""
         payload = torch.load(Path(path), map_location="cpu", weights_only=True)
         if payload.get("config") != self.config.__dict__:
-            raise ResumeMismatch(
+            raise WeightsError(
                 f"weights in {path} are for model {payload.get('config')}, this encoder is "
                 f"{self.config.__dict__}; build the encoder with the config the weights came from")
         self.load_state_dict(payload["state_dict"])

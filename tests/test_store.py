@@ -5,7 +5,9 @@ through `FlakyOps`, which raises real OSError(ENOTCONN / EIO) on a schedule (the
 """
 from __future__ import annotations
 
+import contextlib
 import errno
+import logging
 import os
 import random
 import re
@@ -26,14 +28,38 @@ from nblib.atomic import TMP_PREFIX, sha256_file
 from nblib.errors import ConfigError, DriveError, StateError
 from nblib.manifest import read_manifest
 from nblib.store import (
-    DamagedCopyWarning,
     DurableStore,
     FileOps,
     MirrorWarning,
     PartFolder,
     PartInfo,
+    VerifyLevel,
     retained_parts,
 )
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@contextlib.contextmanager
+def logged(pattern: str | None = None):
+    """The WARNING records nblib logs inside the block (from any thread); one must match `pattern`."""
+    handler, logger = _Records(), logging.getLogger("nblib")
+    logger.addHandler(handler)
+    try:
+        yield handler.records
+    finally:
+        logger.removeHandler(handler)
+    if pattern is not None:
+        texts = [r.getMessage() for r in handler.records]
+        assert any(re.search(pattern, t) for t in texts), f"no record matches {pattern!r}: {texts}"
+
 
 FAST = dict(retries=4, backoff_s=0.001, retry_interval_s=60.0)
 
@@ -322,9 +348,9 @@ def test_truncated_npy_is_detected_and_not_trusted(tmp_path):
     store.write_part("part-000001", arrays_for(1))
     npy = tmp_path / "part-000001" / "sketches.npy"
     npy.write_bytes(npy.read_bytes()[:-100])
-    with pytest.warns(DamagedCopyWarning, match="truncated"):
+    with logged("truncated"):
         assert [p.name for p in store.list_parts()] == ["part-000000"]
-    with pytest.warns(DamagedCopyWarning, match="truncated"):
+    with logged("truncated"):
         parts, damaged = store.verify()
     assert [p.name for p in parts] == ["part-000000"]
     assert [(d.name, d.side) for d in damaged] == [("part-000001", "local")]
@@ -339,8 +365,8 @@ def test_flipped_byte_of_same_size_is_detected_by_sha256(tmp_path):
     data = bytearray(npy.read_bytes())
     data[-1] ^= 0xFF
     npy.write_bytes(bytes(data))
-    assert [p.name for p in DurableStore(tmp_path).list_parts(verify=False)] == ["part-000000"]  # size only
-    with pytest.warns(DamagedCopyWarning, match="sha256"):
+    assert [p.name for p in DurableStore(tmp_path).list_parts(verify=VerifyLevel.SIZES)] == ["part-000000"]  # size only
+    with logged("sha256"):
         assert DurableStore(tmp_path).list_parts() == []
 
 
@@ -356,7 +382,7 @@ def test_part_without_a_valid_part_json_does_not_exist(tmp_path, damage):
         record.write_bytes(record.read_bytes()[: len(record.read_bytes()) // 2])
     else:
         record.write_bytes((tmp_path / "part-000001" / "part.json").read_bytes())
-    with pytest.warns(DamagedCopyWarning, match="part-000000"):
+    with logged("part-000000"):
         assert [p.name for p in DurableStore(tmp_path).list_parts()] == ["part-000001"]
 
 
@@ -385,10 +411,10 @@ def test_damaged_manifest_is_detected_and_the_other_side_used(tmp_path, damage):
     edited = raw.replace(b'"parts_done": 3', b'"parts_done": 9')
     assert edited != raw
     local.write_bytes(raw[: len(raw) // 2] if damage == "half-written" else edited)
-    with pytest.warns(DamagedCopyWarning, match="manifest.json"):
+    with logged("manifest.json"):
         assert store.read_manifest() == {"parts_done": 3, "fingerprint": "abc"}
     store.close()
-    with pytest.warns(DamagedCopyWarning, match="returning None"):
+    with logged("returning None"):
         assert DurableStore(tmp_path / "local").read_manifest() is None
 
 
@@ -418,7 +444,7 @@ def test_resume_takes_the_newest_verified_copy_from_either_side(tmp_path):
     # local copy rewritten later with other data: the newer copy wins
     DurableStore(local).write_part("part-000002", arrays_for(99))
     store = DurableStore(local, mirror, **FAST)
-    with pytest.warns(DamagedCopyWarning, match="part-000001 \\(mirror"):
+    with logged("part-000001 \\(mirror"):
         sides = {p.name: p.side for p in store.list_parts()}
     assert sides == {"part-000000": "mirror", "part-000001": "local", "part-000002": "local"}
     np.testing.assert_array_equal(store.read_part("part-000000")["ids"], arrays_for(0)["ids"])
@@ -482,7 +508,7 @@ def test_parts_lost_on_the_mirror_after_retention_are_reported_not_hidden(tmp_pa
     assert store.flush(timeout=30)
     assert [p.name for p in store.local.list()[0]] == ["part-000003"]   # retention freed the rest
     shutil.rmtree(mirror)
-    with pytest.warns(MirrorWarning, match="lost parts.*part-000000.*recomputed"):
+    with logged("lost parts.*part-000000.*recomputed"):
         assert store.flush(timeout=30)
     status = store.mirror_status()
     assert status.lost == 3 and status.refilled == 1 and status.parts_mirrored == 1
@@ -505,18 +531,18 @@ def test_quick_check_hashes_only_files_whose_stat_fingerprint_changed(tmp_path):
     DurableStore(tmp_path).write_part("part-000000", arrays_for(0))
     ops = CountingOps()
     folder = PartFolder(tmp_path, ops)
-    assert [p.name for p in folder.list(verify="quick")[0]] == ["part-000000"]
+    assert [p.name for p in folder.list(verify=VerifyLevel.STAT)[0]] == ["part-000000"]
     assert ops.opened == ["part.json"]           # metadata only: nothing hashed
     npy = tmp_path / "part-000000" / "ids.npy"
     data = bytearray(npy.read_bytes())
     data[-1] ^= 0xFF
     npy.write_bytes(bytes(data))                 # same size, new mtime
     ops.opened.clear()
-    assert isinstance(folder.check("part-000000", verify=False), PartInfo)       # sizes only: fooled
-    assert "sha256" in folder.check("part-000000", verify="quick").reason          # fingerprint: hashed
+    assert isinstance(folder.check("part-000000", verify=VerifyLevel.SIZES), PartInfo)       # sizes only: fooled
+    assert "sha256" in folder.check("part-000000", verify=VerifyLevel.STAT).reason          # fingerprint: hashed
     assert ops.opened.count("ids.npy") == 1 and "sketches.npy" not in ops.opened
-    with pytest.warns(DamagedCopyWarning, match="sha256"):
-        assert DurableStore(tmp_path).list_parts(verify="quick") == []
+    with logged("sha256"):
+        assert DurableStore(tmp_path).list_parts(verify=VerifyLevel.STAT) == []
     with pytest.raises(ConfigError, match="verify='full'"):
         folder.check("part-000000", verify="full")
 
@@ -524,7 +550,7 @@ def test_quick_check_hashes_only_files_whose_stat_fingerprint_changed(tmp_path):
 def test_local_folder_reads_local_copies_without_a_second_store(tmp_path):
     store = DurableStore(tmp_path / "local", tmp_path / "mirror", **FAST)
     store.write_part("part-000000", arrays_for(0))
-    np.testing.assert_array_equal(store.local.read("part-000000", verify="quick")["ids"], arrays_for(0)["ids"])
+    np.testing.assert_array_equal(store.local.read("part-000000", verify=VerifyLevel.STAT)["ids"], arrays_for(0)["ids"])
     assert store.local.root == store.local_dir and store.close()
 
 
@@ -588,7 +614,7 @@ def test_checkpoint_round_trip_with_a_real_state_dict_and_fallback_on_corruption
     assert at > 0
     data[at + 3] ^= 0x40                         # still a loadable file: only sha256 can tell
     local_newest.write_bytes(bytes(data))
-    with pytest.warns(DamagedCopyWarning, match="trainer-000003"):
+    with logged("trainer-000003"):
         older = DurableStore(tmp_path / "local", tmp_path / "mirror", **FAST).load_latest("trainer")
     assert older["step"] == 1 and torch.equal(older["model"]["0.weight"], states[1]["0.weight"])
 
@@ -675,10 +701,9 @@ def test_sigkill_mid_write_leaves_only_complete_verified_parts(tmp_path):
             proc.send_signal(signal.SIGKILL)
             kills += 1
         out, _ = proc.communicate(timeout=120)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", DamagedCopyWarning)   # torn parts are expected here
+        with logged() as records:                # torn parts are expected here
             parts = DurableStore(local, mirror, **FAST).list_parts()
-        torn += sum("torn" in str(w.message) for w in caught)
+        torn += sum("torn" in r.getMessage() for r in records)
         for part in parts:                       # every listed part is complete and right
             assert not part.name.startswith(TMP_PREFIX)
             got = DurableStore(local, mirror, **FAST).read_part(part.name)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nblib.config import preset
-from nblib.errors import ConfigError, ResumeMismatch
+from nblib.errors import ConfigError, WeightsError
 from nblib.trm import TRMVisionEncoder
 
 SMOKE = preset("smoke")
@@ -51,7 +51,7 @@ def test_saved_weights_load_back_bit_exact(tmp_path):
 
 def test_weights_of_another_model_shape_are_refused(tmp_path):
     path = TRMVisionEncoder(SMOKE.replace(dim=32, heads=4)).save_weights(tmp_path / "w.pt")
-    with pytest.raises(ResumeMismatch, match="dim"):
+    with pytest.raises(WeightsError, match="dim"):
         TRMVisionEncoder(SMOKE).load_weights(path)
 
 

@@ -64,8 +64,9 @@ from nblib.budget.memory import (
     output_shapes,
     param_count,
 )
-from nblib.budget.predict import KNOBS, RESOURCES, Budget, calibrate, max_batch_size, predict_budget
+from nblib.budget.predict import Budget, calibrate, max_batch_size, predict_budget
 from nblib.budget.preflight import preflight
+from nblib.budget.resources import KNOBS, RESOURCES
 from nblib.config import OUTPUT_CHOICES
 
 __all__ = [

@@ -16,8 +16,13 @@ from dataclasses import dataclass
 
 from nblib.budget.disk import CODEC_RATIO_ESTIMATE
 from nblib.budget.drive import smallest_checkpoint_every
+from nblib.budget.resources import KNOBS
 from nblib.config import OUTPUT_CHOICES
 from nblib.units import GB
+
+__all__ = [
+    "MARGIN", "NAMES", "OPTION_KNOBS", "RUN_KNOBS", "Advice", "Suggestion", "advise", "advise_resource",
+]
 
 MARGIN = 0.1
 RUN_KNOBS = ("batch_size", "checkpoint_every", "consolidate_every", "prefetch", "workers", "outputs",
@@ -69,8 +74,6 @@ def advise_resource(budget, resource: str, limit: float | None = None) -> Advice
     need = budget.totals[resource]
     search = _Search(budget, resource, limit * (1 - MARGIN))
     suggest = {"vram": _vram, "ram": _ram, "local disk": _local_disk, "drive": _drive}[resource]
-    from nblib.budget.predict import KNOBS
-
     return Advice(resource, f"{NAMES[resource]} {need / GB:.2f} > {limit / GB:.2f} GB",
                   tuple(s for s in suggest(search) if s is not None and s.value != s.current),
                   KNOBS[resource])
@@ -113,14 +116,11 @@ class _Search:
 
     def total(self, resource: str | None = None, **changes) -> int:
         """The predicted total of `resource` (default: this one) with `changes` applied."""
-        from nblib.budget.predict import predict_budget
-
         run = {k: v for k, v in changes.items() if k in RUN_KNOBS}
         options = {**self.budget.options, **{k: v for k, v in changes.items() if k in OPTION_KNOBS}}
         if "codec" in run and options.get("codec"):
             options["codec"] = run["codec"]
-        b = predict_budget(self.config.replace(**run), self.budget.device, **options)
-        return b.totals[resource or self.resource]
+        return self.budget.with_changes(run, options).totals[resource or self.resource]
 
     def fits(self, **changes) -> bool:
         return self.total(**changes) <= self.target

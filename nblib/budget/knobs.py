@@ -14,10 +14,14 @@ from nblib.budget._checks import validated
 from nblib.budget.devices import Device, device_preset
 from nblib.budget.disk import NO_CACHE
 from nblib.budget.drive import smallest_checkpoint_every
-from nblib.budget.predict import RESOURCES, Budget, max_batch_size, predict_budget
+from nblib.budget.predict import Budget, max_batch_size, predict_budget
+from nblib.budget.resources import RESOURCES
 from nblib.config import OUTPUT_CHOICES, PipelineConfig
 from nblib.units import fmt_bytes
 
+__all__ = [
+    "BudgetPlan", "plan_budget",
+]
 
 @dataclass(frozen=True)
 class BudgetPlan:
@@ -44,7 +48,16 @@ def plan_budget(config: PipelineConfig, device: str | Device = "t4", *, margin: 
     the largest checkpoint_every (fewest parts) whose RAM fits and the largest consolidate_every
     dividing it whose VRAM fits. `cacheless=True` also tries, after every cached choice, no image
     cache at all (images rendered on the fly, `NO_CACHE`): changes then holds cache="none".
-    Returns a BudgetPlan that says what changed, or why nothing fits.
+
+    Args:
+        config: the pipeline config to start from.
+        device: a preset name of `nblib.budget.DEVICES` or a `Device`.
+        margin: the share of each limit kept free (0.1: aim at 90%).
+        cacheless: also try rendering on the fly instead of an image cache.
+        **predict_kwargs: passed to `predict_budget` (codec, keep_local, drive_quota_gb, ...).
+
+    Returns:
+        A `BudgetPlan`: the config that fits, its Budget, what changed, or why nothing fits.
     """
     cfg, dev = validated(config), device_preset(device)
     r = cfg.run

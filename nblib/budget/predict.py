@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from nblib.budget._checks import checked_sdpa_backend, require_positive, validated
+from nblib.budget.advice import advise
 from nblib.budget.devices import Device, device_preset
 from nblib.budget.disk import disk_lines
 from nblib.budget.drive import FREE_QUOTA_GB, DriveLimitCheck, drive_limit_checks
@@ -25,12 +26,14 @@ from nblib.budget.memory import (
     model_memory_lines,
     output_bytes_per_batch,
 )
+from nblib.budget.resources import RESOURCES
 from nblib.config import PipelineConfig
 from nblib.errors import ConfigError
 from nblib.units import GB, fmt_bytes
 
-RESOURCES = ("vram", "ram", "local disk", "drive")
-
+__all__ = [
+    "Budget", "calibrate", "capped_to_samples", "max_batch_size", "predict_budget",
+]
 
 @dataclass(frozen=True)
 class Budget:
@@ -88,9 +91,12 @@ class Budget:
     @cached_property
     def advice(self) -> tuple:
         """One nblib.budget.advice.Advice per resource over its limit and per Drive limit crossed."""
-        from nblib.budget.advice import advise
-
         return advise(self)
+
+    def with_changes(self, run: dict | None = None, options: dict | None = None) -> Budget:
+        """The budget of this config with run knobs and predict_budget options changed (advice's search)."""
+        config = self.config.replace(**run) if run else self.config
+        return predict_budget(config, self.device, **{**self.options, **(options or {})})
 
     @cached_property
     def verdict(self) -> str:
@@ -117,27 +123,32 @@ class Budget:
         return "\n".join(rows)
 
 
-KNOBS = {
-    "vram": "lower run.batch_size (see max_batch_size) or run.consolidate_every",
-    "ram": "lower run.checkpoint_every, run.batch_size or run.prefetch/workers",
-    "local disk": "keep fewer parts locally (keep_local) or lower run.checkpoint_every",
-    "drive": "keep fewer run.outputs, a float16 run.out_dtype, a compressed run.codec, "
-             "or a bigger drive_quota_gb",
-}
-
-
 def predict_budget(config: PipelineConfig, device: str | Device = "t4", *,
                    sdpa_backend: str | None = None, drive_quota_gb: float = FREE_QUOTA_GB,
                    codec: str | None = None, bytes_per_image: float | None = None,
                    keep_local: int = 2, efficiency: float | None = None) -> Budget:
     """Predict peak VRAM, RAM, local disk and Drive use and the run time of an encode job.
 
-    sdpa_backend: "math" materializes the attention scores (with the softmax and a bool mask of
-    -inf entries: (2 x itemsize + 1) B per score); "efficient"/"flash" do not; default
-    "flash" (what PyTorch picks on CPU and on recent GPUs; a T4 gets "efficient", same memory).
-    keep_local: parts kept on local disk after they are mirrored to Drive.
+    Args:
+        config: the pipeline config (model, batch size, cadences, outputs, dtype, codec).
+        device: a preset name of `nblib.budget.DEVICES` ("t4", "cpu", ...) or a `Device`.
+        sdpa_backend: "math" materializes the attention scores (with the softmax and a bool mask
+            of -inf entries: (2 x itemsize + 1) B per score); "efficient"/"flash" do not; default
+            "flash" (what PyTorch picks on CPU and on recent GPUs; a T4 gets "efficient", same memory).
+        drive_quota_gb: the Drive space the run may fill (default: the free 15 GB).
+        codec: the image cache's codec (default: the config's); bytes_per_image: a measured size
+            per cached image, which replaces the codec's estimate.
+        keep_local: parts kept on local disk after they are mirrored to Drive.
+        efficiency: the share of the device's peak FLOP/s reached (`calibrate`); default the preset's.
+
     Batch and part sizes are capped at the run's n_samples first, as the run caps them
     (`capped_to_samples`): a batch of 10^9 over 400 images costs what a batch of 400 does.
+
+    Returns:
+        A `Budget`: itemized lines per resource, totals, limits, time, verdict and advice.
+
+    Raises:
+        ConfigError naming the knob out of range.
     """
     given = validated(config)
     cfg = capped_to_samples(given)                   # what the run really holds; the Budget keeps `given`

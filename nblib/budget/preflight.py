@@ -18,7 +18,8 @@ from nblib.budget.devices import device_preset
 from nblib.budget.disk import cache_bytes, check_disk
 from nblib.budget.drive import cache_folder_check, run_folder_check, upload_check
 from nblib.budget.memory import RUNTIME_RAM_CPU, RUNTIME_RAM_CUDA
-from nblib.budget.predict import KNOBS, Budget, predict_budget
+from nblib.budget.predict import Budget, predict_budget
+from nblib.budget.resources import KNOBS
 from nblib.config import PipelineConfig
 from nblib.errors import BudgetExceeded, ConfigError
 from nblib.units import GB

@@ -10,29 +10,35 @@ from __future__ import annotations
 
 import importlib
 
-from nblib.encode.consolidate import INDEX_NAME, consolidate, load_outputs, read_index
-from nblib.encode.protocols import ImageSource, PartStore
-from nblib.encode.run import (
-    OFFLOAD_MODES,
+from nblib.encode.consolidate import (
+    INDEX_NAME,
+    consolidate,
+    hash_outputs,
+    load_outputs,
+    read_index,
+    recorded_hashes,
+)
+from nblib.encode.layout import (
     PARTS_FOLDER,
     RUN_KIND,
     RUN_VERSION,
-    EncodeReport,
     RunPlan,
-    encode,
-    load_encoder,
     open_store,
     plan_run,
     read_run_manifest,
     settings_of,
 )
+from nblib.encode.protocols import ImageSource, PartStore
+from nblib.encode.run import OFFLOAD_MODES, EncodeReport, encode, load_encoder
+from nblib.store.parts import VerifyLevel
 
 _OFFLOAD_NAMES = ("BatchDataset", "HostPart", "batch_loader")
 
 __all__ = [
     "INDEX_NAME", "OFFLOAD_MODES", "PARTS_FOLDER", "RUN_KIND", "RUN_VERSION", "EncodeReport",
-    "ImageSource", "PartStore", "RunPlan", "consolidate", "encode", "load_encoder", "load_outputs",
-    "open_store", "plan_run", "read_index", "read_run_manifest", "settings_of", *_OFFLOAD_NAMES,
+    "ImageSource", "PartStore", "RunPlan", "VerifyLevel", "consolidate", "encode", "hash_outputs",
+    "load_encoder", "load_outputs", "open_store", "plan_run", "read_index", "read_run_manifest",
+    "recorded_hashes", "settings_of", *_OFFLOAD_NAMES,
 ]
 
 

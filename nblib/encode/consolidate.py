@@ -5,37 +5,61 @@ sample order), so it is hashed while written, never held in RAM, never read back
 raises OSError(ENOSPC) instead of killing the process as a memory-mapped write would. The free
 space is checked first. The index (an `nblib.manifest` record written last) names each part's
 range and the sha256 of the part files it came from, and per output file its bytes, sha256,
-dtype, shape and stat fingerprint. A rerun trusts a file whose size, header and stat agree with
-the index, hashes one that disagrees and rebuilds it if its bytes differ; `verify=True` hashes
-every file. `load_outputs` refuses a file that disagrees with the index.
+dtype and shape. Each file's mtime (the stat fingerprint) is kept apart, in `index.stat.json`
+(`nblib.manifest`'s stat cache), so two identical runs write byte-identical outputs and index;
+only the stat cache differs. A rerun trusts a file whose size, header and recorded mtime agree,
+hashes one that disagrees and rebuilds it if its bytes differ; `verify=True` hashes every file.
+`load_outputs` refuses a file that disagrees with the index.
 """
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from nblib.atomic import TMP_PREFIX, AtomicWriter, WrittenFile, npy_header, sha256_file
+from nblib.disk import disk_free
+from nblib.encode.layout import RUN_KIND, RUN_VERSION, open_store, read_run_manifest, refuse_if_changed
 from nblib.encode.protocols import PartRecord, PartStore, require_part_store
-from nblib.encode.run import RUN_KIND, RUN_VERSION, open_store, read_run_manifest, refuse_if_changed
 from nblib.errors import BudgetExceeded, DriveError, ManifestDamaged, StateError
 from nblib.lock import FolderLock, run_identity
-from nblib.manifest import read_manifest, write_manifest
+from nblib.manifest import read_manifest, read_stat_cache, write_manifest, write_stat_cache
+from nblib.store.parts import VerifyLevel
 from nblib.units import fmt_bytes_pair
+
+__all__ = [
+    "INDEX_KIND", "INDEX_NAME", "INDEX_VERSION", "INDEX_VERSIONS", "consolidate", "hash_outputs",
+    "load_outputs", "read_index", "recorded_hashes",
+]
+
+log = logging.getLogger(__name__)
 
 INDEX_NAME = "index.json"
 INDEX_KIND = "nblib.encode.index"
-INDEX_VERSION = 2                 # layout 1 (plain JSON) is read as damaged and rebuilt
+INDEX_VERSION = 3                 # 3: mtimes in index.stat.json; 2 (mtimes inside) is still read
+INDEX_VERSIONS = (2, INDEX_VERSION)   # layout 1 (plain JSON) is read as damaged and rebuilt
 
 
 def consolidate(run_dir: str | Path, out_dir: str | Path | None = None, *, store: PartStore | None = None,
                 mirror_dir: str | Path | None = None, verify: bool = False,
                 check_space: bool = True, lock: FolderLock | None = None) -> dict[str, Path]:
     """Write one `.npy` per output in sample order, plus an index; output name -> path.
+
+    Args:
+        run_dir: the run folder whose parts (run_dir/parts) are merged.
+        out_dir: where the outputs and index go (default: run_dir).
+        store: a `PartStore` to read the parts through (default: one opened on run_dir/parts).
+        mirror_dir: the run's mirror, read for parts local staging lacks.
+        verify: hash every existing output against the index instead of a stat check.
+        check_space: refuse up front when the outputs do not fit the free space.
+        lock: the lock the caller holds on out_dir (default: taken here).
+
+    Returns:
+        output name -> path of its consolidated `.npy`.
 
     A second call with nothing new returns the existing files after a stat check (`verify=True`:
     a sha256 check) of each against the index; a file that differs is rebuilt. `check_space=False`
@@ -56,14 +80,18 @@ def consolidate(run_dir: str | Path, out_dir: str | Path | None = None, *, store
             _require_parts_of_this_run(manifest, parts, store.local_dir)
             record = _index_record(out_dir)
             index = record.body if record is not None and _describes(record.body, manifest) else None
-            stale, touched = _stale_outputs(index, manifest["outputs"], out_dir, verify)
+            stats = _recorded_mtimes(index, out_dir)
+            stale, touched = _stale_outputs(index, manifest["outputs"], out_dir, verify, stats)
             if stale and index is not None:
-                warnings.warn(f"rebuilt {', '.join(f'{o}.npy' for o in stale)} in {out_dir}: not the bytes the "
-                              f"index records (damaged, edited or cut); rebuilt from the parts", stacklevel=2)
-            if stale or touched or index is None:
+                log.warning("rebuilt %s in %s: not the bytes the index records (damaged, edited or cut); "
+                            "rebuilt from the parts", ", ".join(f"{o}.npy" for o in stale), out_dir)
+            if stale or index is None or record.version != INDEX_VERSION:
                 out_lock.check()
-                _write_outputs(read_part, manifest, parts, out_dir, stale, index,
+                _write_outputs(read_part, manifest, parts, out_dir, stale, index, stats,
                                seq=record.seq + 1 if record is not None else 0, check_space=check_space)
+            elif touched:                       # same bytes, new mtime: only the stat cache changes
+                out_lock.check()
+                write_stat_cache(out_dir / INDEX_NAME, {**stats, **{o: _mtime(out_dir, o) for o in touched}})
         finally:
             if own_store:
                 store.close()
@@ -75,12 +103,23 @@ def read_index(out_dir: str | Path) -> dict | None:
 
     ManifestDamaged when the index is torn, edited or of an older layout (consolidate rebuilds it).
     """
-    record = read_manifest(Path(out_dir) / INDEX_NAME, INDEX_KIND, versions=(INDEX_VERSION,))
+    record = read_manifest(Path(out_dir) / INDEX_NAME, INDEX_KIND, versions=INDEX_VERSIONS)
     return None if record is None else record.body
 
 
 def load_outputs(out_dir: str | Path, mmap: bool = True, verify: bool = False) -> dict[str, np.ndarray]:
     """The consolidated arrays of a run, memory-mapped by default, each checked against the index.
+
+    Args:
+        out_dir: the folder `consolidate` wrote (the run folder by default).
+        mmap: memory-map the files (False: read them into RAM).
+        verify: hash each file instead of trusting its recorded mtime.
+
+    Returns:
+        output name -> array [n_samples, ...].
+
+    Raises:
+        StateError naming the file that is not the one consolidate wrote, and the fix.
 
     A file whose size, `.npy` header or stat fingerprint (size, mtime) differs from the index is
     refused; with `verify=True` each file is hashed instead, and one whose sha256 matches is
@@ -90,10 +129,10 @@ def load_outputs(out_dir: str | Path, mmap: bool = True, verify: bool = False) -
     index = read_index(out_dir)
     if index is None:
         raise StateError(f"no consolidated outputs in {out_dir}; run encode (or consolidate) first")
-    arrays = {}
+    arrays, stats = {}, _recorded_mtimes(index, out_dir)
     for name in index["outputs"]:
         path, entry = out_dir / f"{name}.npy", index["files"][name]
-        problem = _quick_problem(path, entry)
+        problem = _quick_problem(path, entry, stats.get(name))
         if verify and (problem is None or problem.startswith("was modified")):
             problem = _hash_problem(path, entry)
         if problem is not None:
@@ -104,6 +143,23 @@ def load_outputs(out_dir: str | Path, mmap: bool = True, verify: bool = False) -
                              f"with the same arguments{hint}")
         arrays[name] = np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
     return arrays
+
+
+def recorded_hashes(out_dir: str | Path) -> dict[str, str]:
+    """output name -> the sha256 the index records for its consolidated `.npy` (nothing is read but the index).
+
+    StateError when there are no consolidated outputs yet. Two runs whose recorded hashes agree
+    wrote the same bytes (the check a resumed == uninterrupted comparison makes).
+    """
+    index = read_index(out_dir)
+    if index is None:
+        raise StateError(f"no consolidated outputs in {out_dir}; run encode (or consolidate) first")
+    return {name: index["files"][name]["sha256"] for name in index["outputs"]}
+
+
+def hash_outputs(out_dir: str | Path) -> dict[str, str]:
+    """output name -> the sha256 of its consolidated `.npy` as it is on disk now (reads every byte)."""
+    return {name: sha256_file(Path(out_dir) / f"{name}.npy") for name in recorded_hashes(out_dir)}
 
 
 # ------------------------------------------------------------------------------ helpers: the parts
@@ -117,13 +173,13 @@ def _readable_parts(store: PartStore, run_dir: Path) -> tuple[dict, Callable, di
     Parts are listed by size here; each is hashed when read.
     """
     manifest = read_run_manifest(store)
-    local = {p.name: p for p in store.local.list(verify=False)[0]}
+    local = {p.name: p for p in store.local.list(verify=VerifyLevel.SIZES)[0]}
     if manifest is not None and manifest.get("complete") and set(manifest["parts"]) <= set(local):
         return manifest, store.local.read, local
     try:
-        parts = {p.name: p for p in store.list_parts(verify=False)}
+        parts = {p.name: p for p in store.list_parts(verify=VerifyLevel.SIZES)}
     except DriveError as exc:
-        warnings.warn(f"{exc}; consolidating from the local copies instead", stacklevel=3)
+        log.warning("%s; consolidating from the local copies instead", exc)
         parts = local
     _require_complete(manifest, parts, run_dir)
     return manifest, store.read_part, parts
@@ -159,9 +215,9 @@ def _require_parts_of_this_run(manifest: dict, parts: dict[str, PartRecord], fol
 def _index_record(out_dir: Path):
     """The index record, or None when there is none or it cannot be trusted (with a warning)."""
     try:
-        return read_manifest(out_dir / INDEX_NAME, INDEX_KIND, versions=(INDEX_VERSION,))
+        return read_manifest(out_dir / INDEX_NAME, INDEX_KIND, versions=INDEX_VERSIONS)
     except ManifestDamaged as exc:
-        warnings.warn(f"{exc}; every output is rebuilt", stacklevel=3)
+        log.warning("%s; every output is rebuilt", exc)
         return None
 
 
@@ -174,28 +230,39 @@ def _describes(index: dict, manifest: dict) -> bool:
             and set(index.get("files", {})) == set(manifest["outputs"]))
 
 
-def _stale_outputs(index: dict | None, outputs: list[str], out_dir: Path,
-                   verify: bool) -> tuple[list[str], list[str]]:
-    """(outputs to rebuild, outputs only touched since): a touched file's index entry is refreshed."""
+def _stale_outputs(index: dict | None, outputs: list[str], out_dir: Path, verify: bool,
+                   stats: dict[str, int]) -> tuple[list[str], list[str]]:
+    """(outputs to rebuild, outputs only touched since: same bytes, their new mtime is recorded)."""
     if index is None:
         return list(outputs), []
     stale, touched = [], []
     for name in outputs:
         path, entry = out_dir / f"{name}.npy", index["files"][name]
-        problem = _quick_problem(path, entry)
+        problem = _quick_problem(path, entry, stats.get(name))
         if problem is None and not verify:
             continue
         size_or_header = problem is not None and not problem.startswith("was modified")
         if size_or_header or _hash_problem(path, entry) is not None:
             stale.append(name)
         elif problem is not None:               # touched, same bytes: trust its new stat from now on
-            index["files"][name] = {**entry, "mtime_ns": path.stat().st_mtime_ns}
             touched.append(name)
     return stale, touched
 
 
-def _quick_problem(path: Path, entry: dict) -> str | None:
-    """Why a file disagrees with its index entry by size, `.npy` header or mtime; None if it agrees."""
+def _recorded_mtimes(index: dict | None, out_dir: Path) -> dict[str, int]:
+    """output -> the mtime recorded at its last check: the stat cache, else (layout 2) the index's."""
+    if index is None:
+        return {}
+    inline = {o: e["mtime_ns"] for o, e in index.get("files", {}).items() if "mtime_ns" in e}
+    return {**inline, **read_stat_cache(out_dir / INDEX_NAME)}
+
+
+def _mtime(out_dir: Path, output: str) -> int:
+    return (out_dir / f"{output}.npy").stat().st_mtime_ns
+
+
+def _quick_problem(path: Path, entry: dict, mtime_ns: int | None) -> str | None:
+    """Why a file disagrees with its index entry by size, `.npy` header or recorded mtime; None if it agrees."""
     try:
         st = path.stat()
     except FileNotFoundError:
@@ -206,8 +273,8 @@ def _quick_problem(path: Path, entry: dict) -> str | None:
     with open(path, "rb") as f:
         if f.read(len(header)) != header:
             return f"has a .npy header other than {entry['dtype']}{entry['shape']}, which the index records"
-    if st.st_mtime_ns != entry["mtime_ns"]:
-        return f"was modified after consolidation (mtime {st.st_mtime_ns} != {entry['mtime_ns']} recorded)"
+    if st.st_mtime_ns != mtime_ns:
+        return f"was modified after consolidation (mtime {st.st_mtime_ns} != {mtime_ns} recorded)"
     return None
 
 
@@ -222,7 +289,8 @@ def _hash_problem(path: Path, entry: dict) -> str | None:
 
 
 def _write_outputs(read_part: Callable, manifest: dict, parts: dict[str, PartRecord], out_dir: Path,
-                   stale: list[str], index: dict | None, *, seq: int, check_space: bool) -> None:
+                   stale: list[str], index: dict | None, stats: dict[str, int], *, seq: int,
+                   check_space: bool) -> None:
     """Stream the stale outputs part by part through one AtomicWriter each; then the index, last."""
     out_dir.mkdir(parents=True, exist_ok=True)
     n, dtype = manifest["n_samples"], np.dtype(manifest["out_dtype"])
@@ -242,13 +310,16 @@ def _write_outputs(read_part: Callable, manifest: dict, parts: dict[str, PartRec
             written = {o: writer.commit() for o, writer in writers.items()}
     files = dict(index["files"]) if index is not None else {}
     files.update({o: {"file": w.path.name, "bytes": w.bytes, "sha256": w.sha256, "dtype": dtype.name,
-                      "shape": list(shapes[o]), "mtime_ns": w.mtime_ns} for o, w in written.items()})
+                      "shape": list(shapes[o])} for o, w in written.items()})
+    files = {o: {k: v for k, v in e.items() if k != "mtime_ns"} for o, e in files.items()}   # layout 2's
     body = {"n_samples": n, "outputs": manifest["outputs"], "fingerprints": manifest["fingerprints"],
             "parts": {name: {"range": rng, "sha256": {o: parts[name].files[o].sha256
                                                       for o in manifest["outputs"]}}
                       for name, rng in manifest["parts"].items()},
             "files": files}
     write_manifest(out_dir / INDEX_NAME, INDEX_KIND, body, version=INDEX_VERSION, seq=seq)
+    write_stat_cache(out_dir / INDEX_NAME, {**{o: stats[o] for o in files if o in stats and o not in written},
+                                            **{o: w.mtime_ns for o, w in written.items()}})
 
 
 def _stream_parts(read_part: Callable, manifest: dict, writers: dict[str, AtomicWriter], dtype: np.dtype) -> None:
@@ -259,7 +330,7 @@ def _stream_parts(read_part: Callable, manifest: dict, writers: dict[str, Atomic
             raise StateError(f"{name} starts at sample {start:,}, the parts before it end at "
                              f"{filled:,}; the manifest is damaged: rerun encode to rebuild it")
         filled = stop
-        arrays = read_part(name, mmap=True, verify=True)
+        arrays = read_part(name, mmap=True, verify=VerifyLevel.HASH)
         for o, writer in writers.items():
             part = arrays[o]
             if part.shape != (stop - start, *manifest["shapes"][o]) or part.dtype != dtype:
@@ -275,8 +346,6 @@ def _stream_parts(read_part: Callable, manifest: dict, writers: dict[str, Atomic
 
 def _require_free_space(out_dir: Path, sizes: dict[str, int]) -> None:
     """BudgetExceeded, with the bytes needed and free, when the outputs to write do not fit."""
-    from nblib.disk import disk_free
-
     need, free = sum(sizes.values()), disk_free(out_dir)
     if need > free:
         need_s, free_s = fmt_bytes_pair(need, free)

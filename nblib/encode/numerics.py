@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from nblib.errors import ResumeMismatch
 
-__all__ = ["KEY", "PRECISIONS", "numerics_changes", "numerics_of", "refuse_other_numerics", "resolved_precision"]
+__all__ = ["KEY", "PRECISIONS", "identity_of", "numerics_changes", "numerics_of", "part_is_current",
+           "refuse_other_numerics", "resolved_precision"]
 
 KEY = "numerics"   # the key under a run's fingerprints and each part's meta fingerprints
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")   # nblib.trm.PRECISIONS, here without importing torch
@@ -54,3 +55,26 @@ def refuse_other_numerics(old: dict | None, new: dict, where: str, n_parts: int 
         f"numerics in one output. Resume on the hardware and precision it was started with (--device, "
         f"--precision), or pass --reencode-numerics (reencode_numerics=True) to re-encode {parts} made "
         f"with other numerics")
+
+
+def identity_of(fingerprints: dict) -> dict:
+    """The run's identity without its numerics: what its lock and its mirror folder's claim name.
+
+    A run resumed on other hardware is still the same run there (its numerics are checked apart).
+    """
+    return {k: v for k, v in fingerprints.items() if k != KEY}
+
+
+def part_is_current(meta: dict, mine: dict | None, reencode: bool) -> bool:
+    """Whether a durable part was made with this process's numerics.
+
+    A part of other numerics is refused (ResumeMismatch naming the change), or with `reencode`
+    counted as not durable so it is encoded again. A part that records none (made before the
+    numerics were recorded) is taken as it is.
+    """
+    theirs = meta.get("fingerprints", {}).get(KEY)
+    if not theirs or not mine or theirs == mine:
+        return True
+    if not reencode:
+        refuse_other_numerics(theirs, mine, f"part {meta.get('name')}")
+    return False

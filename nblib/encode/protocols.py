@@ -14,7 +14,12 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from nblib.errors import ConfigError
+from nblib.store.parts import VerifyLevel
 
+__all__ = [
+    "ImageSource", "LocalParts", "PartFile", "PartRecord", "PartStore", "require_image_source",
+    "require_part_store",
+]
 
 @runtime_checkable
 class ImageSource(Protocol):
@@ -55,9 +60,9 @@ class PartRecord(Protocol):
 class LocalParts(Protocol):
     """A store's local part folder (`DurableStore.local`): its parts, read without the mirror."""
 
-    def list(self, verify: bool | str = True) -> tuple[list[PartRecord], list]: ...
+    def list(self, verify: VerifyLevel = VerifyLevel.HASH) -> tuple[list[PartRecord], list]: ...
 
-    def read(self, name: str, mmap: bool = True, verify: bool | str = True) -> dict[str, np.ndarray]: ...
+    def read(self, name: str, mmap: bool = True, verify: VerifyLevel = VerifyLevel.HASH) -> dict[str, np.ndarray]: ...
 
 
 @runtime_checkable
@@ -76,9 +81,10 @@ class PartStore(Protocol):
 
     def write_part(self, name: str, arrays: dict[str, np.ndarray], meta: dict | None = None) -> Any: ...
 
-    def list_parts(self, verify: bool | str = True) -> list[PartRecord]: ...
+    def list_parts(self, verify: VerifyLevel = VerifyLevel.HASH) -> list[PartRecord]: ...
 
-    def read_part(self, name: str, mmap: bool = True, verify: bool | str = True) -> dict[str, np.ndarray]: ...
+    def read_part(self, name: str, mmap: bool = True,
+                  verify: VerifyLevel = VerifyLevel.HASH) -> dict[str, np.ndarray]: ...
 
     def write_manifest(self, obj: dict) -> Any: ...
 

@@ -12,80 +12,54 @@ starts, not here.
 """
 from __future__ import annotations
 
-import dataclasses
+import copy
+import logging
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from nblib import budget
 from nblib.atomic import sha256_json
+from nblib.cache import ShardedImageCache
+from nblib.cache.format import DAMAGED, damaged_error, shard_state
 from nblib.config import PipelineConfig
 from nblib.encode import numerics
-from nblib.encode.distributed import SINGLE, World, require_all_parts
+from nblib.encode.consolidate import consolidate
+from nblib.encode.disks import DISK_BLOCK, check_disks, disk_needs
+from nblib.encode.distributed import SINGLE, World
+from nblib.encode.layout import (
+    RUN_KIND,
+    RUN_VERSION,
+    RunPlan,
+    is_run_part,
+    open_store,
+    part_meta,
+    plan_run,
+    read_run_manifest,
+    refuse_if_changed,
+    settings_of,
+)
 from nblib.encode.protocols import ImageSource, PartStore, require_image_source, require_part_store
-from nblib.errors import BudgetExceeded, CacheError, ConfigError, DriveError, NblibError, ResumeMismatch, StateError
+from nblib.encode.ranks import RankRecord, require_all_parts
+from nblib.env import Workspace
+from nblib.errors import BudgetExceeded, CacheError, ConfigError, NblibError, StateError
 from nblib.lock import FolderLock, run_identity
-from nblib.units import fmt_bytes, fmt_bytes_pair, fmt_exception
+from nblib.malloc import pin_malloc_mmap_threshold
+from nblib.store.parts import VerifyLevel
+from nblib.units import fmt_exception
 
-RUN_KIND = "nblib.encode.run"     # the run manifest's and every part meta's "kind"
-RUN_VERSION = 2                   # layout 1 (before nblib 0.2) is refused: encode into a new folder
-PARTS_FOLDER = "parts"
+__all__ = [
+    "DISK_BLOCK", "OFFLOAD_MODES", "Consolidated", "EncodeReport", "EncodedParts", "RunInputs",
+    "VerifiedShards", "check_disks", "consolidate_run", "disk_needs", "encode", "encode_parts",
+    "load_encoder", "pending_parts", "plan_encode", "resolve_device", "resume", "run_lock",
+]
+
+log = logging.getLogger(__name__)
+
 OFFLOAD_MODES = ("async", "consolidate")
-DISK_BLOCK = 4096                 # the preflight rounds each file up to whole blocks of this size
-
-
-# ------------------------------------------------------------------------------ the run's plan
-
-
-@dataclass(frozen=True)
-class RunPlan:
-    """Where every batch and part of a run begins and ends; fixed, so a resume sees the same batches."""
-
-    n_samples: int
-    batch_size: int
-    checkpoint_every: int
-
-    @property
-    def part_samples(self) -> int:
-        return self.batch_size * self.checkpoint_every
-
-    @property
-    def n_parts(self) -> int:
-        return -(-self.n_samples // self.part_samples)
-
-    def part_range(self, k: int) -> tuple[int, int]:
-        """Samples [start, stop) of part k."""
-        start = k * self.part_samples
-        return start, min(start + self.part_samples, self.n_samples)
-
-    def part_batches(self, k: int) -> list[tuple[int, int]]:
-        """Samples [start, stop) of each batch of part k."""
-        start, stop = self.part_range(k)
-        return [(s, min(s + self.batch_size, stop)) for s in range(start, stop, self.batch_size)]
-
-    @staticmethod
-    def part_name(k: int) -> str:
-        return f"part-{k:06d}"
-
-
-def plan_run(config: PipelineConfig, n_samples: int) -> RunPlan:
-    """The plan of encoding `n_samples` with the config's batch size and checkpoint cadence."""
-    return RunPlan(n_samples, config.run.batch_size, config.run.checkpoint_every)
-
-
-def settings_of(config: PipelineConfig, n_samples: int) -> dict:
-    """The knobs that decide the output bytes (model, batches, parts, outputs, dtype, seed).
-
-    Loader knobs (workers, prefetch, consolidate_every, offload mode) are left out on purpose: a
-    resume on another machine may change them without changing a byte.
-    """
-    r = config.run
-    return {"model": dataclasses.asdict(config.model), "n_samples": n_samples,
-            "batch_size": r.batch_size, "checkpoint_every": r.checkpoint_every,
-            "outputs": list(r.outputs), "out_dtype": r.out_dtype, "seed": r.seed}
 
 
 # ------------------------------------------------------------------------------ encode
@@ -125,88 +99,231 @@ def encode(cache: ImageSource, run_dir: str | Path, config: PipelineConfig, devi
            mirror_dir: str | Path | None = None, progress: bool = True, offload: str = "async",
            weights: str | Path | None = None, preflight: bool = True, workspace=None,
            do_consolidate: bool = True, store: PartStore | None = None,
-           world: World | None = None, verify: bool = False, precision: str = "auto",
+           world: World | None = None, verify: VerifyLevel = VerifyLevel.STAT, precision: str = "auto",
            reencode_numerics: bool = False) -> EncodeReport:
     """Encode every image of `cache` into parts under `run_dir`, resuming what is durable.
 
-    `outputs` / `out_dtype` override the config's; `weights` loads trained weights (default: the
-    seeded initialization); `offload` is "async" (per-batch copies to pinned host buffers) or
-    "consolidate" (keep `consolidate_every` batches on the GPU, then one copy). A `store` given
-    is used as it is and left open; otherwise one is opened on run_dir/parts and closed. The run
-    holds the run folder's lock (`run_lock`) throughout: a second run on it gets FolderBusyError.
-    `world` (`nblib.encode.distributed.join()`) makes this process one rank or shard of several:
-    it encodes its share of the parts, and only the consolidating one merges them. A resume
-    checks parts by metadata (part.json, sizes, stat); `verify=True` hashes every part first, and
-    the consolidated outputs too (a damaged one is rebuilt). `precision` is the encoder's ("auto":
-    fp16 autocast on CUDA, fp32 on CPU); the device, the precision used and the torch/CUDA versions
-    are recorded (`nblib.encode.numerics`), and a resume with other ones is refused unless
-    `reencode_numerics` (the parts made with other numerics are encoded again).
+    The run goes through five phases, each a function of plain values: `plan_encode` (check the
+    inputs, load the encoder, fingerprint), `resume` (read the run manifest once, list the durable
+    parts), `World.assign` (this process's share), `encode_parts` (encode and write them) and
+    `consolidate_run` (merge, recomputing parts found damaged). The run holds the run folder's
+    lock (`run_lock`) throughout: a second run on it gets FolderBusyError.
+
+    Args:
+        cache: the images (`ImageSource`: a `ShardedImageCache`, or any object with its members).
+        run_dir: the run folder (--out): parts under run_dir/parts, consolidated outputs in it.
+        config: the pipeline config (model, batch size, checkpoint cadence, outputs, dtype, seed).
+        device: "cpu", "cuda" or "cuda:N"; None: cuda when available.
+        outputs, out_dtype: override the config's outputs and their dtype.
+        mirror_dir: a second folder (Drive) every part is mirrored to in a thread (one process only).
+        progress: show a progress bar.
+        offload: "async" (per-batch copies to pinned host buffers) or "consolidate" (keep
+            `consolidate_every` batches on the GPU, then one copy).
+        weights: trained weights (`TRMVisionEncoder.save_weights`); None: the seeded initialization.
+        preflight: check RAM, VRAM and each disk against the budget before the first batch.
+        workspace: the `nblib.env.Workspace` the preflight checks (default: run_dir everywhere).
+        do_consolidate: merge the parts into one .npy per output at the end.
+        store: a `PartStore` to write through, used as it is and left open (default: one opened
+            on run_dir/parts and closed).
+        world: this process's role (`nblib.encode.distributed.join()`): a rank or shard encodes
+            its share of the parts, and only the consolidating one merges them.
+        verify: how a resume checks the durable parts: `VerifyLevel.STAT` (part.json, sizes,
+            stat; a file whose stat changed is hashed), `VerifyLevel.HASH` (every part hashed
+            first, and every consolidated output: a damaged one is rebuilt) or `VerifyLevel.SIZES`.
+        precision: the encoder's: "auto" (fp16 autocast on CUDA, fp32 on CPU), "fp32", "fp16", "bf16".
+        reencode_numerics: on a resume with another device, precision or torch/CUDA version
+            (`nblib.encode.numerics`), encode the parts made with the other numerics again
+            (default: refuse, naming the change).
+
+    Returns:
+        An `EncodeReport`: samples, parts encoded, where it resumed, speed, the output paths.
+
+    Raises:
+        ConfigError, CacheError, BudgetExceeded, ResumeMismatch, FolderBusyError, StateError
+        (each names the cause and the fix).
     """
-    from nblib.encode.consolidate import consolidate
-
     world = world if world is not None else SINGLE
+    run = plan_encode(cache, run_dir, config, device, outputs=outputs, out_dtype=out_dtype,
+                      mirror_dir=mirror_dir, offload=offload, weights=weights, world=world, precision=precision,
+                      reencode_numerics=reencode_numerics)
+    identity = numerics.identity_of(run.fingerprints)          # a resume on other hardware is the same run
+    with run_lock(run.run_dir, identity, world.rank, world.lock_environ) as lock:  # another run: refused
+        parts_store = open_store(run.run_dir, run.mirror_dir, identity) if store is None \
+            else require_part_store(store)
+        manifest = resume(parts_store, run, world, VerifyLevel.of(verify))
+        pending = pending_parts(run.plan, manifest)
+        mine = world.assign(pending, run.plan.n_parts, run.fingerprints)    # this process's share
+        if mine and preflight:
+            _preflight(run, workspace, pending, do_consolidate)
+            world.preflight(run.config, str(run.torch_device))
+        with world.progress(run.run_dir, run.plan.n_parts, progress):      # one bar over all ranks' parts
+            done = encode_parts(run, parts_store, manifest, mine, lock, world.record(run.run_dir, mine),
+                                write_manifest=world.writes_manifest, progress=progress and not world.distributed)
+        world.barrier("the end, once every rank has written its parts")
+        merged = consolidate_run(run, parts_store, done.manifest, lock, world, VerifyLevel.of(verify)) \
+            if do_consolidate and world.consolidates else Consolidated({}, ())
+        mirrored = parts_store.close() if store is None else None   # waits for the mirror; warns if failing
+    resumed_at = run.plan.part_range(pending[0])[0] if pending else 0
+    return EncodeReport(
+        run_dir=run.run_dir, n_samples=run.plan.n_samples, parts_total=run.plan.n_parts,
+        parts_encoded=(len(pending) if world.role == "rank" else len(mine)) + len(merged.recomputed),  # a launch's
+        resumed_at=resumed_at, seconds=done.seconds,
+        samples_per_s=done.samples / done.seconds if done.samples and done.seconds else 0.0,
+        offload=offload, device=str(run.torch_device), timeline=done.timeline, outputs=merged.outputs,
+        mirror_caught_up=mirrored if run.mirror_dir is not None else None, write_seconds=done.write_seconds)
 
-    run_dir = _require_folder(Path(run_dir), "run folder (--out)")
+
+# ------------------------------------------------------------------------------ the phases
+
+
+@dataclass(frozen=True)
+class RunInputs:
+    """What every phase of one run reads, checked once by `plan_encode` and never changed after."""
+
+    cache: ImageSource
+    run_dir: Path
+    mirror_dir: Path | None
+    config: PipelineConfig       # with the run's outputs, dtype and n_samples
+    plan: RunPlan
+    fingerprints: dict           # settings, weights, cache: a resume refuses when one changed
+    encoder: Any                 # the TRMVisionEncoder (torch), on the CPU until parts are encoded
+    torch_device: Any            # the torch.device it encodes on
+    offload: str
+    reencode_numerics: bool = False   # parts of other numerics are encoded again, not refused
+
+
+@dataclass(frozen=True)
+class EncodedParts:
+    """What `encode_parts` did: the manifest after it, the samples, time and per-batch timeline."""
+
+    manifest: dict
+    samples: int
+    seconds: float
+    write_seconds: float                      # of `seconds`: writing parts and the manifest
+    timeline: tuple[tuple[float, int], ...]   # (seconds since start, samples encoded), per batch
+
+
+@dataclass(frozen=True)
+class Consolidated:
+    """What `consolidate_run` did: the output paths, and the parts it found damaged and recomputed."""
+
+    outputs: dict[str, Path]
+    recomputed: tuple[int, ...]
+
+
+def plan_encode(cache: ImageSource, run_dir: str | Path, config: PipelineConfig, device: str | None = None, *,
+                outputs: tuple[str, ...] | None = None, out_dtype: str | None = None,
+                mirror_dir: str | Path | None = None, offload: str = "async",
+                weights: str | Path | None = None, world: World = SINGLE, precision: str = "auto",
+                reencode_numerics: bool = False) -> RunInputs:
+    """Phase 1: check the folders, cache, config and device, load the encoder, fingerprint the run.
+
+    Nothing is written. ConfigError, CacheError as `encode` documents.
+    """
+    folder = _require_folder(Path(run_dir), "run folder (--out)")
+    mirror = None
     if mirror_dir is not None:
-        _require_folder(Path(mirror_dir), "mirror folder (--mirror)")
+        mirror = _require_folder(Path(mirror_dir), "mirror folder (--mirror)")
         world.refuse_mirror()                      # one process only: ranks write --out directly
-    cache = require_image_source(cache)
-    config = _effective_config(config, len(cache), outputs, out_dtype)
+    source = require_image_source(cache)
+    run_config = _effective_config(config, len(source), outputs, out_dtype)
     if offload not in OFFLOAD_MODES:
         raise ConfigError(f"offload={offload!r} is unknown; choose one of {OFFLOAD_MODES}")
-    _require_usable_cache(cache, config)
-    device = resolve_device(device)
-    if device.type == "cpu":
+    _require_usable_cache(source, run_config)
+    torch_device = resolve_device(device)
+    if torch_device.type == "cpu":
         # the budget's RAM lines count live buffers; without this glibc keeps freed activations
-        # resident and a CPU run peaks 1.5-1.8x above them (see malloc.pin_malloc_mmap_threshold)
-        from nblib.malloc import pin_malloc_mmap_threshold
-
+        # resident and a CPU run peaks 1.5-1.8x above them (see measure.pin_malloc_mmap_threshold)
         pin_malloc_mmap_threshold()
-    encoder = load_encoder(config, weights).set_inference(precision=precision)
-    plan = plan_run(config, len(cache))
-    identity = {"settings": sha256_json(settings_of(config, plan.n_samples)),
-                "weights": encoder.weights_fingerprint(), "cache": cache.fingerprint}
-    fingerprints = {**identity, numerics.KEY: numerics.numerics_of(device, precision)}
-    with run_lock(run_dir, identity, world.rank, world.lock_environ) as lock:   # another run is refused
-        own_store = store is None
-        store = open_store(run_dir, mirror_dir, identity) if own_store else require_part_store(store)
-        store = world.part_store(store, run_dir, plan.n_parts)   # ranks: parts go through, no manifest writes
-        manifest = _resume_manifest(store, config, plan, fingerprints, verify=True if verify else "quick",
-                                    numerics_apply=world.role != "consolidate", reencode=reencode_numerics)
-        pending = [k for k in range(plan.n_parts) if plan.part_name(k) not in manifest["parts"]]
-        resumed_at = plan.part_range(pending[0])[0] if pending else plan.n_samples
-        missing = world.assign(pending, plan.n_parts, store, fingerprints)   # this process's share
-        if missing and preflight:
-            _preflight(config, workspace, run_dir, mirror_dir, plan, pending, do_consolidate)
-            world.preflight(config, str(device))
+    encoder = load_encoder(run_config, weights).set_inference(precision=precision)
+    plan = plan_run(run_config, len(source))
+    fingerprints = {"settings": sha256_json(settings_of(run_config, plan.n_samples)),
+                    "weights": encoder.weights_fingerprint(), "cache": source.fingerprint,
+                    numerics.KEY: numerics.numerics_of(torch_device, precision)}
+    return RunInputs(source, folder, mirror, run_config, plan, fingerprints, encoder, torch_device, offload,
+                     reencode_numerics)
 
-        started = time.perf_counter()
-        timeline: list[tuple[float, int]] = []
-        write_seconds = 0.0
-        if missing:
-            encoder.to(device).eval()
-            with world.progress(run_dir, plan.n_parts, progress):   # one bar over all ranks' parts
-                timeline, write_seconds = _encode_parts(cache, encoder, store, manifest, plan, missing, config,
-                                                        device, offload, progress and not world.distributed, lock)
-        seconds = time.perf_counter() - started
-        encoded = sum(plan.part_range(k)[1] - plan.part_range(k)[0] for k in missing)
-        world.barrier("the end, once every rank has written its parts")
-        consolidating = do_consolidate and world.consolidates
-        if consolidating and world.distributed:   # ranks never write the manifest: rebuilt from the parts
-            manifest = _resume_manifest(store.inner, config, plan, fingerprints)
-            require_all_parts(run_dir, manifest["parts"], plan.n_parts)
-        paths, recomputed = _consolidate_recomputing(
-            lambda: consolidate(run_dir, store=store, lock=lock, verify=bool(verify)), store, manifest, plan,
-            lambda ks: _encode_parts(cache, encoder.to(device).eval(), store, manifest, plan, ks, config, device,
-                                     offload, False, lock)) if consolidating else ({}, [])
-        mirrored = store.close() if own_store else None  # waits for the mirror; warns if it is failing
-    return EncodeReport(
-        run_dir=run_dir, n_samples=plan.n_samples, parts_total=plan.n_parts,
-        parts_encoded=(len(pending) if world.role == "rank" else len(missing)) + len(recomputed),  # a launch's
-        resumed_at=resumed_at if resumed_at < plan.n_samples else 0,
-        seconds=seconds, samples_per_s=encoded / seconds if encoded and seconds else 0.0,
-        offload=offload, device=str(device), timeline=tuple(timeline), outputs=paths,
-        mirror_caught_up=mirrored if mirror_dir is not None else None, write_seconds=write_seconds)
+
+def resume(store: PartStore, run: RunInputs, world: World, verify: VerifyLevel = VerifyLevel.STAT) -> dict:
+    """Phase 2: the manifest to continue from, read once, checked against this run, parts re-verified.
+
+    A manifest that cannot be read is rebuilt from the parts (each part's meta carries the
+    fingerprints); parts the manifest lists but the store cannot verify are recomputed. Only a
+    single process writes the result back (the others share the folder: see `World.writes_manifest`).
+    """
+    old = read_run_manifest(store)
+    settings = settings_of(run.config, run.plan.n_samples)
+    encodes = world.role != "consolidate"      # one that only merges takes the parts' numerics as they are
+    if old is not None:
+        refuse_if_changed(old.get("fingerprints", {}), run.fingerprints, old.get("settings", {}), settings,
+                          where=f"the run manifest in {store.local_dir}")
+        if encodes and not run.reencode_numerics:
+            numerics.refuse_other_numerics(old.get("fingerprints", {}).get(numerics.KEY),
+                                           run.fingerprints[numerics.KEY], f"the run manifest in {store.local_dir}",
+                                           len(old.get("parts", {})))
+    durable = world.durable_parts(store, run.plan.n_parts, verify)   # STAT: part.json, sizes, stat
+    fresh = _manifest_of(run, durable, old and old.get("settings"), encodes)
+    lost = sorted(set((old or {}).get("parts", {})) - set(fresh["parts"]))
+    if lost:
+        log.warning("parts %s are listed in the manifest but missing or damaged on disk; they will be "
+                    "recomputed", lost)
+    if world.writes_manifest and fresh != old:
+        store.write_manifest(fresh)
+    return fresh
+
+
+def pending_parts(plan: RunPlan, manifest: dict) -> list[int]:
+    """The parts the manifest does not list as durable, in order."""
+    return [k for k in range(plan.n_parts) if plan.part_name(k) not in manifest["parts"]]
+
+
+def encode_parts(run: RunInputs, store: PartStore, manifest: dict, parts: list[int], lock: FolderLock,
+                 record: RankRecord | None = None, *, write_manifest: bool = True,
+                 progress: bool = False) -> EncodedParts:
+    """Phase 4: encode `parts` in order, each written durably then listed; the manifest after them.
+
+    The manifest given is not changed (the one returned is a copy); it is written after each
+    part when `write_manifest` (a single process), and each part is added to `record` (a rank's).
+    """
+    manifest = copy.deepcopy(manifest)
+    started = time.perf_counter()
+    timeline, writing = [], 0.0
+    if parts:
+        run.encoder.to(run.torch_device).eval()
+        timeline, writing = _encode_loop(run, store, manifest, parts, lock, record, write_manifest, progress)
+    return EncodedParts(manifest, run.plan.samples_in(parts), time.perf_counter() - started, writing,
+                        tuple(timeline))
+
+
+def consolidate_run(run: RunInputs, store: PartStore, manifest: dict, lock: FolderLock,
+                    world: World, verify: VerifyLevel = VerifyLevel.STAT) -> Consolidated:
+    """Phase 5: merge the parts; parts found damaged there are deleted, recomputed and merged again (once).
+
+    Several processes never wrote the manifest, so the consolidating one rebuilds it from the
+    verified parts first (StateError naming who owes the missing ones). A resume trusts part.json,
+    sizes and stat fingerprints; consolidation hashes every byte it reads, so a part whose bytes
+    changed behind an unchanged size and mtime fails there. Then every part is hashed on both
+    sides (the rare path: a full read) to find all damaged ones. `VerifyLevel.HASH` also hashes
+    every consolidated output already there and rebuilds one that differs from its index.
+    """
+    if not world.writes_manifest:
+        manifest = _manifest_of(run, store.list_parts(verify=VerifyLevel.STAT), None)
+        store.write_manifest(manifest)
+        require_all_parts(run.run_dir, manifest["parts"], run.plan.n_parts)
+    try:
+        return Consolidated(consolidate(run.run_dir, store=store, lock=lock, verify=verify is VerifyLevel.HASH), ())
+    except StateError as exc:
+        damaged = {d.name for d in store.verify()[1]} & set(manifest["parts"])
+        ks = [k for k in range(run.plan.n_parts) if run.plan.part_name(k) in damaged]
+        if not ks:
+            raise
+        log.warning("consolidation found damaged parts (%s); recomputing parts %s", exc,
+                    [run.plan.part_name(k) for k in ks])
+    for k in ks:
+        store.delete_part(run.plan.part_name(k))
+    kept = _without_parts(manifest, [run.plan.part_name(k) for k in ks])
+    encode_parts(run, store, kept, ks, lock, write_manifest=True)
+    return Consolidated(consolidate(run.run_dir, store=store, lock=lock), tuple(ks))
 
 
 def load_encoder(config: PipelineConfig, weights: str | Path | None = None):
@@ -273,70 +390,6 @@ def run_lock(run_dir: str | Path, fingerprints: dict, rank: int = 0, environ: di
                       rank=rank, what="run folder", hint="encode into another --out")
 
 
-def open_store(run_dir: str | Path, mirror_dir: str | Path | None = None, identity: dict | None = None) -> PartStore:
-    """The DurableStore holding a run's parts and manifest (run_dir/parts, mirrored if asked).
-
-    `identity` (the run's fingerprints) claims the mirror folder for this run: a mirror another
-    run claimed is refused (ForeignMirror, naming the mirror folder).
-    """
-    from nblib.store import DurableStore
-
-    return DurableStore(Path(run_dir) / PARTS_FOLDER, mirror_dir=mirror_dir, identity=identity)
-
-
-def read_run_manifest(store: PartStore) -> dict | None:
-    """The run manifest of a store, or None when there is none or it is damaged (with a warning).
-
-    The newest copy of either side; local staging's alone (with a warning) while the mirror is
-    unreachable. StateError when the store holds something else (another kind, an older layout).
-    """
-    try:
-        try:
-            manifest = store.read_manifest()
-        except DriveError as exc:
-            warnings.warn(f"{exc}; reading the run manifest of local staging only", stacklevel=3)
-            manifest = store.read_manifest(local_only=True)
-    except (StateError, OSError) as exc:
-        warnings.warn(f"the run manifest cannot be read ({exc}); rebuilding it from the parts",
-                      stacklevel=3)
-        return None
-    if manifest is not None and (manifest.get("kind"), manifest.get("version")) != (RUN_KIND, RUN_VERSION):
-        raise StateError(f"{store.local_dir} holds a manifest of kind {manifest.get('kind')!r} "
-                         f"(layout {manifest.get('version')!r}), not an encode run of layout "
-                         f"{RUN_VERSION}; encode into an empty --out folder, or delete this one")
-    return manifest
-
-
-def part_meta(plan: RunPlan, k: int, fingerprints: dict, settings: dict | None = None) -> dict:
-    """The meta written with part k: what it is, which samples it holds, the run's fingerprints and
-    settings (so a refusal names the setting that changed, even with no run manifest: shards).
-    """
-    meta = {"kind": RUN_KIND, "version": RUN_VERSION, "name": plan.part_name(k),
-            "range": list(plan.part_range(k)), "fingerprints": fingerprints}
-    if settings is not None:
-        meta["settings"] = settings
-    return meta
-
-
-def refuse_if_changed(old: dict, new: dict, old_settings: dict | None, new_settings: dict | None,
-                      where: str) -> None:
-    """ResumeMismatch naming each fingerprint (and setting) that differs between two runs."""
-    changed = [k for k in ("settings", "weights", "cache") if k in old and old[k] != new.get(k)]
-    if not changed:
-        return
-    details = []
-    for key in changed:
-        if key == "settings" and old_settings and new_settings:
-            diffs = _setting_diffs(old_settings, new_settings) or ["fingerprint differs"]
-            details.append("settings changed (" + "; ".join(diffs) + ")")
-        else:
-            details.append(f"{key} changed ({old[key][:12]} -> {str(new.get(key))[:12]})")
-    raise ResumeMismatch(
-        f"{where} was made with other inputs: {', '.join(details)}. Resuming would mix outputs "
-        f"of two different runs; rerun with the original cache, weights and settings, or encode "
-        f"into a new --out folder")
-
-
 # ------------------------------------------------------------------------------ helpers: resume
 
 
@@ -375,52 +428,40 @@ def _new_manifest(config: PipelineConfig, plan: RunPlan, fingerprints: dict) -> 
             "parts": {}, "samples_done": 0, "complete": False}
 
 
-def _resume_manifest(store: PartStore, config: PipelineConfig, plan: RunPlan, fingerprints: dict,
-                     verify: bool | str = "quick", numerics_apply: bool = True, reencode: bool = False) -> dict:
-    """The manifest to continue from: checked against this run, parts re-verified on disk.
+def _manifest_of(run: RunInputs, durable: list, old_settings: dict | None, encodes: bool = True) -> dict:
+    """A fresh run manifest listing the durable parts of this run (ResumeMismatch for another run's).
 
-    A manifest that cannot be read is rebuilt from the parts (each part's meta carries the
-    fingerprints and settings); parts the manifest lists but the store cannot verify are
-    recomputed. Parts made with other numerics (device, precision, torch) are refused, or with
-    `reencode` left out so they are encoded again; `numerics_apply=False` (a process that only
-    consolidates, encoding nothing) takes them as they are.
+    A part names its own settings, so a refusal names the setting that changed even without a
+    run manifest (shards). Parts of other numerics are refused, or left out to be encoded again.
     """
-    fresh = _new_manifest(config, plan, fingerprints)
-    mine = fingerprints.get(numerics.KEY)
-    old = read_run_manifest(store)
-    if old is not None:
-        refuse_if_changed(old.get("fingerprints", {}), fingerprints, old.get("settings", {}),
-                          fresh["settings"], where=f"the run manifest in {store.local_dir}")
-        if numerics_apply and not reencode:
-            numerics.refuse_other_numerics(old.get("fingerprints", {}).get(numerics.KEY), mine,
-                                           f"the run manifest in {store.local_dir}", len(old.get("parts", {})))
-    durable, other_numerics = {}, []
-    for info in store.list_parts(verify=verify):      # "quick": part.json, sizes, stat; hashed when changed
+    fresh = _new_manifest(run.config, run.plan, run.fingerprints)
+    parts, other = {}, []
+    for info in durable:
         meta = dict(info.meta or {})
-        if (meta.get("kind"), meta.get("version")) != (RUN_KIND, RUN_VERSION):
+        if not is_run_part(meta):
             continue
-        refuse_if_changed(meta.get("fingerprints", {}), fingerprints, meta.get("settings") or (old and old.get(
-            "settings")), fresh["settings"], where=f"part {meta.get('name')}")
-        theirs = meta.get("fingerprints", {}).get(numerics.KEY)
-        if numerics_apply and theirs and theirs != mine:
-            if not reencode:
-                numerics.refuse_other_numerics(theirs, mine, f"part {meta.get('name')}")
-            other_numerics.append(meta["name"])
-            continue                                  # encoded again with this process's numerics
-        durable[meta["name"]] = meta["range"]
-    if other_numerics:
-        warnings.warn(f"re-encoding {len(other_numerics)} parts made with other numerics "
-                      f"({'; '.join(numerics.numerics_changes(theirs, mine))})", stacklevel=3)
-    listed = set((old or {}).get("parts", {}))
-    if listed - set(durable):
-        warnings.warn(f"parts {sorted(listed - set(durable))} are listed in the manifest but "
-                      f"missing or damaged on disk; they will be recomputed", stacklevel=3)
-    fresh["parts"] = {name: durable[name] for name in sorted(durable)}
+        refuse_if_changed(meta.get("fingerprints", {}), run.fingerprints, meta.get("settings") or old_settings,
+                          fresh["settings"], where=f"part {meta.get('name')}")
+        if encodes and not numerics.part_is_current(meta, run.fingerprints[numerics.KEY], run.reencode_numerics):
+            other.append(meta["name"])
+            continue
+        parts[meta["name"]] = meta["range"]
+    if other:
+        log.warning("encoding %d parts made with other numerics again: %s", len(other), other)
+    fresh["parts"] = {name: parts[name] for name in sorted(parts)}
     fresh["samples_done"] = sum(stop - start for start, stop in fresh["parts"].values())
-    fresh["complete"] = fresh["samples_done"] == plan.n_samples
-    if fresh != old:
-        store.write_manifest(fresh)
+    fresh["complete"] = fresh["samples_done"] == run.plan.n_samples
     return fresh
+
+
+def _without_parts(manifest: dict, names: list[str]) -> dict:
+    """The manifest with the parts `names` no longer listed (they are recomputed)."""
+    kept = copy.deepcopy(manifest)
+    for name in names:
+        start, stop = kept["parts"].pop(name)
+        kept["samples_done"] -= stop - start
+    kept["complete"] = kept["samples_done"] == kept["n_samples"]
+    return kept
 
 
 def _require_folder(folder: Path, what: str) -> Path:
@@ -434,131 +475,49 @@ def _require_folder(folder: Path, what: str) -> Path:
     return folder
 
 
-def _consolidate_recomputing(consolidate_run, store: PartStore, manifest: dict, plan: RunPlan,
-                             recompute) -> tuple[dict, list[int]]:
-    """Consolidate; parts found damaged there are deleted, recomputed and consolidated again (once).
-
-    A resume trusts part.json, sizes and stat fingerprints; consolidation hashes every byte it
-    reads, so a part whose bytes changed behind an unchanged size and mtime fails there. Then
-    every part is hashed on both sides (the rare path: a full read) to find all damaged ones.
-    """
-    try:
-        return consolidate_run(), []
-    except StateError as exc:
-        damaged = {d.name for d in store.verify()[1]}
-        ks = [k for k in range(plan.n_parts) if plan.part_name(k) in damaged & set(manifest["parts"])]
-        if not ks:
-            raise
-        warnings.warn(f"consolidation found damaged parts ({exc}); recomputing parts "
-                      f"{[plan.part_name(k) for k in ks]}", stacklevel=3)
-    for k in ks:
-        store.delete_part(plan.part_name(k))
-        start, stop = manifest["parts"].pop(plan.part_name(k))
-        manifest["samples_done"] -= stop - start
-        manifest["complete"] = False
-    recompute(ks)
-    return consolidate_run(), ks
-
-
-def _setting_diffs(old: dict, new: dict) -> list[str]:
-    """'key: old -> new' for every setting that differs (model fields as model.<field>)."""
-    diffs = []
-    for key in sorted(set(old) | set(new)):
-        a, b = old.get(key), new.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            diffs += [f"model.{d}" for d in _setting_diffs(a, b)]
-        elif a != b:
-            diffs.append(f"{key}: {a} -> {b}")
-    return diffs
-
-
-def _preflight(config: PipelineConfig, workspace, run_dir: Path, mirror_dir, plan: RunPlan,
-               missing: list[int], do_consolidate: bool) -> None:
+def _preflight(run: RunInputs, workspace, pending: list[int], do_consolidate: bool) -> None:
     """The budget's preflight before the first batch: RAM and VRAM, then each disk written.
 
     The disks are checked here, with what this run writes to each (`disk_needs`): the parts
     still missing, the consolidated outputs, the mirror's copies. The image cache, already
     complete, takes nothing more. The device preset is the budget's default (t4 with CUDA).
     """
-    from nblib.env import Workspace
-
     if workspace is None:
-        workspace = Workspace(drive=run_dir, cache=run_dir, runs=run_dir, checkpoints=run_dir,
-                              local=run_dir, staging=run_dir, figures=run_dir)
-    budget.preflight(config, workspace, job="encode", disk_bytes=0, disk_folder=run_dir)  # RAM, VRAM
-    check_disks(disk_needs(config, run_dir, mirror_dir, plan, missing, do_consolidate))
-
-
-def disk_needs(config: PipelineConfig, run_dir: Path, mirror_dir, plan: RunPlan, missing: list[int],
-               do_consolidate: bool = True) -> dict[str, tuple[Path, int]]:
-    """What the rest of a run writes, by item: name -> (folder it lands in, bytes).
-
-    Each file is rounded up to whole 4 KiB blocks (part.json and headers included), so a disk
-    of many small parts is not under-counted.
-    """
-    per_image = budget.output_bytes_per_image(config)
-    outputs = len(config.run.outputs)
-    left = sum(plan.part_range(k)[1] - plan.part_range(k)[0] for k in missing)
-    parts = left * per_image + len(missing) * (outputs + 1) * DISK_BLOCK
-    needs = {"parts still to encode": (run_dir, parts)}
-    if do_consolidate:
-        needs["consolidated outputs"] = (run_dir, plan.n_samples * per_image + (outputs + 1) * DISK_BLOCK)
-    if mirror_dir is not None:
-        needs["mirrored parts"] = (Path(mirror_dir), parts)
-    return needs
-
-
-def check_disks(needs: dict[str, tuple[Path, int]]) -> None:
-    """BudgetExceeded naming the disk, the items on it, needed and free bytes, when one does not fit.
-
-    Items on one file system (the same st_dev) are added up; a disk nothing lands on is not
-    charged at all.
-    """
-    from nblib.disk import disk_free, existing_parent
-
-    by_disk: dict[int, list[tuple[str, Path, int]]] = {}
-    for item, (folder, nbytes) in needs.items():
-        by_disk.setdefault(existing_parent(folder).stat().st_dev, []).append((item, folder, nbytes))
-    for items in by_disk.values():
-        need, folder = sum(n for _, _, n in items), items[0][1]
-        free = disk_free(folder)
-        if need > free:
-            need_s, free_s = fmt_bytes_pair(need, free)
-            what = " + ".join(f"{item} {fmt_bytes(n)} in {f}" for item, f, n in items)
-            raise BudgetExceeded(
-                f"the encode run needs {need_s} ({need:,} bytes) on the disk of {existing_parent(folder)} "
-                f"but only {free_s} ({free:,} bytes) is free there ({what}); free space, put --out or "
-                f"--mirror on a larger disk, keep fewer --outputs or use --dtype float16")
+        d = run.run_dir
+        workspace = Workspace(drive=d, cache=d, runs=d, checkpoints=d, local=d, staging=d, figures=d)
+    budget.preflight(run.config, workspace, job="encode", disk_bytes=0, disk_folder=run.run_dir)  # RAM, VRAM
+    check_disks(disk_needs(run.config, run.run_dir, run.mirror_dir, run.plan, pending, do_consolidate))
 
 
 # ------------------------------------------------------------------------------ helpers: the loop
 
 
-def _encode_parts(cache: ImageSource, encoder, store: PartStore, manifest: dict, plan: RunPlan,
-                  missing: list[int], config: PipelineConfig, device, offload: str,
-                  progress: bool, lock: FolderLock) -> tuple[list[tuple[float, int]], float]:
-    """Encode the missing parts in order, each written then listed: (timeline, seconds writing).
+def _encode_loop(run: RunInputs, store: PartStore, manifest: dict, parts: list[int], lock: FolderLock,
+                 record: RankRecord | None, write_manifest: bool,
+                 progress: bool) -> tuple[list[tuple[float, int]], float]:
+    """Encode the parts in order, each written then listed in `manifest`: (timeline, seconds writing).
 
     Buffers hold at most the run's samples (a batch size above the cache's length costs no
     more); running out of RAM or VRAM anyway stops with BudgetExceeded, not a traceback.
     """
-    from nblib.encode.offload import HostPart, batch_loader
+    from nblib.encode.offload import HostPart, batch_loader  # imports torch
 
-    batches = [b for k in missing for b in plan.part_batches(k)]
-    loader = iter(batch_loader(cache, batches, config.run.workers, config.run.prefetch,
+    plan, config, device = run.plan, run.config, run.torch_device
+    batches = [b for k in parts for b in plan.part_batches(k)]
+    loader = iter(batch_loader(run.cache, batches, config.run.workers, config.run.prefetch,
                                pin_memory=device.type == "cuda"))
     shapes = {o: tuple(manifest["shapes"][o]) for o in manifest["outputs"]}
     bar = _progress_bar(plan, manifest, progress)
-    shards = VerifiedShards(cache)
+    shards = VerifiedShards(run.cache)
     started, encoded, timeline, writing = time.perf_counter(), 0, [], 0.0
     try:
         host = HostPart(shapes, min(plan.part_samples, plan.n_samples), config.run.out_dtype, device,
-                        offload, config.run.consolidate_every)
-        for k in missing:
+                        run.offload, config.run.consolidate_every)
+        for k in parts:
             start, stop = plan.part_range(k)
             for b_start, b_stop in plan.part_batches(k):
                 images = next(loader).to(device, non_blocking=True)
-                host.add(encoder.encode(images), b_start - start)
+                host.add(run.encoder.encode(images), b_start - start)
                 encoded += b_stop - b_start
                 timeline.append((time.perf_counter() - started, encoded))
                 bar.update(b_stop - b_start)
@@ -566,7 +525,9 @@ def _encode_parts(cache: ImageSource, encoder, store: PartStore, manifest: dict,
             write_started = time.perf_counter()
             lock.check()                                # still ours: no other run took the folder
             shards.require(start, stop)                 # never a part from a shard that is not the manifest's
-            _write_part(store, manifest, plan, k, arrays)
+            _write_part(store, manifest, plan, k, arrays, write_manifest)
+            if record is not None:
+                record.wrote(plan.part_name(k))
             writing += time.perf_counter() - write_started
             bar.set_postfix(_postfix(store, manifest, plan, device), refresh=True)
     except (MemoryError, RuntimeError) as exc:
@@ -595,8 +556,6 @@ class VerifiedShards:
     """
 
     def __init__(self, cache: ImageSource):
-        from nblib.cache import ShardedImageCache
-
         sharded = isinstance(cache, ShardedImageCache)
         self.folder = cache.cache_dir if sharded else None
         self.entries = cache.manifest["shards"] if sharded else []
@@ -604,8 +563,6 @@ class VerifiedShards:
 
     def require(self, start: int, stop: int) -> None:
         """CacheError naming the shard (and the repair) unless every shard holding [start, stop) matches."""
-        from nblib.cache.format import DAMAGED, damaged_error, shard_state
-
         for i, entry in enumerate(self.entries):
             if i in self.verified or entry["stop"] <= start or entry["start"] >= stop:
                 continue
@@ -624,15 +581,17 @@ def _out_of_memory(exc: BaseException) -> bool:
         "can't allocate memory" in text or "out of memory" in text.lower()
 
 
-def _write_part(store: PartStore, manifest: dict, plan: RunPlan, k: int, arrays: dict[str, np.ndarray]) -> None:
-    """Write part k durably, then list it in the manifest (the manifest is always written last)."""
+def _write_part(store: PartStore, manifest: dict, plan: RunPlan, k: int, arrays: dict[str, np.ndarray],
+                write_manifest: bool = True) -> None:
+    """Write part k durably, then list it in the manifest (written last, by a single process only)."""
     name, (start, stop) = plan.part_name(k), plan.part_range(k)
     store.write_part(name, arrays, part_meta(plan, k, manifest["fingerprints"], manifest["settings"]))
     manifest["parts"][name] = [start, stop]
     manifest["parts"] = dict(sorted(manifest["parts"].items()))
     manifest["samples_done"] += stop - start
     manifest["complete"] = manifest["samples_done"] == plan.n_samples
-    store.write_manifest(manifest)
+    if write_manifest:
+        store.write_manifest(manifest)
 
 
 def _progress_bar(plan: RunPlan, manifest: dict, enabled: bool):

@@ -4,3 +4,13 @@ Core packages (cache, store, encode, shuffle, budget, ...) stay reusable and fre
 what a single notebook shows, compares or concludes lives in its `lab` module. Verdicts are
 computed from tolerances, never typed.
 """
+import importlib
+
+__all__ = ["cache_population", "input_pipeline", "memory_budgeting", "shuffle_checkpoints", "streaming_encoding"]
+
+
+def __getattr__(name: str):
+    """Import a notebook's lab module on first use (`nblib.lab.memory_budgeting`)."""
+    if name in __all__:
+        return importlib.import_module(f"nblib.lab.{name}")
+    raise AttributeError(f"module 'nblib.lab' has no attribute {name!r}")

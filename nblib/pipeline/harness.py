@@ -17,16 +17,12 @@ from dataclasses import asdict, dataclass
 
 import psutil
 
-from nblib.errors import ConfigError, NblibError
+from nblib.errors import ConfigError, EmptyPipelineError
 from nblib.measure import PeakMemory
 from nblib.units import fmt_bytes, fmt_rate
 
 REPORT_FIELDS = ("samples_per_s", "data_wait", "startup_s", "peak_rss_bytes", "rss_added_bytes",
                  "batch_size", "steps", "step_ms")
-
-
-class EmptyPipelineError(NblibError, ValueError):
-    """A pipeline yielded no batch (or fewer than its warm-up) to measure."""
 
 
 @dataclass(frozen=True)

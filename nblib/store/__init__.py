@@ -14,7 +14,10 @@ Layout (the store owns both folders; put nothing else in them):
     <dir>/<name>-000001.pt, <dir>/<name>-000001.json           torch checkpoints
 
 Reading takes the newest complete copy from either side; damaged copies are returned by
-`verify()`, warned about (DamagedCopyWarning) and ignored, so the caller recomputes them.
+`verify()`, logged (one WARNING record per copy, logger `nblib.store`) and ignored, so the caller
+recomputes them. Run events go through `logging`, not `warnings` (which shows a call site's
+warning once and hides the next); only a mirror that fails or is behind warns (MirrorWarning),
+as the user has to act (remount Drive).
 
 With an `identity` the mirror folder is claimed for one run (`identity.py`): another run's store
 is refused at start (ForeignMirror, naming the mirror folder). Every read of the mirror from the
@@ -27,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import shutil
 import warnings
 from collections.abc import Callable
@@ -35,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from nblib import env
 from nblib.atomic import TMP_PREFIX, atomic_write_bytes
 from nblib.errors import ConfigError, DriveError, StateError
 
@@ -45,24 +50,43 @@ from .mirror import (
     CopyCheckpoint,
     CopyManifest,
     CopyPart,
-    DamagedCopyWarning,
     Mirror,
     MirrorStatus,
     MirrorWarning,
     Retention,
     Sides,
 )
-from .parts import DamagedCopy, FileEntry, FileOps, PartFolder, PartInfo, check_name, verify_level
+from .parts import DamagedCopy, FileEntry, FileOps, PartFolder, PartInfo, VerifyLevel, check_name
 from .retention import checkpoints_to_drop, retained_parts
 from .retry import Retrier, RetryingOps
 from .run_manifest import MANIFEST_FILE, newest, read_run_manifest, run_manifest_bytes
 
-__all__ = ["DamagedCopy", "DamagedCopyWarning", "DurableStore", "FileEntry", "FileOps", "ForeignMirror",
-           "MirrorStalled", "MirrorStatus", "MirrorWarning", "PartFolder", "PartInfo", "retained_parts"]
+log = logging.getLogger(__name__)
+
+__all__ = ["DamagedCopy", "DurableStore", "FileEntry", "FileOps", "ForeignMirror", "MirrorStalled",
+           "MirrorStatus", "MirrorWarning", "PartFolder", "PartInfo", "VerifyLevel", "retained_parts"]
 
 
 class DurableStore:
-    """Local-first store of parts, a run manifest and checkpoints, mirrored to `mirror_dir` in a thread."""
+    """Local-first store of parts, a run manifest and checkpoints, mirrored to `mirror_dir` in a thread.
+
+    Args:
+        local_dir: fast local staging; every write is durable here before the call returns.
+        mirror_dir: the durable copy (Drive), filled by a background thread; None: no mirror.
+        keep_local: parts kept locally once mirrored (None: all); keep_every: keep every N-th too.
+        keep_checkpoints: torch checkpoint versions kept per name.
+        retries, backoff_s: how a failing mirror call is retried (exponential backoff).
+        retry_interval_s: how often a failing mirror tries its backlog again.
+        verify_mirror: hash each mirrored part again after the copy.
+        remount: what to call on "Transport endpoint is not connected" (default: Colab's remount).
+        identity: the run's identity (JSON): claims the mirror folder for this run (`identity.py`).
+        deadline_s: how long a mirror read may block before the mirror counts as stalled
+            (default NBLIB_MIRROR_DEADLINE_S, 120 s).
+
+    Raises:
+        ConfigError for a knob out of range or a mirror that is the local folder itself;
+        ForeignMirror when another run claimed the mirror folder.
+    """
 
     def __init__(self, local_dir: str | Path, mirror_dir: str | Path | None = None, *,
                  keep_local: int | None = None, keep_every: int | None = None,
@@ -113,19 +137,19 @@ class DurableStore:
         self._enqueue(CopyPart(name))
         return info
 
-    def list_parts(self, verify: bool | str = True) -> list[PartInfo]:
-        """Complete parts, newest copy of either side; verify: True (sha256), "quick" or False (sizes)."""
+    def list_parts(self, verify: VerifyLevel = VerifyLevel.HASH) -> list[PartInfo]:
+        """Complete parts, newest copy of either side, checked at the `VerifyLevel` asked."""
         parts, damaged = self._scan(verify)
         _warn_damaged(damaged, "ignored; the caller should recompute the parts that have no good copy")
         return parts
 
     def verify(self) -> tuple[list[PartInfo], list[DamagedCopy]]:
         """Full sha256 check of every part on both sides: (good parts, damaged copies)."""
-        parts, damaged = self._scan(True)
+        parts, damaged = self._scan(VerifyLevel.HASH)
         _warn_damaged(damaged, "ignored; the caller should recompute the parts that have no good copy")
         return parts, damaged
 
-    def read_part(self, name: str, mmap: bool = True, verify: bool | str = True) -> dict[str, np.ndarray]:
+    def read_part(self, name: str, mmap: bool = True, verify: VerifyLevel = VerifyLevel.HASH) -> dict[str, np.ndarray]:
         """The arrays of part `name` from a checked copy (newest; local on a tie), memory-mapped if `mmap`."""
         check_name(name, "part name")
         best, bad = self._best_copy(name, verify)
@@ -272,8 +296,8 @@ class DurableStore:
                 warnings.warn(str(exc), MirrorWarning, stacklevel=3)
             return default
 
-    def _scan(self, verify) -> tuple[list[PartInfo], list[DamagedCopy]]:
-        verify_level(verify)
+    def _scan(self, verify: VerifyLevel) -> tuple[list[PartInfo], list[DamagedCopy]]:
+        verify = VerifyLevel.of(verify)
         names = sorted({n for folder in self._folders for n in self._unless_stalled(folder.names, folder, [])})
         parts, damaged = [], []
         for name in names:
@@ -285,7 +309,8 @@ class DurableStore:
                     self._enqueue(CopyPart(name))   # repair the mirror from the good local copy
         return parts, damaged
 
-    def _best_copy(self, name: str, verify) -> tuple[tuple[PartFolder, PartInfo] | None, list[DamagedCopy]]:
+    def _best_copy(self, name: str,
+                   verify: VerifyLevel) -> tuple[tuple[PartFolder, PartInfo] | None, list[DamagedCopy]]:
         good, bad = [], []
         for rank, folder in enumerate(self._folders):
             result = self._unless_stalled(lambda folder=folder: folder.check(name, verify), folder)
@@ -354,22 +379,17 @@ def _check_knobs(local: Path, mirror: Path | None, keep_local, keep_every, keep_
 
 
 def _warn_damaged(damaged: list[DamagedCopy], what: str) -> None:
-    if damaged:
-        listed = "; ".join(f"{d.name} ({d.side}: {d.reason})" for d in damaged[:5])
-        more = f" and {len(damaged) - 5} more" if len(damaged) > 5 else ""
-        warnings.warn(f"{len(damaged)} damaged copies {what}: {listed}{more}", DamagedCopyWarning, stacklevel=3)
+    """One WARNING log record per damaged copy (a second damaged part is never folded into the first)."""
+    for d in damaged:
+        log.warning("damaged copy %s (%s: %s) %s", d.name, d.side, d.reason, what)
 
 
 def _default_remount() -> Callable[[], Any] | None:
     """nblib.env.remount_drive inside Colab; nothing elsewhere (a local folder needs no remount)."""
-    from nblib import env
-
     return env.remount_drive if env.runtime() == "colab" else None
 
 
 def _colab_flush_and_unmount() -> None:
-    from nblib import env
-
     if env._colab_drive() is not None:
         from google.colab import drive  # type: ignore[import-not-found]
 

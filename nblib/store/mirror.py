@@ -28,20 +28,16 @@ from nblib.manifest import Manifest
 from .checkpoints import CheckpointFolder
 from .deadline import mirror_deadline
 from .identity import ForeignMirror, claim
-from .parts import DamagedCopy, FileOps, PartFolder, PartInfo
+from .parts import DamagedCopy, FileOps, PartFolder, PartInfo, VerifyLevel
 from .retention import checkpoints_to_drop, local_parts_to_drop
 from .retry import REAUTHORIZE_HINT, RemountPending, Retrier, describe
 from .run_manifest import MANIFEST_FILE, read_run_manifest, run_manifest_bytes
 
-log = logging.getLogger("nblib.store")
+log = logging.getLogger(__name__)
 
 
 class MirrorWarning(UserWarning):
     """The mirror (Drive) keeps failing: data is safe locally and is mirrored when it is back."""
-
-
-class DamagedCopyWarning(UserWarning):
-    """A copy of a part, manifest or checkpoint failed verification and is ignored."""
 
 
 @dataclass(frozen=True)
@@ -255,8 +251,7 @@ class Mirror:
                 self._give_up(exc)
                 continue
             except Exception as exc:             # a local copy that no longer verifies: not retried
-                log.error("cannot mirror %s: %s", item.label, exc)
-                warnings.warn(f"not mirroring {item.label}: {exc}", DamagedCopyWarning, stacklevel=1)
+                log.error("cannot mirror %s: %s; not mirroring it", item.label, exc)
             self._done(item)
 
     def _done(self, item: Item) -> None:
@@ -330,11 +325,11 @@ class Mirror:
 
     def _copy_part(self, name: str) -> None:
         local, remote = self.sides.local, self.sides.remote
-        before = local.check(name, verify=False)
+        before = local.check(name, verify=VerifyLevel.SIZES)
         try:
             copy = remote.copy_from(local, name, verify_readback=self.verify_readback)
         except StateError:
-            after = local.check(name, verify=False)
+            after = local.check(name, verify=VerifyLevel.SIZES)
             if not (isinstance(before, PartInfo) and isinstance(after, PartInfo)
                     and before.content_id == after.content_id):
                 return                           # rewritten meanwhile: the rewrite queued it again
@@ -394,15 +389,14 @@ class Mirror:
             self._present -= set(vanished)
             for name in vanished:
                 self._verified.pop(name, None)
-        refill = [n for n in vanished if isinstance(local.check(n, verify=False), PartInfo)]
+        refill = [n for n in vanished if isinstance(local.check(n, verify=VerifyLevel.SIZES), PartInfo)]
         lost = sorted(set(vanished) - set(refill))
         if vanished:
             log.warning("the mirror %s lost %d parts; re-filling %d from local staging", remote.root,
                         len(vanished), len(refill))
         if lost:
-            warnings.warn(f"the mirror {remote.root} lost parts {lost} and local staging no longer "
-                          f"has them (retention deleted them after they were mirrored); they must be "
-                          f"recomputed", MirrorWarning, stacklevel=1)
+            log.warning("the mirror %s lost parts %s and local staging no longer has them (retention "
+                        "deleted them after they were mirrored); they must be recomputed", remote.root, lost)
         with self._cond:
             self._refilled += len(refill)
             self._lost += len(lost)
@@ -420,7 +414,7 @@ class Mirror:
         with self._cond:
             self._present |= there
         for name in local.names():
-            mine = local.check(name, verify=False)
+            mine = local.check(name, verify=VerifyLevel.SIZES)
             if not isinstance(mine, PartInfo):
                 continue
             theirs = self._check_remote(name) if name in there else None
@@ -441,7 +435,7 @@ class Mirror:
 
         A scan over many parts must not restart from the first one on every Drive hiccup.
         """
-        return self.retrier.call(lambda: self.sides.remote.check(name, verify=False), f"check {name}")
+        return self.retrier.call(lambda: self.sides.remote.check(name, verify=VerifyLevel.SIZES), f"check {name}")
 
     def _apply_retention(self) -> None:
         """Delete local parts outside keep_local / keep_every, only those verified on the mirror."""
@@ -452,7 +446,7 @@ class Mirror:
             known = set(self._present)
         for name in local_parts_to_drop(local.names(), known, self.retention.keep_local,
                                         self.retention.keep_every):
-            mine = local.check(name, verify=False)
+            mine = local.check(name, verify=VerifyLevel.SIZES)
             verified = isinstance(mine, PartInfo) and self._verified_on_mirror(name, mine.content_id)
             if verified and local.delete(name, if_content=mine.content_id):   # not if rewritten meanwhile
                 log.debug("retention: deleted local copy of %s (verified on the mirror)", name)
@@ -462,7 +456,7 @@ class Mirror:
         with self._cond:
             if self._verified.get(name) == content_id:
                 return True
-        theirs = self.sides.remote.check(name, verify=True)
+        theirs = self.sides.remote.check(name, verify=VerifyLevel.HASH)
         if isinstance(theirs, DamagedCopy):
             self.enqueue(CopyPart(name))         # the mirror copy is damaged: mirror it again
         if not isinstance(theirs, PartInfo) or theirs.content_id != content_id:

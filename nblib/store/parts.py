@@ -4,12 +4,14 @@ A *part* is a folder of `.npy` files plus a `part.json` written last (an `nblib.
 record holding each file's bytes, sha256, shape, dtype and stat fingerprint): a part without a
 valid `part.json` does not exist. The same `PartFolder` serves local staging and the mirror;
 only its root and its `FileOps` differ. Checks come in three strengths, trading reads for
-certainty: False (sizes), "quick" (sizes + stat fingerprint, hashing only files whose
-fingerprint changed) and True (hash every file).
+certainty, named by what they compare (`VerifyLevel`): SIZES (part.json and each file's size),
+STAT (sizes + stat fingerprint, hashing only files whose fingerprint changed) and HASH (sha256 of
+every file: a full read).
 """
 from __future__ import annotations
 
 import contextlib
+import enum
 import io
 import os
 import re
@@ -27,11 +29,45 @@ from nblib.atomic import TMP_PREFIX, AtomicWriter, WrittenFile, fsync_dir, npy_h
 from nblib.errors import ConfigError, ManifestDamaged, StateError
 from nblib.manifest import manifest_bytes, parse_manifest
 
+__all__ = [
+    "CHUNK", "PART_FILE", "PART_KIND", "PART_VERSION", "DamagedCopy", "FileEntry", "FileOps", "PartFolder",
+    "PartInfo", "VerifyLevel", "check_name", "is_plain_name",
+]
+
 PART_KIND = "nblib.store.part"
 PART_VERSION = 2
 PART_FILE = "part.json"
 CHUNK = 8 << 20
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+class VerifyLevel(enum.Enum):
+    """How hard a part check looks; each name says what is compared with part.json.
+
+    SIZES: part.json parses and every file has its recorded size (no file is read).
+    STAT: SIZES, and a file whose stat fingerprint (mtime) changed is hashed (a resume's check).
+    HASH: SIZES, and every file is hashed (sha256): a full read, catches bit rot behind a kept mtime.
+    """
+
+    SIZES = "sizes"
+    STAT = "stat"
+    HASH = "hash"
+
+    @classmethod
+    def of(cls, value: VerifyLevel | bool | str) -> VerifyLevel:
+        """The level `value` names: a member, its value ("sizes", "stat", "hash"), or a bool (True:
+        HASH, False: SIZES, the two levels the old `verify: bool` meant); ConfigError otherwise.
+        """
+        if isinstance(value, cls):
+            return value
+        if value is True or value is False:
+            return cls.HASH if value else cls.SIZES
+        try:
+            return cls(value)
+        except ValueError:
+            raise ConfigError(f"verify={value!r} is not a check level; use VerifyLevel.HASH (hash every "
+                              f"file), VerifyLevel.STAT (sizes and stat fingerprints) or VerifyLevel.SIZES "
+                              f"(sizes only)") from None
 
 
 @dataclass(frozen=True)
@@ -178,9 +214,9 @@ class PartFolder:
             self._write_record(info)
         return info
 
-    def check(self, name: str, verify: bool | str = True) -> PartInfo | DamagedCopy | None:
+    def check(self, name: str, verify: VerifyLevel = VerifyLevel.HASH) -> PartInfo | DamagedCopy | None:
         """The checked part, why its copy is damaged, or None when this folder has no such part."""
-        level = verify_level(verify)
+        level = VerifyLevel.of(verify)
         folder = self.root / name
         raw = self.ops.read_bytes(folder / PART_FILE)
         if raw is None:
@@ -200,7 +236,7 @@ class PartFolder:
                 return self._damaged(name, reason)
         return info
 
-    def list(self, verify: bool | str = True) -> tuple[list[PartInfo], list[DamagedCopy]]:
+    def list(self, verify: VerifyLevel = VerifyLevel.HASH) -> tuple[list[PartInfo], list[DamagedCopy]]:
         """Every part of this folder that passes the check, and the copies that do not."""
         parts, damaged = [], []
         for name in self.names():
@@ -211,7 +247,7 @@ class PartFolder:
                 damaged.append(result)
         return parts, damaged
 
-    def read(self, name: str, mmap: bool = True, verify: bool | str = True) -> dict[str, np.ndarray]:
+    def read(self, name: str, mmap: bool = True, verify: VerifyLevel = VerifyLevel.HASH) -> dict[str, np.ndarray]:
         """The arrays of part `name`, checked first; StateError when it has no good copy here."""
         result = self.check(name, verify)
         if not isinstance(result, PartInfo):
@@ -233,7 +269,7 @@ class PartFolder:
         folder = self.root / name
         with self._lock:
             if if_content is not None:
-                current = self.check(name, verify=False)
+                current = self.check(name, verify=VerifyLevel.SIZES)
                 if not isinstance(current, PartInfo) or current.content_id != if_content:
                     return False
             trash = self.root / f"{TMP_PREFIX}deleted-{name}-{secrets.token_hex(4)}"
@@ -252,13 +288,13 @@ class PartFolder:
         returned as it is. Each file goes through AtomicWriter with the expected sha256, and
         is hashed again here after the write when `verify_readback`.
         """
-        src = source.check(name, verify=False)
+        src = source.check(name, verify=VerifyLevel.SIZES)
         if not isinstance(src, PartInfo):
             return None
         folder = self.root / name
         theirs = self.ops.read_bytes(folder / PART_FILE)
         if theirs is not None and _created(theirs) > src.created:
-            kept = self.check(name, verify=False)
+            kept = self.check(name, verify=VerifyLevel.SIZES)
             return kept if isinstance(kept, PartInfo) else None
         self.ops.makedirs(folder)
         with contextlib.suppress(FileNotFoundError):
@@ -294,14 +330,14 @@ class PartFolder:
         return PartInfo(name, self.side, self.root / name, files, dict(body.get("meta") or {}),
                         float(body["created"]))
 
-    def _file_problem(self, path: Path, entry: FileEntry, level) -> str | None:
+    def _file_problem(self, path: Path, entry: FileEntry, level: VerifyLevel) -> str | None:
         try:
             st = self.ops.stat(path)
         except FileNotFoundError:
             return f"{entry.file} is missing"
         if st.st_size != entry.bytes:
             return f"{entry.file} has {st.st_size} bytes, part.json says {entry.bytes} (truncated?)"
-        must_hash = level is True or (level == "quick" and st.st_mtime_ns != entry.mtime_ns)
+        must_hash = level is VerifyLevel.HASH or (level is VerifyLevel.STAT and st.st_mtime_ns != entry.mtime_ns)
         if must_hash and self.ops.sha256(path) != entry.sha256:
             return f"{entry.file} sha256 differs from part.json (corrupt)"
         return None
@@ -320,14 +356,6 @@ class PartFolder:
                 self.ops.unlink(folder / n)
         with contextlib.suppress(OSError):
             self.ops.rmdir(folder)
-
-
-def verify_level(verify: bool | str):
-    """True, "quick" or False; ConfigError for anything else."""
-    if verify is True or verify is False or verify == "quick":
-        return verify
-    raise ConfigError(f"verify={verify!r} is not a check level; use True (hash every file), "
-                      f"'quick' (sizes and stat fingerprints) or False (sizes only)")
 
 
 def check_name(name: str, what: str) -> None:

@@ -23,7 +23,7 @@ from nblib.errors import ConfigError, DriveError
 
 from .parts import FileOps
 
-log = logging.getLogger("nblib.store")
+log = logging.getLogger(__name__)
 MAX_BACKOFF_S = 30.0
 REMOUNT_TIMEOUT_ENV = "NBLIB_REMOUNT_TIMEOUT_S"
 DEFAULT_REMOUNT_TIMEOUT_S = 60.0

@@ -14,15 +14,20 @@ from nblib.manifest import Manifest, manifest_bytes, parse_manifest
 
 from .parts import DamagedCopy, FileOps
 
-RUN_KIND = "nblib.store.run"
-RUN_VERSION = 2
+__all__ = [
+    "MANIFEST_FILE", "MANIFEST_KIND", "MANIFEST_VERSION", "newest", "read_run_manifest",
+    "run_manifest_bytes",
+]
+
+MANIFEST_KIND = "nblib.store.run"    # the store's envelope around the caller's dict (not the run's kind:
+MANIFEST_VERSION = 2                 # an encode run says its own, nblib.encode.layout.RUN_KIND, inside)
 MANIFEST_FILE = "manifest.json"
 
 
 def run_manifest_bytes(run: dict, seq: int, parts: list[str] | None = None) -> bytes:
     """The stored bytes of a run manifest: the caller's dict, the sequence, and (mirror) its parts."""
     body = {"run": run} if parts is None else {"run": run, "parts": sorted(parts)}
-    return manifest_bytes(RUN_KIND, body, version=RUN_VERSION, seq=seq)
+    return manifest_bytes(MANIFEST_KIND, body, version=MANIFEST_VERSION, seq=seq)
 
 
 def read_run_manifest(ops: FileOps, root: Path, side: str) -> Manifest | DamagedCopy | None:
@@ -31,7 +36,7 @@ def read_run_manifest(ops: FileOps, root: Path, side: str) -> Manifest | Damaged
     if raw is None:
         return None
     try:
-        record = parse_manifest(raw, RUN_KIND, versions=(RUN_VERSION,), where=f"{side} {MANIFEST_FILE}")
+        record = parse_manifest(raw, MANIFEST_KIND, versions=(MANIFEST_VERSION,), where=f"{side} {MANIFEST_FILE}")
     except ManifestDamaged as exc:
         return DamagedCopy(MANIFEST_FILE, side, str(exc))
     if not isinstance(record.body.get("run"), dict):
