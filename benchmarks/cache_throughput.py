@@ -3,12 +3,19 @@
     python benchmarks/cache_throughput.py                 # 2,000 sample texts at 224 px
     python benchmarks/cache_throughput.py --n 600 --size 64
 
-Prints three tables, measured figures and ratios side by side:
+    python benchmarks/cache_throughput.py --formats-only  # sections 4 and 5 only (64 and 224 px)
+
+Prints five tables, measured figures and ratios side by side:
 1. images/s populating a cache with 1 worker and with N workers, and the speed-up;
 2. shard write MB/s (ShardWriter, an AtomicWriter: stream, sha256, fsync, rename) against `np.save` of the same
    bytes, plain and followed by fsync (the same durability), and the ratios;
 3. per codec: stored bytes per image and decode images/s on one core (a compressed codec must
-   decode >= 1,000 images/s per core, faster than a T4 encoder consumes them).
+   decode >= 1,000 images/s per core, faster than a T4 encoder consumes them);
+4. formats side by side at 64 and 224 px (nblib raw, zlib, zstd, PNG shards against Parquet+zstd):
+   bytes per image, write, in-order and random read images/s, median of repeats run in rotated
+   order with the spread (`nblib.lab.cache_formats.compare_formats`, what notebook 02 shows);
+5. in-order raw reads with the per-image xxh3 check against unchecked, interleaved, and the ratio
+   (target >= 0.8).
 """
 from __future__ import annotations
 
@@ -24,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from nblib import cache
+from nblib.lab.cache_formats import checked_read_ratio, compare_formats, format_table
 from nblib.lab.cache_population import worker_scaling
 from nblib.render import render_params, render_with
 
@@ -72,7 +80,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--shard-mb", type=float, default=50.0)
     parser.add_argument("--write-images", type=int, default=600, help="images per timed shard write")
+    parser.add_argument("--formats-only", action="store_true", help="only sections 4 and 5")
+    parser.add_argument("--repeats", type=int, default=5, help="repeats of sections 4 and 5")
     args = parser.parse_args(argv)
+    if args.formats_only:
+        return formats_side_by_side(args.repeats)
 
     texts = cache.sample_texts(args.n)
     params = render_params(args.size)
@@ -112,6 +124,33 @@ def main(argv: list[str]) -> int:
     full = 1_907_747
     print("\n   at 1,907,747 images: " + ", ".join(
         f"{codec} {full * s['bytes_per_image'] / 1e9:,.1f} GB" for codec, s in stats.items()))
+    return formats_side_by_side(args.repeats)
+
+
+def formats_side_by_side(repeats: int) -> int:
+    """Sections 4 and 5: formats at 64 and 224 px; checked against unchecked in-order raw reads."""
+    with tempfile.TemporaryDirectory(prefix="cache-formats-") as tmp:
+        tmp = Path(tmp)
+        for size, n in ((64, 2000), (224, 500)):
+            params = render_params(size)
+            images = np.stack([render_with(t, params) for t in cache.sample_texts(n)])
+            print(f"\n4. formats side by side: {n:,} sample texts at {size} px, {repeats} repeats in rotated "
+                  f"order, median (min-max); random reads stop after 0.5 s")
+            rows = compare_formats(images, tmp / f"formats-{size}", repeats=repeats, shard_mb=50,
+                                   n_random=2000, random_s=0.5)
+            print("   " + format_table(rows).replace("\n", "\n   "))
+            size_of = {r["format"]: r["bytes_per_image"] for r in rows}
+            in_order = {r["format"]: r["in_order_per_s"] for r in rows}
+            print(f"   zstd / zlib bytes {size_of['zstd'] / size_of['zlib']:.2f}; parquet+zstd / zstd bytes "
+                  f"{size_of['parquet+zstd'] / size_of['zstd']:.2f}; zstd / parquet+zstd in-order "
+                  f"{in_order['zstd'] / in_order['parquet+zstd']:.1f}x")
+            folder = tmp / f"raw-{size}"
+            cache.write_images(images, folder, shard_mb=50, progress=False)
+            ratio = checked_read_ratio(folder, repeats=2 * repeats + 1)
+            print(f"\n5. in-order raw reads at {size} px, xxh3 per image on / off, {ratio['repeats']} interleaved "
+                  f"pairs: {ratio['checked_per_s']:,.0f} / {ratio['unchecked_per_s']:,.0f} images/s, ratio "
+                  f"{ratio['ratio']:.2f} (pairs {ratio['ratio_spread'][0]:.2f}-{ratio['ratio_spread'][1]:.2f}; "
+                  f"target >= 0.8)")
     return 0
 
 

@@ -1,6 +1,6 @@
 """The command line: every `python -m nblib <verb>`; each verb calls the same function a notebook does.
 
-Verbs: info, budget, cache, encode, suite. A user-facing failure (an NblibError) prints one
+Verbs: info, budget, cache, encode, suite, pipeline, export. A user-facing failure (an NblibError) prints one
 line, `error: ...`, and exits 2; so does an OSError (full disk, read-only folder, a path that is
 a file), with the path, what the error means and what to do. No traceback.
 """
@@ -159,6 +159,8 @@ def cache_main(argv: list[str]) -> int:
     """`python -m nblib cache`: build, resume, verify or repair a sharded image cache.
 
     Build or resume: `cache --texts PATH --out DIR [--size --shard-mb --codec --workers ...]`.
+    Your own images: `cache --images PATH --out DIR` (a folder of image files, a Parquet file or an
+    HF datasets folder; `--column` names the image column).
     Check: `cache --verify DIR`, fix: `cache --verify --repair DIR` (exit 0 OK, 1 problems found).
     """
     from nblib.cache import populate, verify
@@ -172,13 +174,35 @@ def cache_main(argv: list[str]) -> int:
         report = verify(folder, repair=args.repair, texts=args.texts, field=args.field, workers=args.workers)
         print(report)
         return 0 if report.ok else 1
+    if args.images:
+        return _cache_images(args)
     if not args.texts or not args.out:
-        raise ConfigError("building a cache needs --texts PATH and --out DIR (or check one with --verify DIR)")
+        raise ConfigError("building a cache needs --texts PATH (or --images PATH) and --out DIR (or check "
+                          "one with --verify DIR)")
     with _os_errors_name(args.out):
         summary = populate(args.texts, args.out, image_size=args.size, shard_mb=args.shard_mb,
                            workers=args.workers, seed=args.seed, codec=args.codec,
                            overwrite=args.overwrite, progress=not args.no_progress,
-                           field=args.field, errors=args.errors, strict_fonts=args.strict_fonts)
+                           field=args.field, errors=args.errors, strict_fonts=args.strict_fonts,
+                           codec_level=args.codec_level)
+    print(summary)
+    return 0
+
+
+def _cache_images(args: argparse.Namespace) -> int:
+    """`cache --images PATH --out DIR`: your own images into a cache (nblib.cache.write_images)."""
+    from nblib.cache import image_source, write_images
+    from nblib.errors import ConfigError
+
+    if not args.out or args.texts:
+        raise ConfigError("--images PATH needs --out DIR and no --texts")
+    if args.codec == "auto":
+        raise ConfigError("--codec auto is for --texts; pick one of raw, zlib, zstd, png for --images")
+    images, count = image_source(args.images, args.column)
+    with _os_errors_name(args.out):
+        summary = write_images(images, args.out, shard_mb=args.shard_mb, codec=args.codec,
+                               codec_level=args.codec_level, n_images=count, seed=args.seed,
+                               overwrite=args.overwrite, progress=not args.no_progress)
     print(summary)
     return 0
 
@@ -204,6 +228,11 @@ def _cache_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m nblib cache", description=cache_main.__doc__,
                                 exit_on_error=False, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--texts", help="text file (one text per line) or JSONL (see --field)")
+    p.add_argument("--images", help="your own images instead of texts: a folder of image files, a "
+                                    "Parquet file or an HF datasets folder (see --column)")
+    p.add_argument("--column", default=None, help="with --images: the image column (default 'image')")
+    p.add_argument("--codec-level", type=int, default=None,
+                   help="compression level of zlib/png (0-9) or zstd (1-22; default 3)")
     p.add_argument("--out", help="cache folder to create or resume")
     p.add_argument("--size", type=positive_int, default=defaults.model.image_size,
                    help="image size in pixels (default: the profile's, %(default)s)")
@@ -371,6 +400,42 @@ def pipeline_main(argv: list[str]) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------------------- export
+def export_main(argv: list[str]) -> int:
+    """`python -m nblib export`: a cache, or an encode run's outputs, to Parquet or an HF datasets folder.
+
+    A cache: `export --cache DIR --out DIR [--format parquet|hf]` (one file per shard).
+    Outputs: `export --outputs DIR --out DIR [--texts PATH] [--format parquet|hf]` (row-aligned
+    with the texts). A killed export resumes when the same command is rerun.
+    """
+    from nblib.errors import ConfigError
+    from nblib.export import FORMATS, export_cache, export_outputs
+
+    p = argparse.ArgumentParser(prog="python -m nblib export", description=export_main.__doc__,
+                                exit_on_error=False, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cache", help="a cache folder to export")
+    p.add_argument("--outputs", help="an encode run's consolidated outputs folder to export")
+    p.add_argument("--texts", help="with --outputs: the texts the run encoded (adds a text column)")
+    p.add_argument("--field", default=None, help="JSONL field holding the text")
+    p.add_argument("--out", help="export folder to create or resume")
+    p.add_argument("--format", default="parquet", choices=FORMATS)
+    p.add_argument("--overwrite", action="store_true", help="replace an export of something else")
+    try:
+        args = p.parse_args(argv)
+    except argparse.ArgumentError as exc:
+        raise ConfigError(f"{exc}; see python -m nblib export --help") from None
+    if not args.out or bool(args.cache) == bool(args.outputs):
+        raise ConfigError("export needs --out DIR and one of --cache DIR or --outputs DIR")
+    with _os_errors_name(args.out):
+        if args.cache:
+            summary = export_cache(args.cache, args.out, args.format, overwrite=args.overwrite)
+        else:
+            summary = export_outputs(args.outputs, args.out, args.format, texts=args.texts, field=args.field,
+                                     overwrite=args.overwrite)
+    print(summary)
+    return 0
+
+
 VERBS = {
     "info": info_main,
     "budget": budget_main,
@@ -378,4 +443,5 @@ VERBS = {
     "encode": encode_main,
     "suite": suite_main,
     "pipeline": pipeline_main,
+    "export": export_main,
 }

@@ -23,7 +23,7 @@ OUTPUT_NAMES = ("sketches", "checksums", "children")
 OUTPUT_CHOICES = (("sketches", "checksums", "children"), ("sketches", "children"),
                   ("sketches", "checksums"), ("sketches",), ("checksums",))
 OUTPUT_DTYPES = ("float16", "float32")
-CODECS = ("raw", "png", "zlib")
+CODECS = ("raw", "png", "zlib", "zstd")  # the cache's registry: nblib.cache.codecs.CODECS
 PROFILES = ("smoke", "t4", "full")
 
 

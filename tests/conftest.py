@@ -51,12 +51,7 @@ def small_cache(folder: Path, texts: list[str]) -> Path:
 
 
 def cache_folder_bytes(folder: Path) -> dict:
-    """A cache folder's every file's bytes; of its manifest, the body without the shard stats (mtime_ns)."""
-    from nblib.cache import read_cache_manifest
+    """A cache folder's every file's bytes, manifest included; the local stat cache (this copy's stats) left out."""
+    from nblib.cache import STAT_CACHE
 
-    files = {p.name: p.read_bytes() for p in sorted(folder.iterdir())
-             if p.is_file() and p.name != "manifest.json"}
-    body = read_cache_manifest(folder)
-    files["manifest.json"] = {**body, "shards": [{k: v for k, v in s.items() if k != "mtime_ns"}
-                                                 for s in body["shards"]]}
-    return files
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file() and p.name != STAT_CACHE}

@@ -14,6 +14,7 @@ from nblib import cache
 from nblib.cache import ShardedImageCache, populate, read_cache_manifest, read_texts, verify
 from nblib.cache.format import write_cache_manifest
 from nblib.errors import BudgetExceeded, CacheError, ConfigError, InputError
+from nblib.manifest import read_stat_cache
 from nblib.render import render_text
 
 SIZE = 32
@@ -27,15 +28,8 @@ def build(folder, texts=TEXTS, codec="raw", workers=0, shard_mb=SHARD_MB, **kw):
 
 
 def folder_bytes(folder):
-    """Every file's bytes, the manifest with the stat it records of each shard (mtime_ns) left out."""
-    files = {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name != "manifest.json"}
-    body = read_cache_manifest(folder)
-    files["manifest.json"] = {**body, "shards": [without_stat(s) for s in body["shards"]]}
-    return files
-
-
-def without_stat(entry):
-    return {k: v for k, v in entry.items() if k != "mtime_ns"}
+    """Every file's bytes, the manifest's included; the local stat cache (stats of this copy) left out."""
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name != cache.STAT_CACHE}
 
 
 @pytest.fixture(scope="module")
@@ -194,16 +188,19 @@ def test_overwrite_rebuilds_a_cache_of_other_texts(tmp_path, reference):
     assert verify(target).ok
 
 
-def test_manifest_is_a_versioned_record_and_only_shard_stats_depend_on_the_run(reference):
+def test_manifest_is_a_versioned_record_of_content_and_the_stats_live_in_the_local_stat_cache(reference):
     record = json.loads((reference / "manifest.json").read_text())
-    assert (record["kind"], record["version"]) == ("nblib.cache", 2)
+    assert (record["kind"], record["version"]) == ("nblib.cache", 3)
     manifest = record["body"]
-    assert set(manifest) == {"source", "renderer", "codec", "shard_mb", "shard_bytes", "seed",
-                             "image_shape", "shards", "coverage"}
-    assert set(manifest["shards"][0]) == {"file", "start", "stop", "count", "bytes", "sha256", "mtime_ns"}
+    assert set(manifest) == {"source", "renderer", "codec", "codec_level", "codec_options", "shard_mb",
+                             "shard_bytes", "seed", "image_shape", "shards", "coverage"}
+    assert set(manifest["shards"][0]) == {"file", "start", "stop", "count", "bytes", "sha256", "xxh3"}
     assert manifest["source"]["n_texts"] == len(TEXTS)
     first = reference / manifest["shards"][0]["file"]
-    assert manifest["shards"][0]["mtime_ns"] == first.stat().st_mtime_ns
+    assert cache.STAT_CACHE == "manifest.stat.json"                  # nblib.manifest's stat cache
+    stats = read_stat_cache(reference / "manifest.json")
+    assert stats[first.name] == {"bytes": first.stat().st_size, "mtime_ns": first.stat().st_mtime_ns,
+                                 "sha256": manifest["shards"][0]["sha256"]}
 
 
 def test_a_manifest_of_the_old_format_is_refused_naming_the_fix_and_overwrite_rebuilds(tmp_path):
@@ -219,7 +216,7 @@ def test_a_manifest_of_the_old_format_is_refused_naming_the_fix_and_overwrite_re
 
 def test_preflight_refuses_a_cache_larger_than_the_free_disk(tmp_path):
     huge = [""] * 60_000  # 60,000 images of 1024 px raw are 189 GB
-    with pytest.raises(BudgetExceeded, match=r"image cache needs \d+\.\d+ GB.*--codec zlib"):
+    with pytest.raises(BudgetExceeded, match=r"image cache needs \d+\.\d+ GB.*--codec zstd"):
         populate(huge, tmp_path, image_size=1024, shard_mb=400, workers=0, progress=False)
     assert not list(tmp_path.iterdir())  # refused before anything was written
 
@@ -333,30 +330,29 @@ def test_a_same_size_shard_from_another_cache_is_refused_when_opened(tmp_path, c
         b.write_bytes(b.read_bytes()[:a.stat().st_size].ljust(a.stat().st_size, b"\0"))
     shutil.copy2(b, a)  # its own mtime comes along, as with cp -p
     assert a.stat().st_size == (tmp_path / "a" / a.name).stat().st_size
-    with pytest.raises(CacheError, match=f"{a.name} .*sha256 differs.*--verify --repair"):
+    with pytest.raises(CacheError, match=f"{a.name} .*xxh3 differs.*--verify --repair"):
         ShardedImageCache(tmp_path / "a")
 
 
 def test_a_flipped_byte_that_changes_the_mtime_is_refused_when_opened(tmp_path, reference):
     target = copy_of(reference, tmp_path)
     damage_flip_byte(shard_path(target, 3))
-    with pytest.raises(CacheError, match="shard-00003.npy .*sha256 differs.*python -m nblib cache --verify"):
+    with pytest.raises(CacheError, match="shard-00003.npy .*xxh3 differs.*python -m nblib cache --verify"):
         ShardedImageCache(target)
 
 
-@pytest.mark.parametrize("codec, why", [("raw", "corrupt: the bytes just read hash differently"),
-                                         ("zlib", "malformed")])
+@pytest.mark.parametrize("codec, why", [("raw", "is corrupt: its bytes do not match the shard.s xxh3"),
+                                         ("zlib", "malformed.*trailer")])
 def test_an_edit_that_kept_size_and_mtime_is_caught_by_an_in_order_pass(tmp_path, codec, why):
-    """The stat check cannot see it (documented); iter_shards, a full get_batch pass and verify do.
+    """The stat check cannot see it (documented); the per-image xxh3 (raw) or the trailer's (packed) do.
 
-    Raw pixels have no structure to check, so only the running sha256 sees the edit; a packed
-    shard's footer, index or deflate checksum give it away first.
+    The byte is in the last image of a raw shard, in the trailer of a packed one.
     """
     build(tmp_path, codec=codec)
     victim = shard_path(tmp_path, 2)
-    flip_byte_keeping_stat(victim, at=victim.stat().st_size - 3)  # in the last image / the footer
+    flip_byte_keeping_stat(victim, at=victim.stat().st_size - (3 if codec != "raw" else 32 + 8 * 6 + 3))
     images = ShardedImageCache(tmp_path)  # opens: size and mtime are the recorded ones
-    with pytest.raises(CacheError, match=f"{victim.name} .*{why}.*--verify --repair"):
+    with pytest.raises(CacheError, match=f"{victim.name}.*{why}.*--verify --repair"):
         list(images.iter_shards())
     images.close()
     with pytest.raises(CacheError, match=f"{victim.name}"):
@@ -378,7 +374,7 @@ def test_a_corrupt_compressed_image_raises_cache_error_naming_shard_and_image(tm
 def test_a_copied_cache_is_hashed_once_on_open_and_repair_records_the_new_stats(tmp_path, reference):
     target = tmp_path / "copy"
     shutil.copytree(reference, target, copy_function=shutil.copyfile)  # new mtimes, same bytes
-    with pytest.warns(UserWarning, match=r"25 shard\(s\) .*another mtime.*match"):
+    with pytest.warns(UserWarning, match=r"25 shard\(s\) .*another stat.*match"):
         ShardedImageCache(target)
     report = verify(target, repair=True)
     assert report.ok and not report.touched
@@ -493,7 +489,7 @@ def test_a_folder_passed_as_texts_is_named_a_folder(tmp_path):
 def test_measure_codecs_gives_the_budget_shape_and_plausible_numbers():
     sample = [render_text(t, 64) for t in TEXTS[:20]]
     stats = cache.measure_codecs(sample, min_seconds=0.05)
-    assert set(stats) == {"raw", "png", "zlib"}
+    assert set(stats) == {"raw", "png", "zlib", "zstd"}
     for s in stats.values():
         assert set(s) == {"bytes_per_image", "decode_images_per_s"} and s["decode_images_per_s"] > 0
     assert stats["raw"]["bytes_per_image"] == 64 * 64 * 3
@@ -514,7 +510,7 @@ def test_plan_is_the_budgets_prediction(tmp_path):
     from nblib import budget
 
     plan = cache.plan_cache(10_000, tmp_path, 224, 400, "zlib", bytes_per_image=2_000)
-    assert plan.predicted_bytes == budget.cache_bytes(10_000, 224, "zlib", 2_008, shard_mb=400)
+    assert plan.predicted_bytes == budget.cache_bytes(10_000, 224, "zlib", 2_016, shard_mb=400)
 
 
 def test_no_warnings_for_a_normal_cache(reference):

@@ -107,22 +107,47 @@ def test_prefetching_producer_faster_than_consumer_hides_behind_compute():
     assert within(report.samples_per_s, BATCH / 0.040), report
 
 
+def timed_batches(produce_ms: float, log: list[float], first_ms: float = 0.0):
+    """`serial_batches` that logs how long each batch took to make (inside the harness's next())."""
+    begun = time.perf_counter()
+    ComputeStandIn(first_ms)()
+    produce = ComputeStandIn(produce_ms)
+    while True:
+        t0 = time.perf_counter()
+        produce()
+        log.append(time.perf_counter() - (begun if not log else t0))  # the first: from the first next()
+        yield np.zeros((BATCH, 4), np.uint8)
+
+
 def test_a_consumer_callable_replaces_the_stand_in():
-    calls = []
+    # Speed-independent: the harness's intervals contain the producer's and the consumer's own
+    # intervals, so produced <= waited <= wall - consumed, under any load (no +-10% of a sleep).
+    calls, consumed, produced = [], [], []
 
     def step(batch):
+        t0 = time.perf_counter()
         calls.append(len(batch))
         ComputeStandIn(30)()
+        consumed.append(time.perf_counter() - t0)
 
-    report = measure_pipeline(lambda: serial_batches(10), consumer=step, steps=20, warmup=2)
-    assert len(calls) == 22 and calls[0] == BATCH
-    assert within(report.data_wait, 10 / 40), report
-    assert within(report.samples_per_s, BATCH / 0.040), report
+    report = measure_pipeline(lambda: timed_batches(10, produced), consumer=step, steps=20, warmup=2)
+    assert len(calls) == 22 and calls[0] == BATCH and len(produced) == 22
+    wall = report.steps * report.step_ms / 1e3
+    waited, used = report.data_wait * wall, sum(consumed[2:])      # the 20 timed steps, after warm-up
+    assert sum(produced[2:]) <= waited <= wall - used, (sum(produced[2:]), waited, wall, used)
+    assert used >= 20 * 0.030 and waited >= 20 * 0.010               # a sleep lasts at least its time
+    assert report.samples_per_s == pytest.approx(20 * BATCH / wall, rel=1e-9)
 
 
 def test_startup_counts_the_time_to_the_first_batch():
-    report = measure_pipeline(lambda: serial_batches(10, first_ms=200), consumer_ms=0, steps=5, warmup=1)
-    assert within(report.startup_s, 0.210), report
+    produced: list[float] = []
+    start = time.perf_counter()
+    report = measure_pipeline(lambda: timed_batches(10, produced, first_ms=200), consumer_ms=0, steps=5, warmup=1)
+    outside = time.perf_counter() - start
+    # it contains the pipeline's own time to its first batch (200 + 10 ms of sleeps at least), and
+    # not the timed steps after it
+    assert produced[0] >= 0.210 and produced[0] <= report.startup_s, (produced[0], report)
+    assert report.startup_s <= outside - report.steps * report.step_ms / 1e3, (outside, report)
 
 
 def test_peak_rss_counts_buffers_the_pipeline_holds():

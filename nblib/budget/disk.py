@@ -14,15 +14,15 @@ from pathlib import Path
 
 from nblib.budget._checks import require_positive
 from nblib.budget.memory import Line, output_bytes_per_image
+from nblib.cache.codecs import CODECS
 from nblib.config import PipelineConfig
 from nblib.errors import BudgetExceeded, ConfigError
 from nblib.units import GB, MB, fmt_bytes
 
 # Compressed codecs' bytes per image as a fraction of raw, used until the cache helper measures
-# them. Rendered text (dark glyphs on a white page) compresses ~7x: the reference analysis stored
-# 1,907,747 images at 224 px in ~40 GB, i.e. 0.14 of the 287 GB raw. zlib (deflate on raw rows,
-# no PNG row filters) lands a little worse. Measure with nblib.cache and pass bytes_per_image.
-CODEC_RATIO_ESTIMATE = {"raw": 1.0, "png": 0.14, "zlib": 0.16}
+# them: read from the cache's codec registry (nblib.cache.codecs.CODECS, where each estimate says
+# where it comes from). Measure with nblib.cache.measure_codecs and pass bytes_per_image.
+CODEC_RATIO_ESTIMATE = {name: codec.ratio_estimate for name, codec in CODECS.items()}
 # The codec of no cache at all: images rendered on the fly by the loader's workers
 # (nblib.cache.rendered.RenderedImages), 0 bytes on any disk; plan_budget(cacheless=True) tries it.
 NO_CACHE = "none"

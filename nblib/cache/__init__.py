@@ -1,23 +1,24 @@
 """Sharded image cache: render texts once into a few large shards; write resumably, verify, read.
 
-Parts: `format` (the shard files, codecs, `ShardWriter`, the manifest), `texts` (what is
-rendered), `populate` (render into shards, resumably), `verify` (check and repair), `reader`
+Parts: `codecs` (the codec registry `CODECS`), `format` (the shard files, `ShardWriter`, the
+manifest, the local stat cache), `texts` (what is rendered), `populate` (render into shards,
+resumably), `images` (`write_images`: your own arrays in), `verify` (check and repair), `reader`
 (`ShardedImageCache`, `CacheDataset`). The measurements and demos of notebook 02 live in
 `nblib.lab.cache_population`; the command line is `python -m nblib cache` (`nblib.cli`).
 """
 from __future__ import annotations
 
+from nblib.cache.codecs import CODECS, Codec, CodecSpec, decode_image, encode_image
 from nblib.cache.format import (
-    CODECS,
     MANIFEST,
     SHARD_SUFFIX,
+    STAT_CACHE,
     ShardWriter,
-    decode_image,
-    encode_image,
     measure_codecs,
     read_cache_manifest,
     write_shard,
 )
+from nblib.cache.images import image_source, write_images
 from nblib.cache.populate import CachePlan, PopulateSummary, cache_bytes_on_disk, plan_cache, populate
 from nblib.cache.reader import CacheDataset, ShardedImageCache
 from nblib.cache.texts import (
@@ -31,9 +32,10 @@ from nblib.cache.texts import (
 from nblib.cache.verify import VerifyReport, verify
 
 __all__ = [
-    "CODECS", "MANIFEST", "SHARD_SUFFIX", "CacheDataset", "CachePlan", "PopulateSummary",
+    "CODECS", "MANIFEST", "SHARD_SUFFIX", "STAT_CACHE", "CacheDataset", "CachePlan", "Codec", "CodecSpec",
+    "PopulateSummary",
     "ShardWriter", "ShardedImageCache", "TextSource", "VerifyReport", "cache_bytes_on_disk",
     "decode_image", "encode_image", "measure_codecs", "plan_cache", "populate",
     "read_cache_manifest", "read_texts", "sample_texts", "sample_texts_path", "source_fingerprint",
-    "text_source", "verify", "write_shard",
+    "text_source", "verify", "write_images", "write_shard", "image_source",
 ]

@@ -1,107 +1,104 @@
-"""Cache shard format: raw `.npy` or packed compressed blobs with an offsets index; the cache manifest.
+"""Cache shard format: raw `.npy` or packed compressed blobs, each image with an xxh3 checksum.
 
 A cache folder holds `manifest.json` (an `nblib.manifest` record of kind "nblib.cache": source
-fingerprint, renderer parameters, codec, and each shard's range, bytes, sha256 and the mtime_ns
-it had when written) and shards cut by a target size: `shard-00000.npy` for the `raw` codec
-(uint8 [n, H, W, 3], memory-mappable) or `shard-00000.zlib` / `.pngs` for compressed codecs
-(header, one blob per image, a uint64 offsets index and a footer, so any image reads alone and a
-shard streams to disk as its images arrive). Trade-off: raw is the fastest to read (a slice of an
-mmap) but costs H*W*3 bytes per image, 287 GB for 1.9M images at 224 px; zlib and png store text
-images 10-30x smaller and cost a decode per image. `measure_codecs` puts numbers on both.
+fingerprint, renderer parameters, codec and its options, and each shard's range, bytes, sha256 and
+xxh3), the shards, and `manifest.stat.json`. Shards are cut by a target size:
+`shard-00000.npy` for the `raw` codec (uint8 [n, H, W, 3]; `np.load` reads it, memory-mappable)
+or `shard-00000.zlib` / `.pngs` / `.zst` for compressed codecs (header, one blob per image, a
+uint64 offsets index, so any image reads alone and a shard streams to disk as its images arrive).
+Every shard ends with a table of one xxh3-64 per image (of its stored bytes) and a trailer holding
+the xxh3 of the header and of the tables: every read, random or in order, checks the bytes of the
+image it serves. Codecs live in `nblib.cache.codecs` (the registry `CODECS`).
 
-A shard is trusted from a stat (size and mtime_ns equal what the manifest recorded); any other
-stat costs a sha256 of the file. A same-size edit that also restores the mtime passes the stat:
-only `verify` or a reader's in-order pass, which hash every byte, catch it.
+Two hashes, two jobs. sha256 is identity: the manifest's own digest, each shard's sha256 (what
+`verify` and a repair's re-render must match) and the cache fingerprint an encode run records.
+xxh3 (`xxhash`, ~20 GB/s against sha256's ~1.7 on one core) is integrity on read paths: the
+per-image table, the whole-shard xxh3 a first-touch check and a stat-changed reopen compare.
+
+The manifest holds content only, so two identical builds write identical bytes. The stat of each
+shard when written (size, mtime_ns) lives apart in `manifest.stat.json`, `nblib.manifest`'s stat
+cache (as git keeps its index apart from its objects): a local, non-canonical cache that may be deleted at any time (the
+next open then hashes each shard once). A shard is trusted from a stat that equals its recorded
+one; any other stat costs an xxh3 of the file.
 """
 from __future__ import annotations
 
-import io
 import json
 import mmap
 import struct
 import time
 import warnings
-import zlib
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+import xxhash
 
 from nblib.atomic import AtomicWriter, npy_header, sha256_file
-from nblib.config import CODECS
+from nblib.cache.codecs import (
+    CODECS,
+    CodecSpec,
+    codec_for,
+    codec_spec,
+)
 from nblib.errors import CacheError, ConfigError, InputError, ManifestDamaged
-from nblib.manifest import parse_manifest, write_manifest
+from nblib.manifest import (
+    parse_manifest,
+    read_stat_cache,
+    record_stats,
+    stat_cache_path,
+    stat_record,
+    stat_vouches,
+    write_manifest,
+)
 from nblib.units import MB
 
 MANIFEST = "manifest.json"
+STAT_CACHE = stat_cache_path(MANIFEST).name  # "manifest.stat.json": non-canonical, safe to delete
+LEGACY_STAT_CACHE = "local-stat-cache.json"   # its name in caches written before: read, then replaced
 MANIFEST_KIND = "nblib.cache"
-MANIFEST_VERSION = 2    # 2: an nblib.manifest record; shards carry mtime_ns
-SHARD_SUFFIX = {"raw": ".npy", "zlib": ".zlib", "png": ".pngs"}
-ZLIB_LEVEL = 1          # level 1 stores text images within a few % of level 6 and writes faster
-PNG_LEVEL = 1
+MANIFEST_VERSION = 3    # 3: per-image xxh3 tables in shards, shard xxh3, stats moved to STAT_CACHE
+OLD_VERSIONS = (2,)     # readable manifests of older layouts: refused with "rebuild"
+SHARD_SUFFIX = {name: c.suffix for name, c in CODECS.items()}
 DRIVE_FILES_WARN = 1000  # Google Drive lists and syncs folders with thousands of files badly
 DAMAGED = ("missing", "truncated", "corrupt")
 
-# Packed shard layout: header, blobs, uint64 offsets [n + 1] (relative to the first blob), footer.
-SHARD_MAGIC = b"NBLSHRD1"
+# Packed shard: header, blobs, uint64 offsets [n + 1] (relative to the first blob), uint64 xxh3 [n],
+# trailer. Raw shard: the .npy header, pixels, uint64 xxh3 [n], trailer.
+SHARD_MAGIC = b"NBLSHRD3"
 HEADER = struct.Struct("<8s4sIII")  # magic, codec, height, width, channels
-FOOTER = struct.Struct("<Q8s")      # n images, magic
-OFFSET_BYTES = 8                    # one index entry per image
+TRAILER = struct.Struct("<QQQ8s")   # n images, xxh3 of the header, xxh3 of the tables, magic
+OFFSET_BYTES = 8                    # one index entry per image (packed shards)
+CHECKSUM_BYTES = 8                  # one xxh3-64 per image (every shard)
 
 
 # ====================================================================================== codecs
 
 
-def encode_image(image: np.ndarray, codec: str) -> bytes:
-    """The stored bytes of one uint8 [H, W, 3] image under `codec`."""
-    check_codec(codec)
-    if codec == "raw":
-        return np.ascontiguousarray(image, dtype=np.uint8).tobytes()
-    if codec == "zlib":
-        return zlib.compress(np.ascontiguousarray(image, dtype=np.uint8).tobytes(), ZLIB_LEVEL)
-    from PIL import Image
-
-    buffer = io.BytesIO()
-    Image.fromarray(image).save(buffer, format="PNG", compress_level=PNG_LEVEL)
-    return buffer.getvalue()
-
-
-def decode_image(blob, codec: str, shape: tuple[int, int, int]) -> np.ndarray:
-    """One uint8 [H, W, 3] image from its stored bytes; ValueError when the bytes do not decode."""
-    check_codec(codec)
-    try:
-        if codec == "raw":
-            return np.frombuffer(blob, dtype=np.uint8).reshape(shape)
-        if codec == "zlib":
-            return np.frombuffer(zlib.decompress(blob), dtype=np.uint8).reshape(shape)
-        from PIL import Image
-
-        with Image.open(io.BytesIO(blob)) as image:
-            array = np.asarray(image.convert("RGB"), dtype=np.uint8)
-    except (zlib.error, ValueError, OSError, SyntaxError, EOFError, struct.error) as exc:
-        raise ValueError(f"its {codec} bytes do not decode ({type(exc).__name__}: {exc})") from None
-    if array.shape != tuple(shape):
-        raise ValueError(f"it decodes to shape {array.shape}, not {tuple(shape)}")
-    return array
-
-
-def measure_codecs(sample_images: Sequence[np.ndarray], codecs: Sequence[str] = CODECS,
+def measure_codecs(sample_images: Sequence[np.ndarray], codecs: Sequence[str] = tuple(CODECS),
                    min_seconds: float = 0.2) -> dict[str, dict[str, float]]:
     """{codec: {"bytes_per_image", "decode_images_per_s"}} over sample images (one core).
 
     This is the `codec_stats` that `nblib.budget.choose_codec` takes. Decode speed is the time
     to turn stored bytes back into an array, repeated over the sample for at least `min_seconds`.
+    zstd is measured with a dictionary trained on the sample when that pays (as a cache would).
     """
+    from nblib.cache.codecs import train_dictionary
+
     if len(sample_images) == 0:
         raise InputError("measure_codecs needs at least one sample image")
     shape = tuple(sample_images[0].shape)
     stats = {}
     for codec in codecs:
-        blobs = [encode_image(image, codec) for image in sample_images]
+        spec = codec_spec(codec)
+        if codec == "zstd":
+            spec = CodecSpec("zstd", spec.level, train_dictionary(sample_images, spec.level)[0])
+        coder = codec_for(spec)
+        blobs = [coder.encode(image) for image in sample_images]
         decoded, start = 0, time.perf_counter()
         while (elapsed := time.perf_counter() - start) < min_seconds or decoded == 0:
             for blob in blobs:
-                np.array(decode_image(blob, codec, shape))  # a copy, as a reader gets
+                np.array(coder.decode(blob, shape))  # a copy, as a reader gets
             decoded += len(blobs)
         stats[codec] = {"bytes_per_image": float(np.mean([len(b) for b in blobs])),
                         "decode_images_per_s": decoded / elapsed}
@@ -109,14 +106,8 @@ def measure_codecs(sample_images: Sequence[np.ndarray], codecs: Sequence[str] = 
 
 
 def stored_bytes_per_image(codec: str, blob_bytes: float) -> float:
-    """Bytes one image takes in a shard: its blob, plus its offsets-index entry when packed."""
-    return float(blob_bytes) + (0 if codec == "raw" else OFFSET_BYTES)
-
-
-def check_codec(codec: str) -> None:
-    """Raise ConfigError unless `codec` is one of nblib.config.CODECS."""
-    if codec not in CODECS:
-        raise ConfigError(f"codec={codec!r} is not supported; choose one of {CODECS} (or 'auto')")
+    """Bytes one image takes in a shard: its blob and checksum, plus an offsets entry when packed."""
+    return float(blob_bytes) + CHECKSUM_BYTES + (0 if codec == "raw" else OFFSET_BYTES)
 
 
 def shard_bytes(shard_mb: float) -> int:
@@ -140,56 +131,74 @@ class ShardWriter:
     """Stream one shard to a temporary file (an `AtomicWriter`, hashed as written); `commit` keeps it.
 
     Raw shards need their image `count` up front (it is in the .npy header); packed shards append
-    their offsets index at the end. `commit` fsyncs and renames onto shard-NNNNN.ext and returns
-    the manifest entry; `discard` (or leaving a `with` block without commit) deletes it.
+    their offsets index at the end. Each image's xxh3 goes into the shard's checksum table.
+    `commit` fsyncs and renames onto shard-NNNNN.ext and returns the manifest entry (`stat` then
+    holds the file's stat for the stat cache); `discard` (or leaving a `with` block without commit)
+    deletes it. `source_hash`: also record an xxh3 over the raw pixels passed to `add` (what
+    `write_images` checks on resume).
     """
 
-    def __init__(self, cache_dir: str | Path, index: int, start: int, codec: str, shape,
-                 count: int | None = None):
-        check_codec(codec)
-        if codec == "raw" and count is None:
+    def __init__(self, cache_dir: str | Path, index: int, start: int, codec: str | CodecSpec, shape,
+                 count: int | None = None, *, source_hash: bool = False):
+        spec = codec_spec(codec)
+        if spec.name == "raw" and count is None:
             raise ValueError("a raw shard needs its image count up front")
-        self.name = shard_name(index, codec)
-        self.codec, self.shape, self.start, self.count = codec, tuple(shape), start, count
-        self.blob_bytes, self.sizes = 0, []
+        self.name = shard_name(index, spec.name)
+        self.codec, self.shape, self.start, self.count = spec.name, tuple(shape), start, count
+        self.blob_bytes, self.sizes, self.checksums = 0, [], []
+        self.stat: dict | None = None
+        self._file_xxh3 = xxhash.xxh3_64()
+        self._source = xxhash.xxh3_64() if source_hash else None
         self._writer = AtomicWriter(Path(cache_dir) / self.name)
-        if codec == "raw":
-            self._writer.write(npy_header(np.uint8, (count, *self.shape)))
-        else:
-            self._writer.write(HEADER.pack(SHARD_MAGIC, codec.encode().ljust(4, b"\0"), *self.shape))
+        self._leading = leading_bytes(spec.name, self.shape, count)
+        self._write(self._leading)
 
     @property
     def stop(self) -> int:
         return self.start + len(self.sizes)
 
-    def add(self, blob: bytes) -> None:
-        """Append one image's stored bytes."""
-        self._writer.write(blob)
+    def add(self, blob: bytes, pixels: np.ndarray | None = None) -> None:
+        """Append one image's stored bytes (and feed its raw `pixels` to the source hash)."""
+        self._write(blob)
         self.sizes.append(len(blob))
+        self.checksums.append(xxhash.xxh3_64_intdigest(blob))
         self.blob_bytes += len(blob)
+        if self._source is not None:
+            self._source.update(np.ascontiguousarray(pixels, dtype=np.uint8))
 
     def commit(self, expect_sha256: str | None = None) -> dict:
-        """Finish, fsync and rename the shard; its manifest entry (range, bytes, sha256, mtime_ns)."""
+        """Finish, fsync and rename the shard; its manifest entry (range, bytes, sha256, xxh3)."""
         if self.codec == "raw" and len(self.sizes) != self.count:
             self.discard()
             raise CacheError(f"{self.name}: {len(self.sizes)} images written, header says {self.count}")
+        tables = np.array(self.checksums, dtype="<u8").tobytes()
         if self.codec != "raw":
             offsets = np.zeros(len(self.sizes) + 1, dtype="<u8")
             np.cumsum(self.sizes, out=offsets[1:])
-            self._writer.write(offsets.tobytes())
-            self._writer.write(FOOTER.pack(len(self.sizes), SHARD_MAGIC))
+            tables = offsets.tobytes() + tables
+        self._write(tables)
+        self._write(TRAILER.pack(len(self.sizes), xxhash.xxh3_64_intdigest(self._leading),
+                                 xxhash.xxh3_64_intdigest(tables), SHARD_MAGIC))
         try:
             written = self._writer.commit(expect_sha256=expect_sha256)
         except ValueError:
-            raise CacheError(f"re-rendered {self.name} does not match its manifest sha256: the "
-                             f"renderer or Pillow changed since the cache was built; rebuild it "
+            raise CacheError(f"re-written {self.name} does not match its manifest sha256: the renderer, "
+                             f"Pillow or the images changed since the cache was built; rebuild it "
                              f"with overwrite=True (--overwrite)") from None
-        return {"file": self.name, "start": self.start, "stop": self.stop, "count": len(self.sizes),
-                "bytes": written.bytes, "sha256": written.sha256, "mtime_ns": written.mtime_ns}
+        self.stat = {"bytes": written.bytes, "mtime_ns": written.mtime_ns, "sha256": written.sha256}
+        entry = {"file": self.name, "start": self.start, "stop": self.stop, "count": len(self.sizes),
+                 "bytes": written.bytes, "sha256": written.sha256, "xxh3": self._file_xxh3.hexdigest()}
+        if self._source is not None:
+            entry["source_xxh3"] = self._source.hexdigest()
+        return entry
 
     def discard(self) -> None:
         """Delete the temporary file; nothing is renamed (a no-op after commit)."""
         self._writer.discard()
+
+    def _write(self, data: bytes) -> None:
+        self._writer.write(data)
+        self._file_xxh3.update(data)
 
     def __enter__(self) -> ShardWriter:
         return self
@@ -198,8 +207,8 @@ class ShardWriter:
         self.discard()
 
 
-def write_shard(cache_dir: str | Path, index: int, start: int, blobs: Sequence[bytes], codec: str,
-                shape) -> dict:
+def write_shard(cache_dir: str | Path, index: int, start: int, blobs: Sequence[bytes],
+                codec: str | CodecSpec, shape) -> dict:
     """Write a whole shard of stored images at once (what the benchmark times); its entry."""
     with ShardWriter(cache_dir, index, start, codec, shape, count=len(blobs)) as writer:
         for blob in blobs:
@@ -207,8 +216,15 @@ def write_shard(cache_dir: str | Path, index: int, start: int, blobs: Sequence[b
         return writer.commit()
 
 
+def leading_bytes(codec: str, shape, count: int | None) -> bytes:
+    """The bytes before a shard's first image: the .npy header (raw), or the packed header."""
+    if codec == "raw":
+        return npy_header(np.uint8, (count, *shape))
+    return HEADER.pack(SHARD_MAGIC, codec.encode().ljust(4, b"\0"), *shape)
+
+
 def shard_name(index: int, codec: str) -> str:
-    """The file name of shard `index` under `codec`: shard-00042.npy, .zlib or .pngs."""
+    """The file name of shard `index` under `codec`: shard-00042.npy, .zlib, .pngs or .zst."""
     return f"shard-{index:05d}{SHARD_SUFFIX[codec]}"
 
 
@@ -220,12 +236,15 @@ def shard_index(name: str) -> int:
 # ====================================================================================== checking
 
 
-def shard_state(cache_dir: Path, entry: dict, *, full: bool = False) -> str | None:
+def shard_state(cache_dir: Path, entry: dict, *, full: bool = False, stats: dict | None = None,
+                digest: str = "sha256") -> str | None:
     """How a listed shard's file compares with its manifest entry.
 
-    None: trusted (stat equal to the recorded one; with `full`, its sha256 too). "touched": its
-    bytes hash to the recorded sha256 but its mtime changed (copied): record the new stat.
-    "missing", "truncated" (size differs) or "corrupt" (sha256 differs): it must be re-rendered.
+    None: trusted (stat equal to the one the stat cache recorded for these bytes; with `full`,
+    hashed too). "touched": its bytes hash to the recorded ones but its stat is not the recorded
+    one (copied, or no stat recorded): record the new stat. "missing", "truncated" (size differs)
+    or "corrupt" (hash differs): it must be rewritten. `digest`: "sha256" (identity: verify) or
+    "xxh3" (integrity, ~10x faster: a reader's open). `stats`: the stat cache, read when None.
     """
     path = Path(cache_dir) / entry["file"]
     try:
@@ -234,44 +253,94 @@ def shard_state(cache_dir: Path, entry: dict, *, full: bool = False) -> str | No
         return "missing"
     if st.st_size != entry["bytes"]:
         return "truncated"
-    same_stat = st.st_mtime_ns == entry.get("mtime_ns")
+    known = (read_shard_stats(cache_dir) if stats is None else stats).get(entry["file"])
+    same_stat = isinstance(known, dict) and "sha256" in known and stat_vouches(known, st, entry["sha256"])
     if same_stat and not full:
         return None
-    if sha256_file(path) != entry["sha256"]:
+    if not file_matches(path, entry, digest):
         return "corrupt"
     return None if same_stat else "touched"
 
 
-def restamp(cache_dir: Path, entry: dict) -> dict:
-    """The entry with the mtime_ns its file has now (after its bytes were hashed and matched)."""
-    return {**entry, "mtime_ns": (Path(cache_dir) / entry["file"]).stat().st_mtime_ns}
+def file_matches(path: Path, entry: dict, digest: str = "xxh3") -> bool:
+    """True when the file's bytes hash to the entry's sha256 or xxh3."""
+    if digest == "sha256" or "xxh3" not in entry:
+        return sha256_file(path) == entry["sha256"]
+    return xxh3_file(path) == entry["xxh3"]
+
+
+def xxh3_file(path: str | Path, chunk: int = 1 << 22) -> str:
+    """xxh3-64 of a file's bytes (hex), read in 4 MiB chunks."""
+    h = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
 
 
 def damaged_error(cache_dir: Path, name: str, why: str) -> CacheError:
     """The error a reader raises for a shard it cannot trust, with both ways to fix it."""
     return CacheError(f"shard {name} of {cache_dir} is {why}; run python -m nblib cache --verify "
                       f"--repair {cache_dir} (or rerun the same populate / cache command with the "
-                      f"texts at hand: it re-renders damaged shards)")
+                      f"inputs at hand: it rewrites damaged shards)")
 
 
-def open_packed(path: Path, count: int, codec: str, shape) -> tuple[mmap.mmap, np.ndarray, int]:
-    """Map a packed shard: (mapped bytes, offsets [n + 1], start of the blob area); ValueError if malformed."""
+def open_packed(path: Path, count: int, codec: str, shape) -> tuple[mmap.mmap, np.ndarray, int, np.ndarray]:
+    """Map a packed shard: (mapped bytes, offsets [n + 1], start of the blobs, xxh3 [n]).
+
+    ValueError if malformed: header, trailer or tables that do not match their own xxh3.
+    """
     with open(path, "rb") as f:
         data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     try:
         magic, stored_codec, *stored_shape = HEADER.unpack_from(data, 0)
-        n, end_magic = FOOTER.unpack_from(data, len(data) - FOOTER.size)
-        index_at = len(data) - FOOTER.size - OFFSET_BYTES * (n + 1)
+        n, header_xxh3, tables_xxh3, end_magic = TRAILER.unpack_from(data, len(data) - TRAILER.size)
+        index_at = len(data) - TRAILER.size - (OFFSET_BYTES + CHECKSUM_BYTES) * n - OFFSET_BYTES
         if (magic, end_magic) != (SHARD_MAGIC, SHARD_MAGIC) or n != count or index_at < HEADER.size \
                 or stored_codec.rstrip(b"\0").decode() != codec or tuple(stored_shape) != tuple(shape):
-            raise ValueError(f"header/footer say {stored_codec!r} x{n} {stored_shape}")
+            raise ValueError(f"header/trailer say {stored_codec!r} x{n} {stored_shape}")
+        check_tables(data, header_xxh3, tables_xxh3, HEADER.size, index_at)
         offsets = np.frombuffer(data, dtype="<u8", count=n + 1, offset=index_at).copy()
+        checksums = np.frombuffer(data, dtype="<u8", count=n, offset=index_at + OFFSET_BYTES * (n + 1)).copy()
         if int(offsets[-1]) != index_at - HEADER.size or np.any(np.diff(offsets.astype(np.int64)) < 0):
             raise ValueError(f"index covers {int(offsets[-1])} bytes, blobs take {index_at - HEADER.size}")
     except (struct.error, ValueError, UnicodeDecodeError) as exc:
         data.close()
         raise ValueError(str(exc)) from None
-    return data, offsets, HEADER.size
+    return data, offsets, HEADER.size, checksums
+
+
+def open_raw(path: Path, count: int, shape) -> tuple[np.ndarray, np.ndarray]:
+    """Map a raw shard: (uint8 [n, H, W, 3] memory map, xxh3 [n]); ValueError if malformed."""
+    try:
+        array = np.load(path, mmap_mode="r")
+    except (OSError, ValueError, EOFError) as exc:
+        raise ValueError(f"unreadable ({exc})") from None
+    if array.shape != (count, *shape) or array.dtype != np.uint8:
+        raise ValueError(f"of shape {array.shape}")
+    tables_at = array.offset + array.nbytes
+    with open(path, "rb") as f:
+        leading = f.read(array.offset)
+        f.seek(tables_at)
+        tail = f.read()
+    if len(tail) != CHECKSUM_BYTES * count + TRAILER.size:
+        raise ValueError(f"its checksum table and trailer take {len(tail)} bytes, not "
+                         f"{CHECKSUM_BYTES * count + TRAILER.size}")
+    n, header_xxh3, tables_xxh3, magic = TRAILER.unpack_from(tail, len(tail) - TRAILER.size)
+    if magic != SHARD_MAGIC or n != count or leading != leading_bytes("raw", shape, count):
+        raise ValueError(f"its header or trailer is not a v{MANIFEST_VERSION} cache shard of {count} images")
+    check_tables(leading + tail, header_xxh3, tables_xxh3, len(leading), len(leading))
+    # a plain ndarray view of the map: slicing an np.memmap costs a subclass finalize per read
+    return array.view(np.ndarray), np.frombuffer(tail, dtype="<u8", count=count).copy()
+
+
+def check_tables(data, header_xxh3: int, tables_xxh3: int, header_end: int, tables_at: int) -> None:
+    """ValueError unless the header and the tables (offsets, checksums) hash to the trailer's xxh3."""
+    end = len(data) - TRAILER.size
+    if xxhash.xxh3_64_intdigest(memoryview(data)[:header_end]) != header_xxh3:
+        raise ValueError("its header does not match the xxh3 in its trailer")
+    if xxhash.xxh3_64_intdigest(memoryview(data)[tables_at:end]) != tables_xxh3:
+        raise ValueError("its offsets/checksum tables do not match the xxh3 in its trailer")
 
 
 def warn_many_files(n_files: int, cache_dir: Path, shard_mb: float) -> None:
@@ -281,6 +350,48 @@ def warn_many_files(n_files: int, cache_dir: Path, shard_mb: float) -> None:
             f"{cache_dir} would hold {n_files:,} files; Google Drive handles folders with more than "
             f"~{DRIVE_FILES_WARN:,} files badly. Raise shard_mb (now {shard_mb:g}) to about "
             f"{shard_mb * n_files / (DRIVE_FILES_WARN / 2):,.0f}", stacklevel=3)
+
+
+# ====================================================================================== stat cache
+
+
+def read_shard_stats(cache_dir: str | Path) -> dict:
+    """{shard file: {"bytes", "mtime_ns", "sha256"}} of the cache's stat cache; {} when absent or unreadable.
+
+    The stat cache is `nblib.manifest`'s (`manifest.stat.json` beside `manifest.json`): a hint,
+    never a source of truth; anything wrong with it costs a hash, not an error. A cache written
+    before it moved there has `local-stat-cache.json` instead: read while no new one exists.
+    """
+    stats = read_stat_cache(Path(cache_dir) / MANIFEST)
+    return stats or _legacy_stats(Path(cache_dir))
+
+
+def record_shard_stats(cache_dir: str | Path, stats: dict[str, dict]) -> None:
+    """Add shards' stats ({file: {"bytes", "mtime_ns", "sha256"}}) to the cache's stat cache, atomically.
+
+    Best effort: a folder that cannot be written (read-only mount) keeps its old stat cache. A
+    legacy `local-stat-cache.json` is carried over into the new file, then removed.
+    """
+    cache_dir = Path(cache_dir)
+    legacy = cache_dir / LEGACY_STAT_CACHE
+    if legacy.exists() and not (cache_dir / STAT_CACHE).exists():
+        stats = {**_legacy_stats(cache_dir), **stats}
+    if record_stats(cache_dir / MANIFEST, stats):
+        legacy.unlink(missing_ok=True)
+
+
+def current_stat(cache_dir: str | Path, entry: dict) -> dict:
+    """The stat-cache record of a listed shard as its file is now (after its bytes were checked)."""
+    return {entry["file"]: stat_record(Path(cache_dir) / entry["file"], entry["sha256"])}
+
+
+def _legacy_stats(cache_dir: Path) -> dict:
+    """The shard stats of a `local-stat-cache.json` ({"note", "shards"}); {} when absent or unreadable."""
+    try:
+        shards = json.loads((cache_dir / LEGACY_STAT_CACHE).read_bytes())["shards"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    return {k: v for k, v in shards.items() if isinstance(v, dict)} if isinstance(shards, dict) else {}
 
 
 # ====================================================================================== manifest
@@ -321,4 +432,8 @@ def _why_unusable(raw: bytes, exc: ManifestDamaged) -> str:
     if isinstance(old, dict) and old.get("format") == "nblib-image-cache":
         return (f"{MANIFEST} was written by an older nblib (cache format v{old.get('version')}); "
                 f"this nblib reads {MANIFEST_KIND} v{MANIFEST_VERSION}")
+    if isinstance(old, dict) and old.get("kind") == MANIFEST_KIND and old.get("version") in OLD_VERSIONS:
+        return (f"{MANIFEST} was written by an older nblib ({MANIFEST_KIND} v{old.get('version')}: its "
+                f"shards carry no per-image checksums, so no read of them can be checked); this nblib "
+                f"reads v{MANIFEST_VERSION}")
     return str(exc).split(";")[0]

@@ -26,15 +26,18 @@ from pathlib import Path
 import numpy as np
 
 from nblib.atomic import leftover_temporaries
+from nblib.cache.codecs import CodecSpec, check_codec, codec_for, train_dictionary
 from nblib.cache.format import (
     DAMAGED,
+    LEGACY_STAT_CACHE,
     MANIFEST,
+    STAT_CACHE,
     ShardWriter,
-    check_codec,
-    encode_image,
+    current_stat,
     images_per_raw_shard,
     read_cache_manifest,
-    restamp,
+    read_shard_stats,
+    record_shard_stats,
     shard_bytes,
     shard_index,
     shard_state,
@@ -92,23 +95,50 @@ class PopulateSummary:
 def populate(texts, cache_dir: str | Path, image_size: int = 224, shard_mb: float = 400,
              workers: int | None = None, seed: int = 0, codec: str = "raw", overwrite: bool = False,
              progress: bool = True, *, field: str | None = None, errors: str = "strict",
-             font_size: int | None = None, strict_fonts: bool = False) -> PopulateSummary:
+             font_size: int | None = None, strict_fonts: bool = False,
+             codec_level: int | None = None) -> PopulateSummary:
     """Render `texts` into a sharded cache at `cache_dir`, resuming whatever is already there.
 
-    `texts` is a path (text file, one per line; JSONL with `field`) or a sequence of str.
-    `workers=None` uses all cores; 0 or 1 renders in this process. `seed` is recorded in the
-    manifest (the renderer draws no randomness). `codec="auto"` measures the codecs on a sample
-    and lets `nblib.budget.choose_codec` pick the one that fits the free disk. A cache of other
-    texts or render settings is refused unless `overwrite`; damaged listed shards are re-rendered.
-    The characters of the first COVERAGE_TEXTS texts are checked against the font chain: the share
-    without a glyph, per script, goes into the manifest; above COVERAGE_WARN populate warns, or
-    with `strict_fonts` refuses (InputError) before anything is rendered. A text the renderer
-    cannot draw raises RenderFailed naming its line in the file (or its index in the list).
+    A cache of other texts or render settings is refused unless `overwrite`; damaged listed shards
+    are re-rendered. The characters of the first COVERAGE_TEXTS texts are checked against the font
+    chain: the share without a glyph, per script, goes into the manifest; above COVERAGE_WARN
+    populate warns, or with `strict_fonts` refuses before anything is rendered. The folder is
+    locked while written. Two identical builds give byte-identical folders apart from the stat
+    cache (`STAT_CACHE`, non-canonical). A text the renderer cannot draw raises RenderFailed naming
+    its line in the file (or its index in the list).
+
+    Args:
+        texts: a path (text file, one text per line; JSONL with `field`) or a sequence of str.
+        cache_dir: the cache folder (created; a folder of its own).
+        image_size: pixels per side of every image.
+        shard_mb: target size of one shard file, in MB (Google Drive prefers few large files).
+        workers: render processes; None: all cores; 0 or 1: render in this process.
+        seed: recorded in the manifest (the renderer draws no randomness).
+        codec: "raw", "zlib", "png", "zstd" (`nblib.cache.CODECS`) or "auto" (measures the codecs
+            on a sample and lets `nblib.budget.choose_codec` pick the one that fits the free disk).
+        overwrite: delete a cache of other texts or settings in `cache_dir` instead of refusing.
+        progress: show a progress bar.
+        field: the JSON field holding the text of each line of a JSONL file.
+        errors: "strict" (undecodable bytes are refused, naming the line) or "replace" (U+FFFD).
+        font_size: font size in pixels; None: scaled with `image_size`.
+        strict_fonts: refuse texts whose characters the font chain cannot draw (above COVERAGE_WARN).
+        codec_level: a compressed codec's level (zstd: 1-22, default 3, and a dictionary trained on
+            the first images, kept when it pays, see `nblib.cache.codecs`; zlib/png: 0-9).
+
+    Returns:
+        A `PopulateSummary`: images and shards in the cache, what this run wrote, reused and
+        repaired, bytes on disk against the prediction, speed, font coverage.
+
+    Raises:
+        InputError (texts missing, empty or undecodable; fonts with `strict_fonts`), ConfigError
+        (codec, level, size), CacheError (another cache there, texts changed while rendering),
+        BudgetExceeded (the disk cannot hold the cache), FolderBusyError (another run writes it);
+        each names the cause and the fix.
     """
     source = text_source(texts, field, errors)
     try:
         return _populate(source, cache_dir, image_size, shard_mb, workers, seed, codec, overwrite, progress,
-                         font_size, strict_fonts)
+                         font_size, strict_fonts, codec_level)
     except RenderFailed as exc:
         index = exc.index if exc.index is not None else _index_of(source, getattr(exc, "text", None))
         where = source.where(index) if index is not None else "a text"
@@ -116,7 +146,7 @@ def populate(texts, cache_dir: str | Path, image_size: int = 224, shard_mb: floa
 
 
 def _populate(source: TextSource, cache_dir, image_size, shard_mb, workers, seed, codec, overwrite, progress,
-              font_size, strict_fonts) -> PopulateSummary:
+              font_size, strict_fonts, codec_level) -> PopulateSummary:
     started = time.perf_counter()
     scan = scan_texts(source, sample_size=SAMPLE_TEXTS, seed=seed)
     require_texts(scan, source)
@@ -131,15 +161,17 @@ def _populate(source: TextSource, cache_dir, image_size, shard_mb, workers, seed
     with cache_lock(cache_dir) as lock:  # everything below reads and writes the folder
         if codec == "auto":
             codec = _resumed_codec(cache_dir, scan) or _auto_codec(scan.n_texts, cache_dir, sample_images)
-        check_codec(codec)
-        layout = _layout(params, codec, shard_mb, seed)
-        bytes_per_image = float(np.mean([len(encode_image(im, codec)) for im in sample_images]))
+        layout = _layout(params, codec, shard_mb, seed, codec_level)
+        resumable = _resumable(cache_dir, scan, layout)
+        spec = _resumed_spec(cache_dir) if resumable else \
+            fresh_spec(codec, layout["codec_level"], lambda: _first_images(source, params))
+        bytes_per_image = float(np.mean([len(codec_for(spec).encode(im)) for im in sample_images]))
         plan = plan_cache(scan.n_texts, cache_dir, image_size, shard_mb, codec, bytes_per_image)
-        if not _resumable(cache_dir, scan, layout):
+        if not resumable:
             plan = dataclasses.replace(plan, done_bytes=0)  # nothing on disk counts toward this cache
         _preflight(cache_dir, plan)  # before anything is written or cleared
         warn_many_files(plan.n_shards + 1, cache_dir, shard_mb)
-        manifest = _open_manifest(cache_dir, scan, layout, source, overwrite)
+        manifest = _open_manifest(cache_dir, scan, layout, source, overwrite, spec)
         manifest["coverage"] = found.as_dict()
         _remove_temporaries(cache_dir)
         workers = resolve_workers(workers)
@@ -150,12 +182,13 @@ def _populate(source: TextSource, cache_dir, image_size, shard_mb, workers, seed
         start = manifest["shards"][-1]["stop"] if manifest["shards"] else 0
         written = 0
         with _progress_bar(scan.n_texts, start, progress) as bar:
-            blobs = rendered_blobs(itertools.islice(iter(source), start, None), params, codec, workers, start)
-            for entry in _stream_shards(blobs, cache_dir, len(manifest["shards"]), start, scan.n_texts,
-                                        layout, bar):
+            blobs = rendered_blobs(itertools.islice(iter(source), start, None), params, spec, workers, start)
+            for entry, stat in stream_shards(blobs, cache_dir, len(manifest["shards"]), start,
+                                             scan.n_texts, layout, spec, bar):
                 manifest["shards"].append(entry)
                 lock.check()  # still ours: no other run took the folder over
                 write_cache_manifest(cache_dir, manifest)
+                record_shard_stats(cache_dir, stat)
                 written += 1
         done = manifest["shards"][-1]["stop"] if manifest["shards"] else 0
         if done != scan.n_texts:
@@ -242,8 +275,7 @@ def plan_cache(n_images: int, cache_dir: str | Path, image_size: int = 224, shar
     per_shard = float(images_per_raw_shard(target, (image_size, image_size, 3))) if codec == "raw" \
         else max(1.0, target / stored)
     # budget.cache_bytes takes whole MB per shard; the shard count only moves its per-shard header term
-    predicted = budget.cache_bytes(n_images, image_size, codec, None if codec == "raw" else stored,
-                                   shard_mb=max(1, math.ceil(shard_mb)))
+    predicted = budget.cache_bytes(n_images, image_size, codec, stored, shard_mb=max(1, math.ceil(shard_mb)))
     return CachePlan(n_images=n_images, image_size=image_size, codec=codec, shard_mb=shard_mb,
                      bytes_per_image=float(bytes_per_image), predicted_bytes=int(predicted),
                      images_per_shard=per_shard, n_shards=math.ceil(n_images / per_shard),
@@ -251,12 +283,12 @@ def plan_cache(n_images: int, cache_dir: str | Path, image_size: int = 224, shar
 
 
 def cache_bytes_on_disk(cache_dir: str | Path) -> int:
-    """Bytes of a cache's shard files and manifest (0 when the folder does not exist)."""
+    """Bytes of a cache's shard files, manifest and stat cache (0 when the folder does not exist)."""
     folder = Path(cache_dir)
     if not folder.is_dir():
         return 0
     return sum(p.stat().st_size for p in folder.iterdir()
-               if p.is_file() and (p.name.startswith("shard-") or p.name == MANIFEST))
+               if p.is_file() and (p.name.startswith("shard-") or p.name in (MANIFEST, STAT_CACHE, LEGACY_STAT_CACHE)))
 
 
 # ====================================================================================== rendering
@@ -265,13 +297,30 @@ def cache_bytes_on_disk(cache_dir: str | Path) -> int:
 def rerender_shard(cache_dir: Path, manifest: dict, entry: dict, source: TextSource, workers: int) -> dict:
     """Re-render one listed shard; it must come out with the recorded sha256. Its new entry."""
     params = recorded_render_params(manifest)
+    spec = recorded_spec(manifest)
     texts = itertools.islice(iter(source), entry["start"], entry["stop"])
-    writer = ShardWriter(cache_dir, shard_index(entry["file"]), entry["start"], manifest["codec"],
+    writer = ShardWriter(cache_dir, shard_index(entry["file"]), entry["start"], spec,
                          manifest["image_shape"], count=entry["count"])
     with writer:
-        for blob in rendered_blobs(texts, params, manifest["codec"], workers, entry["start"]):
+        for blob in rendered_blobs(texts, params, spec, workers, entry["start"]):
             writer.add(blob)
-        return writer.commit(expect_sha256=entry["sha256"])
+        new = writer.commit(expect_sha256=entry["sha256"])
+    record_shard_stats(cache_dir, {new["file"]: writer.stat})
+    return new
+
+
+def recorded_spec(manifest: dict) -> CodecSpec:
+    """The codec (name, level, dictionary) a cache's manifest records."""
+    return CodecSpec.from_record(manifest["codec"], manifest.get("codec_options"))
+
+
+def fresh_spec(codec: str, level: int | None, first_images) -> CodecSpec:
+    """The codec of a new cache: zstd gets a dictionary trained on `first_images()` when it pays."""
+    spec = CodecSpec(codec, check_codec(codec).level(level))
+    if codec != "zstd":
+        return spec
+    dictionary, _gain = train_dictionary(first_images(), spec.level)
+    return CodecSpec("zstd", spec.level, dictionary)
 
 
 def recorded_render_params(manifest: dict) -> RenderParams:
@@ -290,7 +339,7 @@ def renderer_record(params: RenderParams) -> dict:
     return json.loads(json.dumps(params.as_dict()))
 
 
-def rendered_blobs(texts: Iterable[str], params: RenderParams, codec: str, workers: int,
+def rendered_blobs(texts: Iterable[str], params: RenderParams, codec: CodecSpec, workers: int,
                    first: int = 0) -> Iterator[bytes]:
     """Stored bytes of each text's image, in input order, from a bounded process pool.
 
@@ -334,16 +383,17 @@ def resolve_workers(workers: int | None) -> int:
 # ====================================================================================== helpers
 
 
-def _render_batch(task: tuple[list[str], RenderParams, str, int]) -> list[bytes]:
+def _render_batch(task: tuple[list[str], RenderParams, CodecSpec, int]) -> list[bytes]:
     """Worker: render and encode a batch of texts (top-level so the pool can pickle it).
 
     A text the renderer cannot draw raises RenderFailed carrying its index in the source.
     """
     texts, params, codec, first = task
+    coder = codec_for(codec)
     blobs = []
     for i, text in enumerate(texts):
         try:
-            blobs.append(encode_image(render_with(text, params), codec))
+            blobs.append(coder.encode(render_with(text, params)))
         except RenderFailed as exc:
             raise RenderFailed(str(exc), first + i) from None
     return blobs
@@ -365,71 +415,102 @@ def _index_of(source: TextSource, text: str | None) -> int | None:
     return next((i for i, t in enumerate(source) if t == text), None)
 
 
+def _first_images(source: TextSource, params: RenderParams) -> list[np.ndarray]:
+    """The first images of a cache (what a zstd dictionary is trained on), rendered here."""
+    from nblib.cache.codecs import DICT_SAMPLES
+
+    return [_render_sample(t, params) for t in itertools.islice(iter(source), DICT_SAMPLES)]
+
+
 def _batched(items: Iterable, n: int) -> Iterator[list]:
     iterator = iter(items)
     while batch := list(itertools.islice(iterator, n)):
         yield batch
 
 
-def _stream_shards(blobs: Iterable[bytes], cache_dir: Path, index: int, start: int, n_total: int,
-                   layout: dict, bar) -> Iterator[dict]:
-    """Write blobs into consecutive shards as they arrive; yield each committed shard's entry.
+def stream_shards(blobs: Iterable, cache_dir: Path, index: int, start: int, n_total: int | None,
+                  layout: dict, spec: CodecSpec, bar, *, source_hash: bool = False) -> Iterator[tuple[dict, dict]]:
+    """Write blobs into consecutive shards as they arrive; yield each committed shard's (entry, stat).
 
     A shard closes before the blob that would take it past `shard_bytes` (at least one image),
     so raw shards hold shard_bytes // image bytes images each and the cut never depends on time.
+    With `source_hash`, `blobs` yields (stored bytes, raw pixels) pairs and each entry records an
+    xxh3 of its raw pixels. A raw cache of unknown length (`n_total` None) holds each shard's
+    blobs in RAM until the shard is full, since the .npy header needs its count first.
     """
-    codec, shape, target = layout["codec"], layout["image_shape"], layout["shard_bytes"]
+    shape, target = layout["image_shape"], layout["shard_bytes"]
     per_raw_shard = images_per_raw_shard(target, shape)
+    pending: list = []   # raw shards of unknown length: the shard's items until it is full
     writer = None
     try:
-        for blob in blobs:
+        for item in blobs:
+            blob = item[0] if source_hash else item
+            if spec.name == "raw" and n_total is None:
+                pending.append(item)
+                if len(pending) == per_raw_shard:
+                    yield _write_whole(cache_dir, index, start, spec, shape, pending, source_hash)
+                    index, start, pending = index + 1, start + len(pending), []
+                bar.update(1)
+                continue
             if writer is not None and writer.blob_bytes + len(blob) > target:
-                yield writer.commit()
+                yield writer.commit(), {writer.name: writer.stat}
                 writer, index, start = None, index + 1, writer.stop
             if writer is None:
-                count = min(per_raw_shard, n_total - start) if codec == "raw" else None
-                writer = ShardWriter(cache_dir, index, start, codec, shape, count=count)
-            writer.add(blob)
+                count = min(per_raw_shard, n_total - start) if spec.name == "raw" else None
+                writer = ShardWriter(cache_dir, index, start, spec, shape, count=count,
+                                     source_hash=source_hash)
+            writer.add(*item) if source_hash else writer.add(blob)
             bar.update(1)
+        if pending:
+            yield _write_whole(cache_dir, index, start, spec, shape, pending, source_hash)
         if writer is not None:
-            yield writer.commit()
+            yield writer.commit(), {writer.name: writer.stat}
             writer = None
     finally:
         if writer is not None:
             writer.discard()
 
 
+def _write_whole(cache_dir: Path, index: int, start: int, spec: CodecSpec, shape, items: list,
+                 source_hash: bool) -> tuple[dict, dict]:
+    """Write one shard from a list of blobs (or (blob, pixels) pairs); its (entry, stat)."""
+    with ShardWriter(cache_dir, index, start, spec, shape, count=len(items), source_hash=source_hash) as writer:
+        for item in items:
+            writer.add(*item) if source_hash else writer.add(item)
+        return writer.commit(), {writer.name: writer.stat}
+
+
 def _repair_listed_shards(cache_dir: Path, manifest: dict, source: TextSource, workers: int) -> list[dict]:
     """Re-render listed shards whose file is damaged (stat first, sha256 where the stat changed).
 
-    A shard whose bytes still match but whose mtime changed (a copy) gets its new stat recorded.
-    The manifest is rewritten after each change. Returns the entries re-rendered.
+    A shard whose bytes still match but whose stat changed (a copy) gets its new stat recorded in
+    the stat cache. The manifest is rewritten after each re-render. Returns the entries re-rendered.
     """
-    repaired = []
+    repaired, stats = [], read_shard_stats(cache_dir)
     for i, entry in enumerate(manifest["shards"]):
-        state = shard_state(cache_dir, entry)
+        state = shard_state(cache_dir, entry, stats=stats, digest="xxh3")
         if state in DAMAGED:
             manifest["shards"][i] = rerender_shard(cache_dir, manifest, entry, source, workers)
             repaired.append(entry)
-        elif state == "touched":
-            manifest["shards"][i] = restamp(cache_dir, entry)
-        if state is not None:
             write_cache_manifest(cache_dir, manifest)
+        elif state == "touched":
+            record_shard_stats(cache_dir, current_stat(cache_dir, entry))
     return repaired
 
 
-def _layout(params: RenderParams, codec: str, shard_mb: float, seed: int) -> dict:
+def _layout(params: RenderParams, codec: str, shard_mb: float, seed: int, codec_level: int | None) -> dict:
     """The settings that decide a cache's bytes; a resume must match them exactly."""
-    return {"renderer": renderer_record(params), "codec": codec, "shard_mb": shard_mb,
+    return {"renderer": renderer_record(params), "codec": codec,
+            "codec_level": check_codec(codec).level(codec_level), "shard_mb": shard_mb,
             "shard_bytes": shard_bytes(shard_mb), "seed": seed,
             "image_shape": [params.size, params.size, 3]}
 
 
 def _open_manifest(cache_dir: Path, scan: TextScan, layout: dict, source: TextSource,
-                   overwrite: bool) -> dict:
+                   overwrite: bool, spec: CodecSpec) -> dict:
     """The manifest to continue: the existing one if it matches, else a fresh (empty) one."""
     fresh = {"source": {"sha256": scan.sha256, "n_texts": scan.n_texts, **source.describe()},
-             **layout, "shards": []}
+             **layout, "codec_options": spec.record(), "shards": []}
     if (cache_dir / MANIFEST).exists():
         try:
             old = read_cache_manifest(cache_dir)
@@ -471,7 +552,7 @@ def _mismatch(old: dict, new: dict) -> str | None:
     if (was.get("sha256"), was.get("n_texts")) != (now["sha256"], now["n_texts"]):
         return (f"source fingerprint {str(was.get('sha256'))[:12]} ({was.get('n_texts', 0):,} texts) "
                 f"!= this source's {now['sha256'][:12]} ({now['n_texts']:,} texts)")
-    for key in ("renderer", "codec", "shard_bytes", "seed", "image_shape"):
+    for key in ("renderer", "codec", "codec_level", "shard_bytes", "seed", "image_shape"):
         if old.get(key) != new[key]:
             if key == "renderer":
                 return (f"the renderer changed ({_dict_changes(old.get(key) or {}, new[key])}), so "
@@ -488,7 +569,8 @@ def _dict_changes(old: dict, new: dict) -> str:
 
 def _clear(cache_dir: Path) -> None:
     """Delete a cache's own files (shards, manifest, temporaries); nothing else in the folder."""
-    for path in [*cache_dir.glob("shard-*"), *leftover_temporaries(cache_dir), cache_dir / MANIFEST]:
+    for path in [*cache_dir.glob("shard-*"), *leftover_temporaries(cache_dir), cache_dir / MANIFEST,
+                 cache_dir / STAT_CACHE, cache_dir / LEGACY_STAT_CACHE]:
         path.unlink(missing_ok=True)
 
 
@@ -504,9 +586,14 @@ def _preflight(cache_dir: Path, plan: CachePlan) -> None:
     """Refuse to start when the rest of the cache does not fit the free disk (the budget's check)."""
     from nblib.budget import check_disk
 
-    knob = ("a compressed codec (--codec zlib or png), a smaller --size, fewer texts, or a disk "
+    knob = ("a compressed codec (--codec zstd, zlib or png), a smaller --size, fewer texts, or a disk "
             "with more free space")
     check_disk(cache_dir, max(0, plan.predicted_bytes - plan.done_bytes), what="image cache", knob=knob)
+
+
+def _resumed_spec(cache_dir: Path) -> CodecSpec:
+    """The codec spec the cache in `cache_dir` records (it resumes with the same dictionary)."""
+    return recorded_spec(read_cache_manifest(cache_dir))
 
 
 def _resumed_codec(cache_dir: Path, scan: TextScan) -> str | None:

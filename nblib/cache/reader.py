@@ -1,47 +1,83 @@
 """Read a populated cache: `len`, `cache[i]`, `get_batch`, `iter_shards`, and a torch dataset.
 
-Opening checks every listed shard's stat against the one its manifest recorded (cheap) and
-hashes only the shards whose stat changed, so a shard swapped in from another cache or rewritten
-in place is refused before any image is read. A read that runs through a shard in order (a full
-pass, `iter_shards`) hashes the bytes as it reads them and raises when they are not the recorded
-ones; random access is not hashed. Trade-off: a stat per shard keeps opening instant, at the
-price that a same-size edit which also restored the mtime is caught only by an in-order pass or
-`verify`. Raw shards are memory-mapped (`np.load(mmap_mode="r")`), packed ones with `mmap`, each
-once and lazily. Arrays returned are copies (writable).
+Every read is checked: each image's stored bytes are hashed (xxh3) and compared with the
+shard's checksum table before the image is served, on every path (random `cache[i]`,
+`get_batch`, `iter_shards`, the torch dataset in DataLoader workers). A damaged image raises
+a CacheError naming it and the repair; nothing damaged is ever served. Opening checks every
+listed shard's stat against the local stat cache (cheap) and hashes only the shards whose stat
+changed, so a shard swapped in from another cache is refused before any image is read.
+
+`check="first-touch"` (the torch dataset's default, for training) adds one pass over each shard
+the first time a process touches it: its whole-file xxh3 must equal the manifest's, so a shard
+rewritten in place with a self-consistent table (another cache's shard of the same size, its mtime
+put back) is refused before any of its images is served. Trade-off: one extra read of each shard
+per process (per DataLoader worker: per epoch unless `persistent_workers=True`), usually from the
+page cache, against catching what the per-image tables cannot. `check="off"` serves unchecked
+bytes (the benchmark's baseline only).
+Raw shards are memory-mapped, packed ones with `mmap`, each once and lazily. Arrays returned
+are copies (writable).
 """
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import xxhash
 
 from nblib.atomic import sha256_json
+from nblib.cache.codecs import CodecSpec, codec_for
 from nblib.cache.format import (
+    STAT_CACHE,
     damaged_error,
-    decode_image,
     open_packed,
+    open_raw,
     read_cache_manifest,
+    read_shard_stats,
     shard_state,
     warn_many_files,
+    xxh3_file,
 )
-from nblib.errors import CacheError
+from nblib.errors import CacheError, ConfigError
 from nblib.units import fmt_bytes
+
+CHECKS = ("image", "first-touch", "off")
 
 
 class ShardedImageCache:
-    """A cache folder as an indexable array of uint8 [H, W, 3] images, checked when opened."""
+    """A cache folder as an indexable array of uint8 [H, W, 3] images, checked when opened and read.
 
-    def __init__(self, cache_dir: str | Path):
+    Opening compares each listed shard's size and stat with the stat cache and hashes (xxh3) any
+    whose stat changed. `cache[i]` is one image; `get_batch`, `iter_shards` and `torch_dataset`
+    read several. Picklable: each process opens its own maps and checks for itself.
+
+    Args:
+        cache_dir: a folder `populate` or `write_images` wrote.
+        check: "image" (default: every image's xxh3 before it is served), "first-touch" (also the
+            whole shard's xxh3 once per process, before its first image is served) or "off"
+            (no check on read).
+
+    Raises:
+        CacheError when the folder holds no cache, its manifest is damaged or of an older format,
+        or a listed shard is missing, resized or (stat changed) hashes differently: the message
+        names the shard and says `cache --verify --repair`. ConfigError for another `check`.
+    """
+
+    def __init__(self, cache_dir: str | Path, *, check: str = "image"):
+        if check not in CHECKS:
+            raise ConfigError(f"check={check!r} is not one of {CHECKS}")
         self.cache_dir = Path(cache_dir)
+        self.check = check
         self.manifest = read_cache_manifest(self.cache_dir)
         self.codec = self.manifest["codec"]
+        self.spec = CodecSpec.from_record(self.codec, self.manifest.get("codec_options"))
         self.shape = tuple(self.manifest["image_shape"])
+        self._image_bytes = int(np.prod(self.shape))
         self._starts = np.array([s["start"] for s in self.manifest["shards"]], dtype=np.int64)
-        self._open: dict[int, object] = {}
-        self._hashes: dict[int, tuple] = {}  # shard -> (running sha256, next image) of an in-order read
+        self._open: dict[int, tuple] = {}
+        self._touched: set[int] = set()  # shards whose whole-file xxh3 matched in this process
         warn_many_files(len(self.manifest["shards"]) + 1, self.cache_dir, self.manifest["shard_mb"])
         self._check_shards()
 
@@ -56,8 +92,8 @@ class ShardedImageCache:
 
     @property
     def complete(self) -> bool:
-        """True when every source text has its image in the cache."""
-        return len(self) == self.manifest["source"]["n_texts"]
+        """True when every source image (text) has its image in the cache."""
+        return len(self) == expected_images(self.manifest)
 
     @property
     def shard_ranges(self) -> list[tuple[int, int]]:
@@ -67,7 +103,7 @@ class ShardedImageCache:
     def fingerprint(self) -> str:
         """sha256 over the source fingerprint, renderer params, codec and shard sha256s."""
         m = self.manifest
-        payload = {"source": m["source"]["sha256"], "renderer": m["renderer"], "codec": m["codec"],
+        payload = {"source": m["source"].get("sha256"), "renderer": m.get("renderer"), "codec": m["codec"],
                    "shards": [s["sha256"] for s in m["shards"]]}
         return sha256_json(payload)
 
@@ -85,7 +121,7 @@ class ShardedImageCache:
         return self.get_batch(i, i + 1)[0]
 
     def get_batch(self, start: int, stop: int) -> np.ndarray:
-        """Images [start, stop) as one uint8 [n, H, W, 3] array (slices of shards, decoded)."""
+        """Images [start, stop) as one uint8 [n, H, W, 3] array (slices of shards, decoded, checked)."""
         if not 0 <= start <= stop <= len(self):
             raise IndexError(f"batch [{start}, {stop}) is out of range for {len(self):,} images")
         out = np.empty((stop - start, *self.shape), dtype=np.uint8)
@@ -100,29 +136,27 @@ class ShardedImageCache:
         return out
 
     def iter_shards(self) -> Iterator[np.ndarray]:
-        """Each shard's images in order as one array, hashed while read: a shard is yielded only
-        once its bytes matched the manifest's sha256 (RAM: one shard).
-        """
+        """Each shard's images in order as one array, every image checked (RAM: one shard)."""
         for shard, entry in enumerate(self.manifest["shards"]):
             images = self.get_batch(entry["start"], entry["stop"])
             self.close(shard)
             yield images
             del images  # the caller's reference is the only one left: RAM stays near one shard
 
-    def torch_dataset(self, transform=None) -> CacheDataset:
+    def torch_dataset(self, transform=None, check: str = "first-touch") -> CacheDataset:
         """A map-style dataset for torch's DataLoader (torch is imported only when items are read)."""
-        return CacheDataset(str(self.cache_dir), transform)
+        return CacheDataset(str(self.cache_dir), transform, check=check)
 
     def close(self, shard: int | None = None) -> None:
-        """Release opened shard maps (all, or one) and their in-order hashes."""
+        """Release opened shard maps (all, or one)."""
         for key in ([shard] if shard is not None else list(self._open)):
             handle = self._open.pop(key, None)
-            self._hashes.pop(key, None)
-            if isinstance(handle, tuple):
-                handle[0].close()
+            if handle is not None and not isinstance(handle[0], np.ndarray):  # a packed shard's mmap
+                with contextlib.suppress(BufferError):
+                    handle[0].close()
 
     def __getstate__(self):
-        return {**self.__dict__, "_open": {}, "_hashes": {}}
+        return {**self.__dict__, "_open": {}, "_touched": set()}  # each process checks for itself
 
     def __repr__(self) -> str:
         return (f"ShardedImageCache({str(self.cache_dir)!r}: {len(self):,} images "
@@ -132,126 +166,98 @@ class ShardedImageCache:
 
     def _check_shards(self) -> None:
         """Refuse a listed shard that is missing, resized, or (stat changed) hashes differently."""
-        hashed = []
+        hashed, stats = [], read_shard_stats(self.cache_dir)
         for entry in self.manifest["shards"]:
-            state = shard_state(self.cache_dir, entry)
+            state = shard_state(self.cache_dir, entry, stats=stats, digest="xxh3")
             if state == "touched":
                 hashed.append(entry)
             elif state is not None:
                 why = {"missing": "missing", "truncated": "of another size than the manifest records",
-                       "corrupt": "not the shard the manifest records (its sha256 differs)"}[state]
+                       "corrupt": "not the shard the manifest records (its xxh3 differs)"}[state]
                 raise damaged_error(self.cache_dir, entry["file"], why)
         if hashed:
             warnings.warn(
-                f"{len(hashed)} shard(s) of {self.cache_dir} have another mtime than when written "
-                f"(copied?); their {fmt_bytes(sum(s['bytes'] for s in hashed))} were hashed and "
-                f"match. python -m nblib cache --verify --repair {self.cache_dir} records the new "
-                f"times, so opening skips the hash", stacklevel=3)
+                f"{len(hashed)} shard(s) of {self.cache_dir} have another stat than {STAT_CACHE} "
+                f"records (copied?); their {fmt_bytes(sum(s['bytes'] for s in hashed))} were hashed "
+                f"and match. python -m nblib cache --verify --repair {self.cache_dir} records the new "
+                f"stats, so opening skips the hash", stacklevel=3)
 
     def _path(self, shard: int) -> Path:
         return self.cache_dir / self.manifest["shards"][shard]["file"]
 
-    def _raw(self, shard: int) -> np.ndarray:
-        array = self._open.get(shard)
-        if array is None:
-            entry = self.manifest["shards"][shard]
-            try:
-                array = np.load(self._path(shard), mmap_mode="r")
-            except (OSError, ValueError) as exc:
-                raise damaged_error(self.cache_dir, entry["file"], f"unreadable ({exc})") from None
-            if array.shape != (entry["count"], *self.shape):
-                raise damaged_error(self.cache_dir, entry["file"], f"of shape {array.shape}")
-            self._open[shard] = array
-        return array
-
-    def _packed(self, shard: int) -> tuple:
+    def _handle(self, shard: int) -> tuple:
+        """(memory map, ...) of a shard, opened once; with first-touch, its whole file hashed first."""
         handle = self._open.get(shard)
-        if handle is None:
-            entry = self.manifest["shards"][shard]
+        if handle is not None:
+            return handle
+        entry = self.manifest["shards"][shard]
+        if self.check == "first-touch" and shard not in self._touched:
             try:
+                same = xxh3_file(self._path(shard)) == entry["xxh3"]
+            except OSError as exc:
+                raise damaged_error(self.cache_dir, entry["file"], f"unreadable ({exc})") from None
+            if not same:
+                raise damaged_error(self.cache_dir, entry["file"],
+                                    "not the shard the manifest records: its xxh3 differs (edited in "
+                                    "place, its size and mtime kept); none of its images was served")
+            self._touched.add(shard)
+        try:
+            if self.codec == "raw":
+                handle = open_raw(self._path(shard), entry["count"], self.shape)
+            else:
                 handle = open_packed(self._path(shard), entry["count"], self.codec, self.shape)
-            except (OSError, ValueError) as exc:
-                raise damaged_error(self.cache_dir, entry["file"], f"malformed ({exc})") from None
-            self._open[shard] = handle
+        except (OSError, ValueError) as exc:
+            raise damaged_error(self.cache_dir, entry["file"], f"malformed ({exc})") from None
+        self._open[shard] = handle
         return handle
 
     def _copy_range(self, shard: int, lo: int, hi: int, out: np.ndarray) -> None:
-        """Images [lo, hi) of `shard` into out[:hi - lo], fed to the shard's in-order hash."""
-        sha = self._continue_hash(shard, lo)
+        """Images [lo, hi) of `shard` into out[:hi - lo], each checked against the shard's xxh3 table."""
+        checked = self.check != "off"
         if self.codec == "raw":
-            images = self._raw(shard)[lo:hi]
-            out[: hi - lo] = images
-            if sha is not None:
-                sha.update(images)
-        else:
-            data, offsets, base = self._packed(shard)
-            for k in range(lo, hi):
-                blob = data[base + int(offsets[k]): base + int(offsets[k + 1])]
-                if sha is not None:
-                    sha.update(blob)
-                out[k - lo] = self._decode(shard, k, blob)
-        if sha is not None:
-            self._end_hash(shard, sha, hi)
-
-    def _decode(self, shard: int, local: int, blob: bytes) -> np.ndarray:
-        try:
-            return decode_image(blob, self.codec, self.shape)
-        except ValueError as exc:
-            entry = self.manifest["shards"][shard]
-            raise CacheError(
-                f"image {entry['start'] + local:,} (number {local} of shard {entry['file']}) of "
-                f"{self.cache_dir} is corrupt: {exc}; run python -m nblib cache --verify --repair "
-                f"{self.cache_dir}") from None
-
-    def _continue_hash(self, shard: int, lo: int):
-        """The shard's running sha256 when a read of image `lo` continues an in-order pass, else None."""
-        if lo == 0:
-            sha = hashlib.sha256(self._leading_bytes(shard))
-            self._hashes[shard] = (sha, 0)
-        running = self._hashes.get(shard)
-        if running is None or running[1] != lo:
-            self._hashes.pop(shard, None)  # out of order: this pass is no longer hashed
-            return None
-        return running[0]
-
-    def _end_hash(self, shard: int, sha, hi: int) -> None:
-        entry = self.manifest["shards"][shard]
-        if hi < entry["count"]:
-            self._hashes[shard] = (sha, hi)
+            array, checksums = self._handle(shard)
+            rows = out[: hi - lo]
+            rows[...] = array[lo:hi]
+            if checked:
+                self._check_rows(shard, lo, rows, checksums[lo:hi])
             return
-        del self._hashes[shard]
-        sha.update(self._trailing_bytes(shard))
-        if sha.hexdigest() != entry["sha256"]:
-            raise damaged_error(self.cache_dir, entry["file"],
-                                "corrupt: the bytes just read hash differently from the manifest's "
-                                "sha256 (edited in place with its size and mtime kept)")
+        data, offsets, base, checksums = self._handle(shard)
+        coder = codec_for(self.spec)
+        for k in range(lo, hi):
+            blob = data[base + int(offsets[k]): base + int(offsets[k + 1])]
+            if checked and xxhash.xxh3_64_intdigest(blob) != int(checksums[k]):
+                raise self._corrupt(shard, k, "its bytes do not match the shard's xxh3 table")
+            try:
+                out[k - lo] = coder.decode(blob, self.shape)
+            except ValueError as exc:
+                raise self._corrupt(shard, k, str(exc)) from None
 
-    def _leading_bytes(self, shard: int) -> bytes:
-        """The bytes before the first image: the .npy header, or the packed header."""
-        if self.codec == "raw":
-            array = self._raw(shard)
-            with open(self._path(shard), "rb") as f:
-                return f.read(array.offset)
-        data, _, base = self._packed(shard)
-        return data[:base]
+    def _check_rows(self, shard: int, lo: int, rows: np.ndarray, expected: np.ndarray) -> None:
+        """CacheError naming the first image of `rows` whose xxh3 is not the table's."""
+        step, flat, digest = self._image_bytes, memoryview(rows.reshape(-1)), xxhash.xxh3_64_intdigest
+        for k, want in enumerate(expected.tolist()):
+            if digest(flat[k * step:(k + 1) * step]) != want:
+                raise self._corrupt(shard, lo + k, "its bytes do not match the shard's xxh3 table")
 
-    def _trailing_bytes(self, shard: int) -> bytes:
-        """The bytes after the last image: nothing for raw, the offsets index and footer when packed."""
-        if self.codec == "raw":
-            return b""
-        data, offsets, base = self._packed(shard)
-        return data[base + int(offsets[-1]):]
+    def _corrupt(self, shard: int, local: int, why: str) -> CacheError:
+        entry = self.manifest["shards"][shard]
+        return CacheError(
+            f"image {entry['start'] + local:,} (number {local} of shard {entry['file']}) of "
+            f"{self.cache_dir} is corrupt: {why}; it was not served. Run python -m nblib cache "
+            f"--verify --repair {self.cache_dir}")
 
 
 class CacheDataset:
     """torch map-style dataset over a cache: item i is a uint8 [H, W, 3] tensor (or transform(it)).
 
-    It does not subclass torch.utils.data.Dataset so this module stays torch-free; DataLoader
-    takes any object with `__len__` and `__getitem__`. Picklable: each worker opens its own maps.
+    `check` defaults to "first-touch" (training): each worker process hashes each shard once
+    before serving its first image, on top of the per-image check. It does not subclass
+    torch.utils.data.Dataset so this module stays torch-free; DataLoader takes any object with
+    `__len__` and `__getitem__`. Picklable: each worker opens its own maps and checks for itself.
     """
 
-    def __init__(self, cache_dir: str, transform=None):
-        self.cache = ShardedImageCache(cache_dir)
+    def __init__(self, cache_dir: str, transform=None, check: str = "first-touch"):
+        self.cache = ShardedImageCache(cache_dir, check=check)
         self.transform = transform
 
     def __len__(self) -> int:
@@ -262,3 +268,9 @@ class CacheDataset:
 
         image = torch.from_numpy(self.cache[index])
         return self.transform(image) if self.transform is not None else image
+
+
+def expected_images(manifest: dict) -> int | None:
+    """Images a complete cache holds: the source's text count (or image count, when known)."""
+    source = manifest["source"]
+    return source.get("n_texts", source.get("n_images"))

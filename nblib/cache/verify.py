@@ -3,8 +3,9 @@
 `verify` hashes every listed shard, so it also catches what the readers' quick check (a stat per
 shard) cannot: a same-size edit that kept the file's mtime. Repair deletes leftover temporaries
 and unlisted shard files, re-renders exactly the damaged shards from the source texts (the
-recorded path, or `texts`), and records the new stat of shards whose bytes match but whose mtime
-changed (a copied cache), so readers trust them again without hashing.
+recorded path, or `texts`), and records in the local stat cache the new stat of shards whose bytes
+match but whose stat changed (a copied cache), so readers trust them again without hashing.
+`verify` hashes with sha256 (identity), where readers use xxh3 (integrity).
 """
 from __future__ import annotations
 
@@ -15,12 +16,15 @@ from pathlib import Path
 from nblib.atomic import leftover_temporaries
 from nblib.cache.format import (
     DAMAGED,
+    current_stat,
     read_cache_manifest,
-    restamp,
+    read_shard_stats,
+    record_shard_stats,
     shard_state,
     write_cache_manifest,
 )
 from nblib.cache.populate import cache_lock, rerender_shard, resolve_workers
+from nblib.cache.reader import expected_images
 from nblib.cache.texts import TextSource, scan_texts, text_source
 from nblib.errors import CacheError
 
@@ -84,9 +88,23 @@ def verify(cache_dir: str | Path, repair: bool = False, texts=None, field: str |
            workers: int | None = None) -> VerifyReport:
     """Check every shard's size and sha256 against the manifest; with repair, fix what is wrong.
 
-    Repair deletes leftover temporaries and unlisted shard files and re-renders exactly the
-    damaged shards from the source texts (`texts`, else the path the manifest recorded). Repair
+    Repair deletes leftover temporaries and unlisted shard files, re-renders exactly the damaged
+    shards from the source texts and records the new stat of shards that were only copied. Repair
     holds the folder's lock: while a populate run writes the folder it is refused (FolderBusyError).
+
+    Args:
+        cache_dir: the cache folder.
+        repair: fix what is wrong (else only report it).
+        texts: the source texts for a re-render (default: the path the manifest recorded).
+        field: the JSON field of a JSONL `texts` file.
+        workers: render processes for a re-render; None: all cores.
+
+    Returns:
+        A `VerifyReport` (`ok`; missing, truncated, corrupt, touched shards; stray files; what was
+        repaired and removed). After a repair it describes the folder as it is now.
+
+    Raises:
+        CacheError when `cache_dir` is not a folder; FolderBusyError (repair while it is written).
     """
     cache_dir = Path(cache_dir)
     if not cache_dir.is_dir():
@@ -118,11 +136,9 @@ def _repair(cache_dir: Path, texts, field: str | None, workers: int | None) -> V
         if entry["file"] in report.damaged:
             manifest["shards"][i] = rerender_shard(cache_dir, manifest, entry, source, workers)
             repaired.append(entry["file"])
+            write_cache_manifest(cache_dir, manifest)
         elif entry["file"] in report.touched:
-            manifest["shards"][i] = restamp(cache_dir, entry)
-        else:
-            continue
-        write_cache_manifest(cache_dir, manifest)
+            record_shard_stats(cache_dir, current_stat(cache_dir, entry))
     after = _inspect(cache_dir)
     return dataclasses.replace(after, repaired=tuple(repaired), removed=tuple(removed))
 
@@ -134,8 +150,9 @@ def _inspect(cache_dir: Path) -> VerifyReport:
     except CacheError as exc:
         return VerifyReport(cache_dir=str(cache_dir), manifest_problem=str(exc))
     found: dict[str, list[str]] = {state: [] for state in (*DAMAGED, "touched")}
+    stats = read_shard_stats(cache_dir)
     for entry in manifest["shards"]:
-        state = shard_state(cache_dir, entry, full=True)
+        state = shard_state(cache_dir, entry, full=True, stats=stats)
         if state is not None:
             found[state].append(entry["file"])
     listed = {entry["file"] for entry in manifest["shards"]}
@@ -143,7 +160,7 @@ def _inspect(cache_dir: Path) -> VerifyReport:
     shards = manifest["shards"]
     return VerifyReport(
         cache_dir=str(cache_dir), n_shards=len(shards), n_images=shards[-1]["stop"] if shards else 0,
-        expected_images=manifest["source"]["n_texts"],
+        expected_images=expected_images(manifest) or 0,
         missing=tuple(found["missing"]), truncated=tuple(found["truncated"]),
         corrupt=tuple(found["corrupt"]), touched=tuple(found["touched"]),
         temporaries=tuple(str(p.relative_to(cache_dir)) for p in leftover_temporaries(cache_dir)),
@@ -153,6 +170,10 @@ def _inspect(cache_dir: Path) -> VerifyReport:
 def _repair_source(manifest: dict, texts, field_name: str | None) -> TextSource:
     """The source to re-render from: `texts` if given, else the recorded path; fingerprint checked."""
     recorded = manifest["source"]
+    if recorded.get("kind") == "images":
+        raise CacheError("this cache was written from images (write_images / cache --images), not "
+                         "rendered from texts: rerun the same write_images call (or cache --images "
+                         "command) with the same images; it rewrites the damaged shards")
     if texts is None:
         if not recorded.get("path"):
             raise CacheError("this cache was built from in-memory texts; pass texts=... (or "

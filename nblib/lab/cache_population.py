@@ -46,8 +46,7 @@ def read_throughput(images: ShardedImageCache, n_random: int = 500, batch_size: 
                     seed: int = 0) -> dict[str, float]:
     """Images/s reading a cache three ways: random `cache[i]`, `get_batch` runs, `iter_shards`.
 
-    The in-order reads (`get_batch` runs, `iter_shards`) include the sha256 the reader computes
-    while it streams a shard; random reads are not hashed.
+    Every read includes the per-image xxh3 check the reader makes before serving an image.
     """
     rng = np.random.default_rng(seed)
     n = len(images)

@@ -1,0 +1,337 @@
+"""Your own images in: any iterable of uint8 arrays into the same resumable, verified, sharded cache.
+
+`write_images(images, out)` takes a list or generator of uint8 [H, W, 3] arrays (grey [H, W] and
+RGBA are turned into RGB; torch tensors in [C, H, W] are turned to [H, W, C]), a torch dataset
+(items, or the first element of tuple items), or an HF `datasets.Dataset` (`column`, default
+"image"). `image_source(path)` opens what `python -m nblib cache --images PATH` takes: a folder of
+image files (sorted by name), a Parquet file, or an HF datasets folder (`save_to_disk`).
+
+Shards are written exactly as `populate` writes them (atomic, manifest last, per-image xxh3),
+so a killed run resumes to the same bytes. A resume reads the images again from the start: the
+images of each shard already written are hashed (xxh3 of the raw pixels, recorded per shard) and
+must be the ones written, else the resume is refused; a damaged listed shard is rewritten from
+them. Trade-off: a resume reads (decodes) the images already cached once more, but encodes and
+writes none of them; it never mixes images of two different inputs in one cache.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from nblib.atomic import sha256_json
+from nblib.cache.codecs import DICT_SAMPLES, CodecSpec, check_codec, codec_for
+from nblib.cache.format import (
+    DAMAGED,
+    MANIFEST,
+    ShardWriter,
+    read_cache_manifest,
+    read_shard_stats,
+    record_shard_stats,
+    shard_bytes,
+    shard_index,
+    shard_state,
+    warn_many_files,
+    write_cache_manifest,
+)
+from nblib.cache.populate import (
+    PopulateSummary,
+    _clear,
+    _preflight,
+    _progress_bar,
+    _remove_temporaries,
+    cache_bytes_on_disk,
+    cache_lock,
+    fresh_spec,
+    plan_cache,
+    recorded_spec,
+    stream_shards,
+)
+from nblib.errors import CacheError, InputError
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
+
+
+def write_images(images, out: str | Path, *, shard_mb: float = 400, codec: str = "raw",
+                 codec_level: int | None = None, column: str | None = None, n_images: int | None = None,
+                 seed: int = 0, overwrite: bool = False, progress: bool = True) -> PopulateSummary:
+    """Write `images` into a sharded cache at `out`, resuming whatever is already there.
+
+    Every image must have the shape of the first. Pass the same images in the same order to
+    resume: the shards already written are checked against the images (`source_xxh3`), damaged
+    ones rewritten, other images refused. The folder is locked while written.
+
+    Args:
+        images: a list or iterable of images (uint8 [H, W, 3] / [H, W] / [H, W, 4] arrays, PIL
+            images, CHW torch tensors), a torch map-style dataset ((image, label) items), or a
+            Hugging Face `datasets.Dataset` (`column`).
+        out: the cache folder (created; a folder of its own).
+        shard_mb: target size of one shard file, in MB.
+        codec: "raw", "zlib", "png" or "zstd" (`nblib.cache.CODECS`).
+        codec_level: a compressed codec's level (zstd: 1-22, default 3; zlib/png: 0-9).
+        column: the image column of a dataset or of dict items (default "image").
+        n_images: the number of images, when `images` has no len(): lets the disk preflight run
+            first and the cache report itself complete (else the count is known at the end, and a
+            raw cache buffers one shard in RAM).
+        seed: recorded in the manifest.
+        overwrite: delete a cache of other images or settings in `out` instead of refusing.
+        progress: show a progress bar.
+
+    Returns:
+        A `PopulateSummary` (images and shards in the cache, written, reused, rewritten, speed).
+
+    Raises:
+        InputError (no images, an image of another shape, dtype or layout, named by its index),
+        ConfigError (codec, level), CacheError (another cache there, other images on resume, a
+        count other than announced), BudgetExceeded (the disk cannot hold it), FolderBusyError.
+    """
+    started = time.perf_counter()
+    check_codec(codec)
+    total = n_images if n_images is not None else _length(images)
+    stream = (as_image(item, column, k) for k, item in enumerate(_items(images, column)))
+    head = list(itertools.islice(stream, DICT_SAMPLES if codec == "zstd" else 64))  # dictionary / size sample
+    if not head:
+        raise InputError("write_images got no images; pass a non-empty list, dataset or folder")
+    shape = [int(s) for s in head[0].shape]
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise CacheError(f"{out} is a file, not a folder: a cache needs a folder of its own; pass "
+                         f"another --out (or move that file away) and rerun")
+    out.mkdir(parents=True, exist_ok=True)
+    layout = {"renderer": None, "codec": codec, "codec_level": check_codec(codec).level(codec_level),
+              "shard_mb": shard_mb, "shard_bytes": shard_bytes(shard_mb), "seed": seed, "image_shape": shape}
+    with cache_lock(out) as lock:
+        old = _resumable(out, layout, total)
+        spec = recorded_spec(old) if old else fresh_spec(codec, layout["codec_level"], lambda: head)
+        coder = codec_for(spec)
+        if total is not None:
+            per_image = float(np.mean([len(coder.encode(im)) for im in head[:64]]))
+            plan = plan_cache(total, out, shape[0], shard_mb, codec, per_image)
+            _preflight(out, plan if old else _nothing_done(plan))
+            warn_many_files(plan.n_shards + 1, out, shard_mb)
+        manifest = old or _fresh_manifest(out, layout, spec, total, overwrite)
+        _remove_temporaries(out)
+        checked = _checked(itertools.chain(head, stream), shape)
+        render_started = time.perf_counter()
+        rewritten = _pass_over_done_shards(out, manifest, spec, checked)
+        reused = len(manifest["shards"]) - len(rewritten)
+        start = manifest["shards"][-1]["stop"] if manifest["shards"] else 0
+        written = 0
+        with _progress_bar(total, start, progress) as bar:
+            blobs = ((coder.encode(image), image) for image in checked)
+            for entry, stat in stream_shards(blobs, out, len(manifest["shards"]), start, total, layout,
+                                             spec, bar, source_hash=True):
+                manifest["shards"].append(entry)
+                lock.check()
+                write_cache_manifest(out, manifest)
+                record_shard_stats(out, stat)
+                written += 1
+        done = manifest["shards"][-1]["stop"] if manifest["shards"] else 0
+        if total is not None and done != total:
+            raise CacheError(f"{done:,} images came, {total:,} were announced (n_images or len); pass the "
+                             f"right n_images, or overwrite=True to start again")
+        manifest["source"] = {"kind": "images", "n_images": done,
+                              "sha256": sha256_json([s["source_xxh3"] for s in manifest["shards"]])}
+        write_cache_manifest(out, manifest)
+        return PopulateSummary(
+            cache_dir=str(out), codec=codec, n_images=done, n_shards=len(manifest["shards"]),
+            shards_written=written + len(rewritten), shards_reused=reused,
+            images_rendered=done - start + sum(s["count"] for s in rewritten),
+            seconds=time.perf_counter() - started, render_seconds=time.perf_counter() - render_started,
+            bytes_on_disk=cache_bytes_on_disk(out), predicted_bytes=plan.predicted_bytes if total else 0,
+            workers=1, shards_repaired=len(rewritten))
+
+
+def image_source(path: str | Path, column: str | None = None) -> tuple[Iterable, int]:
+    """(images, count) of what `cache --images PATH` takes: a folder of image files (sorted by
+    name), a Parquet file (`column`, default "image"), or an HF datasets folder (`save_to_disk`).
+    """
+    path = Path(path)
+    if not path.exists():
+        raise InputError(f"--images {path} does not exist; pass a folder of images, a Parquet file or "
+                         f"an HF datasets folder")
+    if path.is_file():
+        if path.suffix != ".parquet":
+            raise InputError(f"--images {path} is a {path.suffix or 'suffix-less'} file; pass a .parquet "
+                             f"file, a folder of image files or an HF datasets folder")
+        return _parquet_images(path, column or "image")
+    if (path / "dataset_info.json").exists() or (path / "state.json").exists():
+        import datasets
+
+        dataset = datasets.load_from_disk(str(path))
+        return _column(dataset, column or "image"), len(dataset)
+    files = sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+    if not files:
+        raise InputError(f"--images {path} holds no image files ({', '.join(IMAGE_SUFFIXES)})")
+    return (_open_image(p) for p in files), len(files)
+
+
+def as_image(item, column: str | None = None, index: int = 0) -> np.ndarray:
+    """One item as a uint8 [H, W, 3] array: arrays, PIL images, torch tensors, dicts, tuples."""
+    if isinstance(item, dict):
+        item = item[column or "image"]
+    elif isinstance(item, tuple):
+        item = item[0]  # (image, label), as torch datasets give
+    if hasattr(item, "convert") and hasattr(item, "mode"):  # a PIL image
+        item = np.asarray(item.convert("RGB"))
+    elif type(item).__module__.startswith("torch"):
+        item = item.detach().cpu().numpy()
+        if item.ndim == 3 and item.shape[0] in (1, 3, 4) and item.shape[-1] not in (1, 3, 4):
+            item = item.transpose(1, 2, 0)  # torch's [C, H, W]
+    array = np.asarray(item)
+    if array.dtype != np.uint8:
+        raise InputError(f"image {index:,} has dtype {array.dtype}, not uint8; convert it first "
+                         f"(e.g. (x * 255).round().clip(0, 255).astype(np.uint8))")
+    if array.ndim == 2:
+        array = np.repeat(array[:, :, None], 3, axis=2)
+    if array.ndim != 3 or array.shape[2] not in (1, 3, 4):
+        raise InputError(f"image {index:,} has shape {array.shape}; the cache takes [H, W, 3] "
+                         f"(or [H, W], [H, W, 1], [H, W, 4], [3, H, W] tensors)")
+    if array.shape[2] == 1:
+        array = np.repeat(array, 3, axis=2)
+    elif array.shape[2] == 4:
+        array = array[:, :, :3]
+    return np.ascontiguousarray(array)
+
+
+# ====================================================================================== helpers
+
+
+def _items(images, column: str | None) -> Iterator:
+    """Iterate any source: HF datasets by column, torch map-style datasets by index, iterables."""
+    if type(images).__module__.startswith("datasets"):
+        return iter(_column(images, column or "image"))
+    if hasattr(images, "__getitem__") and hasattr(images, "__len__") and not isinstance(images, (list, tuple)) \
+            and not isinstance(images, np.ndarray) and not hasattr(images, "__iter__"):
+        return (images[k] for k in range(len(images)))
+    return iter(images)
+
+
+def _column(dataset, column: str):
+    if column not in dataset.column_names:
+        raise InputError(f"the dataset has no column {column!r}; its columns are {dataset.column_names}: "
+                         f"pass column=... (--column)")
+    return (row[column] for row in dataset)
+
+
+def _length(images) -> int | None:
+    try:
+        return len(images)
+    except TypeError:
+        return None
+
+
+def _parquet_images(path: Path, column: str) -> tuple[Iterable, int]:
+    import pyarrow.parquet as pq
+
+    meta = pq.ParquetFile(path)
+    if column not in meta.schema_arrow.names:
+        raise InputError(f"{path} has no column {column!r}; its columns are {meta.schema_arrow.names}: "
+                         f"pass --column")
+
+    def rows():
+        for group in range(meta.num_row_groups):
+            for value in meta.read_row_group(group, columns=[column]).column(0).to_pylist():
+                yield _decode_cell(value)
+
+    return rows(), meta.metadata.num_rows
+
+
+def _decode_cell(value):
+    """A Parquet cell: HF Image struct {bytes, path}, encoded image bytes, or nested lists (Array3D)."""
+    if isinstance(value, dict):
+        value = value.get("bytes")
+    if isinstance(value, (bytes, bytearray)):
+        import io
+
+        from PIL import Image
+
+        with Image.open(io.BytesIO(value)) as image:
+            return np.asarray(image.convert("RGB"))
+    return np.asarray(value, dtype=np.uint8)
+
+
+def _open_image(path: Path) -> np.ndarray:
+    from PIL import Image
+
+    try:
+        with Image.open(path) as image:
+            return np.asarray(image.convert("RGB"))
+    except OSError as exc:
+        raise InputError(f"{path} is not an image Pillow can read ({exc}); remove it or fix it") from None
+
+
+def _checked(images: Iterable[np.ndarray], shape: list[int]) -> Iterator[np.ndarray]:
+    for k, image in enumerate(images):
+        if list(image.shape) != shape:
+            raise InputError(f"image {k:,} has shape {tuple(image.shape)}, the first has {tuple(shape)}: a "
+                             f"cache holds one shape; resize the images to one size first")
+        yield image
+
+
+def _resumable(out: Path, layout: dict, total: int | None) -> dict | None:
+    """The existing manifest to continue when it is an images cache with these settings, else None."""
+    if not (out / MANIFEST).exists():
+        return None
+    try:
+        old = read_cache_manifest(out)
+    except CacheError:
+        return None
+    if old["source"].get("kind") != "images" or any(old.get(k) != v for k, v in layout.items()):
+        return None
+    known = old["source"].get("n_images")
+    if known is not None and total is not None and known != total and old["source"].get("sha256"):
+        return None  # a finished cache of another number of images
+    return old
+
+
+def _fresh_manifest(out: Path, layout: dict, spec: CodecSpec, total: int | None, overwrite: bool) -> dict:
+    if (out / MANIFEST).exists() or any(out.glob("shard-*")):
+        if not overwrite:
+            raise CacheError(f"the folder {out} holds another cache (other images, codec, shard size or "
+                             f"image shape); pass overwrite=True (--overwrite) to rebuild it, or pick "
+                             f"another --out")
+        _clear(out)
+    manifest = {"source": {"kind": "images", "n_images": total, "sha256": None}, **layout,
+                "codec_options": spec.record(), "shards": []}
+    write_cache_manifest(out, manifest)
+    return manifest
+
+
+def _nothing_done(plan):
+    import dataclasses
+
+    return dataclasses.replace(plan, done_bytes=0)
+
+
+def _pass_over_done_shards(out: Path, manifest: dict, spec: CodecSpec, images: Iterator) -> list[dict]:
+    """Consume the images of shards already written: check they are the same, rewrite damaged shards."""
+    coder, stats, rewritten = codec_for(spec), read_shard_stats(out), []
+    for entry in manifest["shards"]:
+        batch = list(itertools.islice(images, entry["count"]))
+        digest = xxhash.xxh3_64()
+        for image in batch:
+            digest.update(image)
+        if len(batch) != entry["count"] or digest.hexdigest() != entry["source_xxh3"]:
+            raise CacheError(f"these images are not the ones {out} was written from (shard {entry['file']}, "
+                             f"images {entry['start']:,}-{entry['stop'] - 1:,}, differ): pass the same images "
+                             f"in the same order to resume, or overwrite=True (--overwrite) to rebuild")
+        state = shard_state(out, entry, stats=stats, digest="xxh3")
+        if state in DAMAGED:
+            writer = ShardWriter(out, shard_index(entry["file"]), entry["start"], spec, manifest["image_shape"],
+                                 count=entry["count"], source_hash=True)
+            with writer:
+                for image in batch:
+                    writer.add(coder.encode(image), image)
+                writer.commit(expect_sha256=entry["sha256"])
+            record_shard_stats(out, {entry["file"]: writer.stat})
+            rewritten.append(entry)
+        elif state == "touched":
+            from nblib.cache.format import current_stat
+
+            record_shard_stats(out, current_stat(out, entry))
+    return rewritten

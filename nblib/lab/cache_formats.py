@@ -1,0 +1,214 @@
+"""Notebook 02's side-by-side of storage formats: nblib raw, zlib, zstd and PNG shards against Parquet+zstd.
+
+`compare_formats` writes the same in-memory images in each format, then reads them back in
+order and at random, `repeats` times with the order of the formats rotated every repeat (so
+a slow minute of a shared machine does not land on one format), and reports the median and the
+spread (min-max) of each rate. Like for like: the same images, the same batch size, arrays in and
+arrays out (Parquet rows are decoded to uint8 arrays, as a training loop needs them), every file
+fsynced. Parquet gets its fastest layout (raw pixel bytes per row, zstd across the column chunk).
+`checked_read_ratio` times in-order raw reads with the per-image xxh3 check on and off,
+interleaved, and returns the ratio (the check's cost). `benchmarks/cache_throughput.py` prints both.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from nblib.cache import ShardedImageCache, write_images
+
+NBLIB_CODECS = ("raw", "zlib", "zstd", "png")
+PARQUET = "parquet+zstd"
+
+
+def compare_formats(images: np.ndarray, folder: str | Path, *, formats: Sequence[str] = (*NBLIB_CODECS, PARQUET),
+                    repeats: int = 3, shard_mb: float = 8.0, batch_size: int = 64, n_random: int = 200,
+                    random_s: float = 0.5, seed: int = 0) -> list[dict]:
+    """One row per format: bytes/image, and the median and spread of write, in-order and random images/s.
+
+    Random reads stop after `n_random` images or `random_s` seconds, whichever comes first (a
+    Parquet random read decodes a whole row group).
+    """
+    images = np.ascontiguousarray(images, dtype=np.uint8)
+    folder = Path(folder)
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(images), size=min(n_random, 4 * len(images)))
+    samples: dict[str, dict[str, list[float]]] = {f: {"write": [], "in_order": [], "random": []} for f in formats}
+    sizes: dict[str, int] = {}
+    for r in range(repeats):
+        order = list(formats[r % len(formats):]) + list(formats[:r % len(formats)])
+        for fmt in order:
+            target = folder / f"{fmt}-{r}"
+            shutil.rmtree(target, ignore_errors=True)
+            write, read_in_order, read_at = _functions(fmt, images, target, shard_mb, batch_size)
+            samples[fmt]["write"].append(len(images) / _seconds(write))
+            sizes[fmt] = sum(p.stat().st_size for p in target.rglob("*") if p.is_file())
+            samples[fmt]["in_order"].append(len(images) / _seconds(read_in_order))
+            read_one = read_at()  # opened before the clock starts, as a loader opens once
+            start = time.perf_counter()
+            done = _until(start + random_s, picks, read_one)
+            samples[fmt]["random"].append(done / (time.perf_counter() - start))
+            shutil.rmtree(target, ignore_errors=True)
+    rows = []
+    for fmt in formats:
+        row = {"format": fmt, "bytes_per_image": sizes[fmt] / len(images)}
+        for key, values in samples[fmt].items():
+            row[f"{key}_per_s"] = statistics.median(values)
+            row[f"{key}_spread"] = (min(values), max(values))
+        rows.append(row)
+    return rows
+
+
+def checked_read_ratio(cache_dir: str | Path, repeats: int = 5, batch_size: int = 64) -> dict:
+    """In-order images/s with the per-image xxh3 check ("image") and without ("off"), interleaved.
+
+    Each repeat times both, in alternating order; the ratio is the median of the repeats'
+    checked/unchecked ratios (a slow moment of the machine hits both halves of a pair), with
+    their spread (min, max).
+    """
+    rates: dict[str, list[float]] = {"image": [], "off": []}
+    for r in range(repeats):
+        for check in (("image", "off") if r % 2 == 0 else ("off", "image")):
+            cache = ShardedImageCache(cache_dir, check=check)
+            n = len(cache)
+            start = time.perf_counter()
+            for first in range(0, n, batch_size):
+                cache.get_batch(first, min(n, first + batch_size))
+            rates[check].append(n / (time.perf_counter() - start))
+            cache.close()
+    pairs = [c / u for c, u in zip(rates["image"], rates["off"])]
+    return {"checked_per_s": statistics.median(rates["image"]), "unchecked_per_s": statistics.median(rates["off"]),
+            "ratio": statistics.median(pairs), "ratio_spread": (min(pairs), max(pairs)), "repeats": repeats}
+
+
+def format_table(rows: list[dict]) -> str:
+    """The side-by-side as text: bytes/image, x smaller than raw, and each rate with its spread."""
+    raw = next((r["bytes_per_image"] for r in rows if r["format"] == "raw"), None)
+    lines = [f"{'format':<13}{'bytes/img':>10}{'vs raw':>8}  {'write img/s':>22}  {'in-order img/s':>22}  "
+             f"{'random img/s':>22}"]
+    for r in rows:
+        cells = [f"{r[k + '_per_s']:>8,.0f} ({r[k + '_spread'][0]:,.0f}-{r[k + '_spread'][1]:,.0f})"
+                 for k in ("write", "in_order", "random")]
+        ratio = f"{raw / r['bytes_per_image']:>7.1f}x" if raw else ""
+        lines.append(f"{r['format']:<13}{r['bytes_per_image']:>10,.0f}{ratio:>8}  " +
+                     "  ".join(f"{c:>22}" for c in cells))
+    return "\n".join(lines)
+
+
+def formats_verdict(rows: list[dict], reference: str = "zlib") -> list[str]:
+    """One line per format against `reference`: bytes ratio, and each rate faster, slower or within the spread.
+
+    A rate counts as faster or slower only when the two spreads (min-max over repeats) do not
+    overlap; otherwise the line says the difference is within the noise of this machine.
+    """
+    by = {r["format"]: r for r in rows}
+    base = by[reference]
+    lines = []
+    for fmt, row in by.items():
+        if fmt == reference:
+            continue
+        parts = [f"{fmt}: {row['bytes_per_image'] / base['bytes_per_image']:.2f}x the bytes of {reference}"]
+        for key, label in (("write", "writes"), ("in_order", "reads in order"), ("random", "reads at random")):
+            (lo, hi), (base_lo, base_hi) = row[f"{key}_spread"], base[f"{key}_spread"]
+            ratio = row[f"{key}_per_s"] / base[f"{key}_per_s"]
+            if lo > base_hi:
+                parts.append(f"{label} {ratio:.1f}x faster")
+            elif hi < base_lo:
+                parts.append(f"{label} {1 / ratio:.1f}x slower")
+            else:
+                parts.append(f"{label} within the spread ({ratio:.2f}x)")
+        lines.append(", ".join(parts))
+    return lines
+
+
+# ====================================================================================== helpers
+
+
+def _seconds(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _until(deadline: float, indexes, read) -> int:
+    """Read images at `indexes` until the deadline (at least one); how many were read."""
+    done = 0
+    for i in indexes:
+        read(int(i))
+        done += 1
+        if time.perf_counter() > deadline:
+            break
+    return done
+
+
+def _functions(fmt: str, images: np.ndarray, target: Path, shard_mb: float, batch_size: int):
+    """(write, read in order, open for random reads -> read one) for one format over `target`."""
+    if fmt == PARQUET:
+        return _parquet_functions(images, target, shard_mb, batch_size)
+
+    def write():
+        write_images(images, target, shard_mb=shard_mb, codec=fmt, progress=False)
+
+    def in_order():
+        cache = ShardedImageCache(target)
+        for first in range(0, len(cache), batch_size):
+            cache.get_batch(first, min(len(cache), first + batch_size))
+
+    def read_at():
+        cache = ShardedImageCache(target)
+        return cache.__getitem__
+
+    return write, in_order, read_at
+
+
+def _parquet_functions(images: np.ndarray, target: Path, shard_mb: float, batch_size: int):
+    """Parquet with zstd, one row group per ~shard_mb: each row an image's raw pixel bytes.
+
+    The fastest Parquet layout we found for images (a fixed-size binary column, built and read
+    without copies; `nblib.export` writes the datasets-friendly Array3D instead, slower to build).
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    n = len(images)
+    item = images[0].nbytes
+    per_group = max(1, int(shard_mb * 1e6) // item)
+    path = target / "images.parquet"
+    kind = pa.binary(item)
+
+    def write():
+        target.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb") as f:
+            writer = pq.ParquetWriter(f, pa.schema([("image", kind)]), compression="zstd")
+            for start in range(0, n, per_group):
+                chunk = images[start:start + per_group]
+                column = pa.FixedSizeBinaryArray.from_buffers(kind, len(chunk), [None, pa.py_buffer(chunk)])
+                writer.write_table(pa.table({"image": column}), row_group_size=len(chunk))
+            writer.close()
+            f.flush()
+            os.fsync(f.fileno())
+
+    def as_images(column) -> np.ndarray:
+        column = column.combine_chunks() if hasattr(column, "combine_chunks") else column
+        flat = np.frombuffer(column.buffers()[1], dtype=np.uint8, count=(column.offset + len(column)) * item)
+        return flat[column.offset * item:].reshape(len(column), *images.shape[1:]).copy()
+
+    def in_order():
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_size, columns=["image"]):
+            as_images(batch.column(0))
+
+    def read_at():
+        parquet = pq.ParquetFile(path)
+
+        def one(i):
+            group, row = divmod(i, per_group)
+            return as_images(parquet.read_row_group(group, columns=["image"]).column(0).slice(row, 1))[0]
+
+        return one
+
+    return write, in_order, read_at
