@@ -123,6 +123,7 @@ def budget_main(argv: list[str]) -> int:
     """`python -m nblib budget`: print a config's budget, its plan, or the reference table."""
     from nblib.budget import DEVICES, max_batch_size, plan_budget, predict_budget
     from nblib.config import preset
+    from nblib.sdpa import SDPA_BACKENDS
 
     p = argparse.ArgumentParser(prog="python -m nblib budget", description=budget_main.__doc__)
     p.add_argument("--preset", default="seed_t4")
@@ -131,7 +132,7 @@ def budget_main(argv: list[str]) -> int:
     p.add_argument("--n-samples", type=int)
     p.add_argument("--dtype", choices=("float16", "float32"))
     p.add_argument("--outputs", help="comma-separated subset of sketches,checksums,children")
-    p.add_argument("--sdpa", choices=("math", "efficient", "flash"))
+    p.add_argument("--sdpa", choices=SDPA_BACKENDS)
     p.add_argument("--drive-quota-gb", type=float, default=15.0)
     p.add_argument("--plan", action="store_true", help="recommend knobs that fit")
     p.add_argument("--reference", action="store_true", help="reference analysis vs this suite")

@@ -150,10 +150,9 @@ def test_inductor_compiled_encoder_matches_eager_to_float_rounding():
         torch.testing.assert_close(compiled[k], eager[k], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.xfail(strict=True, raises=RecursionError,
-                   reason="issue 18 bug 1: torch.compile keeps the compiled twin as a submodule, so "
-                          ".eval(), state_dict() and weights_fingerprint() recurse forever (helper b fixes trm.py)")
 def test_a_compiled_encoder_is_still_a_usable_module():
+    # issue 18 bug 1: torch.compile kept the compiled twin as a submodule, so .eval(), state_dict()
+    # and weights_fingerprint() recursed forever
     images = _images(2)
     fresh = TRMVisionEncoder(SMOKE, seed=1)
     keys, fingerprint = list(fresh.state_dict()), fresh.weights_fingerprint()

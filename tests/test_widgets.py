@@ -48,7 +48,7 @@ def test_budget_panel_prints_exactly_predict_budgets_verdict_naming_ram_and_driv
     shown = capsys.readouterr().out.strip().splitlines()[-1]
     expected = budget.predict_budget(seed.replace(batch_size=900), "t4", drive_quota_gb=15).verdict
     assert shown == expected
-    assert f"run.batch_size={budget.max_batch_size(seed, 't4')}" in shown and "RAM 32.84 > 11.00 GB" in shown
+    assert f"run.batch_size={budget.max_batch_size(seed, 't4')}" in shown and "RAM 33.29 > 11.00 GB" in shown
     assert "Drive 658.46 > 15.00 GB" in shown and "run.out_dtype" not in shown     # float16 already
 
 

@@ -51,7 +51,7 @@ class Advice:
     """One resource (or Drive limit) over its limit, and what to turn."""
 
     resource: str
-    text: str          # "RAM 32.84 > 11.00 GB" or a Drive limit check's numbers
+    text: str          # "RAM 33.29 > 11.00 GB" or a Drive limit check's numbers
     suggestions: tuple[Suggestion, ...]
     fallback: str = ""  # the knobs in words when no value could be computed
 

@@ -485,7 +485,8 @@ def _preflight(run: RunInputs, workspace, pending: list[int], do_consolidate: bo
     if workspace is None:
         d = run.run_dir
         workspace = Workspace(drive=d, cache=d, runs=d, checkpoints=d, local=d, staging=d, figures=d)
-    budget.preflight(run.config, workspace, job="encode", disk_bytes=0, disk_folder=run.run_dir)  # RAM, VRAM
+    budget.preflight(run.config, workspace, job="encode", disk_bytes=0, disk_folder=run.run_dir,   # RAM, VRAM
+                     cuda_device=run.torch_device if run.torch_device.type == "cuda" else None)
     check_disks(disk_needs(run.config, run.run_dir, run.mirror_dir, run.plan, pending, do_consolidate))
 
 
@@ -500,7 +501,7 @@ def _encode_loop(run: RunInputs, store: PartStore, manifest: dict, parts: list[i
     Buffers hold at most the run's samples (a batch size above the cache's length costs no
     more); running out of RAM or VRAM anyway stops with BudgetExceeded, not a traceback.
     """
-    from nblib.encode.offload import HostPart, batch_loader  # imports torch
+    from nblib.encode.offload import BatchClock, HostPart, batch_loader  # imports torch
 
     plan, config, device = run.plan, run.config, run.torch_device
     batches = [b for k in parts for b in plan.part_batches(k)]
@@ -509,7 +510,7 @@ def _encode_loop(run: RunInputs, store: PartStore, manifest: dict, parts: list[i
     shapes = {o: tuple(manifest["shapes"][o]) for o in manifest["outputs"]}
     bar = _progress_bar(plan, manifest, progress)
     shards = VerifiedShards(run.cache)
-    started, encoded, timeline, writing = time.perf_counter(), 0, [], 0.0
+    clock, encoded, writing = BatchClock(device), 0, 0.0   # on CUDA: completion times, not enqueue times
     try:
         host = HostPart(shapes, min(plan.part_samples, plan.n_samples), config.run.out_dtype, device,
                         run.offload, config.run.consolidate_every)
@@ -519,7 +520,7 @@ def _encode_loop(run: RunInputs, store: PartStore, manifest: dict, parts: list[i
                 images = next(loader).to(device, non_blocking=True)
                 host.add(run.encoder.encode(images), b_start - start)
                 encoded += b_stop - b_start
-                timeline.append((time.perf_counter() - started, encoded))
+                clock.mark(encoded)
                 bar.update(b_stop - b_start)
             arrays = host.arrays(stop - start)          # waits for the last copy to land
             write_started = time.perf_counter()
@@ -541,7 +542,7 @@ def _encode_loop(run: RunInputs, store: PartStore, manifest: dict, parts: list[i
             f"Finished parts are kept: rerun to resume") from exc
     finally:
         bar.close()
-    return timeline, writing
+    return clock.series(), writing
 
 
 class VerifiedShards:
