@@ -29,7 +29,7 @@ run: $(STAMP)
 JOBS ?= 2
 test: $(STAMP)
 	$(BIN)/ruff check .
-	NBLIB_PROFILE=smoke $(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile tests notebooks $(NBVAL)   # nbval references are recorded on smoke, GPU or not
+	NBLIB_PROFILE=smoke $(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile --durations=15 tests notebooks $(NBVAL)   # nbval references are recorded on smoke, GPU or not
 
 # only the browser test: JupyterLab in headless Chromium (`make test` runs it too; both skip it, with the
 # reason, where Debian's chromium or playwright is missing)

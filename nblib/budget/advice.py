@@ -169,7 +169,7 @@ class _Search:
             return all(self.total(r, batch_size=b) <= targets[r] for r in memory)
 
         current = self.config.run.batch_size
-        best = _largest(1, current - 1, fits)
+        best = _largest(1, min(current - 1, self.config.run.n_samples), fits)   # never above the run's samples
         if best is None:
             return None
         return Suggestion("run.batch_size", best, current,
@@ -183,7 +183,8 @@ class _Search:
         def changes(every: int) -> dict:
             return {"checkpoint_every": every, "consolidate_every": _largest_divisor(every, r.consolidate_every)}
 
-        best = _largest(1, r.checkpoint_every - 1, lambda every: self.fits(**changes(every)))
+        batches = -(-r.n_samples // r.batch_size)     # a part never holds more than the run's batches
+        best = _largest(1, min(r.checkpoint_every - 1, batches), lambda every: self.fits(**changes(every)))
         if best is None:
             return None
         if best >= r.consolidate_every:

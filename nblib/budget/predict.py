@@ -30,7 +30,7 @@ from nblib.errors import ConfigError
 from nblib.units import GB, fmt_bytes
 
 __all__ = [
-    "Budget", "calibrate", "max_batch_size", "predict_budget",
+    "Budget", "calibrate", "capped_to_samples", "max_batch_size", "predict_budget",
 ]
 
 @dataclass(frozen=True)
@@ -143,13 +143,17 @@ def predict_budget(config: PipelineConfig, device: str | Device = "t4", *,
         precision: "fp16" (autocast, the default on CUDA), "bf16" or "fp32"; offload: "async" or
             "consolidate". Both shape the VRAM lines (`device_memory_lines`, checked against nblib.simulate).
 
+    Batch and part sizes are capped at the run's n_samples first, as the run caps them
+    (`capped_to_samples`): a batch of 10^9 over 400 images costs what a batch of 400 does.
+
     Returns:
         A `Budget`: itemized lines per resource, totals, limits, time, verdict and advice.
 
     Raises:
         ConfigError naming the knob out of range.
     """
-    cfg = validated(config)
+    given = validated(config)
+    cfg = capped_to_samples(given)                   # what the run really holds; the Budget keeps `given`
     dev = device_preset(device)
     backend = _attention_on(dev, sdpa_backend)
     require_positive("drive_quota_gb", drive_quota_gb, number=True)
@@ -179,7 +183,7 @@ def predict_budget(config: PipelineConfig, device: str | Device = "t4", *,
     eff = dev.efficiency if efficiency is None else efficiency
     rate = dev.compute_flops * eff / flops
     return Budget(
-        config=cfg, device=dev,
+        config=given, device=dev,
         lines={"vram": tuple(vram), "ram": tuple(ram), "local disk": local, "drive": drive},
         limits={"vram": dev.vram_bytes, "ram": dev.ram_bytes, "local disk": dev.disk_bytes,
                 "drive": int(drive_quota_gb * GB)},
@@ -202,6 +206,22 @@ def _attention_on(dev: Device, sdpa_backend: str | None) -> str:
     return backend
 
 
+def capped_to_samples(config: PipelineConfig) -> PipelineConfig:
+    """The config with batch_size, checkpoint_every and consolidate_every no larger than the run holds.
+
+    A run never holds more than n_samples in a batch or a part, so neither does its budget, nor
+    any value the budget advises.
+    """
+    r = config.run
+    batch = min(r.batch_size, r.n_samples)
+    every = min(r.checkpoint_every, -(-r.n_samples // batch))
+    cons = min(r.consolidate_every, every)
+    every = -(-every // cons) * cons                 # a multiple of consolidate_every, as validate() wants
+    if (batch, every, cons) == (r.batch_size, r.checkpoint_every, r.consolidate_every):
+        return config
+    return config.replace(batch_size=batch, checkpoint_every=every, consolidate_every=cons)
+
+
 def calibrate(device: str | Device, measured_samples_per_s: float,
               config: PipelineConfig) -> float:
     """The efficiency (share of peak FLOP/s) a measured run reached; pass it to predict_budget."""
@@ -212,7 +232,9 @@ def calibrate(device: str | Device, measured_samples_per_s: float,
 
 def max_batch_size(config: PipelineConfig, device: str | Device = "t4", margin: float = 0.1,
                    **predict_kwargs) -> int:
-    """The largest batch whose predicted VRAM (GPU) and RAM fit in (1 - margin) of the device."""
+    """The largest batch, at most the run's n_samples, whose predicted VRAM (GPU) and RAM fit in
+    (1 - margin) of the device.
+    """
     cfg, dev = validated(config), device_preset(device)
     if not 0 <= margin < 1:
         raise ConfigError(f"margin={margin} is out of range; allowed: 0 <= margin < 1")
@@ -225,9 +247,11 @@ def max_batch_size(config: PipelineConfig, device: str | Device = "t4", margin: 
 
     if not fits(1):
         return 0
+    cap = min(1 << 20, cfg.run.n_samples)            # a batch never holds more than the run's samples
     lo, hi = 1, 2
-    while hi <= 1 << 20 and fits(hi):
+    while hi <= cap and fits(hi):
         lo, hi = hi, hi * 2
+    hi = min(hi, cap + 1)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)

@@ -49,7 +49,8 @@ from nblib.cache.texts import TextScan, TextSource, require_texts, scan_texts, t
 from nblib.disk import disk_free
 from nblib.errors import CacheError, ConfigError, InputError
 from nblib.lock import FolderLock, run_identity
-from nblib.render import Coverage, RenderParams, coverage, render_params, render_with
+from nblib.pool import pool_context, watch_owner
+from nblib.render import Coverage, RenderFailed, RenderParams, coverage, render_params, render_with
 from nblib.units import fmt_bytes
 
 BATCH = 16              # texts per pool task
@@ -103,7 +104,8 @@ def populate(texts, cache_dir: str | Path, image_size: int = 224, shard_mb: floa
     chain: the share without a glyph, per script, goes into the manifest; above COVERAGE_WARN
     populate warns, or with `strict_fonts` refuses before anything is rendered. The folder is
     locked while written. Two identical builds give byte-identical folders apart from the stat
-    cache (`STAT_CACHE`, non-canonical).
+    cache (`STAT_CACHE`, non-canonical). A text the renderer cannot draw raises RenderFailed naming
+    its line in the file (or its index in the list).
 
     Args:
         texts: a path (text file, one text per line; JSONL with `field`) or a sequence of str.
@@ -133,8 +135,19 @@ def populate(texts, cache_dir: str | Path, image_size: int = 224, shard_mb: floa
         BudgetExceeded (the disk cannot hold the cache), FolderBusyError (another run writes it);
         each names the cause and the fix.
     """
-    started = time.perf_counter()
     source = text_source(texts, field, errors)
+    try:
+        return _populate(source, cache_dir, image_size, shard_mb, workers, seed, codec, overwrite, progress,
+                         font_size, strict_fonts, codec_level)
+    except RenderFailed as exc:
+        index = exc.index if exc.index is not None else _index_of(source, getattr(exc, "text", None))
+        where = source.where(index) if index is not None else "a text"
+        raise RenderFailed(f"{where}: {exc}", index) from None
+
+
+def _populate(source: TextSource, cache_dir, image_size, shard_mb, workers, seed, codec, overwrite, progress,
+              font_size, strict_fonts, codec_level) -> PopulateSummary:
+    started = time.perf_counter()
     scan = scan_texts(source, sample_size=SAMPLE_TEXTS, seed=seed)
     require_texts(scan, source)
     params = render_params(image_size, font_size)
@@ -144,7 +157,7 @@ def populate(texts, cache_dir: str | Path, image_size: int = 224, shard_mb: floa
         raise CacheError(f"{cache_dir} is a file, not a folder: a cache needs a folder of its own; pass "
                          f"another --out (or move that file away) and rerun")
     cache_dir.mkdir(parents=True, exist_ok=True)
-    sample_images = [render_with(t, params) for t in scan.sample]
+    sample_images = [_render_sample(t, params) for t in scan.sample]
     with cache_lock(cache_dir) as lock:  # everything below reads and writes the folder
         if codec == "auto":
             codec = _resumed_codec(cache_dir, scan) or _auto_codec(scan.n_texts, cache_dir, sample_images)
@@ -169,7 +182,7 @@ def populate(texts, cache_dir: str | Path, image_size: int = 224, shard_mb: floa
         start = manifest["shards"][-1]["stop"] if manifest["shards"] else 0
         written = 0
         with _progress_bar(scan.n_texts, start, progress) as bar:
-            blobs = rendered_blobs(itertools.islice(iter(source), start, None), params, spec, workers)
+            blobs = rendered_blobs(itertools.islice(iter(source), start, None), params, spec, workers, start)
             for entry, stat in stream_shards(blobs, cache_dir, len(manifest["shards"]), start,
                                              scan.n_texts, layout, spec, bar):
                 manifest["shards"].append(entry)
@@ -289,7 +302,7 @@ def rerender_shard(cache_dir: Path, manifest: dict, entry: dict, source: TextSou
     writer = ShardWriter(cache_dir, shard_index(entry["file"]), entry["start"], spec,
                          manifest["image_shape"], count=entry["count"])
     with writer:
-        for blob in rendered_blobs(texts, params, spec, workers):
+        for blob in rendered_blobs(texts, params, spec, workers, entry["start"]):
             writer.add(blob)
         new = writer.commit(expect_sha256=entry["sha256"])
     record_shard_stats(cache_dir, {new["file"]: writer.stat})
@@ -326,22 +339,26 @@ def renderer_record(params: RenderParams) -> dict:
     return json.loads(json.dumps(params.as_dict()))
 
 
-def rendered_blobs(texts: Iterable[str], params: RenderParams, codec: CodecSpec,
-                   workers: int) -> Iterator[bytes]:
-    """Stored bytes of each text's image, in input order, from a bounded process pool."""
-    batches = _batched(texts, BATCH)
+def rendered_blobs(texts: Iterable[str], params: RenderParams, codec: CodecSpec, workers: int,
+                   first: int = 0) -> Iterator[bytes]:
+    """Stored bytes of each text's image, in input order, from a bounded process pool.
+
+    `first`: the source index of the first text, so a RenderFailed names the text's index.
+    """
+    batches = ((batch, params, codec, first + k * BATCH) for k, batch in enumerate(_batched(texts, BATCH)))
     if workers <= 1:
-        for batch in batches:
-            yield from _render_batch((batch, params, codec))
+        for task in batches:
+            yield from _render_batch(task)
         return
     from concurrent.futures import ProcessPoolExecutor
 
     window = 4 * workers
-    with ProcessPoolExecutor(workers, mp_context=_mp_context()) as pool:
+    with ProcessPoolExecutor(workers, mp_context=pool_context(), initializer=watch_owner,
+                             initargs=(os.getpid(),)) as pool:
         pending: deque = deque()
         try:
-            for batch in batches:
-                pending.append(pool.submit(_render_batch, (batch, params, codec)))
+            for task in batches:
+                pending.append(pool.submit(_render_batch, task))
                 if len(pending) >= window:
                     yield from pending.popleft().result()
             while pending:
@@ -366,18 +383,43 @@ def resolve_workers(workers: int | None) -> int:
 # ====================================================================================== helpers
 
 
-def _render_batch(task: tuple[list[str], RenderParams, CodecSpec]) -> list[bytes]:
-    """Worker: render and encode a batch of texts (top-level so the pool can pickle it)."""
-    texts, params, codec = task
+def _render_batch(task: tuple[list[str], RenderParams, CodecSpec, int]) -> list[bytes]:
+    """Worker: render and encode a batch of texts (top-level so the pool can pickle it).
+
+    A text the renderer cannot draw raises RenderFailed carrying its index in the source.
+    """
+    texts, params, codec, first = task
     coder = codec_for(codec)
-    return [coder.encode(render_with(text, params)) for text in texts]
+    blobs = []
+    for i, text in enumerate(texts):
+        try:
+            blobs.append(coder.encode(render_with(text, params)))
+        except RenderFailed as exc:
+            raise RenderFailed(str(exc), first + i) from None
+    return blobs
+
+
+def _render_sample(text: str, params: RenderParams) -> np.ndarray:
+    """One sample text's image; a RenderFailed carries the text, so populate can find its line."""
+    try:
+        return render_with(text, params)
+    except RenderFailed as exc:
+        exc.text = text
+        raise
+
+
+def _index_of(source: TextSource, text: str | None) -> int | None:
+    """The index of the first text of `source` equal to `text` (None when absent or not given)."""
+    if text is None:
+        return None
+    return next((i for i, t in enumerate(source) if t == text), None)
 
 
 def _first_images(source: TextSource, params: RenderParams) -> list[np.ndarray]:
     """The first images of a cache (what a zstd dictionary is trained on), rendered here."""
     from nblib.cache.codecs import DICT_SAMPLES
 
-    return [render_with(t, params) for t in itertools.islice(iter(source), DICT_SAMPLES)]
+    return [_render_sample(t, params) for t in itertools.islice(iter(source), DICT_SAMPLES)]
 
 
 def _batched(items: Iterable, n: int) -> Iterator[list]:
@@ -572,14 +614,6 @@ def _auto_codec(n_images: int, cache_dir: Path, sample_images: list[np.ndarray])
     free = disk_free(cache_dir) + cache_bytes_on_disk(cache_dir)
     choice = budget.choose_codec(n_images, free, measure_codecs(sample_images))
     return getattr(choice, "codec", choice)
-
-
-def _mp_context():
-    """forkserver where it exists (safe with threads, fast after the first pool), else spawn."""
-    import multiprocessing
-
-    methods = multiprocessing.get_all_start_methods()
-    return multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
 
 
 def _progress_bar(total: int, initial: int, enabled: bool):

@@ -89,6 +89,10 @@ def consolidate(run_dir: str | Path, out_dir: str | Path | None = None, *, store
             index = record.body if record is not None and _describes(record.body, manifest) else None
             stats = _recorded_stats(index, out_dir)
             stale, touched = _stale_outputs(index, manifest["outputs"], out_dir, verify, stats)
+            if stale and index is not None:   # a WARNING when the caller asked to verify: it wants to know
+                log.log(logging.WARNING if verify else logging.INFO, "rebuilt %s in %s: not the bytes the index "
+                        "records (damaged, edited or cut); rebuilt from the parts",
+                        ", ".join(f"{o}.npy" for o in stale), out_dir)
             if stale or index is None or record.version != INDEX_VERSION:
                 out_lock.check()
                 _write_outputs(read_part, manifest, parts, out_dir, stale, index, stats,
