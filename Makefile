@@ -23,9 +23,13 @@ $(STAMP): requirements.txt pyproject.toml
 run: $(STAMP)
 	$(BIN)/python -m nblib suite
 
+# Tests and notebooks in JOBS pytest-xdist workers (`make test JOBS=0` runs them in this process).
+# --dist loadfile keeps each file in one worker: a notebook's cells share one kernel, in order, and a
+# module's fixtures are built once. pytest's exit status is make's (and .ci/run's).
+JOBS ?= 2
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q tests notebooks $(NBVAL)
+	NBLIB_PROFILE=smoke $(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile --durations=15 tests notebooks $(NBVAL)   # nbval references are recorded on smoke, GPU or not
 
 # only the browser test: JupyterLab in headless Chromium (`make test` runs it too; both skip it, with the
 # reason, where Debian's chromium or playwright is missing)
@@ -33,7 +37,7 @@ test-browser: $(STAMP)
 	$(BIN)/python -m pytest -q -m browser tests/test_browser.py -p no:cacheprovider
 
 lab: $(STAMP)
-	$(BIN)/jupyter lab notebooks
+	$(BIN)/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) notebooks
 
 clean:
 	rm -rf outputs/notebooks outputs/figures outputs/drive outputs/staging

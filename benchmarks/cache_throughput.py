@@ -38,9 +38,9 @@ from nblib.render import render_params, render_with
 MIN_DECODE_PER_CORE = 1000
 
 
-def render_scaling(texts, size: int, workers: int, folder: Path, shard_mb: float) -> list:
-    """Populate the same texts with 1 and `workers` processes; their summaries."""
-    return worker_scaling(texts, sorted({1, workers}), folder, size, shard_mb, "raw")
+def render_scaling(texts, size: int, workers: int, folder: Path, shard_mb: float):
+    """Populate the same texts with 1 and `workers` processes, 3 interleaved rounds (a lab Scaling)."""
+    return worker_scaling(texts, sorted({1, workers}), folder, size, shard_mb, "raw", progress=False)
 
 
 def write_speed(images: np.ndarray, folder: Path, repeats: int = 3) -> dict[str, float]:
@@ -95,11 +95,9 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="cache-bench-") as tmp:
         tmp = Path(tmp)
         print("1. render throughput (populate, raw codec)")
-        summaries = render_scaling(texts, args.size, args.workers, tmp / "scaling", args.shard_mb)
-        base = summaries[0].images_per_s
-        for s in summaries:
-            print(f"   {s.workers:>2} worker(s): {s.images_per_s:9,.0f} images/s   speed-up "
-                  f"{s.images_per_s / base:5.2f}x   (whole call {s.seconds:.1f} s)")
+        scaling = render_scaling(texts, args.size, args.workers, tmp / "scaling", args.shard_mb)
+        print("   " + scaling.table().replace("\n", "\n   "))
+        print(f"   verdict: {scaling.verdict}")
 
         sample = np.stack([render_with(texts[i % len(texts)], params) for i in range(args.write_images)])
         (tmp / "write").mkdir()

@@ -3,6 +3,8 @@
     PYTHONPATH=. python benchmarks/gpu_report.py            # one GPU, < 8 min -> benchmarks/results/<gpu>-<date>.json
     PYTHONPATH=. python benchmarks/gpu_report.py --smoke    # every step on CPU, tiny shapes, < 1 min
     PYTHONPATH=. python benchmarks/gpu_report.py --compile-modes default,max-autotune --out /tmp/r
+    PYTHONPATH=. python benchmarks/gpu_report.py --simulate  # the same sections from the simulated T4
+    PYTHONPATH=. python benchmarks/gpu_report.py --against benchmarks/results/simulated-t4-<date>.json
 
 One process runs every step in order and writes one JSON (every section is always there, with a
 "status": "ok", "skipped: no CUDA", "skipped: time budget" or "error: ..."), then prints a table:
@@ -12,7 +14,12 @@ SDPA backend, channels_last patch embedding, pinned loader) and which is fastest
 tolerance; the budget's VRAM lines against measured peaks; allocated memory over >= 1,000 batches
 of the streaming encode and its slope; async offload against consolidate-every-K; streaming
 against a bare forward; fp16/bf16 against fp32; a roofline projection to a T4 (labelled as one);
-and the same encode capped to a T4's 15 GB against the budget's verdict. Trade-off: one process
+and the same encode capped to a T4's 15 GB against the budget's verdict. `--simulate` writes the
+sections a simulation can fill from nblib.simulate's T4 (every figure labelled simulated), and a
+later real run given `--against` that file prints measured / simulated beside each figure. The
+steps are one list (`STEPS`): each names the sections it reads, and its own summary line; the
+long run is capped by the measured rate, so the whole report stays under 8 minutes on a T4.
+Device figures come from nblib.budget.DEVICES, the roofline from nblib.simulate. Trade-off: one process
 is fast and sees the allocator as a real run does, but earlier steps leave allocator state behind,
 so every memory figure is a delta from a state cleared with empty_cache, or says it is absolute.
 Needs only torch, numpy, psutil (and pillow through the cache renderer).
@@ -23,6 +30,7 @@ import argparse
 import dataclasses
 import datetime
 import gc
+import json
 import math
 import os
 import platform
@@ -38,13 +46,13 @@ from pathlib import Path
 import numpy as np
 import psutil
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from nblib import budget, env
 from nblib.atomic import atomic_write_json, sha256_json
 from nblib.config import preset
 from nblib.measure import synchronize as _sync
-from nblib.trm import COMPILE_MODES, SDPA_BACKENDS, TRMVisionEncoder
+from nblib.sdpa import SDPA_BACKENDS, sdpa_context
+from nblib.trm import COMPILE_MODES, TRMVisionEncoder
 from nblib.units import fmt_exception
 
 SCHEMA = "nblib.gpu_report/1"
@@ -55,42 +63,14 @@ MB = 1e6
 ROW_SECONDS = 1.0                        # a throughput timing aims at ~1 s (big batches: fewer calls)
 COMPILE_SECONDS_GUESS = 60.0             # inductor on the reference model, until one compile was timed
 SMOKE_BATCH = 8                          # --smoke: the smoke preset at batch 8, so 2 busy cores finish in seconds
-SECTIONS = ("environment", "budget_accuracy", "throughput", "long_run_vram", "offload",
-            "streaming_overhead", "precision", "t4_projection", "capped_memory", "throughput_compiled",
-            "candidates")
+LONG_RUN_SECONDS = 120.0                 # the long run's share of the 8 minutes, at the measured rate
+LONG_RUN_MIN_BATCHES = 100               # below this a drift slope means little: the run says so
 
 
-@dataclass(frozen=True)
-class GpuSpec:
-    """Datasheet peaks of one GPU: dense tensor-core FLOP/s per precision and memory bandwidth."""
-
-    name: str
-    fp32_tflops: float
-    fp16_tflops: float
-    bf16_tflops: float | None    # None: no bf16 tensor cores
-    bandwidth_gbs: float
-
-    def peak_flops(self, precision: str) -> float | None:
-        tflops = {"fp32": self.fp32_tflops, "fp16": self.fp16_tflops, "bf16": self.bf16_tflops}[precision]
-        return None if tflops is None else tflops * 1e12
-
-
-# NVIDIA datasheets, dense (no sparsity); fp32 is the non-tensor rate (TF32 is off by default in torch).
-T4 = GpuSpec("T4", 8.1, 65.0, None, 320.0)
-GPU_SPECS = (
-    (re.compile(r"H100.*PCIE", re.I), GpuSpec("H100 PCIe", 51.0, 756.0, 756.0, 2000.0)),
-    (re.compile(r"H100.*(SXM|HBM3)", re.I), GpuSpec("H100 SXM", 67.0, 989.0, 989.0, 3350.0)),
-    (re.compile(r"H200(?!.*NVL)", re.I), GpuSpec("H200 SXM", 67.0, 989.0, 989.0, 4800.0)),
-    (re.compile(r"A100.*80GB", re.I), GpuSpec("A100 80GB", 19.5, 312.0, 312.0, 2039.0)),
-    (re.compile(r"A100", re.I), GpuSpec("A100 40GB", 19.5, 312.0, 312.0, 1555.0)),
-    (re.compile(r"\bL4\b", re.I), GpuSpec("L4", 30.3, 121.0, 121.0, 300.0)),
-    (re.compile(r"\bT4\b", re.I), T4),
-)
-
-
-def gpu_spec(device_name: str) -> GpuSpec | None:
-    """The datasheet peaks of a GPU by its CUDA name; None for a GPU not in the table."""
-    return next((spec for pattern, spec in GPU_SPECS if pattern.search(device_name)), None)
+def gpu_preset(device_name: str) -> budget.Device | None:
+    """The nblib.budget.DEVICES entry of a GPU by its CUDA name; None for a GPU without a preset."""
+    name = env.device_preset_name(device_name)
+    return budget.device_preset(name) if name else None
 
 
 # ------------------------------------------------------------------------------ the run
@@ -103,7 +83,7 @@ class Context:
     smoke: bool
     device: torch.device
     device_name: str
-    spec: GpuSpec | None
+    gpu: budget.Device | None     # this GPU's preset (datasheet peaks, bandwidth), None: unknown or CPU
     config: object                # the reference PipelineConfig
     ref_batch: int
     max_batch: int
@@ -114,7 +94,7 @@ class Context:
     deadline: float
     work: Path
     cache: object = None
-    results: dict = dataclasses.field(default_factory=dict)
+    simulate: bool = False
 
     @property
     def cuda(self) -> bool:
@@ -122,7 +102,7 @@ class Context:
 
     @property
     def precisions(self) -> tuple[str, ...]:
-        bf16 = torch.cuda.is_bf16_supported() if self.cuda else True
+        bf16 = env.bf16_native(torch) if self.cuda else True   # a T4 emulates bf16: not a candidate
         return ("fp32", "fp16", "bf16") if bf16 else ("fp32", "fp16")
 
     @property
@@ -136,6 +116,8 @@ class Context:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.simulate:
+        return simulate_main(args)
     if not args.smoke and not torch.cuda.is_available():
         print("gpu_report.py: error: no CUDA device here; run with --smoke for the CPU dry run", file=sys.stderr)
         return 2
@@ -146,15 +128,16 @@ def main(argv: list[str] | None = None) -> int:
         ctx = make_context(args, Path(tmp), started)
         report = {"schema": SCHEMA, "smoke": ctx.smoke,
                   "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-        for name in SECTIONS:
-            report[name] = run_step(name, ctx)
-            ctx.results[name] = report[name]
-            print_section(name, report[name], flush=True)
+        for step in STEPS:
+            report[step.name] = run_step(step, ctx, {r: report[r] for r in step.reads})
+            print_section(step.name, report[step.name], flush=True)
     report["seconds"] = round(time.perf_counter() - started, 1)
     path = output_path(args.out, ctx)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(path, _jsonable(report))
     print(f"\n{summary_table(report)}\n\nwrote {path} in {report['seconds']:.0f} s")
+    if args.against:
+        print("\n" + "\n".join(against_simulated(report, json.loads(Path(args.against).read_text()))))
     return 0
 
 
@@ -165,7 +148,7 @@ def make_context(args, work: Path, started: float) -> Context:
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
     config = preset("smoke").replace(batch_size=SMOKE_BATCH) if args.smoke else preset("seed_t4")
     ref = config.run.batch_size
-    ctx = Context(smoke=args.smoke, device=device, device_name=name, spec=gpu_spec(name) if cuda else None,
+    ctx = Context(smoke=args.smoke, device=device, device_name=name, gpu=gpu_preset(name) if cuda else None,
                   config=config, ref_batch=ref, max_batch=ref,
                   long_batches=args.long_batches or (30 if args.smoke else 1000),
                   compile_modes=args.compile_modes,
@@ -181,16 +164,15 @@ def largest_batch(ctx: Context) -> int:
     return min(largest, 2 * ctx.ref_batch) if ctx.smoke else largest
 
 
-def run_step(name: str, ctx: Context) -> dict:
-    """One step's section: its numbers and status; a failure is recorded, never raised."""
-    step, needs_cuda, min_seconds = STEPS[name]
-    if needs_cuda and not ctx.cuda:
+def run_step(step: Step, ctx: Context, inputs: dict) -> dict:
+    """One step's section from the sections it reads: its numbers and status; a failure is recorded."""
+    if step.needs_cuda and not ctx.cuda:
         return {"status": "skipped: no CUDA"}
-    if not ctx.smoke and ctx.seconds_left() < min_seconds:
-        return {"status": f"skipped: time budget ({ctx.seconds_left():.0f} s left, needs ~{min_seconds} s)"}
+    if not ctx.smoke and ctx.seconds_left() < step.min_seconds:
+        return {"status": f"skipped: time budget ({ctx.seconds_left():.0f} s left, needs ~{step.min_seconds} s)"}
     started = time.perf_counter()
     try:
-        section = {"status": "ok", **step(ctx)}
+        section = {"status": "ok", **step.run(ctx, inputs)}
     except Exception as exc:  # a report records what failed and goes on
         section = {"status": f"error: {fmt_exception(exc, with_type=True)}"}
     finally:
@@ -202,12 +184,12 @@ def run_step(name: str, ctx: Context) -> dict:
 # ------------------------------------------------------------------------------ environment
 
 
-def step_environment(ctx: Context) -> dict:
+def step_environment(ctx: Context, inputs: dict) -> dict:
     env = {"device": str(ctx.device), "device_name": ctx.device_name, "torch": torch.__version__,
            "torch_threads": torch.get_num_threads(),
            "python": platform.python_version(), "cpu_count": os.cpu_count(),
            "ram_bytes": psutil.virtual_memory().total, "git_commit": _git_commit(),
-           "peak": dataclasses.asdict(ctx.spec) if ctx.spec else None,
+           "preset": dataclasses.asdict(ctx.gpu) if ctx.gpu else None,
            "reference_config": ctx.config.name, "model": ctx.config.to_dict()["model"],
            "reference_batch": ctx.ref_batch, "max_batch": ctx.max_batch,
            "max_batch_note": ("budget.max_batch_size on this GPU (10% margin)" if ctx.cuda else
@@ -218,7 +200,8 @@ def step_environment(ctx: Context) -> dict:
         props = torch.cuda.get_device_properties(ctx.device)
         env.update(cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(),
                    capability=f"{props.major}.{props.minor}", vram_bytes=props.total_memory,
-                   tf32_matmul=torch.backends.cuda.matmul.allow_tf32, driver=_nvidia_smi("driver_version"))
+                   tf32_matmul=torch.backends.cuda.matmul.allow_tf32,
+                   tf32_cudnn=torch.backends.cudnn.allow_tf32, driver=_nvidia_smi("driver_version"))
     ctx.cache = build_cache(ctx)
     env["cache_images"] = len(ctx.cache)
     return env
@@ -270,7 +253,7 @@ class CycledImages:
 # ------------------------------------------------------------------------------ throughput
 
 
-def step_throughput(ctx: Context) -> dict:
+def step_throughput(ctx: Context, inputs: dict) -> dict:
     """samples/s and MFU per (batch, precision, SDPA backend), eager; backends at the reference batch."""
     encoder = make_encoder(ctx)
     rows = []
@@ -279,16 +262,22 @@ def step_throughput(ctx: Context) -> dict:
         for precision in ctx.precisions:
             backends = (None, *SDPA_BACKENDS) if batch == ctx.ref_batch else (None,)
             for backend in backends:
+                if not ctx.smoke and ctx.seconds_left() < ROW_SECONDS * 4:
+                    rows.append(_row(images, precision, backend, None,
+                                     error=f"skipped: time budget ({ctx.seconds_left():.0f} s left)"))
+                    continue
                 rows.append(measure_rate(ctx, encoder, images, precision=precision, sdpa_backend=backend))
         del images
         _free_device_memory()
     return {"rows": rows, "timed_batches": ctx.timed_batches, "repeats": ctx.repeats,
             "method": "best of `repeats` timings of `timed_batches` encoder.encode calls on a batch "
                       "already on the device, after 2 warm-up calls; MFU = samples/s x budget.flops_per_image "
-                      "/ the datasheet peak of that precision"}
+                      "/ the peak the kernels run at (fp16/bf16 tensor cores; fp32: TF32 when "
+                      "torch.backends.cuda.matmul.allow_tf32, else fp32; cudnn.allow_tf32 puts the "
+                      "channels_last convolution on TF32 where the GPU has it)"}
 
 
-def step_throughput_compiled(ctx: Context) -> dict:
+def step_throughput_compiled(ctx: Context, inputs: dict) -> dict:
     """torch.compile per precision at the reference batch (smoke: dynamo with the eager backend, fp32)."""
     encoder = make_encoder(ctx)
     images = device_images(ctx, ctx.ref_batch)
@@ -343,9 +332,16 @@ def timing_plan(ctx: Context, per_call_s: float) -> tuple[int, int]:
 
 
 def mfu(ctx: Context, samples_per_s: float, precision: str) -> float | None:
-    """Model FLOP utilization: achieved FLOP/s over the datasheet peak (None: unknown GPU or CPU)."""
-    peak = ctx.spec.peak_flops(precision) if ctx.spec else None
+    """Model FLOP utilization: achieved FLOP/s over the peak those kernels run at (None: unknown GPU or CPU)."""
+    peak = peak_flops(ctx.gpu, precision, torch.backends.cuda.matmul.allow_tf32) if ctx.gpu else None
     return None if not peak else samples_per_s * budget.flops_per_image(ctx.config.model) / peak
+
+
+def peak_flops(gpu: budget.Device, precision: str, tf32_matmul: bool) -> float:
+    """The datasheet rate of this precision's GEMMs: tensor cores for fp16/bf16, TF32 when enabled."""
+    if precision in ("fp16", "bf16"):
+        return gpu.fp16_flops
+    return gpu.tf32_flops if tf32_matmul and gpu.tf32_flops else gpu.fp32_flops
 
 
 def _row(images, precision, backend, compile_mode, error=None) -> dict:
@@ -366,10 +362,10 @@ def _run_batches(ctx: Context, encoder, batches) -> float:
 # ------------------------------------------------------------------------------ speed candidates
 
 
-def step_candidates(ctx: Context) -> dict:
+def step_candidates(ctx: Context, inputs: dict) -> dict:
     """The opt-in speed knobs at the reference batch and default precision; the fastest within tolerance."""
     precision = ctx.default_precision
-    rows = [r for r in ctx.results["throughput"].get("rows", []) + ctx.results["throughput_compiled"].get("rows", [])
+    rows = [r for r in inputs["throughput"].get("rows", []) + inputs["throughput_compiled"].get("rows", [])
             if r["batch"] == ctx.ref_batch and r["precision"] == precision]
     named = {_candidate_name(r): r["samples_per_s"] for r in rows}
     encoder = make_encoder(ctx)
@@ -427,7 +423,7 @@ def _candidate_name(row: dict) -> str:
 # ------------------------------------------------------------------------------ budget accuracy
 
 
-def step_budget_accuracy(ctx: Context) -> dict:
+def step_budget_accuracy(ctx: Context, inputs: dict) -> dict:
     """The budget's memory lines against measured peaks at three batch sizes (VRAM on CUDA, RSS on CPU)."""
     sizes = sorted({max(1, ctx.ref_batch // 4), ctx.ref_batch, ctx.max_batch})
     device = budget_device(ctx)
@@ -471,9 +467,10 @@ def _measure_forward_memory(ctx: Context, batch: int) -> dict:
 
     pin_malloc_mmap_threshold()
     _free_device_memory()
-    read = (lambda: torch.cuda.memory_allocated()) if ctx.cuda else (lambda: psutil.Process().memory_info().rss)
+    def read():
+        return torch.cuda.memory_allocated(ctx.device) if ctx.cuda else psutil.Process().memory_info().rss
     base = read()
-    base_reserved = torch.cuda.memory_reserved() if ctx.cuda else 0
+    base_reserved = torch.cuda.memory_reserved(ctx.device) if ctx.cuda else 0
     encoder = make_encoder(ctx)
     after_weights = read()
     images = device_images(ctx, batch)
@@ -483,18 +480,18 @@ def _measure_forward_memory(ctx: Context, batch: int) -> dict:
     gc.collect()
     before = read()
     if ctx.cuda:
-        torch.cuda.reset_peak_memory_stats()
-    with PeakMemory() as pm:
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    with PeakMemory(cuda_device=ctx.device if ctx.cuda else None) as pm:
         out = encoder.encode(images)
         _sync(ctx.device)
     got = {"weights": after_weights - base, "input": after_input - after_weights}
     if not ctx.cuda:
         return {**got, "forward": pm.delta}
     free, total = torch.cuda.mem_get_info(ctx.device)
-    reserved_now = torch.cuda.memory_reserved()
-    got.update(forward=torch.cuda.max_memory_allocated() - before, outputs=read() - before,
-               max_allocated=torch.cuda.max_memory_allocated() - base,
-               max_reserved=torch.cuda.max_memory_reserved() - base_reserved,
+    reserved_now = torch.cuda.memory_reserved(ctx.device)
+    got.update(forward=torch.cuda.max_memory_allocated(ctx.device) - before, outputs=read() - before,
+               max_allocated=torch.cuda.max_memory_allocated(ctx.device) - base,
+               max_reserved=torch.cuda.max_memory_reserved(ctx.device) - base_reserved,
                driver_used=total - free, context=(total - free) - reserved_now,
                nvidia_smi_used=_nvidia_smi_used_bytes())
     del out
@@ -502,31 +499,32 @@ def _measure_forward_memory(ctx: Context, batch: int) -> dict:
 
 
 def budget_device(ctx: Context):
-    """The budget's Device for this machine: its preset when the GPU has one, else built from its figures."""
+    """The budget's Device for this machine: its preset (with this host's RAM and VRAM), else built from
+    what torch reports (an unknown GPU: peaks unknown, the T4's context assumption).
+    """
     if not ctx.cuda:
         return budget.device_preset("cpu")
     props = torch.cuda.get_device_properties(ctx.device)
-    preset_name = env.device_preset_name(ctx.device_name)
-    known = budget.device_preset(preset_name) if preset_name else None
-    spec = ctx.spec or GpuSpec("unknown", 1.0, 1.0, None, 1.0)
-    return budget.Device(
-        name=ctx.device_name, vram_bytes=props.total_memory, ram_bytes=psutil.virtual_memory().total,
-        disk_bytes=shutil.disk_usage(ctx.work).free, fp32_flops=spec.fp32_tflops * 1e12,
-        fp16_flops=spec.fp16_tflops * 1e12,
-        cuda_context_bytes=known.cuda_context_bytes if known else int(0.5e9))
+    base = ctx.gpu or budget.device_preset("t4")
+    return dataclasses.replace(base, name=ctx.device_name if not ctx.gpu else base.name,
+                               vram_bytes=props.total_memory, ram_bytes=psutil.virtual_memory().total,
+                               disk_bytes=shutil.disk_usage(ctx.work).free,
+                               compute_capability=props.major * 10 + props.minor)
 
 
 # ------------------------------------------------------------------------------ long run, offload, streaming
 
 
-def step_long_run_vram(ctx: Context) -> dict:
+def step_long_run_vram(ctx: Context, inputs: dict) -> dict:
     """Allocated memory before every batch of a long streaming encode (parts + mirror); its slope."""
     from nblib.encode import encode
 
     cfg = ctx.config
-    n = ctx.long_batches * cfg.run.batch_size
+    batches, why = long_run_batches(ctx.long_batches, _default_rate(ctx, inputs["throughput"]), cfg.run.batch_size,
+                                    LONG_RUN_SECONDS if ctx.smoke else min(LONG_RUN_SECONDS, ctx.seconds_left() - 60))
+    n = batches * cfg.run.batch_size
     source = CycledImages(ctx.cache, n)
-    with BatchMemorySampler(ctx.cuda) as sampler:
+    with BatchMemorySampler(ctx.device) as sampler:
         report = encode(source, ctx.work / "long", cfg, str(ctx.device), outputs=("checksums",),
                         mirror_dir=ctx.work / "long-mirror", progress=False, preflight=False,
                         do_consolidate=False)
@@ -534,7 +532,8 @@ def step_long_run_vram(ctx: Context) -> dict:
     shutil.rmtree(ctx.work / "long-mirror", ignore_errors=True)
     series = np.array(sampler.before, dtype=np.float64) / MB
     warm = min(len(series) // 10, 50)
-    return {"batches": len(series), "batch_size": cfg.run.batch_size, "memory": sampler.what,
+    return {"batches": len(series), "batches_asked": ctx.long_batches, "batches_why": why,
+            "batch_size": cfg.run.batch_size, "memory": sampler.what,
             "outputs": ["checksums"], "mirror": True, "samples_per_s": report.samples_per_s,
             "slope_mb_per_1000_batches": slope_per_1000(series[warm:]),
             "slope_all_mb_per_1000_batches": slope_per_1000(series),
@@ -542,6 +541,24 @@ def step_long_run_vram(ctx: Context) -> dict:
             "min_mb": float(series.min()), "max_mb": float(series.max()),
             "peak_after_forward_mb": float(max(sampler.after) / MB),
             "series_mb": _downsample(series, 200)}
+
+
+def long_run_batches(asked: int, samples_per_s: float | None, batch: int, seconds: float) -> tuple[int, str]:
+    """Batches of the long run: those asked, or fewer so it lasts `seconds` at the measured rate."""
+    if not samples_per_s:
+        return asked, "as asked (no measured rate)"
+    fit = int(max(0.0, seconds) * samples_per_s / batch)
+    if fit >= asked:
+        return asked, f"as asked ({asked * batch / samples_per_s:.0f} s at {samples_per_s:,.0f} samples/s)"
+    n = max(fit, min(asked, 10))
+    note = "" if n >= LONG_RUN_MIN_BATCHES else f"; under {LONG_RUN_MIN_BATCHES} batches the slope is weak"
+    return n, f"capped to {seconds:.0f} s at the measured {samples_per_s:,.0f} samples/s{note}"
+
+
+def _default_rate(ctx: Context, throughput: dict) -> float | None:
+    return next((r["samples_per_s"] for r in throughput.get("rows", []) if r["batch"] == ctx.ref_batch
+                 and r["precision"] == ctx.default_precision and r["sdpa_backend"] == "default"
+                 and r["samples_per_s"]), None)
 
 
 def slope_per_1000(series_mb: np.ndarray) -> float:
@@ -558,8 +575,9 @@ class BatchMemorySampler:
     that `encode` builds inside itself, so the public encode runs unchanged.
     """
 
-    def __init__(self, cuda: bool):
-        self.cuda = cuda
+    def __init__(self, device: torch.device):
+        self.device, self.cuda = device, device.type == "cuda"
+        cuda = self.cuda
         self.what = "torch.cuda.memory_allocated" if cuda else "process RSS"
         self.before: list[int] = []
         self.after: list[int] = []
@@ -567,7 +585,7 @@ class BatchMemorySampler:
         self._process = psutil.Process()
 
     def read(self) -> int:
-        return torch.cuda.memory_allocated() if self.cuda else self._process.memory_info().rss
+        return torch.cuda.memory_allocated(self.device) if self.cuda else self._process.memory_info().rss
 
     def __enter__(self) -> BatchMemorySampler:
         from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
@@ -588,7 +606,7 @@ class BatchMemorySampler:
             self.after.append(self.read())
 
 
-def step_offload(ctx: Context) -> dict:
+def step_offload(ctx: Context, inputs: dict) -> dict:
     """Async per-batch offload against consolidate-every-K: samples/s and peak memory of each."""
     from nblib.measure import PeakMemory
 
@@ -596,7 +614,6 @@ def step_offload(ctx: Context) -> dict:
     n_batches = 8 if ctx.smoke else 2 * cfg.run.consolidate_every
     source = CycledImages(ctx.cache, n_batches * cfg.run.batch_size)
     modes = {mode: stream_once(ctx, source, mode, PeakMemory) for mode in ("async", "consolidate")}
-    ctx.results["_stream_rate"] = modes["async"]["samples_per_s"]
     return {"batches": n_batches, "batch_size": cfg.run.batch_size, "consolidate_every": cfg.run.consolidate_every,
             "mirror": True, **modes,
             "faster": max(modes, key=lambda m: modes[m]["samples_per_s"])}
@@ -607,7 +624,7 @@ def stream_once(ctx: Context, source, offload: str, peak_memory) -> dict:
 
     _free_device_memory()
     run_dir, mirror = ctx.work / f"stream-{offload}", ctx.work / f"stream-{offload}-mirror"
-    with peak_memory() as pm:
+    with peak_memory(cuda_device=ctx.device if ctx.cuda else None) as pm:
         report = encode(source, run_dir, ctx.config, str(ctx.device), offload=offload, mirror_dir=mirror,
                         progress=False, preflight=False, do_consolidate=False)
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -617,7 +634,7 @@ def stream_once(ctx: Context, source, offload: str, peak_memory) -> dict:
             "peak_rss": pm.peak}
 
 
-def step_streaming_overhead(ctx: Context) -> dict:
+def step_streaming_overhead(ctx: Context, inputs: dict) -> dict:
     """The streaming encode (cache, loader, parts, mirror) against a bare forward on the same batches."""
     encoder = make_encoder(ctx)
     b = ctx.config.run.batch_size
@@ -626,7 +643,7 @@ def step_streaming_overhead(ctx: Context) -> dict:
     cycle = [batches[i % len(batches)] for i in range(n)]
     _run_batches(ctx, encoder, cycle[:2])
     bare = b * n / min(_run_batches(ctx, encoder, cycle) for _ in range(ctx.repeats))
-    stream = ctx.results.get("_stream_rate")
+    stream = inputs["offload"].get("async", {}).get("samples_per_s")   # the offload step's async run
     if not stream:
         from nblib.measure import PeakMemory
 
@@ -638,7 +655,7 @@ def step_streaming_overhead(ctx: Context) -> dict:
 # ------------------------------------------------------------------------------ precision
 
 
-def step_precision(ctx: Context) -> dict:
+def step_precision(ctx: Context, inputs: dict) -> dict:
     """fp16 / bf16 autocast outputs against fp32 on real cache images."""
     encoder = make_encoder(ctx)
     images = torch.from_numpy(ctx.cache.get_batch(0, ctx.ref_batch)).to(ctx.device)
@@ -672,166 +689,94 @@ def compare_outputs(low: dict, ref: dict) -> dict:
 # ------------------------------------------------------------------------------ T4 projection
 
 
-def step_t4_projection(ctx: Context) -> dict:
-    """A roofline projection to a T4 from one traced forward's FLOPs and bytes per kernel (a projection)."""
-    encoder = make_encoder(ctx)
-    images = device_images(ctx, ctx.ref_batch)
-    out = {"label": "PROJECTION, not a measurement", "batch": ctx.ref_batch,
-           "traced_on": ctx.device_name, "t4": dataclasses.asdict(T4), "method": PROJECTION_METHOD,
-           "reference_t4_fp32_measured": REFERENCE_T4_FP32_SAMPLES_PER_S}
-    for precision in ("fp32", "fp16"):
-        calls = trace_kernels(encoder.set_inference(precision=precision), images)
-        peak, bandwidth = T4.peak_flops(precision), T4.bandwidth_gbs * 1e9
-        t4 = roofline(calls, peak, bandwidth, ctx.ref_batch)
-        entry = {"kernels": len(calls), "flops_per_batch": sum(f for _, f, _ in calls),
-                 "bytes_per_batch": sum(b for _, _, b in calls),
-                 "analytic_flops_per_batch": budget.flops_per_image(ctx.config.model) * ctx.ref_batch,
-                 "t4_roofline_samples_per_s": t4["per_kernel"], "t4_bound_samples_per_s": t4["whole_batch"],
-                 "top_ops": _top_ops(calls, peak, bandwidth)}
-        entry.update(_calibrated(ctx, precision, calls, t4["per_kernel"]))
-        out[precision] = entry
-    encoder.set_inference(precision="auto")
+def step_t4_projection(ctx: Context, inputs: dict) -> dict:
+    """The T4's rate from the simulated T4's kernels on a roofline (nblib.simulate), calibrated twice."""
+    return t4_projection(ctx.config, ctx.ref_batch, ctx.gpu, ctx.device_name, inputs["throughput"])
+
+
+def t4_projection(config, batch: int, gpu, gpu_name: str, throughput: dict) -> dict:
+    """Roofline samples/s of a T4 per precision; calibrated by the reference's measured fp32 rate,
+    and (on a GPU with a preset) by the share of its own roofline this GPU reached.
+    """
+    from nblib.simulate import simulate_encode
+    from nblib.simulate.roofline import calibrated_rate, reference_share, roofline
+
+    cfg = config.replace(batch_size=batch)
+    t4 = {p: roofline(simulate_encode(cfg, "t4", precision=p, batches=1).kernels, batch, "t4")
+          for p in ("fp32", "fp16")}
+    out = {"label": "simulated (roofline of the simulated T4's kernels), not a measurement", "batch": batch,
+           "method": PROJECTION_METHOD, "reference_t4_fp32_measured": REFERENCE_T4_FP32_SAMPLES_PER_S}
+    for precision, roof in t4.items():
+        out[precision] = {"flops_per_batch": roof.flops, "bytes_per_batch": roof.bytes,
+                          "analytic_flops_per_batch": budget.flops_per_image(config.model) * batch,
+                          "t4_roofline_samples_per_s": roof.samples_per_s,
+                          "t4_calibrated_by_reference": roof.samples_per_s * reference_share()}
+        measured = next((r["samples_per_s"] for r in throughput.get("rows", []) if r["batch"] == batch
+                         and r["precision"] == precision and r["sdpa_backend"] == "default"
+                         and r["samples_per_s"]), None)
+        own = None
+        if measured and gpu is not None:
+            own = roofline(simulate_encode(cfg, gpu, precision=precision, batches=1).kernels, batch, gpu)
+        out[precision].update(measured_samples_per_s=measured, measured_on=gpu_name,
+                              roofline_share_on_measured_gpu=measured / own.samples_per_s if own else None,
+                              t4_calibrated_by_this_gpu=(calibrated_rate(roof, own, measured) if own else None))
     return out
 
 
 PROJECTION_METHOD = (
-    "one forward at the reference batch traced with a TorchDispatchMode: per aten kernel, FLOPs from "
-    "torch.utils.flop_counter's formulas (composite ops decomposed as FlopCounterMode does) and bytes as "
-    "every input read and every output written once from DRAM (eager, unfused kernels; views move nothing; "
-    "caches ignored); each kernel takes max(FLOPs / peak, bytes / bandwidth), summed over the batch; T4: "
-    "65 TFLOP/s fp16, 8.1 fp32, 320 GB/s. 'calibrated' scales it by the share of its own roofline the "
-    "measured GPU reached on the same trace.")
-
-
-def trace_kernels(encoder, images) -> list[tuple[str, float, int]]:
-    """(op name, FLOPs, bytes moved) of every kernel one encoder.encode call runs."""
-    counter = KernelCounter()
-    with counter:
-        encoder.encode(images)
-    return counter.calls
-
-
-class KernelCounter(TorchDispatchMode):
-    """FLOPs and bytes of each aten kernel (views move nothing; a broadcast input counts its storage)."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls: list[tuple[str, float, int]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.utils._pytree import tree_flatten
-        from torch.utils.flop_counter import flop_registry
-
-        kwargs = kwargs or {}
-        packet = func.overloadpacket
-        if packet not in flop_registry:   # as FlopCounterMode: linear -> addmm, sdpa -> its kernel
-            with self:
-                decomposed = func.decompose(*args, **kwargs)
-            if decomposed is not NotImplemented:
-                return decomposed
-        out = func(*args, **kwargs)
-        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        if outputs and not _moves_nothing(func, inputs, outputs):
-            flops = flop_registry[packet](*args, **kwargs, out_val=out) if packet in flop_registry else 0
-            self.calls.append((str(packet), float(flops), sum(_tensor_bytes(t) for t in inputs + outputs)))
-        return out
-
-
-def roofline(calls, peak_flops: float, bandwidth: float, batch: int) -> dict:
-    """samples/s: per kernel max(F/peak, B/bw) summed, and the whole batch's single bound."""
-    per_kernel = sum(max(f / peak_flops, b / bandwidth) for _, f, b in calls)
-    total_f, total_b = sum(f for _, f, _ in calls), sum(b for _, _, b in calls)
-    whole = max(total_f / peak_flops, total_b / bandwidth)
-    return {"per_kernel": batch / per_kernel, "whole_batch": batch / whole}
-
-
-def _calibrated(ctx: Context, precision: str, calls, t4_rate: float) -> dict:
-    """The T4 figure scaled by how close the measured GPU came to its own roofline of the same trace."""
-    measured = next((r["samples_per_s"] for r in ctx.results.get("throughput", {}).get("rows", [])
-                     if r["batch"] == ctx.ref_batch and r["precision"] == precision
-                     and r["sdpa_backend"] == "default" and r["samples_per_s"]), None)
-    peak = ctx.spec.peak_flops(precision) if ctx.spec else None
-    if not measured or not peak:
-        return {"measured_samples_per_s": measured, "roofline_share_on_measured_gpu": None,
-                "t4_calibrated_samples_per_s": None}
-    own = roofline(calls, peak, ctx.spec.bandwidth_gbs * 1e9, ctx.ref_batch)["per_kernel"]
-    return {"measured_samples_per_s": measured, "roofline_share_on_measured_gpu": measured / own,
-            "t4_calibrated_samples_per_s": t4_rate * measured / own}
-
-
-def _top_ops(calls, peak: float, bandwidth: float, n: int = 6) -> list[dict]:
-    """The op types that take the most roofline time, with their FLOPs, bytes and what bounds them."""
-    ops: dict[str, list[float]] = {}
-    for name, f, b in calls:
-        op = ops.setdefault(name, [0.0, 0.0, 0.0, 0.0])   # flops, bytes, seconds, compute-bound seconds
-        seconds = max(f / peak, b / bandwidth)
-        op[0], op[1], op[2] = op[0] + f, op[1] + b, op[2] + seconds
-        op[3] += seconds if f / peak >= b / bandwidth else 0.0
-    total = sum(op[2] for op in ops.values())
-    return [{"op": name, "flops": f, "bytes": b, "share": sec / total,
-             "bound": "compute" if cb >= sec / 2 else "memory"}
-            for name, (f, b, sec, cb) in sorted(ops.items(), key=lambda kv: -kv[1][2])[:n]]
-
-
-def _moves_nothing(func, inputs, outputs) -> bool:
-    """A view, or an out-of-place op whose outputs all alias its inputs (e.g. _unsafe_view)."""
-    if getattr(func, "is_view", False):
-        return True
-    if func._schema.is_mutable:
-        return False
-    shared = {t.untyped_storage().data_ptr() for t in inputs}
-    return all(t.untyped_storage().data_ptr() in shared for t in outputs)
-
-
-def _tensor_bytes(t: torch.Tensor) -> int:
-    try:
-        return min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
-    except RuntimeError:   # a tensor without storage
-        return t.numel() * t.element_size()
+    "nblib.simulate: the encoder's kernels on a fake T4 (efficient attention, as sm_75 runs it), FLOPs from "
+    "torch.utils.flop_counter's formulas and bytes as every input read and every output written once; each "
+    "kernel takes max(FLOPs / peak, bytes / bandwidth) on nblib.budget.DEVICES['t4'] (65 TFLOP/s fp16, 8.1 "
+    "fp32, 320 GB/s). 'calibrated by reference' scales it by the share of the seed_t4 fp32 roofline the "
+    "reference's measured 94 samples/s reached (assumed to carry over to fp16 and other shapes); 'calibrated "
+    "by this GPU' by the share of its own roofline the GPU measured here reached.")
 
 
 # ------------------------------------------------------------------------------ capped memory
 
 
-def step_capped_memory(ctx: Context) -> dict:
+def step_capped_memory(ctx: Context, inputs: dict) -> dict:
     """The encode with the allocator capped to a T4's 15 GB: does the budget's verdict match the run?"""
     t4 = budget.device_preset("t4")
     cap = t4.vram_bytes - t4.cuda_context_bytes   # the allocator's share; the context lives outside it
     total = torch.cuda.get_device_properties(ctx.device).total_memory
     cfg = ctx.config.replace(consolidate_every=5, checkpoint_every=5)
     vram_only = dataclasses.replace(t4, ram_bytes=2**60)   # this host's RAM is not a T4's: test VRAM alone
-    fit = budget.max_batch_size(cfg, vram_only)
-    edge = budget.max_batch_size(cfg, vram_only, margin=0.0)
+    fit = budget.max_batch_size(cfg, vram_only, offload="consolidate")
+    edge = budget.max_batch_size(cfg, vram_only, margin=0.0, offload="consolidate")
     rows = []
     for batch in dict.fromkeys((fit, edge + 1, int(edge * 1.25))):
         rows.append(capped_run(ctx, cfg.replace(batch_size=batch), t4, cap / total))
     return {"cap_bytes": cap, "fraction": cap / total, "consolidate_every": 5, "rows": rows,
-            "all_agree": all(r["agree"] for r in rows),
+            "all_agree": all(r["agree"] for r in rows), "attention": "efficient (forced, as a T4 runs it)",
+            "carries_over_to_a_t4": ("VRAM only: attention is forced to the T4's kernel, but this GPU's "
+                                     "allocator, workspaces and context are not a T4's"
+                                     if not (ctx.gpu and ctx.gpu.name == "t4") else "yes: this is a T4"),
             "method": "torch.cuda.set_per_process_memory_fraction(cap / total); one part of 5 batches "
-                      "(offload=consolidate) through nblib.encode.encode; fits = the budget's VRAM total "
-                      "<= the T4's 15 GB"}
+                      "(offload=consolidate) through nblib.encode.encode with sdpa_kernel(efficient); fits = "
+                      "the budget's VRAM total <= the T4's 15 GB"}
 
 
 def capped_run(ctx: Context, cfg, t4, fraction: float) -> dict:
     from nblib.encode import encode
 
-    predicted = budget.predict_budget(cfg, t4)
+    predicted = budget.predict_budget(cfg, t4, offload="consolidate")
     fits = predicted.totals["vram"] <= predicted.limits["vram"]
     source = CycledImages(ctx.cache, cfg.run.consolidate_every * cfg.run.batch_size)
     _free_device_memory()
-    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.reset_peak_memory_stats(ctx.device)
     torch.cuda.set_per_process_memory_fraction(fraction, ctx.device)
     oom, error = False, None
     try:
-        encode(source, ctx.work / "capped", cfg, str(ctx.device), offload="consolidate", progress=False,
-               preflight=False, do_consolidate=False)
+        with sdpa_context("efficient"):        # what a T4 (sm_75) runs; flash would need less memory
+            encode(source, ctx.work / "capped", cfg, str(ctx.device), offload="consolidate", progress=False,
+                   preflight=False, do_consolidate=False)
     except Exception as exc:
         oom, error = _is_oom(exc), fmt_exception(exc, with_type=True)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, ctx.device)
         shutil.rmtree(ctx.work / "capped", ignore_errors=True)
-        peak = torch.cuda.max_memory_reserved()
+        peak = torch.cuda.max_memory_reserved(ctx.device)
         _free_device_memory()
     return {"batch": cfg.run.batch_size, "predicted_vram": predicted.totals["vram"], "budget_fits": fits,
             "oom": oom, "agree": fits != oom and (error is None or oom), "error": error,
@@ -867,82 +812,248 @@ def print_section(name: str, section: dict, flush: bool = True) -> None:
 
 
 def summary_table(report: dict) -> str:
-    """The report as text: throughput rows, then one line per section."""
-    env = report["environment"]
-    kind = "SMOKE: tiny shapes" if report["smoke"] else "measured"
-    lines = [f"GPU report on {env.get('device_name')} ({kind}), "
-             f"torch {env.get('torch')}, config {env.get('reference_config')}"]
+    """The report as text: throughput rows, then each step's own summary line."""
+    env_ = report["environment"]
+    kind = "SIMULATED T4" if report.get("simulated") else ("SMOKE: tiny shapes" if report["smoke"] else "measured")
+    lines = [f"GPU report on {env_.get('device_name')} ({kind}), "
+             f"torch {env_.get('torch')}, config {env_.get('reference_config')}"]
     lines.append(f"{'batch':>6} {'precision':<9} {'sdpa':<10} {'compile':<14} {'samples/s':>11} "
                  f"{'ms/batch':>9} {'MFU':>6}")
-    for row in report["throughput"].get("rows", []) + report["throughput_compiled"].get("rows", []):
-        rate = f"{row['samples_per_s']:,.1f}" if row["samples_per_s"] else (row["error"] or "-")[:40]
-        ms = f"{row['ms_per_batch']:.2f}" if row["ms_per_batch"] else ""
-        lines.append(f"{row['batch']:>6} {row['precision']:<9} {row['sdpa_backend']:<10} {row['compile']:<14} "
-                     f"{rate:>11} {ms:>9} {_pct(row['mfu']):>6}")
-    lines += [_summary_line(name, report[name]) for name in SECTIONS
-              if name not in ("throughput", "throughput_compiled")]
+    for name in ("throughput", "throughput_compiled"):
+        for row in report[name].get("rows", []):
+            rate = f"{row['samples_per_s']:,.1f}" if row["samples_per_s"] else (row["error"] or "-")[:40]
+            ms = f"{row['ms_per_batch']:.2f}" if row["ms_per_batch"] else ""
+            lines.append(f"{row['batch']:>6} {row['precision']:<9} {row['sdpa_backend']:<10} {row['compile']:<14} "
+                         f"{rate:>11} {ms:>9} {_pct(row['mfu']):>6}")
+    for step in STEPS:
+        section = report[step.name]
+        if step.summary is None:
+            continue
+        text = step.summary(section) if section["status"] == "ok" else section["status"]
+        lines.append(f"{step.name:<20} {text}")
     return "\n".join(lines)
 
 
-def _summary_line(name: str, s: dict) -> str:
-    if s["status"] != "ok":
-        return f"{name:<20} {s['status']}"
-    if name == "environment":
-        return (f"{name:<20} reference batch {s['reference_batch']}, largest batch {s['max_batch']} "
-                f"({s['max_batch_note']})")
-    if name == "budget_accuracy":
-        ratios = [f"b={r['batch']}: " + ", ".join(f"{ln['name'].split(' (')[0]} {ln['ratio']:.2f}" for ln in r["lines"]
-                                                  if ln["ratio"] is not None) for r in s["rows"]]
-        return f"{name:<20} measured/predicted ({s['memory']}): " + " | ".join(ratios)
-    if name == "long_run_vram":
-        return (f"{name:<20} {s['batches']} batches, {s['memory']}: slope {s['slope_mb_per_1000_batches']:+.3f} "
-                f"MB/1000 batches (all: {s['slope_all_mb_per_1000_batches']:+.3f}), "
-                f"{s['min_mb']:.0f}-{s['max_mb']:.0f} MB")
-    if name == "offload":
-        return f"{name:<20} " + ", ".join(
-            f"{m} {s[m]['samples_per_s']:,.1f} samples/s peak VRAM {_mb(s[m]['peak_vram_allocated'])} "
-            f"RSS {_mb(s[m]['peak_rss'])}" for m in ("async", "consolidate"))
-    if name == "streaming_overhead":
-        return (f"{name:<20} streaming {s['streaming_samples_per_s']:,.1f} / bare {s['bare_samples_per_s']:,.1f} "
-                f"samples/s = {s['ratio']:.3f} (target {s['target']})")
-    if name == "precision":
-        return f"{name:<20} " + "; ".join(
-            f"{p}: sketch rel err max {s[p]['sketch_max_rel_err']:.2e} mean {s[p]['sketch_mean_rel_err']:.2e}, "
-            f"checksum bits agree {s[p]['checksum_bits_agree']:.2%}" if "error" not in s[p] else f"{p}: {s[p]['error']}"
-            for p in ("fp16", "bf16") if p in s)
-    if name == "t4_projection":
-        def fmt(p):
-            e = s[p]
-            cal = f", calibrated {e['t4_calibrated_samples_per_s']:,.0f}" if e["t4_calibrated_samples_per_s"] else ""
-            return f"{p} {e['t4_roofline_samples_per_s']:,.0f} samples/s roofline{cal}"
-        return (f"{name:<20} PROJECTION (batch {s['batch']}, traced on {s['traced_on']}): {fmt('fp16')}; {fmt('fp32')} "
-                f"(measured reference fp32 on a T4: {s['reference_t4_fp32_measured']:.0f})")
-    if name == "capped_memory":
-        return f"{name:<20} cap {_mb(s['cap_bytes'])}: " + ", ".join(
-            f"b={r['batch']} budget {'fits' if r['budget_fits'] else 'over'} run {'OOM' if r['oom'] else 'ok'}"
-            f"{'' if r['agree'] else ' DISAGREE'}" for r in s["rows"])
-    if name == "candidates":
-        loader = s["loader"].get("recommendation", s["loader"].get("status"))
-        return f"{name:<20} fastest {s['fastest']}; {s['recommendation']}; loader: {loader}"
-    return f"{name:<20} ok"
+def _sum_environment(s: dict) -> str:
+    return f"reference batch {s['reference_batch']}, largest batch {s['max_batch']} ({s['max_batch_note']})"
 
 
-# ------------------------------------------------------------------------------ helpers
+def _sum_budget_accuracy(s: dict) -> str:
+    ratios = [f"b={r['batch']}: " + ", ".join(f"{ln['name'].split(' (')[0]} {ln['ratio']:.2f}" for ln in r["lines"]
+                                              if ln["ratio"] is not None) for r in s["rows"]]
+    return f"measured/predicted ({s['memory']}): " + " | ".join(ratios)
 
 
-STEPS = {   # name -> (function, needs CUDA, seconds it needs at least on a GPU)
-    "environment": (step_environment, False, 0),
-    "budget_accuracy": (step_budget_accuracy, False, 20),
-    "throughput": (step_throughput, False, 30),
-    "long_run_vram": (step_long_run_vram, False, 60),
-    "offload": (step_offload, False, 30),
-    "streaming_overhead": (step_streaming_overhead, False, 10),
-    "precision": (step_precision, False, 5),
-    "t4_projection": (step_t4_projection, False, 10),
-    "capped_memory": (step_capped_memory, True, 30),
-    "throughput_compiled": (step_throughput_compiled, False, 60),
-    "candidates": (step_candidates, False, 10),
-}
+def _sum_long_run(s: dict) -> str:
+    return (f"{s['batches']} batches ({s['batches_why']}), {s['memory']}: slope {s['slope_mb_per_1000_batches']:+.3f} "
+            f"MB/1000 batches (all: {s['slope_all_mb_per_1000_batches']:+.3f}), {s['min_mb']:.0f}-{s['max_mb']:.0f} MB")
+
+
+def _sum_offload(s: dict) -> str:
+    def rate(m):
+        return f"{s[m]['samples_per_s']:,.1f} samples/s" if s[m]["samples_per_s"] else "(no rate)"
+    return ", ".join(f"{m} {rate(m)} peak VRAM {_mb(s[m]['peak_vram_allocated'])} RSS {_mb(s[m]['peak_rss'])}"
+                     for m in ("async", "consolidate"))
+
+
+def _sum_streaming(s: dict) -> str:
+    return (f"streaming {s['streaming_samples_per_s']:,.1f} / bare {s['bare_samples_per_s']:,.1f} "
+            f"samples/s = {s['ratio']:.3f} (target {s['target']})")
+
+
+def _sum_precision(s: dict) -> str:
+    return "; ".join(
+        f"{p}: sketch rel err max {s[p]['sketch_max_rel_err']:.2e} mean {s[p]['sketch_mean_rel_err']:.2e}, "
+        f"checksum bits agree {s[p]['checksum_bits_agree']:.2%}" if "error" not in s[p] else f"{p}: {s[p]['error']}"
+        for p in ("fp16", "bf16") if p in s)
+
+
+def _sum_projection(s: dict) -> str:
+    def fmt(p):
+        e = s[p]
+        mine = e["t4_calibrated_by_this_gpu"]
+        return (f"{p} roofline {e['t4_roofline_samples_per_s']:,.0f}, calibrated by the reference "
+                f"{e['t4_calibrated_by_reference']:,.0f}" + (f", by this GPU {mine:,.0f}" if mine else "")
+                + " samples/s")
+    return f"SIMULATED T4 (batch {s['batch']}): {fmt('fp16')}; {fmt('fp32')}"
+
+
+def _sum_capped(s: dict) -> str:
+    return f"cap {_mb(s['cap_bytes'])}, {s['attention']}; carries over: {s['carries_over_to_a_t4']}: " + ", ".join(
+        f"b={r['batch']} budget {'fits' if r['budget_fits'] else 'over'} run {'OOM' if r['oom'] else 'ok'}"
+        f"{'' if r['agree'] else ' DISAGREE'}" for r in s["rows"])
+
+
+def _sum_candidates(s: dict) -> str:
+    loader = s["loader"].get("recommendation", s["loader"].get("status"))
+    return f"fastest {s['fastest']}; {s['recommendation']}; loader: {loader}"
+
+
+# ------------------------------------------------------------------------------ the steps, in order
+
+
+@dataclass(frozen=True)
+class Step:
+    """One section of the report: how to make it, what it needs, the sections it reads, its summary."""
+
+    name: str
+    run: object                     # (ctx, inputs: {section name: section}) -> dict
+    needs_cuda: bool = False
+    min_seconds: float = 0          # skipped when less is left on a GPU
+    reads: tuple[str, ...] = ()     # sections passed in as `inputs` (each made by an earlier step)
+    summary: object = None          # (section) -> one line; None: shown in the throughput table
+
+
+STEPS = (
+    Step("environment", step_environment, summary=_sum_environment),
+    Step("budget_accuracy", step_budget_accuracy, min_seconds=20, summary=_sum_budget_accuracy),
+    Step("throughput", step_throughput, min_seconds=30),
+    Step("long_run_vram", step_long_run_vram, min_seconds=60, reads=("throughput",), summary=_sum_long_run),
+    Step("offload", step_offload, min_seconds=30, summary=_sum_offload),
+    Step("streaming_overhead", step_streaming_overhead, min_seconds=10, reads=("offload",),
+         summary=_sum_streaming),
+    Step("precision", step_precision, min_seconds=5, summary=_sum_precision),
+    Step("t4_projection", step_t4_projection, min_seconds=10, reads=("throughput",), summary=_sum_projection),
+    Step("capped_memory", step_capped_memory, needs_cuda=True, min_seconds=30, summary=_sum_capped),
+    Step("throughput_compiled", step_throughput_compiled, min_seconds=60),
+    Step("candidates", step_candidates, min_seconds=10, reads=("throughput", "throughput_compiled"),
+         summary=_sum_candidates),
+)
+STEP_NAMES = tuple(step.name for step in STEPS)
+
+
+def check_steps(steps=STEPS) -> None:
+    """Every section a step reads is made by an earlier step (the order is the data flow)."""
+    made: set[str] = set()
+    for step in steps:
+        missing = [r for r in step.reads if r not in made]
+        if missing:
+            raise AssertionError(f"step {step.name} reads {missing} before any step makes them")
+        made.add(step.name)
+
+
+check_steps()
+
+
+# ------------------------------------------------------------------------------ simulated T4, and against it
+
+
+def simulate_main(args) -> int:
+    """--simulate: the sections a simulation can fill, from nblib.simulate's T4; every figure simulated."""
+    started = time.perf_counter()
+    config = preset("smoke").replace(batch_size=SMOKE_BATCH) if args.smoke else preset("seed_t4")
+    report = {"schema": SCHEMA, "smoke": args.smoke, "simulated": True,
+              "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    sections = simulated_sections(config)
+    for step in STEPS:
+        report[step.name] = sections.get(step.name, {"status": "skipped: not simulated (needs a GPU)"})
+        print_section(step.name, report[step.name])
+    report["seconds"] = round(time.perf_counter() - started, 1)
+    date = datetime.date.today().isoformat()
+    name = f"{'smoke-' if args.smoke else ''}simulated-t4-{date}.json"
+    path = Path(args.out) if args.out and args.out.endswith(".json") else (
+        Path(args.out) / name if args.out else RESULTS / name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, _jsonable(report))
+    print(f"\n{summary_table(report)}\n\nwrote {path} in {report['seconds']:.0f} s")
+    return 0
+
+
+def simulated_sections(config) -> dict:
+    """environment, budget_accuracy, throughput, offload, t4_projection, capped_memory of a simulated T4."""
+    from nblib.simulate import simulate_encode
+    from nblib.simulate.roofline import reference_share, roofline
+
+    t4, batch, label = budget.device_preset("t4"), config.run.batch_size, "simulated"
+    env_ = {"status": "ok", "label": label, "device": "cuda:0 (fake)", "device_name": "T4 (simulated)",
+            "torch": torch.__version__, "reference_config": config.name, "reference_batch": batch,
+            "max_batch": budget.max_batch_size(config, t4),
+            "max_batch_note": "budget.max_batch_size on a T4 (10% margin)", "preset": dataclasses.asdict(t4),
+            "flops_per_image": budget.flops_per_image(config.model)}
+    rows = []
+    for b in sorted({max(1, batch // 4), batch, 2 * batch}):
+        cfg = config.replace(batch_size=b, consolidate_every=1, checkpoint_every=1)
+        sim = simulate_encode(cfg, t4, batches=2)
+        predicted = budget.predict_budget(cfg, t4)
+        allocator = predicted.totals["vram"] - t4.cuda_context_bytes
+        rows.append({"batch": b, "fits": predicted.fits, "lines": [
+            {"name": "reserved at peak (+ allocator cache)", "predicted": allocator, "measured": sim.max_reserved,
+             "ratio": sim.max_reserved / allocator}]})
+    rates = {p: roofline(simulate_encode(config, t4, precision=p, batches=1).kernels, batch, t4)
+             for p in ("fp32", "fp16")}
+    throughput_rows = []
+    for p in ("fp32", "fp16"):
+        rate = rates[p].samples_per_s * reference_share()
+        throughput_rows.append({**_row_dict(batch, p, rate), "ms_per_batch": 1000 * batch / rate,
+                                "mfu": rate * budget.flops_per_image(config.model) / peak_flops(t4, p, False)})
+    throughput = {"status": "ok", "label": label, "rows": throughput_rows,
+                  "method": "roofline of the simulated T4's kernels x the share of the seed_t4 fp32 roofline "
+                            "the reference's measured 94 samples/s reached (nblib.simulate.roofline.reference_share)"}
+    offload = {"status": "ok", "label": label, "batch_size": batch}
+    for mode in ("async", "consolidate"):
+        sim = simulate_encode(config, t4, offload=mode)
+        offload[mode] = {"samples_per_s": None, "peak_vram_allocated": sim.max_allocated,
+                         "peak_vram_reserved": sim.max_reserved, "peak_rss": None}
+    capped_cfg = config.replace(consolidate_every=5, checkpoint_every=5)
+    cap = t4.vram_bytes - t4.cuda_context_bytes
+    capped_rows = []
+    for b in dict.fromkeys((batch, 2 * batch)):
+        cfg = capped_cfg.replace(batch_size=b)
+        sim = simulate_encode(cfg, t4, offload="consolidate")
+        fits = budget.predict_budget(cfg, t4, offload="consolidate").totals["vram"] <= t4.vram_bytes
+        over = sim.max_reserved > cap
+        capped_rows.append({"batch": b, "budget_fits": fits, "oom": over, "agree": fits != over,
+                            "max_reserved": sim.max_reserved})
+    projection = t4_projection(config, batch, None, "T4 (simulated)", {"rows": []})
+    return {"environment": env_,
+            "budget_accuracy": {"status": "ok", "label": label, "device": "t4",
+                                "memory": "simulated caching allocator", "rows": rows},
+            "throughput": throughput,
+            "offload": offload,
+            "t4_projection": {"status": "ok", **projection},
+            "capped_memory": {"status": "ok", "label": label, "cap_bytes": cap, "consolidate_every": 5,
+                              "rows": capped_rows, "all_agree": all(r["agree"] for r in capped_rows),
+                              "attention": "efficient (as a T4 runs it)",
+                              "carries_over_to_a_t4": "a simulation of one: no context, no real allocator"}}
+
+
+def _row_dict(batch: int, precision: str, rate: float) -> dict:
+    return {"batch": batch, "precision": precision, "sdpa_backend": "default", "compile": "eager",
+            "samples_per_s": rate, "ms_per_batch": None, "mfu": None, "first_call_s": None, "error": None}
+
+
+def _eager_rate(precision: str):
+    return lambda s: next((r["samples_per_s"] for r in s.get("rows", []) if r["precision"] == precision
+                           and r["sdpa_backend"] == "default" and r["compile"] == "eager"), None)
+
+
+def _reserved_at_reference(s: dict):
+    return next((ln["measured"] for r in s.get("rows", [])[1:2] for ln in r["lines"]
+                 if ln["name"].startswith("reserved")), None)
+
+
+AGAINST = (   # (section, what, reader): the figures both a real and a simulated report hold
+    ("throughput", "samples/s fp32 at the reference batch", _eager_rate("fp32")),
+    ("throughput", "samples/s fp16 at the reference batch", _eager_rate("fp16")),
+    ("offload", "max reserved VRAM, async", lambda s: s.get("async", {}).get("peak_vram_reserved")),
+    ("offload", "max reserved VRAM, consolidate", lambda s: s.get("consolidate", {}).get("peak_vram_reserved")),
+    ("budget_accuracy", "max reserved VRAM at the reference batch", _reserved_at_reference),
+)
+
+
+def against_simulated(report: dict, simulated: dict) -> list[str]:
+    """Lines of measured / simulated for every figure both reports hold."""
+    rows = [f"measured here / simulated T4 ({simulated.get('created', '?')}):"]
+    for section, what, read in AGAINST:
+        got = read(report[section]) if report.get(section, {}).get("status") == "ok" else None
+        sim = read(simulated[section]) if simulated.get(section, {}).get("status") == "ok" else None
+        ratio = f"{got / sim:.3f}" if got and sim else "-"
+        rows.append(f"  {what:<44} measured {_num(got):>12}  simulated {_num(sim):>12}  ratio {ratio}")
+    return rows
+
+
+def _num(x) -> str:
+    return "-" if x is None else (f"{x / MB:,.0f} MB" if x > 1e5 else f"{x:,.1f}")
 
 
 def make_encoder(ctx: Context) -> TRMVisionEncoder:
@@ -961,10 +1072,15 @@ def _free_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def _nvidia_smi(field: str) -> str | None:
+def _nvidia_smi(field: str, torch_index: int | None = None) -> str | None:
+    """One field of nvidia-smi for torch's device (its id under CUDA_VISIBLE_DEVICES); None when unreadable."""
     if shutil.which("nvidia-smi") is None:
         return None
-    index = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
+    if torch_index is None:
+        torch_index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    index = env.smi_device_id(os.environ.get("CUDA_VISIBLE_DEVICES"), torch_index)
+    if index is None:
+        return None
     try:
         out = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader,nounits", "-i", index],
                              capture_output=True, text=True, timeout=20)
@@ -974,8 +1090,8 @@ def _nvidia_smi(field: str) -> str | None:
 
 
 def _nvidia_smi_used_bytes() -> int | None:
-    used = _nvidia_smi("memory.used")   # MiB
-    return int(float(used) * 2**20) if used else None
+    used = env.smi_number(_nvidia_smi("memory.used"))   # MiB, or [N/A] on MIG / restricted containers
+    return int(used * 2**20) if used is not None else None
 
 
 def _git_commit() -> str | None:
@@ -1047,6 +1163,9 @@ def _positive_int(text: str) -> int:
 def _parser() -> argparse.ArgumentParser:
     p = _OneLineParser(prog="gpu_report.py", description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="every step on CPU (or GPU) with the tiny smoke preset")
+    p.add_argument("--simulate", action="store_true",
+                   help="write the sections a simulation can fill from the simulated T4 (nblib.simulate)")
+    p.add_argument("--against", help="a --simulate report: print measured / simulated beside each figure")
     p.add_argument("--out", help="a folder (the file is named <gpu>-<date>.json) or a .json path")
     p.add_argument("--budget-s", type=_positive_int, default=400,
                    help="seconds of the run after which steps and compiles that would not finish are skipped "

@@ -22,7 +22,7 @@ from pathlib import Path
 from nblib import budget, cache, config
 from nblib.lab import input_pipeline as lab
 from nblib.pipeline import knob_text, recommend
-from nblib.units import GB, fmt_bytes, fmt_rate
+from nblib.units import GB, fmt_bytes
 
 SIZES = {"smoke": (512, 64, 1), "t4": (20_000, 224, 400)}   # images, pixels, shard MB
 
@@ -38,7 +38,7 @@ def side_by_side(name: str, table, rss_cap: float) -> str:
              f"  {'samples/s':<12} {base['samples_per_s']:>16,.1f} {best['samples_per_s']:>16,.1f}",
              f"  {'data-wait':<12} {base['data_wait']:>16.0%} {best['data_wait']:>16.0%}",
              f"  {'peak RSS':<12} {fmt_bytes(base['peak_rss_bytes']):>16} {fmt_bytes(best['peak_rss_bytes']):>16}",
-             f"  speed-up x{pick.speedup:.2f}; {pick.knob_that_mattered} mattered most"]
+             f"  {pick.reason.split('; ')[-1]}"]
     return "\n".join(lines)
 
 
@@ -75,12 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     print(mixing.table() + "\n", flush=True)
 
     rates = lab.render_vs_cache(images, texts, steps=args.steps)
-    per_core = lab.render_rate_per_core(texts, image_size=224)
-    encoder = budget.predict_budget(config.preset("seed_t4"), "t4").samples_per_s
     print(lab.rates_table(rates))
-    print(f"render at 224 px: {fmt_rate(per_core, 'images')} per core, x{lab.cores()} cores = "
-          f"{fmt_rate(per_core * lab.cores(), 'images')}; encoder (budget projection, T4) {fmt_rate(encoder)}")
-    print(lab.cacheless_verdict(rates, per_core, encoder) + "\n", flush=True)
+    rendered = lab.render_loader_rate(texts, image_size=224)
+    encoder, method = lab.encoder_projection(budget.predict_budget(config.preset("seed_t4"), "t4"))
+    print(lab.cacheless_verdict(rendered, encoder, method, 224) + "\n", flush=True)
 
     streaming = {}
     for size in args.sizes.split(","):

@@ -71,6 +71,38 @@ def finite_positive_float(text: str) -> float:
     return value
 
 
+SEED_LIMIT = 2 ** 64  # torch.manual_seed and numpy's SeedSequence take seeds below this
+
+
+def seed_int(text: str) -> int:
+    """argparse type: a seed, an integer in [0, 2**64)."""
+    value = int(text)
+    if not 0 <= value < SEED_LIMIT:
+        raise argparse.ArgumentTypeError(f"{text:.40} is not a seed: use an integer from 0 to 2**64 - 1 "
+                                         f"({SEED_LIMIT - 1:,})")
+    return value
+
+
+def bounded_float(low: float, high: float, unit: str):
+    """argparse type: a finite number in [low, high] (refuses inf, nan and absurd magnitudes)."""
+    def parse(text: str) -> float:
+        value = float(text)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text:.40} is not a number from {low:g} to {high:g} {unit}")
+        return value
+    return parse
+
+
+def parse_or_refuse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Parse flags; a bad value is a ConfigError (one `error:` line, exit 2), not argparse's usage dump."""
+    from nblib.errors import ConfigError
+
+    try:
+        return parser.parse_args(argv)
+    except argparse.ArgumentError as exc:
+        raise ConfigError(f"{exc}; see {parser.prog} --help") from None
+
+
 # ---------------------------------------------------------------------------------------- info
 def info_main(argv: list[str]) -> int:
     """`python -m nblib info`: runtime, profile, workspace folders and the hardware report."""
@@ -91,6 +123,7 @@ def budget_main(argv: list[str]) -> int:
     """`python -m nblib budget`: print a config's budget, its plan, or the reference table."""
     from nblib.budget import DEVICES, max_batch_size, plan_budget, predict_budget
     from nblib.config import preset
+    from nblib.sdpa import SDPA_BACKENDS
 
     p = argparse.ArgumentParser(prog="python -m nblib budget", description=budget_main.__doc__)
     p.add_argument("--preset", default="seed_t4")
@@ -99,9 +132,11 @@ def budget_main(argv: list[str]) -> int:
     p.add_argument("--n-samples", type=int)
     p.add_argument("--dtype", choices=("float16", "float32"))
     p.add_argument("--outputs", help="comma-separated subset of sketches,checksums,children")
-    p.add_argument("--sdpa", choices=("math", "efficient", "flash"))
+    p.add_argument("--sdpa", choices=SDPA_BACKENDS)
     p.add_argument("--drive-quota-gb", type=float, default=15.0)
     p.add_argument("--plan", action="store_true", help="recommend knobs that fit")
+    p.add_argument("--texts", help="your texts (file or JSONL): the plan measures the cache's bytes per image "
+                                   "on a few hundred of them (default: the reference analysis' ratios)")
     p.add_argument("--reference", action="store_true", help="reference analysis vs this suite")
     args = p.parse_args(argv)
     if args.reference:
@@ -118,7 +153,11 @@ def budget_main(argv: list[str]) -> int:
     print(predict_budget(cfg, args.device, **kwargs).table())
     print(f"max batch size on {args.device}: {max_batch_size(cfg, args.device, **kwargs)}")
     if args.plan:
-        print(plan_budget(cfg, args.device, **kwargs))
+        from nblib.codec_sizes import codec_sizes
+
+        sizes = codec_sizes(args.texts, cfg.model.image_size)
+        print(sizes)
+        print(plan_budget(cfg, args.device, codec_sizes=sizes, **kwargs))
     return 0
 
 
@@ -210,7 +249,7 @@ def _cache_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--field", default=None, help="JSONL field holding the text (default 'text' for .jsonl)")
     p.add_argument("--codec", default=defaults.run.codec, choices=(*CODECS, "auto"),
                    help="shard format; auto lets the disk budget pick (default %(default)s)")
-    p.add_argument("--seed", type=int, default=defaults.run.seed)
+    p.add_argument("--seed", type=seed_int, default=defaults.run.seed)
     p.add_argument("--errors", default="strict", choices=("strict", "replace"),
                    help="invalid UTF-8 in --texts: refuse (strict) or replace with U+FFFD")
     p.add_argument("--overwrite", action="store_true",
@@ -239,7 +278,7 @@ def encode_main(argv: list[str]) -> int:
     from nblib.encode import VerifyLevel, encode
     from nblib.encode.distributed import join
 
-    args = _encode_parser().parse_args(argv)
+    args = parse_or_refuse(_encode_parser(), argv)
     config = _encode_config(args, env.profile())
     world = join(shard=args.shard, consolidate_only=args.consolidate, device=args.device)  # torchrun ranks too
     try:
@@ -247,7 +286,8 @@ def encode_main(argv: list[str]) -> int:
             report = encode(ShardedImageCache(args.cache), args.out, config, device=world.device,
                             mirror_dir=args.mirror, progress=not args.no_progress, offload=args.offload,
                             weights=args.weights, preflight=not args.no_preflight, world=world,
-                            verify=VerifyLevel.HASH if args.verify else VerifyLevel.STAT)
+                            verify=VerifyLevel.HASH if args.verify else VerifyLevel.STAT,
+                            precision=args.precision, reencode_numerics=args.reencode_numerics)
     finally:
         world.close()
     if world.reports:   # the other ranks of a launch stay quiet
@@ -258,8 +298,10 @@ def encode_main(argv: list[str]) -> int:
 def _encode_parser() -> argparse.ArgumentParser:
     from nblib.config import OUTPUT_DTYPES, OUTPUT_NAMES
     from nblib.encode import OFFLOAD_MODES
+    from nblib.encode.numerics import PRECISIONS
 
-    p = argparse.ArgumentParser(prog="python -m nblib encode", description=encode_main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m nblib encode", description=encode_main.__doc__,
+                                exit_on_error=False)
     p.add_argument("--cache", required=True, help="folder of a ShardedImageCache")
     p.add_argument("--out", required=True, help="run folder: parts, manifest, consolidated .npy")
     p.add_argument("--profile", help="smoke | t4 | full, or a preset name (default: NBLIB_PROFILE)")
@@ -269,10 +311,15 @@ def _encode_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=OUTPUT_DTYPES, help="dtype of the stored outputs")
     p.add_argument("--mirror", help="durable mirror folder (e.g. on Google Drive)")
     p.add_argument("--weights", help="trained weights saved by TRMVisionEncoder.save_weights")
-    p.add_argument("--seed", type=int, help="seed of the initial weights")
+    p.add_argument("--seed", type=seed_int, help="seed of the initial weights")
     p.add_argument("--workers", type=int, help="DataLoader worker processes (0: read in the main one)")
     p.add_argument("--device", help="cpu | cuda (default: cuda when available)")
     p.add_argument("--offload", choices=OFFLOAD_MODES, default="async")
+    p.add_argument("--precision", choices=PRECISIONS, default="auto",
+                   help="encoder precision: auto (fp16 autocast on CUDA, fp32 on CPU), fp32, fp16, bf16")
+    p.add_argument("--reencode-numerics", action="store_true",
+                   help="on a resume with another device, precision or torch: encode again the parts made "
+                        "with the other numerics (default: refuse, naming the change)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--no-preflight", action="store_true", help="skip the budget check")
     p.add_argument("--verify", action="store_true", help="hash every durable part before resuming (default: "
@@ -399,14 +446,15 @@ def pipeline_main(argv: list[str]) -> int:
     from nblib.pipeline import recommend
     from nblib.units import GB
 
-    p = argparse.ArgumentParser(prog="python -m nblib pipeline", description=pipeline_main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m nblib pipeline", description=pipeline_main.__doc__,
+                                exit_on_error=False)
     p.add_argument("--cache", required=True, help="folder of a ShardedImageCache")
     p.add_argument("--rss-cap-gb", type=finite_positive_float, required=True,
                    help="peak RAM (this process + its workers) a config may take, in GB")
     p.add_argument("--steps", type=positive_int, default=20, help="batches timed per config (default %(default)s)")
-    p.add_argument("--per-sample-ms", type=float, default=0.25,
+    p.add_argument("--per-sample-ms", type=bounded_float(0, 60_000, "ms"), default=0.25,
                    help="stand-in device step per image, in ms (default %(default)s: a 4,000 images/s device)")
-    args = p.parse_args(argv)
+    args = parse_or_refuse(p, argv)
     cache = ShardedImageCache(args.cache)
     print(f"sweeping {cache!r}: {', '.join(f'{k} {v}' for k, v in TORCH_GRID.items())}", flush=True)
     table = torch_sweep(cache, TORCH_GRID, consumer=device_step(args.per_sample_ms), steps=args.steps)

@@ -59,6 +59,24 @@ def profile() -> str:
     return "t4" if cuda_available() else "smoke"
 
 
+PROFILE_MEANING = {
+    "smoke": "tiny model, 512 images at 64 px: every mechanism runs in minutes on 2 CPU cores, "
+             "none of a T4's numbers",
+    "t4": "the seed_t4 model on 20,000 images at 224 px, sized for a Colab T4",
+    "full": "the whole 1,907,747-image job",
+}
+
+
+def profile_note(profile_name: str, runtime_name: str, cuda: bool) -> str:
+    """What the profile means here and, in Colab without a GPU, how to get a T4 (pure; 00 prints it)."""
+    why = "NBLIB_PROFILE" if os.environ.get("NBLIB_PROFILE") else ("a GPU is present" if cuda else "no GPU")
+    line = f"profile: {profile_name} ({why}): {PROFILE_MEANING.get(profile_name, '')}"
+    if runtime_name == "colab" and not cuda:
+        line += ("\nThis Colab runtime has no GPU. For the T4 numbers: Runtime > Change runtime type > "
+                 "T4 GPU > Save, then Runtime > Run all (the setup cell reinstalls nblib in seconds).")
+    return line
+
+
 def repo_root() -> Path | None:
     """The source checkout nblib runs from (editable install or Colab clone), if any."""
     root = Path(__file__).resolve().parents[1]
@@ -259,6 +277,40 @@ def _require_writable(root: Path) -> Path:
             f"the workspace folder {root} is not writable ({exc.strerror or exc}); set "
             f"NBLIB_DRIVE_DIR to a folder you can write, or fix its permissions") from None
     return root
+
+
+def smi_number(text: str | None) -> float | None:
+    """One nvidia-smi CSV field as a number; None for "[N/A]", "[Not Supported]" or nothing.
+
+    nvidia-smi prints [N/A] for fields it cannot read (MIG slices, restricted containers).
+    """
+    try:
+        return float((text or "").strip())
+    except ValueError:
+        return None
+
+
+def smi_device_id(cuda_visible_devices: str | None, torch_index: int = 0) -> str | None:
+    """The id nvidia-smi -i takes for torch's cuda:<torch_index> under CUDA_VISIBLE_DEVICES.
+
+    torch numbers the visible devices 0..n-1; nvidia-smi numbers all of them. The entry may be
+    an index, a GPU-/MIG- UUID (nvidia-smi takes those too), or empty (no GPU visible).
+    """
+    if cuda_visible_devices is None:
+        return str(torch_index)
+    entries = [e.strip() for e in cuda_visible_devices.split(",") if e.strip()]
+    return entries[torch_index] if torch_index < len(entries) else None
+
+
+def bf16_native(torch_module) -> bool:
+    """True when this GPU runs bf16 on hardware (sm_80+), not through fp32 emulation (a T4)."""
+    cuda = torch_module.cuda
+    if not cuda.is_available():
+        return False
+    try:
+        return bool(cuda.is_bf16_supported(including_emulation=False))
+    except TypeError:   # torch before 2.3: no emulation, the plain check is the hardware one
+        return bool(cuda.is_bf16_supported())
 
 
 def _gpu_info() -> dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,8 +17,9 @@ from nblib.atomic import WrittenFile, atomic_write_bytes, json_bytes
 from nblib.errors import ManifestDamaged
 
 __all__ = [
-    "STAT_KIND", "STAT_SUFFIX", "Manifest", "body_sha256", "manifest_bytes", "parse_manifest",
-    "read_manifest", "read_stat_cache", "stat_cache_path", "write_manifest", "write_stat_cache",
+    "STAT_KIND", "STAT_SUFFIX", "STAT_VERSION", "Manifest", "body_sha256", "manifest_bytes",
+    "parse_manifest", "read_manifest", "read_stat_cache", "record_stats", "stat_cache_path",
+    "stat_record", "stat_vouches", "write_manifest", "write_stat_cache",
 ]
 
 @dataclass(frozen=True)
@@ -84,7 +86,9 @@ def body_sha256(body) -> str:
 # ------------------------------------------------------------------------------ the stat cache
 
 STAT_KIND = "nblib.stat-cache"
-STAT_SUFFIX = ".stat.json"     # index.json -> index.stat.json, beside the manifest it serves
+STAT_VERSION = 2               # 2: a record per file; 1 held only {file: mtime_ns} (read as such)
+STAT_SUFFIX = ".stat.json"     # index.json -> index.stat.json, manifest.json -> manifest.stat.json
+STAT_NOTE = "non-canonical: stats of this machine's copy of the files; safe to delete (costs a hash each)"
 
 
 def stat_cache_path(manifest_path: str | Path) -> Path:
@@ -93,23 +97,69 @@ def stat_cache_path(manifest_path: str | Path) -> Path:
     return path.with_name(path.stem + STAT_SUFFIX)
 
 
-def read_stat_cache(manifest_path: str | Path) -> dict[str, int]:
-    """file name -> st_mtime_ns recorded when the file was last checked; {} when missing or damaged.
+def stat_record(path: str | Path, sha256: str | None = None) -> dict:
+    """The stat record of the file at `path` as it is now: {"bytes", "mtime_ns"} (+ the `sha256` it vouches for)."""
+    st = Path(path).stat()
+    record = {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
+    return record if sha256 is None else {**record, "sha256": sha256}
+
+
+def stat_vouches(recorded: dict | None, st: os.stat_result, sha256: str | None = None) -> bool:
+    """True when a stat-cache record vouches for a file of stat `st` holding `sha256` without hashing it.
+
+    The mtime must be equal; the size and the sha256 too where the record holds them (a record of
+    another content, or of another size, vouches for nothing).
+    """
+    if not isinstance(recorded, dict) or recorded.get("mtime_ns") != st.st_mtime_ns:
+        return False
+    return recorded.get("bytes", st.st_size) == st.st_size and recorded.get("sha256", sha256) == sha256
+
+
+def read_stat_cache(manifest_path: str | Path) -> dict[str, dict]:
+    """file name -> its stat record ({"bytes", "mtime_ns"[, "sha256"]}); {} when missing or damaged.
 
     The stat cache is the non-canonical side of a manifest (as git keeps its index apart from its
     objects): the manifest itself holds only what two identical runs agree on (sizes, sha256,
-    shapes), so its bytes are the same; the mtimes that let a quick check skip hashing live here.
-    Losing this file costs one hash per file, never a wrong answer.
+    shapes), so its bytes are the same; the stats that let a quick check skip hashing live here.
+    It is a hint, never a source of truth: losing or damaging it costs one hash per file, never a
+    wrong answer. A version-1 cache (mtimes only) reads as records holding only `mtime_ns`.
     """
     try:
-        record = read_manifest(stat_cache_path(manifest_path), STAT_KIND)
-    except ManifestDamaged:
+        record = read_manifest(stat_cache_path(manifest_path), STAT_KIND, versions=(1, STAT_VERSION))
+    except (ManifestDamaged, OSError):
         return {}
-    if record is None or not isinstance(record.body.get("mtime_ns"), dict):
+    if record is None:
         return {}
-    return {str(k): int(v) for k, v in record.body["mtime_ns"].items() if isinstance(v, int)}
+    if record.version == 1:
+        old = record.body.get("mtime_ns")
+        return {str(k): {"mtime_ns": v} for k, v in old.items() if isinstance(v, int)} \
+            if isinstance(old, dict) else {}
+    files = record.body.get("files")
+    if not isinstance(files, dict):
+        return {}
+    return {str(k): v for k, v in files.items()
+            if isinstance(v, dict) and isinstance(v.get("mtime_ns"), int)}
 
 
-def write_stat_cache(manifest_path: str | Path, mtime_ns: dict[str, int]) -> None:
-    """Record each file's st_mtime_ns beside the manifest at `manifest_path` (atomically)."""
-    write_manifest(stat_cache_path(manifest_path), STAT_KIND, {"mtime_ns": dict(sorted(mtime_ns.items()))})
+def write_stat_cache(manifest_path: str | Path, stats: dict[str, dict]) -> bool:
+    """Replace the stat cache beside the manifest at `manifest_path` with `stats`, atomically.
+
+    Args:
+        manifest_path: the manifest the stats serve (its stat cache is `stat_cache_path` of it).
+        stats: file name -> stat record (`stat_record`).
+
+    Returns:
+        True when written; False when the folder cannot be written (a read-only mount): best
+        effort, the old stat cache stays and the next check hashes instead.
+    """
+    body = {"note": STAT_NOTE, "files": dict(sorted(stats.items()))}
+    try:
+        write_manifest(stat_cache_path(manifest_path), STAT_KIND, body, version=STAT_VERSION)
+    except OSError:
+        return False
+    return True
+
+
+def record_stats(manifest_path: str | Path, stats: dict[str, dict]) -> bool:
+    """Add (or replace) some files' stat records in the stat cache; `write_stat_cache`'s best effort."""
+    return write_stat_cache(manifest_path, {**read_stat_cache(manifest_path), **stats})

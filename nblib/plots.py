@@ -6,6 +6,7 @@ headless runs leave figures under `outputs/figures`. Sections follow the noteboo
 from __future__ import annotations
 
 import functools
+import statistics
 from pathlib import Path
 
 import matplotlib
@@ -20,13 +21,35 @@ MB = 1e6
 
 
 def finish(fig: Figure, save_to: str | Path | None = None) -> Figure:
-    """Tighten the layout and, if asked, save the figure as a PNG; returns the figure."""
+    """Readable log ticks, a tight layout and, if asked, a PNG; returns the figure."""
+    readable_log_ticks(fig)
     fig.tight_layout()
     if save_to is not None:
         path = Path(save_to)
         path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=150)
     return fig
+
+
+def readable_log_ticks(fig: Figure) -> None:
+    """Every log axis gets ticks at 1, 2, 5 x 10^k written as plain numbers (3 MB, not 3x10^0).
+
+    Axes whose ticks a figure set itself (a FixedLocator, e.g. the batch sizes) keep them, as plain numbers.
+    """
+    from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullFormatter
+
+    for ax in fig.axes:
+        for axis, scale in ((ax.xaxis, ax.get_xscale()), (ax.yaxis, ax.get_yscale())):
+            if scale != "log":
+                continue
+            if not isinstance(axis.get_major_locator(), FixedLocator):
+                axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+            axis.set_major_formatter(FuncFormatter(_plain_number))
+            axis.set_minor_formatter(NullFormatter())
+
+
+def _plain_number(value: float, _pos=None) -> str:
+    return f"{value:,.0f}" if value >= 1 else f"{value:g}"
 
 
 def close(fig: Figure) -> None:
@@ -49,15 +72,15 @@ def budget_bars(budget, save_to=None, top: int = 4) -> Figure:
     from nblib.budget import RESOURCES
 
     fig, axes = new_figure(ncols=4, width=3.0, height=4.2)
-    colors = plt.get_cmap("tab10").colors
     for ax, resource in zip(axes, RESOURCES):
         lines = sorted(budget.lines[resource], key=lambda ln: -ln.bytes)
         shown, rest = lines[:top], sum(ln.bytes for ln in lines[top:])
+        names = [line.name for line in shown] + ([] if not rest else ["other lines"])
+        colors = line_colors(names)
         bottom = 0.0
-        for i, line in enumerate(shown + ([] if not rest else [None])):
+        for name, line in zip(names, shown + ([] if not rest else [None])):
             gb = (line.bytes if line else rest) / GB
-            ax.bar(0, gb, bottom=bottom, width=0.6, color=colors[i % 10],
-                   label=(line.name if line else "other lines"))
+            ax.bar(0, gb, bottom=bottom, width=0.6, color=colors[name], label=name)
             bottom += gb
         limit = budget.limits[resource] / GB
         if limit:
@@ -76,6 +99,29 @@ def budget_bars(budget, save_to=None, top: int = 4) -> Figure:
     return finish(fig, save_to)
 
 
+def line_colors(names) -> dict:
+    """A colour per budget line, fixed by the line's name: a redraw never changes what a colour means.
+
+    The colour is the name's crc32 in tab20 without its greys; two names of one bar that land on the
+    same colour take the next free one, in the order given; "other lines" is always grey.
+    """
+    import zlib
+
+    tab20 = plt.get_cmap("tab20").colors
+    grey, palette = tab20[15], [c for i, c in enumerate(tab20) if i not in (14, 15)]   # grey only for the rest
+    taken, out = set(), {}
+    for name in names:
+        if name == "other lines":
+            out[name] = grey
+            continue
+        index = zlib.crc32(name.encode()) % len(palette)
+        while index in taken:
+            index = (index + 1) % len(palette)
+        taken.add(index)
+        out[name] = palette[index]
+    return out
+
+
 def predicted_vs_measured(batch_sizes, predicted, measured, *, what: str = "peak RSS increase",
                           save_to=None) -> Figure:
     """Predicted and measured memory against batch size, the ratio written at each point."""
@@ -87,6 +133,7 @@ def predicted_vs_measured(batch_sizes, predicted, measured, *, what: str = "peak
                     fontsize=8)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    ax.set_xticks(list(batch_sizes))
     ax.margins(x=0.12, y=0.15)
     ax.set_xlabel("batch size")
     ax.set_ylabel(f"{what} (MB)")
@@ -208,19 +255,23 @@ def cache_disk_plan(plans: dict, free_bytes: float, save_to=None) -> Figure:
     return finish(fig, save_to)
 
 
-def cache_worker_scaling(workers, images_per_s, save_to=None) -> Figure:
-    """Measured render throughput against worker count, with ideal linear scaling from 1 worker."""
+def cache_worker_scaling(rates, save_to=None) -> Figure:
+    """Render throughput per worker count: medians with their min-max range, and linear from 1 worker.
+
+    `rates` maps worker count to an `nblib.compare.Spread` (a lab `Scaling.rates`).
+    """
     fig, ax = new_figure(width=5.5, height=3.6)
-    workers, rates = list(workers), list(images_per_s)
-    ax.plot(workers, rates, "o-", label="measured")
-    ax.plot(workers, [rates[0] * w / workers[0] for w in workers], ":", color="gray",
-            label="ideal (linear)")
-    for w, r in zip(workers, rates):
-        ax.annotate(f"{r:,.0f}", (w, r), textcoords="offset points", xytext=(4, -12), fontsize=8)
+    workers = list(rates)
+    med = [rates[w].median for w in workers]
+    err = [[m - rates[w].low for w, m in zip(workers, med)], [rates[w].high - m for w, m in zip(workers, med)]]
+    ax.errorbar(workers, med, yerr=err, fmt="o-", capsize=4, label=f"measured (median, range of {rates[workers[0]].n})")
+    ax.plot(workers, [med[0] * w / workers[0] for w in workers], ":", color="gray", label="ideal (linear)")
+    for w, r in zip(workers, med):
+        ax.annotate(f"{r:,.0f}", (w, r), textcoords="offset points", xytext=(6, -12), fontsize=8)
     ax.set_xlabel("render workers (processes)")
     ax.set_ylabel("images / s")
     ax.set_xticks(workers)
-    ax.set_ylim(0, max(rates + [rates[0] * workers[-1] / workers[0]]) * 1.15)
+    ax.set_ylim(0, max([rates[w].high for w in workers] + [med[0] * workers[-1] / workers[0]]) * 1.15)
     ax.set_title("cache population throughput")
     ax.legend(fontsize=8)
     return finish(fig, save_to)
@@ -303,7 +354,12 @@ def encode_throughput(timeline, part_samples: int | None = None, resumed_at: int
     if len(rate) >= 2:
         mean = (done[-1] - done[0]) / max(t[-1], 1e-9)
         ax_rate.axhline(mean, color="C3", ls="--", label=f"mean {mean:,.0f}/s")
-    ax_rate.set(xlabel="seconds", ylabel="samples / s", title="throughput over time", ylim=(0, None))
+    top = float(np.percentile(rate, 95)) * 1.3 if len(rate) >= 5 else None
+    clipped = int((rate > top).sum()) if top else 0
+    if clipped:       # a short last batch or a timer tick can read 10x the rest and squash the axis
+        ax_rate.plot([], [], " ", label=f"{clipped} batch(es) above {top:,.0f}/s not shown")
+    ax_rate.set(xlabel="seconds", ylabel="samples / s", title="throughput over time",
+                ylim=(0, top if clipped else None))
     ax_rate.legend(loc="best")
     fig.suptitle(title)
     return finish(fig, save_to)
@@ -471,7 +527,9 @@ def pipeline_knob_curves(table, knobs=None, highlight=None, save_to=None) -> Fig
     for ax, knob in zip(axes.ravel(), knobs):
         curve = table.curve(knob)
         xs = range(len(curve))
-        ax.plot(xs, [r["samples_per_s"] for r in curve], "o-", color="C0")
+        ax.errorbar(xs, [r["samples_per_s"] for r in curve], fmt="o-", color="C0", capsize=3,
+                    yerr=[[r["samples_per_s"] - r.get("low", r["samples_per_s"]) for r in curve],
+                          [r.get("high", r["samples_per_s"]) - r["samples_per_s"] for r in curve]])
         ax.set_xticks(list(xs), [knob_text(r[knob]) for r in curve])
         ax.set(xlabel=knob, ylabel="samples/s")
         ax.set_ylim(bottom=0)
@@ -501,7 +559,13 @@ def pipeline_memory(table, trap_rows, buffer_knob: str = "shuffle_buffer", save_
     for i, r in enumerate(r for r in trap_rows if not r["setup"].startswith("TF in")):
         work_ax.plot([r["num_workers"]], [r["rss_added_bytes"] / MB], "s^"[i % 2], label=r["setup"])
     work_ax.set(xlabel="torch num_workers", ylabel="RAM added (MB)", title="The per-worker TF trap")
+    from matplotlib.ticker import MaxNLocator
+
+    work_ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     work_ax.legend(fontsize=7)
+    for ax in (buf_ax, work_ax):      # from 0: a truncated axis would turn a few MB of drift into a trend
+        low, high = ax.get_ylim()
+        ax.set_ylim(min(0.0, low), max(high, 1.0) * 1.1)
     return finish(fig, save_to)
 
 
@@ -510,23 +574,31 @@ def mixing_bars(mixing, save_to=None) -> Figure:
     fig, ax = new_figure(width=6.5)
     names = ["one dataset", "4 sources:\nsample_from_datasets", "4 sources:\ninterleave, then decode"]
     rates = [mixing.single, mixing.mixed, mixing.fixed]
-    ax.bar(names, rates, color=["C0", "C3", "C2"])
+    spreads = [mixing.spread(k) for k in ("single", "mixed", "fixed")]
+    ax.bar(names, rates, color=["C0", "C3", "C2"], capsize=4,
+           yerr=[[r - s.low for r, s in zip(rates, spreads)], [s.high - r for r, s in zip(rates, spreads)]])
     ax.axhline(0.8 * mixing.single, color="black", ls="--", lw=0.8, label="80% of one dataset")
-    ax.set(ylabel="samples/s", title=f"Mixing under a parallelism budget of {mixing.budget}")
+    ax.set(ylabel=f"samples/s (median, range of {mixing.repeats} runs)",
+           title=f"Mixing under a parallelism budget of {mixing.budget}")
     ax.legend(fontsize=8)
     return finish(fig, save_to)
 
 
-def input_rates(rows, encoder_samples_per_s: float, save_to=None) -> Figure:
-    """samples/s of each input source (bars) against the encoder's rate (a line)."""
+def input_rates(rows, encoder_samples_per_s: float, encoder_label: str = "encoder", save_to=None) -> Figure:
+    """samples/s of each input source (bars: median, whiskers: the runs' range) against the encoder's rate."""
     fig, ax = new_figure(width=6.5)
-    bars = ax.bar([_wrap(r["source"], 18) for r in rows], [r["samples_per_s"] for r in rows], color="C0")
-    for bar, r in zip(bars, rows):
-        ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), f"{r['samples_per_s']:,.0f}/s",
-                ha="center", va="bottom", fontsize=8)
-    ax.axhline(encoder_samples_per_s, color="C3", ls="--", label=f"encoder {encoder_samples_per_s:,.0f}/s")
-    ax.set(ylabel="samples/s", yscale="log", title="Can the loader feed the encoder?")
-    ax.legend(fontsize=8)
+    med = [float(statistics.median(r.get("runs", [r["samples_per_s"]]))) for r in rows]
+    low = [m - min(r.get("runs", [m])) for r, m in zip(rows, med)]
+    high = [max(r.get("runs", [m])) - m for r, m in zip(rows, med)]
+    bars = ax.bar([_wrap(r["source"], 18) for r in rows], med, yerr=[low, high], capsize=4, color="C0")
+    for bar, m in zip(bars, med):
+        ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), f"{m:,.0f}/s ", ha="right", va="bottom",
+                fontsize=8)
+    ax.axhline(encoder_samples_per_s, color="C3", ls="--",
+               label=f"{_wrap(encoder_label, 60)}: {encoder_samples_per_s:,.0f}/s")
+    ax.set(ylabel="samples/s (median, range of runs)", title="Can the loader feed the encoder?")
+    ax.set_ylim(0, max(max(m + h for m, h in zip(med, high)), encoder_samples_per_s) * 1.2)
+    ax.legend(fontsize=7, loc="upper right")
     return finish(fig, save_to)
 
 

@@ -8,9 +8,11 @@ the repo and ties the pixels to the font files and the layout engine: both are i
 (each font's sha256), so a cache drawn with other fonts is refused, never mixed. Without libraqm
 the basic layout draws unshaped glyphs in logical order, with a warning and `layout="basic"` in
 the params. Runs of different fonts in one line are placed in logical order. Emoji have no glyph
-(see `coverage`). Control characters, NUL and lone surrogates are stripped; an empty text gives a
-blank image. Work is capped by the image: text that cannot fit is cut before it is measured, so
-a 100,000-character line costs no more than a full image.
+(see `coverage`). Control characters, NUL and lone surrogates are stripped, U+2028 and U+2029
+break lines; an empty text gives a blank image, and a text the layout engine still cannot draw
+raises `RenderFailed` (an InputError) instead of the engine's own error. Work is capped by the
+image: text that cannot fit is cut before it is measured, so a 100,000-character line costs no
+more than a full image.
 """
 from __future__ import annotations
 
@@ -25,7 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
-RENDER_VERSION = 2  # bump when the same params would draw different pixels
+from nblib.errors import InputError
+
+RENDER_VERSION = 3  # bump when the same params would draw different pixels (3: U+2028/U+2029 break lines)
 BACKGROUND = 255
 INK = 0
 FONTS_DIR = Path(__file__).resolve().parents[1] / "data" / "fonts"
@@ -38,9 +42,11 @@ LAYOUTS = ("raqm", "basic")
 SCRIPTS = ("Latin", "Greek", "Cyrillic", "Hebrew", "Arabic", "Thai", "Devanagari", "CJK", "Hangul", "Kana",
            "other")
 
-# C0 and C1 control characters (tab becomes a space, newline is kept) and lone surrogates.
+# C0 and C1 control characters (tab becomes a space, newline is kept) and lone surrogates. The line
+# and paragraph separators U+2028 and U+2029 (text pasted from Word or PDF) break lines as a newline
+# does: libraqm refuses a paragraph separator inside one run.
 _CONTROL_TABLE = {c: None for c in (*range(0x00, 0x20), *range(0x7F, 0xA0))}
-_CONTROL_TABLE.update({ord("\t"): " ", ord("\n"): "\n"})
+_CONTROL_TABLE.update({ord("\t"): " ", ord("\n"): "\n", 0x2028: "\n", 0x2029: "\n"})
 _SURROGATES = re.compile("[\ud800-\udfff]")
 # Characters that belong to the cluster before them: never a run or line break before them.
 _JOINERS = frozenset("\u200c\u200d") | frozenset(map(chr, range(0xFE00, 0xFE10))) | frozenset(
@@ -168,25 +174,42 @@ def render_text(text: str, size: int = 224, font_size: int | None = None,
 
 
 def render_with(text: str, params: RenderParams) -> np.ndarray:
-    """Draw `text` with fixed `params` into a uint8 [size, size, 3] image."""
+    """Draw `text` with fixed `params` into a uint8 [size, size, 3] image (RenderFailed if it cannot)."""
     from PIL import Image, ImageDraw
 
     image = Image.new("L", (params.size, params.size), BACKGROUND)
-    lines = _wrap(clean_text(text), params)
-    if lines:
-        chain = _chain(params)
+    cleaned = clean_text(text)
+    chain = _chain(params)
+    try:
+        lines = _wrap(cleaned, params)
         draw = ImageDraw.Draw(image)
         step = _line_height(params)
         for row, (line, rtl) in enumerate(lines):
             _draw_line(draw, chain, line, rtl, params.margin + row * step + chain.ascent, params)
+    except (OSError, RuntimeError, ValueError, OverflowError) as exc:  # the layout engine's own errors
+        raise RenderFailed(f"the {params.layout} layout could not draw the text {cleaned[:60]!r}"
+                           f"{'...' if len(cleaned) > 60 else ''} ({type(exc).__name__}: {exc}); "
+                           f"edit that text, or report it with the text attached") from None
     return np.array(image.convert("RGB"), dtype=np.uint8)
 
 
-def clean_text(text: str) -> str:
-    """Strip control characters, NUL and lone surrogates; tabs become spaces, CR/CRLF newlines."""
-    if not isinstance(text, str):
-        from nblib.errors import InputError
+class RenderFailed(InputError):
+    """A text the layout engine cannot draw, after cleaning; the message names the text.
 
+    `index`: the text's position in its source when the caller knows it (a cache names the line).
+    """
+
+    def __init__(self, message: str, index: int | None = None):
+        super().__init__(message)
+        self.index = index
+
+    def __reduce__(self):  # crosses a process pool with its index
+        return type(self), (self.args[0], self.index)
+
+
+def clean_text(text: str) -> str:
+    """Strip control characters, NUL and lone surrogates; tabs become spaces; CR, CRLF, U+2028, U+2029 newlines."""
+    if not isinstance(text, str):
         raise InputError(f"render_text needs a str, got {type(text).__name__}: {text!r:.80}")
     text = text.replace("\r\n", "\n").replace("\r", "\n")
     return _SURROGATES.sub("", text.translate(_CONTROL_TABLE))

@@ -58,7 +58,8 @@ def run_notebook(path: str | Path, out_dir: str | Path, timeout: int = 900) -> N
 def run_suite(notebooks_dir: str | Path | None = None, out_dir: str | Path | None = None,
               progress: bool = True) -> list[NotebookResult]:
     """Execute every numbered notebook in order; returns one result per notebook."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # kernels inherit it: no TF log noise
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # kernels inherit these: no TF log noise
+    os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
     root = env.repo_root() or Path.cwd()
     notebooks_dir = Path(notebooks_dir or root / "notebooks")
     out_dir = Path(out_dir or env.outputs_dir() / "notebooks")

@@ -124,8 +124,11 @@ def image_shape(sample_kb: float) -> tuple[int, int, int]:
 def tensorflow():
     """Import TensorFlow quietly (TF_CPP_MIN_LOG_LEVEL=2) and return the module."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+    import absl.logging
     import tensorflow as tf
 
+    absl.logging.set_verbosity(absl.logging.ERROR)   # python-side absl warnings (e.g. on checkpoints)
     return tf
 
 

@@ -23,10 +23,10 @@ from torch import nn
 
 from nblib.config import ModelConfig, PipelineConfig
 from nblib.errors import ConfigError, WeightsError
+from nblib.sdpa import SDPA_BACKENDS, sdpa_context
 
 CHECKSUM_SEED = 0x5EED_C0DE
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")
-SDPA_BACKENDS = ("math", "efficient", "flash", "cudnn")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
@@ -141,7 +141,7 @@ class TRMVisionEncoder(nn.Module):
         except TypeError:
             known = ", ".join(f.name for f in dataclasses.fields(InferenceOptions))
             raise ConfigError(f"unknown inference option in {sorted(changes)}; known: {known}") from None
-        self._compiled = None
+        object.__setattr__(self, "_compiled", None)
         return self
 
     def patchify(self, images: torch.Tensor) -> torch.Tensor:
@@ -227,13 +227,7 @@ class TRMVisionEncoder(nn.Module):
         return torch.autocast(device.type, dtype=dtype)
 
     def _sdpa_backend(self):
-        if self.inference.sdpa_backend is None:
-            return contextlib.nullcontext()
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        kinds = {"math": SDPBackend.MATH, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-                 "flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
-        return sdpa_kernel(kinds[self.inference.sdpa_backend])
+        return sdpa_context(self.inference.sdpa_backend)
 
     def _runner(self):
         """self, or its torch.compile'd twin (built on first use, rebuilt after set_inference)."""
@@ -241,7 +235,10 @@ class TRMVisionEncoder(nn.Module):
             return self
         if self._compiled is None:
             opts = self.inference
-            self._compiled = torch.compile(self, mode=opts.compile_mode, backend=opts.compile_backend)
+            compiled = torch.compile(self, mode=opts.compile_mode, backend=opts.compile_backend)
+            # not a submodule: nn.Module.__setattr__ would register the compiled wrapper (which
+            # holds self) as a child, and .to(), .eval(), state_dict() would recurse forever
+            object.__setattr__(self, "_compiled", compiled)
         return self._compiled
 
     def weights_fingerprint(self) -> str:

@@ -10,8 +10,17 @@ import ipywidgets as W  # noqa: N812
 from IPython.display import clear_output, display
 
 
-def _output_panel(controls: list, render, css_class: str) -> W.VBox:
-    """A VBox of controls over an Output area; `render(**values)` reruns on every change."""
+class Panel(W.VBox):
+    """A panel: its plain-text form (what a static copy of the notebook shows) is one line, not the
+    repr of every child and of the output area's printed text.
+    """
+
+    def __repr__(self) -> str:
+        return f"<{' '.join(c for c in self._dom_classes if c.startswith('nblib-'))}: interactive in Jupyter or Colab>"
+
+
+def _output_panel(controls: list, render, css_class: str) -> Panel:
+    """A Panel of controls over an Output area; `render(**values)` reruns on every change."""
     out = W.Output()
 
     def update(_change=None):
@@ -22,7 +31,7 @@ def _output_panel(controls: list, render, css_class: str) -> W.VBox:
     for control in controls:
         control.observe(update, names="value")
     update()
-    panel = W.VBox([W.HBox(controls[i:i + 3]) for i in range(0, len(controls), 3)] + [out])
+    panel = Panel([W.HBox(controls[i:i + 3]) for i in range(0, len(controls), 3)] + [out])
     panel.add_class(css_class)
     return panel
 
@@ -49,11 +58,14 @@ def _dropdown(key: str, label: str, options, value):
 # ============================================================ 01 memory budgeting
 
 
-def budget_panel(config, device: str = "t4", drive_quota_gb: float = 15.0) -> W.VBox:
-    """Sliders and dropdowns over budget.predict_budget; the bar chart and verdict redraw live."""
+def budget_panel(config, device: str = "t4", drive_quota_gb: float = 15.0) -> Panel:
+    """Sliders and dropdowns over budget.predict_budget; the bar chart, the run time and the verdict
+    redraw live. The verdict names only knobs the panel has (`memory_budgeting.panel_verdict`).
+    """
     from nblib import budget, plots
-    from nblib.config import OUTPUT_CHOICES, OUTPUT_NAMES
+    from nblib.config import CODECS, OUTPUT_CHOICES, OUTPUT_NAMES
     from nblib.errors import ConfigError
+    from nblib.lab.memory_budgeting import panel_verdict, time_readout
 
     r, m = config.run, config.model
     output_options = [(", ".join(o), o) for o in OUTPUT_CHOICES]
@@ -68,10 +80,12 @@ def budget_panel(config, device: str = "t4", drive_quota_gb: float = 15.0) -> W.
         _dropdown("out_dtype", "output dtype", ["float16", "float32"], r.out_dtype),
         _dropdown("outputs", "outputs kept", output_options,
                   r.outputs if r.outputs in OUTPUT_CHOICES else OUTPUT_NAMES),
+        _dropdown("codec", "cache codec", list(CODECS), r.codec),
+        _slider("drive_quota_gb", "Drive GB", int(drive_quota_gb), 1, max(2000, int(drive_quota_gb))),
         _dropdown("device", "device", list(budget.DEVICES), device),
     ]
 
-    def render(device, **knobs):
+    def render(device, drive_quota_gb, **knobs):
         try:
             b = budget.predict_budget(config.replace(**knobs), device, drive_quota_gb=drive_quota_gb)
         except ConfigError as exc:
@@ -80,7 +94,8 @@ def budget_panel(config, device: str = "t4", drive_quota_gb: float = 15.0) -> W.
         fig = plots.budget_bars(b)
         display(fig)
         plots.close(fig)
-        print(b.verdict)   # one line: what fits, or every resource over its limit with the knobs that fit
+        print(time_readout(b))   # H/L cycles move the time, not the memory
+        print(panel_verdict(b))  # one line: what fits, or every resource over its limit with the knobs that fit
 
     return _output_panel(controls, render, "nblib-budget-panel")
 
@@ -89,7 +104,7 @@ def budget_panel(config, device: str = "t4", drive_quota_gb: float = 15.0) -> W.
 
 # ============================================================ 04 shuffle checkpoints
 
-def shuffle_checkpoint_panel(fit, buffer_size: int = 250_000, sample_kb: int = 500, episode_len: int = 100) -> W.VBox:
+def shuffle_checkpoint_panel(fit, buffer_size: int = 250_000, sample_kb: int = 500, episode_len: int = 100) -> Panel:
     """Buffer size, sample kB and episode length -> checkpoint sizes (tf.data vs resumable) and quality."""
     from nblib.lab import shuffle_checkpoints as lab
 
@@ -111,27 +126,53 @@ def shuffle_checkpoint_panel(fit, buffer_size: int = 250_000, sample_kb: int = 5
 
 # ============================================================ 05 input pipeline
 
-def pipeline_sweep_panel(table) -> W.VBox:
-    """One dropdown per swept knob: the measured row of that config, marked on every knob's curve."""
+def pipeline_sweep_panel(table) -> Panel:
+    """Pick one knob and one of its measured values: that row (median and range of its runs), starred
+    on the knob curves. Only configs the sweep measured can be picked (one knob varied from the base).
+    """
     from nblib import plots
     from nblib.pipeline.sweep import knob_text
 
-    base = table.base
-    controls = [_dropdown(knob, knob, [(knob_text(v), v) for v in dict.fromkeys(table.column(knob))], base[knob])
-                for knob in table.knobs]
+    knob = _dropdown("knob", "knob", list(table.knobs), table.knobs[0])
+    value = _dropdown("value", "value", [], None)
+    out = W.Output()
 
-    def render(**knobs):
-        row = table.find(**knobs)
-        if row is None:
-            print("not measured: this sweep varies one knob at a time from the base; change one knob only")
-            return
-        fig = plots.pipeline_knob_curves(table, highlight=row)
-        display(fig)
-        plots.close(fig)
-        print(f"{row['samples_per_s']:,.1f} samples/s, data-wait {row['data_wait']:.0%}, startup "
-              f"{row['startup_s']:.2f} s, peak RSS {row['peak_rss_bytes'] / 1e6:,.0f} MB")
+    def values_of(name):
+        return [(knob_text(r[name]), r[name]) for r in table.curve(name)]
 
-    return _output_panel(controls, render, "nblib-pipeline-panel")
+    def render(_change=None):
+        with out:
+            clear_output(wait=True)
+            row = next((r for r in table.curve(knob.value) if r[knob.value] == value.value), None)
+            if row is None:
+                return
+            fig = plots.pipeline_knob_curves(table, highlight=row)
+            display(fig)
+            plots.close(fig)
+            runs = table.spread(row)
+            print(f"{knob.value}={knob_text(row[knob.value])} (other knobs at the base): "
+                  f"{runs.text(unit='samples/s')}, data-wait {row['data_wait']:.0%}, startup "
+                  f"{row['startup_s']:.2f} s, peak RSS {row['peak_rss_bytes'] / 1e6:,.0f} MB")
+
+    switching = [False]
+
+    def new_value(_change=None):
+        if not switching[0]:
+            render()
+
+    def new_knob(_change=None):
+        switching[0] = True
+        value.options = values_of(knob.value)      # only the values measured with the other knobs at base
+        value.value = table.base[knob.value]
+        switching[0] = False
+        render()
+
+    knob.observe(new_knob, names="value")
+    value.observe(new_value, names="value")
+    new_knob()
+    panel = Panel([W.HBox([knob, value]), out])
+    panel.add_class("nblib-pipeline-panel")
+    return panel
 
 
 # ============================================================ end 05

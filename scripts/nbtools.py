@@ -29,12 +29,25 @@ KERNELSPEC = {"name": "python3", "display_name": "Python 3", "language": "python
 
 SETUP_CELL = f'''\
 # Setup: in Colab only, clone and install nblib (Colab's own torch and TensorFlow stay) and mount Drive.
-import os, sys
+# The repository: NBLIB_REPO (default {REPO_URL}); for a fork, set os.environ["NBLIB_REPO"] first.
+import os, subprocess, sys
 if "google.colab" in sys.modules:
+    NBLIB_REPO = os.environ.get("NBLIB_REPO", "{REPO_URL}")
     NBLIB_SRC = os.environ.get("NBLIB_CLONE_DIR", "/content/nblib-suite")
-    !test -d {{NBLIB_SRC}} \\
-        || git clone -q --depth=1 {{os.environ.get("NBLIB_REPO", "{REPO_URL}")}} {{NBLIB_SRC}}
-    %pip install -q -e {{NBLIB_SRC}}
+    class SetupFailed(Exception):  # shown as one line, not a traceback
+        def _render_traceback_(self):
+            return [f"SetupFailed: {{self}}"]
+    def _run(what, *command):
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode:
+            why = (done.stderr.strip().splitlines() or [f"exit status {{done.returncode}}"])[-1]
+            raise SetupFailed(f"{{what}} failed ({{why}}). Set NBLIB_REPO to the URL of a reachable nblib-suite "
+                              f"repository (your fork), e.g. os.environ['NBLIB_REPO'] = "
+                              f"'https://github.com/<you>/nblib-suite', then rerun this cell")
+    if not os.path.isdir(NBLIB_SRC):
+        _run(f"git clone {{NBLIB_REPO}}", "git", "clone", "-q", "--depth=1", NBLIB_REPO, NBLIB_SRC)
+    _run(f"pip install -e {{NBLIB_SRC}} (cloned from {{NBLIB_REPO}})", sys.executable, "-m", "pip", "install",
+         "-q", "-e", NBLIB_SRC)
     sys.path.insert(0, NBLIB_SRC)
 import nblib
 WORKSPACE = nblib.env.workspace()  # Google Drive in Colab, a local folder elsewhere'''

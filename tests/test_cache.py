@@ -14,6 +14,7 @@ from nblib import cache
 from nblib.cache import ShardedImageCache, populate, read_cache_manifest, read_texts, verify
 from nblib.cache.format import write_cache_manifest
 from nblib.errors import BudgetExceeded, CacheError, ConfigError, InputError
+from nblib.manifest import read_stat_cache
 from nblib.render import render_text
 
 SIZE = 32
@@ -196,7 +197,8 @@ def test_manifest_is_a_versioned_record_of_content_and_the_stats_live_in_the_loc
     assert set(manifest["shards"][0]) == {"file", "start", "stop", "count", "bytes", "sha256", "xxh3"}
     assert manifest["source"]["n_texts"] == len(TEXTS)
     first = reference / manifest["shards"][0]["file"]
-    stats = json.loads((reference / cache.STAT_CACHE).read_text())["shards"]
+    assert cache.STAT_CACHE == "manifest.stat.json"                  # nblib.manifest's stat cache
+    stats = read_stat_cache(reference / "manifest.json")
     assert stats[first.name] == {"bytes": first.stat().st_size, "mtime_ns": first.stat().st_mtime_ns,
                                  "sha256": manifest["shards"][0]["sha256"]}
 

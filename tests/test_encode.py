@@ -203,7 +203,7 @@ def test_index_names_each_part_range_and_the_hashes_of_its_arrays(cache_dir, tmp
         entry = index["files"][name]
         assert entry["sha256"] == sha256_file(path), name
         assert entry["bytes"] == path.stat().st_size and "mtime_ns" not in entry   # deterministic index
-        assert read_stat_cache(path.parent / enc.INDEX_NAME)[name] == path.stat().st_mtime_ns
+        assert read_stat_cache(path.parent / enc.INDEX_NAME)[name]["mtime_ns"] == path.stat().st_mtime_ns
     assert sketches.dtype == np.float16 and sketches.shape == (N_TEXTS, 4, 64)
     assert not list((tmp_path / "r").glob(".tmp-*"))
 

@@ -31,9 +31,9 @@ def test_runtime_is_colab_when_google_colab_is_loaded(monkeypatch):
     assert env.runtime() == "colab"
 
 
-def test_profile_defaults_to_smoke_without_cuda():
-    assert not env.cuda_available()  # this machine and CI have no GPU
-    assert env.profile() == "smoke"
+def test_profile_defaults_to_smoke_without_cuda_and_t4_with_it(monkeypatch):
+    monkeypatch.delenv("NBLIB_PROFILE", raising=False)
+    assert env.profile() == ("t4" if env.cuda_available() else "smoke")
 
 
 def test_profile_follows_nblib_profile(monkeypatch):
@@ -121,7 +121,10 @@ def test_hardware_report_reads_this_machine(tmp_path):
     assert 0 < report.ram_available_bytes <= report.ram_total_bytes
     assert 0 < report.local_disk_free_bytes <= report.local_disk_total_bytes
     assert report.drive_disk_total_bytes == report.local_disk_total_bytes
-    assert report.gpu_name is None and report.vram_total_bytes is None and not report.fp16_tensor_cores
+    if env.cuda_available():
+        assert report.gpu_name and report.vram_total_bytes > 0
+    else:
+        assert report.gpu_name is None and report.vram_total_bytes is None and not report.fp16_tensor_cores
     assert (report.numpy, report.torch) == (numpy.__version__, torch.__version__)
     text = str(report)
     assert "RAM total / available" in text and "torch" in text and "GPU" in text
@@ -149,3 +152,17 @@ def test_import_nblib_loads_neither_torch_nor_tensorflow():
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                          env=subprocess_env(), timeout=60)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("text,expected", [("15360", 15360.0), (" 1234.5 ", 1234.5), ("[N/A]", None),
+                                           ("[Not Supported]", None), ("", None), ("N/A", None)])
+def test_nvidia_smi_fields_read_as_numbers_or_none(text, expected):
+    assert env.smi_number(text) == expected
+
+
+@pytest.mark.parametrize("visible,index,expected", [
+    (None, 0, "0"), ("", 0, None), ("2,3", 0, "2"), ("2,3", 1, "3"),
+    ("GPU-8f3c1e2a-0000-1111-2222-333344445555", 0, "GPU-8f3c1e2a-0000-1111-2222-333344445555"),
+    ("MIG-GPU-aaaa/1/0", 0, "MIG-GPU-aaaa/1/0"), ("1", 3, None)])
+def test_the_nvidia_smi_id_of_a_torch_device_follows_cuda_visible_devices(visible, index, expected):
+    assert env.smi_device_id(visible, index) == expected

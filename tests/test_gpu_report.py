@@ -1,6 +1,7 @@
-"""benchmarks/gpu_report.py --smoke as a real subprocess: every section, numbers where CPU gives them."""
+"""benchmarks/gpu_report.py as real subprocesses (--smoke on this CPU, --simulate, --against) and its pieces."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -11,87 +12,142 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "gpu_report.py"
-SECTIONS = ("environment", "budget_accuracy", "throughput", "throughput_compiled", "candidates",
-            "long_run_vram", "offload", "streaming_overhead", "precision", "t4_projection", "capped_memory")
+CPU_SDPA = {"default": None, "math": None, "flash": None,      # a CPU kernel exists
+            "efficient": "RuntimeError: No viable backend", "cudnn": "RuntimeError: No viable backend"}
 
 
-def _run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+def _module():
+    spec = importlib.util.spec_from_file_location("gpu_report", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_report"] = module           # dataclasses look their module up while it loads
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu_report = _module()
+
+
+def _run(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
     return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
-def smoke_report(tmp_path_factory) -> tuple[dict, str, Path]:
+def reports(tmp_path_factory) -> dict:
+    """The simulated report, then a smoke run against it: both JSONs and the second's stdout."""
     out = tmp_path_factory.mktemp("gpu-report")
-    proc = _run("--smoke", "--out", str(out))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    files = list(out.glob("smoke-cpu-*.json"))
-    assert len(files) == 1, list(out.iterdir())
-    return json.loads(files[0].read_text()), proc.stdout, files[0]
+    sim = _run("--simulate", "--smoke", "--out", str(out / "simulated.json"))
+    assert sim.returncode == 0, sim.stderr[-3000:]
+    real = _run("--smoke", "--out", str(out / "real.json"), "--against", str(out / "simulated.json"))
+    assert real.returncode == 0, real.stderr[-3000:]
+    return {"simulated": json.loads((out / "simulated.json").read_text()),
+            "real": json.loads((out / "real.json").read_text()), "stdout": real.stdout,
+            "sim_stdout": sim.stdout, "path": out / "real.json"}
 
 
-def test_every_section_is_there_and_ran_or_says_why_not(smoke_report):
-    report, _, _ = smoke_report
+# ------------------------------------------------------------------ the steps: one list, declared reads
+def test_every_read_is_made_by_an_earlier_step():
+    gpu_report.check_steps()
+    swapped = list(gpu_report.STEPS)
+    i = gpu_report.STEP_NAMES.index("candidates")
+    swapped.insert(1, swapped.pop(i))                 # candidates before the throughput it reads
+    with pytest.raises(AssertionError, match="candidates reads"):
+        gpu_report.check_steps(swapped)
+
+
+def test_the_long_run_is_capped_by_the_measured_rate():
+    assert gpu_report.long_run_batches(1000, 448.0, 192, 120.0)[0] == 280   # 120 s at a T4's ~448 samples/s
+    assert gpu_report.long_run_batches(1000, 5000.0, 192, 120.0) == (1000, gpu_report.long_run_batches(
+        1000, 5000.0, 192, 120.0)[1])
+    n, why = gpu_report.long_run_batches(1000, 10.0, 192, 120.0)
+    assert n == 10 and "slope is weak" in why
+
+
+def test_mfu_uses_the_rate_the_kernels_run_at():
+    from nblib import budget
+
+    h100 = budget.device_preset("h100")
+    assert gpu_report.peak_flops(h100, "fp16", False) == h100.fp16_flops
+    assert gpu_report.peak_flops(h100, "fp32", False) == h100.fp32_flops
+    assert gpu_report.peak_flops(h100, "fp32", True) == h100.tf32_flops
+    t4 = budget.device_preset("t4")
+    assert gpu_report.peak_flops(t4, "fp32", True) == t4.fp32_flops   # no TF32 on a T4
+
+
+def test_gpu_presets_come_from_the_budget_devices():
+    assert gpu_report.gpu_preset("Tesla T4").name == "t4"
+    assert gpu_report.gpu_preset("NVIDIA H100 80GB HBM3").name == "h100"
+    assert gpu_report.gpu_preset("NVIDIA L40S") is None
+
+
+# ------------------------------------------------------------------ the smoke run on this CPU
+def test_every_section_is_there_and_ran_or_says_why_not(reports):
+    report = reports["real"]
     assert report["schema"] == "nblib.gpu_report/1" and report["smoke"] is True
-    for name in SECTIONS:
-        assert report[name]["status"] in ("ok", "skipped: no CUDA"), (name, report[name]["status"])
-    assert report["capped_memory"]["status"] == "skipped: no CUDA"
-    assert report["environment"]["reference_config"] == "smoke"
+    for name in gpu_report.STEP_NAMES:
+        expected = "skipped: no CUDA" if name == "capped_memory" else "ok"
+        assert report[name]["status"] == expected, (name, report[name]["status"])
 
 
-def test_throughput_has_positive_rates_and_unavailable_kernels_as_errors(smoke_report):
-    rows = smoke_report[0]["throughput"]["rows"]
-    default = [r for r in rows if r["sdpa_backend"] == "default" and r["precision"] == "fp32"]
-    assert {r["batch"] for r in default} == {smoke_report[0]["environment"]["reference_batch"],
-                                             smoke_report[0]["environment"]["max_batch"]}
-    assert all(r["samples_per_s"] > 0 and r["error"] is None for r in default)
-    assert {r["sdpa_backend"] for r in rows} == {"default", "math", "efficient", "flash", "cudnn"}
-    for row in rows:   # every row has a rate or says what failed (efficient/cudnn have no CPU kernel)
-        assert (row["samples_per_s"] or 0) > 0 or row["error"]
-    compiled = smoke_report[0]["throughput_compiled"]["rows"]
-    assert compiled and all(r["compile"] == "default" and (r["samples_per_s"] or 0) > 0 for r in compiled)
+def test_each_attention_backend_runs_or_fails_as_this_cpu_must(reports):
+    rows = reports["real"]["throughput"]["rows"]
+    assert {r["sdpa_backend"] for r in rows} == set(CPU_SDPA)
+    for row in rows:
+        error = CPU_SDPA[row["sdpa_backend"]]
+        if error is None:
+            assert row["error"] is None and row["samples_per_s"] > 0, row
+        else:
+            assert row["samples_per_s"] is None and row["error"].startswith(error), row
 
 
-def test_long_run_slope_is_a_float_over_every_batch(smoke_report):
-    long_run = smoke_report[0]["long_run_vram"]
-    assert long_run["batches"] == 30
-    assert isinstance(long_run["slope_mb_per_1000_batches"], float)
-    assert long_run["memory"] == "process RSS" and long_run["samples_per_s"] > 0
+def test_long_run_streaming_and_offload_figures(reports):
+    report = reports["real"]
+    long_run = report["long_run_vram"]
+    assert long_run["batches"] == long_run["batches_asked"] == 30 and long_run["batches_why"].startswith("as asked")
+    assert isinstance(long_run["slope_mb_per_1000_batches"], float) and long_run["memory"] == "process RSS"
+    assert report["offload"]["async"]["peak_vram_allocated"] is None and report["offload"]["async"]["peak_rss"] > 0
+    assert report["streaming_overhead"]["streaming_samples_per_s"] == report["offload"]["async"]["samples_per_s"]
 
 
-def test_streaming_offload_and_budget_figures_are_numbers(smoke_report):
-    report = smoke_report[0]
-    assert report["offload"]["async"]["samples_per_s"] > 0 < report["offload"]["consolidate"]["samples_per_s"]
-    assert report["offload"]["async"]["peak_vram_allocated"] is None       # no CUDA: VRAM is None, RSS is there
-    assert report["offload"]["async"]["peak_rss"] > 0
-    assert report["streaming_overhead"]["ratio"] > 0
-    rows = report["budget_accuracy"]["rows"]
-    assert len(rows) == 3 and all(line["ratio"] > 0 for row in rows for line in row["lines"])
-
-
-def test_low_precision_outputs_stay_close_to_fp32(smoke_report):
-    precision = smoke_report[0]["precision"]
+def test_low_precision_outputs_stay_close_to_fp32(reports):
+    precision = reports["real"]["precision"]
     for name, bound in (("fp16", 0.01), ("bf16", 0.05)):
         assert 0 < precision[name]["sketch_mean_rel_err"] <= precision[name]["sketch_max_rel_err"] < bound
         assert precision[name]["checksum_bits_agree"] > 0.9
 
 
-def test_t4_projection_is_labelled_and_counts_the_model_flops(smoke_report):
-    projection = smoke_report[0]["t4_projection"]
-    assert projection["label"].startswith("PROJECTION")
+def test_the_t4_projection_is_simulated_and_counts_every_flop(reports):
+    projection = reports["real"]["t4_projection"]
+    assert projection["label"].startswith("simulated")
     for precision in ("fp32", "fp16"):
         entry = projection[precision]
-        assert 0.9 < entry["flops_per_batch"] / entry["analytic_flops_per_batch"] <= 1.0   # CPU attention is uncounted
-        assert entry["t4_roofline_samples_per_s"] > 0 and entry["bytes_per_batch"] > 0
+        assert entry["flops_per_batch"] == pytest.approx(entry["analytic_flops_per_batch"], rel=1e-9)
+        assert entry["t4_calibrated_by_reference"] < entry["t4_roofline_samples_per_s"]
+        assert entry["t4_calibrated_by_this_gpu"] is None                 # a CPU has no GPU preset
 
 
-def test_candidates_name_the_fastest_and_the_table_is_printed(smoke_report):
-    report, stdout, path = smoke_report
-    candidates = report["candidates"]
-    assert candidates["fastest"] in candidates["samples_per_s"]
-    assert candidates["recommendation"].startswith("SMOKE")
-    assert "PROJECTION" in stdout and f"wrote {path}" in stdout
+# ------------------------------------------------------------------ --simulate and --against
+def test_simulate_writes_the_same_sections_labelled_simulated(reports):
+    sim = reports["simulated"]
+    assert sim["simulated"] is True
+    filled = {"environment", "budget_accuracy", "throughput", "offload", "t4_projection", "capped_memory"}
+    for name in gpu_report.STEP_NAMES:
+        if name in filled:
+            assert sim[name]["status"] == "ok" and "simulated" in sim[name].get("label", ""), name
+        else:
+            assert sim[name]["status"] == "skipped: not simulated (needs a GPU)", name
+    assert sim["offload"]["consolidate"]["peak_vram_reserved"] > sim["offload"]["async"]["peak_vram_reserved"] > 0
+    assert "SIMULATED T4" in reports["sim_stdout"]
+
+
+def test_a_real_run_prints_measured_over_simulated(reports):
+    out = reports["stdout"]
+    assert "measured here / simulated T4" in out and f"wrote {reports['path']}" in out
+    fp32 = next(line for line in out.splitlines() if "samples/s fp32" in line)
+    measured = reports["real"]["throughput"]["rows"][0]["samples_per_s"]
+    simulated = reports["simulated"]["throughput"]["rows"][0]["samples_per_s"]
+    assert f"ratio {measured / simulated:.3f}" in fp32
 
 
 @pytest.mark.parametrize("args", [("--bogus",), ("--smoke", "--compile-modes", "turbo"), ("--repeats", "0")])

@@ -26,13 +26,15 @@ time.sleep(float(sys.argv[4]))
 RACE = """
 import os, sys, time
 from nblib.lock import FolderBusyError, FolderLock
-folder, identity, go = sys.argv[1], sys.argv[2], sys.argv[3]
+folder, identity, go, done = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+print("ready", flush=True)  # imports done: the parent starts the race once every child has said so
 while not os.path.exists(go):
     time.sleep(0.001)
 try:
     with FolderLock(folder, identity=identity):
         print("won", flush=True)
-        time.sleep(2.0)
+        while not os.path.exists(done):  # hold it until every racer has had its answer
+            time.sleep(0.005)
 except FolderBusyError as exc:
     print("refused:", exc, flush=True)
 """
@@ -192,15 +194,18 @@ def test_a_process_that_exits_without_releasing_removes_its_lock_at_exit(tmp_pat
 
 def _race(tmp_path, n, trial, prepare=None):
     """Start `n` real processes that take one folder's lock at the same moment; their outputs."""
-    folder, go = tmp_path / f"trial-{trial}", tmp_path / f"go-{trial}"
+    folder, go, done = tmp_path / f"trial-{trial}", tmp_path / f"go-{trial}", tmp_path / f"done-{trial}"
     folder.mkdir()
     if prepare:
         prepare(folder)
-    processes = [subprocess.Popen([sys.executable, "-c", RACE, str(folder), f"run-{i}", str(go)],
+    processes = [subprocess.Popen([sys.executable, "-c", RACE, str(folder), f"run-{i}", str(go), str(done)],
                                   env=subprocess_env(), stdout=subprocess.PIPE, text=True) for i in range(n)]
-    time.sleep(1.0)  # every process is spinning on the go file
+    for p in processes:  # a start barrier that holds under any load: every child spins on the go file
+        assert p.stdout.readline().strip() == "ready"
     go.touch()
-    outputs = [p.communicate(timeout=60)[0] for p in processes]
+    answers = [p.stdout.readline() for p in processes]  # the winner holds the lock until all answered
+    done.touch()
+    outputs = [answer + p.communicate(timeout=60)[0] for answer, p in zip(answers, processes)]
     return processes, outputs
 
 

@@ -13,12 +13,19 @@ from nblib.config import preset
 
 
 def test_peak_memory_sees_a_short_lived_allocation():
-    with measure.PeakMemory() as pm:
+    start = time.perf_counter()
+    with measure.PeakMemory(interval_s=0.01) as pm:
         block = np.ones(200_000_000, dtype=np.uint8)   # 200 MB, touched
-        time.sleep(0.15)
+        first = pm.samples
+        deadline = time.monotonic() + 60                # the sampler keeps going while the body runs,
+        while pm.samples < first + 3 and time.monotonic() < deadline:  # however slowly it is scheduled
+            time.sleep(0.005)
         del block
+    elapsed = time.perf_counter() - start
     assert 180e6 < pm.delta < 260e6
-    assert pm.samples >= 3                              # >= 20 Hz over 0.15 s
+    assert pm.samples >= first + 3, (first, pm.samples)
+    # it waits its interval between samples: never more than elapsed / interval (+ the first one)
+    assert pm.samples <= elapsed / 0.01 + 1, (pm.samples, elapsed)
 
 
 def test_peak_memory_catches_a_spike_shorter_than_one_sample():
@@ -54,9 +61,15 @@ def test_throughput_reports_samples_per_second():
         time.sleep(0.02)
         tp.tick(10)
     assert tp.total == 50
-    assert 200 < tp.overall() < 600 and 200 < tp.rate() < 600
+    # the rates are the known counts over the times it recorded (exact, whatever the load) ...
+    t = tp.times
+    assert tp.overall() == pytest.approx(50 / (t[-1] - tp.start), rel=1e-12)
+    assert tp.rate() == pytest.approx(30 / (t[-1] - t[-4]), rel=1e-12)   # the last 3 ticks only
+    # ... and a sleep lasts at least its time, so no rate can exceed 10 samples per 0.02 s
+    assert 0 < tp.rate() <= 500 and 0 < tp.overall() <= 500
     xs, ys = tp.series()
-    assert len(xs) == 5 and all(y > 0 for y in ys)
+    assert len(xs) == 5 and all(0 < y <= 500 for y in ys)
+    assert ys == pytest.approx([10 / (b - a) for a, b in zip([tp.start, *t[:-1]], t)], rel=1e-12)
 
 
 MID = preset("seed_t4").replace(image_size=128, dim=256, heads=4, capsules=8)

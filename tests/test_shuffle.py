@@ -73,14 +73,6 @@ def test_every_shuffle_yields_each_source_index_exactly_once(kind, n, seed, size
     assert all(type(i) is int for i in order)
 
 
-def test_state_taken_after_the_last_index_resumes_to_nothing():
-    shuffle = sh.ResumableShuffleBuffer(n=10, buffer_size=4, seed=0)
-    list(shuffle)
-    fresh = sh.ResumableShuffleBuffer(n=10, buffer_size=4, seed=0)
-    fresh.load_state_dict(shuffle.state_dict())
-    assert list(fresh) == [] and fresh.remaining == 0
-
-
 def test_same_arguments_give_the_same_order_and_other_seeds_or_epochs_another():
     def order(**kw):
         return list(sh.GlobalShuffle(n=1000, **kw))
@@ -453,19 +445,6 @@ def test_permutation_states_are_constant_size():
     assert sh.state_bytes(sh.GlobalShuffle(n=10**12, seed=1)) < 264
     assert sh.state_bytes(sh.ShardAwareShuffle(n=10**9, seed=1, shard_size=10**6, window_shards=8)) < 314
     assert sh.state_bytes(sh.GlobalShuffle(n=10**12, seed=1)) == sh.state_bytes(sh.GlobalShuffle(n=10**3, seed=1)) + 9
-
-
-def test_save_and_load_state_through_a_file_resumes_exactly(tmp_path):
-    source = [f"sample-{i}" for i in range(300)]
-    uninterrupted = list(sh.iter_samples(source, sh.ResumableShuffleBuffer(n=300, buffer_size=32, seed=4)))
-    first = sh.ResumableShuffleBuffer(n=300, buffer_size=32, seed=4)
-    stream = sh.iter_samples(source, first)
-    head = [next(stream) for _ in range(123)]
-    sh.save_state(tmp_path / "state.json", first)
-    second = sh.ResumableShuffleBuffer(n=300, buffer_size=32, seed=4)
-    sh.load_state(tmp_path / "state.json", second)
-    assert set(second.buffered_indices()) == set(first.buffered_indices())
-    assert head + list(sh.iter_samples(source, second)) == uninterrupted
 
 
 KILL_SCRIPT = textwrap.dedent("""

@@ -82,27 +82,26 @@ def test_iterable_dataset_with_two_workers_yields_the_shuffle_order_and_resumes(
     assert _batches_to_indices(head) + _batches_to_indices(tail) == expected
 
 
-def test_sampler_follows_the_stateful_protocol_without_workers():
-    """torchdata's StatefulDataLoader calls state_dict() / load_state_dict() and re-iterates."""
-    expected = list(_make("buffer"))
+# Exact resume after every step (state_dict() and state_dict(consumed=k) read ahead) is checked for
+# every shuffle by tests/test_state_roundtrip.py; here: what the harness does not look at.
+
+
+def test_a_resumed_sampler_has_the_rest_of_its_epoch_as_len():
     sampler = sh.ShuffleSampler(_make("buffer"))
     iterator = iter(sampler)
-    head = [next(iterator) for _ in range(50)]
-    state = sampler.state_dict()
+    for _ in range(50):
+        next(iterator)
     fresh = sh.ShuffleSampler(_make("buffer"))
-    fresh.load_state_dict(state)
+    fresh.load_state_dict(sampler.state_dict())
     assert len(fresh) == N - 50
-    assert head + list(fresh) == expected
 
 
-def test_consecutive_checkpoints_replay_only_from_the_previous_one():
+def test_a_state_before_the_previous_checkpoint_is_refused():
     sampler = sh.ShuffleSampler(_make("buffer"))
-    expected = list(_make("buffer"))
     list(sampler)  # ran to the end of the epoch ahead of training
-    for consumed in (10, 64, 150):
-        fresh = sh.ShuffleSampler(_make("buffer"))
-        fresh.load_state_dict(sampler.state_dict(consumed=consumed))
-        assert list(fresh) == expected[consumed:]
+    fresh = sh.ShuffleSampler(_make("buffer"))
+    fresh.load_state_dict(sampler.state_dict(consumed=64))
+    assert list(fresh) == list(_make("buffer"))[64:]
     with pytest.raises(StateError, match="consumed=20"):
         sampler.state_dict(consumed=20)  # before the last checkpoint
 

@@ -48,7 +48,7 @@ def test_budget_panel_prints_exactly_predict_budgets_verdict_naming_ram_and_driv
     shown = capsys.readouterr().out.strip().splitlines()[-1]
     expected = budget.predict_budget(seed.replace(batch_size=900), "t4", drive_quota_gb=15).verdict
     assert shown == expected
-    assert f"run.batch_size={budget.max_batch_size(seed, 't4')}" in shown and "RAM 32.84 > 11.00 GB" in shown
+    assert f"run.batch_size={budget.max_batch_size(seed, 't4')}" in shown and "RAM 33.29 > 11.00 GB" in shown
     assert "Drive 658.46 > 15.00 GB" in shown and "run.out_dtype" not in shown     # float16 already
 
 
@@ -62,3 +62,42 @@ def test_panels_and_controls_carry_css_classes_for_the_browser():
     shuffle = widgets.shuffle_checkpoint_panel(fit)
     assert "nblib-shuffle-panel" in shuffle._dom_classes
     assert "nblib-knob-buffer_size" in _control(shuffle, "buffer_size")._dom_classes
+
+
+def test_budget_panel_shows_a_time_readout_and_one_short_repr(capsys):
+    panel = widgets.budget_panel(config.preset("seed_t4"), "t4", drive_quota_gb=15)
+    before = [line for line in capsys.readouterr().out.splitlines() if line.startswith("time ")]
+    _control(panel, "H_cycles").value = 6            # more recursion: more FLOPs, a longer run; memory unchanged
+    after = [line for line in capsys.readouterr().out.splitlines() if line.startswith("time ")]
+    assert len(before) == len(after) == 1 and before != after and "projection" in after[0]
+    assert "\n" not in repr(panel) and "does NOT fit" not in repr(panel)
+
+
+def test_the_panel_verdict_names_only_knobs_the_panel_has():
+    from nblib import budget
+    from nblib.lab.memory_budgeting import panel_verdict
+
+    b = budget.predict_budget(config.preset("seed_t4").replace(batch_size=900), "t4", drive_quota_gb=15)
+    for advice in b.advice:
+        for suggestion in advice.suggestions:
+            shown = suggestion.knob.split(".")[-1] in ("batch_size", "outputs", "codec", "drive_quota_gb",
+                                                         "checkpoint_every")
+            assert (str(suggestion) in panel_verdict(b)) == shown or not shown
+    assert "keep_local" not in panel_verdict(b, knobs=("batch_size",)) and "drive_quota_gb" not in \
+        panel_verdict(b, knobs=("batch_size",))
+    assert "no control of this panel fixes it alone" in panel_verdict(b, knobs=("device",))
+
+
+def test_pipeline_panel_asks_for_one_knob_and_one_measured_value(capsys):
+    from nblib.pipeline import SweepTable
+
+    rows = [{"batch_size": b, "prefetch": p, "varied": v, "samples_per_s": r, "runs": (r - 1, r, r + 1),
+             "data_wait": 0.1, "startup_s": 0.1, "peak_rss_bytes": 1e8}
+            for b, p, v, r in ((32, 2, "base", 100.0), (128, 2, "batch_size", 150.0), (32, 8, "prefetch", 90.0))]
+    panel = widgets.pipeline_sweep_panel(SweepTable(knobs=("batch_size", "prefetch"), rows=rows, planned=3))
+    knob, value = panel.children[0].children
+    assert knob.options == ("batch_size", "prefetch")
+    knob.value = "prefetch"
+    assert [v for _, v in value.options] == [2, 8]       # only the values measured with the other knobs at base
+    value.value = 8
+    assert "prefetch=8 (other knobs at the base): 90 samples/s (89-91, 3 runs)" in capsys.readouterr().out

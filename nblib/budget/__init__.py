@@ -50,12 +50,12 @@ from nblib.budget.drive import (
 )
 from nblib.budget.knobs import BudgetPlan, plan_budget
 from nblib.budget.memory import (
-    ALLOCATOR_CACHE_SHARE,
     LOADER_WORKER_RAM,
     RUNTIME_RAM_CPU,
     RUNTIME_RAM_CUDA,
     Line,
     autocast_weight_count,
+    device_memory_lines,
     flops_per_image,
     forward_peak_delta,
     model_memory_lines,
@@ -73,11 +73,11 @@ __all__ = [
     "FOLDER_ITEMS_LIMIT", "FREE_QUOTA_GB", "UPLOAD_PER_DAY", "Advice", "DriveLimitCheck", "Suggestion",
     "advise", "advise_resource", "cache_shards", "drive_limit_checks", "smallest_checkpoint_every",
     "uploaded_bytes",
-    "ALLOCATOR_CACHE_SHARE", "CODEC_RATIO_ESTIMATE", "DEVICES", "KNOBS", "LOADER_WORKER_RAM",
+    "CODEC_RATIO_ESTIMATE", "DEVICES", "KNOBS", "LOADER_WORKER_RAM",
     "NO_CACHE", "NPY_HEADER_BYTES", "OUTPUT_CHOICES", "RESOURCES", "RESTORE_RAM_FACTOR", "RUNTIME_RAM_CPU",
     "RUNTIME_RAM_CUDA", "Budget", "BudgetPlan", "Device", "Line", "ShardPlan", "ShuffleCheckpoint",
     "autocast_weight_count", "cache_bytes", "calibrate", "check_disk", "checkpoint_disk_peak",
-    "checkpoint_ram_peak", "choose_codec", "device_preset", "disk_lines", "flops_per_image",
+    "checkpoint_ram_peak", "choose_codec", "device_memory_lines", "device_preset", "disk_lines", "flops_per_image",
     "forward_peak_delta", "max_batch_size", "model_memory_lines", "output_bytes_per_batch",
     "output_bytes_per_image", "output_shapes", "param_count", "plan_budget", "plan_shards",
     "predict_budget", "preflight", "require_positive", "shuffle_checkpoint", "shuffle_checkpoint_table",

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 from nblib.config import PipelineConfig
 from nblib.errors import ConfigError
-
-SDPA_BACKENDS = ("math", "efficient", "flash")
+from nblib.sdpa import SDPA_BACKENDS
 
 
 def validated(config: PipelineConfig) -> PipelineConfig:
@@ -18,7 +17,7 @@ def checked_sdpa_backend(name: str | None) -> str:
     """The attention backend to budget for; default "flash"."""
     name = name or "flash"
     if name not in SDPA_BACKENDS:
-        raise ConfigError(f"sdpa_backend={name!r} is unknown; use 'math', 'efficient' or 'flash'")
+        raise ConfigError(f"sdpa_backend={name!r} is unknown; choose one of {SDPA_BACKENDS}")
     return name
 
 

@@ -21,7 +21,7 @@ from nblib.config import OUTPUT_CHOICES
 from nblib.units import GB
 
 __all__ = [
-    "MARGIN", "NAMES", "OPTION_KNOBS", "RUN_KNOBS", "Advice", "Suggestion", "advise", "advise_resource",
+    "MARGIN", "NAMES", "OPTION_KNOBS", "RUN_KNOBS", "Advice", "Suggestion", "advise", "advise_resource", "knob_words",
 ]
 
 MARGIN = 0.1
@@ -51,7 +51,7 @@ class Advice:
     """One resource (or Drive limit) over its limit, and what to turn."""
 
     resource: str
-    text: str          # "RAM 32.84 > 11.00 GB" or a Drive limit check's numbers
+    text: str          # "RAM 33.29 > 11.00 GB" or a Drive limit check's numbers
     suggestions: tuple[Suggestion, ...]
     fallback: str = ""  # the knobs in words when no value could be computed
 
@@ -76,7 +76,41 @@ def advise_resource(budget, resource: str, limit: float | None = None) -> Advice
     suggest = {"vram": _vram, "ram": _ram, "local disk": _local_disk, "drive": _drive}[resource]
     return Advice(resource, f"{NAMES[resource]} {need / GB:.2f} > {limit / GB:.2f} GB",
                   tuple(s for s in suggest(search) if s is not None and s.value != s.current),
-                  KNOBS[resource])
+                  knob_words(budget.config, resource))
+
+
+def knob_words(config, resource: str, *, on_drive: bool = True) -> str:
+    """The knobs that lower `resource` for this config, in words (a refusal's "what to turn").
+
+    Never a value already set (no "a float16 run.out_dtype" for a float16 run, no "a compressed
+    codec" for a zlib cache), and only the knob of the resource that ran out: a durable copy that
+    is not on Google Drive (`on_drive=False`, e.g. the local stand-in sharing the staging disk) is
+    helped by free disk, not by a bigger drive_quota_gb. `resource` is one of RESOURCES or "cache"
+    (the image cache's own disk). Falls back to KNOBS' fixed words for a resource it does not know.
+    """
+    r = config.run
+    turns: list[str] = []
+    if resource == "vram":
+        turns += ["lower run.batch_size (see max_batch_size)" if r.batch_size > 1 else "a smaller model"]
+        turns += ["lower run.consolidate_every"] if r.consolidate_every > 1 else []
+    elif resource == "ram":
+        turns += ["lower run.checkpoint_every"] if r.checkpoint_every > 1 else []
+        turns += ["lower run.batch_size"] if r.batch_size > 1 else []
+        turns += ["fewer run.prefetch/workers"] if r.prefetch > 0 or r.workers > 0 else []
+    elif resource == "local disk":
+        turns += ["keep fewer parts locally (keep_local)"]
+        turns += ["lower run.checkpoint_every"] if r.checkpoint_every > 1 else []
+    elif resource in ("drive", "cache"):
+        smaller = [c for c in CODEC_RATIO_ESTIMATE if CODEC_RATIO_ESTIMATE[c] < CODEC_RATIO_ESTIMATE.get(r.codec, 0)]
+        if resource == "drive":
+            turns += ["keep fewer run.outputs"] if len(r.outputs) > 1 else []
+            turns += ["a float16 run.out_dtype"] if r.out_dtype != "float16" else []
+        turns += [f"a compressed run.codec ({' or '.join(sorted(smaller))})"] if smaller else []
+        turns += ["fewer run.n_samples"] if resource == "cache" else []
+        turns += ["a bigger drive_quota_gb" if on_drive and resource == "drive" else "free disk on that folder"]
+    else:
+        return KNOBS[resource]
+    return ", ".join(turns[:-1]) + (" or " if len(turns) > 1 else "") + turns[-1]
 
 
 # ------------------------------------------------------------------------------- per resource
@@ -135,7 +169,7 @@ class _Search:
             return all(self.total(r, batch_size=b) <= targets[r] for r in memory)
 
         current = self.config.run.batch_size
-        best = _largest(1, current - 1, fits)
+        best = _largest(1, min(current - 1, self.config.run.n_samples), fits)   # never above the run's samples
         if best is None:
             return None
         return Suggestion("run.batch_size", best, current,
@@ -149,7 +183,8 @@ class _Search:
         def changes(every: int) -> dict:
             return {"checkpoint_every": every, "consolidate_every": _largest_divisor(every, r.consolidate_every)}
 
-        best = _largest(1, r.checkpoint_every - 1, lambda every: self.fits(**changes(every)))
+        batches = -(-r.n_samples // r.batch_size)     # a part never holds more than the run's batches
+        best = _largest(1, min(r.checkpoint_every - 1, batches), lambda every: self.fits(**changes(every)))
         if best is None:
             return None
         if best >= r.consolidate_every:

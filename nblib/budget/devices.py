@@ -19,6 +19,9 @@ class Device:
     fp16_flops: float         # peak FP16 FLOP/s (tensor cores where present)
     cuda_context_bytes: int = 0  # driver + kernels image, outside torch's allocator
     efficiency: float = 0.25  # share of peak a batch of this encoder reaches (calibrate())
+    memory_bandwidth: float = 0.0   # bytes/s of device memory (host DRAM for the CPU)
+    tf32_flops: float = 0.0   # peak TF32 tensor FLOP/s (0: no TF32, fp32 runs at fp32_flops)
+    compute_capability: int = 0     # CUDA sm_XY as XY (75 for a T4); 0 for the CPU
 
     @property
     def is_gpu(self) -> bool:
@@ -35,32 +38,45 @@ DEVICES: dict[str, Device] = {
     # 16 GB RAM, 14 GB SSD); 4 cores x ~2.5 GHz x 32 FP32 FLOP/cycle (AVX2, 2 FMA units) = 0.32
     # TFLOP/s; no fp16 speed-up on CPU.
     "cpu": Device("cpu", vram_bytes=0, ram_bytes=int(14 * GB), disk_bytes=int(14 * GB),
-                  fp32_flops=0.32e12, fp16_flops=0.32e12, efficiency=0.3),
+                  fp32_flops=0.32e12, fp16_flops=0.32e12, efficiency=0.3, memory_bandwidth=25e9),
     # Colab free T4: 15.0 GB VRAM as Colab shows it (16 GB GDDR6 less ECC/reserved), 12.7 GB RAM
     # of which ~11 GB usable, ~78 GB free of a 108 GB disk. NVIDIA T4 datasheet: 8.1 TFLOP/s
-    # FP32, 65 TFLOP/s FP16 tensor. CUDA context 300-500 MB on a T4 (nvidia-smi after init).
+    # FP32, 65 TFLOP/s FP16 tensor, 320 GB/s GDDR6, Turing sm_75 (no TF32, no bf16 tensor
+    # cores). CUDA context 300-500 MB on a T4 (nvidia-smi after init).
     "t4": Device("t4", vram_bytes=int(15.0 * GB), ram_bytes=int(11.0 * GB),
                  disk_bytes=int(78 * GB), fp32_flops=8.1e12, fp16_flops=65e12,
-                 cuda_context_bytes=int(0.4 * GB)),
+                 cuda_context_bytes=int(0.4 * GB), memory_bandwidth=320e9,
+                 compute_capability=75),
     # Colab L4: 22.5 GB VRAM shown, 53 GB RAM, ~200 GB free disk. NVIDIA L4 datasheet: 30.3
-    # TFLOP/s FP32, 121 TFLOP/s FP16 tensor (dense; 242 with sparsity).
+    # TFLOP/s FP32, 121 TFLOP/s FP16 tensor (dense; 242 with sparsity), 60 TF32 (dense),
+    # 300 GB/s, Ada sm_89.
     "l4": Device("l4", vram_bytes=int(22.5 * GB), ram_bytes=int(50 * GB), disk_bytes=int(200 * GB),
-                 fp32_flops=30.3e12, fp16_flops=121e12, cuda_context_bytes=int(0.5 * GB)),
+                 fp32_flops=30.3e12, fp16_flops=121e12, cuda_context_bytes=int(0.5 * GB),
+                 memory_bandwidth=300e9, tf32_flops=60e12, compute_capability=89),
     # Colab A100 40 GB: 40 GB VRAM, 83.5 GB RAM, ~200 GB free disk. NVIDIA A100 datasheet: 19.5
-    # TFLOP/s FP32, 312 TFLOP/s FP16 tensor (dense).
+    # TFLOP/s FP32, 312 TFLOP/s FP16 tensor (dense), 156 TF32 (dense), 1,555 GB/s, sm_80.
     "a100-40gb": Device("a100-40gb", vram_bytes=int(40 * GB), ram_bytes=int(80 * GB),
                         disk_bytes=int(200 * GB), fp32_flops=19.5e12, fp16_flops=312e12,
-                        cuda_context_bytes=int(0.5 * GB)),
+                        cuda_context_bytes=int(0.5 * GB), memory_bandwidth=1555e9,
+                        tf32_flops=156e12, compute_capability=80),
+    # H100 SXM5 80 GB: 80 GB HBM3 (~79 GB usable), NVIDIA H100 datasheet: 67 TFLOP/s FP32,
+    # 989 TFLOP/s FP16 tensor and 495 TF32 (dense), 3.35 TB/s, Hopper sm_90. Host as lent to
+    # this project: 128 GiB RAM, 64 GiB disk.
+    "h100": Device("h100", vram_bytes=int(79 * GB), ram_bytes=int(128 * GiB),
+                   disk_bytes=int(64 * GiB), fp32_flops=67e12, fp16_flops=989e12,
+                   cuda_context_bytes=int(0.6 * GB), memory_bandwidth=3.35e12, tf32_flops=495e12,
+                   compute_capability=90),
     # H200 SXM: 141 GB HBM3e; NVIDIA H200 datasheet: 67 TFLOP/s FP32, 989 TFLOP/s FP16 tensor
-    # (dense). Host as lent to this project: 128 GiB RAM, 64 GiB disk.
+    # and 495 TF32 (dense), 4.8 TB/s, sm_90. Host as lent to this project: 128 GiB RAM, 64 GiB disk.
     "h200": Device("h200", vram_bytes=int(141 * GB), ram_bytes=int(128 * GiB),
                    disk_bytes=int(64 * GiB), fp32_flops=67e12, fp16_flops=989e12,
-                   cuda_context_bytes=int(0.6 * GB)),
+                   cuda_context_bytes=int(0.6 * GB), memory_bandwidth=4.8e12, tf32_flops=495e12,
+                   compute_capability=90),
 }
 
 
 def device_preset(device: str | Device) -> Device:
-    """The named device preset (cpu, t4, l4, a100-40gb, h200), or the Device given."""
+    """The named device preset (cpu, t4, l4, a100-40gb, h100, h200), or the Device given."""
     if isinstance(device, Device):
         return device
     try:

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 from nblib.budget._checks import validated
 from nblib.budget.devices import Device, device_preset
-from nblib.budget.disk import NO_CACHE
+from nblib.budget.disk import CODEC_RATIO_ESTIMATE, NO_CACHE
 from nblib.budget.drive import smallest_checkpoint_every
 from nblib.budget.predict import Budget, max_batch_size, predict_budget
 from nblib.budget.resources import RESOURCES
-from nblib.config import OUTPUT_CHOICES, PipelineConfig
+from nblib.config import CODECS, OUTPUT_CHOICES, PipelineConfig
 from nblib.units import fmt_bytes
 
 __all__ = [
@@ -41,19 +41,23 @@ class BudgetPlan:
 
 
 def plan_budget(config: PipelineConfig, device: str | Device = "t4", *, margin: float = 0.1,
-                cacheless: bool = False, **predict_kwargs) -> BudgetPlan:
+                cacheless: bool = False, codec_sizes=None, **predict_kwargs) -> BudgetPlan:
     """Pick batch_size, out_dtype, outputs, checkpoint_every and consolidate_every that fit.
 
     Preference: the config's own outputs and dtype first, then fp16, then fewer outputs; for each,
     the largest checkpoint_every (fewest parts) whose RAM fits and the largest consolidate_every
     dividing it whose VRAM fits. `cacheless=True` also tries, after every cached choice, no image
     cache at all (images rendered on the fly, `NO_CACHE`): changes then holds cache="none".
+    Every codec of the cache's registry is tried (`nblib.config.CODECS`), the config's own first,
+    then the smallest cache first.
 
     Args:
         config: the pipeline config to start from.
         device: a preset name of `nblib.budget.DEVICES` or a `Device`.
         margin: the share of each limit kept free (0.1: aim at 90%).
         cacheless: also try rendering on the fly instead of an image cache.
+        codec_sizes: an `nblib.codec_sizes.CodecSizes` (bytes per image per codec, measured on the
+            user's texts); None uses the reference's ratios, and the reason says so.
         **predict_kwargs: passed to `predict_budget` (codec, keep_local, drive_quota_gb, ...).
 
     Returns:
@@ -69,13 +73,20 @@ def plan_budget(config: PipelineConfig, device: str | Device = "t4", *, margin: 
         return BudgetPlan(cfg, b1, {}, False, f"even batch_size=1 does not fit: {b1.verdict}")
     dtypes = [r.out_dtype] + [d for d in ("float16",) if d != r.out_dtype]
     outputs = [r.outputs] + [o for o in OUTPUT_CHOICES if o != r.outputs]
-    codecs = [r.codec] + [c for c in ("png",) if c != r.codec and "codec" not in predict_kwargs]
+    sizes = dict(codec_sizes.bytes_per_image) if codec_sizes is not None else {}
+    known = sizes or {c: CODEC_RATIO_ESTIMATE[c] for c in CODECS if c in CODEC_RATIO_ESTIMATE}
+    smallest_first = sorted(known, key=known.get)     # the most room left for outputs first
+    codecs = [r.codec] + [c for c in smallest_first if c != r.codec and "codec" not in predict_kwargs]
     if cacheless and "codec" not in predict_kwargs:
         codecs.append(NO_CACHE)
+    source = (f"; cache sizes {codec_sizes.source}" if codec_sizes is not None else
+              "; cache sizes: the reference analysis' ratios (give texts to measure yours)")
     choices = [(c, o, d) for c in codecs for o in outputs for d in dtypes]
     last = None
     for codec, outs, dtype in choices:
         kwargs = {**predict_kwargs, "codec": NO_CACHE} if codec == NO_CACHE else predict_kwargs
+        if sizes.get(codec) is not None and "bytes_per_image" not in predict_kwargs:
+            kwargs = {**kwargs, "bytes_per_image": sizes[codec]}
         trial = cfg.replace(batch_size=batch, outputs=outs, out_dtype=dtype,
                             codec=r.codec if codec == NO_CACHE else codec)
         found = _cadence_that_fits(trial, dev, margin, kwargs)
@@ -85,7 +96,7 @@ def plan_budget(config: PipelineConfig, device: str | Device = "t4", *, margin: 
             if codec == NO_CACHE:
                 changes["cache"] = NO_CACHE
             return BudgetPlan(budget.config, budget, changes, True,
-                              f"{budget.verdict}" + (f" (margin {margin:.0%} kept)" if margin else ""))
+                              f"{budget.verdict}" + (f" (margin {margin:.0%} kept)" if margin else "") + source)
         every = smallest_checkpoint_every(trial.replace(consolidate_every=1)) or 1   # fewest parts Drive takes
         last = predict_budget(trial.replace(checkpoint_every=every, consolidate_every=1), dev, **kwargs)
     biggest = max(last.lines[last.binding], key=lambda line: line.bytes)
@@ -93,7 +104,7 @@ def plan_budget(config: PipelineConfig, device: str | Device = "t4", *, margin: 
     why = (f"even the smallest choice (outputs={last.config.run.outputs}, "
            f"{last.config.run.out_dtype}, {cache} cache, batch {batch}, cadence {last.config.run.checkpoint_every}) "
            f"leaves {last.binding} at {last.usage[last.binding]:.1f}x its limit; its largest line, "
-           f"{biggest.name}, is {fmt_bytes(biggest.bytes)} alone. {last.verdict}")
+           f"{biggest.name}, is {fmt_bytes(biggest.bytes)} alone. {last.verdict}{source}")
     return BudgetPlan(last.config, last, {}, False, why)
 
 

@@ -20,10 +20,14 @@ RUNTIME_RAM_CPU = int(0.45 * GB)
 RUNTIME_RAM_CUDA = int(2.0 * GB)
 # Each DataLoader worker is a forked Python holding its own copies of touched pages (~150 MB).
 LOADER_WORKER_RAM = int(0.15 * GB)
-# Share of the activation peak the CUDA caching allocator keeps reserved beyond what is
-# allocated (freed temporaries of other sizes it cannot reuse): 10-25% in PyTorch's own
-# memory_summary reports for inference; we use 15%.
-ALLOCATOR_CACHE_SHARE = 0.15
+# cuBLAS workspace PyTorch allocates through its caching allocator on a stream's first GEMM
+# (ATen CublasHandlePool.cpp, default CUBLAS_WORKSPACE_CONFIG): 4096 KiB x 2 + 16 KiB x 8 before
+# sm_90, 4096 KiB x 8 on sm_90 (H100, H200).
+CUBLAS_WORKSPACE_BYTES = 4096 * 1024 * 2 + 16 * 1024 * 8
+CUBLAS_WORKSPACE_BYTES_SM90 = 4096 * 1024 * 8
+# The last torch whose autocast caches fp16 weight copies under inference_mode (from 2.10 the
+# cache is skipped there, so each Linear casts its weight per call and frees it at once).
+AUTOCAST_CACHE_LAST_TORCH = (2, 9)
 
 
 @dataclass(frozen=True)
@@ -90,85 +94,225 @@ def output_bytes_per_batch(config: PipelineConfig) -> int:
     return config.run.batch_size * output_bytes_per_image(config)
 
 
-def model_memory_lines(config: PipelineConfig, *, on_gpu: bool,
-                       sdpa_backend: str = "flash") -> tuple[Line, ...]:
+def model_memory_lines(config: PipelineConfig, *, on_gpu: bool, sdpa_backend: str = "flash",
+                       precision: str = "fp16", torch_version: str | None = None) -> tuple[Line, ...]:
     """Weights, input batch and the activations live at the forward pass's peak.
 
     Live-buffer accounting of nblib.trm, per "stream" of B*T*D elements (checked against a
-    tensor-level trace and the measured RSS): the residual stream is fp32 everywhere (the fp16
-    patch embedding plus the fp32 position embedding promotes); Linear/GELU/SDPA outputs are
-    fp16 under CUDA autocast and fp32 on CPU; LayerNorm outputs are fp32. At the peak, inside a
-    block's GELU in the second H cycle, live are x, z_H, z_L and the block's input (4 fp32
-    streams) and in the block qkv (3), the attention output (1), the residual (1, fp32), fc1
-    and GELU outputs (mlp_ratio each). Earlier passes are freed: recursion adds time, not memory. The
-    patchify phase (three fp32 copies of the images) or math attention (scores, softmax and a
-    -inf mask) is the peak instead when larger.
+    tensor-level trace, the measured RSS on CPU and the simulated T4 of nblib.simulate): the
+    residual stream is fp32 everywhere (the fp16 patch embedding plus the fp32 position embedding
+    promotes); Linear/GELU/SDPA outputs are fp16 under CUDA autocast (precision="fp16") and fp32
+    otherwise; LayerNorm outputs are fp32. At the peak, inside a block's GELU in the second H
+    cycle, live are x, z_H, z_L and the block's input (4 fp32 streams) and in the block qkv (3),
+    the attention output (1), the residual (1, fp32), fc1 and GELU outputs (mlp_ratio each).
+    Earlier passes are freed: recursion adds time, not memory. The patchify phase (three fp32
+    copies of the images) or math attention is the peak instead when larger. Math attention on
+    CUDA in fp16 runs in fp32 inside (PyTorch upcasts q, k, v): fp32 scores and softmax.
+    """
+    return _model_lines(config, on_gpu, sdpa_backend, precision, torch_version)[0]
+
+
+def forward_peak_delta(config: PipelineConfig, *, on_gpu: bool, sdpa_backend: str = "flash",
+                       precision: str = "fp16", torch_version: str | None = None) -> int:
+    """Bytes one forward pass adds at its peak over the built model and its input batch.
+
+    The measured twin is nblib.measure.encoder_peak (RSS increase on CPU, CUDA max allocated
+    increase on GPU): activations and scores live at the peak, plus autocast's fp16 weights.
+    """
+    lines = {ln.name: ln.bytes for ln in model_memory_lines(
+        config, on_gpu=on_gpu, sdpa_backend=sdpa_backend, precision=precision, torch_version=torch_version)}
+    return (lines["activations at peak"] + lines["attention scores"]
+            + lines.get("fp16 weight copies (autocast)", 0))
+
+
+def device_memory_lines(config: PipelineConfig, *, compute_capability: int = 75,
+                        sdpa_backend: str = "efficient", precision: str = "fp16", offload: str = "async",
+                        torch_version: str | None = None) -> tuple[Line, ...]:
+    """VRAM an encode job's torch allocator reserves at its peak (the CUDA context excluded).
+
+    The model lines (weights, input, activations), the cuBLAS workspace, the outputs the offload
+    mode keeps on the GPU ("async": none beyond the batch in hand; "consolidate": up to
+    consolidate_every - 1 batches during a forward pass, and at the copy the pending batches
+    plus their torch.cat), and the allocator cache: the caching-allocator model of
+    nblib.simulate.allocator packing the blocks live at the peak into its segments, plus the one
+    largest block it cannot hand back (checked against nblib.simulate's trace of the real loop).
     """
     m, r = config.model, config.run
+    lines, weight_blocks, act_blocks = _model_lines(config, True, sdpa_backend, precision, torch_version)
+    out = list(lines)
+    singles = [line.bytes for line in lines if line.bytes and line.name in (
+        "fp16 weight copies (autocast)", "input batch (uint8)")]
+    blocks = weight_blocks + singles + act_blocks
+    workspace = CUBLAS_WORKSPACE_BYTES_SM90 if compute_capability >= 90 else CUBLAS_WORKSPACE_BYTES
+    out.append(Line("cuBLAS workspace", workspace,
+                    f"allocated on the first GEMM and kept ({workspace / 2**20:.3g} MiB, sm_{compute_capability})"))
+    blocks.append(workspace)
+    out_itemsize = {"float16": 2, "float32": 4}[r.out_dtype]
+    per_batch = [r.batch_size * math.prod(output_shapes(m)[n]) * out_itemsize for n in r.outputs]
+    model_itemsize = 2 if precision in ("fp16", "bf16") else 4
+    forward = sum(line.bytes for line in out if line.name in ("activations at peak", "attention scores"))
+    every = r.consolidate_every if offload == "consolidate" else 1
+    if offload == "consolidate":
+        pending = every - 1
+        flush = (2 * every * sum(per_batch)
+                 + sum(per_batch) * model_itemsize // out_itemsize)   # the pending, their cat, the batch in hand
+        out.append(Line("outputs held on GPU", pending * sum(per_batch),
+                        f"offload=consolidate: up to consolidate_every - 1 = {pending} batches x "
+                        f"{fmt_bytes(sum(per_batch))} wait for the copy during a forward pass"))
+        extra = max(0, flush - forward - pending * sum(per_batch))
+        out.append(Line("consolidation copy", extra,
+                        f"torch.cat of {every} pending batches beside them"
+                        + ("" if extra else "; less than a forward pass's activations")))
+    else:
+        out.append(Line("outputs held on GPU", 0, "offload=async copies each batch's outputs to "
+                        "pinned RAM at once: only the batch in hand is on the GPU"))
+    allocated = sum(line.bytes for line in out)
+    reserved = _reserved(weight_blocks + singles + [workspace], act_blocks, per_batch, every,
+                         keep=offload == "consolidate", outer=3 + (m.H_cycles >= 2))
+    out.append(Line("allocator cache", max(0, reserved - allocated),
+                    "segments the caching allocator holds beyond the live bytes: the blocks of "
+                    f"{every if offload == 'consolidate' else 2} batches replayed through its model "
+                    "(2 MiB / 20 MiB segments, best fit, splitting; nblib.simulate.allocator)"))
+    return tuple(out)
+
+
+def autocast_caches_weights(torch_version: str | None = None) -> bool:
+    """True when autocast keeps fp16 copies of the weights under inference_mode (torch <= 2.9)."""
+    if torch_version is None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            torch_version = version("torch")
+        except PackageNotFoundError:
+            return False
+    parts = [int("".join(ch for ch in p if ch.isdigit()) or 0) for p in torch_version.split(".")[:2]]
+    return tuple(parts) <= AUTOCAST_CACHE_LAST_TORCH
+
+
+def pinned_bytes(nbytes: int) -> int:
+    """Page-locked RAM PyTorch's caching host allocator takes for a pinned buffer of `nbytes`.
+
+    It rounds every pinned allocation up to the next power of two (CachingHostAllocator), so a
+    buffer of 3.57 GB takes 4.29 GB of page-locked RAM.
+    """
+    return 1 << max(0, int(nbytes) - 1).bit_length() if nbytes > 0 else 0
+
+
+def _model_lines(config: PipelineConfig, on_gpu: bool, sdpa_backend: str, precision: str,
+                 torch_version: str | None) -> tuple[tuple[Line, ...], list[int], list[int]]:
+    """The model's lines, and the allocator blocks behind them: per parameter, per live buffer."""
+    m, r = config.model, config.run
     b, t, d = r.batch_size, m.tokens, m.dim
-    act = 2 if on_gpu else 4          # Linear / GELU / SDPA outputs
+    half = on_gpu and precision in ("fp16", "bf16", "auto")
+    act = 2 if half else 4            # Linear / GELU / SDPA outputs
     res = 4                           # residual stream (fp32 by promotion)
     stream = b * t * d
     pixels = b * m.image_size ** 2 * 3
     n_params = param_count(m)
     buffers = d * m.checksum_dim * 4
     outer = 3 + (m.H_cycles >= 2)                # x, z_L, the block's input, z_H (after cycle 1)
-    block_peak = (3 + 1 + 2 * m.mlp_ratio) * act + res   # qkv, attn, fc1, gelu + residual
-    blocks = outer * res * stream + block_peak * stream
+    block_parts = [3 * act, act, res, m.mlp_ratio * act, m.mlp_ratio * act]   # qkv, attn, residual, fc1, gelu
+    blocks = outer * res * stream + sum(block_parts) * stream
     patchify = 3 * 4 * pixels                    # float copy, reshaped copy, /255 result
     n_scores = b * m.heads * t * t
-    scores = n_scores * (2 * act + 1)            # scores, softmax, _safe_softmax's -inf mask
-    attention = (outer * res + 3 * act + 1 * act) * stream + scores
-    if sdpa_backend != "math":
-        attention = 0
+    if on_gpu:
+        # CUDA math SDPA: fp16 q, k, v upcast to fp32, scaled q and the output (fp32), fp32
+        # scores and softmax; no -inf mask is live at the peak
+        attn_parts = [outer * res, 3 * act] + ([3 * 4] if half else []) + [2 * 4]
+        scores = n_scores * 2 * 4
+    else:
+        attn_parts = [outer * res, 3 * act, act]
+        scores = n_scores * (2 * act + 1)        # scores, softmax, _safe_softmax's -inf mask
+    attention = sum(attn_parts) * stream + scores if sdpa_backend == "math" else 0
     phases = {"block MLP (GELU)": blocks, "patchify": patchify, "math attention": attention}
     phase = max(phases, key=phases.get)
     scores_live = scores if phase == "math attention" else 0
-    lines = [
-        Line("weights (fp32)", n_params * 4 + buffers,
-             f"{n_params:,} params x 4 B + checksum projection"),
-    ]
-    if on_gpu:
+    act_blocks = {"block MLP (GELU)": [res * stream] * outer + [p * stream for p in block_parts],
+                  "patchify": [4 * pixels] * 3,
+                  "math attention": [res * stream] * outer + [p * stream for p in attn_parts[1:]]
+                  + [scores // 2] * 2}[phase]
+    lines = [Line("weights (fp32)", n_params * 4 + buffers,
+                  f"{n_params:,} params x 4 B + checksum projection")]
+    if on_gpu and half and autocast_caches_weights(torch_version):
         lines.append(Line("fp16 weight copies (autocast)", autocast_weight_count(m) * 2,
-                          "autocast caches each Linear's fp16 weight for the forward pass"))
+                          "autocast caches each Linear's fp16 weight under inference_mode (torch <= "
+                          f"{'.'.join(map(str, AUTOCAST_CACHE_LAST_TORCH))})"))
     lines += [
         Line("input batch (uint8)", pixels, f"{b} x {m.image_size}^2 x 3 B"),
         Line("activations at peak", phases[phase] - scores_live,
              f"live buffers during the {phase} phase (one pass; earlier passes are freed)"),
         Line("attention scores", scores_live,
-             f"math SDPA: B*h*T^2 x ({act} B scores + {act} B softmax + 1 B mask) = "
-             f"{fmt_bytes(scores)}"
+             (f"math SDPA: B*h*T^2 x (4 B scores + 4 B softmax), fp32 inside on CUDA = {fmt_bytes(scores)}"
+              if on_gpu else
+              f"math SDPA: B*h*T^2 x ({act} B scores + {act} B softmax + 1 B mask) = {fmt_bytes(scores)}")
              + ("" if scores_live else
                 (", not live at the peak" if sdpa_backend == "math"
                  else f"; {sdpa_backend} SDPA never materializes them"))),
     ]
-    return tuple(lines)
+    return tuple(lines), _param_sizes(m), act_blocks
 
 
-def forward_peak_delta(config: PipelineConfig, *, on_gpu: bool, sdpa_backend: str = "flash") -> int:
-    """Bytes one forward pass adds at its peak over the built model and its input batch.
+def _param_sizes(model: ModelConfig) -> list[int]:
+    """Bytes of each fp32 parameter and buffer of TRMVisionEncoder(model), in module order."""
+    d, p, r = model.dim, model.patch, model.mlp_ratio
+    linear = lambda n_in, n_out: [n_in * n_out * 4, n_out * 4]  # noqa: E731
+    block = ([d * 4, d * 4] + linear(d, 3 * d) + linear(d, d) + [d * 4, d * 4]
+             + linear(d, r * d) + linear(r * d, d))
+    return (linear(3 * p * p, d) + [model.tokens * d * 4, d * 4, d * 4] + block * model.layers
+            + [d * 4, d * 4] + [model.capsules * d * 4] + linear(d, 2 * d) + linear(d, d)
+            + linear(d, model.children * d) + [d * model.checksum_dim * 4])
 
-    The measured twin is nblib.measure.encoder_peak (RSS increase on CPU, CUDA max allocated
-    increase on GPU): activations and scores live at the peak, plus autocast's fp16 weights.
+
+def _reserved(fixed: list[int], activations: list[int], outputs: list[int], every: int, *,
+              keep: bool, outer: int = 0) -> int:
+    """Peak reserved bytes of the caching-allocator model over a synthetic run of block sizes.
+
+    The fixed blocks (weights, input, workspace), then per batch: the `outer` streams held through
+    the pass (x, z_L, z_H, the block input), the block's buffers plus the largest one again (a
+    block freed mid-pass that the next one of another size cannot reuse), freed; then the batch's
+    outputs while the outer streams still live, kept until their copy when `keep`
+    (offload=consolidate: `every` batches, then their torch.cat), else freed.
     """
-    lines = {ln.name: ln.bytes for ln in model_memory_lines(config, on_gpu=on_gpu,
-                                                              sdpa_backend=sdpa_backend)}
-    return (lines["activations at peak"] + lines["attention scores"]
-            + lines.get("fp16 weight copies (autocast)", 0))
+    from nblib.simulate.allocator import CachingAllocatorModel
 
-
-def activation_bytes(lines: tuple[Line, ...]) -> int:
-    """Activations and attention scores among `lines` (what the allocator cache scales with)."""
-    return sum(line.bytes for line in lines
-               if line.name in ("activations at peak", "attention scores"))
+    alloc = CachingAllocatorModel()
+    for size in fixed:
+        alloc.malloc(size)
+    for _group in range(2):
+        held = []
+        for _batch in range(every if keep else 2):
+            held_through = [alloc.malloc(size) for size in activations[:outer]]
+            passing = [alloc.malloc(size) for size in activations[outer:] + [max(activations)]]
+            for handle in passing:
+                alloc.free(handle)
+            batch = [alloc.malloc(size) for size in outputs]     # the heads run while x, z_L, z_H live
+            for handle in held_through:
+                alloc.free(handle)
+            if keep:
+                held += batch
+            else:
+                for handle in batch:
+                    alloc.free(handle)
+        if keep:
+            joined = [alloc.malloc(every * size) for size in outputs]
+            for handle in held + joined:
+                alloc.free(handle)
+    return alloc.max_reserved
 
 
 def host_memory_lines(config: PipelineConfig, *, cuda: bool) -> tuple[Line, ...]:
-    """Host RAM outside the model: runtime, loader prefetch, outputs held until a part is written."""
+    """Host RAM outside the model: runtime, loader prefetch, outputs held until a part is written.
+
+    On CUDA the part's host buffers are one pinned block (nblib.encode.offload.HostPart), which
+    PyTorch's caching host allocator rounds up to a power of two (`pinned_bytes`).
+    """
     m, r = config.model, config.run
     batch_pixels = r.batch_size * m.image_size ** 2 * 3
     in_flight = max(1, r.workers) * r.prefetch
+    part_samples = r.checkpoint_every * r.batch_size
     held = r.checkpoint_every * output_bytes_per_batch(config)
+    if cuda:
+        held = pinned_bytes(part_samples * output_bytes_per_image(config))
     largest = max(output_bytes_per_image(config, outputs=(name,)) for name in r.outputs)
     return (
         Line("python + torch runtime", RUNTIME_RAM_CUDA if cuda else RUNTIME_RAM_CPU,
@@ -179,7 +323,8 @@ def host_memory_lines(config: PipelineConfig, *, cuda: bool) -> tuple[Line, ...]
              f"{in_flight} uint8 batches in flight (max(1, workers) x prefetch)"),
         Line("outputs held until the part", held,
              f"checkpoint_every={r.checkpoint_every} batches x "
-             f"{fmt_bytes(output_bytes_per_batch(config))} ({r.out_dtype})"),
+             f"{fmt_bytes(output_bytes_per_batch(config))} ({r.out_dtype})"
+             + (", one pinned block rounded up to a power of two" if cuda else "")),
         Line("part assembly copy", r.checkpoint_every * r.batch_size * largest,
              "one output concatenated into its .npy at a time"),
     )

@@ -18,13 +18,11 @@ from nblib.budget.devices import Device, device_preset
 from nblib.budget.disk import disk_lines
 from nblib.budget.drive import FREE_QUOTA_GB, DriveLimitCheck, drive_limit_checks
 from nblib.budget.memory import (
-    ALLOCATOR_CACHE_SHARE,
     Line,
-    activation_bytes,
+    device_memory_lines,
     flops_per_image,
     host_memory_lines,
     model_memory_lines,
-    output_bytes_per_batch,
 )
 from nblib.budget.resources import RESOURCES
 from nblib.config import PipelineConfig
@@ -32,7 +30,7 @@ from nblib.errors import ConfigError
 from nblib.units import GB, fmt_bytes
 
 __all__ = [
-    "Budget", "calibrate", "max_batch_size", "predict_budget",
+    "Budget", "calibrate", "capped_to_samples", "max_batch_size", "predict_budget",
 ]
 
 @dataclass(frozen=True)
@@ -126,7 +124,8 @@ class Budget:
 def predict_budget(config: PipelineConfig, device: str | Device = "t4", *,
                    sdpa_backend: str | None = None, drive_quota_gb: float = FREE_QUOTA_GB,
                    codec: str | None = None, bytes_per_image: float | None = None,
-                   keep_local: int = 2, efficiency: float | None = None) -> Budget:
+                   keep_local: int = 2, efficiency: float | None = None, precision: str = "fp16",
+                   offload: str = "async") -> Budget:
     """Predict peak VRAM, RAM, local disk and Drive use and the run time of an encode job.
 
     Args:
@@ -134,12 +133,18 @@ def predict_budget(config: PipelineConfig, device: str | Device = "t4", *,
         device: a preset name of `nblib.budget.DEVICES` ("t4", "cpu", ...) or a `Device`.
         sdpa_backend: "math" materializes the attention scores (with the softmax and a bool mask
             of -inf entries: (2 x itemsize + 1) B per score); "efficient"/"flash" do not; default
-            "flash" (what PyTorch picks on CPU and on recent GPUs; a T4 gets "efficient", same memory).
+            "flash" on the CPU and sm_80+ GPUs, "efficient" before sm_80 (a T4); flash or cudnn forced
+            on a GPU before sm_80 is refused (ConfigError).
         drive_quota_gb: the Drive space the run may fill (default: the free 15 GB).
         codec: the image cache's codec (default: the config's); bytes_per_image: a measured size
             per cached image, which replaces the codec's estimate.
         keep_local: parts kept on local disk after they are mirrored to Drive.
         efficiency: the share of the device's peak FLOP/s reached (`calibrate`); default the preset's.
+        precision: "fp16" (autocast, the default on CUDA), "bf16" or "fp32"; offload: "async" or
+            "consolidate". Both shape the VRAM lines (`device_memory_lines`, checked against nblib.simulate).
+
+    Batch and part sizes are capped at the run's n_samples first, as the run caps them
+    (`capped_to_samples`): a batch of 10^9 over 400 images costs what a batch of 400 does.
 
     Returns:
         A `Budget`: itemized lines per resource, totals, limits, time, verdict and advice.
@@ -147,26 +152,26 @@ def predict_budget(config: PipelineConfig, device: str | Device = "t4", *,
     Raises:
         ConfigError naming the knob out of range.
     """
-    cfg = validated(config)
+    given = validated(config)
+    cfg = capped_to_samples(given)                   # what the run really holds; the Budget keeps `given`
     dev = device_preset(device)
-    backend = checked_sdpa_backend(sdpa_backend)
+    backend = _attention_on(dev, sdpa_backend)
     require_positive("drive_quota_gb", drive_quota_gb, number=True)
     require_positive("keep_local", keep_local, minimum=0)
     m, r = cfg.model, cfg.run
     codec_arg, codec = codec, codec or r.codec
+    if precision not in ("fp16", "fp32", "bf16"):
+        raise ConfigError(f"precision={precision!r} is unknown; choose fp16, bf16 or fp32")
+    if offload not in ("async", "consolidate"):
+        raise ConfigError(f"offload={offload!r} is unknown; choose 'async' or 'consolidate'")
     model_lines = model_memory_lines(cfg, on_gpu=dev.is_gpu, sdpa_backend=backend)
-    held_on_device = r.consolidate_every * output_bytes_per_batch(cfg)
     if dev.is_gpu:
         vram = (
             Line("CUDA context", dev.cuda_context_bytes,
-                 "driver + kernel images, outside torch's allocator (300-500 MB on a T4)"),
-            *model_lines,
-            Line("outputs held on GPU", held_on_device,
-                 f"consolidate_every={r.consolidate_every} batches x "
-                 f"{fmt_bytes(output_bytes_per_batch(cfg))} before the copy to RAM"),
-            Line("allocator cache", int(ALLOCATOR_CACHE_SHARE * activation_bytes(model_lines)),
-                 f"freed blocks the caching allocator keeps (~{ALLOCATOR_CACHE_SHARE:.0%} of "
-                 "activations)"),
+                 "driver + kernel images, outside torch's allocator: an assumption (300-500 MB "
+                 "on a T4), no simulation sees it"),
+            *device_memory_lines(cfg, compute_capability=dev.compute_capability, sdpa_backend=backend,
+                                 precision=precision, offload=offload),
         )
         ram = host_memory_lines(cfg, cuda=True)
     else:
@@ -178,13 +183,43 @@ def predict_budget(config: PipelineConfig, device: str | Device = "t4", *,
     eff = dev.efficiency if efficiency is None else efficiency
     rate = dev.compute_flops * eff / flops
     return Budget(
-        config=cfg, device=dev,
+        config=given, device=dev,
         lines={"vram": tuple(vram), "ram": tuple(ram), "local disk": local, "drive": drive},
         limits={"vram": dev.vram_bytes, "ram": dev.ram_bytes, "local disk": dev.disk_bytes,
                 "drive": int(drive_quota_gb * GB)},
         flops_per_image=flops, samples_per_s=rate, sdpa_backend=backend,
         options={"sdpa_backend": sdpa_backend, "drive_quota_gb": drive_quota_gb, "codec": codec_arg,
-                 "bytes_per_image": bytes_per_image, "keep_local": keep_local, "efficiency": efficiency})
+                 "bytes_per_image": bytes_per_image, "keep_local": keep_local, "efficiency": efficiency,
+                 "precision": precision, "offload": offload})
+
+
+def _attention_on(dev: Device, sdpa_backend: str | None) -> str:
+    """The attention backend the device runs: the one forced, else flash, or efficient before sm_80."""
+    from nblib.sdpa import runs_on
+
+    if sdpa_backend is None and dev.is_gpu and not runs_on("flash", dev.compute_capability):
+        return "efficient"
+    backend = checked_sdpa_backend(sdpa_backend)
+    if dev.is_gpu and not runs_on(backend, dev.compute_capability):
+        raise ConfigError(f"sdpa_backend={backend!r} needs sm_80 or newer and a {dev.name} is "
+                          f"sm_{dev.compute_capability}; use 'efficient' or 'math'")
+    return backend
+
+
+def capped_to_samples(config: PipelineConfig) -> PipelineConfig:
+    """The config with batch_size, checkpoint_every and consolidate_every no larger than the run holds.
+
+    A run never holds more than n_samples in a batch or a part, so neither does its budget, nor
+    any value the budget advises.
+    """
+    r = config.run
+    batch = min(r.batch_size, r.n_samples)
+    every = min(r.checkpoint_every, -(-r.n_samples // batch))
+    cons = min(r.consolidate_every, every)
+    every = -(-every // cons) * cons                 # a multiple of consolidate_every, as validate() wants
+    if (batch, every, cons) == (r.batch_size, r.checkpoint_every, r.consolidate_every):
+        return config
+    return config.replace(batch_size=batch, checkpoint_every=every, consolidate_every=cons)
 
 
 def calibrate(device: str | Device, measured_samples_per_s: float,
@@ -197,7 +232,9 @@ def calibrate(device: str | Device, measured_samples_per_s: float,
 
 def max_batch_size(config: PipelineConfig, device: str | Device = "t4", margin: float = 0.1,
                    **predict_kwargs) -> int:
-    """The largest batch whose predicted VRAM (GPU) and RAM fit in (1 - margin) of the device."""
+    """The largest batch, at most the run's n_samples, whose predicted VRAM (GPU) and RAM fit in
+    (1 - margin) of the device.
+    """
     cfg, dev = validated(config), device_preset(device)
     if not 0 <= margin < 1:
         raise ConfigError(f"margin={margin} is out of range; allowed: 0 <= margin < 1")
@@ -210,9 +247,11 @@ def max_batch_size(config: PipelineConfig, device: str | Device = "t4", margin: 
 
     if not fits(1):
         return 0
+    cap = min(1 << 20, cfg.run.n_samples)            # a batch never holds more than the run's samples
     lo, hi = 1, 2
-    while hi <= 1 << 20 and fits(hi):
+    while hi <= cap and fits(hi):
         lo, hi = hi, hi * 2
+    hi = min(hi, cap + 1)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)

@@ -13,13 +13,12 @@ import os
 from pathlib import Path
 
 from nblib.budget._checks import validated
-from nblib.budget.advice import advise_resource
+from nblib.budget.advice import advise_resource, knob_words
 from nblib.budget.devices import device_preset
 from nblib.budget.disk import cache_bytes, check_disk
 from nblib.budget.drive import cache_folder_check, run_folder_check, upload_check
 from nblib.budget.memory import RUNTIME_RAM_CPU, RUNTIME_RAM_CUDA
 from nblib.budget.predict import Budget, predict_budget
-from nblib.budget.resources import KNOBS
 from nblib.config import PipelineConfig
 from nblib.errors import BudgetExceeded, ConfigError
 from nblib.units import GB
@@ -27,19 +26,20 @@ from nblib.units import GB
 
 def preflight(config: PipelineConfig, workspace, *, job: str = "encode", device: str | None = None,
               disk_bytes: int | None = None, disk_folder=None, keep_local: int = 2,
-              drive_limits: bool | None = None) -> Budget:
+              drive_limits: bool | None = None, cuda_device=None) -> Budget:
     """Check the predicted peak RAM, VRAM and disk against this machine; raise BudgetExceeded.
 
     job="encode" checks local staging (workspace.staging) and the durable copy (workspace.drive);
     job="cache" checks `disk_bytes` (default: the raw cache) on `disk_folder` (default
     workspace.cache). drive_limits: check Drive's items per folder and uploads per day (default:
-    when workspace.drive is on Google Drive's mount). Returns the Budget when everything fits.
+    when workspace.drive is on Google Drive's mount). cuda_device: the job's GPU (default the current
+    one): its free VRAM and its preset are checked. Returns the Budget when everything fits.
     """
     if job not in ("encode", "cache"):
         raise ConfigError(f"job={job!r} is unknown; use 'encode' or 'cache'")
     cfg = validated(config)
     cuda = _cuda_available()
-    dev = device_preset(device or ("t4" if cuda else "cpu"))
+    dev = device_preset(device or (preset_of_this_gpu(_gpu_name(cuda_device)) if cuda else "cpu"))
     budget = predict_budget(cfg, dev, keep_local=keep_local)
     if _on_google_drive(workspace.drive) if drive_limits is None else drive_limits:
         _check_drive_limits(cfg, job)
@@ -47,30 +47,57 @@ def preflight(config: PipelineConfig, workspace, *, job: str = "encode", device:
         need = disk_bytes if disk_bytes is not None else cache_bytes(
             cfg.run.n_samples, cfg.model.image_size, cfg.run.codec, shard_mb=cfg.run.shard_mb)
         check_disk(disk_folder or workspace.cache, int(need), what=f"the image cache ({cfg.run.codec})",
-                   knob="use a compressed run.codec, fewer n_samples, or free disk")
+                   knob=knob_words(cfg, "cache"))
         return budget
     _check_ram(budget)
     if dev.is_gpu and cuda:
-        _check_vram(budget)
+        _check_vram(budget, cuda_device)
     local, drive = budget.totals["local disk"], budget.totals["drive"]
+    on_drive = _on_google_drive(workspace.drive)      # only then is drive_quota_gb the knob of that disk
     if disk_bytes is not None:
         check_disk(disk_folder or workspace.runs, int(disk_bytes), what="the encode run",
-                   knob=KNOBS["drive"])
+                   knob=knob_words(cfg, "drive", on_drive=on_drive))
     elif _same_filesystem(workspace.staging, workspace.drive):
         check_disk(workspace.drive, local + drive, what="the encode run (staging + durable "
-                   "copy on one disk)", knob=f"{KNOBS['drive']}; or {KNOBS['local disk']}")
+                   "copy on one disk)", knob=f"{knob_words(cfg, 'drive', on_drive=False)}; or "
+                                          f"{knob_words(cfg, 'local disk')}")
     else:
         check_disk(workspace.staging, local, what="local staging of the encode run",
-                   knob=KNOBS["local disk"])
+                   knob=knob_words(cfg, "local disk"))
         check_disk(workspace.drive, drive, what="the durable copy of the encode run",
-                   knob=KNOBS["drive"])
+                   knob=knob_words(cfg, "drive", on_drive=on_drive))
     return budget
+
+
+def preset_of_this_gpu(gpu_name: str | None) -> str:
+    """The device preset whose limits and advice fit this GPU: by its name, else the T4 (the smallest)."""
+    from nblib.env import device_preset_name
+
+    return device_preset_name(gpu_name) or "t4"
+
+
+def ram_already_held(gpu_job: bool, cuda_initialized: bool) -> int:
+    """The runtime RAM this process holds before the job: the host side of CUDA only once it started.
+
+    A GPU job's budget counts RUNTIME_RAM_CUDA; before CUDA is initialized the process holds only
+    the CPU runtime, and the rest is still to come, so it must fit in what is available now.
+    """
+    return RUNTIME_RAM_CUDA if gpu_job and cuda_initialized else RUNTIME_RAM_CPU
+
+
+def vram_needed(total_vram: int, context_bytes: int) -> int:
+    """VRAM the job still needs beside what torch.cuda.mem_get_info() reports free.
+
+    mem_get_info() creates the CUDA context when there is none, and reports free memory after
+    it: the context is never part of what is free, so it is never charged against it.
+    """
+    return total_vram - context_bytes
 
 
 def _check_ram(budget: Budget) -> None:
     import psutil
 
-    already = RUNTIME_RAM_CUDA if budget.device.is_gpu else RUNTIME_RAM_CPU
+    already = ram_already_held(budget.device.is_gpu, _cuda_initialized())
     need = budget.totals["ram"] - already   # this process already holds its runtime
     available = psutil.virtual_memory().available
     if need > available:
@@ -81,12 +108,11 @@ def _check_ram(budget: Budget) -> None:
             f"{_knobs(budget, 'ram', available + already)}")
 
 
-def _check_vram(budget: Budget) -> None:
+def _check_vram(budget: Budget, cuda_device=None) -> None:
     import torch
 
-    free, _total = torch.cuda.mem_get_info()
-    context = budget.device.cuda_context_bytes if torch.cuda.is_initialized() else 0
-    need = budget.totals["vram"] - budget.device.cuda_context_bytes + context
+    free, _total = torch.cuda.mem_get_info(_cuda_index(cuda_device))
+    need = vram_needed(budget.totals["vram"], budget.device.cuda_context_bytes)
     if need > free:
         raise BudgetExceeded(
             f"the encode job needs {need / GB:.2f} GB of VRAM but {free / GB:.2f} GB is free; "
@@ -121,6 +147,29 @@ def _same_filesystem(a: Path, b: Path) -> bool:
     from nblib.disk import existing_parent
 
     return os.stat(existing_parent(a)).st_dev == os.stat(existing_parent(b)).st_dev
+
+
+def _gpu_name(cuda_device=None) -> str | None:
+    import torch
+
+    return torch.cuda.get_device_name(_cuda_index(cuda_device))
+
+
+def _cuda_index(cuda_device) -> int:
+    """The job's GPU (a torch.device or "cuda:N"), else the current one."""
+    import torch
+
+    if cuda_device is not None and torch.device(cuda_device).index is not None:
+        return torch.device(cuda_device).index
+    return torch.cuda.current_device()
+
+
+def _cuda_initialized() -> bool:
+    """True when this process has started CUDA (never starts it: torch is not imported for this)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_initialized())
 
 
 def _cuda_available() -> bool:

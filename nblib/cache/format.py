@@ -2,7 +2,7 @@
 
 A cache folder holds `manifest.json` (an `nblib.manifest` record of kind "nblib.cache": source
 fingerprint, renderer parameters, codec and its options, and each shard's range, bytes, sha256 and
-xxh3), the shards, and `local-stat-cache.json`. Shards are cut by a target size:
+xxh3), the shards, and `manifest.stat.json`. Shards are cut by a target size:
 `shard-00000.npy` for the `raw` codec (uint8 [n, H, W, 3]; `np.load` reads it, memory-mappable)
 or `shard-00000.zlib` / `.pngs` / `.zst` for compressed codecs (header, one blob per image, a
 uint64 offsets index, so any image reads alone and a shard streams to disk as its images arrive).
@@ -16,8 +16,8 @@ xxh3 (`xxhash`, ~20 GB/s against sha256's ~1.7 on one core) is integrity on read
 per-image table, the whole-shard xxh3 a first-touch check and a stat-changed reopen compare.
 
 The manifest holds content only, so two identical builds write identical bytes. The stat of each
-shard when written (size, mtime_ns) lives apart in `local-stat-cache.json` (as git keeps its
-index apart from its objects): a local, non-canonical cache that may be deleted at any time (the
+shard when written (size, mtime_ns) lives apart in `manifest.stat.json`, `nblib.manifest`'s stat
+cache (as git keeps its index apart from its objects): a local, non-canonical cache that may be deleted at any time (the
 next open then hashes each shard once). A shard is trusted from a stat that equals its recorded
 one; any other stat costs an xxh3 of the file.
 """
@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from nblib.atomic import AtomicWriter, atomic_write_bytes, json_bytes, npy_header, sha256_file
+from nblib.atomic import AtomicWriter, npy_header, sha256_file
 from nblib.cache.codecs import (
     CODECS,
     CodecSpec,
@@ -42,11 +42,20 @@ from nblib.cache.codecs import (
     codec_spec,
 )
 from nblib.errors import CacheError, ConfigError, InputError, ManifestDamaged
-from nblib.manifest import parse_manifest, write_manifest
+from nblib.manifest import (
+    parse_manifest,
+    read_stat_cache,
+    record_stats,
+    stat_cache_path,
+    stat_record,
+    stat_vouches,
+    write_manifest,
+)
 from nblib.units import MB
 
 MANIFEST = "manifest.json"
-STAT_CACHE = "local-stat-cache.json"  # non-canonical: stats of this machine's copy; safe to delete
+STAT_CACHE = stat_cache_path(MANIFEST).name  # "manifest.stat.json": non-canonical, safe to delete
+LEGACY_STAT_CACHE = "local-stat-cache.json"   # its name in caches written before: read, then replaced
 MANIFEST_KIND = "nblib.cache"
 MANIFEST_VERSION = 3    # 3: per-image xxh3 tables in shards, shard xxh3, stats moved to STAT_CACHE
 OLD_VERSIONS = (2,)     # readable manifests of older layouts: refused with "rebuild"
@@ -244,8 +253,8 @@ def shard_state(cache_dir: Path, entry: dict, *, full: bool = False, stats: dict
         return "missing"
     if st.st_size != entry["bytes"]:
         return "truncated"
-    known = (read_stat_cache(cache_dir) if stats is None else stats).get(entry["file"])
-    same_stat = known == {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": entry["sha256"]}
+    known = (read_shard_stats(cache_dir) if stats is None else stats).get(entry["file"])
+    same_stat = isinstance(known, dict) and "sha256" in known and stat_vouches(known, st, entry["sha256"])
     if same_stat and not full:
         return None
     if not file_matches(path, entry, digest):
@@ -346,38 +355,43 @@ def warn_many_files(n_files: int, cache_dir: Path, shard_mb: float) -> None:
 # ====================================================================================== stat cache
 
 
-def read_stat_cache(cache_dir: str | Path) -> dict:
-    """{shard file: {"bytes", "mtime_ns", "sha256"}} of the local stat cache; {} when absent or unreadable.
+def read_shard_stats(cache_dir: str | Path) -> dict:
+    """{shard file: {"bytes", "mtime_ns", "sha256"}} of the cache's stat cache; {} when absent or unreadable.
 
-    The stat cache is a hint, never a source of truth: anything wrong with it costs a hash, not
-    an error.
+    The stat cache is `nblib.manifest`'s (`manifest.stat.json` beside `manifest.json`): a hint,
+    never a source of truth; anything wrong with it costs a hash, not an error. A cache written
+    before it moved there has `local-stat-cache.json` instead: read while no new one exists.
     """
-    try:
-        record = json.loads((Path(cache_dir) / STAT_CACHE).read_bytes())
-        shards = record["shards"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return {}
-    return shards if isinstance(shards, dict) else {}
+    stats = read_stat_cache(Path(cache_dir) / MANIFEST)
+    return stats or _legacy_stats(Path(cache_dir))
 
 
-def record_stats(cache_dir: str | Path, stats: dict[str, dict]) -> None:
-    """Add shards' stats ({file: {"bytes", "mtime_ns", "sha256"}}) to the local stat cache, atomically.
+def record_shard_stats(cache_dir: str | Path, stats: dict[str, dict]) -> None:
+    """Add shards' stats ({file: {"bytes", "mtime_ns", "sha256"}}) to the cache's stat cache, atomically.
 
-    Best effort: a folder that cannot be written (read-only mount) keeps its old stat cache.
+    Best effort: a folder that cannot be written (read-only mount) keeps its old stat cache. A
+    legacy `local-stat-cache.json` is carried over into the new file, then removed.
     """
-    merged = {**read_stat_cache(cache_dir), **stats}
-    try:
-        atomic_write_bytes(Path(cache_dir) / STAT_CACHE,
-                           json_bytes({"note": "local stats of this copy's shards; safe to delete",
-                                       "shards": merged}))
-    except OSError:
-        pass
+    cache_dir = Path(cache_dir)
+    legacy = cache_dir / LEGACY_STAT_CACHE
+    if legacy.exists() and not (cache_dir / STAT_CACHE).exists():
+        stats = {**_legacy_stats(cache_dir), **stats}
+    if record_stats(cache_dir / MANIFEST, stats):
+        legacy.unlink(missing_ok=True)
 
 
 def current_stat(cache_dir: str | Path, entry: dict) -> dict:
     """The stat-cache record of a listed shard as its file is now (after its bytes were checked)."""
-    st = (Path(cache_dir) / entry["file"]).stat()
-    return {entry["file"]: {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": entry["sha256"]}}
+    return {entry["file"]: stat_record(Path(cache_dir) / entry["file"], entry["sha256"])}
+
+
+def _legacy_stats(cache_dir: Path) -> dict:
+    """The shard stats of a `local-stat-cache.json` ({"note", "shards"}); {} when absent or unreadable."""
+    try:
+        shards = json.loads((cache_dir / LEGACY_STAT_CACHE).read_bytes())["shards"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    return {k: v for k, v in shards.items() if isinstance(v, dict)} if isinstance(shards, dict) else {}
 
 
 # ====================================================================================== manifest

@@ -30,8 +30,8 @@ from nblib.cache.format import (
     MANIFEST,
     ShardWriter,
     read_cache_manifest,
-    read_stat_cache,
-    record_stats,
+    read_shard_stats,
+    record_shard_stats,
     shard_bytes,
     shard_index,
     shard_state,
@@ -61,9 +61,33 @@ def write_images(images, out: str | Path, *, shard_mb: float = 400, codec: str =
                  seed: int = 0, overwrite: bool = False, progress: bool = True) -> PopulateSummary:
     """Write `images` into a sharded cache at `out`, resuming whatever is already there.
 
-    Every image must have the shape of the first. `n_images` (else `len(images)` when it has one)
-    lets the disk preflight run first and the cache report itself complete; without either, the
-    count is known when the images run out. Pass the same images in the same order to resume.
+    Every image must have the shape of the first. Pass the same images in the same order to
+    resume: the shards already written are checked against the images (`source_xxh3`), damaged
+    ones rewritten, other images refused. The folder is locked while written.
+
+    Args:
+        images: a list or iterable of images (uint8 [H, W, 3] / [H, W] / [H, W, 4] arrays, PIL
+            images, CHW torch tensors), a torch map-style dataset ((image, label) items), or a
+            Hugging Face `datasets.Dataset` (`column`).
+        out: the cache folder (created; a folder of its own).
+        shard_mb: target size of one shard file, in MB.
+        codec: "raw", "zlib", "png" or "zstd" (`nblib.cache.CODECS`).
+        codec_level: a compressed codec's level (zstd: 1-22, default 3; zlib/png: 0-9).
+        column: the image column of a dataset or of dict items (default "image").
+        n_images: the number of images, when `images` has no len(): lets the disk preflight run
+            first and the cache report itself complete (else the count is known at the end, and a
+            raw cache buffers one shard in RAM).
+        seed: recorded in the manifest.
+        overwrite: delete a cache of other images or settings in `out` instead of refusing.
+        progress: show a progress bar.
+
+    Returns:
+        A `PopulateSummary` (images and shards in the cache, written, reused, rewritten, speed).
+
+    Raises:
+        InputError (no images, an image of another shape, dtype or layout, named by its index),
+        ConfigError (codec, level), CacheError (another cache there, other images on resume, a
+        count other than announced), BudgetExceeded (the disk cannot hold it), FolderBusyError.
     """
     started = time.perf_counter()
     check_codec(codec)
@@ -104,7 +128,7 @@ def write_images(images, out: str | Path, *, shard_mb: float = 400, codec: str =
                 manifest["shards"].append(entry)
                 lock.check()
                 write_cache_manifest(out, manifest)
-                record_stats(out, stat)
+                record_shard_stats(out, stat)
                 written += 1
         done = manifest["shards"][-1]["stop"] if manifest["shards"] else 0
         if total is not None and done != total:
@@ -286,7 +310,7 @@ def _nothing_done(plan):
 
 def _pass_over_done_shards(out: Path, manifest: dict, spec: CodecSpec, images: Iterator) -> list[dict]:
     """Consume the images of shards already written: check they are the same, rewrite damaged shards."""
-    coder, stats, rewritten = codec_for(spec), read_stat_cache(out), []
+    coder, stats, rewritten = codec_for(spec), read_shard_stats(out), []
     for entry in manifest["shards"]:
         batch = list(itertools.islice(images, entry["count"]))
         digest = xxhash.xxh3_64()
@@ -304,10 +328,10 @@ def _pass_over_done_shards(out: Path, manifest: dict, spec: CodecSpec, images: I
                 for image in batch:
                     writer.add(coder.encode(image), image)
                 writer.commit(expect_sha256=entry["sha256"])
-            record_stats(out, {entry["file"]: writer.stat})
+            record_shard_stats(out, {entry["file"]: writer.stat})
             rewritten.append(entry)
         elif state == "touched":
             from nblib.cache.format import current_stat
 
-            record_stats(out, current_stat(out, entry))
+            record_shard_stats(out, current_stat(out, entry))
     return rewritten

@@ -29,14 +29,15 @@ from nblib.atomic import leftover_temporaries
 from nblib.cache.codecs import CodecSpec, check_codec, codec_for, train_dictionary
 from nblib.cache.format import (
     DAMAGED,
+    LEGACY_STAT_CACHE,
     MANIFEST,
     STAT_CACHE,
     ShardWriter,
     current_stat,
     images_per_raw_shard,
     read_cache_manifest,
-    read_stat_cache,
-    record_stats,
+    read_shard_stats,
+    record_shard_stats,
     shard_bytes,
     shard_index,
     shard_state,
@@ -48,7 +49,8 @@ from nblib.cache.texts import TextScan, TextSource, require_texts, scan_texts, t
 from nblib.disk import disk_free
 from nblib.errors import CacheError, ConfigError, InputError
 from nblib.lock import FolderLock, run_identity
-from nblib.render import Coverage, RenderParams, coverage, render_params, render_with
+from nblib.pool import pool_context, watch_owner
+from nblib.render import Coverage, RenderFailed, RenderParams, coverage, render_params, render_with
 from nblib.units import fmt_bytes
 
 BATCH = 16              # texts per pool task
@@ -97,19 +99,55 @@ def populate(texts, cache_dir: str | Path, image_size: int = 224, shard_mb: floa
              codec_level: int | None = None) -> PopulateSummary:
     """Render `texts` into a sharded cache at `cache_dir`, resuming whatever is already there.
 
-    `texts` is a path (text file, one per line; JSONL with `field`) or a sequence of str.
-    `workers=None` uses all cores; 0 or 1 renders in this process. `seed` is recorded in the
-    manifest (the renderer draws no randomness). `codec="auto"` measures the codecs on a sample
-    and lets `nblib.budget.choose_codec` pick the one that fits the free disk; `codec_level` sets
-    a compressed codec's level (zstd: 1-22, default 3; a zstd cache also trains a dictionary on
-    its first images and keeps it when it pays, see `nblib.cache.codecs`). A cache of other
-    texts or render settings is refused unless `overwrite`; damaged listed shards are re-rendered.
-    The characters of the first COVERAGE_TEXTS texts are checked against the font chain: the share
-    without a glyph, per script, goes into the manifest; above COVERAGE_WARN populate warns, or
-    with `strict_fonts` refuses (InputError) before anything is rendered.
+    A cache of other texts or render settings is refused unless `overwrite`; damaged listed shards
+    are re-rendered. The characters of the first COVERAGE_TEXTS texts are checked against the font
+    chain: the share without a glyph, per script, goes into the manifest; above COVERAGE_WARN
+    populate warns, or with `strict_fonts` refuses before anything is rendered. The folder is
+    locked while written. Two identical builds give byte-identical folders apart from the stat
+    cache (`STAT_CACHE`, non-canonical). A text the renderer cannot draw raises RenderFailed naming
+    its line in the file (or its index in the list).
+
+    Args:
+        texts: a path (text file, one text per line; JSONL with `field`) or a sequence of str.
+        cache_dir: the cache folder (created; a folder of its own).
+        image_size: pixels per side of every image.
+        shard_mb: target size of one shard file, in MB (Google Drive prefers few large files).
+        workers: render processes; None: all cores; 0 or 1: render in this process.
+        seed: recorded in the manifest (the renderer draws no randomness).
+        codec: "raw", "zlib", "png", "zstd" (`nblib.cache.CODECS`) or "auto" (measures the codecs
+            on a sample and lets `nblib.budget.choose_codec` pick the one that fits the free disk).
+        overwrite: delete a cache of other texts or settings in `cache_dir` instead of refusing.
+        progress: show a progress bar.
+        field: the JSON field holding the text of each line of a JSONL file.
+        errors: "strict" (undecodable bytes are refused, naming the line) or "replace" (U+FFFD).
+        font_size: font size in pixels; None: scaled with `image_size`.
+        strict_fonts: refuse texts whose characters the font chain cannot draw (above COVERAGE_WARN).
+        codec_level: a compressed codec's level (zstd: 1-22, default 3, and a dictionary trained on
+            the first images, kept when it pays, see `nblib.cache.codecs`; zlib/png: 0-9).
+
+    Returns:
+        A `PopulateSummary`: images and shards in the cache, what this run wrote, reused and
+        repaired, bytes on disk against the prediction, speed, font coverage.
+
+    Raises:
+        InputError (texts missing, empty or undecodable; fonts with `strict_fonts`), ConfigError
+        (codec, level, size), CacheError (another cache there, texts changed while rendering),
+        BudgetExceeded (the disk cannot hold the cache), FolderBusyError (another run writes it);
+        each names the cause and the fix.
     """
-    started = time.perf_counter()
     source = text_source(texts, field, errors)
+    try:
+        return _populate(source, cache_dir, image_size, shard_mb, workers, seed, codec, overwrite, progress,
+                         font_size, strict_fonts, codec_level)
+    except RenderFailed as exc:
+        index = exc.index if exc.index is not None else _index_of(source, getattr(exc, "text", None))
+        where = source.where(index) if index is not None else "a text"
+        raise RenderFailed(f"{where}: {exc}", index) from None
+
+
+def _populate(source: TextSource, cache_dir, image_size, shard_mb, workers, seed, codec, overwrite, progress,
+              font_size, strict_fonts, codec_level) -> PopulateSummary:
+    started = time.perf_counter()
     scan = scan_texts(source, sample_size=SAMPLE_TEXTS, seed=seed)
     require_texts(scan, source)
     params = render_params(image_size, font_size)
@@ -119,7 +157,7 @@ def populate(texts, cache_dir: str | Path, image_size: int = 224, shard_mb: floa
         raise CacheError(f"{cache_dir} is a file, not a folder: a cache needs a folder of its own; pass "
                          f"another --out (or move that file away) and rerun")
     cache_dir.mkdir(parents=True, exist_ok=True)
-    sample_images = [render_with(t, params) for t in scan.sample]
+    sample_images = [_render_sample(t, params) for t in scan.sample]
     with cache_lock(cache_dir) as lock:  # everything below reads and writes the folder
         if codec == "auto":
             codec = _resumed_codec(cache_dir, scan) or _auto_codec(scan.n_texts, cache_dir, sample_images)
@@ -144,13 +182,13 @@ def populate(texts, cache_dir: str | Path, image_size: int = 224, shard_mb: floa
         start = manifest["shards"][-1]["stop"] if manifest["shards"] else 0
         written = 0
         with _progress_bar(scan.n_texts, start, progress) as bar:
-            blobs = rendered_blobs(itertools.islice(iter(source), start, None), params, spec, workers)
+            blobs = rendered_blobs(itertools.islice(iter(source), start, None), params, spec, workers, start)
             for entry, stat in stream_shards(blobs, cache_dir, len(manifest["shards"]), start,
                                              scan.n_texts, layout, spec, bar):
                 manifest["shards"].append(entry)
                 lock.check()  # still ours: no other run took the folder over
                 write_cache_manifest(cache_dir, manifest)
-                record_stats(cache_dir, stat)
+                record_shard_stats(cache_dir, stat)
                 written += 1
         done = manifest["shards"][-1]["stop"] if manifest["shards"] else 0
         if done != scan.n_texts:
@@ -250,7 +288,7 @@ def cache_bytes_on_disk(cache_dir: str | Path) -> int:
     if not folder.is_dir():
         return 0
     return sum(p.stat().st_size for p in folder.iterdir()
-               if p.is_file() and (p.name.startswith("shard-") or p.name in (MANIFEST, STAT_CACHE)))
+               if p.is_file() and (p.name.startswith("shard-") or p.name in (MANIFEST, STAT_CACHE, LEGACY_STAT_CACHE)))
 
 
 # ====================================================================================== rendering
@@ -264,10 +302,10 @@ def rerender_shard(cache_dir: Path, manifest: dict, entry: dict, source: TextSou
     writer = ShardWriter(cache_dir, shard_index(entry["file"]), entry["start"], spec,
                          manifest["image_shape"], count=entry["count"])
     with writer:
-        for blob in rendered_blobs(texts, params, spec, workers):
+        for blob in rendered_blobs(texts, params, spec, workers, entry["start"]):
             writer.add(blob)
         new = writer.commit(expect_sha256=entry["sha256"])
-    record_stats(cache_dir, {new["file"]: writer.stat})
+    record_shard_stats(cache_dir, {new["file"]: writer.stat})
     return new
 
 
@@ -301,22 +339,26 @@ def renderer_record(params: RenderParams) -> dict:
     return json.loads(json.dumps(params.as_dict()))
 
 
-def rendered_blobs(texts: Iterable[str], params: RenderParams, codec: CodecSpec,
-                   workers: int) -> Iterator[bytes]:
-    """Stored bytes of each text's image, in input order, from a bounded process pool."""
-    batches = _batched(texts, BATCH)
+def rendered_blobs(texts: Iterable[str], params: RenderParams, codec: CodecSpec, workers: int,
+                   first: int = 0) -> Iterator[bytes]:
+    """Stored bytes of each text's image, in input order, from a bounded process pool.
+
+    `first`: the source index of the first text, so a RenderFailed names the text's index.
+    """
+    batches = ((batch, params, codec, first + k * BATCH) for k, batch in enumerate(_batched(texts, BATCH)))
     if workers <= 1:
-        for batch in batches:
-            yield from _render_batch((batch, params, codec))
+        for task in batches:
+            yield from _render_batch(task)
         return
     from concurrent.futures import ProcessPoolExecutor
 
     window = 4 * workers
-    with ProcessPoolExecutor(workers, mp_context=_mp_context()) as pool:
+    with ProcessPoolExecutor(workers, mp_context=pool_context(), initializer=watch_owner,
+                             initargs=(os.getpid(),)) as pool:
         pending: deque = deque()
         try:
-            for batch in batches:
-                pending.append(pool.submit(_render_batch, (batch, params, codec)))
+            for task in batches:
+                pending.append(pool.submit(_render_batch, task))
                 if len(pending) >= window:
                     yield from pending.popleft().result()
             while pending:
@@ -341,18 +383,43 @@ def resolve_workers(workers: int | None) -> int:
 # ====================================================================================== helpers
 
 
-def _render_batch(task: tuple[list[str], RenderParams, CodecSpec]) -> list[bytes]:
-    """Worker: render and encode a batch of texts (top-level so the pool can pickle it)."""
-    texts, params, codec = task
+def _render_batch(task: tuple[list[str], RenderParams, CodecSpec, int]) -> list[bytes]:
+    """Worker: render and encode a batch of texts (top-level so the pool can pickle it).
+
+    A text the renderer cannot draw raises RenderFailed carrying its index in the source.
+    """
+    texts, params, codec, first = task
     coder = codec_for(codec)
-    return [coder.encode(render_with(text, params)) for text in texts]
+    blobs = []
+    for i, text in enumerate(texts):
+        try:
+            blobs.append(coder.encode(render_with(text, params)))
+        except RenderFailed as exc:
+            raise RenderFailed(str(exc), first + i) from None
+    return blobs
+
+
+def _render_sample(text: str, params: RenderParams) -> np.ndarray:
+    """One sample text's image; a RenderFailed carries the text, so populate can find its line."""
+    try:
+        return render_with(text, params)
+    except RenderFailed as exc:
+        exc.text = text
+        raise
+
+
+def _index_of(source: TextSource, text: str | None) -> int | None:
+    """The index of the first text of `source` equal to `text` (None when absent or not given)."""
+    if text is None:
+        return None
+    return next((i for i, t in enumerate(source) if t == text), None)
 
 
 def _first_images(source: TextSource, params: RenderParams) -> list[np.ndarray]:
     """The first images of a cache (what a zstd dictionary is trained on), rendered here."""
     from nblib.cache.codecs import DICT_SAMPLES
 
-    return [render_with(t, params) for t in itertools.islice(iter(source), DICT_SAMPLES)]
+    return [_render_sample(t, params) for t in itertools.islice(iter(source), DICT_SAMPLES)]
 
 
 def _batched(items: Iterable, n: int) -> Iterator[list]:
@@ -419,7 +486,7 @@ def _repair_listed_shards(cache_dir: Path, manifest: dict, source: TextSource, w
     A shard whose bytes still match but whose stat changed (a copy) gets its new stat recorded in
     the stat cache. The manifest is rewritten after each re-render. Returns the entries re-rendered.
     """
-    repaired, stats = [], read_stat_cache(cache_dir)
+    repaired, stats = [], read_shard_stats(cache_dir)
     for i, entry in enumerate(manifest["shards"]):
         state = shard_state(cache_dir, entry, stats=stats, digest="xxh3")
         if state in DAMAGED:
@@ -427,7 +494,7 @@ def _repair_listed_shards(cache_dir: Path, manifest: dict, source: TextSource, w
             repaired.append(entry)
             write_cache_manifest(cache_dir, manifest)
         elif state == "touched":
-            record_stats(cache_dir, current_stat(cache_dir, entry))
+            record_shard_stats(cache_dir, current_stat(cache_dir, entry))
     return repaired
 
 
@@ -503,7 +570,7 @@ def _dict_changes(old: dict, new: dict) -> str:
 def _clear(cache_dir: Path) -> None:
     """Delete a cache's own files (shards, manifest, temporaries); nothing else in the folder."""
     for path in [*cache_dir.glob("shard-*"), *leftover_temporaries(cache_dir), cache_dir / MANIFEST,
-                 cache_dir / STAT_CACHE]:
+                 cache_dir / STAT_CACHE, cache_dir / LEGACY_STAT_CACHE]:
         path.unlink(missing_ok=True)
 
 
@@ -547,14 +614,6 @@ def _auto_codec(n_images: int, cache_dir: Path, sample_images: list[np.ndarray])
     free = disk_free(cache_dir) + cache_bytes_on_disk(cache_dir)
     choice = budget.choose_codec(n_images, free, measure_codecs(sample_images))
     return getattr(choice, "codec", choice)
-
-
-def _mp_context():
-    """forkserver where it exists (safe with threads, fast after the first pool), else spawn."""
-    import multiprocessing
-
-    methods = multiprocessing.get_all_start_methods()
-    return multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
 
 
 def _progress_bar(total: int, initial: int, enabled: bool):

@@ -35,7 +35,7 @@ from nblib.cache.format import (
     open_packed,
     open_raw,
     read_cache_manifest,
-    read_stat_cache,
+    read_shard_stats,
     shard_state,
     warn_many_files,
     xxh3_file,
@@ -49,8 +49,20 @@ CHECKS = ("image", "first-touch", "off")
 class ShardedImageCache:
     """A cache folder as an indexable array of uint8 [H, W, 3] images, checked when opened and read.
 
-    `check`: "image" (default: every image's xxh3 before it is served), "first-touch" (also the
-    whole shard's xxh3 once per process, before its first image is served) or "off" (unchecked).
+    Opening compares each listed shard's size and stat with the stat cache and hashes (xxh3) any
+    whose stat changed. `cache[i]` is one image; `get_batch`, `iter_shards` and `torch_dataset`
+    read several. Picklable: each process opens its own maps and checks for itself.
+
+    Args:
+        cache_dir: a folder `populate` or `write_images` wrote.
+        check: "image" (default: every image's xxh3 before it is served), "first-touch" (also the
+            whole shard's xxh3 once per process, before its first image is served) or "off"
+            (no check on read).
+
+    Raises:
+        CacheError when the folder holds no cache, its manifest is damaged or of an older format,
+        or a listed shard is missing, resized or (stat changed) hashes differently: the message
+        names the shard and says `cache --verify --repair`. ConfigError for another `check`.
     """
 
     def __init__(self, cache_dir: str | Path, *, check: str = "image"):
@@ -154,7 +166,7 @@ class ShardedImageCache:
 
     def _check_shards(self) -> None:
         """Refuse a listed shard that is missing, resized, or (stat changed) hashes differently."""
-        hashed, stats = [], read_stat_cache(self.cache_dir)
+        hashed, stats = [], read_shard_stats(self.cache_dir)
         for entry in self.manifest["shards"]:
             state = shard_state(self.cache_dir, entry, stats=stats, digest="xxh3")
             if state == "touched":

@@ -4,7 +4,8 @@ A text file holds one text per line (an empty line is an empty text, a blank ima
 sample k - 1); a `.jsonl` file holds one record per line and the text is its `field` ("text" by
 default; blank lines are skipped). A file is re-read on each pass instead of held in memory, so
 1.9M texts cost no RAM; the fingerprint (a sha256 over the length-prefixed texts) is what a
-cache records to refuse resuming with other texts.
+cache records to refuse resuming with other texts. A UTF-8 byte order mark at the start of a file
+is stripped.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from pathlib import Path
 from nblib.errors import ConfigError, InputError
 
 TEXT_SUFFIXES = (".jsonl", ".ndjson", ".txt")
+BOM = b"\xef\xbb\xbf"  # UTF-8 byte order mark: stripped from the start of a file
 
 
 def read_texts(path: str | Path, field: str | None = None, errors: str = "strict") -> Iterator[str]:
@@ -44,6 +46,20 @@ class TextSource:
         if self.path is not None:
             return read_texts(self.path, self.field, self.errors)
         return iter(self.texts)
+
+    def where(self, index: int) -> str:
+        """Where text `index` is: "PATH: line N" for a file (JSONL blank lines counted), else "text N"."""
+        if self.path is None:
+            return f"text {index} of the list"
+        if self.field is None:
+            return f"{self.path}: line {index + 1}"
+        with open(self.path, "rb") as f:
+            seen = -1
+            for number, raw in enumerate(f, start=1):
+                seen += bool(_decode_line(raw, self.path, number, "replace").strip())
+                if seen == index:
+                    return f"{self.path}: line {number}"
+        return f"{self.path}: text {index}"
 
     def describe(self) -> dict:
         """What the manifest records to find the texts again for a repair."""
@@ -131,6 +147,8 @@ def sample_texts(n: int | None = None) -> list[str]:
 def _read_lines(path: Path, field: str | None, errors: str) -> Iterator[str]:
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
+            if number == 1 and raw.startswith(BOM):
+                raw = raw[len(BOM):]  # a byte order mark (Windows editors write one) is not text
             line = _decode_line(raw, path, number, errors)
             if field is None:
                 yield line
@@ -174,6 +192,13 @@ def _json_field(line: str, field_name: str, path: Path, number: int) -> str:
     except json.JSONDecodeError as exc:
         raise InputError(f"{path}: line {number} is not JSON ({exc.msg} at column {exc.colno}); "
                          f"for a plain text file drop --field") from None
+    except RecursionError:
+        raise InputError(f"{path}: line {number} nests JSON arrays or objects too deeply for Python's "
+                         f"parser ({len(line):,} characters); flatten that record or drop it") from None
+    except ValueError as exc:  # an integer of more digits than Python converts (sys.int_info)
+        reason = str(exc).split(";")[0]
+        raise InputError(f"{path}: line {number} cannot be read as JSON ({reason}); store that value as a "
+                         f"string, or drop it from the record") from None
     if not isinstance(record, dict) or field_name not in record:
         keys = sorted(record) if isinstance(record, dict) else type(record).__name__
         raise InputError(f"{path}: line {number} has no field {field_name!r} (has: {keys}); "

@@ -18,8 +18,8 @@ from nblib.cache.format import (
     DAMAGED,
     current_stat,
     read_cache_manifest,
-    read_stat_cache,
-    record_stats,
+    read_shard_stats,
+    record_shard_stats,
     shard_state,
     write_cache_manifest,
 )
@@ -88,9 +88,23 @@ def verify(cache_dir: str | Path, repair: bool = False, texts=None, field: str |
            workers: int | None = None) -> VerifyReport:
     """Check every shard's size and sha256 against the manifest; with repair, fix what is wrong.
 
-    Repair deletes leftover temporaries and unlisted shard files and re-renders exactly the
-    damaged shards from the source texts (`texts`, else the path the manifest recorded). Repair
+    Repair deletes leftover temporaries and unlisted shard files, re-renders exactly the damaged
+    shards from the source texts and records the new stat of shards that were only copied. Repair
     holds the folder's lock: while a populate run writes the folder it is refused (FolderBusyError).
+
+    Args:
+        cache_dir: the cache folder.
+        repair: fix what is wrong (else only report it).
+        texts: the source texts for a re-render (default: the path the manifest recorded).
+        field: the JSON field of a JSONL `texts` file.
+        workers: render processes for a re-render; None: all cores.
+
+    Returns:
+        A `VerifyReport` (`ok`; missing, truncated, corrupt, touched shards; stray files; what was
+        repaired and removed). After a repair it describes the folder as it is now.
+
+    Raises:
+        CacheError when `cache_dir` is not a folder; FolderBusyError (repair while it is written).
     """
     cache_dir = Path(cache_dir)
     if not cache_dir.is_dir():
@@ -124,7 +138,7 @@ def _repair(cache_dir: Path, texts, field: str | None, workers: int | None) -> V
             repaired.append(entry["file"])
             write_cache_manifest(cache_dir, manifest)
         elif entry["file"] in report.touched:
-            record_stats(cache_dir, current_stat(cache_dir, entry))
+            record_shard_stats(cache_dir, current_stat(cache_dir, entry))
     after = _inspect(cache_dir)
     return dataclasses.replace(after, repaired=tuple(repaired), removed=tuple(removed))
 
@@ -136,7 +150,7 @@ def _inspect(cache_dir: Path) -> VerifyReport:
     except CacheError as exc:
         return VerifyReport(cache_dir=str(cache_dir), manifest_problem=str(exc))
     found: dict[str, list[str]] = {state: [] for state in (*DAMAGED, "touched")}
-    stats = read_stat_cache(cache_dir)
+    stats = read_shard_stats(cache_dir)
     for entry in manifest["shards"]:
         state = shard_state(cache_dir, entry, full=True, stats=stats)
         if state is not None:

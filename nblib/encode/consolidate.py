@@ -5,7 +5,7 @@ sample order), so it is hashed while written, never held in RAM, never read back
 raises OSError(ENOSPC) instead of killing the process as a memory-mapped write would. The free
 space is checked first. The index (an `nblib.manifest` record written last) names each part's
 range and the sha256 of the part files it came from, and per output file its bytes, sha256,
-dtype and shape. Each file's mtime (the stat fingerprint) is kept apart, in `index.stat.json`
+dtype and shape. Each file's stat (size, mtime) is kept apart, in `index.stat.json`
 (`nblib.manifest`'s stat cache), so two identical runs write byte-identical outputs and index;
 only the stat cache differs. A rerun trusts a file whose size, header and recorded mtime agree,
 hashes one that disagrees and rebuilds it if its bytes differ; `verify=True` hashes every file.
@@ -27,7 +27,14 @@ from nblib.encode.layout import RUN_KIND, RUN_VERSION, open_store, read_run_mani
 from nblib.encode.protocols import PartRecord, PartStore, require_part_store
 from nblib.errors import BudgetExceeded, DriveError, ManifestDamaged, StateError
 from nblib.lock import FolderLock, run_identity
-from nblib.manifest import read_manifest, read_stat_cache, write_manifest, write_stat_cache
+from nblib.manifest import (
+    read_manifest,
+    read_stat_cache,
+    stat_record,
+    stat_vouches,
+    write_manifest,
+    write_stat_cache,
+)
 from nblib.store.parts import VerifyLevel
 from nblib.units import fmt_bytes_pair
 
@@ -80,15 +87,19 @@ def consolidate(run_dir: str | Path, out_dir: str | Path | None = None, *, store
             _require_parts_of_this_run(manifest, parts, store.local_dir)
             record = _index_record(out_dir)
             index = record.body if record is not None and _describes(record.body, manifest) else None
-            stats = _recorded_mtimes(index, out_dir)
+            stats = _recorded_stats(index, out_dir)
             stale, touched = _stale_outputs(index, manifest["outputs"], out_dir, verify, stats)
+            if stale and index is not None:   # a WARNING when the caller asked to verify: it wants to know
+                log.log(logging.WARNING if verify else logging.INFO, "rebuilt %s in %s: not the bytes the index "
+                        "records (damaged, edited or cut); rebuilt from the parts",
+                        ", ".join(f"{o}.npy" for o in stale), out_dir)
             if stale or index is None or record.version != INDEX_VERSION:
                 out_lock.check()
                 _write_outputs(read_part, manifest, parts, out_dir, stale, index, stats,
                                seq=record.seq + 1 if record is not None else 0, check_space=check_space)
             elif touched:                       # same bytes, new mtime: only the stat cache changes
                 out_lock.check()
-                write_stat_cache(out_dir / INDEX_NAME, {**stats, **{o: _mtime(out_dir, o) for o in touched}})
+                write_stat_cache(out_dir / INDEX_NAME, {**stats, **{o: _stat(out_dir, index, o) for o in touched}})
         finally:
             if own_store:
                 store.close()
@@ -126,7 +137,7 @@ def load_outputs(out_dir: str | Path, mmap: bool = True, verify: bool = False) -
     index = read_index(out_dir)
     if index is None:
         raise StateError(f"no consolidated outputs in {out_dir}; run encode (or consolidate) first")
-    arrays, stats = {}, _recorded_mtimes(index, out_dir)
+    arrays, stats = {}, _recorded_stats(index, out_dir)
     for name in index["outputs"]:
         path, entry = out_dir / f"{name}.npy", index["files"][name]
         problem = _quick_problem(path, entry, stats.get(name))
@@ -228,8 +239,8 @@ def _describes(index: dict, manifest: dict) -> bool:
 
 
 def _stale_outputs(index: dict | None, outputs: list[str], out_dir: Path, verify: bool,
-                   stats: dict[str, int]) -> tuple[list[str], list[str]]:
-    """(outputs to rebuild, outputs only touched since: same bytes, their new mtime is recorded)."""
+                   stats: dict[str, dict]) -> tuple[list[str], list[str]]:
+    """(outputs to rebuild, outputs only touched since: same bytes, their new stat is recorded)."""
     if index is None:
         return list(outputs), []
     stale, touched = [], []
@@ -246,19 +257,20 @@ def _stale_outputs(index: dict | None, outputs: list[str], out_dir: Path, verify
     return stale, touched
 
 
-def _recorded_mtimes(index: dict | None, out_dir: Path) -> dict[str, int]:
-    """output -> the mtime recorded at its last check: the stat cache, else (layout 2) the index's."""
+def _recorded_stats(index: dict | None, out_dir: Path) -> dict[str, dict]:
+    """output -> the stat recorded at its last check: the stat cache, else (layout 2) the index's mtime."""
     if index is None:
         return {}
-    inline = {o: e["mtime_ns"] for o, e in index.get("files", {}).items() if "mtime_ns" in e}
+    inline = {o: {"mtime_ns": e["mtime_ns"]} for o, e in index.get("files", {}).items() if "mtime_ns" in e}
     return {**inline, **read_stat_cache(out_dir / INDEX_NAME)}
 
 
-def _mtime(out_dir: Path, output: str) -> int:
-    return (out_dir / f"{output}.npy").stat().st_mtime_ns
+def _stat(out_dir: Path, index: dict, output: str) -> dict:
+    """The stat record of a consolidated file as it is now, vouching for the sha256 the index records."""
+    return stat_record(out_dir / f"{output}.npy", index["files"][output]["sha256"])
 
 
-def _quick_problem(path: Path, entry: dict, mtime_ns: int | None) -> str | None:
+def _quick_problem(path: Path, entry: dict, recorded: dict | None) -> str | None:
     """Why a file disagrees with its index entry by size, `.npy` header or recorded mtime; None if it agrees."""
     try:
         st = path.stat()
@@ -270,7 +282,8 @@ def _quick_problem(path: Path, entry: dict, mtime_ns: int | None) -> str | None:
     with open(path, "rb") as f:
         if f.read(len(header)) != header:
             return f"has a .npy header other than {entry['dtype']}{entry['shape']}, which the index records"
-    if st.st_mtime_ns != mtime_ns:
+    if not stat_vouches(recorded, st, entry["sha256"]):
+        mtime_ns = recorded.get("mtime_ns") if isinstance(recorded, dict) else None
         return f"was modified after consolidation (mtime {st.st_mtime_ns} != {mtime_ns} recorded)"
     return None
 
@@ -286,7 +299,7 @@ def _hash_problem(path: Path, entry: dict) -> str | None:
 
 
 def _write_outputs(read_part: Callable, manifest: dict, parts: dict[str, PartRecord], out_dir: Path,
-                   stale: list[str], index: dict | None, stats: dict[str, int], *, seq: int,
+                   stale: list[str], index: dict | None, stats: dict[str, dict], *, seq: int,
                    check_space: bool) -> None:
     """Stream the stale outputs part by part through one AtomicWriter each; then the index, last."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -316,7 +329,8 @@ def _write_outputs(read_part: Callable, manifest: dict, parts: dict[str, PartRec
             "files": files}
     write_manifest(out_dir / INDEX_NAME, INDEX_KIND, body, version=INDEX_VERSION, seq=seq)
     write_stat_cache(out_dir / INDEX_NAME, {**{o: stats[o] for o in files if o in stats and o not in written},
-                                            **{o: w.mtime_ns for o, w in written.items()}})
+                                            **{o: {**w.stat_fingerprint(), "sha256": w.sha256}
+                                               for o, w in written.items()}})
 
 
 def _stream_parts(read_part: Callable, manifest: dict, writers: dict[str, AtomicWriter], dtype: np.dtype) -> None:

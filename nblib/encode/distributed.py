@@ -2,7 +2,7 @@
 
 A `World` says what this process is in a run, one small type per role: the only one (`Single`),
 a rank of a `torchrun` launch (`Rank`: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR in the
-environment; gloo on CPU, nccl on `cuda:LOCAL_RANK`), one of N plain processes sharing only a
+environment; each rank on `cuda:LOCAL_RANK`, a gloo process group), one of N plain processes sharing only a
 folder (`Shard`, `--shard I/N`), or the one that merges their parts (`Consolidator`). The roles
 answer the same questions (which parts are mine, do I write the run manifest, do I merge, do I
 show the bar) each for itself, instead of one class comparing a role string, as
@@ -295,8 +295,8 @@ def join(*, shard: str | tuple[int, int] | None = None, consolidate_only: bool =
 
     Returns:
         A `Single`, `Shard`, `Consolidator` or (under a launcher: RANK and WORLD_SIZE set) a `Rank`
-        that joined the group: nccl on `cuda:LOCAL_RANK` when CUDA is used, gloo on CPU, plus a
-        gloo group for barriers either way.
+        that joined the group: on `cuda:LOCAL_RANK` when CUDA is used, in a gloo process group
+        (every collective is a small control message: barriers and the broadcast of the parts).
     """
     env = os.environ if environ is None else environ
     timeout_s = _timeout(env)
@@ -362,19 +362,24 @@ def _durable_bar(run_dir: str | Path, n_parts: int, label: str) -> DurableProgre
 
 
 def _join_group(world: Rank, device: str | None, timeout_s: float) -> Rank:
-    """Join the launch's process group: nccl on cuda:LOCAL_RANK, gloo on CPU; a gloo group for barriers."""
+    """Join the launch's process group (gloo) on cuda:LOCAL_RANK or the CPU.
+
+    gloo, not nccl, on GPUs too: every collective here is a control message (barriers, the
+    broadcast of the parts to encode), which gloo carries; an nccl group (started without
+    device_id, then never used: every call went through a second, gloo group) cost each GPU a
+    communicator and its memory for nothing.
+    """
     import torch
     import torch.distributed as dist
 
-    name = _rank_device(device, world.local_rank, torch.cuda.is_available())
-    cuda = name.startswith("cuda")
-    if cuda:
+    name = _rank_device(device, world.local_rank, torch.cuda.is_available(), world.local_size)
+    if name.startswith("cuda"):
         torch.cuda.set_device(torch.device(name))
     timeout = timedelta(seconds=timeout_s)
     try:
         if not dist.is_initialized():
-            dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
-        group = dist.new_group(backend="gloo", timeout=timeout) if cuda else dist.group.WORLD
+            dist.init_process_group("gloo", timeout=timeout)
+        group = dist.group.WORLD
     except (RuntimeError, ValueError) as exc:
         first = fmt_exception(exc)
         raise PeerLost(f"rank {world.rank} of {world.size} could not meet the others at "
@@ -384,10 +389,17 @@ def _join_group(world: Rank, device: str | None, timeout_s: float) -> Rank:
                 local_size=world.local_size, launch_name=world.launch_name, group=group)
 
 
-def _rank_device(device: str | None, local_rank: int, cuda_available: bool) -> str:
-    """cuda:LOCAL_RANK for None (with CUDA) or 'cuda'; the device named otherwise."""
+def _rank_device(device: str | None, local_rank: int, cuda_available: bool, local_size: int = 1) -> str:
+    """cuda:LOCAL_RANK for None (with CUDA) or 'cuda'; the device named otherwise.
+
+    A numbered GPU (`--device cuda:0`) with several ranks on the host would put them all on that
+    GPU: refused, with the fix. With one rank per host it is that rank's GPU.
+    """
     if device in (None, "cuda"):
         return f"cuda:{local_rank}" if (device == "cuda" or cuda_available) else "cpu"
+    if device.startswith("cuda:") and local_size > 1:
+        raise ConfigError(f"--device {device} with {local_size} ranks on this host puts every rank on one GPU; "
+                          f"pass --device cuda (rank r takes cuda:LOCAL_RANK) or leave --device out")
     return device
 
 

@@ -88,10 +88,15 @@ def settings_of(config: PipelineConfig, n_samples: int) -> dict:
             "outputs": list(r.outputs), "out_dtype": r.out_dtype, "seed": r.seed}
 
 
-def part_meta(plan: RunPlan, k: int, fingerprints: dict) -> dict:
-    """The meta written with part k: what it is, which samples it holds, and the run's fingerprints."""
-    return {"kind": RUN_KIND, "version": RUN_VERSION, "name": plan.part_name(k),
+def part_meta(plan: RunPlan, k: int, fingerprints: dict, settings: dict | None = None) -> dict:
+    """The meta written with part k: what it is, which samples it holds, the run's fingerprints and
+    settings (so a refusal names the setting that changed, even with no run manifest: shards).
+    """
+    meta = {"kind": RUN_KIND, "version": RUN_VERSION, "name": plan.part_name(k),
             "range": list(plan.part_range(k)), "fingerprints": fingerprints}
+    if settings is not None:
+        meta["settings"] = settings
+    return meta
 
 
 def is_run_part(meta: dict) -> bool:
@@ -104,9 +109,13 @@ def parts_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / PARTS_FOLDER
 
 
-def open_store(run_dir: str | Path, mirror_dir: str | Path | None = None) -> PartStore:
-    """The DurableStore holding a run's parts and manifest (run_dir/parts, mirrored if asked)."""
-    return DurableStore(parts_dir(run_dir), mirror_dir=mirror_dir)
+def open_store(run_dir: str | Path, mirror_dir: str | Path | None = None, identity: dict | None = None) -> PartStore:
+    """The DurableStore holding a run's parts and manifest (run_dir/parts, mirrored if asked).
+
+    `identity` (the run's fingerprints) claims the mirror folder for this run: a mirror another
+    run claimed is refused (ForeignMirror, naming the mirror folder).
+    """
+    return DurableStore(parts_dir(run_dir), mirror_dir=mirror_dir, identity=identity)
 
 
 def read_run_manifest(store: PartStore) -> dict | None:

@@ -26,6 +26,7 @@ from nblib.atomic import sha256_json
 from nblib.cache import ShardedImageCache
 from nblib.cache.format import DAMAGED, damaged_error, shard_state
 from nblib.config import PipelineConfig
+from nblib.encode import numerics
 from nblib.encode.consolidate import consolidate
 from nblib.encode.disks import DISK_BLOCK, check_disks, disk_needs
 from nblib.encode.distributed import SINGLE, World
@@ -98,7 +99,8 @@ def encode(cache: ImageSource, run_dir: str | Path, config: PipelineConfig, devi
            mirror_dir: str | Path | None = None, progress: bool = True, offload: str = "async",
            weights: str | Path | None = None, preflight: bool = True, workspace=None,
            do_consolidate: bool = True, store: PartStore | None = None,
-           world: World | None = None, verify: VerifyLevel = VerifyLevel.STAT) -> EncodeReport:
+           world: World | None = None, verify: VerifyLevel = VerifyLevel.STAT, precision: str = "auto",
+           reencode_numerics: bool = False) -> EncodeReport:
     """Encode every image of `cache` into parts under `run_dir`, resuming what is durable.
 
     The run goes through five phases, each a function of plain values: `plan_encode` (check the
@@ -127,7 +129,11 @@ def encode(cache: ImageSource, run_dir: str | Path, config: PipelineConfig, devi
             its share of the parts, and only the consolidating one merges them.
         verify: how a resume checks the durable parts: `VerifyLevel.STAT` (part.json, sizes,
             stat; a file whose stat changed is hashed), `VerifyLevel.HASH` (every part hashed
-            first) or `VerifyLevel.SIZES`.
+            first, and every consolidated output: a damaged one is rebuilt) or `VerifyLevel.SIZES`.
+        precision: the encoder's: "auto" (fp16 autocast on CUDA, fp32 on CPU), "fp32", "fp16", "bf16".
+        reencode_numerics: on a resume with another device, precision or torch/CUDA version
+            (`nblib.encode.numerics`), encode the parts made with the other numerics again
+            (default: refuse, naming the change).
 
     Returns:
         An `EncodeReport`: samples, parts encoded, where it resumed, speed, the output paths.
@@ -138,9 +144,12 @@ def encode(cache: ImageSource, run_dir: str | Path, config: PipelineConfig, devi
     """
     world = world if world is not None else SINGLE
     run = plan_encode(cache, run_dir, config, device, outputs=outputs, out_dtype=out_dtype,
-                      mirror_dir=mirror_dir, offload=offload, weights=weights, world=world)
-    with run_lock(run.run_dir, run.fingerprints, world.rank, world.lock_environ) as lock:  # another run: refused
-        parts_store = open_store(run.run_dir, run.mirror_dir) if store is None else require_part_store(store)
+                      mirror_dir=mirror_dir, offload=offload, weights=weights, world=world, precision=precision,
+                      reencode_numerics=reencode_numerics)
+    identity = numerics.identity_of(run.fingerprints)          # a resume on other hardware is the same run
+    with run_lock(run.run_dir, identity, world.rank, world.lock_environ) as lock:  # another run: refused
+        parts_store = open_store(run.run_dir, run.mirror_dir, identity) if store is None \
+            else require_part_store(store)
         manifest = resume(parts_store, run, world, VerifyLevel.of(verify))
         pending = pending_parts(run.plan, manifest)
         mine = world.assign(pending, run.plan.n_parts, run.fingerprints)    # this process's share
@@ -151,13 +160,14 @@ def encode(cache: ImageSource, run_dir: str | Path, config: PipelineConfig, devi
             done = encode_parts(run, parts_store, manifest, mine, lock, world.record(run.run_dir, mine),
                                 write_manifest=world.writes_manifest, progress=progress and not world.distributed)
         world.barrier("the end, once every rank has written its parts")
-        merged = consolidate_run(run, parts_store, done.manifest, lock, world) \
+        merged = consolidate_run(run, parts_store, done.manifest, lock, world, VerifyLevel.of(verify)) \
             if do_consolidate and world.consolidates else Consolidated({}, ())
         mirrored = parts_store.close() if store is None else None   # waits for the mirror; warns if failing
     resumed_at = run.plan.part_range(pending[0])[0] if pending else 0
     return EncodeReport(
         run_dir=run.run_dir, n_samples=run.plan.n_samples, parts_total=run.plan.n_parts,
-        parts_encoded=len(mine) + len(merged.recomputed), resumed_at=resumed_at, seconds=done.seconds,
+        parts_encoded=(len(pending) if world.role == "rank" else len(mine)) + len(merged.recomputed),  # a launch's
+        resumed_at=resumed_at, seconds=done.seconds,
         samples_per_s=done.samples / done.seconds if done.samples and done.seconds else 0.0,
         offload=offload, device=str(run.torch_device), timeline=done.timeline, outputs=merged.outputs,
         mirror_caught_up=mirrored if run.mirror_dir is not None else None, write_seconds=done.write_seconds)
@@ -179,6 +189,7 @@ class RunInputs:
     encoder: Any                 # the TRMVisionEncoder (torch), on the CPU until parts are encoded
     torch_device: Any            # the torch.device it encodes on
     offload: str
+    reencode_numerics: bool = False   # parts of other numerics are encoded again, not refused
 
 
 @dataclass(frozen=True)
@@ -203,7 +214,8 @@ class Consolidated:
 def plan_encode(cache: ImageSource, run_dir: str | Path, config: PipelineConfig, device: str | None = None, *,
                 outputs: tuple[str, ...] | None = None, out_dtype: str | None = None,
                 mirror_dir: str | Path | None = None, offload: str = "async",
-                weights: str | Path | None = None, world: World = SINGLE) -> RunInputs:
+                weights: str | Path | None = None, world: World = SINGLE, precision: str = "auto",
+                reencode_numerics: bool = False) -> RunInputs:
     """Phase 1: check the folders, cache, config and device, load the encoder, fingerprint the run.
 
     Nothing is written. ConfigError, CacheError as `encode` documents.
@@ -223,11 +235,13 @@ def plan_encode(cache: ImageSource, run_dir: str | Path, config: PipelineConfig,
         # the budget's RAM lines count live buffers; without this glibc keeps freed activations
         # resident and a CPU run peaks 1.5-1.8x above them (see measure.pin_malloc_mmap_threshold)
         pin_malloc_mmap_threshold()
-    encoder = load_encoder(run_config, weights)
+    encoder = load_encoder(run_config, weights).set_inference(precision=precision)
     plan = plan_run(run_config, len(source))
     fingerprints = {"settings": sha256_json(settings_of(run_config, plan.n_samples)),
-                    "weights": encoder.weights_fingerprint(), "cache": source.fingerprint}
-    return RunInputs(source, folder, mirror, run_config, plan, fingerprints, encoder, torch_device, offload)
+                    "weights": encoder.weights_fingerprint(), "cache": source.fingerprint,
+                    numerics.KEY: numerics.numerics_of(torch_device, precision)}
+    return RunInputs(source, folder, mirror, run_config, plan, fingerprints, encoder, torch_device, offload,
+                     reencode_numerics)
 
 
 def resume(store: PartStore, run: RunInputs, world: World, verify: VerifyLevel = VerifyLevel.STAT) -> dict:
@@ -239,11 +253,16 @@ def resume(store: PartStore, run: RunInputs, world: World, verify: VerifyLevel =
     """
     old = read_run_manifest(store)
     settings = settings_of(run.config, run.plan.n_samples)
+    encodes = world.role != "consolidate"      # one that only merges takes the parts' numerics as they are
     if old is not None:
         refuse_if_changed(old.get("fingerprints", {}), run.fingerprints, old.get("settings", {}), settings,
                           where=f"the run manifest in {store.local_dir}")
+        if encodes and not run.reencode_numerics:
+            numerics.refuse_other_numerics(old.get("fingerprints", {}).get(numerics.KEY),
+                                           run.fingerprints[numerics.KEY], f"the run manifest in {store.local_dir}",
+                                           len(old.get("parts", {})))
     durable = world.durable_parts(store, run.plan.n_parts, verify)   # STAT: part.json, sizes, stat
-    fresh = _manifest_of(run, durable, old and old.get("settings"))
+    fresh = _manifest_of(run, durable, old and old.get("settings"), encodes)
     lost = sorted(set((old or {}).get("parts", {})) - set(fresh["parts"]))
     if lost:
         log.warning("parts %s are listed in the manifest but missing or damaged on disk; they will be "
@@ -277,21 +296,22 @@ def encode_parts(run: RunInputs, store: PartStore, manifest: dict, parts: list[i
 
 
 def consolidate_run(run: RunInputs, store: PartStore, manifest: dict, lock: FolderLock,
-                    world: World) -> Consolidated:
+                    world: World, verify: VerifyLevel = VerifyLevel.STAT) -> Consolidated:
     """Phase 5: merge the parts; parts found damaged there are deleted, recomputed and merged again (once).
 
     Several processes never wrote the manifest, so the consolidating one rebuilds it from the
     verified parts first (StateError naming who owes the missing ones). A resume trusts part.json,
     sizes and stat fingerprints; consolidation hashes every byte it reads, so a part whose bytes
     changed behind an unchanged size and mtime fails there. Then every part is hashed on both
-    sides (the rare path: a full read) to find all damaged ones.
+    sides (the rare path: a full read) to find all damaged ones. `VerifyLevel.HASH` also hashes
+    every consolidated output already there and rebuilds one that differs from its index.
     """
     if not world.writes_manifest:
         manifest = _manifest_of(run, store.list_parts(verify=VerifyLevel.STAT), None)
         store.write_manifest(manifest)
         require_all_parts(run.run_dir, manifest["parts"], run.plan.n_parts)
     try:
-        return Consolidated(consolidate(run.run_dir, store=store, lock=lock), ())
+        return Consolidated(consolidate(run.run_dir, store=store, lock=lock, verify=verify is VerifyLevel.HASH), ())
     except StateError as exc:
         damaged = {d.name for d in store.verify()[1]} & set(manifest["parts"])
         ks = [k for k in range(run.plan.n_parts) if run.plan.part_name(k) in damaged]
@@ -344,6 +364,9 @@ def resolve_device(name: str | None):
                           f"(cuda:N for the N-th GPU)") from None
     if device.type not in ("cpu", "cuda"):
         raise ConfigError(f"device {name!r}: encode runs on cpu or cuda only (cuda:N for the N-th GPU)")
+    if device.type == "cpu" and device.index not in (None, 0):
+        raise ConfigError(f"device {name!r}: the CPU has no numbered devices (torch uses every core as one "
+                          f"device); use --device cpu, or cuda:N for the N-th GPU")
     if device.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
@@ -405,17 +428,26 @@ def _new_manifest(config: PipelineConfig, plan: RunPlan, fingerprints: dict) -> 
             "parts": {}, "samples_done": 0, "complete": False}
 
 
-def _manifest_of(run: RunInputs, durable: list, old_settings: dict | None) -> dict:
-    """A fresh run manifest listing the durable parts of this run (ResumeMismatch for another run's)."""
+def _manifest_of(run: RunInputs, durable: list, old_settings: dict | None, encodes: bool = True) -> dict:
+    """A fresh run manifest listing the durable parts of this run (ResumeMismatch for another run's).
+
+    A part names its own settings, so a refusal names the setting that changed even without a
+    run manifest (shards). Parts of other numerics are refused, or left out to be encoded again.
+    """
     fresh = _new_manifest(run.config, run.plan, run.fingerprints)
-    parts = {}
+    parts, other = {}, []
     for info in durable:
         meta = dict(info.meta or {})
         if not is_run_part(meta):
             continue
-        refuse_if_changed(meta.get("fingerprints", {}), run.fingerprints, old_settings, fresh["settings"],
-                          where=f"part {meta.get('name')}")
+        refuse_if_changed(meta.get("fingerprints", {}), run.fingerprints, meta.get("settings") or old_settings,
+                          fresh["settings"], where=f"part {meta.get('name')}")
+        if encodes and not numerics.part_is_current(meta, run.fingerprints[numerics.KEY], run.reencode_numerics):
+            other.append(meta["name"])
+            continue
         parts[meta["name"]] = meta["range"]
+    if other:
+        log.warning("encoding %d parts made with other numerics again: %s", len(other), other)
     fresh["parts"] = {name: parts[name] for name in sorted(parts)}
     fresh["samples_done"] = sum(stop - start for start, stop in fresh["parts"].values())
     fresh["complete"] = fresh["samples_done"] == run.plan.n_samples
@@ -453,7 +485,8 @@ def _preflight(run: RunInputs, workspace, pending: list[int], do_consolidate: bo
     if workspace is None:
         d = run.run_dir
         workspace = Workspace(drive=d, cache=d, runs=d, checkpoints=d, local=d, staging=d, figures=d)
-    budget.preflight(run.config, workspace, job="encode", disk_bytes=0, disk_folder=run.run_dir)  # RAM, VRAM
+    budget.preflight(run.config, workspace, job="encode", disk_bytes=0, disk_folder=run.run_dir,   # RAM, VRAM
+                     cuda_device=run.torch_device if run.torch_device.type == "cuda" else None)
     check_disks(disk_needs(run.config, run.run_dir, run.mirror_dir, run.plan, pending, do_consolidate))
 
 
@@ -468,7 +501,7 @@ def _encode_loop(run: RunInputs, store: PartStore, manifest: dict, parts: list[i
     Buffers hold at most the run's samples (a batch size above the cache's length costs no
     more); running out of RAM or VRAM anyway stops with BudgetExceeded, not a traceback.
     """
-    from nblib.encode.offload import HostPart, batch_loader  # imports torch
+    from nblib.encode.offload import BatchClock, HostPart, batch_loader  # imports torch
 
     plan, config, device = run.plan, run.config, run.torch_device
     batches = [b for k in parts for b in plan.part_batches(k)]
@@ -477,7 +510,7 @@ def _encode_loop(run: RunInputs, store: PartStore, manifest: dict, parts: list[i
     shapes = {o: tuple(manifest["shapes"][o]) for o in manifest["outputs"]}
     bar = _progress_bar(plan, manifest, progress)
     shards = VerifiedShards(run.cache)
-    started, encoded, timeline, writing = time.perf_counter(), 0, [], 0.0
+    clock, encoded, writing = BatchClock(device), 0, 0.0   # on CUDA: completion times, not enqueue times
     try:
         host = HostPart(shapes, min(plan.part_samples, plan.n_samples), config.run.out_dtype, device,
                         run.offload, config.run.consolidate_every)
@@ -487,7 +520,7 @@ def _encode_loop(run: RunInputs, store: PartStore, manifest: dict, parts: list[i
                 images = next(loader).to(device, non_blocking=True)
                 host.add(run.encoder.encode(images), b_start - start)
                 encoded += b_stop - b_start
-                timeline.append((time.perf_counter() - started, encoded))
+                clock.mark(encoded)
                 bar.update(b_stop - b_start)
             arrays = host.arrays(stop - start)          # waits for the last copy to land
             write_started = time.perf_counter()
@@ -509,7 +542,7 @@ def _encode_loop(run: RunInputs, store: PartStore, manifest: dict, parts: list[i
             f"Finished parts are kept: rerun to resume") from exc
     finally:
         bar.close()
-    return timeline, writing
+    return clock.series(), writing
 
 
 class VerifiedShards:
@@ -553,7 +586,7 @@ def _write_part(store: PartStore, manifest: dict, plan: RunPlan, k: int, arrays:
                 write_manifest: bool = True) -> None:
     """Write part k durably, then list it in the manifest (written last, by a single process only)."""
     name, (start, stop) = plan.part_name(k), plan.part_range(k)
-    store.write_part(name, arrays, part_meta(plan, k, manifest["fingerprints"]))
+    store.write_part(name, arrays, part_meta(plan, k, manifest["fingerprints"], manifest["settings"]))
     manifest["parts"][name] = [start, stop]
     manifest["parts"] = dict(sorted(manifest["parts"].items()))
     manifest["samples_done"] += stop - start

@@ -5,14 +5,18 @@ and stages the live SIGKILL demo with a real `python -m nblib cache` process (`n
 """
 from __future__ import annotations
 
+import functools
+import os
 import shutil
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from nblib.cache import PopulateSummary, ShardedImageCache, populate, read_cache_manifest
+from nblib.cache import ShardedImageCache, populate, read_cache_manifest
+from nblib.compare import MIN_REPEATS, Spread, against_value, compare, interleaved, interleaved_order
 from nblib.errors import CacheError
 
 
@@ -29,17 +33,81 @@ def texts_sharing_an_image(texts: Sequence[str], image_size: int) -> list[list[s
     return [group for group in by_image.values() if len(group) > 1]
 
 
+# render scaling: a run shorter than this mostly times the pool's start-up, not rendering
+MIN_RUN_SECONDS = 1.0
+SCALES_SHARE = 0.5     # "scales": the speed-up with w workers is at least half of linear (w x)
+
+
+@dataclass(frozen=True)
+class Scaling:
+    """Images/s per worker count (repeated, interleaved), the work per run, and the machine's load."""
+
+    rates: dict[int, Spread]
+    n_texts: int
+    cores: int
+    load: float                 # the 1-minute load average while measuring
+
+    @property
+    def verdict(self) -> str:
+        return scaling_verdict(self.rates, self.n_texts, self.cores, self.load)
+
+    def table(self) -> str:
+        one = self.rates[min(self.rates)]
+        lines = [f"{self.n_texts:,} texts per run, {one.n} interleaved runs per worker count; "
+                 f"{self.cores} cores, load average {self.load:.1f}"]
+        for workers, rate in self.rates.items():
+            lines.append(f"  {workers} worker(s): {rate.text(unit='images/s')}  "
+                         f"speed-up x{rate.median / one.median:.2f}")
+        return "\n".join(lines)
+
+
 def worker_scaling(texts, worker_counts: Sequence[int], folder: str | Path, image_size: int = 224,
-                   shard_mb: float = 400, codec: str = "raw") -> list[PopulateSummary]:
-    """Populate the same texts once per worker count into fresh subfolders; their summaries."""
-    summaries = []
-    for workers in worker_counts:
+                   shard_mb: float = 400, codec: str = "raw", repeats: int = MIN_REPEATS,
+                   progress: bool = True) -> Scaling:
+    """Populate the same texts per worker count, `repeats` interleaved rounds; images/s of each."""
+    texts = list(texts)
+
+    def run(workers: int) -> float:
         target = Path(folder) / f"workers-{workers}"
         shutil.rmtree(target, ignore_errors=True)
-        summaries.append(populate(texts, target, image_size, shard_mb, workers=workers,
-                                  codec=codec, progress=False))
-        shutil.rmtree(target, ignore_errors=True)
-    return summaries
+        try:
+            return populate(texts, target, image_size, shard_mb, workers=workers, codec=codec,
+                            progress=False).images_per_s
+        finally:
+            shutil.rmtree(target, ignore_errors=True)
+
+    rates = interleaved({w: functools.partial(run, w) for w in worker_counts}, repeats,
+                        progress="render scaling" if progress else False)
+    return Scaling(rates=rates, n_texts=len(texts), cores=_cores(), load=os.getloadavg()[0])
+
+
+def scaling_verdict(rates: dict[int, Spread], n_texts: int, cores: int, load: float) -> str:
+    """Does rendering scale with workers here? Computed from the spreads, never assumed.
+
+    "cannot show it" when one worker's run is shorter than MIN_RUN_SECONDS (pool start-up
+    dominates); "not distinguishable" when the ranges overlap; "scales" only when the most workers
+    beat one worker beyond the spread by at least SCALES_SHARE of linear.
+    """
+    one, most = min(rates), max(rates)
+    if one == most:
+        return "one worker count only: nothing to compare"
+    seconds = n_texts / rates[one].median if rates[one].median > 0 else float("inf")
+    if seconds < MIN_RUN_SECONDS:
+        return (f"this profile cannot show scaling: one worker renders the {n_texts:,} texts in "
+                f"{seconds:.2f} s, so a run mostly times the pool's start-up (raise the texts per run)")
+    v = compare(rates[one], rates[most], (f"{one} worker", f"{most} workers"))
+    busy = f"{cores} cores, load average {load:.1f}"
+    if not v.distinguishable:
+        return f"rendering speed-up {v.text()}: no scaling shown ({busy})"
+    if v.ratio >= 1 + SCALES_SHARE * (most / one - 1):
+        return f"rendering scales: {v.text()} ({busy})"
+    if v.ratio > 1:
+        return f"rendering scales weakly: {v.text()}, under half of linear ({busy}: few free cores)"
+    return f"more workers are slower here: {v.text()} (pool overhead on busy cores; {busy})"
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def read_throughput(images: ShardedImageCache, n_random: int = 500, batch_size: int = 64,
@@ -70,6 +138,34 @@ def read_throughput(images: ShardedImageCache, n_random: int = 500, batch_size: 
     return {"random cache[i]": len(indexes) / random_s,
             f"get_batch({batch_size}) in order": n / batch_s,
             "iter_shards (stream)": streamed / stream_s}
+
+
+def read_throughput_runs(caches: dict, repeats: int = MIN_REPEATS) -> dict[str, Spread]:
+    """`read_throughput` of each cache, `repeats` interleaved rounds: "<cache>: <pattern>" -> Spread of images/s."""
+    got: dict[str, list[float]] = {}
+    for name in interleaved_order(list(caches), repeats):
+        for pattern, rate in read_throughput(caches[name]).items():
+            got.setdefault(f"{name}: {pattern}", []).append(rate)
+    return {key: Spread(tuple(values)) for key, values in got.items()}
+
+
+def read_verdict(rates: dict[str, Spread], encoder_samples_per_s: float, encoder_method: str,
+                 image_size: int = 224, encoder_image_size: int = 224) -> str:
+    """Does every read pattern feed the encoder? Only when every run of it beats the encoder's rate, at the
+    same image size: a cache of smaller images than the encoder's cannot answer it (like for like).
+    """
+    where = f"the encoder's {encoder_samples_per_s:,.0f} images/s at {encoder_image_size} px ({encoder_method})"
+    if image_size != encoder_image_size:
+        fewer = encoder_image_size ** 2 / image_size ** 2
+        return (f"this profile cannot show it: its cache holds {image_size} px images, {fewer:,.0f}x fewer bytes "
+                f"than the {encoder_image_size} px images {where} is for; run the t4 profile")
+    slow = {name: s for name, s in rates.items() if against_value(s, encoder_samples_per_s) != "above"}
+    if not slow:
+        worst = min(rates, key=lambda k: rates[k].low)
+        return (f"every read pattern beats {where} in every run; the slowest run, {worst}, reads "
+                f"{rates[worst].low:,.0f} images/s (x{rates[worst].low / encoder_samples_per_s:,.1f})")
+    return "not every read pattern keeps up with " + where + ": " + "; ".join(
+        f"{name} {s.text(unit='images/s')}" for name, s in slow.items())
 
 
 def cache_command(texts: str | Path, out: str | Path, **flags) -> list[str]:

@@ -10,13 +10,14 @@ from __future__ import annotations
 import functools
 import json
 import os
-import statistics
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from nblib.compare import MIN_REPEATS, Spread, Verdict, against_value, compare, interleaved
 from nblib.pipeline import ComputeStandIn, measure_pipeline, sweep
+from nblib.pipeline.recommend import knob_effects, knob_verdicts, most_effective_knob
 from nblib.reference import T4_SAMPLES_PER_S, TUNING_LOG
 from nblib.units import fmt_bytes, fmt_rate
 
@@ -31,7 +32,8 @@ FIX_RECOVERS = 0.80          # the mixing fix must recover >= 80% of single-sour
 # the default grids (each knob's first value is the base config; the others are tried one at a time)
 TF_GRID = {"batch_size": [32, 8, 128], "num_parallel_calls": [2, 1, 8, -1], "prefetch": [2, 0, 8],
            "cycle_length": [4, 1], "shuffle_buffer": [256, 0, 2048], "deterministic": [True, False]}
-TORCH_GRID = {"num_workers": [0, 1, 2], "batch_size": [32, 128], "prefetch_factor": [2, 4],
+# the torch base has 2 workers: prefetch_factor and persistent_workers do nothing without workers
+TORCH_GRID = {"num_workers": [2, 0, 1], "batch_size": [32, 128], "prefetch_factor": [2, 4],
               "persistent_workers": [False, True]}
 
 
@@ -54,29 +56,98 @@ def tf_sources(cache, n_images: int | None = None, n_sources: int = 4):
 
 
 def where_time_goes(sources, encoder_samples_per_s: float = T4_SAMPLES_PER_S.value, batch_size: int = 32,
-                    steps: int = 8) -> dict:
-    """The default tf.data pipeline feeding a stand-in encoder of the given rate: data-wait is the pipeline's share."""
+                    steps: int = 8, repeats: int = MIN_REPEATS) -> dict:
+    """The default tf.data pipeline feeding a stand-in encoder of the given rate: data-wait is the pipeline's share.
+
+    Both measurements (fed to the encoder, and the pipeline alone) run `repeats` interleaved times; the
+    row holds the median run and every run's data-wait and pipeline rate.
+    """
     from nblib.pipeline.tf_pipelines import tf_pipeline
 
     step = device_step(1e3 / encoder_samples_per_s, launch_ms=0.0)
-    report = measure_pipeline(lambda: tf_pipeline(sources, batch_size=batch_size), consumer=step, steps=steps, warmup=2)
-    capacity = measure_pipeline(lambda: tf_pipeline(sources, batch_size=batch_size), steps=3 * steps, warmup=3)
-    return {"encoder_samples_per_s": encoder_samples_per_s, "pipeline_samples_per_s": capacity.samples_per_s,
-            **report.as_dict()}
+    reports: dict[str, list] = {"fed": [], "alone": []}
+
+    def fed() -> float:
+        reports["fed"].append(measure_pipeline(lambda: tf_pipeline(sources, batch_size=batch_size), consumer=step,
+                                               steps=steps, warmup=2))
+        return reports["fed"][-1].data_wait
+
+    def alone() -> float:
+        reports["alone"].append(measure_pipeline(lambda: tf_pipeline(sources, batch_size=batch_size),
+                                                 steps=3 * steps, warmup=3))
+        return reports["alone"][-1].samples_per_s
+
+    got = interleaved({"fed": fed, "alone": alone}, repeats)
+    median_fed = sorted(reports["fed"], key=lambda r: r.data_wait)[(len(reports["fed"]) - 1) // 2]
+    return {"encoder_samples_per_s": encoder_samples_per_s, "pipeline_samples_per_s": got["alone"].median,
+            "pipeline_runs": got["alone"].values, "data_wait_runs": got["fed"].values, **median_fed.as_dict()}
 
 
-def tf_sweep(sources, grid: dict, consumer=None, steps: int = 20, warmup: int = 3, repeats: int = 1):
-    """Sweep tf.data knobs (one at a time around each knob's first value) over `sources`."""
+def time_share_verdict(share: dict) -> str:
+    """Who is the wall, computed from every run: the pipeline (data-wait >= DOMINATES_SHARE) or the encoder."""
+    waits = Spread(tuple(share.get("data_wait_runs", (share["data_wait"],))))
+    alone = Spread(tuple(share.get("pipeline_runs", (share["pipeline_samples_per_s"],))))
+    encoder = share["encoder_samples_per_s"]
+    numbers = (f"data-wait {waits.low:.1%}-{waits.high:.1%} of each step over {waits.n} runs; the pipeline alone "
+               f"{alone.text(unit='samples/s')} against the encoder's {encoder:,.0f}")
+    if waits.n < MIN_REPEATS:
+        return f"too few runs for a verdict: {numbers}"
+    if waits.high < DOMINATES_SHARE and against_value(alone, encoder) == "above":
+        return f"the encoder is the wall, in every run: {numbers}"
+    if waits.low >= DOMINATES_SHARE:
+        return f"the input pipeline is the wall, in every run: {numbers}"
+    return f"not distinguishable on this machine: {numbers}"
+
+
+def tf_sweep(sources, grid: dict, consumer=None, steps: int = 20, warmup: int = 3, repeats: int = MIN_REPEATS,
+             progress: bool = False):
+    """Sweep tf.data knobs (one at a time around each knob's first value) over `sources`.
+
+    Every config, the base included, runs `repeats` times in interleaved passes (`pipeline.sweep`).
+    """
     from nblib.pipeline.tf_pipelines import tf_pipeline_for
 
-    return sweep(tf_pipeline_for(sources), grid, consumer=consumer, steps=steps, warmup=warmup, repeats=repeats)
+    return sweep(tf_pipeline_for(sources), grid, consumer=consumer, steps=steps, warmup=warmup, repeats=repeats,
+                 progress="tf.data sweep" if progress else False)
 
 
-def torch_sweep(cache, grid: dict, consumer=None, steps: int = 20, warmup: int = 3, repeats: int = 1):
-    """Sweep torch DataLoader knobs over the sharded cache (epoch after epoch)."""
+def torch_sweep(cache, grid: dict, consumer=None, steps: int = 20, warmup: int = 3, repeats: int = MIN_REPEATS,
+                progress: bool = False):
+    """Sweep torch DataLoader knobs over the sharded cache (epoch after epoch), skipping inert knobs."""
     from nblib.pipeline.torch_loaders import cache_loader_for
 
-    return sweep(cache_loader_for(cache), grid, consumer=consumer, steps=steps, warmup=warmup, repeats=repeats)
+    inert = functools.partial(torch_inert_knob, n_images=len(cache), batches_measured=steps + warmup)
+    return sweep(cache_loader_for(cache), grid, consumer=consumer, steps=steps, warmup=warmup, repeats=repeats,
+                 inert=inert, progress="DataLoader sweep" if progress else False)
+
+
+def torch_inert_knob(knob: str, config: dict, n_images: int, batches_measured: int) -> str | None:
+    """Why `knob` does nothing in `config` (None when it acts): a knob that does nothing is not swept.
+
+    `prefetch_factor` and `persistent_workers` only exist for worker processes; `persistent_workers`
+    only saves the respawn at an epoch's end, so a measurement within one epoch cannot see it.
+    """
+    workers = config.get("num_workers", 0)
+    if knob in ("prefetch_factor", "persistent_workers") and workers == 0:
+        return "it does nothing at num_workers=0 (torch ignores it without worker processes)"
+    if knob == "persistent_workers":
+        per_epoch = -(-n_images // max(1, config.get("batch_size", 1)))
+        if batches_measured <= per_epoch:
+            return (f"the {batches_measured} batches measured stay within one epoch of {per_epoch}, "
+                    f"so no worker is ever respawned")
+    return None
+
+
+def sweep_verdict(table) -> str:
+    """The sweep's conclusion, computed from its spreads: the knob that mattered, or that none did."""
+    verdicts = knob_verdicts(table)
+    mattered = most_effective_knob(knob_effects(table), verdicts)
+    lines = [f"  {knob:<19} {v.text('faster', 'slower')}" for knob, v in verdicts.items()]
+    head = (f"{mattered} mattered most: its fastest value beats its slowest beyond the spread of "
+            f"{table.spread(table.base).n} interleaved runs" if mattered else
+            "no knob's effect stood out of the noise on this machine: each knob's fastest and slowest "
+            "values overlap")
+    return "\n".join([head, "each knob, slowest value vs fastest value:", *lines])
 
 
 # ------------------------------------------------------------------------------ mixing
@@ -91,6 +162,7 @@ class MixingResult:
     mixed: float
     fixed: float
     repeats: int
+    runs: dict = field(default_factory=dict)   # "single" | "mixed" | "fixed" -> every run's samples/s
 
     @property
     def slowdown(self) -> float:
@@ -102,6 +174,10 @@ class MixingResult:
         """fixed / single: the share of single-source throughput the fix gives back."""
         return self.fixed / self.single
 
+    def spread(self, which: str) -> Spread:
+        """Every run of "single", "mixed" or "fixed" (one value, the median, when runs were not kept)."""
+        return Spread(tuple(self.runs.get(which, (getattr(self, which),))))
+
     @property
     def fix_works(self) -> bool:
         return self.recovery >= FIX_RECOVERS
@@ -110,31 +186,38 @@ class MixingResult:
         mixed, single = TUNING_LOG["rate mixing 4 datasets"].value
         rows = [("one dataset", self.single, ""),
                 ("4 sources, sample_from_datasets", self.mixed,
-                 f"{self.slowdown:.0%} slower" if self.slowdown >= 0 else f"{-self.slowdown:.0%} faster"),
+                 f"medians: {self.slowdown:.0%} slower" if self.slowdown >= 0 else f"{-self.slowdown:.0%} faster"),
                 ("4 sources, fix: interleave records, then decode", self.fixed,
-                 f"recovers {self.recovery:.0%} of one dataset ({'>=' if self.fix_works else '<'} "
+                 f"medians: recovers {self.recovery:.0%} of one dataset ({'>=' if self.fix_works else '<'} "
                  f"{FIX_RECOVERS:.0%})")]
         lines = [f"parallelism budget {self.budget} (sample_from_datasets: {max(1, self.budget // 4)} per source), "
-                 f"median of {self.repeats} interleaved runs"]
-        lines += [f"  {name:<48} {fmt_rate(rate):>18}  {note}" for name, rate, note in rows]
+                 f"median of {self.repeats} interleaved runs (range min-max)"]
+        for (name, rate, note), key in zip(rows, ("single", "mixed", "fixed")):
+            low, high = self.spread(key).low, self.spread(key).high
+            lines.append(f"  {name:<48} {fmt_rate(rate):>18} ({low:,.0f}-{high:,.0f})  {note}")
+        mixing = compare(self.spread("single"), self.spread("mixed"), ("one dataset", "mixed"))
+        fix = compare(self.spread("single"), self.spread("fixed"), ("one dataset", "the fix"))
+        lines += [f"  mixing: {mixing.text('faster', 'slower')}", f"  fix:    {fix.text('faster', 'slower')}"]
         lines.append(f"  reference: {mixed} vs {single} samples/s mixing 4 vs one ({single / mixed - 1:.0%} slower)")
         return "\n".join(lines)
 
 
-def mixing_experiment(sources, budget: int | None = None, repeats: int = 3, steps: int = 30, warmup: int = 3,
-                      batch_size: int = 32) -> MixingResult:
+def mixing_experiment(sources, budget: int | None = None, repeats: int = MIN_REPEATS, steps: int = 30,
+                      warmup: int = 3, batch_size: int = 32, progress: bool = False) -> MixingResult:
     """Measure one source, 4 mixed with sample_from_datasets, and the fix, interleaved `repeats` times."""
     from nblib.pipeline.tf_pipelines import mixed_pipeline
 
     budget = budget or cores()
-    rates: dict[str, list[float]] = {"single": [], "sample_from_datasets": [], "interleave": []}
-    for _ in range(repeats):
-        for strategy, got in rates.items():
-            make = functools.partial(mixed_pipeline, sources, strategy, num_parallel_calls=budget,
-                                     batch_size=batch_size)
-            got.append(measure_pipeline(make, steps=steps, warmup=warmup).samples_per_s)
-    single, mixed, fixed = (statistics.median(rates[k]) for k in rates)
-    return MixingResult(budget=budget, single=single, mixed=mixed, fixed=fixed, repeats=repeats)
+    def run(strategy: str) -> float:
+        make = functools.partial(mixed_pipeline, sources, strategy, num_parallel_calls=budget, batch_size=batch_size)
+        return measure_pipeline(make, steps=steps, warmup=warmup).samples_per_s
+
+    got = interleaved({k: functools.partial(run, k) for k in ("single", "sample_from_datasets", "interleave")},
+                      repeats, progress="mixing" if progress else False)
+    spreads = dict(zip(("single", "mixed", "fixed"), got.values()))
+    return MixingResult(budget=budget, single=spreads["single"].median, mixed=spreads["mixed"].median,
+                        fixed=spreads["fixed"].median, repeats=repeats,
+                        runs={k: v.values for k, v in spreads.items()})
 
 
 # ------------------------------------------------------------------------------ the per-worker TF trap
@@ -231,57 +314,91 @@ def _read_cache(mode: str, cache_dir: str) -> dict:
 # ------------------------------------------------------------------------------ render on the fly
 
 
-def render_rate_per_core(texts, image_size: int = 224, n: int = 64) -> float:
-    """Images one core renders per second at `image_size` (the first `n` texts, one process)."""
-    import time
-
-    from nblib.render import render_params, render_with
-
-    params = render_params(image_size)
-    chosen = list(texts)[:n]
-    render_with(chosen[0], params)                    # fonts loaded outside the timing
-    started = time.perf_counter()
-    for text in chosen:
-        render_with(text, params)
-    return len(chosen) / (time.perf_counter() - started)
-
-
 def render_vs_cache(cache, texts=None, num_workers: int | None = None, batch_size: int = 32,
-                    steps: int = 12) -> list[dict]:
-    """samples/s of the DataLoader reading the cache vs rendering the same images (from `texts`) in its workers."""
+                    steps: int = 12, repeats: int = MIN_REPEATS) -> list[dict]:
+    """samples/s of the DataLoader reading the cache vs rendering the same images (from `texts`) in its
+    workers, at the cache's image size: `repeats` interleaved runs each (rows keep every run).
+    """
     from nblib.cache.rendered import RenderedImages
     from nblib.pipeline.torch_loaders import cache_loader, repeated
 
     workers = cores() if num_workers is None else num_workers
     rendered = RenderedImages.like(cache, texts)
+    reports: dict[str, list] = {}
+    size = cache.shape[0]
+
+    def run(name: str, source) -> float:
+        report = measure_pipeline(lambda: repeated(cache_loader(source, batch_size, workers)), steps=steps, warmup=2)
+        reports.setdefault(name, []).append(report)
+        return report.samples_per_s
+
+    sources = {f"cache reader ({size} px)": cache, f"render on the fly ({size} px, {workers} workers)": rendered}
+    got = interleaved({name: functools.partial(run, name, src) for name, src in sources.items()}, repeats)
     rows = []
-    for name, source in (("cache reader", cache), (f"render on the fly ({workers} workers)", rendered)):
-        report = measure_pipeline(lambda source=source: repeated(cache_loader(source, batch_size, workers)),
-                                  steps=steps, warmup=2)
-        rows.append({"source": name, **report.as_dict()})
+    for name, spread_ in got.items():
+        median_run = sorted(reports[name], key=lambda r: r.samples_per_s)[(len(reports[name]) - 1) // 2]
+        rows.append({"source": name, **median_run.as_dict(), "runs": spread_.values})
     return rows
 
 
-def cacheless_verdict(rows: list[dict], per_core: float, encoder_samples_per_s: float,
-                      ncores: int | None = None) -> str:
-    """Which way is faster here, and whether the measured rendering loader keeps up with the encoder."""
-    ncores = ncores or cores()
-    cached, rendered = rows[0]["samples_per_s"], rows[1]["samples_per_s"]
-    faster = "the cache reader" if cached >= rendered else "rendering on the fly"
-    keeps_up = rendered >= encoder_samples_per_s
-    return (f"here {faster} is faster ({fmt_rate(cached)} cached vs {fmt_rate(rendered)} rendered in the "
-            f"workers) against the encoder's {fmt_rate(encoder_samples_per_s)}: "
-            + ("rendering keeps up, so the image cache is not needed" if keeps_up else
-               f"rendering would starve the encoder (x{rendered / encoder_samples_per_s:.2f}): keep the cache")
-            + f". At 224 px one core renders {fmt_rate(per_core, 'images')} ({ncores} cores: at most "
-              f"{fmt_rate(per_core * ncores, 'images')})")
+def render_loader_rate(texts, image_size: int = 224, num_workers: int | None = None, batch_size: int = 32,
+                       steps: int = 6, repeats: int = MIN_REPEATS) -> Spread:
+    """samples/s of a DataLoader whose workers render `texts` at `image_size`, `repeats` runs.
+
+    Measured, not extrapolated from one core: what the workers really give on this machine's cores.
+    """
+    from nblib.cache.rendered import RenderedImages
+    from nblib.pipeline.torch_loaders import cache_loader, repeated
+
+    workers = cores() if num_workers is None else num_workers
+    rendered = RenderedImages(list(texts), image_size)
+
+    def run() -> float:
+        return measure_pipeline(lambda: repeated(cache_loader(rendered, batch_size, workers)),
+                                steps=steps, warmup=2).samples_per_s
+
+    return interleaved({"render": run}, repeats)["render"]
+
+
+def encoder_projection(budget) -> tuple[float, str]:
+    """The encoder's images/s of a Budget and how it was made (a projection, with its method)."""
+    dev = budget.device
+    method = (f"projection: {budget.flops_per_image / 1e9:,.1f} GFLOP per {budget.config.model.image_size} px "
+              f"image at {dev.efficiency:.0%} of the {dev.name} {dev.compute_flops / 1e12:,.0f} TFLOP/s peak "
+              f"({budget.config.run.out_dtype if dev.is_gpu else 'fp32'} compute)")
+    return budget.samples_per_s, method
+
+
+def cacheless_verdict(rendered: Spread, encoder_samples_per_s: float, encoder_method: str, image_size: int,
+                      workers: int | None = None) -> str:
+    """Does rendering in the loader's workers keep up with the encoder? Both at `image_size`.
+
+    "keeps up" only when every run of the rendering loader beats the encoder's rate; "starves"
+    only when every run is below it; otherwise the spread covers it and there is no verdict.
+    """
+    workers = cores() if workers is None else workers
+    where = against_value(rendered, encoder_samples_per_s)
+    head = (f"at {image_size} px, {workers} loader workers render {rendered.text(unit='images/s')} on this "
+            f"machine; the encoder takes {fmt_rate(encoder_samples_per_s)} ({encoder_method})")
+    ratio = rendered.median / encoder_samples_per_s
+    if where == "above":
+        return head + f": rendering keeps up (x{ratio:.2f} in every run), so the image cache is not needed here"
+    if where == "below":
+        return head + f": rendering would starve the encoder (x{ratio:.2f} in every run): keep the cache"
+    return head + (f": not distinguishable on this machine (the runs' range covers the encoder's rate, "
+                   f"spread {rendered.relative:.0%}): measure on the machine that will run the job")
 
 
 def rates_table(rows: list[dict]) -> str:
-    """Sources side by side: samples/s, data-wait, startup, RAM added."""
-    lines = [f"{'source':<36} {'samples/s':>10} {'startup':>8} {'RAM added':>10}"]
-    lines += [f"{r['source']:<36} {r['samples_per_s']:>10,.1f} {r['startup_s']:>7.2f}s "
-              f"{fmt_bytes(r['rss_added_bytes']):>10}" for r in rows]
+    """Sources side by side: samples/s (median and range of the runs), startup, RAM added, and the verdict."""
+    lines = [f"{'source':<42} {'samples/s':>10} {'range':>13} {'startup':>8} {'RAM added':>10}"]
+    for r in rows:
+        got = Spread(tuple(r.get("runs", (r["samples_per_s"],))))
+        lines.append(f"{r['source']:<42} {got.median:>10,.0f} {f'{got.low:,.0f}-{got.high:,.0f}':>13} "
+                     f"{r['startup_s']:>7.2f}s {fmt_bytes(r['rss_added_bytes']):>10}")
+    if len(rows) == 2:
+        a, b = (Spread(tuple(r.get("runs", (r["samples_per_s"],)))) for r in rows)
+        lines.append(compare(a, b, (rows[0]["source"], rows[1]["source"])).text("faster", "slower"))
     return "\n".join(lines)
 
 
@@ -312,7 +429,15 @@ def needle_text(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _finding(finding: str, reference: str, measured: str, agrees: bool, why: str) -> dict:
+NOT_DISTINGUISHABLE = "not distinguishable on this machine"
+
+
+def _finding(finding: str, reference: str, measured: str, agrees: bool, why: str,
+             versus: Verdict | None = None) -> dict:
+    """A finding's row; with `versus` (the two spreads compared), overlapping ranges give no verdict."""
+    if versus is not None and not versus.distinguishable:
+        return {"finding": finding, "reference": reference, "measured": f"{measured} ({versus.short()})",
+                "verdict": NOT_DISTINGUISHABLE, "why": "the spread of the repeated runs covers the difference"}
     return {"finding": finding, "reference": reference, "measured": measured,
             "verdict": "agrees" if agrees else "does not", "why": why}
 
@@ -320,6 +445,11 @@ def _finding(finding: str, reference: str, measured: str, agrees: bool, why: str
 def _dominates(time_share: dict) -> dict:
     low, high = TUNING_LOG["input pipeline share of step time"].value
     share, encoder, pipeline = (time_share[k] for k in ("data_wait", "encoder_samples_per_s", "pipeline_samples_per_s"))
+    waits = Spread(tuple(time_share.get("data_wait_runs", (share,))))
+    if waits.low < DOMINATES_SHARE <= waits.high:
+        return {"finding": "the pipeline dominated the step", "reference": f"{low:.0%}-{high:.0%} of step time",
+                "measured": f"{waits.low:.0%}-{waits.high:.0%} over {waits.n} runs", "verdict": NOT_DISTINGUISHABLE,
+                "why": "the runs fall on both sides of half the step"}
     return _finding("the pipeline dominated the step", f"{low:.0%}-{high:.0%} of step time",
                     f"{share:.0%} feeding a {encoder:,.0f}/s encoder", share >= DOMINATES_SHARE,
                     f"rendered-text PNGs decode at {pipeline:,.0f} samples/s, x{pipeline / encoder:,.1f} what "
@@ -332,9 +462,11 @@ def _batch_helped(table) -> dict | None:
         return None
     ratio = curve[-1]["samples_per_s"] / curve[0]["samples_per_s"]
     ref = TUNING_LOG["rate at batch 128"].value / TUNING_LOG["rate at batch 24"].value
+    versus = compare(table.spread(curve[0]), table.spread(curve[-1]))
     return _finding("larger batches helped", f"24->128: x{ref:.1f}",
                     f"{curve[0]['batch_size']}->{curve[-1]['batch_size']}: x{ratio:.2f}", ratio >= HELPED_RATIO,
-                    "per-batch overheads are already small next to per-image decode here")
+                    "per-batch overheads are already small next to per-image decode here",
+                    versus)
 
 
 def _fixed_parallel(table) -> list[dict]:
@@ -346,13 +478,16 @@ def _more_parallel_slower(table, ncores: int) -> dict | None:
     beyond = [r for r in fixed if r["num_parallel_calls"] > ncores]
     if not fixed or not beyond:
         return None
-    best = max(r["samples_per_s"] for r in fixed if r["num_parallel_calls"] <= ncores)
+    within = [r for r in fixed if r["num_parallel_calls"] <= ncores]
+    if not within:
+        return None
+    best = max(within, key=lambda r: r["samples_per_s"])
     most = max(beyond, key=lambda r: r["num_parallel_calls"])
-    ratio = most["samples_per_s"] / best
+    ratio = most["samples_per_s"] / best["samples_per_s"]
     return _finding("more num_parallel_* was slower", "128/64 calls: slower",
                     f"{most['num_parallel_calls']} calls: x{ratio:.2f} of <= {ncores}", ratio < SLOWER_RATIO,
                     f"{most['num_parallel_calls']} threads on {ncores} cores queue rather than contend; the "
-                    f"reference ran 64-128 threads")
+                    f"reference ran 64-128 threads", compare(table.spread(best), table.spread(most)))
 
 
 def _autotune_slower(table) -> dict | None:
@@ -362,9 +497,11 @@ def _autotune_slower(table) -> dict | None:
     fixed = _fixed_parallel(table)
     if not auto or not fixed:
         return None
-    ratio = auto[0]["samples_per_s"] / max(r["samples_per_s"] for r in fixed)
+    best = max(fixed, key=lambda r: r["samples_per_s"])
+    ratio = auto[0]["samples_per_s"] / best["samples_per_s"]
     return _finding("AUTOTUNE was slower than fixed", "AUTOTUNE: slower", f"x{ratio:.2f} of the best fixed",
-                    ratio < SLOWER_RATIO, "with 2 cores AUTOTUNE has little to choose between")
+                    ratio < SLOWER_RATIO, "with 2 cores AUTOTUNE has little to choose between",
+                    compare(table.spread(best), table.spread(auto[0])))
 
 
 def _buffers_cost_ram(table) -> dict | None:
@@ -386,7 +523,8 @@ def _mixing_slower(mixing: MixingResult) -> dict:
                     f"{mixing.mixed:,.0f} vs {mixing.single:,.0f}: {mixing.slowdown:.0%} slower",
                     mixing.slowdown >= MIXING_SLOWER,
                     f"with a budget of {mixing.budget}, each source keeps one decode thread, and "
-                    f"{mixing.budget} cores stay busy either way")
+                    f"{mixing.budget} cores stay busy either way",
+                    compare(mixing.spread("single"), mixing.spread("mixed")))
 
 
 def _worker_trap(rows: list[dict]) -> dict | None:

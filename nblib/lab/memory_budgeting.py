@@ -153,3 +153,64 @@ def show_exact(value: float, unit: str) -> str:
     if unit == "params":
         return f"{value / 1e6:.2f}M"
     return f"{value:.2f} {unit}"
+
+
+# ------------------------------------------------------------------------------ measured against predicted
+
+
+def accuracy_verdict(batch_sizes, predicted, measured, tolerance: float = TOLERANCE) -> str:
+    """The conclusion of 01 §3, computed: is every measured/predicted ratio within `tolerance` of 1?"""
+    ratios = [m / p for p, m in zip(predicted, measured)]
+    outside = [(b, r) for b, r in zip(batch_sizes, ratios) if abs(r - 1) > tolerance]
+    span = f"measured/predicted {min(ratios):.2f}-{max(ratios):.2f} over batch sizes {', '.join(map(str, batch_sizes))}"
+    if not outside:
+        return f"the prediction holds: {span}, every ratio within {tolerance:.0%} of 1"
+    worst = max(outside, key=lambda br: abs(br[1] - 1))
+    return (f"the prediction misses at {len(outside)} of {len(ratios)} batch sizes: {span}; worst x{worst[1]:.2f} "
+            f"at batch {worst[0]} (tolerance {tolerance:.0%})")
+
+
+# ------------------------------------------------------------------------------ the panel's words
+
+
+PANEL_KNOBS = ("batch_size", "consolidate_every", "checkpoint_every", "workers", "H_cycles", "L_cycles",
+               "n_samples", "out_dtype", "outputs", "codec", "drive_quota_gb", "device")
+
+
+def panel_verdict(b, knobs=PANEL_KNOBS) -> str:
+    """The budget's verdict naming only the knobs a panel has (`knobs`): advice it cannot act on is not shown."""
+    if not b.advice:
+        return b.headline
+    parts = []
+    for advice in b.advice:
+        kept = [s for s in advice.suggestions if s.knob.split(".")[-1] in knobs]
+        parts.append(f"{advice.text}: " + "; or ".join(map(str, kept)) if kept else
+                     f"{advice.text}: no control of this panel fixes it alone")
+    return b.headline + (". " if not b.fits else "; but ") + ". ".join(parts)
+
+
+def time_readout(b) -> str:
+    """The run time a panel shows beside the chart, with how it is projected."""
+    return (f"time {b.seconds / 3600:,.2f} h: {b.config.run.n_samples:,} images at {b.samples_per_s:,.0f} images/s "
+            f"(projection: {b.flops_per_image / 1e9:,.2f} GFLOP per image, H_cycles x (L_cycles + 1) passes, at "
+            f"{b.device.efficiency:.0%} of the {b.device.name}'s peak)")
+
+
+def measure_forward_peaks(config, batch_sizes, on_gpu: bool = False, progress: bool = True) -> tuple[list, list]:
+    """(predicted, measured) peak bytes of one forward pass per batch size, each measured in a fresh
+    subprocess (`measure.encoder_peak`): RSS increase on CPU, CUDA max-allocated increase on GPU.
+    """
+    from nblib.compare import progress_bar
+    from nblib.measure import encoder_peak
+
+    predicted = [budget.forward_peak_delta(config.replace(batch_size=b), on_gpu=on_gpu) for b in batch_sizes]
+    measured = []
+    bar = progress_bar(len(batch_sizes), "forward passes", "batch size") if progress else None
+    for b in batch_sizes:
+        run = encoder_peak(config.replace(batch_size=b), b, device="cuda" if on_gpu else "cpu")
+        measured.append(run["cuda_allocated_delta"] if on_gpu else run["rss_delta"])
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    return predicted, measured

@@ -7,6 +7,7 @@ projected from a measured rate against the reference figures of `nblib.reference
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import shutil
 import warnings
@@ -16,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from nblib import budget, reference
+from nblib.compare import MIN_REPEATS, Spread, compare, interleaved
 from nblib.config import OUTPUT_CHOICES, PipelineConfig, preset
 from nblib.encode import OFFLOAD_MODES, PARTS_FOLDER, encode, open_store, read_run_manifest
 from nblib.encode.protocols import ImageSource
@@ -29,20 +31,25 @@ COLAB_RUNTIME_HOURS = float(reference.COLAB["runtime limit"].value)
 
 
 def compare_offload(cache: ImageSource, config: PipelineConfig, folder: str | Path, device: str | None = None,
-                    modes: tuple[str, ...] = OFFLOAD_MODES, repeats: int = 3) -> dict[str, float]:
-    """Encode the same cache with each offload mode, interleaved `repeats` times: mode -> best samples/s.
+                    modes: tuple[str, ...] = OFFLOAD_MODES, repeats: int = MIN_REPEATS,
+                    progress: bool = True) -> dict[str, Spread]:
+    """Encode the same cache with each offload mode, `repeats` interleaved rounds: mode -> Spread of samples/s."""
+    def run(mode: str) -> float:
+        run_dir = Path(folder) / mode
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return encode(cache, run_dir, config, device, offload=mode, progress=False, preflight=False,
+                      do_consolidate=False).samples_per_s
 
-    Best of several interleaved runs, so a busy machine's noise hits both modes alike.
-    """
-    rates: dict[str, float] = {}
-    for _ in range(repeats):
-        for mode in modes:
-            run_dir = Path(folder) / mode
-            shutil.rmtree(run_dir, ignore_errors=True)
-            report = encode(cache, run_dir, config, device, offload=mode, progress=False,
-                            preflight=False, do_consolidate=False)
-            rates[mode] = max(rates.get(mode, 0.0), report.samples_per_s)
-    return rates
+    return interleaved({mode: functools.partial(run, mode) for mode in modes}, repeats,
+                       progress="offload modes" if progress else False)
+
+
+def offload_verdict(rates: dict[str, Spread], on_gpu: bool) -> str:
+    """Which offload mode is faster here, only when the runs' ranges say so."""
+    (a, sa), (b, sb) = list(rates.items())[:2]
+    v = compare(sa, sb, (a, b))
+    where = "on this GPU" if on_gpu else "on this CPU (both modes are a memory copy here)"
+    return f"{v.text('faster', 'slower')} {where}"
 
 
 # ------------------------------------------------------------------------------ kill and resume

@@ -36,13 +36,14 @@ def _encoder_peak_worker(payload: str) -> dict:
     del warm
     gc.collect()
     backend = _sdpa_context(args.get("sdpa_backend"))
-    with backend, PeakMemory() as first:          # one-time costs: GEMM workspaces sized for this batch
+    cuda = device if device.type == "cuda" else None
+    with backend, PeakMemory(cuda_device=cuda) as first:          # one-time costs: GEMM workspaces sized for this batch
         first_out = model.encode(images)
         synchronize(device)
     del first_out
     gc.collect()
     start = time.perf_counter()
-    with backend, PeakMemory() as pm:    # steady state: what every later batch adds
+    with backend, PeakMemory(cuda_device=cuda) as pm:    # steady state: what every later batch adds
         out = model.encode(images)
         synchronize(device)
     seconds = time.perf_counter() - start
@@ -56,14 +57,12 @@ def _encoder_peak_worker(payload: str) -> dict:
 
 
 def _sdpa_context(name: str | None):
-    """A context forcing one SDPA backend ("math", "efficient", "flash"), or a no-op for None."""
+    """A reusable context forcing one SDPA backend (nblib.sdpa.SDPA_BACKENDS), or a no-op for None."""
     if name is None:
         return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from nblib.sdpa import sdpa_context
 
-    kinds = {"math": SDPBackend.MATH, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-             "flash": SDPBackend.FLASH_ATTENTION}
-    return _Reusable(lambda: sdpa_kernel(kinds[name]))
+    return _Reusable(lambda: sdpa_context(name))
 
 
 class _Reusable:

@@ -3,7 +3,9 @@
 `PeakMemory` samples the resident set of this process and its children in a background thread
 (100 Hz by default, >= 20 Hz enforced), and on Linux also reads the kernel's exact high-water
 mark of this process (VmHWM, reset on entry), so a peak shorter than one interval is not missed;
-when CUDA is present it reads torch's max allocated/reserved. Trade-off: children are only
+when this process has already started CUDA it reads torch's max allocated/reserved of one device
+(`cuda_device`, default the current one), and never starts CUDA itself: a context started inside
+an RSS measurement would add ~1.5 GB of RSS and ~0.5 GB of VRAM to it. Trade-off: children are only
 sampled, so a child's millisecond spike can slip between samples; the thread costs < 1% of a core.
 torch is imported only if it is already loaded, so measuring never drags torch into a process.
 """
@@ -22,11 +24,12 @@ class PeakMemory:
     pm.baseline, pm.peak, pm.delta (RSS bytes); pm.cuda_allocated_delta, pm.cuda_reserved_peak.
     """
 
-    def __init__(self, interval_s: float = 0.01, include_children: bool = True):
+    def __init__(self, interval_s: float = 0.01, include_children: bool = True, cuda_device=None):
         if not 0 < interval_s <= 0.05:
             raise ValueError(f"interval_s={interval_s} must be in (0, 0.05] (>= 20 Hz sampling)")
         self.interval_s = interval_s
         self.include_children = include_children
+        self.cuda_device = cuda_device
         self.baseline = 0
         self.peak = 0
         self.samples = 0
@@ -63,9 +66,10 @@ class PeakMemory:
     def __enter__(self) -> PeakMemory:
         torch = _cuda_torch()
         if torch is not None:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self.cuda_baseline = torch.cuda.memory_allocated()
+            device = self._device(torch)
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            self.cuda_baseline = torch.cuda.memory_allocated(device)
         self._hwm_reset = _reset_peak_rss()
         self.baseline = self.peak = self.rss()
         self._stop.clear()
@@ -82,9 +86,16 @@ class PeakMemory:
             self.peak = max(self.peak, _peak_rss() + max(0, children))
         torch = _cuda_torch()
         if torch is not None and self.cuda_baseline is not None:
-            torch.cuda.synchronize()
-            self.cuda_allocated_peak = torch.cuda.max_memory_allocated()
-            self.cuda_reserved_peak = torch.cuda.max_memory_reserved()
+            device = self._device(torch)
+            torch.cuda.synchronize(device)
+            self.cuda_allocated_peak = torch.cuda.max_memory_allocated(device)
+            self.cuda_reserved_peak = torch.cuda.max_memory_reserved(device)
+
+    def _device(self, torch):
+        """The CUDA device measured: the one given, else the current one (read once, then kept)."""
+        if self.cuda_device is None:
+            self.cuda_device = torch.device("cuda", torch.cuda.current_device())
+        return torch.device(self.cuda_device)
 
     def _sample(self) -> None:
         while not self._stop.is_set():
@@ -127,8 +138,12 @@ def _peak_rss() -> int:
 
 
 def _cuda_torch():
-    """torch, when it is already imported and has an initialized CUDA device; else None."""
+    """torch, when it is already imported and this process has started CUDA; else None.
+
+    is_initialized(), not is_available(): measuring CPU work in a process that never touched
+    the GPU must not create a CUDA context (what synchronize() or reset_peak_memory_stats() do).
+    """
     torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_available():
+    if torch is None or not torch.cuda.is_initialized():
         return None
     return torch

@@ -5,6 +5,13 @@ tuning log does: n knobs of k values cost 1 + n(k - 1) runs instead of k^n, and 
 is read off directly. `product=True` measures every combination instead. Knobs are the keyword
 parameters of `make_pipeline_for`; a grid naming another one is refused before anything runs.
 Ctrl-C stops the sweep and returns the rows measured so far.
+
+Noise: every config runs `repeats` times (`nblib.compare.MIN_REPEATS` by default) in passes whose
+order alternates (forward, then backward), after one discarded warm-up run of the base, so a busy
+moment or a one-time start-up cost lands on no config alone; each row keeps its median run and
+the range of all its runs (`runs`, `low`, `high`). A knob that has no effect where it would be
+tried (`inert`, e.g. prefetch_factor with num_workers=0) is not measured: the table lists it in
+`skipped`, with why.
 """
 from __future__ import annotations
 
@@ -14,6 +21,7 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from nblib.compare import MIN_REPEATS, Spread, interleaved_order, progress_bar
 from nblib.errors import ConfigError
 from nblib.pipeline.harness import measure_pipeline
 from nblib.units import fmt_bytes
@@ -29,6 +37,8 @@ class SweepTable:
     rows: list[dict] = field(default_factory=list)
     planned: int = 0
     interrupted: bool = False
+    skipped: dict = field(default_factory=dict)   # knob -> why it was not swept
+
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -49,16 +59,25 @@ class SweepTable:
         rows = [r for r in self.rows if r["varied"] in (knob, BASE)]
         return sorted(rows, key=lambda r: _sort_key(r[knob]))
 
+    def spread(self, row: dict) -> Spread:
+        """A row's samples/s over all its runs."""
+        return Spread(tuple(row.get("runs", (row["samples_per_s"],))))
+
     def find(self, **knobs) -> dict | None:
         """The row whose knobs have these values (None when it was not measured)."""
         return next((r for r in self.rows if all(r[k] == v for k, v in knobs.items())), None)
 
     def __str__(self) -> str:
-        head = [*self.knobs, "samples/s", "data-wait", "startup", "peak RSS"]
-        body = [[knob_text(r[k]) for k in self.knobs] + [f"{r['samples_per_s']:,.1f}", f"{r['data_wait']:.0%}",
-                 f"{r['startup_s']:.2f} s", fmt_bytes(r["peak_rss_bytes"])] for r in self.rows]
+        head = [*self.knobs, "samples/s", "range", "data-wait", "startup", "peak RSS"]
+        body = [[knob_text(r[k]) for k in self.knobs] + [f"{r['samples_per_s']:,.0f}", _range_text(self.spread(r)),
+                 f"{r['data_wait']:.0%}", f"{r['startup_s']:.2f} s", fmt_bytes(r["peak_rss_bytes"])]
+                for r in self.rows]
         widths = [max(len(str(c)) for c in col) for col in zip(head, *body)]
         lines = ["  ".join(f"{c:>{w}}" for c, w in zip(line, widths)) for line in [head, *body]]
+        runs = max((self.spread(r).n for r in self.rows), default=0)
+        lines.append(f"(samples/s: median of {runs} interleaved runs per config; range: min-max)")
+        for knob, why in self.skipped.items():
+            lines.append(f"(not swept: {knob}, {why})")
         if self.interrupted:
             lines.append(f"(interrupted: {len(self.rows)} of {self.planned} configs measured)")
         return "\n".join(lines)
@@ -66,29 +85,52 @@ class SweepTable:
 
 def sweep(make_pipeline_for: Callable[..., Iterable], grid: Mapping[str, Sequence], *,
           base: Mapping | None = None, product: bool = False, consumer_ms: float = 0.0,
-          consumer: Callable | None = None, steps: int = 20, warmup: int = 2, repeats: int = 1,
-          on_row: Callable[[dict], None] | None = None) -> SweepTable:
+          consumer: Callable | None = None, steps: int = 20, warmup: int = 2, repeats: int = MIN_REPEATS,
+          inert: Callable[[str, dict], str | None] | None = None, warm_start: bool = True,
+          progress: bool | str = False, on_row: Callable[[dict], None] | None = None) -> SweepTable:
     """Measure `make_pipeline_for(**config)` for each config of `grid` (see `measure_pipeline`).
 
     `grid` maps knob names to the values to try; the first value of each is the base (or give
-    `base`). `repeats` > 1 measures every config that many times, in interleaved passes (a busy
-    moment of the machine hits every config alike), and keeps each config's median run. Returns a
-    SweepTable; Ctrl-C returns the configs measured so far (`interrupted=True`).
+    `base`). Every config runs `repeats` times in passes of alternating order, after one discarded
+    run of the base (`warm_start`); a row keeps the median run and every run's samples/s (`runs`).
+    `inert(knob, config)` returns why a knob does nothing in `config` (or None): such configs are
+    not measured. `progress` shows a tqdm bar. Ctrl-C returns the configs measured so far.
     """
-    configs = plan_configs(grid, base=base, product=product, known=knob_names(make_pipeline_for))
-    table = SweepTable(knobs=tuple(grid), planned=len(configs))
+    known = knob_names(make_pipeline_for)
+    configs = plan_configs(grid, base=base, product=product, known=known)
+    skipped: dict = {}
+    if inert is not None:
+        kept = []
+        for varied, config in configs:
+            why = inert(varied, config) if varied in grid else None
+            if why:
+                skipped[varied] = why
+            else:
+                kept.append((varied, config))
+        configs = kept
+    table = SweepTable(knobs=tuple(k for k in grid if k not in skipped or product), planned=len(configs),
+                       skipped=skipped)
     runs: list[list] = [[] for _ in configs]
+    order = interleaved_order(range(len(configs)), max(1, repeats))
+    bar = _bar(len(order) + bool(warm_start and configs), progress)
     try:
-        for _ in range(max(1, repeats)):
-            for (varied, config), reports in zip(configs, runs):
-                reports.append(measure_pipeline(lambda config=config: make_pipeline_for(**config), consumer_ms,
-                                                consumer=consumer, steps=steps, warmup=warmup))
-                if on_row is not None:
-                    on_row({**config, "varied": varied, **reports[-1].as_dict()})
+        if warm_start and configs:
+            measure_pipeline(lambda: make_pipeline_for(**configs[0][1]), consumer_ms, consumer=consumer,
+                             steps=max(1, steps // 2), warmup=warmup)
+            _tick(bar)
+        for i in order:
+            (varied, config), reports = configs[i], runs[i]
+            reports.append(measure_pipeline(lambda config=config: make_pipeline_for(**config), consumer_ms,
+                                            consumer=consumer, steps=steps, warmup=warmup))
+            _tick(bar)
+            if on_row is not None:
+                on_row({**config, "varied": varied, **reports[-1].as_dict()})
     except KeyboardInterrupt:
         table.interrupted = True
-    table.rows = [{**config, "varied": varied, **_median_run(reports).as_dict()}
-                  for (varied, config), reports in zip(configs, runs) if reports]
+    finally:
+        if bar is not None:
+            bar.close()
+    table.rows = [_row(config, varied, reports) for (varied, config), reports in zip(configs, runs) if reports]
     if table.interrupted:
         warnings.warn(f"sweep interrupted: returning the {len(table.rows)} of {len(configs)} configs "
                       f"measured so far", stacklevel=2)
@@ -126,6 +168,29 @@ def knob_names(make_pipeline_for: Callable) -> tuple[str, ...] | None:
 
 
 # ------------------------------------------------------------------------------ helpers
+
+
+def _row(config: dict, varied: str, reports: list) -> dict:
+    """One table row: the knobs, the median run's report, every run's samples/s and their range."""
+    rates = tuple(r.samples_per_s for r in reports)
+    return {**config, "varied": varied, **_median_run(reports).as_dict(), "runs": rates,
+            "low": min(rates), "high": max(rates)}
+
+
+def _range_text(spread: Spread) -> str:
+    return f"{spread.low:,.0f}-{spread.high:,.0f}" if spread.n > 1 else "1 run"
+
+
+def _bar(total: int, progress: bool | str):
+    if not progress:
+        return None
+
+    return progress_bar(total, progress if isinstance(progress, str) else "sweep", "run")
+
+
+def _tick(bar) -> None:
+    if bar is not None:
+        bar.update(1)
 
 
 def _median_run(reports: list):

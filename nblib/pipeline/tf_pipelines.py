@@ -110,8 +110,11 @@ def mixed_pipeline(sources: EncodedSources, strategy: str = "sample_from_dataset
 
 def _tf():
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+    import absl.logging
     import tensorflow as tf
 
+    absl.logging.set_verbosity(absl.logging.ERROR)   # python-side absl warnings (e.g. on checkpoints)
     return tf
 
 

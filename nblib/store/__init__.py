@@ -18,10 +18,17 @@ Reading takes the newest complete copy from either side; damaged copies are retu
 recomputes them. Run events go through `logging`, not `warnings` (which shows a call site's
 warning once and hides the next); only a mirror that fails or is behind warns (MirrorWarning),
 as the user has to act (remount Drive).
+
+With an `identity` the mirror folder is claimed for one run (`identity.py`): another run's store
+is refused at start (ForeignMirror, naming the mirror folder). Every read of the mirror from the
+caller's thread has a deadline (`deadline.py`, NBLIB_MIRROR_DEADLINE_S): a frozen mount makes it
+`mirror=stalled`, and the store goes on from local staging alone; `flush` and `close` stop
+waiting for a mirror thread blocked that long.
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import shutil
@@ -37,6 +44,8 @@ from nblib.atomic import TMP_PREFIX, atomic_write_bytes
 from nblib.errors import ConfigError, DriveError, StateError
 
 from .checkpoints import CheckpointFolder, load_latest
+from .deadline import DeadlineOps, MirrorStalled, Stall, mirror_deadline
+from .identity import ForeignMirror, claim
 from .mirror import (
     CopyCheckpoint,
     CopyManifest,
@@ -54,8 +63,8 @@ from .run_manifest import MANIFEST_FILE, newest, read_run_manifest, run_manifest
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DamagedCopy", "DurableStore", "FileEntry", "FileOps", "MirrorStatus",
-           "MirrorWarning", "PartFolder", "PartInfo", "VerifyLevel", "retained_parts"]
+__all__ = ["DamagedCopy", "DurableStore", "FileEntry", "FileOps", "ForeignMirror", "MirrorStalled",
+           "MirrorStatus", "MirrorWarning", "PartFolder", "PartInfo", "VerifyLevel", "retained_parts"]
 
 
 class DurableStore:
@@ -70,16 +79,21 @@ class DurableStore:
         retry_interval_s: how often a failing mirror tries its backlog again.
         verify_mirror: hash each mirrored part again after the copy.
         remount: what to call on "Transport endpoint is not connected" (default: Colab's remount).
+        identity: the run's identity (JSON): claims the mirror folder for this run (`identity.py`).
+        deadline_s: how long a mirror read may block before the mirror counts as stalled
+            (default NBLIB_MIRROR_DEADLINE_S, 120 s).
 
     Raises:
-        ConfigError for a knob out of range or a mirror that is the local folder itself.
+        ConfigError for a knob out of range or a mirror that is the local folder itself;
+        ForeignMirror when another run claimed the mirror folder.
     """
 
     def __init__(self, local_dir: str | Path, mirror_dir: str | Path | None = None, *,
                  keep_local: int | None = None, keep_every: int | None = None,
                  keep_checkpoints: int = 3, retries: int = 5, backoff_s: float = 0.5,
                  retry_interval_s: float = 30.0, verify_mirror: bool = True,
-                 remount: Callable[[], Any] | None = None, _ops: FileOps | None = None):
+                 remount: Callable[[], Any] | None = None, identity: dict | None = None,
+                 deadline_s: float | None = None, _ops: FileOps | None = None):
         self.local_dir = Path(local_dir)
         self.mirror_dir = Path(mirror_dir) if mirror_dir is not None else None
         _check_knobs(self.local_dir, self.mirror_dir, keep_local, keep_every, keep_checkpoints,
@@ -92,17 +106,28 @@ class DurableStore:
         self._mirror: Mirror | None = None
         self._versions: dict[str, int] = {}
         self._manifest_seq: int | None = None
+        self._stall: Stall | None = None
+        self._stall_warned = False
+        self._one_try: list = []                # the mirror's folders read once, without retries
         if self.mirror_dir is not None:
             ops = _ops if _ops is not None else FileOps()
             remount = remount if remount is not None else _default_remount()
-            reads = RetryingOps(ops, Retrier(retries, backoff_s, remount), self.mirror_dir)
+            deadline_s = deadline_s if deadline_s is not None else mirror_deadline()
+            self._stall = Stall(self.mirror_dir, deadline_s)
+            reads = DeadlineOps(RetryingOps(ops, Retrier(retries, backoff_s, remount), self.mirror_dir),
+                                self._stall)
+            if identity is not None:
+                _claim_or_warn(reads, self.mirror_dir, identity, self.local_dir)   # ForeignMirror: refused
             self._folders.append(PartFolder(self.mirror_dir, reads, "mirror"))
+            once = DeadlineOps(ops, self._stall)    # one try, with the deadline: never the thread's ops
+            self._one_try = [PartFolder(self.mirror_dir, once, "mirror"),
+                             CheckpointFolder(self.mirror_dir, once, "mirror")]
             self._checkpoints.append(CheckpointFolder(self.mirror_dir, reads, "mirror"))
             sides = Sides(self.local, PartFolder(self.mirror_dir, ops, "mirror"), self._checkpoints[0],
                           CheckpointFolder(self.mirror_dir, ops, "mirror"))
             self._mirror = Mirror(sides, Retention(keep_local, keep_every, keep_checkpoints),
                                   Retrier(retries, backoff_s, remount), retry_interval_s=retry_interval_s,
-                                  verify_readback=verify_mirror)
+                                  verify_readback=verify_mirror, identity=identity, stall_s=deadline_s)
 
     # ------------------------------------------------------------------------------ parts
 
@@ -137,7 +162,7 @@ class DurableStore:
     def delete_part(self, name: str) -> None:
         """Delete part `name` on both sides (each copy stops existing at once)."""
         for folder in self._folders:
-            folder.delete(name)
+            self._unless_stalled(lambda folder=folder: folder.delete(name), folder)
         if self._mirror is not None:
             self._mirror.forget(name)
 
@@ -177,7 +202,7 @@ class DurableStore:
         None (and a warning) if no copy is valid; DriveError if the mirror stays unreachable.
         """
         folders = [self.local] if local_only else self._folders
-        found = [read_run_manifest(f.ops, f.root, f.side) for f in folders]
+        found = [self._unless_stalled(lambda f=f: read_run_manifest(f.ops, f.root, f.side), f) for f in folders]
         copies = [c for c in found if c is not None and not isinstance(c, DamagedCopy)]
         damaged = [c for c in found if isinstance(c, DamagedCopy)]
         _warn_damaged(damaged, "ignored" if copies else "ignored; no valid manifest is left, returning None")
@@ -230,11 +255,7 @@ class DurableStore:
         if self._mirror is None:
             return True
         if not self._mirror.wait(timeout):
-            status = self.mirror_status()
-            why = f"last error: {status.last_error}" if status.failing else f"waited {timeout} s"
-            msg = (f"the mirror {self.mirror_dir} is behind by {status.parts_pending} parts "
-                   f"({status.items_pending} items, {why}); everything is safe in {self.local_dir}. "
-                   f"Check that Drive is mounted (nblib.env.remount_drive()) and call flush() again")
+            msg = behind_message(self.mirror_status(), self.mirror_dir, self.local_dir, timeout)
             if strict:
                 raise DriveError(msg)
             warnings.warn(msg, MirrorWarning, stacklevel=2)
@@ -263,9 +284,21 @@ class DurableStore:
         if self._mirror is not None:
             self._mirror.enqueue(item)
 
+    def _unless_stalled(self, fn: Callable[[], Any], folder: PartFolder, default=None):
+        """fn() for a folder; for the mirror once it stalled: `default` and a warning (local staging goes on)."""
+        try:
+            return fn()
+        except MirrorStalled as exc:
+            if folder is self.local:
+                raise
+            if not self._stall_warned:
+                self._stall_warned = True
+                warnings.warn(str(exc), MirrorWarning, stacklevel=3)
+            return default
+
     def _scan(self, verify: VerifyLevel) -> tuple[list[PartInfo], list[DamagedCopy]]:
         verify = VerifyLevel.of(verify)
-        names = sorted({n for folder in self._folders for n in folder.names()})
+        names = sorted({n for folder in self._folders for n in self._unless_stalled(folder.names, folder, [])})
         parts, damaged = [], []
         for name in names:
             best, bad = self._best_copy(name, verify)
@@ -280,7 +313,7 @@ class DurableStore:
                    verify: VerifyLevel) -> tuple[tuple[PartFolder, PartInfo] | None, list[DamagedCopy]]:
         good, bad = [], []
         for rank, folder in enumerate(self._folders):
-            result = folder.check(name, verify)
+            result = self._unless_stalled(lambda folder=folder: folder.check(name, verify), folder)
             if isinstance(result, PartInfo):
                 good.append((result.created, -rank, folder, result))
             elif result is not None:
@@ -290,7 +323,7 @@ class DurableStore:
 
     def _checkpoint_versions(self, name: str) -> list[int]:
         """Versions of `name` on either side, one try each; an unreachable mirror is skipped."""
-        folders = [self._checkpoints[0]] + ([self._mirror.sides.remote_checkpoints] if self._mirror else [])
+        folders = [self._checkpoints[0], *self._one_try[1:]]
         versions = []
         for folder in folders:
             with contextlib.suppress(OSError):   # mirror down: the thread catches up later
@@ -299,12 +332,38 @@ class DurableStore:
 
     def _newest_manifest_seq(self) -> int:
         """The highest seq on either side, one try each (the thread never overwrites a newer one)."""
-        folders = [self.local] + ([self._mirror.sides.remote] if self._mirror else [])
+        folders = [self.local, *self._one_try[:1]]
         seqs = [0]
         for folder in folders:
             with contextlib.suppress(OSError):
                 seqs.append(getattr(read_run_manifest(folder.ops, folder.root, folder.side), "seq", 0))
         return max(seqs)
+
+
+def behind_message(status: MirrorStatus, mirror_dir: Path, local_dir: Path, timeout: float | None) -> str:
+    """Why the mirror is behind and what to do: a foreign claim, a stalled call, a full Drive, a failure."""
+    if status.foreign:
+        return f"not mirrored: {status.foreign}"
+    head = (f"the mirror {mirror_dir} is behind by {status.parts_pending} parts ({status.items_pending} items")
+    if status.stalled:
+        return (f"mirror=stalled: {head}; its thread has been blocked on {status.stalled} for over the "
+                f"deadline: a frozen Drive mount?); every part is safe locally in {local_dir}. Remount Drive "
+                f"(nblib.env.remount_drive()) and rerun to catch the mirror up")
+    why = f"last error: {status.last_error}" if status.failing else f"waited {timeout} s"
+    full = status.last_error is not None and any(f"[Errno {e}]" in status.last_error
+                                                   for e in (errno.ENOSPC, errno.EDQUOT))
+    fix = ("Free Drive space (empty Drive's trash, or buy storage), then call flush() again or rerun"
+           if full else "Check that Drive is mounted (nblib.env.remount_drive()) and call flush() again")
+    return f"{head}, {why}); everything is safe in {local_dir}. {fix}"
+
+
+def _claim_or_warn(ops: FileOps, mirror_dir: Path, identity: dict, local_dir: Path) -> None:
+    """Claim the mirror folder for this run now; when the mount stalls, warn (the thread claims it later)."""
+    try:
+        claim(ops, mirror_dir, identity, local_dir)
+    except MirrorStalled as exc:
+        warnings.warn(f"{exc}; the mirror thread claims {mirror_dir} for this run before its first copy",
+                      MirrorWarning, stacklevel=3)
 
 
 def _check_knobs(local: Path, mirror: Path | None, keep_local, keep_every, keep_checkpoints,

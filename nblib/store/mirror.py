@@ -7,9 +7,14 @@ every `retry_interval_s`. Copies go through AtomicWriter with the expected sha25
 back. When the backlog drains, an `Audit` lists the mirror: parts it held before and no longer
 holds (a mirror folder deleted mid-run) are copied again, so "caught up" means "all there".
 The trade-off: the newest parts live only locally until the mirror catches up (`parts_pending`).
+With an `identity`, the mirror folder's claim (`identity.py`) is read before every copy: a folder
+another run claimed is never written again by this one. A call that blocks past the deadline (a
+frozen mount) marks the mirror `stalled`: `wait` stops waiting for it, and the thread, a daemon,
+never keeps the process alive.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 import time
@@ -21,6 +26,8 @@ from nblib.errors import StateError
 from nblib.manifest import Manifest
 
 from .checkpoints import CheckpointFolder
+from .deadline import mirror_deadline
+from .identity import ForeignMirror, claim
 from .parts import DamagedCopy, FileOps, PartFolder, PartInfo, VerifyLevel
 from .retention import checkpoints_to_drop, local_parts_to_drop
 from .retry import REAUTHORIZE_HINT, RemountPending, Retrier, describe
@@ -90,6 +97,8 @@ class MirrorStatus:
     refilled: int = 0         # parts found missing on the mirror and queued again
     lost: int = 0             # parts missing on the mirror with no local copy left to re-fill from
     paused: bool = False      # a remount blocks (Drive waits to be re-authorized): see retry.REAUTHORIZE_HINT
+    stalled: str | None = None  # a call blocked past the deadline: on what (a frozen mount)
+    foreign: str | None = None  # the mirror folder belongs to another run: why nothing more is copied
 
     @property
     def caught_up(self) -> bool:
@@ -119,9 +128,14 @@ class Mirror:
     """A daemon thread working through a backlog of copy items; its status is a MirrorStatus."""
 
     def __init__(self, sides: Sides, retention: Retention, retrier: Retrier, *,
-                 retry_interval_s: float = 30.0, verify_readback: bool = True):
+                 retry_interval_s: float = 30.0, verify_readback: bool = True, identity: dict | None = None,
+                 stall_s: float | None = None):
         self.sides, self.retention, self.retrier = sides, retention, retrier
         self.retry_interval_s, self.verify_readback = retry_interval_s, verify_readback
+        self.identity = identity
+        self.stall_s = stall_s if stall_s is not None else mirror_deadline()
+        self._taken_at = 0.0        # when the item in flight was taken up (monotonic)
+        self._foreign: str | None = None
         self._cond = threading.Condition()
         self._backlog: deque[Item] = deque()
         self._in_flight: Item | None = None
@@ -163,11 +177,19 @@ class Mirror:
                                 items_pending=len(items), failing=self._failing,
                                 last_error=describe(self._last_error) if self._last_error else None,
                                 parts_mirrored=len(self._present), refilled=self._refilled, lost=self._lost,
-                                paused=self._paused)
+                                paused=self._paused, stalled=self._stalled_on(), foreign=self._foreign)
+
+    def _stalled_on(self) -> str | None:
+        """The item in flight when it has been blocked past the deadline (call with the lock held)."""
+        if self._in_flight is None or time.monotonic() - self._taken_at < self.stall_s:
+            return None
+        return self._in_flight.label
 
     def wait(self, timeout: float | None = None) -> bool:
         """Kick the thread and wait until the backlog is empty (True) or an attempt that started
-        after this call failed for good, the timeout passed, or the thread is gone (False).
+        after this call failed for good, the timeout passed, the thread is gone, the item in flight
+        has blocked past the deadline (`stall_s`: a frozen mount), or the mirror folder belongs to
+        another run (False).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
@@ -179,11 +201,13 @@ class Mirror:
             self._kicked = True
             self._cond.notify_all()
             while (self._backlog or self._in_flight) and self._failed_episode < first_new_episode:
-                left = None if deadline is None else deadline - time.monotonic()
+                now = time.monotonic()
+                ends = [t for t in (deadline, self._taken_at + self.stall_s if self._in_flight else None) if t]
+                left = min(ends) - now if ends else None
                 if (left is not None and left <= 0) or not self._thread.is_alive():
                     break
                 self._cond.wait(left)
-            return not self._backlog and not self._in_flight
+            return not self._backlog and not self._in_flight and self._foreign is None
 
     def stop(self) -> bool:
         """Stop the thread (after the item in flight); True if nothing was pending."""
@@ -191,7 +215,9 @@ class Mirror:
             caught_up = not self._backlog and not self._in_flight
             self.retrier.stop.set()
             self._cond.notify_all()
-        self._thread.join(timeout=5.0)
+        with self._cond:
+            blocked = self._stalled_on() is not None
+        self._thread.join(timeout=0.1 if blocked else 5.0)   # a call blocked in the kernel never returns
         return caught_up
 
     @property
@@ -213,12 +239,16 @@ class Mirror:
                         self._kicked = True      # the retry interval passed: try the backlog again
                 self._kicked = False
                 self._in_flight = item = self._backlog.popleft()
+                self._taken_at = time.monotonic()
                 self._episodes += 1
                 episode = self._episodes
             try:
                 self.retrier.call(lambda item=item: self._do(item), f"mirror {item.label}")
             except OSError as exc:
                 self._failed(item, exc, episode)
+                continue
+            except ForeignMirror as exc:         # another run claimed the folder: copy nothing more
+                self._give_up(exc)
                 continue
             except Exception as exc:             # a local copy that no longer verifies: not retried
                 log.error("cannot mirror %s: %s; not mirroring it", item.label, exc)
@@ -237,6 +267,18 @@ class Mirror:
                             len(self._backlog))
             self._cond.notify_all()
 
+    def _give_up(self, exc: ForeignMirror) -> None:
+        with self._cond:
+            first = self._foreign is None
+            self._foreign = str(exc)
+            self._backlog.clear()
+            self._in_flight = None
+            self._cond.notify_all()
+        if first:
+            msg = f"not mirroring any more: {exc}; every part is safe in {self.sides.local.root}"
+            log.warning(msg)
+            warnings.warn(msg, MirrorWarning, stacklevel=1)
+
     def _failed(self, item: Item, exc: OSError, episode: int) -> None:
         with self._cond:
             self._backlog.appendleft(item)       # keep the order: retried first next time
@@ -249,9 +291,10 @@ class Mirror:
             msg = (f"the mirror {self.sides.remote.root} is paused: {exc.strerror}. {pending} parts wait in "
                    f"{self.sides.local.root} and the run continues locally. {REAUTHORIZE_HINT}")
         else:
+            fix = "free Drive space; " if exc.errno in (errno.ENOSPC, errno.EDQUOT) else ""
             msg = (f"mirror {self.sides.remote.root} failed {self.retrier.retries + 1} times on {item.label} "
                    f"({describe(exc)}); {pending} parts wait in {self.sides.local.root} and the run "
-                   f"continues locally; the mirror retries on the next write, flush(), or every "
+                   f"continues locally; {fix}the mirror retries on the next write, flush(), or every "
                    f"{self.retry_interval_s:g} s")
         if first:
             log.warning(msg)
@@ -263,6 +306,8 @@ class Mirror:
             self._cond.notify_all()
 
     def _do(self, item: Item) -> None:
+        if self.identity is not None and not isinstance(item, Audit):
+            self._check_claim()                  # before every copy: the folder is still this run's
         if isinstance(item, CopyPart):
             self._copy_part(item.name)
         elif isinstance(item, CopyManifest):
@@ -273,6 +318,10 @@ class Mirror:
             self._audit(item.full)
         else:
             self._resync()
+
+    def _check_claim(self) -> None:
+        """ForeignMirror unless the mirror folder is claimed for this run (claimed here when unclaimed)."""
+        claim(self.sides.remote.ops, self.sides.remote.root, self.identity, self.sides.local.root)
 
     def _copy_part(self, name: str) -> None:
         local, remote = self.sides.local, self.sides.remote

@@ -1,0 +1,29 @@
+"""The simulated T4: the real encoder code on a fake CUDA device, an allocator model, a roofline.
+
+No GPU is lent to this project, so the GPU half is checked here by the most faithful means a CPU
+has: `simulate_encode` runs nblib.trm and the encode loop's device-side steps under
+FakeTensorMode on a fake `cuda:0` (CUDA autocast rules included), counts every device storage,
+replays allocations through a model of PyTorch's caching allocator (`allocator`), and times each
+kernel on a roofline of any GPU in `nblib.budget.DEVICES` (`roofline`). Every figure it returns
+is labelled "simulated". What a simulation cannot see: the CUDA context (300-500 MB on a T4),
+kernel-internal scratch besides cuBLAS's workspace, launch overheads and real clocks.
+Importing this package is light; torch loads with `simulate_encode`.
+"""
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {
+    "simulate_encode": "nblib.simulate.encode", "SimulatedRun": "nblib.simulate.encode",
+    "LABEL": "nblib.simulate.encode",
+    "CachingAllocatorModel": "nblib.simulate.allocator",
+    "fake_cuda": "nblib.simulate.fake_cuda", "DeviceTrace": "nblib.simulate.fake_cuda",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'nblib.simulate' has no attribute {name!r}")

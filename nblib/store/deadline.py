@@ -1,0 +1,131 @@
+"""Mirror calls with a deadline: a frozen Drive mount must not hang the caller.
+
+A FUSE mount that stops answering (Drive after a network drop, or a FIFO in a test) blocks
+open() or read() forever, in the kernel, where no timeout or signal reaches. `DeadlineOps` runs
+each of the caller's mirror calls on a daemon thread and waits `deadline_s` for it; past that it
+raises MirrorStalled (a DriveError) and every later call fails at once, so the run goes on from
+local staging. The blocked thread is a daemon: it never keeps the process alive at exit. The
+trade-off: one thread start per mirror call (~0.1 ms, nothing beside a Drive round trip), and a
+mount slower than the deadline counts as stalled (NBLIB_MIRROR_DEADLINE_S, default 120 s).
+"""
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from nblib.errors import ConfigError, DriveError
+
+from .parts import FileOps
+
+DEADLINE_ENV = "NBLIB_MIRROR_DEADLINE_S"
+DEFAULT_DEADLINE_S = 120.0
+
+
+class MirrorStalled(DriveError):
+    """A mirror call did not return within its deadline (a frozen mount): the mirror is left alone."""
+
+
+def mirror_deadline() -> float:
+    """Seconds a mirror call may block before the mirror counts as stalled: NBLIB_MIRROR_DEADLINE_S."""
+    raw = os.environ.get(DEADLINE_ENV, "").strip()
+    try:
+        value = float(raw) if raw else DEFAULT_DEADLINE_S
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise ConfigError(f"{DEADLINE_ENV}={raw!r} is not a positive number of seconds; unset it "
+                          f"(default {DEFAULT_DEADLINE_S:g} s) or set it to e.g. 120")
+    return value
+
+
+class Stall:
+    """Whether a mirror has stalled, and on what; shared by every DeadlineOps of one store."""
+
+    def __init__(self, root: Path, deadline_s: float):
+        self.root, self.deadline_s = Path(root), deadline_s
+        self.what: str | None = None
+
+    @property
+    def stalled(self) -> bool:
+        return self.what is not None
+
+    def error(self) -> MirrorStalled:
+        return MirrorStalled(f"mirror=stalled: the mirror {self.root} did not answer within "
+                             f"{self.deadline_s:g} s ({self.what}; a frozen Drive mount?); the run goes on "
+                             f"from local staging, where every part is safe. Remount Drive "
+                             f"(nblib.env.remount_drive()) and rerun to catch the mirror up")
+
+    def call(self, what: str, fn: Callable[[], Any]):
+        """fn() on a daemon thread, waited for `deadline_s`; MirrorStalled past it (and for every later call)."""
+        if self.stalled:
+            raise self.error()
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as exc:  # handed to the caller's thread as it is
+                box["error"] = exc
+
+        thread = threading.Thread(target=run, name=f"nblib-mirror-call {what}", daemon=True)
+        thread.start()
+        thread.join(self.deadline_s)
+        if thread.is_alive():
+            self.what = what
+            raise self.error()
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
+
+class DeadlineOps(FileOps):
+    """FileOps for the caller's reads of the mirror: each call bounded by the shared Stall's deadline."""
+
+    def __init__(self, inner: FileOps, stall: Stall):
+        self.inner, self.stall = inner, stall
+
+    def _call(self, what: str, fn: Callable[[], Any]):
+        return self.stall.call(what, fn)
+
+    def open(self, path, mode="rb"):
+        return self._call(f"open {path.name}", lambda: self.inner.open(path, mode))
+
+    def listdir(self, path):
+        return self._call(f"list {path.name}", lambda: self.inner.listdir(path))
+
+    def stat(self, path):
+        return self._call(f"stat {path.name}", lambda: self.inner.stat(path))
+
+    def read_bytes(self, path):
+        return self._call(f"read {path.name}", lambda: self.inner.read_bytes(path))
+
+    def sha256(self, path):
+        return self._call(f"verify {path.name}", lambda: self.inner.sha256(path))
+
+    def load_npy(self, path, mmap):
+        return self._call(f"read {path.name}", lambda: self.inner.load_npy(path, mmap))
+
+    def is_dir(self, path):
+        return self._call(f"stat {path.name}", lambda: self.inner.is_dir(path))
+
+    def makedirs(self, path):
+        return self._call(f"create {path.name}", lambda: self.inner.makedirs(path))
+
+    def replace(self, src, dst):
+        return self._call(f"rename {src.name}", lambda: self.inner.replace(src, dst))
+
+    def unlink(self, path):
+        return self._call(f"delete {path.name}", lambda: self.inner.unlink(path))
+
+    def rmdir(self, path):
+        return self._call(f"delete {path.name}", lambda: self.inner.rmdir(path))
+
+    def fsync_dir(self, path):
+        return self._call(f"sync {path.name}", lambda: self.inner.fsync_dir(path))
+
+    def write_atomic(self, path, blocks, expect_sha256=None):
+        blocks = list(blocks)
+        return self._call(f"write {path.name}", lambda: self.inner.write_atomic(path, blocks, expect_sha256))

@@ -1,0 +1,93 @@
+"""Which run a mirror folder belongs to: `mirror.json`, written on first use, checked before every copy.
+
+Two runs with their own local folders but one mirror folder would overwrite each other's parts
+and manifest there, and neither could resume from the mirror on a new machine. So the first run
+to use a mirror claims it: `mirror.json` holds the run's identity (for an encode run, the
+fingerprints of its settings, weights and cache), created exclusively (O_EXCL), so of two runs
+started together exactly one claims it. A run of another identity is refused at start, naming
+the mirror folder; the mirror thread re-reads the claim before every copy and stops copying when
+it names another run. A resume of the same run (same identity) from a fresh local folder is
+welcome: that is what the mirror is for.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from nblib.errors import ResumeMismatch
+
+from .parts import FileOps
+
+IDENTITY_FILE = "mirror.json"
+KIND = "nblib.store.mirror-identity"
+READ_TRIES = 20          # a claim being written by another process reads as empty: wait for it
+READ_PAUSE_S = 0.05
+
+
+class ForeignMirror(ResumeMismatch):
+    """The mirror folder belongs to another run: nothing of this run is copied there."""
+
+
+def claim(ops: FileOps, root: Path, identity: dict, local_dir: Path) -> dict:
+    """Claim `root` for `identity`, or check an existing claim; ForeignMirror when it is another run's.
+
+    Returns the claim record (its identity, the local folder and host that first used it).
+    """
+    record = read_claim(ops, root)
+    if record is None:
+        ops.makedirs(root)
+        mine = {"kind": KIND, "identity": identity, "local_dir": str(local_dir), "host": socket.gethostname(),
+                "pid": os.getpid(), "claimed_at": time.time()}
+        with contextlib.suppress(FileExistsError):   # lost the race: the other claim is checked below
+            _create_exclusive(ops, root / IDENTITY_FILE, json.dumps(mine, sort_keys=True).encode())
+        record = read_claim(ops, root)
+    require_same(record, identity, root)
+    return record
+
+
+def read_claim(ops: FileOps, root: Path) -> dict | None:
+    """The claim record of a mirror folder, None when unclaimed (a half-written claim is waited for)."""
+    raw = b""
+    for _ in range(READ_TRIES):
+        raw = ops.read_bytes(root / IDENTITY_FILE)
+        if raw is None:
+            return None
+        try:
+            record = json.loads(raw)
+        except ValueError:
+            time.sleep(READ_PAUSE_S)             # another process is writing its claim right now
+            continue
+        if isinstance(record, dict) and record.get("kind") == KIND and isinstance(record.get("identity"), dict):
+            return record
+        break
+    raise ForeignMirror(f"the mirror folder {root} has a {IDENTITY_FILE} that is not a run claim "
+                        f"({raw[:60]!r}); pass another --mirror, or delete that file if the folder holds "
+                        f"nothing you need")
+
+
+def require_same(record: dict | None, identity: dict, root: Path) -> None:
+    """ForeignMirror naming the mirror folder and what differs, unless `record` claims it for `identity`."""
+    if record is None or record["identity"] == identity:
+        return
+    theirs = record["identity"]
+    changed = [f"{k}: {str(theirs.get(k))[:12]} -> {str(identity.get(k))[:12]}"
+               for k in sorted(set(theirs) | set(identity)) if theirs.get(k) != identity.get(k)]
+    raise ForeignMirror(
+        f"the mirror folder {root} belongs to another run (first used from {record.get('local_dir')} on host "
+        f"{record.get('host')}; {', '.join(changed)}): two runs in one mirror folder would overwrite each "
+        f"other's parts; pass another --mirror (one folder per run), or delete {root} if that run is no "
+        f"longer needed")
+
+
+def _create_exclusive(ops: FileOps, path: Path, data: bytes) -> None:
+    """Create `path` with `data`, failing with FileExistsError when it exists (O_EXCL, then fsync)."""
+    with ops.open(path, "xb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    with contextlib.suppress(OSError):
+        ops.fsync_dir(path.parent)

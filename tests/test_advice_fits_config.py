@@ -1,0 +1,46 @@
+"""Item 7 of issue 19: advice fits the config (never a value already set) and names the knob of the
+resource that ran out (a full local disk is not helped by a bigger Drive quota).
+"""
+from __future__ import annotations
+
+import pytest
+
+import nblib
+from nblib import budget, config
+from nblib.budget.advice import knob_words
+from nblib.budget.disk import CODEC_RATIO_ESTIMATE
+
+SEED = config.preset("seed_t4")      # float16, raw cache, every output
+
+
+def test_drive_words_never_suggest_a_value_already_set():
+    words = knob_words(SEED, "drive")
+    assert "float16" not in words and "fewer run.outputs" in words and "compressed run.codec" in words
+    zlib_checksums = SEED.replace(codec="zlib", outputs=("checksums",))
+    words = knob_words(zlib_checksums.replace(out_dtype="float32"), "drive")
+    assert "float16" in words and "fewer run.outputs" not in words
+    smallest = min(CODEC_RATIO_ESTIMATE, key=CODEC_RATIO_ESTIMATE.get)
+    assert "compressed" not in knob_words(SEED.replace(codec=smallest), "drive")   # nothing smaller to pick
+
+
+def test_a_local_disk_is_not_helped_by_a_bigger_drive_quota():
+    assert "drive_quota_gb" not in knob_words(SEED, "drive", on_drive=False)
+    assert "free disk" in knob_words(SEED, "drive", on_drive=False)
+    assert "drive_quota_gb" in knob_words(SEED, "drive", on_drive=True)
+    assert "drive_quota_gb" not in knob_words(SEED, "local disk") and "keep_local" in knob_words(SEED, "local disk")
+
+
+def test_the_preflight_refusal_on_a_local_workspace_names_the_local_knobs(tmp_path, monkeypatch):
+    monkeypatch.setenv("NBLIB_OUTPUTS", str(tmp_path / "outputs"))
+    workspace = nblib.env.workspace(tmp_path / "drive")     # staging and "Drive" on one local disk
+    with pytest.raises(nblib.BudgetExceeded) as info:      # 656 GB for the reference job: more than this disk
+        budget.preflight(SEED, workspace, job="encode")
+    message = str(info.value)
+    assert "float16 run.out_dtype" not in message and "drive_quota_gb" not in message, message
+    assert "keep_local" in message and "free disk" in message
+
+
+def test_advice_fallback_words_fit_the_config():
+    b = budget.predict_budget(SEED, "t4", drive_quota_gb=15)
+    drive = next(a for a in b.advice if a.resource == "drive")
+    assert "float16" not in drive.fallback

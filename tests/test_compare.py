@@ -1,0 +1,195 @@
+"""Verdicts under noise (issue 19): each function that turns measurements into a printed conclusion,
+fed synthetic noisy measurements. A difference the spread covers must read "not distinguishable".
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nblib.compare import Spread, against_value, compare, interleaved, interleaved_order, spread
+from nblib.pipeline import SweepTable
+from nblib.pipeline.recommend import knob_verdicts, recommend
+
+# ------------------------------------------------------------------------------ the discipline itself
+
+
+def test_same_distribution_with_one_outlier_is_not_distinguishable():
+    a = spread([100, 101, 99, 100])
+    b = spread([100, 102, 99, 160])          # one lucky run
+    v = compare(a, b, ("a", "b"))
+    assert not v.distinguishable and v.direction == "same"
+    assert "not distinguishable on this machine" in v.text() and "spread" in v.text()
+
+
+def test_separated_ranges_are_distinguishable_with_a_direction():
+    v = compare(spread([100, 104, 98]), spread([150, 149, 158]))
+    assert v.distinguishable and v.direction == "higher" and v.ratio == pytest.approx(150 / 100)
+    assert compare(spread([150, 149, 158]), spread([100, 104, 98])).direction == "lower"
+
+
+def test_a_single_run_never_gives_a_verdict_however_far_apart():
+    v = compare(spread([100]), spread([1000]))
+    assert not v.distinguishable and not v.enough_runs and "too few runs" in v.text()
+
+
+def test_interleaved_alternates_the_order_so_load_hits_every_configuration():
+    assert interleaved_order(["a", "b"], 4) == ["a", "b", "b", "a", "a", "b", "b", "a"]
+    calls = []
+    clock = iter(range(100))
+
+    def run(name):
+        calls.append(name)
+        return 100 + next(clock)      # a machine getting steadily slower (here: rates drift up)
+
+    got = interleaved({"a": lambda: run("a"), "b": lambda: run("b")}, repeats=3)
+    assert calls == ["a", "b", "b", "a", "a", "b"]
+    assert got["a"].values == (100, 103, 104) and got["b"].values == (101, 102, 105)
+    # the drift lands on both alike: their ranges overlap, no verdict
+    assert not compare(got["a"], got["b"]).distinguishable
+
+
+def test_a_spread_reports_median_range_and_count():
+    s = Spread((3.0, 1.0, 2.0))
+    assert (s.median, s.low, s.high, s.n) == (2.0, 1.0, 3.0, 3)
+    assert s.text(".0f", "MB") == "2 MB (1-3, 3 runs)"
+    assert against_value(s, 0.5) == "above" and against_value(s, 4) == "below" and against_value(s, 2) == "covers"
+
+
+# ------------------------------------------------------------------------------ item 1: 02 render scaling
+
+
+def test_render_scaling_never_says_scales_when_more_workers_are_slower():
+    from nblib.lab.cache_population import scaling_verdict
+
+    slower = {1: spread([949, 900, 980]), 2: spread([240, 260, 300])}
+    verdict = scaling_verdict(slower, n_texts=4000, cores=2, load=7.5)
+    assert "scales" not in verdict.split(":")[0] and "slower" in verdict and "load average 7.5" in verdict
+
+
+def test_render_scaling_with_overlapping_runs_is_not_distinguishable():
+    from nblib.lab.cache_population import scaling_verdict
+
+    noisy = {1: spread([900, 950, 1000]), 2: spread([700, 980, 1500])}   # one lucky 2-worker run
+    verdict = scaling_verdict(noisy, n_texts=4000, cores=2, load=1.0)
+    assert "not distinguishable" in verdict and "no scaling shown" in verdict
+
+
+def test_render_scaling_says_the_profile_cannot_show_it_when_a_run_is_start_up():
+    from nblib.lab.cache_population import scaling_verdict
+
+    tiny = {1: spread([949, 900, 980]), 2: spread([1700, 1800, 1750])}
+    assert "cannot show scaling" in scaling_verdict(tiny, n_texts=512, cores=2, load=0.5)
+    assert scaling_verdict(tiny, n_texts=4000, cores=2, load=0.5).startswith("rendering scales")
+
+
+# ------------------------------------------------------------------------------ items 2 and 3: 05 sweeps
+
+
+def _table(rates_by_value: dict, knob: str = "batch_size", other: dict | None = None) -> SweepTable:
+    rows = []
+    for i, (value, runs) in enumerate(rates_by_value.items()):
+        rows.append({knob: value, **(other or {}), "varied": "base" if i == 0 else knob,
+                     "samples_per_s": sorted(runs)[(len(runs) - 1) // 2], "runs": tuple(runs),
+                     "data_wait": 0.5, "startup_s": 0.1, "peak_rss_bytes": 1e8})
+    return SweepTable(knobs=(knob, *(other or {})), rows=rows, planned=len(rows))
+
+
+def test_a_base_with_one_slow_run_makes_no_knob_matter():
+    # the base's first run paid a one-time start-up: 1,539 against 3,240-3,356 in the others
+    table = _table({32: [1539, 3240, 3275], 8: [2300, 3100, 3370], 128: [2900, 3200, 3300]})
+    rec = recommend(table, rss_cap_bytes=1e9)
+    assert rec.knob_that_mattered is None
+    assert "no knob's effect stood out of the noise" in rec.reason
+    assert rec.row["batch_size"] == 32   # with repeats the base is not the dip of a V
+
+
+def test_a_knob_whose_values_separate_beyond_the_spread_mattered():
+    table = _table({32: [1000, 1050, 980], 8: [400, 420, 390], 128: [2000, 2100, 1950]})
+    rec = recommend(table, rss_cap_bytes=1e9)
+    assert rec.knob_that_mattered == "batch_size" and rec.row["batch_size"] == 128
+    assert "beyond the spread" in rec.reason
+    assert knob_verdicts(table)["batch_size"].distinguishable
+
+
+def test_the_sweep_verdict_cell_is_computed_from_the_spreads():
+    from nblib.lab.input_pipeline import sweep_verdict
+
+    noisy = _table({32: [1539, 3240, 3275], 8: [2300, 3100, 3370]})
+    assert sweep_verdict(noisy).startswith("no knob's effect stood out")
+    clear = _table({32: [1000, 1050, 980], 128: [2000, 2100, 1950]})
+    assert sweep_verdict(clear).startswith("batch_size mattered most")
+
+
+def test_torch_knobs_that_need_workers_are_not_swept_without_workers():
+    from nblib.lab.input_pipeline import torch_inert_knob
+
+    no_workers = {"num_workers": 0, "batch_size": 32, "prefetch_factor": 4, "persistent_workers": False}
+    assert "num_workers=0" in torch_inert_knob("prefetch_factor", no_workers, 512, 40)
+    assert "num_workers=0" in torch_inert_knob("persistent_workers", no_workers, 512, 40)
+    two = {**no_workers, "num_workers": 2}
+    assert torch_inert_knob("prefetch_factor", two, 512, 40) is None
+    assert "within one epoch" in torch_inert_knob("persistent_workers", two, 512, 15)   # 16 batches an epoch
+    assert torch_inert_knob("persistent_workers", two, 512, 40) is None
+    assert torch_inert_knob("num_workers", no_workers, 512, 40) is None
+
+
+def test_a_sweep_skips_inert_configs_and_says_why():
+    from nblib.pipeline import sweep
+
+    built = []
+
+    def family(batch_size=8, prefetch=2):
+        built.append((batch_size, prefetch))
+        return iter([np.zeros((batch_size, 2))] * 20)
+
+    table = sweep(family, {"batch_size": [8, 16], "prefetch": [2, 4]}, steps=3, warmup=1, repeats=3,
+                  inert=lambda knob, cfg: "does nothing here" if knob == "prefetch" else None)
+    assert (8, 4) not in built and table.skipped == {"prefetch": "does nothing here"}
+    assert "not swept: prefetch, does nothing here" in str(table)
+    assert all(len(row["runs"]) == 3 for row in table.rows)
+
+
+# ------------------------------------------------------------------------------ item 5: 05 like for like
+
+
+def test_the_cacheless_verdict_needs_every_run_on_one_side_of_the_encoder():
+    from nblib.lab.input_pipeline import cacheless_verdict
+
+    method = "projection: 3 GFLOP per 224 px image at 25% of the T4 peak"
+    covers = cacheless_verdict(spread([300, 355, 420]), 345, method, 224, workers=2)
+    assert "not distinguishable" in covers and "keeps up" not in covers and "projection" in covers
+    assert "keeps up" in cacheless_verdict(spread([500, 520, 480]), 345, method, 224, workers=2)
+    assert "starve" in cacheless_verdict(spread([200, 220, 210]), 345, method, 224, workers=2)
+    assert "at 224 px" in covers
+
+
+def test_the_time_share_verdict_needs_every_run_on_one_side():
+    from nblib.lab.input_pipeline import time_share_verdict
+
+    share = {"encoder_samples_per_s": 94, "data_wait": 0.02, "pipeline_samples_per_s": 3000,
+             "data_wait_runs": (0.01, 0.02, 0.03), "pipeline_runs": (2500, 3000, 3300)}
+    assert time_share_verdict(share).startswith("the encoder is the wall")
+    assert time_share_verdict({**share, "data_wait_runs": (0.1, 0.2, 0.7)}).startswith("not distinguishable")
+    assert time_share_verdict({**share, "data_wait_runs": (0.8, 0.7, 0.75)}).startswith("the input pipeline")
+    assert time_share_verdict({**share, "data_wait_runs": (0.02,)}).startswith("too few runs")
+
+
+def test_the_offload_verdict_is_computed_from_the_ranges():
+    from nblib.lab.streaming_encoding import offload_verdict
+
+    noisy = {"async": spread([100, 120, 90]), "consolidate": spread([110, 95, 130])}
+    assert "not distinguishable" in offload_verdict(noisy, on_gpu=False)
+    clear = {"async": spread([100, 102, 99]), "consolidate": spread([70, 72, 69])}
+    assert "consolidate vs async: x0.70, slower" in offload_verdict(clear, on_gpu=True)
+
+
+def test_the_read_verdict_needs_every_run_above_the_encoder():
+    from nblib.lab.cache_population import read_verdict
+
+    method = "projection"
+    fast = {"raw: random": spread([5000, 5200, 4900]), "zlib: stream": spread([900, 1000, 950])}
+    assert read_verdict(fast, 345, method).startswith("every read pattern beats")
+    one_slow_run = {**fast, "zlib: random": spread([300, 900, 1000])}
+    verdict = read_verdict(one_slow_run, 345, method)
+    assert verdict.startswith("not every read pattern") and "zlib: random" in verdict and "raw" not in verdict
+    assert read_verdict(fast, 345, method, image_size=64).startswith("this profile cannot show it")

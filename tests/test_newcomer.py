@@ -1,0 +1,53 @@
+"""What a newcomer meets first (issue 19): TF's start-up logs silenced, 00's table of notebooks current,
+every term defined, no markdown conclusion typed over a measured direction.
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = ROOT / "notebooks"
+TERMS = ("TRM", "H / L cycles", "capsules", "sketches", "checksums", "children", "SDPA", "MFU",
+         "symbolic checkpoint", "Feistel", "Spearman", "Hamming", "the published analysis", "the tuning log")
+
+
+def _markdown(name: str) -> str:
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    return "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+
+
+@pytest.mark.slow
+def test_tensorflow_prints_no_start_up_logs_through_nblib():
+    code = ("import nblib\nfrom nblib.pipeline.tf_pipelines import _tf\ntf = _tf()\n"
+            "print(sum(int(b.numpy().sum()) for b in tf.data.Dataset.range(6).map(lambda x: x * 2).batch(2)))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
+    assert done.stdout.strip() == "30"
+    assert "oneDNN" not in done.stderr and "absl::InitializeLog" not in done.stderr, done.stderr
+
+
+def test_the_setup_notebook_lists_every_notebook_by_its_real_name():
+    table = _markdown("00_setup.ipynb").split("## Where to go next", 1)[1]
+    for path in sorted(NOTEBOOKS.glob("0[1-9]_*.ipynb")):
+        assert f"[{path.stem}]({path.name})" in table, path.name
+    assert "planned" not in table
+
+
+def test_every_term_is_defined_in_the_setup_notebook():
+    terms = _markdown("00_setup.ipynb").split("## Terms used in the suite", 1)[1]
+    for term in TERMS:
+        assert re.search(rf"^\| {re.escape(term)}", terms, re.M), term
+
+
+@pytest.mark.parametrize("name", ["02_cache_population.ipynb", "05_input_pipeline_tuning.ipynb"])
+def test_no_markdown_types_a_measured_direction(name):
+    text = _markdown(name)
+    for typed in ("Rendering scales with cores", "mattered most here", "rendering keeps up",
+                  "nothing fits a free 15 GB Drive", "which is why it matches one dataset"):
+        assert typed.lower() not in text.lower(), typed

@@ -1,0 +1,176 @@
+"""The simulated T4 (nblib.simulate): the allocator model rule by rule, the fake CUDA device, the
+trace against MemTracker and measured RSS, the roofline, and the budget against the simulation.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nblib import budget
+from nblib.config import preset
+from nblib.errors import ConfigError
+from nblib.simulate import allocator as A
+from nblib.simulate.allocator import CachingAllocatorModel
+
+MiB = 1 << 20
+
+
+# ------------------------------------------------------------------ the allocator model
+def test_requests_round_up_to_512_bytes():
+    assert [A.round_size(n) for n in (1, 512, 513, 1000)] == [512, 512, 1024, 1024]
+
+
+def test_segment_sizes_follow_the_default_policy():
+    assert A.segment_size(A.round_size(1)) == 2 * MiB            # small pool: 2 MiB segments
+    assert A.segment_size(1 * MiB) == 2 * MiB
+    assert A.segment_size(1 * MiB + 512) == 20 * MiB             # 1-10 MiB: a 20 MiB segment
+    assert A.segment_size(10 * MiB - 512) == 20 * MiB
+    assert A.segment_size(10 * MiB) == 10 * MiB                  # >= 10 MiB: rounded to 2 MiB
+    assert A.segment_size(11 * MiB) == 12 * MiB
+
+
+def test_small_requests_share_one_segment_and_large_ones_split_a_20_mib_one():
+    alloc = CachingAllocatorModel()
+    for _ in range(4):
+        alloc.malloc(500 * 1024)                 # 4 x 500 KiB fit one 2 MiB segment
+    assert alloc.segments == [2 * MiB]
+    alloc.malloc(3 * MiB)
+    alloc.malloc(3 * MiB)                        # the 20 MiB segment is split for both
+    assert alloc.segments == [2 * MiB, 20 * MiB]
+    assert alloc.allocated == 4 * 500 * 1024 + 6 * MiB
+
+
+def test_best_fit_reuses_the_smallest_free_block_that_fits():
+    alloc = CachingAllocatorModel()
+    a, b = alloc.malloc(40 * MiB), alloc.malloc(24 * MiB)
+    alloc.free(a)
+    alloc.free(b)
+    alloc.malloc(22 * MiB)                       # takes the 24 MiB block, not the 40 MiB one
+    alloc.malloc(38 * MiB)                       # fits the 40 MiB block: no new segment
+    assert alloc.reserved == 64 * MiB and alloc.segment_count == 2
+
+
+def test_a_large_block_is_split_only_when_more_than_1_mib_remains():
+    alloc = CachingAllocatorModel()
+    alloc.free(alloc.malloc(12 * MiB))
+    h = alloc.malloc(11 * MiB + 512)             # remainder < 1 MiB: the whole 12 MiB block
+    assert alloc.allocated == 12 * MiB
+    alloc.free(h)
+    alloc.malloc(10 * MiB)                        # remainder 2 MiB: split
+    assert alloc.allocated == 10 * MiB
+
+
+def test_freed_neighbours_coalesce():
+    alloc = CachingAllocatorModel()
+    hs = [alloc.malloc(3 * MiB) for _ in range(6)]   # one 20 MiB segment, six 3 MiB blocks
+    for h in hs:
+        alloc.free(h)
+    alloc.malloc(18 * MiB)                        # fits only if the six merged back with the tail
+    assert alloc.segment_count == 1 and alloc.max_reserved == 20 * MiB
+
+
+# ------------------------------------------------------------------ the fake CUDA device
+def test_fake_cuda_runs_cuda_autocast_and_restores_the_guard():
+    from torch.cuda.amp import common
+
+    from nblib.simulate.fake_cuda import fake_cuda
+
+    guard = common.amp_definitely_not_available
+    with fake_cuda():
+        a = torch.empty(4, 8, device="cuda:0")
+        with torch.autocast("cuda", dtype=torch.float16):
+            out = a @ torch.empty(8, 2, device="cuda:0")
+        assert out.device.type == "cuda" and out.dtype == torch.float16
+    assert common.amp_definitely_not_available is guard
+
+
+def test_a_t4_runs_efficient_attention_and_refuses_flash():
+    from nblib.simulate import simulate_encode
+
+    cfg = preset("smoke")
+    run = simulate_encode(cfg, "t4", batches=1)
+    assert run.sdpa_backend == "efficient" and run.label == "simulated"
+    assert simulate_encode(cfg, "h100", batches=1).sdpa_backend == "flash"
+    with pytest.raises(ConfigError, match="sm_80"):
+        simulate_encode(cfg, "t4", sdpa_backend="flash", batches=1)
+    with pytest.raises(ConfigError, match="no GPU"):
+        simulate_encode(cfg, "cpu")
+
+
+def test_the_trace_counts_every_kernel_flop_of_the_budget():
+    from nblib.simulate import simulate_encode
+
+    cfg = preset("smoke")
+    run = simulate_encode(cfg, "t4", batches=1)
+    assert run.flops_per_image == pytest.approx(budget.flops_per_image(cfg.model), rel=1e-9)
+
+
+def test_trace_peak_equals_memtracker_peak():
+    from nblib.simulate.validate import live_vs_memtracker
+
+    for precision in ("fp16", "fp32"):
+        agreement = live_vs_memtracker(preset("smoke"), 16, precision)
+        assert agreement.simulated == agreement.reference, str(agreement)
+
+
+def test_traced_live_bytes_match_measured_rss_growth():
+    from nblib.simulate.validate import live_vs_rss
+
+    cfg = preset("smoke").replace(dim=256, heads=4)   # buffers of 0.5 MB: above glibc's mmap threshold
+    agreement = live_vs_rss(cfg, 32)
+    assert abs(agreement.simulated - agreement.reference) < 0.5e6, str(agreement)
+
+
+def test_async_offload_holds_no_outputs_consolidate_holds_them():
+    from nblib.simulate import simulate_encode
+
+    cfg = preset("smoke").replace(batch_size=64, consolidate_every=4, checkpoint_every=4)
+    a = simulate_encode(cfg, "t4", offload="async")
+    c = simulate_encode(cfg, "t4", offload="consolidate")
+    held = 3 * budget.output_bytes_per_batch(cfg)
+    assert c.max_live - a.max_live >= held
+
+
+# ------------------------------------------------------------------ the roofline
+def test_roofline_of_a_t4_fp16_beats_fp32_and_sums_its_kernels():
+    from nblib.simulate import simulate_encode
+    from nblib.simulate.roofline import calibrated_rate, roofline
+
+    cfg = preset("smoke")
+    half = simulate_encode(cfg, "t4", precision="fp16", batches=1)
+    full = simulate_encode(cfg, "t4", precision="fp32", batches=1)
+    r16, r32 = roofline(half.kernels, 32, "t4"), roofline(full.kernels, 32, "t4")
+    assert r16.seconds == pytest.approx(r16.compute_bound_s + r16.memory_bound_s)
+    assert r16.samples_per_s > r32.samples_per_s
+    assert calibrated_rate(r16, r32, r32.samples_per_s / 2) == pytest.approx(r16.samples_per_s / 2)
+    assert roofline(half.kernels, 32, "h100").seconds < r16.seconds
+
+
+# ------------------------------------------------------------------ the budget against the simulation
+GRID = [  # (preset, precision, offload, batch): each precision x offload once, batches spread over 8..384;
+    # benchmarks/budget_vs_simulated.py runs the whole grid (64 points)
+    ("seed_t4", "fp16", "async", 384), ("seed_t4", "fp32", "async", 8),
+    ("t4", "fp16", "consolidate", 192), ("t4", "fp32", "consolidate", 32),
+]
+
+
+@pytest.mark.parametrize("name,precision,offload,batch", GRID)
+def test_budget_vram_within_10_percent_of_the_simulated_t4(name, precision, offload, batch):
+    from nblib.simulate import simulate_encode
+
+    cfg = preset(name).replace(batch_size=batch)
+    sim = simulate_encode(cfg, "t4", precision=precision, offload=offload)
+    b = budget.predict_budget(cfg, "t4", precision=precision, offload=offload)
+    ratio = (b.totals["vram"] - b.device.cuda_context_bytes) / sim.max_reserved
+    assert 0.9 <= ratio <= 1.1, f"budget / simulated reserved = {ratio:.3f}"
+
+
+@pytest.mark.xfail(strict=True, reason="known gap: for the t4 preset in fp32 with offload=consolidate at batch >= 128 "
+                   "the budget's allocator replay over-counts the cache (budget / simulated 1.19)")
+def test_budget_known_overcount_t4_consolidate_fp32():
+    from nblib.simulate import simulate_encode
+
+    cfg = preset("t4").replace(batch_size=128)
+    sim = simulate_encode(cfg, "t4", precision="fp32", offload="consolidate")
+    b = budget.predict_budget(cfg, "t4", precision="fp32", offload="consolidate")
+    assert 0.9 <= (b.totals["vram"] - b.device.cuda_context_bytes) / sim.max_reserved <= 1.1
