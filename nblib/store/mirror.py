@@ -287,15 +287,7 @@ class Mirror:
             first = not self._failing or (isinstance(exc, RemountPending) and not self._paused)
             self._failing, self._paused = True, isinstance(exc, RemountPending)
             pending = sum(isinstance(i, CopyPart) for i in self._backlog)
-        if isinstance(exc, RemountPending):
-            msg = (f"the mirror {self.sides.remote.root} is paused: {exc.strerror}. {pending} parts wait in "
-                   f"{self.sides.local.root} and the run continues locally. {REAUTHORIZE_HINT}")
-        else:
-            fix = "free Drive space; " if exc.errno in (errno.ENOSPC, errno.EDQUOT) else ""
-            msg = (f"mirror {self.sides.remote.root} failed {self.retrier.retries + 1} times on {item.label} "
-                   f"({describe(exc)}); {pending} parts wait in {self.sides.local.root} and the run "
-                   f"continues locally; {fix}the mirror retries on the next write, flush(), or every "
-                   f"{self.retry_interval_s:g} s")
+        msg = failure_message(exc, self.sides, item.label, pending, self.retrier.retries + 1, self.retry_interval_s)
         if first:
             log.warning(msg)
             warnings.warn(msg, MirrorWarning, stacklevel=1)
@@ -365,12 +357,7 @@ class Mirror:
 
     def prune_checkpoints(self, name: str, mirrored_up_to: int) -> None:
         """Keep the newest versions on both sides; older local ones go only once a newer is mirrored."""
-        local, remote = self.sides.local_checkpoints, self.sides.remote_checkpoints
-        keep = self.retention.keep_checkpoints
-        for version in checkpoints_to_drop(local.versions(name), keep, up_to=mirrored_up_to):
-            local.remove(name, version)
-        for version in checkpoints_to_drop(remote.versions(name), keep):
-            remote.remove(name, version)
+        prune_checkpoint_versions(self.sides, self.retention.keep_checkpoints, name, mirrored_up_to)
 
     def _audit(self, full: bool) -> None:
         """Re-fill parts the mirror held and lost; re-copy the manifest so it lists what is there.
@@ -391,12 +378,7 @@ class Mirror:
                 self._verified.pop(name, None)
         refill = [n for n in vanished if isinstance(local.check(n, verify=VerifyLevel.SIZES), PartInfo)]
         lost = sorted(set(vanished) - set(refill))
-        if vanished:
-            log.warning("the mirror %s lost %d parts; re-filling %d from local staging", remote.root,
-                        len(vanished), len(refill))
-        if lost:
-            log.warning("the mirror %s lost parts %s and local staging no longer has them (retention "
-                        "deleted them after they were mirrored); they must be recomputed", remote.root, lost)
+        _log_vanished(remote.root, vanished, refill, lost)
         with self._cond:
             self._refilled += len(refill)
             self._lost += len(lost)
@@ -408,27 +390,11 @@ class Mirror:
 
     def _resync(self) -> None:
         """Queue what an earlier process left unmirrored: parts, manifest, checkpoints that differ."""
-        local, remote = self.sides.local, self.sides.remote
-        remote.ops.makedirs(remote.root)
-        there = set(remote.names())
+        there, items = unmirrored_items(self.sides, self._check_remote)
         with self._cond:
             self._present |= there
-        for name in local.names():
-            mine = local.check(name, verify=VerifyLevel.SIZES)
-            if not isinstance(mine, PartInfo):
-                continue
-            theirs = self._check_remote(name) if name in there else None
-            if not isinstance(theirs, PartInfo) or (theirs.content_id != mine.content_id
-                                                     and theirs.created <= mine.created):
-                self.enqueue(CopyPart(name))
-        ckpts_local, ckpts_remote = self.sides.local_checkpoints, self.sides.remote_checkpoints
-        for name, version in ckpts_local.stems():
-            if ckpts_local.record_bytes(name, version) != ckpts_remote.record_bytes(name, version):
-                self.enqueue(CopyCheckpoint(name, version))
-        mine = read_run_manifest(FileOps(), local.root, "local")
-        theirs = read_run_manifest(remote.ops, remote.root, "mirror")
-        if isinstance(mine, Manifest) and not (isinstance(theirs, Manifest) and theirs.seq >= mine.seq):
-            self.enqueue(CopyManifest())
+        for item in items:
+            self.enqueue(item)
 
     def _check_remote(self, name: str) -> PartInfo | DamagedCopy | None:
         """Metadata check of one mirror part, retried on its own.
@@ -441,15 +407,9 @@ class Mirror:
         """Delete local parts outside keep_local / keep_every, only those verified on the mirror."""
         if self.retention.keep_local is None:
             return
-        local = self.sides.local
         with self._cond:
             known = set(self._present)
-        for name in local_parts_to_drop(local.names(), known, self.retention.keep_local,
-                                        self.retention.keep_every):
-            mine = local.check(name, verify=VerifyLevel.SIZES)
-            verified = isinstance(mine, PartInfo) and self._verified_on_mirror(name, mine.content_id)
-            if verified and local.delete(name, if_content=mine.content_id):   # not if rewritten meanwhile
-                log.debug("retention: deleted local copy of %s (verified on the mirror)", name)
+        drop_mirrored_local_parts(self.sides.local, known, self.retention, self._verified_on_mirror)
 
     def _verified_on_mirror(self, name: str, content_id: str) -> bool:
         """True when the mirror holds this part's content and its files verify by sha256."""
@@ -464,3 +424,69 @@ class Mirror:
         with self._cond:
             self._verified[name] = content_id
         return True
+
+
+def unmirrored_items(sides, check_remote) -> tuple[set[str], list]:
+    """(the part names the mirror holds, the copy items that bring it up to the local side).
+
+    Parts the mirror lacks or holds older different content of, checkpoint versions whose records
+    differ, and the run manifest when the mirror's is missing or behind; in the order to queue them.
+    """
+    local, remote = sides.local, sides.remote
+    remote.ops.makedirs(remote.root)
+    there, items = set(remote.names()), []
+    for name in local.names():
+        mine = local.check(name, verify=VerifyLevel.SIZES)
+        if not isinstance(mine, PartInfo):
+            continue
+        theirs = check_remote(name) if name in there else None
+        if not isinstance(theirs, PartInfo) or (theirs.content_id != mine.content_id
+                                                 and theirs.created <= mine.created):
+            items.append(CopyPart(name))
+    ckpts_local, ckpts_remote = sides.local_checkpoints, sides.remote_checkpoints
+    for name, version in ckpts_local.stems():
+        if ckpts_local.record_bytes(name, version) != ckpts_remote.record_bytes(name, version):
+            items.append(CopyCheckpoint(name, version))
+    mine = read_run_manifest(FileOps(), local.root, "local")
+    theirs = read_run_manifest(remote.ops, remote.root, "mirror")
+    if isinstance(mine, Manifest) and not (isinstance(theirs, Manifest) and theirs.seq >= mine.seq):
+        items.append(CopyManifest())
+    return there, items
+
+
+def _log_vanished(root, vanished: list[str], refill: list[str], lost: list[str]) -> None:
+    """Run events for parts the mirror lost: how many are re-filled, which must be recomputed."""
+    if vanished:
+        log.warning("the mirror %s lost %d parts; re-filling %d from local staging", root, len(vanished), len(refill))
+    if lost:
+        log.warning("the mirror %s lost parts %s and local staging no longer has them (retention "
+                    "deleted them after they were mirrored); they must be recomputed", root, lost)
+
+
+def prune_checkpoint_versions(sides, keep: int, name: str, mirrored_up_to: int) -> None:
+    """Keep the newest `keep` versions on both sides; older local ones go only once a newer is mirrored."""
+    local, remote = sides.local_checkpoints, sides.remote_checkpoints
+    for version in checkpoints_to_drop(local.versions(name), keep, up_to=mirrored_up_to):
+        local.remove(name, version)
+    for version in checkpoints_to_drop(remote.versions(name), keep):
+        remote.remove(name, version)
+
+
+def drop_mirrored_local_parts(local, known: set[str], retention, verified_on_mirror) -> None:
+    """Delete local parts outside keep_local / keep_every, only those `verified_on_mirror(name, content_id)`."""
+    for name in local_parts_to_drop(local.names(), known, retention.keep_local, retention.keep_every):
+        mine = local.check(name, verify=VerifyLevel.SIZES)
+        verified = isinstance(mine, PartInfo) and verified_on_mirror(name, mine.content_id)
+        if verified and local.delete(name, if_content=mine.content_id):   # not if rewritten meanwhile
+            log.debug("retention: deleted local copy of %s (verified on the mirror)", name)
+
+
+def failure_message(exc: OSError, sides, label: str, pending: int, attempts: int, retry_interval_s: float) -> str:
+    """What a failing or paused mirror tells the user: what failed, what waits locally, what to do."""
+    if isinstance(exc, RemountPending):
+        return (f"the mirror {sides.remote.root} is paused: {exc.strerror}. {pending} parts wait in "
+                f"{sides.local.root} and the run continues locally. {REAUTHORIZE_HINT}")
+    fix = "free Drive space; " if exc.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+    return (f"mirror {sides.remote.root} failed {attempts} times on {label} ({describe(exc)}); {pending} parts "
+            f"wait in {sides.local.root} and the run continues locally; {fix}the mirror retries on the next "
+            f"write, flush(), or every {retry_interval_s:g} s")
