@@ -19,6 +19,7 @@ from typing import Any
 from nblib.errors import ConfigError, DriveError
 
 from .parts import FileOps
+from .retry import WrappedOps
 
 DEADLINE_ENV = "NBLIB_MIRROR_DEADLINE_S"
 DEFAULT_DEADLINE_S = 120.0
@@ -81,7 +82,7 @@ class Stall:
         return box.get("value")
 
 
-class DeadlineOps(FileOps):
+class DeadlineOps(WrappedOps):
     """FileOps for the caller's reads of the mirror: each call bounded by the shared Stall's deadline."""
 
     def __init__(self, inner: FileOps, stall: Stall):
@@ -89,43 +90,3 @@ class DeadlineOps(FileOps):
 
     def _call(self, what: str, fn: Callable[[], Any]):
         return self.stall.call(what, fn)
-
-    def open(self, path, mode="rb"):
-        return self._call(f"open {path.name}", lambda: self.inner.open(path, mode))
-
-    def listdir(self, path):
-        return self._call(f"list {path.name}", lambda: self.inner.listdir(path))
-
-    def stat(self, path):
-        return self._call(f"stat {path.name}", lambda: self.inner.stat(path))
-
-    def read_bytes(self, path):
-        return self._call(f"read {path.name}", lambda: self.inner.read_bytes(path))
-
-    def sha256(self, path):
-        return self._call(f"verify {path.name}", lambda: self.inner.sha256(path))
-
-    def load_npy(self, path, mmap):
-        return self._call(f"read {path.name}", lambda: self.inner.load_npy(path, mmap))
-
-    def is_dir(self, path):
-        return self._call(f"stat {path.name}", lambda: self.inner.is_dir(path))
-
-    def makedirs(self, path):
-        return self._call(f"create {path.name}", lambda: self.inner.makedirs(path))
-
-    def replace(self, src, dst):
-        return self._call(f"rename {src.name}", lambda: self.inner.replace(src, dst))
-
-    def unlink(self, path):
-        return self._call(f"delete {path.name}", lambda: self.inner.unlink(path))
-
-    def rmdir(self, path):
-        return self._call(f"delete {path.name}", lambda: self.inner.rmdir(path))
-
-    def fsync_dir(self, path):
-        return self._call(f"sync {path.name}", lambda: self.inner.fsync_dir(path))
-
-    def write_atomic(self, path, blocks, expect_sha256=None):
-        blocks = list(blocks)
-        return self._call(f"write {path.name}", lambda: self.inner.write_atomic(path, blocks, expect_sha256))

@@ -83,25 +83,17 @@ class Retrier:
             log.info("remount failed: %s", exc)
 
 
-class RetryingOps(FileOps):
-    """Mirror FileOps for the caller's reads: each call retried, then DriveError with the fix."""
+class WrappedOps(FileOps):
+    """FileOps that pass every call through `self._call(label, fn)`.
 
-    def __init__(self, inner: FileOps, retrier: Retrier, root: Path):
-        self.inner, self.retrier, self.root = inner, retrier, root
+    The one delegation list of the mirror's wrappers: RetryingOps retries each call,
+    store.deadline.DeadlineOps bounds each call in time.
+    """
+
+    inner: FileOps
 
     def _call(self, what: str, fn: Callable[[], Any]):
-        try:
-            return self.retrier.call(fn, what, passes=NOT_FAULTS)
-        except NOT_FAULTS:
-            raise
-        except RemountPending as exc:
-            raise DriveError(f"the mirror {self.root} is paused: {exc.strerror}; {REAUTHORIZE_HINT}, "
-                             f"or open the store with mirror_dir=None to use local staging only") from None
-        except OSError as exc:
-            raise DriveError(
-                f"the mirror {self.root} is unreachable ({what}: {describe(exc)}, "
-                f"{self.retrier.retries + 1} attempts); remount Drive (nblib.env.remount_drive()) and "
-                f"retry, or open the store with mirror_dir=None to use local staging only") from None
+        raise NotImplementedError
 
     def open(self, path, mode="rb"):
         return self._call(f"open {path.name}", lambda: self.inner.open(path, mode))
@@ -142,6 +134,27 @@ class RetryingOps(FileOps):
     def write_atomic(self, path, blocks, expect_sha256=None):
         blocks = list(blocks)
         return self._call(f"write {path.name}", lambda: self.inner.write_atomic(path, blocks, expect_sha256))
+
+
+class RetryingOps(WrappedOps):
+    """Mirror FileOps for the caller's reads: each call retried, then DriveError with the fix."""
+
+    def __init__(self, inner: FileOps, retrier: Retrier, root: Path):
+        self.inner, self.retrier, self.root = inner, retrier, root
+
+    def _call(self, what: str, fn: Callable[[], Any]):
+        try:
+            return self.retrier.call(fn, what, passes=NOT_FAULTS)
+        except NOT_FAULTS:
+            raise
+        except RemountPending as exc:
+            raise DriveError(f"the mirror {self.root} is paused: {exc.strerror}; {REAUTHORIZE_HINT}, "
+                             f"or open the store with mirror_dir=None to use local staging only") from None
+        except OSError as exc:
+            raise DriveError(
+                f"the mirror {self.root} is unreachable ({what}: {describe(exc)}, "
+                f"{self.retrier.retries + 1} attempts); remount Drive (nblib.env.remount_drive()) and "
+                f"retry, or open the store with mirror_dir=None to use local staging only") from None
 
 
 def remount_timeout() -> float:
