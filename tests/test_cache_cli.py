@@ -65,16 +65,13 @@ def kill_after(args, folder, shards, timeout=60.0):
     return listed_shards(folder)
 
 
-@pytest.mark.slow
-def test_sigkill_at_three_points_then_resume_gives_byte_identical_cache(tmp_path):
-    texts = write_texts(tmp_path / "texts.jsonl", 280)
-    args = lambda out: ("--texts", texts, "--out", out, "--size", SIZE, "--shard-mb", SHARD_MB,
-                        "--workers", 2, "--field", "body", "--no-progress")
+def assert_three_kills_resume_to_the_reference(tmp_path, args, shards):
+    """`cache` with `args(out)`, SIGKILLed after 3, 25 and 50 shards, then rerun: the bytes of an unkilled run."""
     reference = tmp_path / "reference"
     done = run_cli(*args(reference))
     assert done.returncode == 0, done.stderr
     total = listed_shards(reference)
-    assert total == 70
+    assert total == shards
 
     killed = tmp_path / "killed"
     seen = [kill_after(args(killed), killed, k) for k in (3, 25, 50)]
@@ -87,6 +84,14 @@ def test_sigkill_at_three_points_then_resume_gives_byte_identical_cache(tmp_path
     assert f"reused {seen[-1]}" in resumed.stdout
     assert cache_folder_bytes(killed) == cache_folder_bytes(reference)
     assert run_cli("--verify", killed).returncode == 0
+
+
+@pytest.mark.slow
+def test_sigkill_at_three_points_then_resume_gives_byte_identical_cache(tmp_path):
+    texts = write_texts(tmp_path / "texts.jsonl", 280)
+    args = lambda out: ("--texts", texts, "--out", out, "--size", SIZE, "--shard-mb", SHARD_MB,
+                        "--workers", 2, "--field", "body", "--no-progress")
+    assert_three_kills_resume_to_the_reference(tmp_path, args, shards=70)
 
 
 @pytest.mark.slow

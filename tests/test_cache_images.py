@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_cache_cli import kill_after, listed_shards, one_error_line, run_cli
+from test_cache_cli import assert_three_kills_resume_to_the_reference, one_error_line, run_cli
 
 from conftest import cache_folder_bytes
 from nblib.cache import ShardedImageCache, image_source, read_cache_manifest, verify, write_images
@@ -117,23 +117,7 @@ def test_image_source_reads_a_folder_a_parquet_file_and_an_hf_folder(tmp_path):
 def test_cache_images_sigkilled_three_times_resumes_to_byte_identical_shards(tmp_path):
     folder = write_png_folder(tmp_path / "pngs", images(280, 64))
     args = lambda out: ("--images", folder, "--out", out, "--shard-mb", 0.05, "--no-progress")
-    reference = tmp_path / "reference"
-    done = run_cli(*args(reference))
-    assert done.returncode == 0, done.stderr
-    total = listed_shards(reference)
-    assert total == 70
-
-    killed = tmp_path / "killed"
-    seen = [kill_after(args(killed), killed, k) for k in (3, 25, 50)]
-    assert seen == sorted(seen) and seen[-1] < total, seen  # each kill landed mid-run, later each time
-    interrupted = run_cli("--verify", killed)
-    assert interrupted.returncode == 1 and "incomplete" in interrupted.stdout
-
-    resumed = run_cli(*args(killed))
-    assert resumed.returncode == 0, resumed.stderr
-    assert f"reused {seen[-1]}" in resumed.stdout
-    assert cache_folder_bytes(killed) == cache_folder_bytes(reference)
-    assert run_cli("--verify", killed).returncode == 0
+    assert_three_kills_resume_to_the_reference(tmp_path, args, shards=70)
 
 
 @pytest.mark.slow
