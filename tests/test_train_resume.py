@@ -18,9 +18,8 @@ import torch
 from test_train import assert_same_weights, labelled_cache, weights_of
 from train_runs import (
     ARGS,
-    bucket_holds_a_state,
+    assert_the_bucket_alone_resumes_exactly,
     free_port,
-    ls_or_empty,
     run_and_kill,
     train_cli,
     train_env,
@@ -72,18 +71,8 @@ def test_a_real_s3_server_holds_the_backups_and_a_resume_from_the_bucket_alone_i
                                                                                           tmp_path, moto):
     endpoint, fs = moto
     fs.mkdir("runs")
-    out, url = tmp_path / "run", "s3://runs/exp1"
-    cmd = train_cli(cache_dir, out, "--mirror", url)
-    env = train_env(**_aws(endpoint))
-    run_and_kill(cmd, out, extra_s=0, env=env, done=lambda: bucket_holds_a_state(fs, "runs/exp1"))
-    shutil.rmtree(out)
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "resumed from mirror" in done.stdout and "mirror holds step 12" in done.stdout, done.stdout
-    assert_same_weights(weights_of(out), reference)
-    names = {p.rsplit("/", 1)[-1] for p in ls_or_empty(fs, "runs/exp1/checkpoints")}
-    assert "state-000012.pt" in names and "state-000012.json" in names
-    assert len([n for n in names if n.startswith("state-") and n.endswith(".pt")]) <= 3     # keep_last on the bucket
+    assert_the_bucket_alone_resumes_exactly(cache_dir, reference, tmp_path / "run", fs, "s3://runs/exp1",
+                                            train_env(**_aws(endpoint)))
 
 
 def test_a_dead_bucket_never_blocks_training_and_the_report_says_what_is_not_durable(cache_dir, tmp_path):

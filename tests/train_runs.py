@@ -1,10 +1,12 @@
 """Real `python -m nblib train` runs for the resume tests (test_train_resume, test_train_gcs): the
 command, its environment, an uninterrupted reference run, a run SIGKILLed once a checkpoint exists,
-and a free port on 127.0.0.1 for a local bucket server.
+the resume from a bucket alone (any fsspec server: moto's S3, gcp-storage-emulator), and a free
+port on 127.0.0.1 for a local bucket server.
 """
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -13,7 +15,7 @@ import time
 from pathlib import Path
 
 import psutil
-from test_train import weights_of
+from test_train import assert_same_weights, weights_of
 
 from conftest import subprocess_env
 
@@ -67,6 +69,27 @@ def run_and_kill(cmd, out: Path, *, after_step: int = 1, extra_s: float, env=Non
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.stderr.close()
+
+
+def assert_the_bucket_alone_resumes_exactly(cache_dir: Path, reference: dict, out: Path, fs, url: str,
+                                            env: dict[str, str]) -> None:
+    """Kill a run mirrored to `url` once the bucket holds a state, delete the run folder (a new VM), rerun:
+    the uninterrupted run's weights; the bucket holds step 12, byte for byte, and at most keep_last (3) states.
+    """
+    prefix = url.split("://", 1)[1]
+    cmd = train_cli(cache_dir, out, "--mirror", url)
+    run_and_kill(cmd, out, extra_s=0, env=env, done=lambda: bucket_holds_a_state(fs, prefix))
+    assert not (out / "final.pt").exists()
+    shutil.rmtree(out)                                           # a new VM: only the bucket survives
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed from mirror" in done.stdout and f"mirror holds step {STEPS}" in done.stdout, done.stdout
+    assert_same_weights(weights_of(out), reference)
+    names = {p.rsplit("/", 1)[-1] for p in ls_or_empty(fs, f"{prefix}/checkpoints")}
+    newest = f"state-{STEPS:06d}"
+    assert f"{newest}.pt" in names and f"{newest}.json" in names
+    assert len([n for n in names if n.startswith("state-") and n.endswith(".pt")]) <= 3     # keep_last on the bucket
+    assert fs.cat_file(f"{prefix}/checkpoints/{newest}.pt") == (out / "checkpoints" / f"{newest}.pt").read_bytes()
 
 
 def ls_or_empty(fs, path: str) -> list[str]:
