@@ -1,7 +1,7 @@
 """`python -m nblib train --mirror gs://...` against a real GCS JSON-API server on 127.0.0.1
 (gcp-storage-emulator, started as its own process): the bucket holds the backups, and a resume
 from the bucket alone (the run folder deleted, as on a new Colab VM) ends with the uninterrupted
-run's weights, bit for bit; a dead endpoint never blocks training. Beside it, the gs:// file
+run's weights, bit for bit; a dead or stalled endpoint never blocks training. Beside it, the gs:// file
 operations themselves: the emulator's objects round-trip, and a server answering 503 gets the
 mirror's 2 attempts (not gcsfs's 6) and an OSError naming the bucket, which the mirror retries as
 it retries Drive.
@@ -28,6 +28,7 @@ from train_runs import (
 
 pytestmark = pytest.mark.slow
 BUCKET, PREFIX = "runs", "runs/exp1"
+SHORT = ["--steps", "4", "--backup-every", "2"]      # the dead and stalled runs: two backups are enough
 
 
 @pytest.fixture(scope="module")
@@ -76,13 +77,32 @@ def test_a_real_gcs_server_holds_the_backups_and_a_resume_from_the_bucket_alone_
 def test_a_dead_gcs_endpoint_never_blocks_training_and_the_report_says_what_is_not_durable(cache_dir, tmp_path):
     pytest.importorskip("gcsfs", reason="gs:// needs gcsfs (pinned in requirements.txt)")
     out = tmp_path / "run"                                       # nothing listens on the port: every request fails
-    cmd = train_cli(cache_dir, out, "--mirror", "gs://gone/exp", "--mirror-timeout", "2")
+    cmd = train_cli(cache_dir, out, "--mirror", "gs://gone/exp", "--mirror-timeout", "2", *SHORT)
     done = subprocess.run(cmd, env=train_env(STORAGE_EMULATOR_HOST=f"http://127.0.0.1:{free_port()}"),
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "NOT YET DURABLE" in done.stdout and "step 12" in done.stdout, done.stdout
+    assert "NOT YET DURABLE: the mirror has not confirmed step 4" in done.stdout, done.stdout
     assert (out / "final.pt").exists()
     assert "out of retries" not in done.stderr                  # gcsfs's per-request tracebacks stay quiet
+
+
+def test_a_stalled_gcs_endpoint_never_blocks_training(cache_dir, tmp_path):
+    """An endpoint that accepts and never answers (test_train_stall's server): the start-up read gives up at
+    --mirror-timeout, the run trains from step 0 to the end and says what is only on local disk.
+    """
+    pytest.importorskip("gcsfs", reason="gs:// needs gcsfs (pinned in requirements.txt)")
+    from test_train_stall import StallServer
+
+    out = tmp_path / "run"
+    with StallServer() as server:
+        done = subprocess.run(train_cli(cache_dir, out, "--mirror", "gs://stall/exp", "--mirror-timeout", "2", *SHORT),
+                              env=train_env(STORAGE_EMULATOR_HOST=f"http://127.0.0.1:{server.port}"),
+                              capture_output=True, text=True, timeout=300)
+        accepted = len(server.accepted)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert accepted >= 1, "the run never reached the stalled endpoint"
+    assert "the mirror did not answer within 2 s" in done.stderr, done.stderr[-3000:]
+    assert "NOT YET DURABLE" in done.stdout and (out / "final.pt").exists(), done.stdout
 
 
 def test_gs_objects_round_trip_through_the_mirrors_file_operations(gcs):
