@@ -88,13 +88,21 @@ def gcs_filesystem(options: dict):
 
 @functools.cache
 def _gcs_class():
-    """GCSFileSystem whose requests make ATTEMPTS tries (gcsfs fixes 6, with up to 31 s of backoff)."""
+    """GCSFileSystem whose requests make ATTEMPTS tries (gcsfs fixes 6, with up to 31 s of backoff).
+
+    A gcsfs whose `_request` is not the decorated coroutine of 2026.8 (an older one Colab may ship)
+    keeps its own retries: slower to give up, the same results.
+    """
     from gcsfs.core import GCSFileSystem
     from gcsfs.retry import retry_request
 
+    undecorated = getattr(GCSFileSystem._request, "__wrapped__", None)
+    if undecorated is None:
+        return GCSFileSystem
+
     class ShortRetryGCSFileSystem(GCSFileSystem):
         retries = ATTEMPTS
-        _request = retry_request(retries=ATTEMPTS)(GCSFileSystem._request.__wrapped__)
+        _request = retry_request(retries=ATTEMPTS)(undecorated)
 
     return ShortRetryGCSFileSystem
 
