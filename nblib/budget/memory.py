@@ -139,7 +139,7 @@ def device_memory_lines(config: PipelineConfig, *, compute_capability: int = 75,
     nblib.simulate's trace of the real loop).
     """
     m, r = config.model, config.run
-    lines, weight_blocks, _ = _model_lines(config, True, sdpa_backend, precision, torch_version)
+    lines, weight_blocks = _model_lines(config, True, sdpa_backend, precision, torch_version)
     out = list(lines)
     workspace = CUBLAS_WORKSPACE_BYTES_SM90 if compute_capability >= 90 else CUBLAS_WORKSPACE_BYTES
     out.append(Line("cuBLAS workspace", workspace,
@@ -197,8 +197,8 @@ def pinned_bytes(nbytes: int) -> int:
 
 
 def _model_lines(config: PipelineConfig, on_gpu: bool, sdpa_backend: str, precision: str,
-                 torch_version: str | None) -> tuple[tuple[Line, ...], list[int], list[int]]:
-    """The model's lines, and the allocator blocks behind them: per parameter, per live buffer."""
+                 torch_version: str | None) -> tuple[tuple[Line, ...], list[int]]:
+    """The model's lines, and the bytes of each parameter (the allocator blocks of the weights)."""
     m, r = config.model, config.run
     b, t, d = r.batch_size, m.tokens, m.dim
     half = on_gpu and precision in ("fp16", "bf16", "auto")
@@ -225,10 +225,6 @@ def _model_lines(config: PipelineConfig, on_gpu: bool, sdpa_backend: str, precis
     phases = {"block MLP (GELU)": blocks, "patchify": patchify, "math attention": attention}
     phase = max(phases, key=phases.get)
     scores_live = scores if phase == "math attention" else 0
-    act_blocks = {"block MLP (GELU)": [res * stream] * outer + [p * stream for p in block_parts],
-                  "patchify": [4 * pixels] * 3,
-                  "math attention": [res * stream] * outer + [p * stream for p in attn_parts[1:]]
-                  + [scores // 2] * 2}[phase]
     lines = [Line("weights (fp32)", n_params * 4 + buffers,
                   f"{n_params:,} params x 4 B + checksum projection")]
     if on_gpu and half and autocast_caches_weights(torch_version):
@@ -247,7 +243,7 @@ def _model_lines(config: PipelineConfig, on_gpu: bool, sdpa_backend: str, precis
                 (", not live at the peak" if sdpa_backend == "math"
                  else f"; {sdpa_backend} SDPA never materializes them"))),
     ]
-    return tuple(lines), _param_sizes(m), act_blocks
+    return tuple(lines), _param_sizes(m)
 
 
 def _param_sizes(model: ModelConfig) -> list[int]:
