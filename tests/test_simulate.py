@@ -177,3 +177,13 @@ def test_budget_vram_within_10_percent_of_the_simulated_gpu(name, gpu, precision
     # the budget replays the loop's allocations op by op (nblib.budget.vram_replay): when nblib.trm or
     # the offload changes its order of allocations, the replay must follow, and this shows it first
     assert ratio == pytest.approx(1, abs=0.02), f"the replay drifted from the code: {ratio:.3f}"
+
+
+def test_the_t4_preset_efficiency_is_the_simulated_calibrated_rate():
+    """One T4 rate for the suite: the budget's T4 efficiency is the simulated roofline x the reference's share."""
+    from nblib.lab.simulated_t4 import full_run_time
+
+    t4_time = full_run_time()
+    seed = preset("seed_t4")
+    b = budget.predict_budget(seed, "t4")
+    assert b.samples_per_s == pytest.approx(t4_time.samples_per_s, rel=0.01)
