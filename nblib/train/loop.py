@@ -81,8 +81,10 @@ class TrainReport:
                          f"accuracy {self.first['heldout_accuracy']:.1%} -> {self.last['heldout_accuracy']:.1%} "
                          f"(chance {1 / max(1, len(self.classes)):.1%}, {len(self.classes)} classes)")
         if self.save_seconds:
+            step = float(np.mean(self.step_seconds)) if self.step_seconds else float("nan")
             lines.append(f"saves blocked the loop {sum(self.save_seconds):.2f} s = {self.save_share:.1%} of step time "
-                         f"({len(self.save_seconds)} saves, {np.mean(self.save_seconds) * 1e3:.1f} ms each, of which "
+                         f"({len(self.save_seconds)} saves, {np.mean(self.save_seconds) * 1e3:.1f} ms each = "
+                         f"{np.mean(self.save_seconds) / step:.1%} of a {step * 1e3:.1f} ms step, of which "
                          f"{np.mean(self.save_waits or [0.0]) * 1e3:.1f} ms waiting for the previous write)")
         if self.write_seconds:
             lines.append(f"background writes {np.mean(self.write_seconds) * 1e3:.1f} ms each; the last one joined "
