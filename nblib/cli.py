@@ -12,6 +12,7 @@ import errno
 import os
 import sys
 
+from nblib.config import SEED_LIMIT
 from nblib.errors import NblibError
 
 
@@ -71,7 +72,6 @@ def finite_positive_float(text: str) -> float:
     return value
 
 
-SEED_LIMIT = 2 ** 64  # torch.manual_seed and numpy's SeedSequence take seeds below this
 
 
 def seed_int(text: str) -> int:

@@ -154,6 +154,9 @@ def preset_names() -> tuple[str, ...]:
     return tuple(_PRESETS)
 
 
+SEED_LIMIT = 2 ** 64  # torch.manual_seed and numpy's SeedSequence take seeds below this
+
+
 def validate(cfg: PipelineConfig) -> None:
     """Raise ConfigError naming the first field out of range, with the allowed range."""
     m, r = cfg.model, cfg.run
@@ -163,6 +166,9 @@ def validate(cfg: PipelineConfig) -> None:
             if f.type in ("int", int):
                 _require_int(f"{section}.{f.name}", value,
                              minimum=0 if f.name in ("workers", "seed") else 1)
+    if r.seed >= SEED_LIMIT:
+        raise ConfigError(f"run.seed={r.seed} is out of range; allowed: integers from 0 to 2**64 - 1 "
+                          f"(torch.manual_seed and numpy's SeedSequence take no larger seed)")
     if m.image_size % m.patch:
         raise ConfigError(
             f"model.image_size={m.image_size} is not divisible by model.patch={m.patch}; "

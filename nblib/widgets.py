@@ -184,9 +184,9 @@ def pipeline_sweep_panel(table) -> Panel:
 def training_panel(model, state_bytes: int, step_seconds: float, steps: int = 10_000,
                    provider: str = "s3") -> W.VBox:
     """Batch, accumulation, save and backup intervals and retention; VRAM, RAM, Drive and bucket cost redraw."""
-    from nblib.budget.training import predict_training
+    from nblib.budget.training import predict_training, t4_training_vram
     from nblib.train.ops import bucket_cost
-    from nblib.units import GB, fmt_bytes
+    from nblib.units import fmt_bytes
 
     controls = [
         _slider("micro_batch", "micro-batch", 64, 8, 1024, 8),
@@ -197,15 +197,15 @@ def training_panel(model, state_bytes: int, step_seconds: float, steps: int = 10
     ]
 
     def render(micro_batch, accumulation, save_every, backup_every, keep_last):
-        gpu = predict_training(model, micro_batch, precision="fp16", device="cuda", with_runtime=False)
+        vram, vram_limit = t4_training_vram(model, micro_batch)
         cpu = predict_training(model, micro_batch, keep_last=keep_last)
         drive = keep_last * state_bytes * 2
         cost = bucket_cost(state_bytes, state_bytes // 3, steps=steps, backup_every=save_every * backup_every,
                            keep_last=keep_last, provider=provider)
         save_s = steps * step_seconds * accumulation / 3600
         print(f"effective batch {micro_batch * accumulation:,} ({accumulation} x {micro_batch})")
-        print(f"T4 VRAM (projection, fp16 autocast): {fmt_bytes(gpu.total)} of 15.0 GB "
-              f"{'fits' if gpu.total <= 15 * GB else 'DOES NOT FIT'}")
+        print(f"T4 VRAM (projection, fp16 autocast, CUDA context included): {fmt_bytes(vram)} of "
+              f"{fmt_bytes(vram_limit)} {'fits' if vram <= vram_limit else 'DOES NOT FIT'}")
         print(f"host RAM on CPU (fp32 budget):      {fmt_bytes(cpu.total)}")
         print(f"Drive (last {keep_last} states + best):     {fmt_bytes(drive)} of the 15 GB free quota")
         print(f"local disk (retention):             {fmt_bytes(cpu.local_disk)}")

@@ -92,3 +92,10 @@ def test_table_lists_every_preset_side_by_side():
     text = config.table()
     assert "seed_t4" in text.splitlines()[0] and "smoke" in text.splitlines()[0]
     assert "1,907,747" in text
+
+
+def test_a_seed_past_2_to_the_64_is_refused_with_the_range():
+    """torch.manual_seed and numpy's SeedSequence take no seed >= 2**64: refuse it at the config, as the CLI does."""
+    assert config.preset("smoke").replace(seed=2 ** 64 - 1).run.seed == 2 ** 64 - 1
+    with pytest.raises(ConfigError, match=r"run.seed=18446744073709551616 is out of range.*2\*\*64 - 1"):
+        config.preset("smoke").replace(seed=2 ** 64)

@@ -117,8 +117,15 @@ def test_traced_live_bytes_match_measured_rss_growth():
     from nblib.simulate.validate import live_vs_rss
 
     cfg = preset("smoke").replace(dim=256, heads=4)   # buffers of 0.5 MB: above glibc's mmap threshold
-    agreement = live_vs_rss(cfg, 32)
-    assert abs(agreement.simulated - agreement.reference) < 0.5e6, str(agreement)
+    # RSS is sampled every 10 ms, so a loaded machine can only make it miss the peak (read low):
+    # the highest of up to three fresh measurements is the one to compare
+    readings = []
+    for _ in range(3):
+        readings.append(live_vs_rss(cfg, 32))
+        if abs(readings[-1].simulated - readings[-1].reference) < 0.5e6:
+            break
+    agreement = max(readings, key=lambda a: a.reference)
+    assert abs(agreement.simulated - agreement.reference) < 0.5e6, [str(a) for a in readings]
 
 
 def test_async_offload_holds_no_outputs_consolidate_holds_them():
@@ -147,30 +154,36 @@ def test_roofline_of_a_t4_fp16_beats_fp32_and_sums_its_kernels():
 
 
 # ------------------------------------------------------------------ the budget against the simulation
-GRID = [  # (preset, precision, offload, batch): each precision x offload once, batches spread over 8..384;
-    # benchmarks/budget_vs_simulated.py runs the whole grid (64 points)
-    ("seed_t4", "fp16", "async", 384), ("seed_t4", "fp32", "async", 8),
-    ("t4", "fp16", "consolidate", 192), ("t4", "fp32", "consolidate", 32),
+GRID = [  # (preset, gpu, precision, offload, batch, sdpa): each precision x offload once, batches spread over
+    # 8..384; benchmarks/budget_vs_simulated.py runs the whole T4 grid (64 points). t4/fp32/consolidate/128
+    # was 1.19 while the budget replayed a synthetic block pattern instead of the loop's op order.
+    ("seed_t4", "t4", "fp16", "async", 384, None), ("seed_t4", "t4", "fp32", "async", 8, None),
+    ("t4", "t4", "fp16", "consolidate", 192, None), ("t4", "t4", "fp32", "consolidate", 32, None),
+    ("t4", "t4", "fp32", "consolidate", 128, None),
+    ("t4", "t4", "fp16", "async", 32, "math"), ("t4", "h100", "fp16", "async", 64, None),
 ]
 
 
-@pytest.mark.parametrize("name,precision,offload,batch", GRID)
-def test_budget_vram_within_10_percent_of_the_simulated_t4(name, precision, offload, batch):
+@pytest.mark.parametrize("name,gpu,precision,offload,batch,sdpa", GRID)
+def test_budget_vram_within_10_percent_of_the_simulated_gpu(name, gpu, precision, offload, batch, sdpa):
     from nblib.simulate import simulate_encode
 
     cfg = preset(name).replace(batch_size=batch)
-    sim = simulate_encode(cfg, "t4", precision=precision, offload=offload)
-    b = budget.predict_budget(cfg, "t4", precision=precision, offload=offload)
+    sim = simulate_encode(cfg, gpu, precision=precision, offload=offload, sdpa_backend=sdpa)
+    b = budget.predict_budget(cfg, gpu, precision=precision, offload=offload,
+                              **({"sdpa_backend": sdpa} if sdpa else {}))
     ratio = (b.totals["vram"] - b.device.cuda_context_bytes) / sim.max_reserved
     assert 0.9 <= ratio <= 1.1, f"budget / simulated reserved = {ratio:.3f}"
+    # the budget replays the loop's allocations op by op (nblib.budget.vram_replay): when nblib.trm or
+    # the offload changes its order of allocations, the replay must follow, and this shows it first
+    assert ratio == pytest.approx(1, abs=0.02), f"the replay drifted from the code: {ratio:.3f}"
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: for the t4 preset in fp32 with offload=consolidate at batch >= 128 "
-                   "the budget's allocator replay over-counts the cache (budget / simulated 1.19)")
-def test_budget_known_overcount_t4_consolidate_fp32():
-    from nblib.simulate import simulate_encode
+def test_the_t4_preset_efficiency_is_the_simulated_calibrated_rate():
+    """One T4 rate for the suite: the budget's T4 efficiency is the simulated roofline x the reference's share."""
+    from nblib.lab.simulated_t4 import full_run_time
 
-    cfg = preset("t4").replace(batch_size=128)
-    sim = simulate_encode(cfg, "t4", precision="fp32", offload="consolidate")
-    b = budget.predict_budget(cfg, "t4", precision="fp32", offload="consolidate")
-    assert 0.9 <= (b.totals["vram"] - b.device.cuda_context_bytes) / sim.max_reserved <= 1.1
+    t4_time = full_run_time()
+    seed = preset("seed_t4")
+    b = budget.predict_budget(seed, "t4")
+    assert b.samples_per_s == pytest.approx(t4_time.samples_per_s, rel=0.01)

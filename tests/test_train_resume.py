@@ -9,26 +9,25 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 from test_train import assert_same_weights, labelled_cache, weights_of
-
-from conftest import subprocess_env
+from train_runs import (
+    ARGS,
+    assert_the_bucket_alone_resumes_exactly,
+    free_port,
+    run_and_kill,
+    train_cli,
+    train_env,
+    uninterrupted_weights,
+)
 
 pytestmark = pytest.mark.slow
-STEPS = 12
-ARGS = ["--steps", str(STEPS), "--batch-size", "16", "--save-every", "2", "--backup-every", "4",
-        "--eval-every", "4", "--no-progress", "--mirror-timeout", "30"]
 RANK_STEPS = 24                  # three epochs of 8 steps: long enough to kill a launch mid-run
-THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -39,22 +38,19 @@ def cache_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def reference(cache_dir, tmp_path_factory) -> dict:
     """The final weights of one uninterrupted single-process run."""
-    out = tmp_path_factory.mktemp("ref") / "run"
-    done = subprocess.run(_cli(cache_dir, out), env=_env(), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return weights_of(out)
+    return uninterrupted_weights(cache_dir, tmp_path_factory.mktemp("ref") / "run")
 
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_sigkill_at_random_points_then_rerun_gives_the_uninterrupted_weights(cache_dir, reference, tmp_path, workers):
     out = tmp_path / "run"
-    cmd = _cli(cache_dir, out, "--workers", str(workers))
+    cmd = train_cli(cache_dir, out, "--workers", str(workers))
     rng = random.Random(workers)
     first = rng.randrange(2, 6)
     for target in (first, rng.randrange(first + 1, 8)):         # the newest saved step when the kill comes
-        _run_and_kill(cmd, out, after_step=target, extra_s=rng.uniform(0, 0.05))
+        run_and_kill(cmd, out, after_step=target, extra_s=rng.uniform(0, 0.05))
     assert not (out / "final.pt").exists()
-    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
+    done = subprocess.run(cmd, env=train_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resumed from local" in done.stdout
     assert_same_weights(weights_of(out), reference)
@@ -62,10 +58,10 @@ def test_sigkill_at_random_points_then_rerun_gives_the_uninterrupted_weights(cac
 
 def test_only_the_mirror_folder_survives_and_the_rerun_gives_the_same_weights(cache_dir, reference, tmp_path):
     out, mirror = tmp_path / "run", tmp_path / "drive"
-    cmd = _cli(cache_dir, out, "--mirror", str(mirror))
-    _run_and_kill(cmd, out, extra_s=0, mirrored=mirror)
+    cmd = train_cli(cache_dir, out, "--mirror", str(mirror))
+    run_and_kill(cmd, out, extra_s=0, mirrored=mirror)
     shutil.rmtree(out)                                           # a new VM: the local disk is gone
-    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
+    done = subprocess.run(cmd, env=train_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resumed from mirror" in done.stdout
     assert_same_weights(weights_of(out), reference)
@@ -75,26 +71,15 @@ def test_a_real_s3_server_holds_the_backups_and_a_resume_from_the_bucket_alone_i
                                                                                           tmp_path, moto):
     endpoint, fs = moto
     fs.mkdir("runs")
-    out, url = tmp_path / "run", "s3://runs/exp1"
-    cmd = _cli(cache_dir, out, "--mirror", url)
-    env = _env(**_aws(endpoint))
-    _run_and_kill(cmd, out, extra_s=0, env=env,
-                  done=lambda: any(p.endswith(".json") and "state-" in p for p in _ls(fs, "runs/exp1/checkpoints")))
-    shutil.rmtree(out)
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "resumed from mirror" in done.stdout and "mirror holds step 12" in done.stdout, done.stdout
-    assert_same_weights(weights_of(out), reference)
-    names = {p.rsplit("/", 1)[-1] for p in _ls(fs, "runs/exp1/checkpoints")}
-    assert "state-000012.pt" in names and "state-000012.json" in names
-    assert len([n for n in names if n.startswith("state-") and n.endswith(".pt")]) <= 3     # keep_last on the bucket
+    assert_the_bucket_alone_resumes_exactly(cache_dir, reference, tmp_path / "run", fs, "s3://runs/exp1",
+                                            train_env(**_aws(endpoint)))
 
 
 def test_a_dead_bucket_never_blocks_training_and_the_report_says_what_is_not_durable(cache_dir, tmp_path):
-    port = _free_port()                                          # nothing listens there: every request fails
+    port = free_port()                                           # nothing listens there: every request fails
     out = tmp_path / "run"
-    cmd = _cli(cache_dir, out, "--mirror", "s3://gone/exp", "--mirror-timeout", "2")
-    done = subprocess.run(cmd, env=_env(**_aws(f"http://127.0.0.1:{port}")), capture_output=True, text=True,
+    cmd = train_cli(cache_dir, out, "--mirror", "s3://gone/exp", "--mirror-timeout", "2")
+    done = subprocess.run(cmd, env=train_env(**_aws(f"http://127.0.0.1:{port}")), capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "NOT YET DURABLE" in done.stdout and "step 12" in done.stdout, done.stdout
@@ -106,11 +91,11 @@ def test_a_dead_bucket_never_blocks_training_and_the_report_says_what_is_not_dur
 
 def test_two_ranks_killed_and_resumed_give_the_unkilled_launchs_bytes(cache_dir, tmp_path):
     whole, killed = tmp_path / "whole", tmp_path / "killed"
-    done = subprocess.run(_torchrun(2, cache_dir, whole), env=_env(), capture_output=True, text=True, timeout=600)
+    done = subprocess.run(_torchrun(2, cache_dir, whole), env=train_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    _run_and_kill(_torchrun(2, cache_dir, killed), killed, after_step=4, extra_s=0.05, group=True)
+    run_and_kill(_torchrun(2, cache_dir, killed), killed, after_step=4, extra_s=0.05, group=True)
     assert not (killed / "final.pt").exists()
-    done = subprocess.run(_torchrun(2, cache_dir, killed), env=_env(), capture_output=True, text=True, timeout=600)
+    done = subprocess.run(_torchrun(2, cache_dir, killed), env=train_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resumed from local" in done.stdout
     assert_same_weights(weights_of(killed), weights_of(whole))
@@ -122,11 +107,11 @@ def test_two_ranks_then_one_continue_the_global_order_with_no_sample_skipped_or_
     from nblib.train.loop import REPORT, REPORT_KIND
 
     out = tmp_path / "run"
-    env = _env(NBLIB_TRAIN_SAMPLE_LOG="1")
-    _run_and_kill(_torchrun(2, cache_dir, out), out, after_step=6, extra_s=0.05, env=env, group=True)
+    env = train_env(NBLIB_TRAIN_SAMPLE_LOG="1")
+    run_and_kill(_torchrun(2, cache_dir, out), out, after_step=6, extra_s=0.05, env=env, group=True)
     first = {p.name for p in (out / "samples").glob("*.txt")}
-    done = subprocess.run(_cli(cache_dir, out, "--steps", str(RANK_STEPS)), env=env, capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run(train_cli(cache_dir, out, "--steps", str(RANK_STEPS)), env=env, capture_output=True,
+                          text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     start = read_manifest(out / REPORT, REPORT_KIND).body["start_step"]
     assert 0 < start < RANK_STEPS
@@ -156,7 +141,7 @@ def moto():
 
     from nblib.train.objstore import open_filesystem
 
-    port = _free_port()
+    port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     endpoint = f"http://127.0.0.1:{port}"
@@ -178,62 +163,11 @@ def _aws(endpoint: str) -> dict[str, str]:
             "AWS_DEFAULT_REGION": "us-east-1"}
 
 
-def _ls(fs, path: str) -> list[str]:
-    try:
-        return fs.ls(path, detail=False)
-    except FileNotFoundError:
-        return []
-
-
-def _cli(cache_dir: Path, out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "nblib", "train", "--cache", str(cache_dir), "--out", str(out), *ARGS, *extra]
-
-
 def _torchrun(nproc: int, cache_dir: Path, out: Path) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
             "--max-restarts", "0", "-m", "nblib", "train", "--cache", str(cache_dir), "--out", str(out), *ARGS,
             "--steps", str(RANK_STEPS)]
 
-
-def _env(**extra: str) -> dict[str, str]:
-    return subprocess_env(**THREADS, **extra)
-
-
-def _newest_step(out: Path) -> int:
-    return max((int(p.stem.split("-")[1]) for p in (out / "checkpoints").glob("state-*.json")), default=0)
-
-
-def _run_and_kill(cmd, out: Path, *, after_step: int = 1, extra_s: float, env=None, mirrored: Path | None = None,
-                  done=None, group: bool = False) -> None:
-    """Start `cmd`, SIGKILL it (its process group with `group`) `extra_s` after the step is saved (or `done`)."""
-    proc = subprocess.Popen(cmd, env=env or _env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    if done is None and mirrored is not None:
-        done = lambda: bool(list((mirrored / "checkpoints").glob("state-*.json")))  # noqa: E731
-    if done is None:
-        done = lambda: _newest_step(out) >= after_step  # noqa: E731
-    try:
-        deadline = time.monotonic() + 600
-        while not done() and proc.poll() is None:
-            assert time.monotonic() < deadline, "timed out waiting for a checkpoint"
-            time.sleep(0.01)
-        time.sleep(extra_s)
-        assert proc.poll() is None, f"the run ended before the kill: {proc.stderr.read()[-2000:]}"
-        if group:                                                # torchrun's ranks and loader workers too
-            for child in psutil.Process(proc.pid).children(recursive=True):
-                child.send_signal(signal.SIGKILL)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.stderr.close()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_reference_weights_are_real_tensors(reference):

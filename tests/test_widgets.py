@@ -101,3 +101,19 @@ def test_pipeline_panel_asks_for_one_knob_and_one_measured_value(capsys):
     assert [v for _, v in value.options] == [2, 8]       # only the values measured with the other knobs at base
     value.value = 8
     assert "prefetch=8 (other knobs at the base): 90 samples/s (89-91, 3 runs)" in capsys.readouterr().out
+
+
+def test_training_panel_redraws_t4_vram_with_the_cuda_context_and_refuses_a_batch_past_15_gb(capsys):
+    from nblib.budget import training as tb
+    from nblib.train.loop import model_config
+
+    model = model_config("t4").model
+    panel = widgets.training_panel(model, state_bytes=200_000_000, step_seconds=0.5)
+    first = capsys.readouterr().out
+    vram, limit = tb.t4_training_vram(model, 64)
+    assert vram == tb.predict_training(model, 64, precision="fp16", device="cuda", with_runtime=False).total \
+        + 400_000_000                               # the T4's CUDA context, as the budget assumes it
+    assert "CUDA context included" in first and "fits" in first and "DOES NOT FIT" not in first
+    big = next(b for b in range(64, 1025, 8) if tb.t4_training_vram(model, b)[0] > limit)
+    _control(panel, "micro_batch").value = big
+    assert "DOES NOT FIT" in capsys.readouterr().out

@@ -43,9 +43,13 @@ DEVICES: dict[str, Device] = {
     # of which ~11 GB usable, ~78 GB free of a 108 GB disk. NVIDIA T4 datasheet: 8.1 TFLOP/s
     # FP32, 65 TFLOP/s FP16 tensor, 320 GB/s GDDR6, Turing sm_75 (no TF32, no bf16 tensor
     # cores). CUDA context 300-500 MB on a T4 (nvidia-smi after init).
+    # Efficiency: the simulated T4 (nblib.simulate) puts seed_t4's fp16 kernels at 739 samples/s on
+    # the roofline; scaled by the share of its fp32 roofline the reference's measured 94 samples/s
+    # reached (0.61) that is 448 samples/s, 32.4% of the fp16 peak at 47.05 GFLOP per image: one
+    # T4 rate for the whole suite (`gpu_report.py --simulate`; tests/test_simulate.py recomputes it).
     "t4": Device("t4", vram_bytes=int(15.0 * GB), ram_bytes=int(11.0 * GB),
                  disk_bytes=int(78 * GB), fp32_flops=8.1e12, fp16_flops=65e12,
-                 cuda_context_bytes=int(0.4 * GB), memory_bandwidth=320e9,
+                 cuda_context_bytes=int(0.4 * GB), efficiency=0.324, memory_bandwidth=320e9,
                  compute_capability=75),
     # Colab L4: 22.5 GB VRAM shown, 53 GB RAM, ~200 GB free disk. NVIDIA L4 datasheet: 30.3
     # TFLOP/s FP32, 121 TFLOP/s FP16 tensor (dense; 242 with sparsity), 60 TF32 (dense),

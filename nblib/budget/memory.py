@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from nblib.budget.vram_replay import replay_reserved
 from nblib.config import ModelConfig, PipelineConfig
 from nblib.units import GB, fmt_bytes
 
@@ -133,20 +134,16 @@ def device_memory_lines(config: PipelineConfig, *, compute_capability: int = 75,
     The model lines (weights, input, activations), the cuBLAS workspace, the outputs the offload
     mode keeps on the GPU ("async": none beyond the batch in hand; "consolidate": up to
     consolidate_every - 1 batches during a forward pass, and at the copy the pending batches
-    plus their torch.cat), and the allocator cache: the caching-allocator model of
-    nblib.simulate.allocator packing the blocks live at the peak into its segments, plus the one
-    largest block it cannot hand back (checked against nblib.simulate's trace of the real loop).
+    plus their torch.cat), and the allocator cache: the loop's allocations replayed op by op
+    through the caching-allocator model (nblib.budget.vram_replay; checked against
+    nblib.simulate's trace of the real loop).
     """
     m, r = config.model, config.run
-    lines, weight_blocks, act_blocks = _model_lines(config, True, sdpa_backend, precision, torch_version)
+    lines, weight_blocks = _model_lines(config, True, sdpa_backend, precision, torch_version)
     out = list(lines)
-    singles = [line.bytes for line in lines if line.bytes and line.name in (
-        "fp16 weight copies (autocast)", "input batch (uint8)")]
-    blocks = weight_blocks + singles + act_blocks
     workspace = CUBLAS_WORKSPACE_BYTES_SM90 if compute_capability >= 90 else CUBLAS_WORKSPACE_BYTES
     out.append(Line("cuBLAS workspace", workspace,
                     f"allocated on the first GEMM and kept ({workspace / 2**20:.3g} MiB, sm_{compute_capability})"))
-    blocks.append(workspace)
     out_itemsize = {"float16": 2, "float32": 4}[r.out_dtype]
     per_batch = [r.batch_size * math.prod(output_shapes(m)[n]) * out_itemsize for n in r.outputs]
     model_itemsize = 2 if precision in ("fp16", "bf16") else 4
@@ -167,12 +164,13 @@ def device_memory_lines(config: PipelineConfig, *, compute_capability: int = 75,
         out.append(Line("outputs held on GPU", 0, "offload=async copies each batch's outputs to "
                         "pinned RAM at once: only the batch in hand is on the GPU"))
     allocated = sum(line.bytes for line in out)
-    reserved = _reserved(weight_blocks + singles + [workspace], act_blocks, per_batch, every,
-                         keep=offload == "consolidate", outer=3 + (m.H_cycles >= 2))
+    reserved = replay_reserved(config, weights=weight_blocks, precision=precision, sdpa_backend=sdpa_backend,
+                               offload=offload, workspace=workspace,
+                               cache_weight_copies=autocast_caches_weights(torch_version))
     out.append(Line("allocator cache", max(0, reserved - allocated),
-                    "segments the caching allocator holds beyond the live bytes: the blocks of "
-                    f"{every if offload == 'consolidate' else 2} batches replayed through its model "
-                    "(2 MiB / 20 MiB segments, best fit, splitting; nblib.simulate.allocator)"))
+                    "segments the caching allocator holds beyond the live bytes: the encode loop's "
+                    "allocations replayed op by op through its model (2 MiB / 20 MiB segments, best "
+                    "fit, splitting; nblib.budget.vram_replay, nblib.simulate.allocator)"))
     return tuple(out)
 
 
@@ -199,8 +197,8 @@ def pinned_bytes(nbytes: int) -> int:
 
 
 def _model_lines(config: PipelineConfig, on_gpu: bool, sdpa_backend: str, precision: str,
-                 torch_version: str | None) -> tuple[tuple[Line, ...], list[int], list[int]]:
-    """The model's lines, and the allocator blocks behind them: per parameter, per live buffer."""
+                 torch_version: str | None) -> tuple[tuple[Line, ...], list[int]]:
+    """The model's lines, and the bytes of each parameter (the allocator blocks of the weights)."""
     m, r = config.model, config.run
     b, t, d = r.batch_size, m.tokens, m.dim
     half = on_gpu and precision in ("fp16", "bf16", "auto")
@@ -227,10 +225,6 @@ def _model_lines(config: PipelineConfig, on_gpu: bool, sdpa_backend: str, precis
     phases = {"block MLP (GELU)": blocks, "patchify": patchify, "math attention": attention}
     phase = max(phases, key=phases.get)
     scores_live = scores if phase == "math attention" else 0
-    act_blocks = {"block MLP (GELU)": [res * stream] * outer + [p * stream for p in block_parts],
-                  "patchify": [4 * pixels] * 3,
-                  "math attention": [res * stream] * outer + [p * stream for p in attn_parts[1:]]
-                  + [scores // 2] * 2}[phase]
     lines = [Line("weights (fp32)", n_params * 4 + buffers,
                   f"{n_params:,} params x 4 B + checksum projection")]
     if on_gpu and half and autocast_caches_weights(torch_version):
@@ -249,7 +243,7 @@ def _model_lines(config: PipelineConfig, on_gpu: bool, sdpa_backend: str, precis
                 (", not live at the peak" if sdpa_backend == "math"
                  else f"; {sdpa_backend} SDPA never materializes them"))),
     ]
-    return tuple(lines), _param_sizes(m), act_blocks
+    return tuple(lines), _param_sizes(m)
 
 
 def _param_sizes(model: ModelConfig) -> list[int]:
@@ -261,43 +255,6 @@ def _param_sizes(model: ModelConfig) -> list[int]:
     return (linear(3 * p * p, d) + [model.tokens * d * 4, d * 4, d * 4] + block * model.layers
             + [d * 4, d * 4] + [model.capsules * d * 4] + linear(d, 2 * d) + linear(d, d)
             + linear(d, model.children * d) + [d * model.checksum_dim * 4])
-
-
-def _reserved(fixed: list[int], activations: list[int], outputs: list[int], every: int, *,
-              keep: bool, outer: int = 0) -> int:
-    """Peak reserved bytes of the caching-allocator model over a synthetic run of block sizes.
-
-    The fixed blocks (weights, input, workspace), then per batch: the `outer` streams held through
-    the pass (x, z_L, z_H, the block input), the block's buffers plus the largest one again (a
-    block freed mid-pass that the next one of another size cannot reuse), freed; then the batch's
-    outputs while the outer streams still live, kept until their copy when `keep`
-    (offload=consolidate: `every` batches, then their torch.cat), else freed.
-    """
-    from nblib.simulate.allocator import CachingAllocatorModel
-
-    alloc = CachingAllocatorModel()
-    for size in fixed:
-        alloc.malloc(size)
-    for _group in range(2):
-        held = []
-        for _batch in range(every if keep else 2):
-            held_through = [alloc.malloc(size) for size in activations[:outer]]
-            passing = [alloc.malloc(size) for size in activations[outer:] + [max(activations)]]
-            for handle in passing:
-                alloc.free(handle)
-            batch = [alloc.malloc(size) for size in outputs]     # the heads run while x, z_L, z_H live
-            for handle in held_through:
-                alloc.free(handle)
-            if keep:
-                held += batch
-            else:
-                for handle in batch:
-                    alloc.free(handle)
-        if keep:
-            joined = [alloc.malloc(every * size) for size in outputs]
-            for handle in held + joined:
-                alloc.free(handle)
-    return alloc.max_reserved
 
 
 def host_memory_lines(config: PipelineConfig, *, cuda: bool) -> tuple[Line, ...]:

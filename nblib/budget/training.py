@@ -6,10 +6,12 @@ autocast's fp16 weight copies (the fp32 parameters are the master weights: no se
 GradScaler's scale and growth tracker, and the activations saved for backward. TRM runs its first
 H_cycles-1 outer cycles under no_grad, so only the last cycle's L_cycles+1 passes through the block
 stack are saved; the earlier cycles cost time, not memory. Counted per block from its operations
-(LayerNorm, qkv, SDPA, projection, MLP with GELU): 16 tensors of [B, tokens, dim] in fp32 (fp16
-halves the ones autocast casts). Loader buffers and the checkpoint on disk and on the mirror
-complete it. Pure Python; `nblib.lab.training` measures the twins. Trade-off: a count, not a
-trace: right where activations dominate, an underestimate by the process's fixed cost elsewhere.
+(LayerNorm, qkv, SDPA, projection, MLP with GELU): 16 tensors of [B, tokens, dim] in fp32; under
+AMP 14 of them are fp16 and the two LayerNorm inputs (the residual stream) stay fp32. On a GPU the
+cuBLAS workspace and the caching allocator's slack are added. Loader buffers and the checkpoint on
+disk and on the mirror complete it. Pure Python; `nblib.lab.training` measures the CPU twins and
+`nblib.simulate.train` simulates the T4 twin. Trade-off: a count, not a trace: right where
+activations dominate, an underestimate by the process's (or the allocator's) fixed cost elsewhere.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import math
 from dataclasses import dataclass
 
 from nblib.budget.memory import (
+    CUBLAS_WORKSPACE_BYTES,
     LOADER_WORKER_RAM,
     RUNTIME_RAM_CPU,
     RUNTIME_RAM_CUDA,
@@ -28,8 +31,15 @@ from nblib.config import ModelConfig
 from nblib.units import fmt_bytes
 
 BLOCK_SAVED_BTD = 16        # [B, T, D] tensors one block saves for backward (see the module docstring)
+# ... of which stay fp32 under AMP autocast: the two LayerNorm inputs. They are the residual stream, and
+# adding an fp16 branch onto the fp32 stream promotes to fp32 (traced on the simulated T4, nblib.simulate.train)
+AMP_FP32_SAVED_BTD = 2
 POOL_SAVED_BTD = 5          # final norm in/out, kv input, k and v for the pooling attention
 TRANSIENT_BTD = 4           # the widest gradient of a block's backward (the MLP's 4 x BTD), before its input frees
+# On a GPU, what the caching allocator keeps reserved above the live tensors at a step's peak, as a share of
+# the saved activations: 5-18% (median ~10%) on the simulated T4 over the t4 preset, fp32 and fp16, batch
+# 8-128 (benchmarks/train_budget_vs_simulated.py). Calibrated on the simulation, not measured on a GPU.
+ALLOCATOR_CACHE_SHARE = 0.10
 STATE_OVERHEAD = 64 * 1024  # torch.save's zip records, the RNG states, history, data order
 SCALER_BYTES = 16           # GradScaler: scale (fp32) + growth tracker (int32) + found_inf per device
 RESIDENT = ("python + torch runtime", "parameters (fp32)", "AdamW moments (fp32)")   # held between steps
@@ -84,8 +94,10 @@ def saved_activation_bytes(model: ModelConfig, batch_size: int, precision: str =
     """Bytes autograd keeps for backward: the last outer cycle only (L_cycles + 1 stack passes)."""
     b, t, d = batch_size, model.tokens, model.dim
     item = 4 if precision == "fp32" else 2
+    per_block = BLOCK_SAVED_BTD * 4 if precision == "fp32" else \
+        AMP_FP32_SAVED_BTD * 4 + (BLOCK_SAVED_BTD - AMP_FP32_SAVED_BTD) * 2     # bytes per [B, T, D] element
     passes = model.L_cycles + 1
-    blocks = passes * model.layers * BLOCK_SAVED_BTD * b * t * d * item
+    blocks = passes * model.layers * per_block * b * t * d
     patches = b * t * 3 * model.patch ** 2 * 4             # the patchified input, fp32
     pooling = POOL_SAVED_BTD * b * t * d * item
     return blocks + patches + pooling
@@ -117,6 +129,15 @@ def predict_training(model: ModelConfig, batch_size: int, *, n_classes: int = 12
              f"{BLOCK_SAVED_BTD} x B x T x D"),
         Line("backward temporaries", TRANSIENT_BTD * b * t * d * 4, f"{TRANSIENT_BTD} x B x T x D fp32"),
         Line("input batch (uint8)", b * image, "its fp32 patches are among the saved activations"),
+    ]
+    if device.startswith("cuda"):
+        saved = saved_activation_bytes(model, b, precision)
+        lines += [
+            Line("cuBLAS workspace", CUBLAS_WORKSPACE_BYTES, "allocated on the first GEMM and kept (before sm_90)"),
+            Line("allocator cache", int(ALLOCATOR_CACHE_SHARE * saved),
+                 f"{ALLOCATOR_CACHE_SHARE:.0%} of saved activations (the simulated T4's caching allocator)"),
+        ]
+    lines += [
         Line("loader workers", workers * LOADER_WORKER_RAM, f"{workers} x ~150 MB forked Python"),
         Line("prefetched batches", (workers * prefetch if workers else 0) * b * image, "uint8 batches in flight"),
     ]
@@ -137,16 +158,25 @@ def largest_batch(model: ModelConfig, cap_bytes: int, *, step_only: bool = False
     return max(0, int((cap_bytes - fixed) // per_sample)) if per_sample > 0 else 0
 
 
-def t4_training_table(model: ModelConfig, batches: tuple[int, ...], *, n_classes: int = 12) -> list[dict]:
-    """Projection (closed form, not a measurement): VRAM and host RAM of a fp16-autocast step on a T4."""
+def t4_training_vram(model: ModelConfig, batch: int, *, n_classes: int = 12) -> tuple[int, int]:
+    """(VRAM of a fp16-autocast step on a T4 with its CUDA context, the T4's VRAM): a projection.
+
+    The CUDA context (0.4 GB, `budget.DEVICES["t4"]`) is an assumption no simulation sees; it is
+    added here because a real T4 holds it beside the allocator's bytes.
+    """
     from nblib.budget.devices import device_preset
 
     t4 = device_preset("t4")
+    gpu = predict_training(model, batch, n_classes=n_classes, precision="fp16", device="cuda", with_runtime=False)
+    return gpu.total + t4.cuda_context_bytes, t4.vram_bytes
+
+
+def t4_training_table(model: ModelConfig, batches: tuple[int, ...], *, n_classes: int = 12) -> list[dict]:
+    """Projection (closed form, not a measurement): VRAM of a fp16-autocast step on a T4, context included."""
     rows = []
     for b in batches:
-        gpu = predict_training(model, b, n_classes=n_classes, precision="fp16", device="cuda", with_runtime=False)
-        rows.append({"batch": b, "vram_bytes": gpu.total, "vram_limit": t4.vram_bytes,
-                     "fits": gpu.total <= t4.vram_bytes})
+        vram, limit = t4_training_vram(model, b, n_classes=n_classes)
+        rows.append({"batch": b, "vram_bytes": vram, "vram_limit": limit, "fits": vram <= limit})
     return rows
 
 

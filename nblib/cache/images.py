@@ -97,11 +97,7 @@ def write_images(images, out: str | Path, *, shard_mb: float = 400, codec: str =
     if not head:
         raise InputError("write_images got no images; pass a non-empty list, dataset or folder")
     shape = [int(s) for s in head[0].shape]
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise CacheError(f"{out} is a file, not a folder: a cache needs a folder of its own; pass "
-                         f"another --out (or move that file away) and rerun")
-    out.mkdir(parents=True, exist_ok=True)
+    out = _cache_folder(out)
     layout = {"renderer": None, "codec": codec, "codec_level": check_codec(codec).level(codec_level),
               "shard_mb": shard_mb, "shard_bytes": shard_bytes(shard_mb), "seed": seed, "image_shape": shape}
     with cache_lock(out) as lock:
@@ -120,23 +116,10 @@ def write_images(images, out: str | Path, *, shard_mb: float = 400, codec: str =
         rewritten = _pass_over_done_shards(out, manifest, spec, checked)
         reused = len(manifest["shards"]) - len(rewritten)
         start = manifest["shards"][-1]["stop"] if manifest["shards"] else 0
-        written = 0
         with _progress_bar(total, start, progress) as bar:
             blobs = ((coder.encode(image), image) for image in checked)
-            for entry, stat in stream_shards(blobs, out, len(manifest["shards"]), start, total, layout,
-                                             spec, bar, source_hash=True):
-                manifest["shards"].append(entry)
-                lock.check()
-                write_cache_manifest(out, manifest)
-                record_shard_stats(out, stat)
-                written += 1
-        done = manifest["shards"][-1]["stop"] if manifest["shards"] else 0
-        if total is not None and done != total:
-            raise CacheError(f"{done:,} images came, {total:,} were announced (n_images or len); pass the "
-                             f"right n_images, or overwrite=True to start again")
-        manifest["source"] = {"kind": "images", "n_images": done,
-                              "sha256": sha256_json([s["source_xxh3"] for s in manifest["shards"]])}
-        write_cache_manifest(out, manifest)
+            written = _append_shards(blobs, out, manifest, start, total, layout, spec, bar, lock)
+        done = _close_manifest(out, manifest, total)
         return PopulateSummary(
             cache_dir=str(out), codec=codec, n_images=done, n_shards=len(manifest["shards"]),
             shards_written=written + len(rewritten), shards_reused=reused,
@@ -145,6 +128,42 @@ def write_images(images, out: str | Path, *, shard_mb: float = 400, codec: str =
             bytes_on_disk=cache_bytes_on_disk(out), predicted_bytes=plan.predicted_bytes if total else 0,
             workers=1, shards_repaired=len(rewritten))
 
+
+
+def _cache_folder(out: str | Path) -> Path:
+    """The cache's folder, created; a file in its place is refused."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise CacheError(f"{out} is a file, not a folder: a cache needs a folder of its own; pass "
+                         f"another --out (or move that file away) and rerun")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _append_shards(blobs, out: Path, manifest: dict, start: int, total: int | None, layout: dict, spec,
+                   bar, lock) -> int:
+    """Write the remaining images as shards, recording each in the manifest once it is on disk."""
+    written = 0
+    for entry, stat in stream_shards(blobs, out, len(manifest["shards"]), start, total, layout,
+                                     spec, bar, source_hash=True):
+        manifest["shards"].append(entry)
+        lock.check()
+        write_cache_manifest(out, manifest)
+        record_shard_stats(out, stat)
+        written += 1
+    return written
+
+
+def _close_manifest(out: Path, manifest: dict, total: int | None) -> int:
+    """Check the count against the announced one, record the source's identity; the images in the cache."""
+    done = manifest["shards"][-1]["stop"] if manifest["shards"] else 0
+    if total is not None and done != total:
+        raise CacheError(f"{done:,} images came, {total:,} were announced (n_images or len); pass the "
+                         f"right n_images, or overwrite=True to start again")
+    manifest["source"] = {"kind": "images", "n_images": done,
+                          "sha256": sha256_json([s["source_xxh3"] for s in manifest["shards"]])}
+    write_cache_manifest(out, manifest)
+    return done
 
 def image_source(path: str | Path, column: str | None = None) -> tuple[Iterable, int]:
     """(images, count) of what `cache --images PATH` takes: a folder of image files (sorted by

@@ -6,16 +6,21 @@ nothing lands on is not charged at all.
 """
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from nblib import budget
 from nblib.config import PipelineConfig
 from nblib.disk import disk_free, existing_parent
 from nblib.encode.layout import RunPlan
 from nblib.errors import BudgetExceeded
+from nblib.store.deadline import MirrorStalled, Stall, mirror_deadline
+from nblib.store.mirror import MirrorWarning
 from nblib.units import fmt_bytes, fmt_bytes_pair
 
-__all__ = ["DISK_BLOCK", "check_disks", "disk_needs"]
+__all__ = ["DISK_BLOCK", "check_disks", "disk_needs", "disk_of", "on_mirror"]
 
 DISK_BLOCK = 4096                 # the preflight rounds each file up to whole blocks of this size
 
@@ -39,18 +44,45 @@ def disk_needs(config: PipelineConfig, run_dir: Path, mirror_dir, plan: RunPlan,
     return needs
 
 
-def check_disks(needs: dict[str, tuple[Path, int]]) -> None:
+def disk_of(folder: Path) -> tuple[int, int]:
+    """(st_dev, free bytes) of the file system holding `folder` (or its nearest existing parent)."""
+    return existing_parent(folder).stat().st_dev, disk_free(folder)
+
+
+def on_mirror(mirror: Path, what: str, fn: Callable[[], Any], default: Any = None) -> Any:
+    """fn() on the mirror within its deadline; a frozen mount gives `default` and a MirrorWarning.
+
+    A frozen FUSE mount hangs stat() and statvfs() as it hangs open(): the check runs on a daemon
+    thread (nblib.store.deadline), and past NBLIB_MIRROR_DEADLINE_S the run goes on without it;
+    the store then finds the mirror stalled and works from local staging.
+    """
+    try:
+        return Stall(Path(mirror), mirror_deadline()).call(what, fn)
+    except MirrorStalled as exc:
+        warnings.warn(f"{exc}; {what} was skipped", MirrorWarning, stacklevel=2)
+        return default
+
+
+def check_disks(needs: dict[str, tuple[Path, int]], mirror: Path | None = None) -> None:
     """BudgetExceeded naming the disk, the items on it, needed and free bytes, when one does not fit.
 
     Items on one file system (the same st_dev) are added up; a disk nothing lands on is not
-    charged at all.
+    charged at all. The `mirror`'s disk is probed within the mirror's deadline (`on_mirror`): a
+    frozen mount is left unchecked, with a warning, instead of hanging the run.
     """
     by_disk: dict[int, list[tuple[str, Path, int]]] = {}
+    free_of: dict[int, int] = {}
     for item, (folder, nbytes) in needs.items():
-        by_disk.setdefault(existing_parent(folder).stat().st_dev, []).append((item, folder, nbytes))
-    for items in by_disk.values():
-        need, folder = sum(n for _, _, n in items), items[0][1]
-        free = disk_free(folder)
+        if mirror is not None and Path(folder) == Path(mirror):
+            found = on_mirror(mirror, "checking the mirror disk's free space", lambda f=folder: disk_of(f))
+        else:
+            found = disk_of(folder)
+        if found is None:
+            continue
+        dev, free_of[dev] = found
+        by_disk.setdefault(dev, []).append((item, folder, nbytes))
+    for dev, items in by_disk.items():
+        need, folder, free = sum(n for _, _, n in items), items[0][1], free_of[dev]
         if need > free:
             need_s, free_s = fmt_bytes_pair(need, free)
             what = " + ".join(f"{item} {fmt_bytes(n)} in {f}" for item, f, n in items)

@@ -365,7 +365,9 @@ def encoder_projection(budget) -> tuple[float, str]:
     dev = budget.device
     method = (f"projection: {budget.flops_per_image / 1e9:,.1f} GFLOP per {budget.config.model.image_size} px "
               f"image at {dev.efficiency:.0%} of the {dev.name} {dev.compute_flops / 1e12:,.0f} TFLOP/s peak "
-              f"({budget.config.run.out_dtype if dev.is_gpu else 'fp32'} compute)")
+              f"({budget.config.run.out_dtype if dev.is_gpu else 'fp32'} compute"
+              + ("; that share is the simulated T4's roofline calibrated by the reference's fp32 rate)"
+                 if dev.name == "t4" else ")"))
     return budget.samples_per_s, method
 
 

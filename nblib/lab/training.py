@@ -157,3 +157,33 @@ def retention_listing(run_dir: str | Path, mirror: str | Path | None) -> str:
 def _newest_step(run: Path) -> int:
     return max((int(p.stem.split("-")[1]) for p in (run / "checkpoints").glob("state-*.json")), default=0) \
         if (run / "checkpoints").exists() else 0
+
+
+def simulated_t4_rows(model, batches: tuple[int, ...], precision: str = "fp16") -> list[dict]:
+    """Per batch: the training budget's VRAM (no CUDA context) and the simulated T4's for the loop's own step."""
+    from nblib.simulate.train import simulate_train_step
+
+    rows = []
+    for b in batches:
+        sim = simulate_train_step(model, b, "t4", precision=precision)
+        budget = predict_training(model, b, precision=precision, device="cuda", with_runtime=False)
+        rows.append({"batch": b, "precision": precision, "budget": budget.total, "allocated": sim.max_allocated,
+                     "reserved": sim.max_reserved, "ratio": budget.total / sim.max_reserved,
+                     "step_s": sim.step_seconds(), "attention": sim.sdpa_backend, "peak_op": sim.peak_op})
+    return rows
+
+
+def simulated_t4_table(rows: list[dict]) -> str:
+    """The rows of `simulated_t4_rows` as a table, each judged against +-10%."""
+    lines = [f"{'batch':>6}{'precision':>10}{'budget VRAM':>13}{'simulated allocated':>21}{'simulated reserved':>20}"
+             f"{'budget/simulated':>18}   verdict"]
+    for r in rows:
+        ok = abs(r["ratio"] - 1) <= PEAK_TOLERANCE
+        lines.append(f"{r['batch']:>6}{r['precision']:>10}{fmt_bytes(r['budget']):>13}{fmt_bytes(r['allocated']):>21}"
+                     f"{fmt_bytes(r['reserved']):>20}{r['ratio']:>18.3f}   "
+                     f"{'within' if ok else 'OUTSIDE'} +-{PEAK_TOLERANCE:.0%}")
+    for r in rows:
+        lines.append(f"batch {r['batch']}: roofline step time (simulated ceiling) {r['step_s'] * 1e3:,.0f} ms = "
+                     f"{r['batch'] / r['step_s']:,.0f} samples/s at most; {r['attention']} attention; "
+                     f"peak at {r['peak_op']}")
+    return "\n".join(lines)

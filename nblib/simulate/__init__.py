@@ -7,6 +7,8 @@ replays allocations through a model of PyTorch's caching allocator (`allocator`)
 kernel on a roofline of any GPU in `nblib.budget.DEVICES` (`roofline`). Every figure it returns
 is labelled "simulated". What a simulation cannot see: the CUDA context (300-500 MB on a T4),
 kernel-internal scratch besides cuBLAS's workspace, launch overheads and real clocks.
+`simulate_train_step` runs the training loop's own step (forward, backward, GradScaler, AdamW)
+the same way, in a fresh process with a small C++ shim (see `nblib.simulate.train`).
 Importing this package is light; torch loads with `simulate_encode`.
 """
 from __future__ import annotations
@@ -18,6 +20,8 @@ _LAZY = {
     "LABEL": "nblib.simulate.encode",
     "CachingAllocatorModel": "nblib.simulate.allocator",
     "fake_cuda": "nblib.simulate.fake_cuda", "DeviceTrace": "nblib.simulate.fake_cuda",
+    "simulate_train_step": "nblib.simulate.train", "SimulatedStep": "nblib.simulate.train",
+    "SimulationUnavailable": "nblib.simulate.train",
 }
 
 __all__ = sorted(_LAZY)

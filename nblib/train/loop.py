@@ -136,10 +136,7 @@ def train(cache_dir: str | Path, out: str | Path, config: TrainConfig, *, mirror
     if store is not None:
         store.startup_timeout_s = mirror_timeout_s
     model = Classifier(shape, len(classes), seed=config.seed, dropout=config.dropout).to(config.device)
-    trained = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trained, lr=config.lr, weight_decay=config.weight_decay, foreach=False)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(config.warmup_steps, config.steps))
-    scaler = torch.amp.GradScaler(_device_type(config.device), enabled=config.precision == "fp16")
+    optimizer, scheduler, scaler = training_objects(model, config)
 
     state, source = _load(store, world, out)
     if state is not None:
@@ -171,7 +168,7 @@ def train(cache_dir: str | Path, out: str | Path, config: TrainConfig, *, mirror
         bar = _bar(progress and writer, config.steps, step)
         while step < stop:
             tick = time.perf_counter()
-            loss, seen = _step(net, optimizer, scheduler, scaler, batches, config)
+            loss, seen = train_step(net, optimizer, scheduler, scaler, batches, config)
             step += 1
             if os.environ.get(SAMPLE_LOG_ENV):
                 _log_samples(out, rank, step, seen)
@@ -243,8 +240,22 @@ def _write_report(out: Path, report: TrainReport, config: TrainConfig) -> None:
     write_manifest(out / REPORT, REPORT_KIND, body)
 
 
-def _step(net, optimizer, scheduler, scaler, batches, config) -> tuple[float, list[int]]:
-    """One optimizer step over `accumulation` micro-batches; the mean loss and the sample indices read."""
+def training_objects(model, config: TrainConfig):
+    """(AdamW over the model's trained parameters, the LR schedule, the GradScaler): with the model, what a
+    step updates. `train` and the simulated T4 (nblib.simulate.train) both build them here.
+    """
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=config.lr, weight_decay=config.weight_decay, foreach=False)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(config.warmup_steps, config.steps))
+    scaler = torch.amp.GradScaler(_device_type(config.device), enabled=config.precision == "fp16")
+    return optimizer, scheduler, scaler
+
+
+def train_step(net, optimizer, scheduler, scaler, batches, config) -> tuple[float, list[int]]:
+    """One optimizer step over `accumulation` micro-batches; the mean loss and the sample indices read.
+
+    `train` and the simulated T4 (nblib.simulate.train) both run it.
+    """
     total, seen = 0.0, []
     for k in range(config.accumulation):
         images, labels, indices = next(batches)

@@ -5,16 +5,23 @@ Drive mount) keeps the real filesystem calls; a URL gets `FsspecOps` over `fsspe
 Object stores have no rename: an object appears whole when its PUT completes, so `write_atomic`
 checks the bytes' sha256 first and then PUTs them in one request (what AtomicWriter's temporary
 file plus rename gives on a disk). Listings are not cached, so the mirror sees deletions at once.
-`s3://` needs s3fs (installed, pinned); `gs://` needs gcsfs (not installed here: the error says so).
+`s3://` needs s3fs and `gs://` gcsfs (both pinned; a missing one is named in the error).
 Credentials and the endpoint come from the usual environment (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL,
-GOOGLE_APPLICATION_CREDENTIALS) or `storage_options`. Trade-off: timeouts are short (connect 5 s,
-read 30 s) so a stalled bucket fails an attempt, which the mirror retries later, instead of
-holding its thread for minutes; training never waits either way.
+GOOGLE_APPLICATION_CREDENTIALS, STORAGE_EMULATOR_HOST) or `storage_options`. Trade-off: timeouts
+are short (connect 5 s, read 30 s, 2 attempts, on both clients) so a stalled bucket fails an
+attempt, which the mirror retries later, instead of holding its thread for minutes; training never
+waits either way. `gs://` uses gcsfs's JSON-API filesystem (`gcsfs.core.GCSFileSystem`), not the
+default experimental layer that first asks the gRPC storage-control API for the bucket's layout
+with its own 60 s retry budget, uncached on failure: plain PUT/GET/list is all the mirror needs
+(zonal "rapid" buckets, which need gRPC, are not supported).
 """
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
+import logging
+import os
 import re
 from pathlib import Path, PurePosixPath
 
@@ -24,7 +31,8 @@ from nblib.store.parts import FileOps
 
 URL = re.compile(r"^([a-z][a-z0-9+.-]*)://(.+)$")
 PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
-DEFAULT_S3_CONFIG = {"connect_timeout": 5, "read_timeout": 30, "retries": {"max_attempts": 2}}
+CONNECT_S, READ_S, ATTEMPTS = 5, 30, 2
+DEFAULT_S3_CONFIG = {"connect_timeout": CONNECT_S, "read_timeout": READ_S, "retries": {"max_attempts": ATTEMPTS}}
 
 
 def is_url(target: str | Path) -> bool:
@@ -40,7 +48,7 @@ def mirror_target(target: str | Path, storage_options: dict | None = None) -> tu
 
 
 def open_filesystem(protocol: str, storage_options: dict | None = None):
-    """fsspec's filesystem for `protocol`, with listing caches off and short S3 timeouts."""
+    """fsspec's filesystem for `protocol`, with listing caches off and short timeouts (S3, GCS)."""
     import fsspec
 
     options = {"use_listings_cache": False, "skip_instance_cache": True, **(storage_options or {})}
@@ -49,12 +57,54 @@ def open_filesystem(protocol: str, storage_options: dict | None = None):
     elif protocol == "memory":
         options = {}
     try:
+        if protocol in ("gs", "gcs"):
+            return gcs_filesystem(options)
         return fsspec.filesystem(protocol, **options)
     except (ImportError, ValueError) as exc:
         package = PACKAGES.get(protocol)
         hint = (f"install {package} (pip install {package}) to mirror to {protocol}://" if package
                 else f"fsspec knows no protocol {protocol!r}; use s3://, gs:// or a folder")
         raise ConfigError(f"cannot open {protocol}:// ({type(exc).__name__}: {exc}); {hint}") from None
+
+
+def gcs_filesystem(options: dict):
+    """gcsfs's JSON-API filesystem: 2 attempts, connect 5 s, read 30 s; anonymous against an emulator.
+
+    An endpoint (`endpoint_url`, or STORAGE_EMULATOR_HOST as google-cloud-storage reads it) with no
+    `token` means a local emulator: no credential lookup (gcloud, then the GCE metadata server).
+    gcsfs logs each failed request with a traceback; the mirror reports failures itself (its
+    retries, the run's durability line), so the `gcsfs` logger is quieted unless its level was set.
+    """
+    import aiohttp
+
+    if logging.getLogger("gcsfs").level == logging.NOTSET:
+        logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
+    options = dict(options)
+    if options.get("endpoint_url") or os.environ.get("STORAGE_EMULATOR_HOST", "") not in ("", "default"):
+        options.setdefault("token", "anon")
+    options.setdefault("requests_timeout", aiohttp.ClientTimeout(total=None, connect=CONNECT_S, sock_read=READ_S))
+    return _gcs_class()(**options)
+
+
+@functools.cache
+def _gcs_class():
+    """GCSFileSystem whose requests make ATTEMPTS tries (gcsfs fixes 6, with up to 31 s of backoff).
+
+    A gcsfs whose `_request` is not the decorated coroutine of 2026.8 (an older one Colab may ship)
+    keeps its own retries: slower to give up, the same results.
+    """
+    from gcsfs.core import GCSFileSystem
+    from gcsfs.retry import retry_request
+
+    undecorated = getattr(GCSFileSystem._request, "__wrapped__", None)
+    if undecorated is None:
+        return GCSFileSystem
+
+    class ShortRetryGCSFileSystem(GCSFileSystem):
+        retries = ATTEMPTS
+        _request = retry_request(retries=ATTEMPTS)(undecorated)
+
+    return ShortRetryGCSFileSystem
 
 
 class FsspecOps(FileOps):

@@ -1,0 +1,111 @@
+"""Real `python -m nblib train` runs for the resume tests (test_train_resume, test_train_gcs): the
+command, its environment, an uninterrupted reference run, a run SIGKILLed once a checkpoint exists,
+the resume from a bucket alone (any fsspec server: moto's S3, gcp-storage-emulator), and a free
+port on 127.0.0.1 for a local bucket server.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+from test_train import assert_same_weights, weights_of
+
+from conftest import subprocess_env
+
+STEPS = 12
+ARGS = ["--steps", str(STEPS), "--batch-size", "16", "--save-every", "2", "--backup-every", "4",
+        "--eval-every", "4", "--no-progress", "--mirror-timeout", "30"]
+THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def train_cli(cache_dir: Path, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "nblib", "train", "--cache", str(cache_dir), "--out", str(out), *ARGS, *extra]
+
+
+def train_env(**extra: str) -> dict[str, str]:
+    return subprocess_env(**THREADS, **extra)
+
+
+def uninterrupted_weights(cache_dir: Path, out: Path) -> dict:
+    """The final weights of one uninterrupted single-process run (no mirror)."""
+    done = subprocess.run(train_cli(cache_dir, out), env=train_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return weights_of(out)
+
+
+def newest_step(out: Path) -> int:
+    return max((int(p.stem.split("-")[1]) for p in (out / "checkpoints").glob("state-*.json")), default=0)
+
+
+def run_and_kill(cmd, out: Path, *, after_step: int = 1, extra_s: float, env=None, mirrored: Path | None = None,
+                 done=None, group: bool = False) -> None:
+    """Start `cmd`, SIGKILL it (its process group with `group`) `extra_s` after the step is saved (or `done`)."""
+    proc = subprocess.Popen(cmd, env=env or train_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    if done is None and mirrored is not None:
+        done = lambda: bool(list((mirrored / "checkpoints").glob("state-*.json")))  # noqa: E731
+    if done is None:
+        done = lambda: newest_step(out) >= after_step  # noqa: E731
+    try:
+        deadline = time.monotonic() + 600
+        while not done() and proc.poll() is None:
+            assert time.monotonic() < deadline, "timed out waiting for a checkpoint"
+            time.sleep(0.01)
+        time.sleep(extra_s)
+        assert proc.poll() is None, f"the run ended before the kill: {proc.stderr.read()[-2000:]}"
+        if group:                                                # torchrun's ranks and loader workers too
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                child.send_signal(signal.SIGKILL)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.stderr.close()
+
+
+def assert_the_bucket_alone_resumes_exactly(cache_dir: Path, reference: dict, out: Path, fs, url: str,
+                                            env: dict[str, str]) -> None:
+    """Kill a run mirrored to `url` once the bucket holds a state, delete the run folder (a new VM), rerun:
+    the uninterrupted run's weights; the bucket holds step 12, byte for byte, and at most keep_last (3) states.
+    """
+    prefix = url.split("://", 1)[1]
+    cmd = train_cli(cache_dir, out, "--mirror", url)
+    run_and_kill(cmd, out, extra_s=0, env=env, done=lambda: bucket_holds_a_state(fs, prefix))
+    assert not (out / "final.pt").exists()
+    shutil.rmtree(out)                                           # a new VM: only the bucket survives
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed from mirror" in done.stdout and f"mirror holds step {STEPS}" in done.stdout, done.stdout
+    assert_same_weights(weights_of(out), reference)
+    names = {p.rsplit("/", 1)[-1] for p in ls_or_empty(fs, f"{prefix}/checkpoints")}
+    newest = f"state-{STEPS:06d}"
+    assert f"{newest}.pt" in names and f"{newest}.json" in names
+    assert len([n for n in names if n.startswith("state-") and n.endswith(".pt")]) <= 3     # keep_last on the bucket
+    assert fs.cat_file(f"{prefix}/checkpoints/{newest}.pt") == (out / "checkpoints" / f"{newest}.pt").read_bytes()
+
+
+def ls_or_empty(fs, path: str) -> list[str]:
+    """An fsspec listing of `path`, [] where the prefix does not exist yet."""
+    try:
+        return fs.ls(path, detail=False)
+    except FileNotFoundError:
+        return []
+
+
+def bucket_holds_a_state(fs, prefix: str) -> bool:
+    """Whether the mirror under bucket/`prefix` holds a train state's record yet."""
+    return any(p.endswith(".json") and "state-" in p for p in ls_or_empty(fs, f"{prefix}/checkpoints"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
