@@ -78,7 +78,8 @@ class TrainStore:
         self._mirror_dir = None if mirror is None or is_url(mirror) else Path(mirror)
         self.watch = None
         self.quota_bytes = quota_bytes     # the mirror folder's quota (Drive) for the disk watch
-        self.writer = None if sync_save else StateWriter()
+        self.sync_save = sync_save
+        self.writer: StateWriter | None = None     # started by the first asynchronous save
         self.startup_timeout_s = 60.0      # a stalled mirror at start: give up on it after this, start afresh
         if mirror is not None:
             root, ops = mirror_target(mirror, storage_options)
@@ -98,9 +99,11 @@ class TrainStore:
         queue both for the mirror when `backup`. Asynchronous unless `sync_save`: the tensors are copied
         now, the files written on the writer thread. The seconds waited for the previous write.
         """
-        if self.writer is None:
+        if self.sync_save:
             self._write(state, step, backup, best)
             return 0.0
+        if self.writer is None:
+            self.writer = StateWriter()
         staged_state, staged_best = snapshot((state, best))
         return self.writer.submit(lambda: self._write(staged_state, step, backup, staged_best), step)
 
