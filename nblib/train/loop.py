@@ -189,8 +189,9 @@ def train(cache_dir: str | Path, out: str | Path, config: TrainConfig, *, mirror
             report.final = _write_final(out, model, classes, config)
     finally:
         if store is not None:
+            writes = store.writer.writes if store.writer is not None else []
             report.durability = store.close(mirror_timeout_s)
-            report.write_seconds = list(store.writer.writes) if store.writer is not None else []
+            report.write_seconds = list(writes)
     report.seconds = time.perf_counter() - started
     if writer:
         _write_report(out, report, config)

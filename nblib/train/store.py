@@ -177,6 +177,8 @@ class TrainStore:
                 self.writer.wait()
             except Exception as exc:          # the caller is already raising; do not hide that error
                 log.error("the background write of a train state failed: %s: %s", type(exc).__name__, exc)
+            self.writer.stop()
+            self.writer = None
         if self._mirror is None:
             return self.durability(max(self.local.versions(STATE), default=0))
         self._mirror.wait(timeout)
@@ -214,6 +216,7 @@ class StateWriter:
         self._busy = False
         self._error: BaseException | None = None
         self._step = 0
+        self._stopping = False
         self.writes: list[float] = []       # what each background write took
         self._thread = threading.Thread(target=self._run, name="nblib-train-writer", daemon=True)
         self._thread.start()
@@ -238,11 +241,20 @@ class StateWriter:
             raise error
         return waited
 
+    def stop(self) -> None:
+        """End the thread once idle (after `wait`)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join()
+
     def _run(self) -> None:
         while True:
             with self._cond:
-                while self._job is None:
+                while self._job is None and not self._stopping:
                     self._cond.wait()
+                if self._job is None:
+                    return
                 job, self._job = self._job, None
             start = time.perf_counter()
             error = None
