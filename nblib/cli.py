@@ -404,6 +404,11 @@ def _train_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--best-metric", choices=METRICS, default="heldout_loss")
     p.add_argument("--mirror-timeout", type=finite_positive_float, default=60.0,
                    help="seconds to wait at the end for the mirror to catch up (never blocks training)")
+    p.add_argument("--drive-quota-gb", type=finite_positive_float,
+                   help="the mirror folder's quota in GB, for the disk watch (default: the free 15 GB when the "
+                        "mirror is under the Colab Drive mount, else none; needs a mirror folder)")
+    p.add_argument("--sync-save", action="store_true",
+                   help="write each state on the training thread (default: snapshot, then a background write)")
     p.add_argument("--no-progress", action="store_true")
     try:
         args = p.parse_args(argv)

@@ -52,7 +52,10 @@ class TrainReport:
     final: Path | None
     seconds: float
     step_seconds: list[float] = field(default_factory=list)
-    save_seconds: list[float] = field(default_factory=list)
+    save_seconds: list[float] = field(default_factory=list)    # what each save blocked the loop
+    save_waits: list[float] = field(default_factory=list)      # of which: waiting for the previous write
+    write_seconds: list[float] = field(default_factory=list)   # each write on the writer thread (async)
+    final_wait_seconds: float = 0.0                             # joining the last write before final.pt
     samples: int = 0
     durability: Durability | None = None
     classes: list[str] = field(default_factory=list)
@@ -78,8 +81,14 @@ class TrainReport:
                          f"accuracy {self.first['heldout_accuracy']:.1%} -> {self.last['heldout_accuracy']:.1%} "
                          f"(chance {1 / max(1, len(self.classes)):.1%}, {len(self.classes)} classes)")
         if self.save_seconds:
+            step = float(np.mean(self.step_seconds)) if self.step_seconds else float("nan")
             lines.append(f"saves blocked the loop {sum(self.save_seconds):.2f} s = {self.save_share:.1%} of step time "
-                         f"({len(self.save_seconds)} saves, {np.mean(self.save_seconds) * 1e3:.1f} ms each)")
+                         f"({len(self.save_seconds)} saves, {np.mean(self.save_seconds) * 1e3:.1f} ms each = "
+                         f"{np.mean(self.save_seconds) / step:.1%} of a {step * 1e3:.1f} ms step, of which "
+                         f"{np.mean(self.save_waits or [0.0]) * 1e3:.1f} ms waiting for the previous write)")
+        if self.write_seconds:
+            lines.append(f"background writes {np.mean(self.write_seconds) * 1e3:.1f} ms each; the last one joined "
+                         f"in {self.final_wait_seconds * 1e3:.1f} ms at the end")
         if self.durability is not None:
             lines.append(self.durability.line())
         if self.final is not None:
@@ -97,11 +106,14 @@ def model_config(profile: str):
 
 def train(cache_dir: str | Path, out: str | Path, config: TrainConfig, *, mirror: str | None = None,
           texts: str | Path | None = None, progress: bool = False, world=None, storage_options: dict | None = None,
-          mirror_timeout_s: float = 60.0, stop_after: int | None = None, on_step=None) -> TrainReport:
+          mirror_timeout_s: float = 60.0, stop_after: int | None = None, on_step=None, sync_save: bool = False,
+          mirror_quota_bytes: int | None = None) -> TrainReport:
     """Train (or resume) the run in `out` to `config.steps`; the report. See the module docstring.
 
     stop_after: stop (cleanly, after saving) once this step is reached (notebook demos of a resume).
     on_step(step, report): called after every step (progress displays, tests).
+    sync_save: write each state on the loop's thread (default: a snapshot now, the write on a writer thread).
+    mirror_quota_bytes: the mirror folder's quota (Drive) the disk watch counts against.
     """
     from nblib.cache import ShardedImageCache
 
@@ -120,7 +132,7 @@ def train(cache_dir: str | Path, out: str | Path, config: TrainConfig, *, mirror
                 "classes": classes, "n_train": int(len(train_idx)), "model": dict(shape.__dict__)}
     out = Path(out)
     store = TrainStore(out, mirror, keep_last=config.keep_last, storage_options=storage_options,
-                       start_mirror=writer) if writer else None
+                       start_mirror=writer, sync_save=sync_save, quota_bytes=mirror_quota_bytes) if writer else None
     if store is not None:
         store.startup_timeout_s = mirror_timeout_s
     model = Classifier(shape, len(classes), seed=config.seed, dropout=config.dropout).to(config.device)
@@ -171,11 +183,15 @@ def train(cache_dir: str | Path, out: str | Path, config: TrainConfig, *, mirror
                 on_step(step, report)
         if bar is not None:
             bar.close()
+        if writer:
+            report.final_wait_seconds = store.wait_saves()      # the last state is on disk (or its error raised)
         if writer and step == config.steps:
             report.final = _write_final(out, model, classes, config)
     finally:
         if store is not None:
+            writes = store.writer.writes if store.writer is not None else []
             report.durability = store.close(mirror_timeout_s)
+            report.write_seconds = list(writes)
     report.seconds = time.perf_counter() - started
     if writer:
         _write_report(out, report, config)
@@ -193,17 +209,15 @@ def _after_step(step, loss, model, cache, labels, held_idx, config, plan, optimi
         return
     tick = time.perf_counter()
     backup = step % config.backup_every == 0 or step == config.steps
-    improved = _improved(report, config.best_metric)
-    if improved:
+    best = None
+    if _improved(report, config.best_metric):
         report.best_step = step
-        store.save_best(final_payload(model, report.classes, config), step, backup=False)
+        best = final_payload(model, report.classes, config)
     state = {"identity": identity, "step": step, "epoch": step // plan.steps_per_epoch,
              "model": model.state_dict(), "optimizer": optimizer.state_dict(),
              "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "rng": capture_rng(),
              "data_order": plan.state_bytes(step), "history": report.history, "best": report.best_step}
-    store.save(state, step, backup=backup)
-    if backup:
-        store.backup_best()
+    report.save_waits.append(store.save(state, step, backup=backup, best=best))
     report.save_seconds.append(time.perf_counter() - tick)
 
 

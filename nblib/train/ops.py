@@ -6,8 +6,9 @@ run's backups: the bytes retention keeps (last N states + the best weights) for 
 keep them, plus one PUT per file of each backup (a state is two objects: .pt and its record),
 LIST calls on every start and every mirror audit, and the GETs of one resume. `DiskWatch` warns
 (logging and a `DiskWarning`) before the local disk or the Drive quota runs out: when the free
-space would not hold the next `headroom` checkpoints. Trade-off: list prices, no free tier, no
-egress (a resume on a VM in the bucket's region pays none), no taxes.
+space would not hold the next `headroom` checkpoints; a Drive folder counts against its quota
+(`python -m nblib train --drive-quota-gb`, the free 15 GB by default under the Colab mount).
+Trade-off: list prices, no free tier, no egress (a resume on a VM in the bucket's region pays none), no taxes.
 """
 from __future__ import annotations
 
@@ -100,9 +101,12 @@ class DiskWatch:
             if free is None or free >= need or name in self.warned:
                 continue
             self.warned.add(name)
-            msg = (f"{name} ({folder}) has {fmt_bytes(free)} free, less than {self.headroom} checkpoints of "
-                   f"{fmt_bytes(self.checkpoint_bytes)}: free space there, lower --keep-last, or raise "
-                   f"--backup-every before it runs out (training continues; a failed save stops it)")
+            quota = self.quota_bytes.get(name)
+            under = "" if quota is None else f" of its {fmt_bytes(quota)} quota (--drive-quota-gb)"
+            msg = (f"{name} ({folder}) has {fmt_bytes(max(0, free))} free{under}, less than {self.headroom} "
+                   f"checkpoints of {fmt_bytes(self.checkpoint_bytes)} = {fmt_bytes(need)}: free space there, "
+                   f"lower --keep-last, or raise --backup-every before it runs out (training continues; "
+                   f"a failed save stops it)")
             log.warning(msg)
             warnings.warn(msg, DiskWarning, stacklevel=2)
             raised.append(msg)
