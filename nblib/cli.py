@@ -371,6 +371,9 @@ def train_main(argv: list[str]) -> int:
     try:
         with _os_errors_name(args.out):
             report = run_train(args, world if world.size > 1 else None)
+        # every rank waits for rank 0's last write before the process group closes: a rank that tore
+        # gloo down while another still ran died in std::terminate at exit
+        world.barrier("the end of training")
     finally:
         world.close()
     if world.rank == 0:

@@ -200,3 +200,18 @@ def test_sigkill_mid_background_write_keeps_the_previous_state_and_the_rerun_is_
     assert "steps 2 -> 8 (resumed from local)" in rerun.stdout
     assert_same_weights(weights_of(out), weights_of(tmp_path / "whole"))
 
+
+
+def test_a_resumed_store_removes_the_half_written_temporaries_a_killed_writer_left(tmp_path):
+    folder = tmp_path / "run" / "checkpoints"
+    folder.mkdir(parents=True)
+    half = folder / ".tmp-state-000006.pt.4owqjkn4"          # SIGKILL mid-write leaves this name
+    half.write_bytes(b"half a state")
+    kept = folder / "notes.txt"
+    kept.write_text("not ours")
+    store = TrainStore(tmp_path / "run")
+    try:
+        assert not half.exists() and kept.exists()
+        assert store.load_latest() == (None, "none")
+    finally:
+        store.close(0)

@@ -79,6 +79,15 @@ DEVICES: dict[str, Device] = {
 }
 
 
+def gpu_preset(gpu: str | Device) -> Device:
+    """The named GPU preset (or the Device given): ConfigError for one without a GPU (nothing to simulate)."""
+    dev = device_preset(gpu)
+    if not dev.is_gpu:
+        raise ConfigError(f"gpu={dev.name!r} has no GPU to simulate; choose a GPU preset "
+                          f"({', '.join(name for name, d in DEVICES.items() if d.is_gpu)})")
+    return dev
+
+
 def device_preset(device: str | Device) -> Device:
     """The named device preset (cpu, t4, l4, a100-40gb, h100, h200), or the Device given."""
     if isinstance(device, Device):

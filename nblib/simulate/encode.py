@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nblib.budget.devices import Device, device_preset
+from nblib.budget.devices import Device, gpu_preset
 from nblib.config import PipelineConfig
 from nblib.encode.offload import HostPart
 from nblib.errors import ConfigError
@@ -63,10 +63,7 @@ def simulate_encode(config: PipelineConfig, gpu: str | Device = "t4", *, precisi
     from nblib.simulate.fake_cuda import DeviceTrace, fake_cuda
     from nblib.trm import TRMVisionEncoder
 
-    dev = device_preset(gpu)
-    if not dev.is_gpu:
-        raise ConfigError(f"gpu={dev.name!r} has no GPU to simulate; choose a GPU preset "
-                          f"(t4, l4, a100-40gb, h100, h200)")
+    dev = gpu_preset(gpu)
     if precision not in PRECISIONS:
         raise ConfigError(f"precision={precision!r} is unknown; choose one of {PRECISIONS}")
     if offload not in OFFLOAD_MODES:

@@ -36,7 +36,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nblib.budget.devices import Device, device_preset
+from nblib.budget.devices import Device, gpu_preset
 from nblib.config import ModelConfig
 from nblib.errors import ConfigError, NblibError
 
@@ -114,10 +114,7 @@ def simulate_train_step(model: ModelConfig, batch_size: int, gpu: str | Device =
     """Run the loop's `train_step` `steps` times on a simulated `gpu` (in a fresh process)."""
     from nblib.simulate.fake_cuda import Kernel
 
-    dev = device_preset(gpu)
-    if not dev.is_gpu:
-        raise ConfigError(f"gpu={dev.name!r} has no GPU to simulate; choose a GPU preset "
-                          f"(t4, l4, a100-40gb, h100, h200)")
+    dev = gpu_preset(gpu)
     if precision not in PRECISIONS:
         raise ConfigError(f"precision={precision!r} is unknown; choose one of {PRECISIONS}")
     if steps < 2:

@@ -104,6 +104,38 @@ def model_config(profile: str):
         return preset(profile)
 
 
+def _open_store(out: Path, mirror, config: TrainConfig, storage_options, sync_save: bool, quota_bytes,
+                startup_timeout_s: float) -> TrainStore:
+    """The writer rank's store: local states first, the mirror (Drive folder or bucket) in a thread."""
+    store = TrainStore(out, mirror, keep_last=config.keep_last, storage_options=storage_options,
+                       start_mirror=True, sync_save=sync_save, quota_bytes=quota_bytes)
+    store.startup_timeout_s = startup_timeout_s
+    return store
+
+
+def _resume(state: dict | None, source: str, out: Path, identity: dict, plan: BatchPlan,
+            objects: tuple) -> tuple[int, list, dict | None, str]:
+    """Load a verified state into (model, optimizer, scheduler, scaler): its step, history, best and source."""
+    if state is None:
+        return 0, [], None, "start" if source == "none" else source
+    check_identity(state["identity"], identity, f"{out} ({source} state, step {state['step']})")
+    for obj, key in zip(objects, ("model", "optimizer", "scheduler", "scaler")):
+        obj.load_state_dict(state[key])
+    step = plan.step_of(state["data_order"])
+    if step != state["step"]:
+        raise ResumeMismatch(f"the state's data order resumes at step {step} but it says step {state['step']}: "
+                             f"it was edited; remove {out} or restore the file")
+    return step, list(state["history"]), state["best"], source
+
+
+def _close_store(store: TrainStore | None, report: TrainReport, mirror_timeout_s: float) -> None:
+    """Join the writer, wait (bounded) for the mirror, and record what is durable in the report."""
+    if store is None:
+        return
+    writes = store.writer.writes if store.writer is not None else []
+    report.durability = store.close(mirror_timeout_s)
+    report.write_seconds = list(writes)
+
 def train(cache_dir: str | Path, out: str | Path, config: TrainConfig, *, mirror: str | None = None,
           texts: str | Path | None = None, progress: bool = False, world=None, storage_options: dict | None = None,
           mirror_timeout_s: float = 60.0, stop_after: int | None = None, on_step=None, sync_save: bool = False,
@@ -131,28 +163,14 @@ def train(cache_dir: str | Path, out: str | Path, config: TrainConfig, *, mirror
     identity = {"format": STATE_FORMAT, "config": config.computing(), "cache": cache.fingerprint,
                 "classes": classes, "n_train": int(len(train_idx)), "model": dict(shape.__dict__)}
     out = Path(out)
-    store = TrainStore(out, mirror, keep_last=config.keep_last, storage_options=storage_options,
-                       start_mirror=writer, sync_save=sync_save, quota_bytes=mirror_quota_bytes) if writer else None
-    if store is not None:
-        store.startup_timeout_s = mirror_timeout_s
+    store = _open_store(out, mirror, config, storage_options, sync_save, mirror_quota_bytes,
+                        mirror_timeout_s) if writer else None
     model = Classifier(shape, len(classes), seed=config.seed, dropout=config.dropout).to(config.device)
     optimizer, scheduler, scaler = training_objects(model, config)
 
     state, source = _load(store, world, out)
-    if state is not None:
-        check_identity(state["identity"], identity, f"{out} ({source} state, step {state['step']})")
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        scaler.load_state_dict(state["scaler"])
-        step = plan.step_of(state["data_order"])
-        if step != state["step"]:
-            raise ResumeMismatch(f"the state's data order resumes at step {step} but it says step {state['step']}: "
-                                 f"it was edited; remove {out} or restore the file")
-        history, best = list(state["history"]), state["best"]
-    else:
-        step, history, best = 0, [], None
-        source = "start" if source == "none" else source
+    step, history, best, source = _resume(state, source, out, identity, plan,
+                                          (model, optimizer, scheduler, scaler))
     report = TrainReport(out, config.steps, step, source, history, best, None, 0.0, classes=classes)
     net = _wrap(model, world)
     try:
@@ -188,10 +206,7 @@ def train(cache_dir: str | Path, out: str | Path, config: TrainConfig, *, mirror
         if writer and step == config.steps:
             report.final = _write_final(out, model, classes, config)
     finally:
-        if store is not None:
-            writes = store.writer.writes if store.writer is not None else []
-            report.durability = store.close(mirror_timeout_s)
-            report.write_seconds = list(writes)
+        _close_store(store, report, mirror_timeout_s)
     report.seconds = time.perf_counter() - started
     if writer:
         _write_report(out, report, config)

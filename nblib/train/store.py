@@ -26,6 +26,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from nblib.atomic import TMP_PREFIX
 from nblib.errors import DriveError
 from nblib.store.checkpoints import CheckpointFolder, load_latest
 from nblib.store.mirror import CopyCheckpoint, Mirror, MirrorStatus, Retention, Sides
@@ -69,6 +70,7 @@ class TrainStore:
                  sync_save: bool = False, quota_bytes: int | None = None):
         self.local_root = Path(run_dir) / FOLDER
         self.local_root.mkdir(parents=True, exist_ok=True)
+        _remove_temporaries(self.local_root)
         self.local = CheckpointFolder(self.local_root, FileOps(), "local")
         self.keep_last = keep_last
         self.mirror_label = None if mirror is None else str(mirror)
@@ -292,6 +294,21 @@ def snapshot(obj):
     stage(obj)
     return copy.deepcopy(obj, memo)
 
+
+def _remove_temporaries(folder: Path) -> int:
+    """Delete the half-written files a killed writer left (atomic writes' `.tmp-` names): how many.
+
+    The newest complete state is never among them (it was renamed into place with its record); a
+    run folder has one writer, so nothing else is writing these now.
+    """
+    removed = 0
+    for path in folder.glob(f"{TMP_PREFIX}*"):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed += 1
+    if removed:
+        log.info("removed %d half-written temporaries a killed run left in %s", removed, folder)
+    return removed
 
 def _within(fn, timeout_s: float):
     """fn() on a daemon thread; TimeoutError when it has not returned in `timeout_s` (a stalled mount or bucket)."""
