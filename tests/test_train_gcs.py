@@ -17,13 +17,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from test_train import labelled_cache
 from train_runs import (
     assert_the_bucket_alone_resumes_exactly,
+    cache_and_reference,
     free_port,
     train_cli,
     train_env,
-    uninterrupted_weights,
 )
 
 pytestmark = pytest.mark.slow
@@ -31,14 +30,7 @@ BUCKET, PREFIX = "runs", "runs/exp1"
 SHORT = ["--steps", "4", "--backup-every", "2"]      # the dead and stalled runs: two backups are enough
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> Path:
-    return labelled_cache(tmp_path_factory.mktemp("gcs"), 160)
-
-
-@pytest.fixture(scope="module")
-def reference(cache_dir, tmp_path_factory) -> dict:
-    return uninterrupted_weights(cache_dir, tmp_path_factory.mktemp("ref") / "run")
+cache_dir, reference = cache_and_reference("gcs")
 
 
 @pytest.fixture

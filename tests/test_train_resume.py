@@ -15,30 +15,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train import assert_same_weights, labelled_cache, weights_of
+from test_train import assert_same_weights, weights_of
 from train_runs import (
     ARGS,
     assert_the_bucket_alone_resumes_exactly,
+    cache_and_reference,
     free_port,
     run_and_kill,
     train_cli,
     train_env,
-    uninterrupted_weights,
 )
 
 pytestmark = pytest.mark.slow
 RANK_STEPS = 24                  # three epochs of 8 steps: long enough to kill a launch mid-run
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> Path:
-    return labelled_cache(tmp_path_factory.mktemp("resume"), 160)
-
-
-@pytest.fixture(scope="module")
-def reference(cache_dir, tmp_path_factory) -> dict:
-    """The final weights of one uninterrupted single-process run."""
-    return uninterrupted_weights(cache_dir, tmp_path_factory.mktemp("ref") / "run")
+cache_dir, reference = cache_and_reference("resume")
 
 
 @pytest.mark.parametrize("workers", [0, 2])

@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 
 import psutil
-from test_train import assert_same_weights, weights_of
+import pytest
+from test_train import assert_same_weights, labelled_cache, weights_of
 
 from conftest import subprocess_env
 
@@ -109,3 +110,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def cache_and_reference(name: str, n_images: int = 160):
+    """A test module's two module-scoped fixtures: a labelled cache, and one uninterrupted run's weights.
+
+    Assign both to module names (`cache_dir, reference = cache_and_reference("gcs")`) for pytest to find.
+    """
+    @pytest.fixture(scope="module")
+    def cache_dir(tmp_path_factory) -> Path:
+        return labelled_cache(tmp_path_factory.mktemp(name), n_images)
+
+    @pytest.fixture(scope="module")
+    def reference(cache_dir, tmp_path_factory) -> dict:
+        """The final weights of one uninterrupted single-process run."""
+        return uninterrupted_weights(cache_dir, tmp_path_factory.mktemp("ref") / "run")
+
+    return cache_dir, reference
