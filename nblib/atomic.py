@@ -23,8 +23,8 @@ from typing import IO
 
 __all__ = [
     "TMP_PREFIX", "AtomicWriter", "WrittenFile", "atomic_open", "atomic_torch_save", "atomic_write_bytes",
-    "atomic_write_json", "fsync_dir", "json_bytes", "leftover_temporaries", "npy_header", "sha256_file",
-    "sha256_json", "stat_fingerprint",
+    "atomic_write_json", "fsync_dir", "json_bytes", "leftover_temporaries", "npy_header", "remove_temporaries",
+    "sha256_file", "sha256_json", "stat_fingerprint",
 ]
 
 TMP_PREFIX = ".tmp-"
@@ -209,6 +209,14 @@ def stat_fingerprint(path: str | Path) -> dict:
 def leftover_temporaries(folder: str | Path) -> list[Path]:
     """Temporary files an interrupted atomic write left behind in `folder` (recursively)."""
     return sorted(p for p in Path(folder).rglob(f"{TMP_PREFIX}*") if p.is_file())
+
+
+def remove_temporaries(folder: str | Path) -> int:
+    """Delete what `leftover_temporaries` finds: how many. Only while nothing else writes there."""
+    leftovers = leftover_temporaries(folder)
+    for path in leftovers:
+        path.unlink(missing_ok=True)
+    return len(leftovers)
 
 
 class _WriterFile(io.RawIOBase):

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nblib.atomic import atomic_write_bytes, json_bytes, leftover_temporaries, sha256_json
+from nblib.atomic import atomic_write_bytes, json_bytes, remove_temporaries, sha256_json
 from nblib.errors import ConfigError, InputError, ManifestDamaged, StateError
 from nblib.manifest import read_manifest, write_manifest
 from nblib.units import fmt_bytes
@@ -192,8 +192,7 @@ def _export(out: Path, fmt: str, identity: dict, features: dict, n_files: int,
         raise InputError(f"{out} is a file, not a folder: an export needs a folder; pass another --out")
     out.mkdir(parents=True, exist_ok=True)
     manifest = _open_manifest(out, identity, overwrite)
-    for leftover in leftover_temporaries(out):
-        leftover.unlink(missing_ok=True)
+    remove_temporaries(out)
     hf = _hf_features(features)
     written = 0
     for k in range(n_files):

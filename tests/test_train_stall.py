@@ -5,11 +5,11 @@ real socket server, no stubs.
 
 Why it can fail: with no local state the run first reads the mirror for a state to resume from.
 `TrainStore.load_latest` gives that read `--mirror-timeout` seconds on a daemon thread
-(`nblib.train.store._within`). Without that deadline the read runs on the main thread, and each
+(`nblib.store.deadline.call_within`). Without that deadline the read runs on the main thread, and each
 request waits for botocore's read timeout (30 s, 2 attempts) under the store's 3 retries: the
 run hung about 5 minutes before its first step when checked by hand. The test then fails: the run
 outlives the 300 s bound, and were it to end, stderr would lack "did not answer within 2 s" (the
-deadline's own message). Checked: with `_within` calling `fn()` directly this test failed with
+deadline's own message). Checked: with that read calling `fn()` directly this test failed with
 TimeoutExpired after 300 s (2026-11-23); with the deadline it passes in ~17 s.
 """
 from __future__ import annotations

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from nblib.atomic import sha256_json
+from nblib.atomic import remove_temporaries, sha256_json
 from nblib.cache.codecs import DICT_SAMPLES, CodecSpec, check_codec, codec_for
 from nblib.cache.format import (
     DAMAGED,
@@ -43,7 +43,6 @@ from nblib.cache.populate import (
     _clear,
     _preflight,
     _progress_bar,
-    _remove_temporaries,
     cache_bytes_on_disk,
     cache_lock,
     fresh_spec,
@@ -110,7 +109,7 @@ def write_images(images, out: str | Path, *, shard_mb: float = 400, codec: str =
             _preflight(out, plan if old else _nothing_done(plan))
             warn_many_files(plan.n_shards + 1, out, shard_mb)
         manifest = old or _fresh_manifest(out, layout, spec, total, overwrite)
-        _remove_temporaries(out)
+        remove_temporaries(out)
         checked = _checked(itertools.chain(head, stream), shape)
         render_started = time.perf_counter()
         rewritten = _pass_over_done_shards(out, manifest, spec, checked)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nblib.atomic import leftover_temporaries
+from nblib.atomic import leftover_temporaries, remove_temporaries
 from nblib.cache.codecs import CodecSpec, check_codec, codec_for, train_dictionary
 from nblib.cache.format import (
     DAMAGED,
@@ -173,7 +173,7 @@ def _populate(source: TextSource, cache_dir, image_size, shard_mb, workers, seed
         warn_many_files(plan.n_shards + 1, cache_dir, shard_mb)
         manifest = _open_manifest(cache_dir, scan, layout, source, overwrite, spec)
         manifest["coverage"] = found.as_dict()
-        _remove_temporaries(cache_dir)
+        remove_temporaries(cache_dir)
         workers = resolve_workers(workers)
 
         render_started = time.perf_counter()
@@ -572,14 +572,6 @@ def _clear(cache_dir: Path) -> None:
     for path in [*cache_dir.glob("shard-*"), *leftover_temporaries(cache_dir), cache_dir / MANIFEST,
                  cache_dir / STAT_CACHE, cache_dir / LEGACY_STAT_CACHE]:
         path.unlink(missing_ok=True)
-
-
-def _remove_temporaries(cache_dir: Path) -> int:
-    """Delete temporaries a killed run left (only this cache's writer creates them)."""
-    leftovers = leftover_temporaries(cache_dir)
-    for path in leftovers:
-        path.unlink(missing_ok=True)
-    return len(leftovers)
 
 
 def _preflight(cache_dir: Path, plan: CachePlan) -> None:

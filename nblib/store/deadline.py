@@ -10,16 +10,15 @@ mount slower than the deadline counts as stalled (NBLIB_MIRROR_DEADLINE_S, defau
 """
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from nblib.errors import ConfigError, DriveError
+from nblib.errors import DriveError
 
 from .parts import FileOps
-from .retry import WrappedOps
+from .retry import WrappedOps, seconds_from_env
 
 DEADLINE_ENV = "NBLIB_MIRROR_DEADLINE_S"
 DEFAULT_DEADLINE_S = 120.0
@@ -31,15 +30,32 @@ class MirrorStalled(DriveError):
 
 def mirror_deadline() -> float:
     """Seconds a mirror call may block before the mirror counts as stalled: NBLIB_MIRROR_DEADLINE_S."""
-    raw = os.environ.get(DEADLINE_ENV, "").strip()
-    try:
-        value = float(raw) if raw else DEFAULT_DEADLINE_S
-    except ValueError:
-        value = -1.0
-    if not 0 < value < float("inf"):
-        raise ConfigError(f"{DEADLINE_ENV}={raw!r} is not a positive number of seconds; unset it "
-                          f"(default {DEFAULT_DEADLINE_S:g} s) or set it to e.g. 120")
-    return value
+    return seconds_from_env(DEADLINE_ENV, DEFAULT_DEADLINE_S, example=120, finite=True)
+
+
+def call_within(fn: Callable[[], Any], timeout_s: float, what: str = "the mirror",
+                thread_name: str = "nblib-mirror-call"):
+    """fn() on a daemon thread, waited for `timeout_s`: its value or its exception, TimeoutError
+    ("`what` did not answer within ...") past it.
+
+    The thread may stay blocked (a frozen mount), but as a daemon it never holds the process.
+    """
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # handed to the caller's thread as it is
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name=thread_name, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise TimeoutError(f"{what} did not answer within {timeout_s:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
 
 
 class Stall:
@@ -63,23 +79,11 @@ class Stall:
         """fn() on a daemon thread, waited for `deadline_s`; MirrorStalled past it (and for every later call)."""
         if self.stalled:
             raise self.error()
-        box: dict[str, Any] = {}
-
-        def run() -> None:
-            try:
-                box["value"] = fn()
-            except BaseException as exc:  # handed to the caller's thread as it is
-                box["error"] = exc
-
-        thread = threading.Thread(target=run, name=f"nblib-mirror-call {what}", daemon=True)
-        thread.start()
-        thread.join(self.deadline_s)
-        if thread.is_alive():
+        try:
+            return call_within(fn, self.deadline_s, thread_name=f"nblib-mirror-call {what}")
+        except TimeoutError:
             self.what = what
-            raise self.error()
-        if "error" in box:
-            raise box["error"]
-        return box.get("value")
+            raise self.error() from None
 
 
 class DeadlineOps(WrappedOps):

@@ -159,14 +159,22 @@ class RetryingOps(WrappedOps):
 
 def remount_timeout() -> float:
     """Seconds a remount may take before the mirror pauses: NBLIB_REMOUNT_TIMEOUT_S, default 60."""
-    raw = os.environ.get(REMOUNT_TIMEOUT_ENV, "").strip()
+    return seconds_from_env(REMOUNT_TIMEOUT_ENV, DEFAULT_REMOUNT_TIMEOUT_S, example=60)
+
+
+def seconds_from_env(name: str, default: float, *, example: float, finite: bool = False) -> float:
+    """A positive number of seconds from the environment variable `name` (unset or empty: `default`).
+
+    ConfigError naming the variable and the fix otherwise; `finite` refuses inf as well.
+    """
+    raw = os.environ.get(name, "").strip()
     try:
-        value = float(raw) if raw else DEFAULT_REMOUNT_TIMEOUT_S
+        value = float(raw) if raw else default
     except ValueError:
         value = -1.0
-    if not value > 0:
-        raise ConfigError(f"{REMOUNT_TIMEOUT_ENV}={raw!r} is not a positive number of seconds; "
-                          f"unset it (default {DEFAULT_REMOUNT_TIMEOUT_S:g} s) or set it to e.g. 60")
+    if not (0 < value < float("inf") if finite else value > 0):
+        raise ConfigError(f"{name}={raw!r} is not a positive number of seconds; "
+                          f"unset it (default {default:g} s) or set it to e.g. {example:g}")
     return value
 
 

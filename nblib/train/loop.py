@@ -136,6 +136,7 @@ def _close_store(store: TrainStore | None, report: TrainReport, mirror_timeout_s
     report.durability = store.close(mirror_timeout_s)
     report.write_seconds = list(writes)
 
+
 def train(cache_dir: str | Path, out: str | Path, config: TrainConfig, *, mirror: str | None = None,
           texts: str | Path | None = None, progress: bool = False, world=None, storage_options: dict | None = None,
           mirror_timeout_s: float = 60.0, stop_after: int | None = None, on_step=None, sync_save: bool = False,

@@ -26,9 +26,10 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from nblib.atomic import TMP_PREFIX
+from nblib.atomic import remove_temporaries
 from nblib.errors import DriveError
 from nblib.store.checkpoints import CheckpointFolder, load_latest
+from nblib.store.deadline import call_within
 from nblib.store.mirror import CopyCheckpoint, Mirror, MirrorStatus, Retention, Sides
 from nblib.store.parts import FileOps, PartFolder
 from nblib.store.retention import checkpoints_to_drop
@@ -70,7 +71,8 @@ class TrainStore:
                  sync_save: bool = False, quota_bytes: int | None = None):
         self.local_root = Path(run_dir) / FOLDER
         self.local_root.mkdir(parents=True, exist_ok=True)
-        _remove_temporaries(self.local_root)
+        if removed := remove_temporaries(self.local_root):      # a SIGKILL mid-write; one writer per run folder
+            log.info("removed %d half-written temporaries a killed run left in %s", removed, self.local_root)
         self.local = CheckpointFolder(self.local_root, FileOps(), "local")
         self.keep_last = keep_last
         self.mirror_label = None if mirror is None else str(mirror)
@@ -142,7 +144,8 @@ class TrainStore:
         if self.remote is None:
             return None, "none"
         try:
-            found = _within(lambda: load_latest([self.remote], STATE, weights_only=True), self.startup_timeout_s)
+            found = call_within(lambda: load_latest([self.remote], STATE, weights_only=True), self.startup_timeout_s,
+                                    thread_name="nblib-train-mirror-read")
         except (DriveError, TimeoutError) as exc:
             # Safe to start over: a run is deterministic, so any state this run writes at step s has
             # the bytes of one the mirror may hold for step s; only the recomputation is lost.
@@ -293,43 +296,6 @@ def snapshot(obj):
 
     stage(obj)
     return copy.deepcopy(obj, memo)
-
-
-def _remove_temporaries(folder: Path) -> int:
-    """Delete the half-written files a killed writer left (atomic writes' `.tmp-` names): how many.
-
-    The newest complete state is never among them (it was renamed into place with its record); a
-    run folder has one writer, so nothing else is writing these now.
-    """
-    removed = 0
-    for path in folder.glob(f"{TMP_PREFIX}*"):
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-            removed += 1
-    if removed:
-        log.info("removed %d half-written temporaries a killed run left in %s", removed, folder)
-    return removed
-
-def _within(fn, timeout_s: float):
-    """fn() on a daemon thread; TimeoutError when it has not returned in `timeout_s` (a stalled mount or bucket)."""
-    import threading
-
-    box: dict = {}
-
-    def run():
-        try:
-            box["value"] = fn()
-        except BaseException as exc:          # handed to the caller
-            box["error"] = exc
-
-    thread = threading.Thread(target=run, name="nblib-train-mirror-read", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        raise TimeoutError(f"the mirror did not answer within {timeout_s:g} s")
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
 
 
 def _warn(damaged) -> None:
