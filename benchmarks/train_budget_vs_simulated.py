@@ -15,8 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from nblib.budget.training import predict_training
-from nblib.simulate.train import simulate_train_step
+from nblib.lab.training import simulated_t4_rows
 from nblib.train.loop import model_config
 
 BATCHES = {"smoke": (32, 256, 1024), "t4": (8, 32, 64)}
@@ -24,13 +23,8 @@ TOLERANCE = 0.10
 
 
 def row(name: str, precision: str, batch: int) -> dict:
-    m = model_config(name).model
-    sim = simulate_train_step(m, batch, "t4", precision=precision)
-    b = predict_training(m, batch, precision=precision, device="cuda", with_runtime=False)
-    return {"preset": name, "precision": precision, "batch": batch, "budget": b.total,
-            "allocated": sim.max_allocated, "reserved": sim.max_reserved, "resident": sim.resident,
-            "peak_op": sim.peak_op, "step_ms": sim.step_seconds() * 1e3, "lines": b.lines,
-            "ratio": b.total / sim.max_reserved}
+    """One grid point: notebook 06's row (budget, simulated allocated / reserved, ratio) for a preset."""
+    return {"preset": name, **simulated_t4_rows(model_config(name).model, (batch,), precision)[0]}
 
 
 def main(argv=None) -> int:
@@ -52,7 +46,7 @@ def main(argv=None) -> int:
                 flag = "" if abs(r["ratio"] - 1) <= TOLERANCE else "   <- outside +-10%"
                 outside += bool(flag)
                 print(f"{name:<7}{precision:<6}{batch:>6}{r['budget'] / mb:>11.1f}{r['allocated'] / mb:>14.1f}"
-                      f"{r['reserved'] / mb:>17.1f}{r['ratio']:>17.3f}{r['step_ms']:>13.2f}  {r['peak_op']}{flag}",
+                      f"{r['reserved'] / mb:>17.1f}{r['ratio']:>17.3f}{r['step_s'] * 1e3:>13.2f}  {r['peak_op']}{flag}",
                       flush=True)
                 if args.lines:
                     for line in r["lines"]:

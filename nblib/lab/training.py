@@ -169,7 +169,8 @@ def simulated_t4_rows(model, batches: tuple[int, ...], precision: str = "fp16") 
         budget = predict_training(model, b, precision=precision, device="cuda", with_runtime=False)
         rows.append({"batch": b, "precision": precision, "budget": budget.total, "allocated": sim.max_allocated,
                      "reserved": sim.max_reserved, "ratio": budget.total / sim.max_reserved,
-                     "step_s": sim.step_seconds(), "attention": sim.sdpa_backend, "peak_op": sim.peak_op})
+                     "step_s": sim.step_seconds(), "attention": sim.sdpa_backend, "peak_op": sim.peak_op,
+                     "resident": sim.resident, "lines": budget.lines})
     return rows
 
 
