@@ -1,4 +1,5 @@
-"""nblib's import graph: no cycle between its modules, and `import nblib` stays free of torch and TF.
+"""nblib's import graph: no cycle between its modules or its packages, every import goes down the
+layers (`LAYERS` below), and `import nblib` stays free of torch and TF.
 
 The graph is read from the source (AST), function-level imports included, so a cycle cannot hide
 behind an import placed inside a function. An import inside `if TYPE_CHECKING:` is left out (it
@@ -43,11 +44,13 @@ def _type_checking_lines(tree: ast.AST) -> set[int]:
     return lines
 
 
-def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
-    """The nblib modules `name` imports anywhere in its source (a package's name for `from p import m`)."""
+def import_lines(name: str, path: Path, known: set[str]) -> list[tuple[str, int]]:
+    """(nblib module, line) for every import in `name`'s source, inside functions too (a package's
+    name for `from p import m`); not those under `if TYPE_CHECKING:`, nor `name` itself.
+    """
     tree = ast.parse(path.read_text(), str(path))
     skip = _type_checking_lines(tree)
-    found: set[str] = set()
+    found: list[tuple[str, int]] = []
     for node in ast.walk(tree):
         if getattr(node, "lineno", None) in skip:
             continue
@@ -62,8 +65,13 @@ def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
             while target and target not in known:       # nblib.x.y.attr -> nblib.x.y
                 target = target.rpartition(".")[0]
             if target and target != name:
-                found.add(target)
-    return found
+                found.append((target, node.lineno))
+    return sorted(set(found), key=lambda t: (t[1], t[0]))
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """The nblib modules `name` imports anywhere in its source (a package's name for `from p import m`)."""
+    return {target for target, _ in import_lines(name, path, known)}
 
 
 def graph() -> dict[str, set[str]]:
@@ -144,3 +152,85 @@ def test_every_package_declares_its_public_names_and_each_resolves(package):
     assert result.returncode == 0, result.stderr[-2000:]
     count, missing = result.stdout.split(" ", 1)
     assert int(count) > 0 and missing.strip() == "[]", result.stdout
+
+
+# The layers of nblib, lowest first (README "Layout" gives the same order). A package or top-level
+# module imports only from its own layer or a lower one, inside functions too; within a layer the
+# package graph has no cycle either (test below). A module two layers need goes in the lower one.
+LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple((name, frozenset(members.split())) for name, members in (
+    ("core", "errors units atomic manifest config lock disk malloc pool proc compare verdict reference sdpa "
+             "render"),
+    ("machine", "env"),                                   # where am I: Colab / local, Drive, hardware
+    ("models and predictions", "trm budget measure shuffle"),
+    ("storage", "store cache codec_sizes"),
+    ("jobs", "encode train export pipeline tfdata"),
+    ("simulation", "simulate"),                           # runs the jobs' own code on a fake GPU
+    ("notebooks", "lab suite"),
+    ("views", "plots widgets"),
+    ("command line", "cli __main__"),
+))
+
+
+def package_of(module: str) -> str:
+    """nblib.budget.disk -> budget, nblib.env -> env, nblib -> nblib (the root is no layer's)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def layer_index() -> dict[str, int]:
+    return {member: i for i, (_, members) in enumerate(LAYERS) for member in members}
+
+
+def package_imports() -> list[tuple[str, int, str, str]]:
+    """(file, line, from package, to package) for every import that crosses a package boundary."""
+    mods = modules()
+    known = set(mods)
+    found = []
+    for name, path in mods.items():
+        for target, line in import_lines(name, path, known):
+            here, there = package_of(name), package_of(target)
+            if here != there and "nblib" not in (here, there):
+                found.append((str(path.relative_to(ROOT)), line, here, there))
+    return found
+
+
+def package_graph() -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {package_of(m): set() for m in modules() if m != "nblib"}
+    for _, _, here, there in package_imports():
+        edges[here].add(there)
+    return edges
+
+
+def upward_imports(imports: list[tuple[str, int, str, str]], layers: dict[str, int]) -> list[str]:
+    """`file:line: from -> to (layer -> higher layer)` for each import from a lower layer to a higher one."""
+    names = [name for name, _ in LAYERS]
+    return [f"{file}:{line}: {here} -> {there} ({names[layers[here]]} imports {names[layers[there]]})"
+            for file, line, here, there in imports if layers[here] < layers[there]]
+
+
+def test_every_package_and_top_level_module_has_one_layer():
+    members = [m for _, ms in LAYERS for m in ms]
+    assert len(members) == len(set(members)), "a package is in two layers"
+    unplaced = sorted(set(package_graph()) - set(members))
+    assert unplaced == [], f"put {unplaced} in a layer of tests/test_import_graph.py LAYERS (and README Layout)"
+    assert sorted(set(members) - set(package_graph())) == [], "LAYERS names a package that does not exist"
+
+
+def test_the_layer_check_names_the_file_line_and_packages_of_an_upward_import():
+    layers = {"budget": 0, "simulate": 1}
+    imports = [("nblib/budget/vram_replay.py", 19, "budget", "simulate"),
+               ("nblib/simulate/x.py", 3, "simulate", "budget")]
+    found = upward_imports(imports, layers)
+    assert len(found) == 1 and found[0].startswith("nblib/budget/vram_replay.py:19: budget -> simulate")
+
+
+def test_no_package_imports_a_higher_layer():
+    found = upward_imports(package_imports(), layer_index())
+    assert found == [], "imports from a lower layer to a higher one (tests/test_import_graph.py LAYERS):\n" + \
+        "\n".join(found)
+
+
+def test_nblib_has_no_package_level_import_cycle():
+    found = cycles(package_graph())
+    assert found == [], "package-level import cycles (function-level imports included): " + \
+        "; ".join(" <-> ".join(c) for c in found)
