@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from nblib import budget
+from nblib.budget import allocator as A
+from nblib.budget.allocator import CachingAllocatorModel
 from nblib.config import preset
 from nblib.errors import ConfigError
-from nblib.simulate import allocator as A
-from nblib.simulate.allocator import CachingAllocatorModel
 
 MiB = 1 << 20
 

@@ -170,7 +170,7 @@ def device_memory_lines(config: PipelineConfig, *, compute_capability: int = 75,
     out.append(Line("allocator cache", max(0, reserved - allocated),
                     "segments the caching allocator holds beyond the live bytes: the encode loop's "
                     "allocations replayed op by op through its model (2 MiB / 20 MiB segments, best "
-                    "fit, splitting; nblib.budget.vram_replay, nblib.simulate.allocator)"))
+                    "fit, splitting; nblib.budget.vram_replay, nblib.budget.allocator)"))
     return tuple(out)
 
 

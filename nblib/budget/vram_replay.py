@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nblib.budget.allocator import CachingAllocatorModel
 from nblib.config import PipelineConfig
-from nblib.simulate.allocator import CachingAllocatorModel
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,11 @@
 No GPU is lent to this project, so the GPU half is checked here by the most faithful means a CPU
 has: `simulate_encode` runs nblib.trm and the encode loop's device-side steps under
 FakeTensorMode on a fake `cuda:0` (CUDA autocast rules included), counts every device storage,
-replays allocations through a model of PyTorch's caching allocator (`allocator`), and times each
-kernel on a roofline of any GPU in `nblib.budget.DEVICES` (`roofline`). Every figure it returns
-is labelled "simulated". What a simulation cannot see: the CUDA context (300-500 MB on a T4),
-kernel-internal scratch besides cuBLAS's workspace, launch overheads and real clocks.
+replays allocations through a model of PyTorch's caching allocator (`nblib.budget.allocator`,
+shared with the budget's VRAM replay), and times each kernel on a roofline of any GPU in
+`nblib.budget.DEVICES` (`roofline`). Every figure it returns is labelled "simulated". What a
+simulation cannot see: the CUDA context (300-500 MB on a T4), kernel-internal scratch besides
+cuBLAS's workspace, launch overheads and real clocks.
 `simulate_train_step` runs the training loop's own step (forward, backward, GradScaler, AdamW)
 the same way, in a fresh process with a small C++ shim (see `nblib.simulate.train`).
 Importing this package is light; torch loads with `simulate_encode`.
@@ -18,7 +19,7 @@ import importlib
 _LAZY = {
     "simulate_encode": "nblib.simulate.encode", "SimulatedRun": "nblib.simulate.encode",
     "LABEL": "nblib.simulate.encode",
-    "CachingAllocatorModel": "nblib.simulate.allocator",
+    "CachingAllocatorModel": "nblib.budget.allocator",
     "fake_cuda": "nblib.simulate.fake_cuda", "DeviceTrace": "nblib.simulate.fake_cuda",
     "simulate_train_step": "nblib.simulate.train", "SimulatedStep": "nblib.simulate.train",
     "SimulationUnavailable": "nblib.simulate.train",

@@ -21,8 +21,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from nblib.budget.allocator import CachingAllocatorModel, round_size
 from nblib.errors import ConfigError
-from nblib.simulate.allocator import CachingAllocatorModel, round_size
 
 SDPA_KERNELS = {  # backend name (nblib.trm.SDPA_BACKENDS) -> the aten kernel and its min compute capability
     "flash": ("_scaled_dot_product_flash_attention", 80),
