@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from nblib import budget, cache, encode, env, reference
+from nblib import budget, cache, encode, reference
 from nblib.config import preset
 from nblib.measure import synchronize as _sync
 
@@ -108,7 +108,7 @@ def report(title: str, config, device, n: int, result: dict) -> None:
     print(f"  {'consolidate afterwards':<34} {result['consolidate_s']:>10.2f} s")
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        preset_name = env.device_preset_name(name)
+        preset_name = budget.device_preset_name(name)
         peak = budget.DEVICES[preset_name].fp16_flops if preset_name else None
         mfu = (f"{result['stream'] * flops / peak:.1%} of {peak / 1e12:.0f} TFLOP/s fp16" if peak
                else "n/a (unknown GPU)")

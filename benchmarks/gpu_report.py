@@ -69,7 +69,7 @@ LONG_RUN_MIN_BATCHES = 100               # below this a drift slope means little
 
 def gpu_preset(device_name: str) -> budget.Device | None:
     """The nblib.budget.DEVICES entry of a GPU by its CUDA name; None for a GPU without a preset."""
-    name = env.device_preset_name(device_name)
+    name = budget.device_preset_name(device_name)
     return budget.device_preset(name) if name else None
 
 

@@ -10,7 +10,6 @@ import errno
 import importlib.util
 import os
 import platform
-import re
 import shutil
 import sys
 from dataclasses import dataclass, fields
@@ -225,31 +224,6 @@ def hardware_report(drive: str | Path | None = None, local: str | Path | None = 
 
 
 # ---------------------------------------------------------------------------------- helpers
-
-
-# A GPU's marketing name -> nblib.budget's device preset. Whole words only: "L4" must not match
-# "L40S", and an A100 80GB is not the a100-40gb preset. First match wins.
-GPU_PRESET_PATTERNS = (
-    ("t4", re.compile(r"\bT4\b", re.I)),
-    ("l4", re.compile(r"\bL4\b", re.I)),
-    ("a100-40gb", re.compile(r"\bA100\b(?!.*\b80\s*GB\b)", re.I)),
-    ("h100", re.compile(r"\bH100\b(?!.*\b(PCIe|NVL)\b)", re.I)),
-    ("h200", re.compile(r"\bH200\b(?!.*\bNVL\b)", re.I)),
-)
-
-
-def device_preset_name(gpu_name: str | None) -> str | None:
-    """The nblib.budget device preset of a GPU named as torch/nvidia-smi name it, or None if none fits.
-
-    "NVIDIA L4" -> "l4", "Tesla T4" -> "t4"; "NVIDIA L40S" and "NVIDIA A100-SXM4-80GB" -> None
-    (no preset has their memory or speed).
-    """
-    from nblib.budget.devices import DEVICES  # budget imports this module; at call time the two stay apart
-
-    if not gpu_name:
-        return None
-    return next((name for name, pattern in GPU_PRESET_PATTERNS
-                 if name in DEVICES and pattern.search(gpu_name)), None)
 
 
 def _colab_drive():

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from nblib import budget, env
+from nblib import budget
 
 
 @pytest.mark.parametrize("gpu_name, preset", [
@@ -13,12 +13,12 @@ from nblib import budget, env
     ("NVIDIA T400", None), ("NVIDIA RTX A4000", None), ("", None), (None, None),
 ])
 def test_gpu_names_map_to_their_preset_and_no_other(gpu_name, preset):
-    assert env.device_preset_name(gpu_name) == preset
+    assert budget.device_preset_name(gpu_name) == preset
 
 
 def test_every_preset_named_by_the_lookup_exists_or_is_skipped():
-    named = {name for name, _ in env.GPU_PRESET_PATTERNS}
+    named = {name for name, _ in budget.devices.GPU_PRESET_PATTERNS}
     gpu_presets = {name for name, device in budget.DEVICES.items() if device.is_gpu}
     assert gpu_presets <= named, gpu_presets - named   # every GPU preset can be found by its name
     for name in named - set(budget.DEVICES):           # a pattern without a preset never answers
-        assert env.device_preset_name(name.upper()) is None
+        assert budget.device_preset_name(name.upper()) is None

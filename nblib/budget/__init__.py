@@ -26,7 +26,7 @@ from nblib.budget.checkpoint import (
     shuffle_checkpoint,
     shuffle_checkpoint_table,
 )
-from nblib.budget.devices import DEVICES, Device, device_preset
+from nblib.budget.devices import DEVICES, Device, device_preset, device_preset_name
 from nblib.budget.disk import (
     CODEC_RATIO_ESTIMATE,
     NO_CACHE,
@@ -77,7 +77,8 @@ __all__ = [
     "NO_CACHE", "NPY_HEADER_BYTES", "OUTPUT_CHOICES", "RESOURCES", "RESTORE_RAM_FACTOR", "RUNTIME_RAM_CPU",
     "RUNTIME_RAM_CUDA", "Budget", "BudgetPlan", "Device", "Line", "ShardPlan", "ShuffleCheckpoint",
     "autocast_weight_count", "cache_bytes", "calibrate", "check_disk", "checkpoint_disk_peak",
-    "checkpoint_ram_peak", "choose_codec", "device_memory_lines", "device_preset", "disk_lines", "flops_per_image",
+    "checkpoint_ram_peak", "choose_codec", "device_memory_lines", "device_preset", "device_preset_name",
+    "disk_lines", "flops_per_image",
     "forward_peak_delta", "max_batch_size", "model_memory_lines", "output_bytes_per_batch",
     "output_bytes_per_image", "output_shapes", "param_count", "plan_budget", "plan_shards",
     "predict_budget", "preflight", "require_positive", "shuffle_checkpoint", "shuffle_checkpoint_table",

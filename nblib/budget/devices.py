@@ -1,6 +1,7 @@
 """The machines a job may run on: VRAM, RAM, disk and peak FLOP/s, each figure with its source."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from nblib.errors import ConfigError
@@ -77,6 +78,29 @@ DEVICES: dict[str, Device] = {
                    cuda_context_bytes=int(0.6 * GB), memory_bandwidth=4.8e12, tf32_flops=495e12,
                    compute_capability=90),
 }
+
+
+# A GPU's marketing name -> its device preset. Whole words only: "L4" must not match
+# "L40S", and an A100 80GB is not the a100-40gb preset. First match wins.
+GPU_PRESET_PATTERNS = (
+    ("t4", re.compile(r"\bT4\b", re.I)),
+    ("l4", re.compile(r"\bL4\b", re.I)),
+    ("a100-40gb", re.compile(r"\bA100\b(?!.*\b80\s*GB\b)", re.I)),
+    ("h100", re.compile(r"\bH100\b(?!.*\b(PCIe|NVL)\b)", re.I)),
+    ("h200", re.compile(r"\bH200\b(?!.*\bNVL\b)", re.I)),
+)
+
+
+def device_preset_name(gpu_name: str | None) -> str | None:
+    """The device preset of a GPU named as torch/nvidia-smi name it, or None if none fits.
+
+    "NVIDIA L4" -> "l4", "Tesla T4" -> "t4"; "NVIDIA L40S" and "NVIDIA A100-SXM4-80GB" -> None
+    (no preset has their memory or speed).
+    """
+    if not gpu_name:
+        return None
+    return next((name for name, pattern in GPU_PRESET_PATTERNS
+                 if name in DEVICES and pattern.search(gpu_name)), None)
 
 
 def gpu_preset(gpu: str | Device) -> Device:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from nblib.budget._checks import validated
 from nblib.budget.advice import advise_resource, knob_words
-from nblib.budget.devices import device_preset
+from nblib.budget.devices import device_preset, device_preset_name
 from nblib.budget.disk import cache_bytes, check_disk
 from nblib.budget.drive import cache_folder_check, run_folder_check, upload_check
 from nblib.budget.memory import RUNTIME_RAM_CPU, RUNTIME_RAM_CUDA
@@ -71,8 +71,6 @@ def preflight(config: PipelineConfig, workspace, *, job: str = "encode", device:
 
 def preset_of_this_gpu(gpu_name: str | None) -> str:
     """The device preset whose limits and advice fit this GPU: by its name, else the T4 (the smallest)."""
-    from nblib.env import device_preset_name
-
     return device_preset_name(gpu_name) or "t4"
 
 
