@@ -240,13 +240,13 @@ def test_another_zstd_level_is_another_cache(tmp_path):
         build(tmp_path / "x", "zstd", codec_level=99)
 
 
-def test_the_budget_and_the_registry_know_zstd():
-    from nblib import budget
+def test_the_budget_the_config_and_the_registry_know_the_same_codecs():
+    from nblib import budget, config
     from nblib.cache import CODECS
 
-    assert "zstd" in CODECS and "zstd" in budget.CODEC_RATIO_ESTIMATE
+    assert set(CODECS) == set(budget.CODEC_RATIO_ESTIMATE) == set(config.CODECS)
     assert budget.cache_bytes(1000, 224, "zstd") < budget.cache_bytes(1000, 224, "zlib")
-    assert CODECS["zstd"].bytes_per_image(224) == pytest.approx(224 * 224 * 3 * CODECS["zstd"].ratio_estimate)
+    assert budget.cache_bytes(1000, 224, "zstd") == budget.cache_bytes(1000, 224, "zstd", 224 * 224 * 3 * 0.09)
 
 
 # ------------------------------------------------------------------------------ format versions

@@ -1,7 +1,8 @@
 """The cache's codec registry: how one uint8 [H, W, 3] image becomes stored bytes, and back.
 
-`CODECS` maps a name to a `Codec` (its shard suffix, a level range, and a bytes-per-image
-estimate the budget and planner use until a sample is measured). `CodecSpec` is one cache's
+`CODECS` maps a name to a `Codec` (its shard suffix and a level range; the bytes each codec is
+assumed to store before a sample is measured are the budget's: nblib.budget.CODEC_RATIO_ESTIMATE,
+the same names, which tests/test_cache_checks.py holds equal). `CodecSpec` is one cache's
 choice (name, level, zstd dictionary): what the manifest records and `codec_for` turns into an
 encoder/decoder. Trade-offs, measured on the sample texts (benchmarks/cache_throughput.py):
 raw costs H*W*3 bytes and no decode; zlib (deflate, level 1) is ~30x smaller on text images;
@@ -33,18 +34,13 @@ DICT_MIN_GAIN = 0.05    # keep the dictionary only when held-out images shrink b
 
 @dataclass(frozen=True)
 class Codec:
-    """One entry of the registry: a stored format for images, and what the budget assumes of it."""
+    """One entry of the registry: a stored format for images."""
 
     name: str
     suffix: str                     # shard file suffix
-    ratio_estimate: float           # stored bytes / raw bytes, assumed until a sample is measured
     levels: tuple[int, int] | None  # allowed compression levels, None when there is no knob
     default_level: int | None
     note: str
-
-    def bytes_per_image(self, image_size: int, channels: int = 3) -> float:
-        """The estimated stored bytes of one image of `image_size` px (before measuring a sample)."""
-        return float(image_size * image_size * channels * self.ratio_estimate)
 
     def level(self, level: int | None) -> int | None:
         """The level to use (the default for None); ConfigError outside the codec's range."""
@@ -61,14 +57,11 @@ class Codec:
         return level
 
 
-# Estimates: png 0.14 is the reference analysis (1,907,747 images at 224 px in ~40 GB of 287 GB
-# raw); zlib lands a little worse (no row filters); zstd level 3 with a dictionary stored the
-# sample texts 0.56x zlib's bytes at 224 px (0.09 of raw when scaled to the reference's 0.16).
 CODECS: dict[str, Codec] = {
-    "raw": Codec("raw", ".npy", 1.0, None, None, "uint8 [n, H, W, 3] .npy, memory-mapped, no decode"),
-    "png": Codec("png", ".pngs", 0.14, (0, 9), PNG_LEVEL, "PNG per image (Pillow), row filters + deflate"),
-    "zlib": Codec("zlib", ".zlib", 0.16, (0, 9), ZLIB_LEVEL, "deflate over raw pixel rows"),
-    "zstd": Codec("zstd", ".zst", 0.09, (1, 22), ZSTD_LEVEL,
+    "raw": Codec("raw", ".npy", None, None, "uint8 [n, H, W, 3] .npy, memory-mapped, no decode"),
+    "png": Codec("png", ".pngs", (0, 9), PNG_LEVEL, "PNG per image (Pillow), row filters + deflate"),
+    "zlib": Codec("zlib", ".zlib", (0, 9), ZLIB_LEVEL, "deflate over raw pixel rows"),
+    "zstd": Codec("zstd", ".zst", (1, 22), ZSTD_LEVEL,
                   "zstandard, with a dictionary trained on the first shard when it pays"),
 }
 
