@@ -161,8 +161,8 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple((name, frozenset(members.
     ("core", "errors units atomic manifest config lock disk malloc pool proc compare verdict reference sdpa "
              "render"),
     ("machine", "env"),                                   # where am I: Colab / local, Drive, hardware
-    ("models and predictions", "trm budget measure shuffle"),
-    ("storage", "store cache codec_sizes"),
+    ("models and predictions", "trm budget measure"),     # budget: pure calculators every job preflights with
+    ("data and storage", "store cache shuffle codec_sizes"),
     ("jobs", "encode train export pipeline tfdata"),
     ("simulation", "simulate"),                           # runs the jobs' own code on a fake GPU
     ("notebooks", "lab suite"),
