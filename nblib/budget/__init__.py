@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from nblib.budget._checks import require_positive
 from nblib.budget.advice import Advice, Suggestion, advise, advise_resource
-from nblib.budget.checkpoint import (
+from nblib.budget.shuffle_checkpoint import (
     RESTORE_RAM_FACTOR,
     ShuffleCheckpoint,
     checkpoint_disk_peak,
