@@ -8,8 +8,15 @@ turns a tensor, a dict or a transformers ModelOutput into named tensors; `model_
 """
 from __future__ import annotations
 
-from nblib.models.identity import describe_changes, identity_changes, model_identity, preprocessing_of
-from nblib.models.load import DEFAULT_SPEC, SPEC_FORMS, LoadedModel, hf_config_dict, load_model, parse_spec
+from nblib.models.identity import (
+    describe_changes,
+    hf_config_dict,
+    identity_changes,
+    model_identity,
+    module_config,
+    preprocessing_of,
+)
+from nblib.models.load import DEFAULT_SPEC, SPEC_FORMS, LoadedModel, load_model, parse_spec
 from nblib.models.outputs import named_outputs
 from nblib.models.preprocessing import (
     Preprocessing,
@@ -31,6 +38,7 @@ from nblib.models.weights import (
 __all__ = [
     "DEFAULT_SPEC", "SPEC_FORMS", "LoadedModel", "Preprocessing", "check_state_dict", "describe_changes",
     "hf_config_dict", "hf_processor_defaults", "identity_changes", "load_model", "load_weights", "model_identity",
-    "named_outputs", "parse_spec", "preprocessing_from", "preprocessing_from_hf", "preprocessing_from_timm",
-    "preprocessing_of", "read_state_dict", "read_weights", "save_weights", "trm_preprocessing", "weights_sha256",
+    "module_config", "named_outputs", "parse_spec", "preprocessing_from", "preprocessing_from_hf",
+    "preprocessing_from_timm", "preprocessing_of", "read_state_dict", "read_weights", "save_weights",
+    "trm_preprocessing", "weights_sha256",
 ]

@@ -8,10 +8,12 @@ the message but is not compared: the same model reached by another spec is the s
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from nblib.models.preprocessing import Preprocessing
 from nblib.models.weights import weights_sha256
 
+_VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path")
 COMPARED = ("class", "config", "weights_sha256", "preprocessing")
 _SHOWN = 6
 
@@ -19,13 +21,31 @@ _SHOWN = 6
 def model_identity(model, spec: str, preprocessing: Preprocessing, config: dict | None = None) -> dict:
     """The identity of `model` (an nn.Module) as JSON-able data; `config` defaults to what the module carries."""
     if config is None:
-        from nblib.models.load import _module_config
-
-        config = _module_config(model)
+        config = module_config(model)
     cls = type(model)
     return {"spec": spec, "class": f"{cls.__module__}.{cls.__qualname__}", "config": config,
             "weights_sha256": weights_sha256(model), "parameters": sum(p.numel() for p in model.parameters()),
             "preprocessing": {"fingerprint": preprocessing.fingerprint(), **preprocessing.fields()}}
+
+
+def module_config(module) -> dict | None:
+    """A module's config as JSON-able data, when it carries one (a transformers config or a dataclass)."""
+    cfg = getattr(module, "config", None)
+    if cfg is None:
+        return None
+    if hasattr(cfg, "to_dict"):
+        return hf_config_dict(cfg)
+    if dataclasses.is_dataclass(cfg):
+        return json.loads(json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str))
+    return None
+
+
+def hf_config_dict(hf_config) -> dict:
+    """A transformers config as JSON-able data, without the keys that change with the library, not the model."""
+    data = json.loads(json.dumps(hf_config.to_dict(), sort_keys=True, default=str))
+    for key in _VOLATILE_CONFIG_KEYS:
+        data.pop(key, None)
+    return data
 
 
 def identity_changes(old: dict, new: dict) -> list[str]:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nblib.errors import MissingDependency, ModelSpecError, WeightsError
+from nblib.models.identity import hf_config_dict, model_identity, module_config
 from nblib.models.preprocessing import (
     Preprocessing,
     hf_processor_defaults,
@@ -37,7 +38,6 @@ TRANSFORMERS_PIN = "transformers==5.24.0"
 TIMM_FIX = ("timm needs torchvision built for the installed torch: pip install timm torchvision "
             "--index-url https://download.pytorch.org/whl/cpu (a CPU torch), or the matching CUDA wheel; "
             "or use hf:CLASS (transformers) or package.module:factory")
-_VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path")
 
 
 @dataclass
@@ -58,8 +58,6 @@ class LoadedModel:
         return named_outputs(self.module(self.preprocessing.apply(images)))
 
     def identity(self) -> dict:
-        from nblib.models.identity import model_identity
-
         return model_identity(self.module, self.spec, self.preprocessing, config=self.config)
 
 
@@ -148,14 +146,6 @@ def _build_hf(spec: str, rest: str, *, config, seed: int) -> LoadedModel:
     return LoadedModel(module, spec, "hf", pre, hf_config_dict(hf_config))
 
 
-def hf_config_dict(hf_config) -> dict:
-    """A transformers config as JSON-able data, without the keys that change with the library, not the model."""
-    data = json.loads(json.dumps(hf_config.to_dict(), sort_keys=True, default=str))
-    for key in _VOLATILE_CONFIG_KEYS:
-        data.pop(key, None)
-    return data
-
-
 def _hf_config(cls, path: str):
     file = Path(path)
     if not file.is_file():
@@ -224,19 +214,7 @@ def _build_factory(spec: str, rest: str, *, config, seed: int) -> LoadedModel:
                              f"torch.nn.Module; return the module itself")
     pre = getattr(module, "preprocessing", None)
     pre = preprocessing_from(pre) if pre is not None else Preprocessing()
-    return LoadedModel(module, spec, "factory", pre, _module_config(module))
-
-
-def _module_config(module) -> dict | None:
-    """A factory model's config, when it carries one (a transformers config or a dataclass)."""
-    cfg = getattr(module, "config", None)
-    if cfg is None:
-        return None
-    if hasattr(cfg, "to_dict"):
-        return hf_config_dict(cfg)
-    if dataclasses.is_dataclass(cfg):
-        return json.loads(json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str))
-    return None
+    return LoadedModel(module, spec, "factory", pre, module_config(module))
 
 
 def _load_weights(loaded: LoadedModel, weights) -> None:
