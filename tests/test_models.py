@@ -61,6 +61,7 @@ def test_hf_vit_from_a_config_file_gives_named_outputs_and_the_processor_preproc
     assert list(out) == ["last_hidden_state", "pooler_output"]
     assert out["last_hidden_state"].shape == (2, 17, 32) and out["pooler_output"].shape == (2, 32)
     assert model.config["hidden_size"] == 32 and "transformers_version" not in model.config
+    assert model.output_shapes(32) == {"last_hidden_state": (17, 32), "pooler_output": (32,)}
 
 
 def test_hf_resnet_takes_its_size_from_the_image_processor_when_the_config_has_none(tmp_path):
@@ -178,7 +179,7 @@ def test_weights_round_trip_through_safetensors_and_torch(vit_spec, tmp_path, su
 def test_trm_weights_from_save_weights_load_and_another_shapes_are_refused(tmp_path):
     from nblib.config import preset
 
-    trm = load_model("trm:smoke", seed=3)
+    trm = load_model("trm:smoke")
     trm.module.save_weights(tmp_path / "trm.pt")
     assert load_model("trm:smoke", weights=tmp_path / "trm.pt").identity() == trm.identity()
     other = preset("smoke")

@@ -57,6 +57,15 @@ class LoadedModel:
 
         return named_outputs(self.module(self.preprocessing.apply(images)))
 
+    def output_shapes(self, image_size: int) -> dict[str, tuple[int, ...]]:
+        """{output name: shape of one sample's output} for cache images of `image_size`, from a CPU forward."""
+        import torch
+
+        images = torch.zeros(2, image_size, image_size, 3, dtype=torch.uint8)
+        with torch.no_grad():
+            outputs = self(images)
+        return {name: tuple(t.shape[1:]) for name, t in outputs.items()}
+
     def identity(self) -> dict:
         return model_identity(self.module, self.spec, self.preprocessing, config=self.config)
 
