@@ -361,3 +361,11 @@ def test_importing_nblib_models_imports_neither_torch_nor_transformers():
     code = "import sys, nblib.models; print('torch' in sys.modules, 'transformers' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False False"
+
+
+@pytest.mark.slow
+def test_hf_vit_model_from_its_default_config_is_vit_b16():
+    model = load_model("hf:ViTModel")
+    assert sum(p.numel() for p in model.module.parameters()) == 86_389_248
+    assert model.preprocessing.size == (224, 224) and model.preprocessing.mean == (0.5, 0.5, 0.5)
+    assert model.output_shapes(224) == {"last_hidden_state": (197, 768), "pooler_output": (768,)}
