@@ -35,8 +35,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 _SUBMODULES = (
-    "atomic", "budget", "cache", "cli", "config", "encode", "env", "lab", "lock", "manifest", "measure",
-    "pipeline", "plots", "proc", "reference", "render", "shuffle", "store", "suite", "tfdata", "trm",
+    "atomic", "budget", "cache", "cli", "config", "encode", "env", "lab", "lock", "manifest", "measure", "models",
+    "pipeline", "plots", "proc", "reference", "render", "shuffle", "store", "suite", "t4_speed", "tfdata", "trm",
     "units", "widgets",
 )
 

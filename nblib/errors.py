@@ -9,8 +9,8 @@ from __future__ import annotations
 
 __all__ = [
     "BudgetExceeded", "CacheError", "ConfigError", "DriveError", "EmptyPipelineError", "FolderBusyError",
-    "InputError", "LockLostError", "ManifestDamaged", "NblibError", "PeerLost", "ResumeMismatch",
-    "StateError", "WeightsError",
+    "InputError", "LockLostError", "ManifestDamaged", "MissingDependency", "ModelOutputError", "ModelSpecError",
+    "NblibError", "PeerLost", "ResumeMismatch", "StateError", "WeightsError",
 ]
 
 
@@ -52,6 +52,18 @@ class ManifestDamaged(StateError):
 
 class WeightsError(ConfigError):
     """A weights file is for another model shape (or is not a weights file at all)."""
+
+
+class ModelSpecError(ConfigError):
+    """A --model spec cannot be built: bad form, unknown class or name, a factory that returns no nn.Module."""
+
+
+class ModelOutputError(NblibError, TypeError):
+    """A model's forward returned something other than a tensor, a dict of tensors or a ModelOutput."""
+
+
+class MissingDependency(NblibError, ImportError):
+    """An optional package a model needs (transformers, timm, safetensors) is absent or does not load."""
 
 
 class FolderBusyError(NblibError):

@@ -1,0 +1,243 @@
+"""`load_model(spec)`: any torch module from a string, built with seeded random weights, nothing downloaded.
+
+Specs (the `--model` argument):
+  trm | trm:PRESET           the suite's TRM encoder (the default), shaped by the run's config or a preset
+  hf:CLASS                   a transformers model class built from its default config
+  hf:CLASS:config.json       ... from a config file (its model_type must be the class's)
+  timm:NAME                  timm.create_model(NAME, pretrained=False), where timm imports
+  package.module:factory     an importable callable that returns an nn.Module
+Random weights come from `seed` in a forked RNG (the same seed gives the same weights, the
+caller's RNG is untouched); `weights=` loads a safetensors or torch state dict strictly over them.
+Trade-off: transformers and timm are imported only here, so a missing one fails at the model, not at
+`import nblib`, with the install line in the message.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+from nblib.errors import MissingDependency, ModelSpecError, WeightsError
+from nblib.models.identity import hf_config_dict, model_identity, module_config
+from nblib.models.preprocessing import (
+    Preprocessing,
+    hf_processor_defaults,
+    preprocessing_from,
+    preprocessing_from_hf,
+    preprocessing_from_timm,
+    trm_preprocessing,
+)
+
+DEFAULT_SPEC = "trm"
+SPEC_FORMS = ("trm", "trm:PRESET", "hf:CLASS", "hf:CLASS:config.json", "timm:NAME", "package.module:factory")
+TRANSFORMERS_PIN = "transformers==5.24.0"
+TIMM_FIX = ("timm needs torchvision built for the installed torch: pip install timm torchvision "
+            "--index-url https://download.pytorch.org/whl/cpu (a CPU torch), or the matching CUDA wheel; "
+            "or use hf:CLASS (transformers) or package.module:factory")
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run: the module, how its input is made, and what it is (for the run's identity)."""
+
+    module: object                     # torch.nn.Module (torch imported lazily)
+    spec: str
+    kind: str                          # "trm", "hf", "timm" or "factory"
+    preprocessing: Preprocessing
+    config: dict | None                # JSON-able: what built the module
+    weights: str | None = None         # the weights file loaded over the seeded initial weights
+
+    def __call__(self, images) -> OrderedDict:
+        """uint8 [B, H, W, 3] -> {output name: tensor} (see nblib.models.outputs)."""
+        from nblib.models.outputs import named_outputs
+
+        return named_outputs(self.module(self.preprocessing.apply(images)))
+
+    def output_shapes(self, image_size: int) -> dict[str, tuple[int, ...]]:
+        """{output name: shape of one sample's output} for cache images of `image_size`, from a CPU forward."""
+        import torch
+
+        images = torch.zeros(2, image_size, image_size, 3, dtype=torch.uint8)
+        with torch.no_grad():
+            outputs = self(images)
+        return {name: tuple(t.shape[1:]) for name, t in outputs.items()}
+
+    def identity(self) -> dict:
+        return model_identity(self.module, self.spec, self.preprocessing, config=self.config)
+
+
+def load_model(spec: str | None = None, weights: str | Path | None = None, *, config=None, seed: int = 0,
+               preprocessing: Preprocessing | dict | None = None) -> LoadedModel:
+    """The model `spec` names (DEFAULT_SPEC: the TRM), its weights loaded when a file is given.
+
+    config: the run's PipelineConfig (or ModelConfig) for the TRM; seed: the random weights' seed
+    (the TRM takes its config's run seed); preprocessing overrides the derived one.
+    ModelSpecError for a bad spec, MissingDependency for an absent package, WeightsError for weights
+    of another model.
+    """
+    spec = (spec or DEFAULT_SPEC).strip()
+    kind, rest = _split(spec)
+    builder = {"trm": _build_trm, "hf": _build_hf, "timm": _build_timm, "factory": _build_factory}[kind]
+    loaded = builder(spec, rest, config=config, seed=seed)
+    if preprocessing is not None:
+        loaded.preprocessing = preprocessing_from(preprocessing)
+    if weights is not None:
+        _load_weights(loaded, weights)
+    loaded.module.eval()
+    return loaded
+
+
+def parse_spec(spec: str) -> tuple[str, str]:
+    """(kind, rest) of a spec: kind is trm, hf, timm or factory; ModelSpecError for another form."""
+    return _split((spec or DEFAULT_SPEC).strip())
+
+
+def _split(spec: str) -> tuple[str, str]:
+    head, sep, rest = spec.partition(":")
+    if head == "trm":
+        return "trm", rest
+    if head in ("hf", "timm"):
+        if not rest:
+            raise ModelSpecError(f"model spec {spec!r} names no {'class' if head == 'hf' else 'model'}; "
+                                 f"write {head}:{'CLASS' if head == 'hf' else 'NAME'} (e.g. hf:ViTModel)")
+        return head, rest
+    if sep and head and rest and all(part.isidentifier() for part in head.split(".")) \
+            and all(part.isidentifier() for part in rest.split(".")):
+        return "factory", spec
+    raise ModelSpecError(f"model spec {spec!r} is not one nblib knows; write one of: {', '.join(SPEC_FORMS)}")
+
+
+def _seeded(seed: int, build):
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return build()
+
+
+def _build_trm(spec: str, rest: str, *, config, seed: int) -> LoadedModel:
+    from nblib.config import ModelConfig, PipelineConfig, preset
+    from nblib.trm import TRMVisionEncoder
+
+    if rest:
+        config = preset(rest)
+    config = config if config is not None else PipelineConfig()
+    if not isinstance(config, (PipelineConfig, ModelConfig)):
+        raise ModelSpecError(f"the TRM takes a PipelineConfig or ModelConfig, not {type(config).__name__}")
+    trm_seed = config.run.seed if isinstance(config, PipelineConfig) else seed
+    module = TRMVisionEncoder(config, seed=trm_seed)
+    shape = dataclasses.asdict(module.config)
+    return LoadedModel(module, spec, "trm", trm_preprocessing(module.config.image_size),
+                       {"model": shape, "seed": trm_seed})
+
+
+def _build_hf(spec: str, rest: str, *, config, seed: int) -> LoadedModel:
+    import torch
+
+    transformers = _import_transformers()
+    class_name, _, config_path = rest.partition(":")
+    cls = getattr(transformers, class_name, None) if class_name.isidentifier() else None
+    if cls is None:
+        close = difflib.get_close_matches(class_name, [n for n in dir(transformers) if n.endswith("Model")], n=3)
+        hint = f"; close: {', '.join(close)}" if close else ""
+        raise ModelSpecError(f"transformers {transformers.__version__} has no class {class_name!r}{hint}; "
+                             f"name a model class such as ViTModel, ResNetModel, ConvNextModel, CLIPVisionModel")
+    if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module) and getattr(cls, "config_class", None)):
+        raise ModelSpecError(f"transformers.{class_name} is not a model class (an nn.Module with a "
+                             f"config_class); name one such as ViTModel")
+    hf_config = _hf_config(cls, config_path) if config_path else cls.config_class()
+    module = _seeded(seed, lambda: cls(hf_config))
+    pre = preprocessing_from_hf(hf_config, hf_processor_defaults(hf_config))
+    return LoadedModel(module, spec, "hf", pre, hf_config_dict(hf_config))
+
+
+def _hf_config(cls, path: str):
+    file = Path(path)
+    if not file.is_file():
+        raise ModelSpecError(f"config {file} for {cls.__name__} does not exist; pass a config.json "
+                             f"(e.g. written by {cls.config_class.__name__}().to_json_file(path))")
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelSpecError(f"config {file} is not JSON ({exc}); write it with "
+                             f"{cls.config_class.__name__}().to_json_file(path)") from None
+    expected = getattr(cls.config_class, "model_type", "")
+    if not isinstance(data, dict) or data.get("model_type", expected) != expected:
+        found = data.get("model_type") if isinstance(data, dict) else type(data).__name__
+        raise ModelSpecError(f"config {file} is for model_type {found!r}; {cls.__name__} takes "
+                             f"{expected!r}: pass that model's config, or name the class it is for")
+    try:
+        return cls.config_class.from_dict(data)
+    except Exception as exc:   # noqa: BLE001 - a config class may refuse a field with any error
+        raise ModelSpecError(f"config {file} does not build a {cls.config_class.__name__} "
+                             f"({type(exc).__name__}: {exc})") from None
+
+
+def _import_transformers():
+    try:
+        import transformers
+    except ImportError as exc:
+        raise MissingDependency(f"hf: models need transformers, which does not import here ({exc}): "
+                                f"pip install {TRANSFORMERS_PIN}") from None
+    return transformers
+
+
+def _build_timm(spec: str, name: str, *, config, seed: int) -> LoadedModel:
+    try:
+        import timm
+        import timm.data
+    except Exception as exc:   # noqa: BLE001 - absent, or torchvision's wheel failing against this torch
+        raise MissingDependency(f"timm:{name} needs timm, which does not import here "
+                                f"({type(exc).__name__}: {str(exc)[:160]}); {TIMM_FIX}") from None
+    try:
+        module = _seeded(seed, lambda: timm.create_model(name, pretrained=False))
+    except RuntimeError as exc:
+        raise ModelSpecError(f"timm has no model {name!r} ({exc}); list them with timm.list_models()") from None
+    pre = preprocessing_from_timm(timm.data.resolve_data_config({}, model=module))
+    return LoadedModel(module, spec, "timm", pre, {"name": name, "timm_version": str(timm.__version__)})
+
+
+def _build_factory(spec: str, rest: str, *, config, seed: int) -> LoadedModel:
+    import torch
+
+    module_name, _, attr = rest.partition(":")
+    try:
+        target = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ModelSpecError(f"model factory {spec!r}: module {module_name!r} does not import ({exc}); put its "
+                             f"folder on PYTHONPATH (or install it), or fix the spec") from None
+    for part in attr.split("."):
+        if not hasattr(target, part):
+            raise ModelSpecError(f"model factory {spec!r}: {module_name} has no {attr!r}; name a callable "
+                                 f"that returns an nn.Module")
+        target = getattr(target, part)
+    if not callable(target):
+        raise ModelSpecError(f"model factory {spec!r} is a {type(target).__name__}, not a callable")
+    module = _seeded(seed, target)
+    if not isinstance(module, torch.nn.Module):
+        raise ModelSpecError(f"model factory {spec!r} returned a {type(module).__name__}, not a "
+                             f"torch.nn.Module; return the module itself")
+    pre = getattr(module, "preprocessing", None)
+    pre = preprocessing_from(pre) if pre is not None else Preprocessing()
+    return LoadedModel(module, spec, "factory", pre, module_config(module))
+
+
+def _load_weights(loaded: LoadedModel, weights) -> None:
+    from nblib.models.weights import check_state_dict, read_weights
+
+    state, saved_config = read_weights(weights)
+    if loaded.kind == "trm" and saved_config is not None and saved_config != loaded.config["model"]:
+        raise WeightsError(f"weights in {weights} are for TRM {saved_config}, this model is "
+                           f"{loaded.config['model']}; build it with the config the weights came from")
+    check_state_dict(loaded.module, state, where=str(weights))
+    try:
+        loaded.module.load_state_dict(state, strict=True)
+    except RuntimeError as exc:    # dtype casts torch refuses; keys and shapes were checked above
+        raise WeightsError(f"weights in {weights} do not load into {type(loaded.module).__name__}: "
+                           f"{str(exc)[:300]}") from None
+    loaded.weights = str(weights)
+
