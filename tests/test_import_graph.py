@@ -159,9 +159,9 @@ def test_every_package_declares_its_public_names_and_each_resolves(package):
 # package graph has no cycle either (test below). A module two layers need goes in the lower one.
 LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple((name, frozenset(members.split())) for name, members in (
     ("core", "errors units atomic manifest config lock disk malloc pool proc compare verdict reference sdpa "
-             "render"),
+             "render t4_speed"),
     ("machine", "env"),                                   # where am I: Colab / local, Drive, hardware
-    ("models and predictions", "trm budget measure"),     # budget: pure calculators every job preflights with
+    ("models and predictions", "trm models budget measure"),     # budget: pure calculators every job preflights with
     ("data and storage", "store cache shuffle codec_sizes"),
     ("jobs", "encode train export pipeline tfdata"),
     ("simulation", "simulate"),                           # runs the jobs' own code on a fake GPU

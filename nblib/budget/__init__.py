@@ -18,14 +18,6 @@ from __future__ import annotations
 
 from nblib.budget._checks import require_positive
 from nblib.budget.advice import Advice, Suggestion, advise, advise_resource
-from nblib.budget.shuffle_checkpoint import (
-    RESTORE_RAM_FACTOR,
-    ShuffleCheckpoint,
-    checkpoint_disk_peak,
-    checkpoint_ram_peak,
-    shuffle_checkpoint,
-    shuffle_checkpoint_table,
-)
 from nblib.budget.devices import DEVICES, Device, device_preset, device_preset_name
 from nblib.budget.disk import (
     CODEC_RATIO_ESTIMATE,
@@ -67,6 +59,14 @@ from nblib.budget.memory import (
 from nblib.budget.predict import Budget, calibrate, max_batch_size, predict_budget
 from nblib.budget.preflight import preflight
 from nblib.budget.resources import KNOBS, RESOURCES
+from nblib.budget.shuffle_checkpoint import (
+    RESTORE_RAM_FACTOR,
+    ShuffleCheckpoint,
+    checkpoint_disk_peak,
+    checkpoint_ram_peak,
+    shuffle_checkpoint,
+    shuffle_checkpoint_table,
+)
 from nblib.config import OUTPUT_CHOICES
 
 __all__ = [
