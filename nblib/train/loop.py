@@ -263,9 +263,13 @@ def _after_step(step, loss, model, cache, labels, held_idx, config, plan, optimi
 
 
 def final_payload(model: Classifier, classes: list[str], config: TrainConfig) -> dict:
-    """What final.pt holds: TRMVisionEncoder.save_weights's payload, plus the head and its classes."""
-    return {"config": model.encoder.config.__dict__, "state_dict": model.encoder.state_dict(),
-            "head": {k: v for k, v in model.state_dict().items() if not k.startswith("encoder.")},
+    """What final.pt holds: TRMVisionEncoder.save_weights's payload, plus the head and its classes.
+
+    Host tensors (a no-op on CPU): a T4 run's weights open with a plain torch.load on a CPU machine.
+    """
+    return {"config": model.encoder.config.__dict__,
+            "state_dict": {k: v.cpu() for k, v in model.encoder.state_dict().items()},
+            "head": {k: v.cpu() for k, v in model.state_dict().items() if not k.startswith("encoder.")},
             "classes": list(classes), "train": config.to_dict()}
 
 
