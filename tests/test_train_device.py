@@ -245,6 +245,20 @@ def test_the_loader_pins_batches_for_cuda_and_never_forks_beside_a_live_thread(c
     assert all(torch.equal(a, b) for a, b in zip(forked, inline))
 
 
+def test_a_main_script_forkserver_cannot_import_keeps_fork(monkeypatch):
+    from nblib.train.loop import worker_start_method
+
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait, daemon=True)
+    thread.start()
+    try:
+        monkeypatch.setattr(sys.modules["__main__"], "__file__", "<stdin>", raising=False)
+        assert worker_start_method() == "fork"                 # python - < script.py: nothing to import
+    finally:
+        stop.set()
+        thread.join()
+
+
 # ------------------------------------------------------------------------------ ranks
 
 

@@ -435,12 +435,20 @@ def _loader(cache_dir, labels, plan, start, stop, rank, world_size, config):
 
 def worker_start_method() -> str:
     """fork while this process has one thread; forkserver once others run (the checkpoint writer, the mirror,
-    fsspec's event loop, a notebook kernel's): a forked child gets their locks held, and can hang on them.
-    Workers only read images by index, so the start method changes no byte of a batch.
+    fsspec's event loop, tqdm's monitor, a notebook kernel's): a forked child gets their locks held, and can
+    hang on them. Workers only read images by index, so the start method changes no byte of a batch.
+
+    forkserver imports the main script in its server (Python's rule for spawn, and Linux's default start
+    method from Python 3.14): a script that calls `train` with workers guards it with
+    `if __name__ == "__main__":`. A main module with no file to import (a script read from stdin) keeps fork.
     """
+    import sys
     import threading
 
-    return "fork" if threading.active_count() == 1 else "forkserver"
+    main = getattr(sys.modules.get("__main__"), "__file__", None)
+    if threading.active_count() == 1 or (main is not None and not os.path.isfile(main)):
+        return "fork"
+    return "forkserver"
 
 
 def _warmup_cosine(warmup: int, total: int):
