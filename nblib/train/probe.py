@@ -144,11 +144,13 @@ def _worker(payload: dict) -> dict:
     pin_malloc_mmap_threshold()
     device, batch, cap = payload["device"], payload["batch"], payload["cap"]
     cuda = device.startswith("cuda")
-    if cuda:
-        torch.cuda.set_device(torch.device(device))
+    if cuda:           # set_device and the fraction take an index ("cuda" alone: the current GPU)
+        index = torch.device(device).index
+        index = torch.cuda.current_device() if index is None else index
+        torch.cuda.set_device(index)
         if cap:        # before the first allocation: every reservation counts against it
-            total = torch.cuda.get_device_properties(torch.device(device)).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), torch.device(device))
+            total = torch.cuda.get_device_properties(index).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, float(cap) / total), index)
     step = _steps(payload)
     step(2)
     rss_before = _rss()
