@@ -384,6 +384,7 @@ def train_main(argv: list[str]) -> int:
 def _train_args(argv: list[str]) -> argparse.Namespace:
     from nblib.errors import ConfigError
     from nblib.train.config import LABELS, METRICS, PRECISIONS
+    from nblib.train.device import require_device
 
     p = argparse.ArgumentParser(prog="python -m nblib train", description=train_main.__doc__, exit_on_error=False)
     p.add_argument("--cache", help="folder of a ShardedImageCache built from a .jsonl texts file (required)")
@@ -398,7 +399,7 @@ def _train_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--labels", choices=LABELS, default="kind")
     p.add_argument("--texts", help="the .jsonl the cache was rendered from (default: the path its manifest records)")
     p.add_argument("--precision", choices=PRECISIONS, default="fp32")
-    p.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
+    p.add_argument("--device", help="cpu | cuda | cuda:N (default: cuda when a GPU is present, else cpu)")
     p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes (default 0)")
     p.add_argument("--save-every", type=positive_int, default=5, help="local checkpoint interval, steps")
     p.add_argument("--backup-every", type=positive_int, default=10, help="mirror interval, steps")
@@ -421,6 +422,7 @@ def _train_args(argv: list[str]) -> argparse.Namespace:
     if missing:
         raise ConfigError(f"train needs {', '.join(missing)}: python -m nblib train --cache CACHE --out RUN "
                           f"--steps N [--batch-size B] [--seed S] [--mirror DIR_OR_URL]")
+    args.device = require_device(args.device)    # before any rank joins: one error line, not a CUDA traceback
     return args
 
 

@@ -8,9 +8,9 @@ is this `FolderBusyError`).
 from __future__ import annotations
 
 __all__ = [
-    "BudgetExceeded", "CacheError", "ConfigError", "DriveError", "EmptyPipelineError", "FolderBusyError",
-    "InputError", "LockLostError", "ManifestDamaged", "MissingDependency", "ModelOutputError", "ModelSpecError",
-    "NblibError", "PeerLost", "ResumeMismatch", "StateError", "WeightsError",
+    "BudgetExceeded", "CacheError", "ConfigError", "DeterminismError", "DriveError", "EmptyPipelineError",
+    "FolderBusyError", "InputError", "LockLostError", "ManifestDamaged", "MissingDependency", "ModelOutputError",
+    "ModelSpecError", "NblibError", "PeerLost", "ResumeMismatch", "StateError", "TrainingDiverged", "WeightsError",
 ]
 
 
@@ -81,3 +81,11 @@ class PeerLost(NblibError):
 class EmptyPipelineError(NblibError, ValueError):
     """A pipeline yielded no batch (or fewer than its warm-up) to measure."""
 
+
+
+class DeterminismError(NblibError):
+    """A run cannot be made reproducible here: an op without a deterministic kernel, or cuBLAS set up too early."""
+
+
+class TrainingDiverged(NblibError):
+    """A training step gave a non-finite loss or weights: nothing after the last good state is saved."""

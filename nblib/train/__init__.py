@@ -9,11 +9,19 @@
 - `objstore`: fsspec (s3://, gs://) as the mirror's file operations.
 - `loop`: `train`, the loop behind `python -m nblib train` and notebook 06.
 - `ops`: bucket cost from a dated price table, disk and Drive-quota warnings.
+- `device`: the device check (cuda by default when present), strict determinism, dropout's keys.
 torch is imported when `train` (or a module that needs it) is first used, not by `import nblib`.
+Importing this package sets CUBLAS_WORKSPACE_CONFIG=:4096:8 unless it is set: cuBLAS is
+reproducible only with it, and torch reads it once, at the first CUDA matrix product, so it
+must be there before any CUDA cell runs (`nblib.train.device`).
 """
 from __future__ import annotations
 
+import os
+
 from nblib.train.config import TrainConfig
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 __all__ = ["TrainConfig", "TrainReport", "train", "TrainStore"]
 

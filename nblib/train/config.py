@@ -39,7 +39,7 @@ class TrainConfig:
     holdout: float = 0.2
     dropout: float = 0.1            # on the head's input: drawn from the torch RNG, which the state keeps
     precision: str = "fp32"
-    device: str = "cpu"
+    device: str | None = None       # None: cuda when a GPU is present, else cpu (resolved here, so never None)
     seed: int = 0
     save_every: int = 5             # local checkpoint interval (steps)
     backup_every: int = 10          # mirror (Drive / bucket) interval (steps), a multiple of save_every
@@ -49,6 +49,9 @@ class TrainConfig:
     workers: int = 0
 
     def __post_init__(self):
+        from .device import check_device
+
+        object.__setattr__(self, "device", check_device(self.device))
         for f in fields(self):
             value = getattr(self, f.name)
             if f.type in ("int", int) and (isinstance(value, bool) or not isinstance(value, int)):

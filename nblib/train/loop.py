@@ -4,10 +4,14 @@
 on the same folder resumes from the newest state that loads (local first, then the mirror) and
 gives the same final bytes as an uninterrupted run: every input of a step is in the state (weights,
 AdamW moments, schedule, scaler, the RNGs dropout draws from, the data order as a
-shuffle state), CPU kernels run with `torch.use_deterministic_algorithms(True)`, and the loader's
-workers only read images by index, so 0 or 2 workers give the same batches. Under `torchrun`
-the model is wrapped in DistributedDataParallel (gloo on CPU, nccl on GPUs); each rank reads its
-slice of the global batch; rank 0 alone evaluates and writes every checkpoint and final.pt.
+shuffle state), kernels run with strict `torch.use_deterministic_algorithms(True)` (on CUDA with
+cuBLAS's deterministic workspace: `nblib.train.device`), dropout draws from a generator seeded by
+(seed, step, rank) before each step, and the loader's workers only read images by index, so 0 or 2
+workers give the same batches. Under `torchrun` the model is wrapped in DistributedDataParallel
+(gradients over gloo on CPU, over an nccl group with `device_ids` on GPUs; control messages stay
+on gloo); each rank reads its slice of the global batch; rank 0 alone evaluates and writes every
+checkpoint and final.pt. A non-finite loss (or weights about to be saved) stops the run with
+TrainingDiverged before anything after the last good state is written.
 """
 from __future__ import annotations
 
@@ -23,20 +27,22 @@ import torch.nn.functional as F
 
 from nblib.atomic import atomic_torch_save
 from nblib.config import for_profile, preset
-from nblib.errors import ConfigError, ResumeMismatch
+from nblib.errors import ConfigError, ResumeMismatch, TrainingDiverged
 from nblib.manifest import write_manifest
 
 from .config import TrainConfig
 from .data import BatchPlan, LabelledImages, StepBatches, labels_for_cache, split
+from .device import as_nblib_error, deterministic, dropout_seed, require_device
 from .model import Classifier
 from .state import STATE_FORMAT, capture_rng, check_identity, restore_rng, seed_everything
 from .store import Durability, TrainStore
 
 FINAL = "final.pt"
-SAMPLE_LOG_ENV = "NBLIB_TRAIN_SAMPLE_LOG"   # set: each rank appends "step: indices" per step under RUN/samples/
+SAMPLE_LOG_ENV = "NBLIB_TRAIN_SAMPLE_LOG"   # set: each rank appends "step: indices" (.txt), "step: seed" (.seeds)
 REPORT = "train.json"
 REPORT_KIND = "nblib.train.run"
 EVAL_BATCH = 64
+FP16_HINT = " or --precision bf16 (fp32 on CPU)"
 
 
 @dataclass
@@ -147,13 +153,29 @@ def train(cache_dir: str | Path, out: str | Path, config: TrainConfig, *, mirror
     on_step(step, report): called after every step (progress displays, tests).
     sync_save: write each state on the loop's thread (default: a snapshot now, the write on a writer thread).
     mirror_quota_bytes: the mirror folder's quota (Drive) the disk watch counts against.
+    torch's deterministic-algorithms switch (and cuDNN's autotuning) are this process's again on return.
     """
+    device = require_device(config.device)
+    with deterministic(device):
+        try:
+            return _train(cache_dir, out, config, mirror=mirror, texts=texts, progress=progress, world=world,
+                          storage_options=storage_options, mirror_timeout_s=mirror_timeout_s, stop_after=stop_after,
+                          on_step=on_step, sync_save=sync_save, mirror_quota_bytes=mirror_quota_bytes)
+        except RuntimeError as exc:
+            error = as_nblib_error(exc, device)
+            if error is None:
+                raise
+            raise error from exc
+
+
+def _train(cache_dir, out, config: TrainConfig, *, mirror, texts, progress, world, storage_options,
+           mirror_timeout_s, stop_after, on_step, sync_save, mirror_quota_bytes) -> TrainReport:
+    """`train` inside the deterministic switches."""
     from nblib.cache import ShardedImageCache
 
     started = time.perf_counter()
     rank, world_size = (world.rank, world.size) if world is not None else (0, 1)
     writer = rank == 0
-    _deterministic(config.device)
     cache = ShardedImageCache(cache_dir)
     labels, classes = labels_for_cache(cache, config.labels, texts)
     train_idx, held_idx = split(len(cache), config.holdout)
@@ -173,7 +195,7 @@ def train(cache_dir: str | Path, out: str | Path, config: TrainConfig, *, mirror
     step, history, best, source = _resume(state, source, out, identity, plan,
                                           (model, optimizer, scheduler, scaler))
     report = TrainReport(out, config.steps, step, source, history, best, None, 0.0, classes=classes)
-    net = _wrap(model, world)
+    net, model_group = _wrap(model, world, config.device)
     try:
         if writer and step == 0:
             report.history.append(_evaluate(model, cache, labels, held_idx, config, 0, float("nan")))
@@ -187,8 +209,10 @@ def train(cache_dir: str | Path, out: str | Path, config: TrainConfig, *, mirror
         bar = _bar(progress and writer, config.steps, step)
         while step < stop:
             tick = time.perf_counter()
+            torch.manual_seed(dropout_seed(config.seed, step, rank))
             loss, seen = train_step(net, optimizer, scheduler, scaler, batches, config)
             step += 1
+            _check_finite(step, loss, model, config, world, out, saving=step % config.save_every == 0 or step == stop)
             if os.environ.get(SAMPLE_LOG_ENV):
                 _log_samples(out, rank, step, seen)
             report.samples += config.batch_size
@@ -208,6 +232,7 @@ def train(cache_dir: str | Path, out: str | Path, config: TrainConfig, *, mirror
             report.final = _write_final(out, model, classes, config)
     finally:
         _close_store(store, report, mirror_timeout_s)
+        _close_group(model_group)
     report.seconds = time.perf_counter() - started
     if writer:
         _write_report(out, report, config)
@@ -238,9 +263,13 @@ def _after_step(step, loss, model, cache, labels, held_idx, config, plan, optimi
 
 
 def final_payload(model: Classifier, classes: list[str], config: TrainConfig) -> dict:
-    """What final.pt holds: TRMVisionEncoder.save_weights's payload, plus the head and its classes."""
-    return {"config": model.encoder.config.__dict__, "state_dict": model.encoder.state_dict(),
-            "head": {k: v for k, v in model.state_dict().items() if not k.startswith("encoder.")},
+    """What final.pt holds: TRMVisionEncoder.save_weights's payload, plus the head and its classes.
+
+    Host tensors (a no-op on CPU): a T4 run's weights open with a plain torch.load on a CPU machine.
+    """
+    return {"config": model.encoder.config.__dict__,
+            "state_dict": {k: v.cpu() for k, v in model.encoder.state_dict().items()},
+            "head": {k: v.cpu() for k, v in model.state_dict().items() if not k.startswith("encoder.")},
             "classes": list(classes), "train": config.to_dict()}
 
 
@@ -271,24 +300,50 @@ def training_objects(model, config: TrainConfig):
 def train_step(net, optimizer, scheduler, scaler, batches, config) -> tuple[float, list[int]]:
     """One optimizer step over `accumulation` micro-batches; the mean loss and the sample indices read.
 
-    `train` and the simulated T4 (nblib.simulate.train) both run it.
+    The forward runs under autocast, backward outside it (torch's AMP recipe). A step the GradScaler
+    skips (inf/nan gradients: it lowers its scale and leaves the weights) does not advance the LR
+    schedule. `train` and the simulated T4 (nblib.simulate.train) both run it.
     """
     total, seen = 0.0, []
     for k in range(config.accumulation):
         images, labels, indices = next(batches)
         seen += indices.tolist()
-        images = images.to(config.device)
-        labels = labels.to(config.device)
+        images = images.to(config.device, non_blocking=True)     # from pinned memory on CUDA: an async copy
+        labels = labels.to(config.device, non_blocking=True)
         sync = k == config.accumulation - 1 or not hasattr(net, "no_sync")
-        with (_nullcontext() if sync else net.no_sync()), _autocast(config):
-            loss = F.cross_entropy(net(images), labels) / config.accumulation
+        with _nullcontext() if sync else net.no_sync():
+            with _autocast(config):
+                loss = F.cross_entropy(net(images), labels) / config.accumulation
             scaler.scale(loss).backward()
         total += float(loss.detach())
+    scale = scaler.get_scale() if scaler.is_enabled() else None
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    scheduler.step()
+    if scale is None or not scaler.get_scale() < scale:         # update() lowers the scale after a skipped step
+        scheduler.step()
     return total, seen
+
+
+def _check_finite(step: int, loss: float, model, config, world, out: Path, *, saving: bool) -> None:
+    """TrainingDiverged on every rank when a rank's loss, or (before a save) the weights, are not finite."""
+    bad = not math.isfinite(loss)
+    if world is not None and world.size > 1:
+        import torch.distributed as dist
+
+        flag = torch.tensor([float(bad)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=world.group)   # every rank stops, none waits
+        bad = bool(flag.item())
+    what = f"the training loss is {loss}" if bad else ""
+    if not bad and saving:
+        with torch.no_grad():
+            finite = torch.stack([p.isfinite().all() for p in model.parameters()]).all()
+        what = "" if bool(finite) else "the weights hold inf or nan"
+    if what:
+        raise TrainingDiverged(
+            f"step {step}: {what} (lr {config.lr:g}, precision {config.precision}): the run diverged and nothing "
+            f"from this step on is saved; {out} keeps the states saved before it. Train into another --out with a "
+            f"lower --lr (the default is {TrainConfig.lr:g}){FP16_HINT * (config.precision == 'fp16')}")
 
 
 def _log_samples(out: Path, rank: int, step: int, seen: list[int]) -> None:
@@ -297,6 +352,8 @@ def _log_samples(out: Path, rank: int, step: int, seen: list[int]) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / f"rank{rank}-pid{os.getpid()}.txt", "a") as f:
         f.write(f"{step}: {' '.join(map(str, seen))}\n")
+    with open(folder / f"rank{rank}-pid{os.getpid()}.seeds", "a") as f:   # the seed dropout drew from
+        f.write(f"{step}: {torch.initial_seed()}\n")
 
 
 @torch.no_grad()
@@ -339,21 +396,59 @@ def _load(store, world, out):
     return state, source
 
 
-def _wrap(model, world):
+def _wrap(model, world, device: str):
+    """(the module a step runs, the process group made for it or None).
+
+    On CUDA the gradients go over a new nccl group, with `device_ids` (the GPU the model is on):
+    gloo would copy every bucket through host memory. `world.group` (gloo) keeps the control
+    messages (the state broadcast, the divergence flag, barriers). On CPU: gloo.
+    """
     if world is None or world.size == 1:
-        return model
+        return model, None
+    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    return DistributedDataParallel(model, process_group=world.group)
+    if not device.startswith("cuda"):
+        return DistributedDataParallel(model, process_group=world.group), None
+    index = next(model.parameters()).device.index
+    index = torch.cuda.current_device() if index is None else index
+    group = dist.new_group(backend="nccl")          # collective: every rank creates it, in the same order
+    return DistributedDataParallel(model, device_ids=[index], output_device=index, process_group=group), group
+
+
+def _close_group(group) -> None:
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.destroy_process_group(group)
 
 
 def _loader(cache_dir, labels, plan, start, stop, rank, world_size, config):
+    """The DataLoader of this rank's micro-batches; pinned batches on CUDA; workers that never fork a thread."""
     from torch.utils.data import DataLoader
 
     batches = StepBatches(plan, start, stop, rank, world_size, config.accumulation)
     return DataLoader(LabelledImages(str(cache_dir), labels), batch_sampler=batches, num_workers=config.workers,
-                      generator=torch.Generator().manual_seed(config.seed),
-                      multiprocessing_context="fork" if config.workers else None)
+                      generator=torch.Generator().manual_seed(config.seed), pin_memory=config.device.startswith("cuda"),
+                      multiprocessing_context=worker_start_method() if config.workers else None)
+
+
+def worker_start_method() -> str:
+    """fork while this process has one thread; forkserver once others run (the checkpoint writer, the mirror,
+    fsspec's event loop, tqdm's monitor, a notebook kernel's): a forked child gets their locks held, and can
+    hang on them. Workers only read images by index, so the start method changes no byte of a batch.
+
+    forkserver imports the main script in its server (Python's rule for spawn, and Linux's default start
+    method from Python 3.14): a script that calls `train` with workers guards it with
+    `if __name__ == "__main__":`. A main module with no file to import (a script read from stdin) keeps fork.
+    """
+    import sys
+    import threading
+
+    main = getattr(sys.modules.get("__main__"), "__file__", None)
+    if threading.active_count() == 1 or (main is not None and not os.path.isfile(main)):
+        return "fork"
+    return "forkserver"
 
 
 def _warmup_cosine(warmup: int, total: int):
@@ -363,10 +458,6 @@ def _warmup_cosine(warmup: int, total: int):
         progress = (step - warmup) / max(1, total - warmup)
         return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
     return factor
-
-
-def _deterministic(device: str) -> None:
-    torch.use_deterministic_algorithms(True, warn_only=device != "cpu")
 
 
 def _device_type(device: str) -> str:

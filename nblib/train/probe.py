@@ -5,8 +5,12 @@ step's, not the notebook's) with glibc's mmap threshold pinned (freed activation
 After one warm-up step at batch 1 (threads, AdamW state, allocator pools exist), it records the RSS,
 optionally caps new memory with RLIMIT_AS at (address space now + cap), then runs two steps at
 `batch`: an allocation past the cap raises inside torch and is reported as "does not fit": a real
-out-of-memory, caught. On CUDA the same worker catches torch.cuda.OutOfMemoryError and empties the
-cache between tries (written for a GPU; no GPU runs here). `saved_bytes` counts what autograd
+out-of-memory, caught. Each step is the loop's own `train_step` (AdamW, schedule, GradScaler,
+autocast at the run's precision). On CUDA (written against torch's caching allocator; no GPU runs
+here) the cap is the whole reservation, set with `torch.cuda.set_per_process_memory_fraction(cap /
+total)` before the first allocation (the allocator refuses to reserve past it and raises
+OutOfMemoryError); the device peak is `torch.cuda.max_memory_reserved()` (what the cap counts),
+reported apart from the host's RSS. `saved_bytes` counts what autograd
 keeps for backward with saved_tensors_hooks (unique storages). Trade-off: RLIMIT_AS caps address
 space, not RSS; after the warm-up, new address space is new memory to within the allocator's slack.
 """
@@ -22,13 +26,16 @@ from nblib.config import ModelConfig
 
 @dataclass(frozen=True)
 class StepPeak:
-    """One measured step: RSS before it, peak RSS during it (bytes), and whether it fit under the cap."""
+    """One measured step: host RSS before it, host peak RSS during it (bytes), whether it fit under the cap,
+    and on CUDA the device's peak reservation (torch.cuda.max_memory_reserved; 0 on CPU).
+    """
 
     batch_size: int
     rss_before: int
     peak_rss: int
     fits: bool
     error: str = ""
+    device_peak: int = 0
 
     @property
     def delta(self) -> int:
@@ -37,7 +44,10 @@ class StepPeak:
 
 def step_peak(model: ModelConfig, batch_size: int, *, n_classes: int = 12, cap_bytes: int | None = None,
               device: str = "cpu", precision: str = "fp32", timeout: float = 600.0) -> StepPeak:
-    """Run two training steps at `batch_size` in a fresh process; its peak RSS (and fit under `cap_bytes`)."""
+    """Run two training steps at `batch_size` in a fresh process; its peak RSS (and fit under `cap_bytes`).
+
+    cap_bytes: on CPU, new memory past the warm-up; on CUDA, all the device memory the process may reserve.
+    """
     payload = json.dumps({"model": model.__dict__, "batch": batch_size, "classes": n_classes, "cap": cap_bytes,
                           "device": device, "precision": precision})
     done = subprocess.run([sys.executable, "-m", "nblib.train.probe", payload], capture_output=True, text=True,
@@ -128,44 +138,64 @@ def _worker(payload: dict) -> dict:
     import resource
 
     import torch
-    import torch.nn.functional as F
 
     from nblib.measure import pin_malloc_mmap_threshold
-    from nblib.train.model import Classifier
 
     pin_malloc_mmap_threshold()
-    model = ModelConfig(**payload["model"])
-    device, batch = payload["device"], payload["batch"]
-    net = Classifier(model, payload["classes"]).to(device)
-    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], foreach=False)
-
-    def step(b: int) -> None:
-        images = torch.randint(0, 256, (b, model.image_size, model.image_size, 3), dtype=torch.uint8).to(device)
-        labels = torch.randint(0, payload["classes"], (b,)).to(device)
-        F.cross_entropy(net(images), labels).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
+    device, batch, cap = payload["device"], payload["batch"], payload["cap"]
+    cuda = device.startswith("cuda")
+    if cuda:           # set_device and the fraction take an index ("cuda" alone: the current GPU)
+        index = torch.device(device).index
+        index = torch.cuda.current_device() if index is None else index
+        torch.cuda.set_device(index)
+        if cap:        # before the first allocation: every reservation counts against it
+            total = torch.cuda.get_device_properties(index).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, float(cap) / total), index)
+    step = _steps(payload)
     step(2)
     rss_before = _rss()
-    if payload["cap"] and device == "cpu":
-        limit = _vm() + int(payload["cap"])
+    if cap and not cuda:
+        limit = _vm() + int(cap)
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     _reset_peak()
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     try:
-        if device.startswith("cuda"):
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
         step(batch)
         step(batch)
         fits, error = True, ""
     except (RuntimeError, MemoryError) as exc:     # CPU: allocator failure; CUDA: OutOfMemoryError
         fits, error = False, str(exc).splitlines()[0][:200]
+    device_peak = torch.cuda.max_memory_reserved() if cuda else 0
+    if cuda:
+        torch.cuda.empty_cache()
+    return {"batch_size": batch, "rss_before": rss_before, "peak_rss": max(_peak_since_reset(), rss_before),
+            "fits": fits, "error": error, "device_peak": int(device_peak)}
+
+
+def _steps(payload: dict):
+    """step(b): the loop's `train_step` at batch b on the payload's model, device and precision."""
+    import torch
+
+    from nblib.train.config import TrainConfig
+    from nblib.train.loop import train_step, training_objects
+    from nblib.train.model import Classifier
+
+    model, device, classes = ModelConfig(**payload["model"]), payload["device"], payload["classes"]
+    config = TrainConfig(precision=payload["precision"], device=device, steps=10, warmup_steps=1)
+    net = Classifier(model, classes, seed=config.seed, dropout=config.dropout).to(device)
+    optimizer, scheduler, scaler = training_objects(net, config)
+
+    def step(b: int) -> None:
+        images = torch.randint(0, 256, (b, model.image_size, model.image_size, 3), dtype=torch.uint8)
+        labels = torch.randint(0, classes, (b,))
         if device.startswith("cuda"):
-            torch.cuda.empty_cache()
-    peak = (torch.cuda.max_memory_allocated() + rss_before) if device.startswith("cuda") else _peak_since_reset()
-    return {"batch_size": batch, "rss_before": rss_before, "peak_rss": max(peak, rss_before), "fits": fits,
-            "error": error}
+            images, labels = images.pin_memory(), labels.pin_memory()
+        batches = iter([(images, labels, torch.arange(b))])
+        train_step(net, optimizer, scheduler, scaler, batches, config.replace(batch_size=b))
+
+    return step
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 The state is one dict that `torch.save` writes and `torch.load(weights_only=True)` reads back:
 model, optimizer, LR schedule and GradScaler state dicts; the RNG states of Python, numpy and
-torch (CPU, and every CUDA device when there is one); step and epoch; the data order as the
+torch (CPU, and every CUDA device when there is one; the loop re-seeds torch's generator by
+(seed, step, rank) before each step, so no rank's dropout depends on them); step and epoch; the data order as the
 shuffle's state, a few hundred bytes of JSON (not a buffer of samples); the metric history and
 the best step so far; and the run's identity (settings that change the bytes, the cache's
 fingerprint, the labels). `check_identity` refuses a resume whose identity differs, naming the

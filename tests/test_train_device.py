@@ -1,0 +1,334 @@
+"""The GPU items of training, shown on a CPU wherever a CPU can show them: the default device, device
+flags refused in one line, strict determinism restored when `train` returns or raises, cuBLAS's
+workspace set before CUDA starts, an op with no deterministic kernel named, a skipped GradScaler
+step that leaves the LR schedule alone, a diverged run stopped before it saves, backward outside
+autocast, pinned batches, loader workers that never fork a live thread, the nccl group of DDP on
+GPUs, and per-rank dropout over two real torchrun ranks killed and resumed.
+(tests/test_train_gpu.py runs what only a GPU can show.)
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import subprocess_env
+from nblib.errors import ConfigError, DeterminismError, TrainingDiverged
+from nblib.train import TrainConfig, train
+from nblib.train import device as devices
+
+TINY = TrainConfig(steps=4, batch_size=16, save_every=2, backup_every=2, eval_every=2, warmup_steps=1, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    from test_train import labelled_cache
+
+    return labelled_cache(tmp_path_factory.mktemp("device"), 80)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_torch_thread):
+    """One torch thread, as the CLI subprocesses run."""
+
+
+# ------------------------------------------------------------------------------ the device
+
+
+def test_the_default_device_is_cuda_when_a_gpu_is_present_as_encode_picks(monkeypatch):
+    from nblib import env
+    from nblib.cli import _train_args
+
+    monkeypatch.setattr(env, "cuda_available", lambda: True)
+    assert TrainConfig().device == "cuda"
+    assert TrainConfig(device="cpu").device == "cpu"
+    monkeypatch.setattr(env, "cuda_available", lambda: False)
+    assert TrainConfig().device == "cpu"
+    args = _train_args(["--cache", "c", "--out", "o", "--steps", "2"])
+    assert args.device == "cpu"
+    assert TrainConfig(device=args.device).device == "cpu"
+
+
+@pytest.mark.parametrize("flag", ["cuda", "cuda:5", "meta", "gpu", "cuda:x", "mps"])
+def test_a_device_this_machine_lacks_is_one_error_line_and_exit_2(flag, tmp_path):
+    if flag.startswith("cuda") and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: cuda is a device it has")
+    done = subprocess.run([sys.executable, "-m", "nblib", "train", "--cache", str(tmp_path / "c"), "--out",
+                           str(tmp_path / "run"), "--steps", "2", "--device", flag], env=subprocess_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and flag in lines[0], done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_train_refuses_a_cuda_config_on_a_machine_without_cuda_before_it_writes(cache_dir, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ConfigError, match="no CUDA|no CUDA GPU"):
+        train(cache_dir, tmp_path / "run", TINY.replace(device="cuda"))
+    with pytest.raises(ConfigError, match="not a device"):
+        TINY.replace(device="meta")
+    assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------------------ determinism
+
+
+@pytest.mark.parametrize("before", [(False, False), (True, True)])
+def test_train_runs_strict_and_gives_the_process_its_switches_back(cache_dir, tmp_path, before):
+    seen = []
+    torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    try:
+        train(cache_dir, tmp_path / "run", TINY, on_step=lambda step, report: seen.append(_switches()))
+        assert set(seen) == {(True, False)}                  # strict inside, never warn-only
+        assert _switches() == before
+        with pytest.raises(TrainingDiverged):
+            train(cache_dir, tmp_path / "diverged", TINY.replace(lr=1e30))
+        assert _switches() == before                         # restored when train raises too
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_cublas_workspace_is_set_before_cuda_starts_and_refused_after():
+    env = {}
+    assert devices.ensure_cublas_workspace(env, cuda_initialized=False) == ":4096:8"
+    assert env == {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    env = {"CUBLAS_WORKSPACE_CONFIG": ":16:8"}
+    assert devices.ensure_cublas_workspace(env, cuda_initialized=True) == ":16:8"
+    for value in (None, ":0:0"):
+        env = {} if value is None else {"CUBLAS_WORKSPACE_CONFIG": value}
+        with pytest.raises(DeterminismError, match="CUBLAS_WORKSPACE_CONFIG=:4096:8 before the first CUDA call"):
+            devices.ensure_cublas_workspace(env, cuda_initialized=True)
+        assert env.get("CUBLAS_WORKSPACE_CONFIG") == value    # nothing half-set
+
+
+def test_deterministic_on_cuda_sets_the_workspace_before_it_flips_the_switch(monkeypatch):
+    order = []
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    real = torch.use_deterministic_algorithms
+    monkeypatch.setattr(torch, "use_deterministic_algorithms", lambda *a, **k: (order.append(
+        ("switch", __import__("os").environ.get("CUBLAS_WORKSPACE_CONFIG"))), real(*a, **k)))
+    with devices.deterministic("cuda"):
+        pass
+    assert order[0] == ("switch", ":4096:8")
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(DeterminismError), devices.deterministic("cuda"):
+        pass
+    assert len(order) == 2                                   # refused before touching the switch
+
+
+def test_importing_nblib_train_sets_the_workspace_in_a_fresh_process():
+    code = "import os, nblib.train; print(os.environ.get('CUBLAS_WORKSPACE_CONFIG'))"
+    env = subprocess_env()
+    env.pop("CUBLAS_WORKSPACE_CONFIG", None)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == ":4096:8", done.stderr
+
+
+def test_an_op_without_a_deterministic_kernel_is_a_typed_error_naming_it(cache_dir, tmp_path, monkeypatch):
+    from torch._prims_common import alert_not_deterministic  # the Python twin of the C++ alert CUDA kernels call
+
+    from nblib.train.model import Classifier
+
+    forward = Classifier.forward
+
+    def with_a_nondeterministic_op(self, images):
+        alert_not_deterministic("scatter_add_cuda_kernel")
+        return forward(self, images)
+
+    monkeypatch.setattr(Classifier, "forward", with_a_nondeterministic_op)
+    with pytest.raises(DeterminismError, match="scatter_add_cuda_kernel has no deterministic kernel") as info:
+        train(cache_dir, tmp_path / "run", TINY)
+    assert "replace the layer" in str(info.value)
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
+# ------------------------------------------------------------------------------ the step
+
+
+def test_a_step_the_grad_scaler_skips_does_not_advance_the_lr_schedule():
+    from nblib.train.loop import train_step, training_objects
+
+    config = TrainConfig(steps=10, warmup_steps=2, batch_size=4, device="cpu")
+    for huge, advanced in ((1e35, False), (1.0, True)):
+        net = torch.nn.Linear(8, 3)
+        optimizer, scheduler, _ = training_objects(net, config)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)      # a real scaler: inf gradients skip
+        weights, lr = net.weight.detach().clone(), optimizer.param_groups[0]["lr"]
+        batches = iter([(torch.full((4, 8), huge), torch.tensor([0, 1, 2, 0]), torch.arange(4))])
+        loss, _ = train_step(net, optimizer, scheduler, scaler, batches, config)
+        assert torch.isfinite(torch.tensor(loss))
+        assert torch.equal(net.weight, weights) is not advanced     # skipped: weights untouched
+        assert (scheduler.last_epoch == 1) is advanced
+        assert (optimizer.param_groups[0]["lr"] != lr) is advanced
+
+
+def test_backward_runs_outside_autocast():
+    from nblib.train.loop import train_step, training_objects
+
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(torch.is_autocast_enabled("cpu"))
+            return grad
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 3)
+
+        def forward(self, x):
+            return Probe.apply(self.linear(x))
+
+    config = TrainConfig(steps=10, batch_size=4, precision="bf16", device="cpu")
+    net = Net()
+    optimizer, scheduler, scaler = training_objects(net, config)
+    train_step(net, optimizer, scheduler, scaler, iter([(torch.randn(4, 8), torch.zeros(4, dtype=torch.long),
+                                                         torch.arange(4))]), config)
+    assert seen == [False]
+
+
+def test_a_diverging_run_stops_with_one_error_line_and_saves_nothing_non_finite(cache_dir, tmp_path):
+    out = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "nblib", "train", "--cache", str(cache_dir), "--out", str(out),
+                           "--steps", "6", "--batch-size", "16", "--save-every", "1", "--backup-every", "1",
+                           "--lr", "1e30", "--device", "cpu", "--no-progress"],
+                          env=subprocess_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: step ") and "lower --lr" in lines[0], done.stderr
+    assert not (out / "final.pt").exists()
+    for path in (out / "checkpoints").glob("state-*.pt"):
+        state = torch.load(path, weights_only=True)
+        assert all(torch.isfinite(t).all() for t in state["model"].values()), path.name
+
+
+# ------------------------------------------------------------------------------ the loader
+
+
+def test_the_loader_pins_batches_for_cuda_and_never_forks_beside_a_live_thread(cache_dir):
+    import numpy as np
+
+    from nblib.train.data import BatchPlan
+    from nblib.train.loop import _loader, worker_start_method
+
+    labels, plan = np.zeros(80, dtype=np.int64), BatchPlan(np.arange(64), 16, 0)
+    assert _loader(cache_dir, labels, plan, 0, 2, 0, 1, TINY.replace(device="cuda")).pin_memory
+    assert not _loader(cache_dir, labels, plan, 0, 2, 0, 1, TINY).pin_memory
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait, daemon=True)
+    thread.start()
+    try:
+        assert worker_start_method() == "forkserver"
+        loader = _loader(cache_dir, labels, plan, 0, 2, 0, 1, TINY.replace(workers=2))
+        assert loader.multiprocessing_context.get_start_method() == "forkserver"
+        forked = [b[0] for b in loader]
+    finally:
+        stop.set()
+        thread.join()
+    inline = [b[0] for b in _loader(cache_dir, labels, plan, 0, 2, 0, 1, TINY)]
+    assert len(forked) == len(inline) == 2
+    assert all(torch.equal(a, b) for a, b in zip(forked, inline))
+
+
+def test_a_main_script_forkserver_cannot_import_keeps_fork(monkeypatch):
+    from nblib.train.loop import worker_start_method
+
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait, daemon=True)
+    thread.start()
+    try:
+        monkeypatch.setattr(sys.modules["__main__"], "__file__", "<stdin>", raising=False)
+        assert worker_start_method() == "fork"                 # python - < script.py: nothing to import
+    finally:
+        stop.set()
+        thread.join()
+
+
+# ------------------------------------------------------------------------------ ranks
+
+
+def test_ddp_on_gpus_trains_over_an_nccl_group_with_device_ids_and_on_cpu_over_gloo(monkeypatch):
+    import torch.distributed as dist
+    import torch.nn.parallel
+
+    from nblib.train.loop import _wrap
+
+    made, wrapped = [], []
+    monkeypatch.setattr(dist, "new_group", lambda **kw: made.append(kw) or "nccl-group")
+    monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel", lambda m, **kw: wrapped.append(kw) or m)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+
+    class World:
+        size, group = 2, "gloo-group"
+
+    _wrap(torch.nn.Linear(2, 2), World(), "cuda")
+    assert made == [{"backend": "nccl"}]
+    assert wrapped[-1] == {"device_ids": [3], "output_device": 3, "process_group": "nccl-group"}
+    _wrap(torch.nn.Linear(2, 2), World(), "cpu")
+    assert wrapped[-1] == {"process_group": "gloo-group"} and len(made) == 1
+
+
+def test_dropout_seeds_differ_by_rank_and_step_and_repeat_for_the_same_key():
+    seeds = {(step, rank): devices.dropout_seed(0, step, rank) for step in range(50) for rank in range(4)}
+    assert len(set(seeds.values())) == len(seeds)
+    assert all(0 <= s < 2 ** 63 for s in seeds.values())
+    assert devices.dropout_seed(0, 7, 1) == devices.dropout_seed(0, 7, 1) != devices.dropout_seed(1, 7, 1)
+
+
+@pytest.mark.slow
+def test_two_ranks_draw_their_own_dropout_and_a_killed_launch_resumes_each_ranks_draws(tmp_path):
+    from test_train import assert_same_weights, labelled_cache, weights_of
+    from train_runs import run_and_kill, train_env
+
+    cache_dir = labelled_cache(tmp_path / "cache", 160)
+    env = train_env(NBLIB_TRAIN_SAMPLE_LOG="1")
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    done = subprocess.run(_torchrun(cache_dir, whole), env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_and_kill(_torchrun(cache_dir, killed), killed, after_step=4, extra_s=0.05, env=env, group=True)
+    assert not (killed / "final.pt").exists()
+    done = subprocess.run(_torchrun(cache_dir, killed), env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed from local" in done.stdout
+    assert_same_weights(weights_of(killed), weights_of(whole))
+    drawn = _seeds(whole)
+    assert all(drawn[(step, 0)] != drawn[(step, 1)] for step in range(1, 17))     # each rank its own masks
+    assert _seeds(killed) == drawn                              # every step the resume ran drew the same
+
+
+def _switches() -> tuple[bool, bool]:
+    return torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+
+
+def _seeds(out: Path) -> dict[tuple[int, int], int]:
+    """(step, rank) -> the seed dropout drew from, over every process that ran in `out` (last one wins)."""
+    seeds = {}
+    for path in sorted((out / "samples").glob("*.seeds"), key=lambda p: p.stat().st_mtime):
+        rank = int(path.name.split("-")[0].removeprefix("rank"))
+        for line in path.read_text().splitlines():
+            step, seed = line.split(":")
+            seeds[(int(step), rank)] = int(seed)
+    return seeds
+
+
+def _torchrun(cache_dir: Path, out: Path) -> list[str]:
+    from train_runs import ARGS
+
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+            "--max-restarts", "0", "-m", "nblib",
+            "train", "--cache", str(cache_dir), "--out", str(out), *ARGS, "--steps", "16", "--device", "cpu"]
