@@ -184,6 +184,7 @@ def pipeline_sweep_panel(table) -> Panel:
 def training_panel(model, state_bytes: int, step_seconds: float, steps: int = 10_000,
                    provider: str = "s3") -> W.VBox:
     """Batch, accumulation, save and backup intervals and retention; VRAM, RAM, Drive and bucket cost redraw."""
+    from nblib.budget.resources import fits
     from nblib.budget.training import predict_training, t4_training_vram
     from nblib.train.ops import bucket_cost
     from nblib.units import fmt_bytes
@@ -205,7 +206,7 @@ def training_panel(model, state_bytes: int, step_seconds: float, steps: int = 10
         save_s = steps * step_seconds * accumulation / 3600
         print(f"effective batch {micro_batch * accumulation:,} ({accumulation} x {micro_batch})")
         print(f"T4 VRAM (projection, fp16 autocast, CUDA context included): {fmt_bytes(vram)} of "
-              f"{fmt_bytes(vram_limit)} {'fits' if vram <= vram_limit else 'DOES NOT FIT'}")
+              f"{fmt_bytes(vram_limit)} {'fits' if fits(vram, vram_limit) else 'DOES NOT FIT'}")
         print(f"host RAM on CPU (fp32 budget):      {fmt_bytes(cpu.total)}")
         print(f"Drive (last {keep_last} states + best):     {fmt_bytes(drive)} of the 15 GB free quota")
         print(f"local disk (retention):             {fmt_bytes(cpu.local_disk)}")

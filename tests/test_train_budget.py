@@ -76,3 +76,19 @@ def test_accumulation_reaches_the_target_batch_with_micro_batches_that_fit():
     steps, micro = accumulation_for(256, 100)
     assert steps * micro == 256 and micro <= 100
     assert accumulation_for(64, 64) == (1, 64)
+
+
+def test_one_rule_for_fits_the_training_budget_the_t4_table_and_the_advice_keep_the_same_margin():
+    from nblib.budget import advice, knobs, predict, resources
+    from nblib.budget.training import predict_training, t4_training_table, t4_training_vram
+
+    assert advice.MARGIN == resources.FIT_MARGIN
+    assert predict.max_batch_size.__defaults__[-1] == resources.FIT_MARGIN
+    assert knobs.plan_budget.__kwdefaults__["margin"] == resources.FIT_MARGIN
+    cap = 300 * 2**20
+    best = largest_batch(SMOKE, cap, step_only=True)
+    assert predict_training(SMOKE, best).step_bytes <= cap * (1 - resources.FIT_MARGIN)
+    assert predict_training(SMOKE, best + 1).step_bytes > cap * (1 - resources.FIT_MARGIN)
+    for row in t4_training_table(SMOKE, (64, 4096, 16384)):
+        vram, limit = t4_training_vram(SMOKE, row["batch"])
+        assert row["fits"] == (vram <= limit * (1 - resources.FIT_MARGIN))

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from nblib.budget.disk import CODEC_RATIO_ESTIMATE
 from nblib.budget.drive import smallest_checkpoint_every
-from nblib.budget.resources import KNOBS
+from nblib.budget.resources import FIT_MARGIN, KNOBS
 from nblib.config import OUTPUT_CHOICES
 from nblib.units import GB
 
@@ -24,7 +24,7 @@ __all__ = [
     "MARGIN", "NAMES", "OPTION_KNOBS", "RUN_KNOBS", "Advice", "Suggestion", "advise", "advise_resource", "knob_words",
 ]
 
-MARGIN = 0.1
+MARGIN = FIT_MARGIN
 RUN_KNOBS = ("batch_size", "checkpoint_every", "consolidate_every", "prefetch", "workers", "outputs",
              "out_dtype", "codec")
 OPTION_KNOBS = ("keep_local", "drive_quota_gb")

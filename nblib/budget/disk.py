@@ -14,6 +14,7 @@ from pathlib import Path
 
 from nblib.budget._checks import require_positive
 from nblib.budget.memory import Line, output_bytes_per_image
+from nblib.budget.resources import FIT_MARGIN
 from nblib.config import PipelineConfig
 from nblib.errors import BudgetExceeded, ConfigError
 from nblib.units import GB, MB, fmt_bytes
@@ -72,7 +73,7 @@ def uploaded_bytes(config: PipelineConfig, *, codec: str | None = None,
 
 
 def choose_codec(n_images: int, free_bytes: int, codec_stats: dict[str, dict],
-                 margin: float = 0.1) -> str:
+                 margin: float = FIT_MARGIN) -> str:
     """The fastest-decoding codec whose cache fits in free_bytes x (1 - margin)."""
     require_positive("n_images", n_images)
     if not codec_stats:

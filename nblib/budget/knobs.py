@@ -15,7 +15,7 @@ from nblib.budget.devices import Device, device_preset
 from nblib.budget.disk import CODEC_RATIO_ESTIMATE, NO_CACHE
 from nblib.budget.drive import smallest_checkpoint_every
 from nblib.budget.predict import Budget, max_batch_size, predict_budget
-from nblib.budget.resources import RESOURCES
+from nblib.budget.resources import FIT_MARGIN, RESOURCES
 from nblib.config import CODECS, OUTPUT_CHOICES, PipelineConfig
 from nblib.units import fmt_bytes
 
@@ -40,7 +40,7 @@ class BudgetPlan:
         return f"FITS with {changed}: {self.reason}"
 
 
-def plan_budget(config: PipelineConfig, device: str | Device = "t4", *, margin: float = 0.1,
+def plan_budget(config: PipelineConfig, device: str | Device = "t4", *, margin: float = FIT_MARGIN,
                 cacheless: bool = False, codec_sizes=None, **predict_kwargs) -> BudgetPlan:
     """Pick batch_size, out_dtype, outputs, checkpoint_every and consolidate_every that fit.
 

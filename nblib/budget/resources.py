@@ -6,8 +6,18 @@ these, so they live below both and neither module imports the other for them.
 from __future__ import annotations
 
 __all__ = [
-    "KNOBS", "RESOURCES",
+    "FIT_MARGIN", "KNOBS", "RESOURCES", "fits",
 ]
+
+# The one rule for "fits" in every notebook, panel and preflight: a need fits when it stays within
+# (1 - FIT_MARGIN) of its limit. The 10% is the room for what a prediction cannot see (allocator
+# fragmentation, a library's scratch, another tab's memory), not a measured error.
+FIT_MARGIN = 0.1
+
+
+def fits(need: float, limit: float, margin: float = FIT_MARGIN) -> bool:
+    """`need` fits `limit` with `margin` of it kept free."""
+    return need <= limit * (1 - margin)
 
 RESOURCES = ("vram", "ram", "local disk", "drive")
 

@@ -27,6 +27,7 @@ from nblib.budget.memory import (
     autocast_weight_count,
     param_count,
 )
+from nblib.budget.resources import FIT_MARGIN, fits
 from nblib.config import ModelConfig
 from nblib.units import fmt_bytes
 
@@ -146,8 +147,10 @@ def predict_training(model: ModelConfig, batch_size: int, *, n_classes: int = 12
                           keep_last * checkpoint + total * 4, batch_size)
 
 
-def largest_batch(model: ModelConfig, cap_bytes: int, *, step_only: bool = False, **kwargs) -> int:
-    """The largest micro-batch whose predicted peak fits in `cap_bytes` (0 if not even 1 fits).
+def largest_batch(model: ModelConfig, cap_bytes: int, *, step_only: bool = False, margin: float = FIT_MARGIN,
+                  **kwargs) -> int:
+    """The largest micro-batch whose predicted peak fits in `cap_bytes` less `margin` (0 if not even 1 fits):
+    the one rule for "fits" (`nblib.budget.resources.fits`).
 
     step_only: `cap_bytes` is what the step may add (the probe's cap), not the whole process.
     """
@@ -155,7 +158,8 @@ def largest_batch(model: ModelConfig, cap_bytes: int, *, step_only: bool = False
         (lambda b: predict_training(model, b, **kwargs).total)
     fixed = size(0)
     per_sample = size(1) - fixed
-    return max(0, int((cap_bytes - fixed) // per_sample)) if per_sample > 0 else 0
+    room = cap_bytes * (1 - margin)
+    return max(0, int((room - fixed) // per_sample)) if per_sample > 0 else 0
 
 
 def t4_training_vram(model: ModelConfig, batch: int, *, n_classes: int = 12) -> tuple[int, int]:
@@ -176,7 +180,7 @@ def t4_training_table(model: ModelConfig, batches: tuple[int, ...], *, n_classes
     rows = []
     for b in batches:
         vram, limit = t4_training_vram(model, b, n_classes=n_classes)
-        rows.append({"batch": b, "vram_bytes": vram, "vram_limit": limit, "fits": vram <= limit})
+        rows.append({"batch": b, "vram_bytes": vram, "vram_limit": limit, "fits": fits(vram, limit)})
     return rows
 
 
