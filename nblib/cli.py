@@ -125,7 +125,7 @@ def budget_main(argv: list[str]) -> int:
     from nblib.config import preset
     from nblib.sdpa import SDPA_BACKENDS
 
-    p = argparse.ArgumentParser(prog="python -m nblib budget", description=budget_main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m nblib budget", description=budget_main.__doc__, exit_on_error=False)
     p.add_argument("--preset", default="seed_t4")
     p.add_argument("--device", default="t4", help=f"one of {', '.join(DEVICES)}")
     p.add_argument("--batch-size", type=int)
@@ -133,12 +133,12 @@ def budget_main(argv: list[str]) -> int:
     p.add_argument("--dtype", choices=("float16", "float32"))
     p.add_argument("--outputs", help="comma-separated subset of sketches,checksums,children")
     p.add_argument("--sdpa", choices=SDPA_BACKENDS)
-    p.add_argument("--drive-quota-gb", type=float, default=15.0)
+    p.add_argument("--drive-quota-gb", type=finite_positive_float, default=15.0)
     p.add_argument("--plan", action="store_true", help="recommend knobs that fit")
     p.add_argument("--texts", help="your texts (file or JSONL): the plan measures the cache's bytes per image "
                                    "on a few hundred of them (default: the reference analysis' ratios)")
     p.add_argument("--reference", action="store_true", help="reference analysis vs this suite")
-    args = p.parse_args(argv)
+    args = parse_or_refuse(p, argv)
     if args.reference:
         from nblib.lab.memory_budgeting import reference_table
 
