@@ -15,17 +15,18 @@ writes none of them; it never mixes images of two different inputs in one cache.
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import os
 import stat as stat_mode
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 import xxhash
 
-from nblib.atomic import remove_temporaries, sha256_json
+from nblib.atomic import atomic_write_bytes, json_bytes, remove_temporaries, sha256_json
 from nblib.cache.codecs import DICT_SAMPLES, CodecSpec, check_codec, codec_for
 from nblib.cache.format import (
     DAMAGED,
@@ -54,6 +55,7 @@ from nblib.cache.populate import (
 )
 from nblib.errors import CacheError, InputError
 
+KEYS_FILE = "source-keys.json"
 READ_DEADLINE_ENV = "NBLIB_READ_DEADLINE_S"
 DEFAULT_READ_DEADLINE_S = 60.0
 SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
@@ -62,7 +64,8 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".we
 
 def write_images(images, out: str | Path, *, shard_mb: float = 400, codec: str = "raw",
                  codec_level: int | None = None, column: str | None = None, n_images: int | None = None,
-                 seed: int = 0, overwrite: bool = False, progress: bool = True) -> PopulateSummary:
+                 seed: int = 0, overwrite: bool = False, progress: bool = True,
+                 keys: Sequence[str] | None = None) -> PopulateSummary:
     """Write `images` into a sharded cache at `out`, resuming whatever is already there.
 
     Every image must have the shape of the first. Pass the same images in the same order to
@@ -84,6 +87,8 @@ def write_images(images, out: str | Path, *, shard_mb: float = 400, codec: str =
         seed: recorded in the manifest.
         overwrite: delete a cache of other images or settings in `out` instead of refusing.
         progress: show a progress bar.
+        keys: one name per image (its file name, say), kept in `source-keys.json` beside the
+            manifest; an export carries them in a `key` column (`source_keys` reads them).
 
     Returns:
         A `PopulateSummary` (images and shards in the cache, written, reused, rewritten, speed).
@@ -123,7 +128,7 @@ def write_images(images, out: str | Path, *, shard_mb: float = 400, codec: str =
         with _progress_bar(total, start, progress) as bar:
             blobs = ((coder.encode(image), image) for image in checked)
             written = _append_shards(blobs, out, manifest, start, total, layout, spec, bar, lock)
-        done = _close_manifest(out, manifest, total)
+        done = _close_manifest(out, manifest, total, keys)
         return PopulateSummary(
             cache_dir=str(out), codec=codec, n_images=done, n_shards=len(manifest["shards"]),
             shards_written=written + len(rewritten), shards_reused=reused,
@@ -158,16 +163,51 @@ def _append_shards(blobs, out: Path, manifest: dict, start: int, total: int | No
     return written
 
 
-def _close_manifest(out: Path, manifest: dict, total: int | None) -> int:
-    """Check the count against the announced one, record the source's identity; the images in the cache."""
+def _close_manifest(out: Path, manifest: dict, total: int | None, keys: Sequence[str] | None) -> int:
+    """Check the count against the announced one, record the source's identity (and the images'
+    keys, in their own file: the manifest stays small); the images in the cache.
+    """
     done = manifest["shards"][-1]["stop"] if manifest["shards"] else 0
     if total is not None and done != total:
         raise CacheError(f"{done:,} images came, {total:,} were announced (n_images or len); pass the "
                          f"right n_images, or overwrite=True to start again")
     manifest["source"] = {"kind": "images", "n_images": done,
                           "sha256": sha256_json([s["source_xxh3"] for s in manifest["shards"]])}
+    if keys is not None:
+        keys = [str(k) for k in keys]
+        if len(keys) != done:
+            raise InputError(f"{len(keys):,} keys for {done:,} images: pass one key per image, in order")
+        written = atomic_write_bytes(out / KEYS_FILE, json_bytes(keys))
+        manifest["source"]["keys"] = {"file": KEYS_FILE, "sha256": written.sha256}
     write_cache_manifest(out, manifest)
     return done
+
+
+def source_keys(cache_dir: str | Path) -> list[str] | None:
+    """The per-image keys `write_images(keys=...)` recorded (file names for `cache --images DIR`), or None."""
+    import json
+
+    cache_dir = Path(cache_dir)
+    recorded = read_cache_manifest(cache_dir)["source"].get("keys")
+    if not recorded:
+        return None
+    raw = (cache_dir / recorded["file"]).read_bytes() if (cache_dir / recorded["file"]).exists() else b""
+    if hashlib.sha256(raw).hexdigest() != recorded["sha256"]:
+        raise CacheError(f"{cache_dir / recorded['file']} is missing or damaged (its sha256 differs from the "
+                         f"manifest's); rerun the cache command that built {cache_dir} to rewrite it")
+    return json.loads(raw)
+
+def image_keys(path: str | Path) -> list[str] | None:
+    """The keys `cache --images PATH` records: the file names of a folder (in cache order), else None
+    (a Parquet file's or HF folder's rows are known by their index).
+    """
+    path = Path(path)
+    return [p.name for p in image_files(path)] if path.is_dir() and not _is_hf_folder(path) else None
+
+
+def _is_hf_folder(path: Path) -> bool:
+    return (path / "dataset_info.json").exists() or (path / "state.json").exists()
+
 
 def image_source(path: str | Path, column: str | None = None) -> tuple[Iterable, int]:
     """(images, count) of what `cache --images PATH` takes: a folder of image files (sorted by
@@ -182,7 +222,7 @@ def image_source(path: str | Path, column: str | None = None) -> tuple[Iterable,
             raise InputError(f"--images {path} is a {path.suffix or 'suffix-less'} file; pass a .parquet "
                              f"file, a folder of image files or an HF datasets folder")
         return _parquet_images(path, column or "image")
-    if (path / "dataset_info.json").exists() or (path / "state.json").exists():
+    if _is_hf_folder(path):
         import datasets
 
         dataset = datasets.load_from_disk(str(path))
