@@ -100,6 +100,21 @@ def main() -> None:
             for b in shard:
                 coder.decode(b, shape)
 
+    def old_loop():  # the reader's per-image path before the zstd fast path: xxh3, decode, 3-d assign
+        for shard, im in zip(blobs, images):
+            out = np.empty_like(im)
+            for k, b in enumerate(shard):
+                xxhash.xxh3_64_intdigest(b)
+                out[k] = coder.decode(b, shape)
+
+    def new_loop():  # the reader's zstd fast path: xxh3, decompress, one memcpy into the row
+        decompress = coder.zstd_decompressor().decompress
+        for shard, im in zip(blobs, images):
+            rows = np.empty_like(im).reshape(len(im), -1)
+            for k, b in enumerate(shard):
+                xxhash.xxh3_64_intdigest(b)
+                rows[k] = memoryview(decompress(b, max_output_size=image_bytes))
+
     def plain_frames_loop():
         for shard in no_dict:
             for b in shard:
@@ -126,6 +141,7 @@ def main() -> None:
             np.frombuffer(col.buffers()[1], np.uint8).reshape(len(col), *shape)[int(i) - int(starts[k])]
 
     runs = {"cache in order": cache_in_order, "parquet in order": parquet_in_order,
+            "  old per-image loop (numpy)": old_loop, "  new per-image loop (bytes)": new_loop,
             "  xxh3 per image": xxh3_loop, "  decompress per image (dict)": dict_decompress_loop,
             "  decompress per image (no dict)": plain_frames_loop, "  one frame per shard": one_frame_per_shard,
             "cache random": cache_random, "parquet random": parquet_random}
