@@ -316,8 +316,8 @@ def _open_manifest(out: Path, identity: dict, overwrite: bool, names: list[str],
         record, damaged = None, exc
     same = record is not None and record.version == VERSION and record.body.get("identity") == identity
     listed = set(record.body.get("files", {})) if record is not None else set()
-    if record is not None and record.version == VERSION and record.body.get("complete"):
-        listed |= set(HF_METADATA) if record.body["identity"].get("fmt") == "hf" else set()
+    if record is not None and record.body.get("identity", {}).get("fmt") == "hf":
+        listed |= set(HF_METADATA)  # ours, also when a kill came between them and the completion record
     if damaged is not None:
         listed = {p.name for p in out.iterdir() if OURS.match(p.name)} | set(HF_METADATA)
     _refuse_foreign(out, listed | {MANIFEST, STAGING}, record is not None or damaged is not None, overwrite)

@@ -142,6 +142,19 @@ def test_an_export_stopped_by_a_damaged_cache_shard_reads_as_unfinished(noise_ca
     assert read_export(out)["key"][-1] == "img-199.png"
 
 
+def test_a_kill_between_the_hf_metadata_and_the_completion_record_resumes(text_cache, tmp_path):
+    from nblib.manifest import manifest_bytes, read_manifest
+
+    export_cache(text_cache, tmp_path, "hf")
+    record = read_manifest(tmp_path / "_nblib-export.json", "nblib.export", versions=(2,))
+    (tmp_path / "_nblib-export.json").write_bytes(manifest_bytes("nblib.export", {**record.body, "complete": False},
+                                                                 version=2, seq=record.seq))
+    with pytest.raises(StateError, match="unfinished export"):
+        read_export(tmp_path)
+    again = export_cache(text_cache, tmp_path, "hf")  # state.json is ours: not refused as someone else's
+    assert again.files_written == 0 and read_export(tmp_path)["text"] == TEXTS
+
+
 def test_read_export_of_an_empty_or_foreign_folder_says_so(tmp_path):
     with pytest.raises(StateError, match="holds no nblib export"):
         read_export(tmp_path)
