@@ -125,7 +125,7 @@ def budget_main(argv: list[str]) -> int:
     from nblib.config import preset
     from nblib.sdpa import SDPA_BACKENDS
 
-    p = argparse.ArgumentParser(prog="python -m nblib budget", description=budget_main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m nblib budget", description=budget_main.__doc__, exit_on_error=False)
     p.add_argument("--preset", default="seed_t4")
     p.add_argument("--device", default="t4", help=f"one of {', '.join(DEVICES)}")
     p.add_argument("--batch-size", type=int)
@@ -133,12 +133,12 @@ def budget_main(argv: list[str]) -> int:
     p.add_argument("--dtype", choices=("float16", "float32"))
     p.add_argument("--outputs", help="comma-separated subset of sketches,checksums,children")
     p.add_argument("--sdpa", choices=SDPA_BACKENDS)
-    p.add_argument("--drive-quota-gb", type=float, default=15.0)
+    p.add_argument("--drive-quota-gb", type=finite_positive_float, default=15.0)
     p.add_argument("--plan", action="store_true", help="recommend knobs that fit")
     p.add_argument("--texts", help="your texts (file or JSONL): the plan measures the cache's bytes per image "
                                    "on a few hundred of them (default: the reference analysis' ratios)")
     p.add_argument("--reference", action="store_true", help="reference analysis vs this suite")
-    args = p.parse_args(argv)
+    args = parse_or_refuse(p, argv)
     if args.reference:
         from nblib.lab.memory_budgeting import reference_table
 
@@ -199,6 +199,7 @@ def cache_main(argv: list[str]) -> int:
 def _cache_images(args: argparse.Namespace) -> int:
     """`cache --images PATH --out DIR`: your own images into a cache (nblib.cache.write_images)."""
     from nblib.cache import image_source, write_images
+    from nblib.cache.images import image_keys
     from nblib.errors import ConfigError
 
     if not args.out or args.texts:
@@ -209,7 +210,8 @@ def _cache_images(args: argparse.Namespace) -> int:
     with _os_errors_name(args.out):
         summary = write_images(images, args.out, shard_mb=args.shard_mb, codec=args.codec,
                                codec_level=args.codec_level, n_images=count, seed=args.seed,
-                               overwrite=args.overwrite, progress=not args.no_progress)
+                               overwrite=args.overwrite, progress=not args.no_progress,
+                               keys=image_keys(args.images))
     print(summary)
     return 0
 
@@ -477,9 +479,12 @@ def pipeline_main(argv: list[str]) -> int:
 def export_main(argv: list[str]) -> int:
     """`python -m nblib export`: a cache, or an encode run's outputs, to Parquet or an HF datasets folder.
 
-    A cache: `export --cache DIR --out DIR [--format parquet|hf]` (one file per shard).
-    Outputs: `export --outputs DIR --out DIR [--texts PATH] [--format parquet|hf]` (row-aligned
-    with the texts). A killed export resumes when the same command is rerun.
+    A cache: `export --cache DIR --out DIR [--format parquet|hf] [--texts PATH]` (one file per shard;
+    each row carries its text, or its image file's name). Outputs: `export --outputs DIR --out DIR
+    [--texts PATH] [--format parquet|hf]` (row-aligned with the texts). `--compression-level` sets
+    Parquet's zstd level (1-22). A killed export resumes when the same command is rerun; until it
+    completes, no file is in the folder for a reader to take. A folder holding files the export
+    did not write is refused (see --overwrite); nothing nblib did not write is ever deleted.
     """
     from nblib.errors import ConfigError
     from nblib.export import FORMATS, export_cache, export_outputs
@@ -488,23 +493,29 @@ def export_main(argv: list[str]) -> int:
                                 exit_on_error=False, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cache", help="a cache folder to export")
     p.add_argument("--outputs", help="an encode run's consolidated outputs folder to export")
-    p.add_argument("--texts", help="with --outputs: the texts the run encoded (adds a text column)")
+    p.add_argument("--texts", help="the texts (adds a text column; for --cache, when the cache was built "
+                                   "from a list or its texts moved)")
     p.add_argument("--field", default=None, help="JSONL field holding the text")
     p.add_argument("--out", help="export folder to create or resume")
     p.add_argument("--format", default="parquet", choices=FORMATS)
-    p.add_argument("--overwrite", action="store_true", help="replace an export of something else")
+    p.add_argument("--compression-level", type=int, default=None,
+                   help="Parquet zstd level, 1-22 (default: pyarrow's; 19 is smaller and slower)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an nblib export of something else (deleting only the files its manifest "
+                        "lists), or write into a folder that holds other files (left untouched)")
     try:
         args = p.parse_args(argv)
     except argparse.ArgumentError as exc:
         raise ConfigError(f"{exc}; see python -m nblib export --help") from None
     if not args.out or bool(args.cache) == bool(args.outputs):
         raise ConfigError("export needs --out DIR and one of --cache DIR or --outputs DIR")
+    common = {"texts": args.texts, "field": args.field, "compression_level": args.compression_level,
+              "overwrite": args.overwrite}
     with _os_errors_name(args.out):
         if args.cache:
-            summary = export_cache(args.cache, args.out, args.format, overwrite=args.overwrite)
+            summary = export_cache(args.cache, args.out, args.format, **common)
         else:
-            summary = export_outputs(args.outputs, args.out, args.format, texts=args.texts, field=args.field,
-                                     overwrite=args.overwrite)
+            summary = export_outputs(args.outputs, args.out, args.format, **common)
     print(summary)
     return 0
 

@@ -1,41 +1,67 @@
 """Standard formats out: a cache, or an encode run's outputs, to Parquet or an HF `datasets` folder.
 
 `export_cache(cache_dir, out, fmt)` writes one file per cache shard (one Parquet row group per
-shard, zstd; or one Arrow file per shard in the layout `datasets.save_to_disk` writes), columns
-`index` and `image`. In Parquet an array row is one fixed-size binary value (shape and dtype in
-the schema metadata, `read_parquet_column` decodes it): a nested list column writes ~12x slower
-(a repetition level per value) for no fewer bytes. `export_outputs(outputs_dir, out, fmt,
-texts=...)` writes an encode run's consolidated outputs (sketches, checksums, children)
-row-aligned with the texts (columns `index`, `text` when given, and one per output). In the HF
-folder images are channel-first `datasets.Array3D` of shape (3, H, W): the obvious (H, W, 3)
-layout makes Arrow keep one 4-byte list offset per 3-byte pixel, 2.34x the raw bytes (measured
-at 224 px, against 1.02x channel-first); Parquet rows hold the same (3, H, W) bytes.
+shard, zstd at `compression_level`; or one Arrow file per shard in the layout
+`datasets.save_to_disk` writes). Each row carries what the image came from: `text` (a cache
+rendered from texts), or `key` (the file name, for `cache --images DIR`), beside `index`.
+`export_outputs(outputs_dir, out, fmt, texts=...)` writes an encode run's consolidated outputs
+row-aligned with the texts (columns `index`, `text` when given, and one per output).
 
-Every file goes through `nblib.atomic` and an export manifest (`nblib.manifest`, kind
-"nblib.export") is rewritten after each one, so a killed export resumes at the first file the
-manifest lacks; the HF folder's `state.json` and `dataset_info.json` are written last, so
-`datasets.load_from_disk` never sees half an export. Reading back needs only pyarrow (Parquet,
-Arrow IPC stream) or `datasets`.
+Images in Parquet are a raw uint8 blob of H*W*C bytes in (H, W, C) order, beside `height`,
+`width` and `channels` columns: pyarrow, polars, duckdb and `datasets` read the shape from plain
+columns (no nblib schema metadata needed), and the pixels are `np.frombuffer(blob, np.uint8)
+.reshape(height, width, channels)`. Chosen over a PNG blob (a decode per image per read, and an
+encode at ~1-2 ms per 224 px image on export) and over a nested or fixed-size list (Parquet
+stores a repetition level per value: ~12x slower to write, no fewer bytes); zstd compresses the
+blob column. In the HF folder images are channel-first `datasets.Array3D` (3, H, W): the obvious
+(H, W, 3) layout makes Arrow keep one 4-byte list offset per 3-byte pixel, 2.34x the raw bytes
+(measured at 224 px, against 1.02x channel-first).
+
+No reader ever sees half an export. Files are written (through `nblib.atomic`) into the hidden
+staging folder `.nblib-staging/` under names ending `.part`, listed in the export manifest
+`_nblib-export.json` ("_": pyarrow and datasets skip it) as each lands, so a killed export
+resumes at the first file the manifest lacks. Only when every file is there are they renamed into
+the folder, the HF `dataset_info.json` and `state.json` written, and the manifest rewritten with
+`complete: true`, the completion record, last. Why staging and not temporary names beside the
+finished files: pyarrow skips "."-prefixed paths but polars and duckdb globs do not all, and
+polars recurses into sub-folders; a hidden folder of `.part` files is matched by no `*.parquet`
+glob, directory scan or `state.json`. The window left: a kill during the final renames (one
+`rename` per file, microseconds each) leaves some files in place and no completion record;
+`read_export` refuses it and the same command finishes it.
+
+The folder is the user's: an export refuses a folder that holds files it did not write unless
+`overwrite`, and even then deletes only the files its own manifest lists; files that a reader of
+the folder would take for part of the export (`*.parquet`, `*.arrow`, `state.json`,
+`dataset_info.json` that no export manifest lists) are refused, never deleted. Files get the
+user's umask permissions. Reading back needs only pyarrow (Parquet, Arrow IPC stream) or `datasets`.
 """
 from __future__ import annotations
 
 import io
 import json
+import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from nblib.atomic import atomic_write_bytes, json_bytes, remove_temporaries, sha256_json
+from nblib.atomic import atomic_write_bytes, fsync_dir, json_bytes, remove_temporaries, sha256_json
 from nblib.errors import ConfigError, InputError, ManifestDamaged, StateError
-from nblib.manifest import read_manifest, write_manifest
+from nblib.manifest import manifest_bytes, read_manifest
 from nblib.units import fmt_bytes
 
 FORMATS = ("parquet", "hf")
 MANIFEST = "_nblib-export.json"  # "_": pyarrow and datasets skip it when reading the folder
+STAGING = ".nblib-staging"       # files not yet in place: hidden, and named *.part
 KIND = "nblib.export"
+VERSION = 2                      # 2: staging folder, completion record, text/key columns, HWC blobs
+HF_METADATA = ("dataset_info.json", "state.json")
+READABLE = re.compile(r".*\.(parquet|arrow)$|^state\.json$|^dataset_info\.json$")
+OURS = re.compile(r"^data-\d{5}-of-\d{5}\.(parquet|arrow)$")
 ROWS_TARGET_BYTES = 128 * 1024 * 1024  # an outputs file holds about this many bytes of arrays
+ZSTD_LEVELS = (1, 22)
 
 
 @dataclass(frozen=True)
@@ -56,34 +82,52 @@ class ExportSummary:
                 f"{self.files_reused}")
 
 
-def export_cache(cache_dir: str | Path, out: str | Path, fmt: str = "parquet", *,
+def export_cache(cache_dir: str | Path, out: str | Path, fmt: str = "parquet", *, texts=None,
+                 field: str | None = None, compression_level: int | None = None,
                  overwrite: bool = False) -> ExportSummary:
-    """Export a cache's images (checked as read) to Parquet or an HF datasets folder, shard by shard."""
+    """Export a cache's images (checked as read) with their texts or source keys, shard by shard.
+
+    A cache rendered from texts carries them in a `text` column: read from the path its manifest
+    records, or from `texts` (a path or a list) when it was built from a list or the file moved;
+    they must be the texts it was rendered from. A cache of image files carries their names (`key`).
+    """
     from nblib.cache import ShardedImageCache
 
     check_format(fmt)
+    level = check_level(fmt, compression_level)
     cache = ShardedImageCache(cache_dir)
     h, w, c = cache.shape
-    features = {"index": ("int64", None), "image": ("uint8", (c, h, w))}
+    labels = _cache_labels(cache, texts, field)
+    features = {"index": ("int64", None), **{name: ("string", None) for name in labels},
+                "image": ("uint8", (c, h, w) if fmt == "hf" else (h, w, c))}
     shards = cache.manifest["shards"]
 
     def table(k: int):
         entry = shards[k]
-        images = cache.get_batch(entry["start"], entry["stop"]).transpose(0, 3, 1, 2)
+        images = cache.get_batch(entry["start"], entry["stop"])
         cache.close(k)
-        return {"index": np.arange(entry["start"], entry["stop"], dtype=np.int64), "image": images}
+        rows = slice(entry["start"], entry["stop"])
+        return {"index": np.arange(entry["start"], entry["stop"], dtype=np.int64),
+                **{name: values[rows] for name, values in labels.items()},
+                "image": images.transpose(0, 3, 1, 2) if fmt == "hf" else images}
 
-    identity = {"what": "cache", "fingerprint": cache.fingerprint, "fmt": fmt,
-                "rows": [[s["start"], s["stop"]] for s in shards]}
-    return _export(Path(out), fmt, identity, features, len(shards), table, overwrite)
+    identity = {"what": "cache", "fingerprint": cache.fingerprint, "fmt": fmt, "level": level,
+                "rows": [[s["start"], s["stop"]] for s in shards],
+                "labels": {name: sha256_json(values) for name, values in labels.items()}}
+    command = ["--cache", str(Path(cache_dir).resolve()), "--format", fmt, *_level_flag(level),
+               *(["--texts", str(Path(texts).resolve())] if isinstance(texts, (str, os.PathLike)) else []),
+               *(["--field", field] if field and isinstance(texts, (str, os.PathLike)) else [])]
+    return _export(Path(out), fmt, identity, features, len(shards), table, overwrite, command, level)
 
 
 def export_outputs(outputs_dir: str | Path, out: str | Path, fmt: str = "parquet", *, texts=None,
-                   field: str | None = None, overwrite: bool = False) -> ExportSummary:
+                   field: str | None = None, compression_level: int | None = None,
+                   overwrite: bool = False) -> ExportSummary:
     """Export an encode run's consolidated outputs, row-aligned with `texts` (a path or a list), if given."""
     from nblib.encode.consolidate import load_outputs, read_index
 
     check_format(fmt)
+    level = check_level(fmt, compression_level)
     arrays = load_outputs(outputs_dir)
     if not arrays:
         raise StateError(f"{outputs_dir} holds no consolidated outputs to export; run encode first")
@@ -104,9 +148,12 @@ def export_outputs(outputs_dir: str | Path, out: str | Path, fmt: str = "parquet
 
     index = read_index(outputs_dir) or {}
     digests = {name: index.get("files", {}).get(name, {}).get("sha256") for name in arrays}
-    identity = {"what": "outputs", "outputs": digests, "fmt": fmt, "rows": ranges,
+    identity = {"what": "outputs", "outputs": digests, "fmt": fmt, "rows": ranges, "level": level,
                 "texts": sha256_json(text_list) if text_list is not None else None}
-    return _export(Path(out), fmt, identity, features, len(ranges), table, overwrite)
+    command = ["--outputs", str(Path(outputs_dir).resolve()), "--format", fmt, *_level_flag(level),
+               *(["--texts", str(Path(texts).resolve())] if isinstance(texts, (str, os.PathLike)) else []),
+               *(["--field", field] if field and isinstance(texts, (str, os.PathLike)) else [])]
+    return _export(Path(out), fmt, identity, features, len(ranges), table, overwrite, command, level)
 
 
 def layout_bytes(images: np.ndarray) -> dict[str, float]:
@@ -119,20 +166,22 @@ def layout_bytes(images: np.ndarray) -> dict[str, float]:
     out = {}
     for name, array, shape in (("hwc", images, (h, w, c)), ("chw", images.transpose(0, 3, 1, 2), (c, h, w))):
         table = _arrow_table({"image": np.ascontiguousarray(array)}, _hf_features({"image": ("uint8", shape)}))
-        out[name] = len(_encode("hf", table)) / images.nbytes
+        out[name] = len(_encode("hf", table, None)) / images.nbytes
     return out
 
 
 def read_parquet_column(path: str | Path, column: str) -> np.ndarray:
-    """One array column of an exported Parquet file or folder as a numpy array (pyarrow only).
+    """One column of an exported Parquet file or folder as a numpy array (pyarrow only).
 
     Array rows are fixed-size binary values; their shape and dtype are in the file's schema
-    metadata ("nblib.arrays"): np.frombuffer(value, dtype).reshape(shape) is one row.
+    metadata ("nblib.arrays"): np.frombuffer(value, dtype).reshape(shape) is one row (an image's
+    shape is also in its `height`, `width` and `channels` columns). A folder is read through its
+    export manifest: only a complete export's files.
     """
     import pyarrow.parquet as pq
 
     path = Path(path)
-    files = sorted(path.glob("*.parquet")) if path.is_dir() else [path]
+    files = [path / name for name in _complete_files(path)] if path.is_dir() else [path]
     parts = []
     for f in files:
         table = pq.read_table(f, columns=[column])
@@ -149,11 +198,16 @@ def read_parquet_column(path: str | Path, column: str) -> np.ndarray:
 
 
 def read_export(folder: str | Path) -> dict:
-    """Every column of an export, read back: with `datasets.load_from_disk` for an HF folder, with
-    pyarrow alone for Parquet. Array columns come back as numpy arrays, text as a list of str.
+    """Every column of a complete export, read back: with `datasets.load_from_disk` for an HF folder,
+    with pyarrow alone for Parquet. Array columns come back as numpy arrays (a cache's images as
+    [n, H, W, C] in both formats), text and keys as lists of str.
+
+    StateError when the folder holds no nblib export, or an unfinished one (naming the files not in
+    place and the command that finishes it).
     """
     folder = Path(folder)
-    if (folder / "state.json").exists():
+    body = _complete_body(folder)
+    if body["identity"]["fmt"] == "hf":
         import datasets
 
         dataset = datasets.load_from_disk(str(folder))
@@ -166,10 +220,12 @@ def read_export(folder: str | Path) -> dict:
                 out[name] = column.to_pylist()
             else:
                 out[name] = column.to_numpy()
+        if body["identity"]["what"] == "cache":
+            out["image"] = out["image"].transpose(0, 2, 3, 1)
         return out
     import pyarrow.parquet as pq
 
-    names = pq.read_schema(sorted(folder.glob("*.parquet"))[0]).names
+    names = pq.read_schema(folder / body["names"][0]).names
     out = {}
     for name in names:
         values = read_parquet_column(folder, name)
@@ -182,54 +238,204 @@ def check_format(fmt: str) -> None:
         raise ConfigError(f"export format {fmt!r} is not one of {FORMATS}")
 
 
+def check_level(fmt: str, level: int | None) -> int | None:
+    """The zstd level of a Parquet export (1-22; None: pyarrow's default); the HF folder takes none."""
+    if level is None:
+        return None
+    if fmt != "parquet":
+        raise ConfigError(f"--compression-level {level} applies to --format parquet; the HF folder is "
+                          f"uncompressed Arrow, as datasets.save_to_disk writes it (drop the flag)")
+    if not ZSTD_LEVELS[0] <= int(level) <= ZSTD_LEVELS[1]:
+        raise ConfigError(f"--compression-level {level} is not a zstd level ({ZSTD_LEVELS[0]}-{ZSTD_LEVELS[1]}; "
+                          f"19 gives ~0.45x the cache's bytes, slower)")
+    return int(level)
+
+
 # ====================================================================================== helpers
 
 
-def _export(out: Path, fmt: str, identity: dict, features: dict, n_files: int,
-            table: Callable[[int], dict], overwrite: bool) -> ExportSummary:
-    """Write files 0..n_files-1 that the export manifest lacks; then the HF metadata; the summary."""
+def _export(out: Path, fmt: str, identity: dict, features: dict, n_files: int, table: Callable[[int], dict],
+            overwrite: bool, command: list[str], level: int | None) -> ExportSummary:
+    """Stage files 0..n_files-1 that the manifest lacks, move them in place, record completion; the summary."""
     if out.exists() and not out.is_dir():
         raise InputError(f"{out} is a file, not a folder: an export needs a folder; pass another --out")
     out.mkdir(parents=True, exist_ok=True)
-    manifest = _open_manifest(out, identity, overwrite)
+    names = [_file_name(fmt, k, n_files) for k in range(n_files)]
+    body = _open_manifest(out, identity, overwrite, names, command)
+    body["command"] = command  # how to finish it, as last run (the inputs may have moved)
     remove_temporaries(out)
     hf = _hf_features(features)
     written = 0
-    for k in range(n_files):
-        name = _file_name(fmt, k, n_files)
-        listed = manifest["files"].get(name)
-        if listed and _intact(out / name, listed):
+    for k, name in enumerate(names):
+        listed = body["files"].get(name)
+        if listed and (_intact(out / name, listed) or _intact(_staged(out, name), listed)):
             continue
+        if body.get("complete"):
+            body["complete"] = False  # a file is redone: not complete until it is in place again
+            _write_manifest(out, body, seq=len(body["files"]))
         columns = table(k)
-        data = _encode(fmt, _arrow_table(columns, hf) if fmt == "hf" else _parquet_table(columns, features))
-        result = atomic_write_bytes(out / name, data)
-        manifest["files"][name] = {"bytes": result.bytes, "sha256": result.sha256}
-        write_manifest(out / MANIFEST, KIND, manifest, seq=len(manifest["files"]))
+        data = _encode(fmt, _arrow_table(columns, hf) if fmt == "hf" else _parquet_table(columns, features), level)
+        result = _write_user_file(_staged(out, name), data)
+        body["files"][name] = {"bytes": result.bytes, "sha256": result.sha256}
+        _write_manifest(out, body, seq=len(body["files"]))
         written += 1
-    if fmt == "hf":
-        _write_hf_metadata(out, hf, [_file_name(fmt, k, n_files) for k in range(n_files)], identity)
+    if not body.get("complete"):
+        _finish(out, body, fmt, hf, names, identity)
     n_rows = sum(stop - start for start, stop in identity["rows"])
     on_disk = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     return ExportSummary(str(out), fmt, n_rows, n_files, written, n_files - written, on_disk)
 
 
-def _open_manifest(out: Path, identity: dict, overwrite: bool) -> dict:
+def _finish(out: Path, body: dict, fmt: str, hf, names: list[str], identity: dict) -> None:
+    """Every file is staged or in place: rename the staged ones in, write the HF metadata, then the
+    completion record (the manifest with complete: true), last.
+    """
+    for name in names:
+        staged = _staged(out, name)
+        if staged.exists():
+            os.replace(staged, out / name)
+    fsync_dir(out)
+    if fmt == "hf":
+        _write_hf_metadata(out, hf, names, identity)
+    body["complete"] = True
+    _write_manifest(out, body, seq=len(names) + 1)
     try:
-        record = read_manifest(out / MANIFEST, KIND)
-    except ManifestDamaged:
-        record = None  # torn or edited: start over, every file is checked against nothing
-    if record is not None and record.body.get("identity") == identity:
+        (out / STAGING).rmdir()
+    except OSError:
+        pass
+
+
+def _open_manifest(out: Path, identity: dict, overwrite: bool, names: list[str], command: list[str]) -> dict:
+    """The manifest to continue (same identity), or a fresh one after clearing what an older export of
+    ours listed (overwrite); a folder of someone else's files is refused (see the module docstring).
+    """
+    try:
+        record = read_manifest(out / MANIFEST, KIND, versions=(1, VERSION))
+        damaged = None
+    except ManifestDamaged as exc:
+        record, damaged = None, exc
+    same = record is not None and record.version == VERSION and record.body.get("identity") == identity
+    listed = set(record.body.get("files", {})) if record is not None else set()
+    if record is not None and record.body.get("identity", {}).get("fmt") == "hf":
+        listed |= set(HF_METADATA)  # ours, also when a kill came between them and the completion record
+    if damaged is not None:
+        listed = {p.name for p in out.iterdir() if OURS.match(p.name)} | set(HF_METADATA)
+    _refuse_foreign(out, listed | {MANIFEST, STAGING}, record is not None or damaged is not None, overwrite)
+    if same:
         return record.body
-    if record is not None and not overwrite:
-        raise StateError(f"{out} holds an export of something else ({record.body.get('identity', {}).get('what')}, "
-                         f"other rows or format); pass overwrite=True (--overwrite) or another --out")
-    for path in out.iterdir():
-        if path.is_file() and (path.suffix in (".parquet", ".arrow") or path.name in
-                               (MANIFEST, "state.json", "dataset_info.json")):
-            path.unlink()
-    body = {"identity": identity, "files": {}}
-    write_manifest(out / MANIFEST, KIND, body)
+    if (record is not None or damaged is not None) and not overwrite:
+        what = ("a damaged export manifest" if damaged is not None else
+                f"an export of something else ({record.body.get('identity', {}).get('what')}, other rows, "
+                f"format, level or texts{', or an older nblib' if record.version != VERSION else ''})")
+        raise StateError(f"{out} holds {what}; pass overwrite=True (--overwrite) to replace it (this deletes "
+                         f"only the {len(listed)} files that export wrote) or pick another --out")
+    for name in listed:
+        (out / name).unlink(missing_ok=True)
+        _staged(out, name).unlink(missing_ok=True)
+    body = {"identity": identity, "files": {}, "names": names, "command": command, "complete": False}
+    _write_manifest(out, body, seq=0)
     return body
+
+
+def _refuse_foreign(out: Path, ours: set[str], has_manifest: bool, overwrite: bool) -> None:
+    """Refuse a folder holding files no export manifest of ours lists: always when a reader of the
+    folder would take them for part of the export, else unless overwrite (they are then left alone).
+    """
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in ours and not p.name.startswith(".tmp-"))
+    readable = [name for name in foreign if READABLE.match(name)]
+    if readable:
+        shown = ", ".join(readable[:5]) + (" ..." if len(readable) > 5 else "")
+        raise StateError(f"{out} holds {len(readable)} files that no nblib export wrote and that a reader of "
+                         f"the folder would take for part of this export ({shown}); nblib never deletes "
+                         f"them, --overwrite included: move them away, or pick another --out")
+    if foreign and not has_manifest and not overwrite:
+        shown = ", ".join(foreign[:5]) + (" ..." if len(foreign) > 5 else "")
+        raise StateError(f"{out} is not empty and holds no nblib export ({len(foreign)} entries: {shown}); "
+                         f"pick an empty or new --out, or pass --overwrite to write the export beside them "
+                         f"(they are left untouched)")
+
+
+def _complete_files(folder: Path) -> list[str]:
+    return _complete_body(folder)["names"]
+
+
+def _complete_body(folder: Path) -> dict:
+    """The manifest body of a complete export in `folder`; StateError saying what is missing and how to finish."""
+    if not folder.is_dir():
+        raise StateError(f"{folder} is not a folder; pass the folder an export wrote (--out)")
+    try:
+        record = read_manifest(folder / MANIFEST, KIND, versions=(VERSION,))
+    except ManifestDamaged as exc:
+        raise StateError(f"{folder}: {exc}; rerun the export with --overwrite to redo it") from None
+    if record is None:
+        held = sum(1 for _ in folder.iterdir())
+        raise StateError(f"{folder} holds no nblib export (no {MANIFEST}; {held} entries): export there first "
+                         f"(python -m nblib export --cache DIR --out {folder}), or read it with pyarrow")
+    body = record.body
+    if not body.get("complete"):
+        missing = [name for name in body["names"]
+                   if not (name in body["files"] and _intact(folder / name, body["files"][name]))]
+        shown = ", ".join(missing[:4]) + (" ..." if len(missing) > 4 else "")
+        command = " ".join(["python -m nblib export", *map(_quote, body.get("command", [])), "--out", _quote(folder)])
+        raise StateError(f"{folder} holds an unfinished export: {len(missing)} of {len(body['names'])} files are "
+                         f"not in place ({shown}) and it has no completion record; finish it with: {command}")
+    return body
+
+
+def _quote(text) -> str:
+    import shlex
+
+    return shlex.quote(str(text))
+
+
+def _level_flag(level: int | None) -> list[str]:
+    return [] if level is None else ["--compression-level", str(level)]
+
+
+def _staged(out: Path, name: str) -> Path:
+    return out / STAGING / f"{name}.part"
+
+
+def _write_manifest(out: Path, body: dict, seq: int) -> None:
+    _write_user_file(out / MANIFEST, manifest_bytes(KIND, body, version=VERSION, seq=seq))
+
+
+def _write_user_file(path: Path, data: bytes):
+    """atomic_write_bytes, then the mode a plain open() would give (0666 less the umask), not mkstemp's 0600."""
+    result = atomic_write_bytes(path, data)
+    os.chmod(path, 0o666 & ~_umask())
+    return result
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _cache_labels(cache, texts, field: str | None) -> dict[str, list[str]]:
+    """{"text": [...]} for a cache rendered from texts, {"key": [...]} for one of named image files, else {}."""
+    from nblib.cache.images import source_keys
+    from nblib.cache.texts import source_fingerprint, text_source
+
+    source = cache.manifest["source"]
+    if "n_texts" not in source:
+        keys = source_keys(cache.cache_dir)
+        return {"key": keys} if keys is not None else {}
+    path = texts if texts is not None else source.get("path")
+    if path is None:
+        raise InputError(f"the cache at {cache.cache_dir} was rendered from an in-memory list of texts, so the "
+                         f"export cannot carry them by itself: pass the same texts (texts=..., --texts PATH)")
+    what = field if texts is not None else source.get("field")
+    try:
+        text_list = list(text_source(path, what, source.get("errors", "strict")))
+    except (InputError, OSError) as exc:
+        raise InputError(f"the texts of the cache at {cache.cache_dir} could not be read ({exc}); pass them "
+                         f"with --texts PATH (texts=...)") from None
+    if source_fingerprint(text_list) != source["sha256"]:
+        raise InputError(f"these {len(text_list):,} texts are not the {source['n_texts']:,} the cache at "
+                         f"{cache.cache_dir} was rendered from (their sha256 differs); pass those texts (--texts)")
+    return {"text": text_list}
 
 
 def _intact(path: Path, listed: dict) -> bool:
@@ -309,6 +515,9 @@ def _parquet_table(columns: dict, features: dict):
             kind = pa.binary(int(np.prod(shape)) * array.itemsize)
             arrays[name] = pa.FixedSizeBinaryArray.from_buffers(kind, len(array), [None, pa.py_buffer(array)])
             described[name] = {"shape": list(shape), "dtype": dtype}
+            if name == "image":  # the shape in plain columns: any reader reshapes without our metadata
+                for axis, size in zip(("height", "width", "channels"), shape):
+                    arrays[axis] = pa.array(np.full(len(array), size, dtype=np.int32))
         else:
             arrays[name] = pa.array(values.tolist() if isinstance(values, np.ndarray) else list(values),
                                     type=pa.string() if dtype == "string" else pa.from_numpy_dtype(np.dtype(dtype)))
@@ -316,13 +525,14 @@ def _parquet_table(columns: dict, features: dict):
     return table.replace_schema_metadata({"nblib.arrays": json.dumps(described, sort_keys=True)})
 
 
-def _encode(fmt: str, table) -> bytes:
+def _encode(fmt: str, table, level: int | None) -> bytes:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     buffer = io.BytesIO()
     if fmt == "parquet":
-        pq.write_table(table, buffer, compression="zstd", row_group_size=max(1, table.num_rows))
+        pq.write_table(table, buffer, compression="zstd", compression_level=level,
+                       row_group_size=max(1, table.num_rows))
     else:
         with pa.ipc.new_stream(buffer, table.schema) as writer:
             writer.write_table(table)
@@ -335,11 +545,11 @@ def _write_hf_metadata(out: Path, features, files: list[str], identity: dict) ->
 
     info = io.BytesIO()
     datasets.DatasetInfo(features=features)._dump_info(info, pretty_print=True)
-    atomic_write_bytes(out / "dataset_info.json", info.getvalue())
+    _write_user_file(out / "dataset_info.json", info.getvalue())
     state = {"_data_files": [{"filename": name} for name in files],
              "_fingerprint": sha256_json(identity)[:16], "_format_columns": None, "_format_kwargs": {},
              "_format_type": None, "_output_all_columns": False, "_split": None}
-    atomic_write_bytes(out / "state.json", json_bytes(state))
+    _write_user_file(out / "state.json", json_bytes(state))
 
 
 def _texts(texts, field: str | None, n: int) -> list[str]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import functools
 import io
+import math
 import struct
 import zlib
 from collections.abc import Sequence
@@ -145,7 +146,7 @@ class ImageCodec:
                 import zstandard
 
                 try:
-                    out = self._zstd_contexts()[1].decompress(blob, max_output_size=int(np.prod(shape)))
+                    out = self._zstd_contexts()[1].decompress(blob, max_output_size=math.prod(shape))
                 except zstandard.ZstdError as exc:
                     raise ValueError(str(exc)) from None
                 return np.frombuffer(out, dtype=np.uint8).reshape(shape)
@@ -158,6 +159,10 @@ class ImageCodec:
         if array.shape != tuple(shape):
             raise ValueError(f"it decodes to shape {array.shape}, not {tuple(shape)}")
         return array
+
+    def zstd_decompressor(self):
+        """The zstd decompressor of this spec (with its dictionary), built once."""
+        return self._zstd_contexts()[1]
 
     def _zstd_contexts(self):
         if self._zstd is None:

@@ -15,15 +15,18 @@ writes none of them; it never mixes images of two different inputs in one cache.
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
+import os
+import stat as stat_mode
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 import xxhash
 
-from nblib.atomic import remove_temporaries, sha256_json
+from nblib.atomic import atomic_write_bytes, json_bytes, remove_temporaries, sha256_json
 from nblib.cache.codecs import DICT_SAMPLES, CodecSpec, check_codec, codec_for
 from nblib.cache.format import (
     DAMAGED,
@@ -52,12 +55,17 @@ from nblib.cache.populate import (
 )
 from nblib.errors import CacheError, InputError
 
+KEYS_FILE = "source-keys.json"
+READ_DEADLINE_ENV = "NBLIB_READ_DEADLINE_S"
+DEFAULT_READ_DEADLINE_S = 60.0
+SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
 
 
 def write_images(images, out: str | Path, *, shard_mb: float = 400, codec: str = "raw",
                  codec_level: int | None = None, column: str | None = None, n_images: int | None = None,
-                 seed: int = 0, overwrite: bool = False, progress: bool = True) -> PopulateSummary:
+                 seed: int = 0, overwrite: bool = False, progress: bool = True,
+                 keys: Sequence[str] | None = None) -> PopulateSummary:
     """Write `images` into a sharded cache at `out`, resuming whatever is already there.
 
     Every image must have the shape of the first. Pass the same images in the same order to
@@ -79,6 +87,8 @@ def write_images(images, out: str | Path, *, shard_mb: float = 400, codec: str =
         seed: recorded in the manifest.
         overwrite: delete a cache of other images or settings in `out` instead of refusing.
         progress: show a progress bar.
+        keys: one name per image (its file name, say), kept in `source-keys.json` beside the
+            manifest; an export carries them in a `key` column (`source_keys` reads them).
 
     Returns:
         A `PopulateSummary` (images and shards in the cache, written, reused, rewritten, speed).
@@ -118,7 +128,7 @@ def write_images(images, out: str | Path, *, shard_mb: float = 400, codec: str =
         with _progress_bar(total, start, progress) as bar:
             blobs = ((coder.encode(image), image) for image in checked)
             written = _append_shards(blobs, out, manifest, start, total, layout, spec, bar, lock)
-        done = _close_manifest(out, manifest, total)
+        done = _close_manifest(out, manifest, total, keys)
         return PopulateSummary(
             cache_dir=str(out), codec=codec, n_images=done, n_shards=len(manifest["shards"]),
             shards_written=written + len(rewritten), shards_reused=reused,
@@ -153,16 +163,51 @@ def _append_shards(blobs, out: Path, manifest: dict, start: int, total: int | No
     return written
 
 
-def _close_manifest(out: Path, manifest: dict, total: int | None) -> int:
-    """Check the count against the announced one, record the source's identity; the images in the cache."""
+def _close_manifest(out: Path, manifest: dict, total: int | None, keys: Sequence[str] | None) -> int:
+    """Check the count against the announced one, record the source's identity (and the images'
+    keys, in their own file: the manifest stays small); the images in the cache.
+    """
     done = manifest["shards"][-1]["stop"] if manifest["shards"] else 0
     if total is not None and done != total:
         raise CacheError(f"{done:,} images came, {total:,} were announced (n_images or len); pass the "
                          f"right n_images, or overwrite=True to start again")
     manifest["source"] = {"kind": "images", "n_images": done,
                           "sha256": sha256_json([s["source_xxh3"] for s in manifest["shards"]])}
+    if keys is not None:
+        keys = [str(k) for k in keys]
+        if len(keys) != done:
+            raise InputError(f"{len(keys):,} keys for {done:,} images: pass one key per image, in order")
+        written = atomic_write_bytes(out / KEYS_FILE, json_bytes(keys))
+        manifest["source"]["keys"] = {"file": KEYS_FILE, "sha256": written.sha256}
     write_cache_manifest(out, manifest)
     return done
+
+
+def source_keys(cache_dir: str | Path) -> list[str] | None:
+    """The per-image keys `write_images(keys=...)` recorded (file names for `cache --images DIR`), or None."""
+    import json
+
+    cache_dir = Path(cache_dir)
+    recorded = read_cache_manifest(cache_dir)["source"].get("keys")
+    if not recorded:
+        return None
+    raw = (cache_dir / recorded["file"]).read_bytes() if (cache_dir / recorded["file"]).exists() else b""
+    if hashlib.sha256(raw).hexdigest() != recorded["sha256"]:
+        raise CacheError(f"{cache_dir / recorded['file']} is missing or damaged (its sha256 differs from the "
+                         f"manifest's); rerun the cache command that built {cache_dir} to rewrite it")
+    return json.loads(raw)
+
+def image_keys(path: str | Path) -> list[str] | None:
+    """The keys `cache --images PATH` records: the file names of a folder (in cache order), else None
+    (a Parquet file's or HF folder's rows are known by their index).
+    """
+    path = Path(path)
+    return [p.name for p in image_files(path)] if path.is_dir() and not _is_hf_folder(path) else None
+
+
+def _is_hf_folder(path: Path) -> bool:
+    return (path / "dataset_info.json").exists() or (path / "state.json").exists()
+
 
 def image_source(path: str | Path, column: str | None = None) -> tuple[Iterable, int]:
     """(images, count) of what `cache --images PATH` takes: a folder of image files (sorted by
@@ -177,15 +222,39 @@ def image_source(path: str | Path, column: str | None = None) -> tuple[Iterable,
             raise InputError(f"--images {path} is a {path.suffix or 'suffix-less'} file; pass a .parquet "
                              f"file, a folder of image files or an HF datasets folder")
         return _parquet_images(path, column or "image")
-    if (path / "dataset_info.json").exists() or (path / "state.json").exists():
+    if _is_hf_folder(path):
         import datasets
 
         dataset = datasets.load_from_disk(str(path))
         return _column(dataset, column or "image"), len(dataset)
-    files = sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+    files = image_files(path)
+    deadline_s = read_deadline()
+    return (_open_image(p, deadline_s) for p in files), len(files)
+
+
+def image_files(folder: Path) -> list[Path]:
+    """The image files of a folder, sorted by name; a name with an image suffix that is not a
+    regular file (a FIFO, a device, a socket, a folder, a broken link) is refused: reading a FIFO
+    would block forever.
+    """
+    files = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+    odd = [(p, _not_regular(p)) for p in files]
+    odd = [(p, kind) for p, kind in odd if kind]
+    if odd:
+        named = ", ".join(f"{p.name} ({kind})" for p, kind in odd[:5]) + (" ..." if len(odd) > 5 else "")
+        raise InputError(f"--images {folder}: {len(odd)} of its {len(files)} image names are not regular "
+                         f"files: {named}; a FIFO or device would block the read. Move them out of the "
+                         f"folder (nothing was written) and rerun")
     if not files:
-        raise InputError(f"--images {path} holds no image files ({', '.join(IMAGE_SUFFIXES)})")
-    return (_open_image(p) for p in files), len(files)
+        raise InputError(f"--images {folder} holds no image files ({', '.join(IMAGE_SUFFIXES)})")
+    return files
+
+
+def read_deadline() -> float:
+    """Seconds one image file may take to read: NBLIB_READ_DEADLINE_S (default 60; a frozen mount)."""
+    from nblib.store.retry import seconds_from_env
+
+    return seconds_from_env(READ_DEADLINE_ENV, DEFAULT_READ_DEADLINE_S, example=120, finite=True)
 
 
 def as_image(item, column: str | None = None, index: int = 0) -> np.ndarray:
@@ -195,7 +264,7 @@ def as_image(item, column: str | None = None, index: int = 0) -> np.ndarray:
     elif isinstance(item, tuple):
         item = item[0]  # (image, label), as torch datasets give
     if hasattr(item, "convert") and hasattr(item, "mode"):  # a PIL image
-        item = np.asarray(item.convert("RGB"))
+        item = pil_rgb(item, f"image {index:,}")
     elif type(item).__module__.startswith("torch"):
         item = item.detach().cpu().numpy()
         if item.ndim == 3 and item.shape[0] in (1, 3, 4) and item.shape[-1] not in (1, 3, 4):
@@ -233,7 +302,30 @@ def _column(dataset, column: str):
     if column not in dataset.column_names:
         raise InputError(f"the dataset has no column {column!r}; its columns are {dataset.column_names}: "
                          f"pass column=... (--column)")
-    return (row[column] for row in dataset)
+    return _dataset_rows(dataset, column)
+
+
+def _dataset_rows(dataset, column: str) -> Iterator:
+    """The column's cells; `datasets` decodes Image cells with Pillow, so a bomb is named by its row."""
+    from PIL import Image
+
+    rows = iter(dataset)
+    for k in itertools.count():
+        try:
+            row = next(rows)
+        except StopIteration:
+            return
+        except Image.DecompressionBombError as exc:
+            raise InputError(_bomb(f"row {k:,} of the dataset (column {column!r})", exc)) from None
+        yield row[column]
+
+
+def _bomb(where: str, exc: BaseException) -> str:
+    from PIL import Image
+
+    return (f"{where} is refused as a decompression bomb: over Pillow's limit of "
+            f"{2 * (Image.MAX_IMAGE_PIXELS or 0):,} pixels ({exc}); shrink it, or raise "
+            f"PIL.Image.MAX_IMAGE_PIXELS if you trust the file")
 
 
 def _length(images) -> int | None:
@@ -253,34 +345,97 @@ def _parquet_images(path: Path, column: str) -> tuple[Iterable, int]:
 
     def rows():
         for group in range(meta.num_row_groups):
-            for value in meta.read_row_group(group, columns=[column]).column(0).to_pylist():
-                yield _decode_cell(value)
+            rows_before = sum(meta.metadata.row_group(g).num_rows for g in range(group))
+            for k, value in enumerate(meta.read_row_group(group, columns=[column]).column(0).to_pylist()):
+                yield _decode_cell(value, f"{path} row {rows_before + k:,}")
 
     return rows(), meta.metadata.num_rows
 
 
-def _decode_cell(value):
+def _decode_cell(value, where: str = "a Parquet cell"):
     """A Parquet cell: HF Image struct {bytes, path}, encoded image bytes, or nested lists (Array3D)."""
     if isinstance(value, dict):
         value = value.get("bytes")
     if isinstance(value, (bytes, bytearray)):
-        import io
-
-        from PIL import Image
-
-        with Image.open(io.BytesIO(value)) as image:
-            return np.asarray(image.convert("RGB"))
+        return decode_image_bytes(bytes(value), where)
     return np.asarray(value, dtype=np.uint8)
 
 
-def _open_image(path: Path) -> np.ndarray:
+def decode_image_bytes(data: bytes, where: str) -> np.ndarray:
+    """Encoded image bytes as uint8 [H, W, 3]; InputError naming `where` for a file Pillow cannot
+    read or one over Pillow's decompression-bomb limit (`DecompressionBombError` is no OSError).
+    """
+    import io
+
     from PIL import Image
 
     try:
-        with Image.open(path) as image:
-            return np.asarray(image.convert("RGB"))
+        with Image.open(io.BytesIO(data)) as image:
+            return pil_rgb(image, where)
+    except Image.DecompressionBombError as exc:
+        raise InputError(_bomb(where, exc)) from None
     except OSError as exc:
-        raise InputError(f"{path} is not an image Pillow can read ({exc}); remove it or fix it") from None
+        raise InputError(f"{where} is not an image Pillow can read ({exc}); remove it or fix it") from None
+
+
+def pil_rgb(image, where: str) -> np.ndarray:
+    """A PIL image as uint8 [H, W, 3]. 16-bit grey (I;16, and I holding 0..65535) is scaled to 8 bit
+    (v * 255 / 65535, rounded), not clipped as `convert("RGB")` clips it; float images are refused.
+    """
+    if image.mode in SIXTEEN_BIT_MODES:
+        array = np.asarray(image).astype(np.int64)
+        if array.size and (array.min() < 0 or array.max() > 65535):
+            raise InputError(f"{where} is a 32-bit integer image (mode {image.mode}) with values "
+                             f"{array.min()}..{array.max()}, outside 16 bits; convert it to 8 bit first")
+        grey = ((array * 255 + 32767) // 65535).astype(np.uint8)
+        return np.repeat(grey[:, :, None], 3, axis=2)
+    if image.mode == "F":
+        raise InputError(f"{where} is a floating-point image (mode F): its range is unknown; convert it "
+                         f"to 8 bit first (e.g. scale to 0..255 and save as PNG)")
+    return np.asarray(image.convert("RGB"))
+
+
+def _open_image(path: Path, deadline_s: float) -> np.ndarray:
+    return decode_image_bytes(read_file_within(path, deadline_s), str(path))
+
+
+def read_file_within(path: Path, deadline_s: float) -> bytes:
+    """A regular file's bytes, read on a daemon thread within `deadline_s` (a frozen mount cannot
+    hang the build); opened non-blocking and checked with fstat, so a FIFO is refused, not waited on.
+    """
+    from nblib.store.deadline import call_within
+
+    def read() -> bytes:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            if not stat_mode.S_ISREG(os.fstat(fd).st_mode):
+                raise InputError(f"{path} is not a regular file ({_not_regular(path)}); move it out of "
+                                 f"the folder and rerun")
+            with os.fdopen(os.dup(fd), "rb") as f:
+                return f.read()
+        finally:
+            os.close(fd)
+
+    try:
+        return call_within(read, deadline_s, what=str(path), thread_name="nblib-image-read")
+    except TimeoutError:
+        raise InputError(f"{path} could not be read within {deadline_s:g} s (a frozen mount, or a "
+                         f"special file?); fix the mount or move the file away and rerun (the cache "
+                         f"resumes), or raise {READ_DEADLINE_ENV}") from None
+
+
+def _not_regular(path: Path) -> str | None:
+    """What a path is when it is not a regular file ("a FIFO", "a folder", ...), else None."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "a broken link"
+    if stat_mode.S_ISREG(mode):
+        return None
+    kinds = ((stat_mode.S_ISFIFO, "a FIFO (named pipe)"), (stat_mode.S_ISDIR, "a folder"),
+             (stat_mode.S_ISSOCK, "a socket"), (stat_mode.S_ISCHR, "a character device"),
+             (stat_mode.S_ISBLK, "a block device"))
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
 
 
 def _checked(images: Iterable[np.ndarray], shape: list[int]) -> Iterator[np.ndarray]:

@@ -570,7 +570,7 @@ def _dict_changes(old: dict, new: dict) -> str:
 def _clear(cache_dir: Path) -> None:
     """Delete a cache's own files (shards, manifest, temporaries); nothing else in the folder."""
     for path in [*cache_dir.glob("shard-*"), *leftover_temporaries(cache_dir), cache_dir / MANIFEST,
-                 cache_dir / STAT_CACHE, cache_dir / LEGACY_STAT_CACHE]:
+                 cache_dir / STAT_CACHE, cache_dir / LEGACY_STAT_CACHE, cache_dir / "source-keys.json"]:
         path.unlink(missing_ok=True)
 
 
