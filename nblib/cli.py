@@ -391,7 +391,7 @@ def _train_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=positive_int, help="optimizer steps in all (required)")
     p.add_argument("--batch-size", type=positive_int, default=32, help="global batch (default %(default)s)")
     p.add_argument("--accumulation", type=positive_int, default=1, help="micro-batches per step (default 1)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument("--lr", type=finite_positive_float, default=2e-3)
     p.add_argument("--mirror", help="durable copy: a folder (Google Drive) or an fsspec URL (s3://bucket/prefix)")
     p.add_argument("--profile", default="smoke", help="encoder shape: smoke | t4 | full or a preset (default smoke)")

@@ -27,8 +27,9 @@ from nblib.errors import ConfigError, ResumeMismatch
 from nblib.manifest import write_manifest
 
 from .config import TrainConfig
-from .data import BatchPlan, LabelledImages, StepBatches, labels_for_cache, split
+from .data import BatchPlan, LabelledImages, StepBatches, label_digest, labels_for_cache, split
 from .model import Classifier
+from .objstore import check_run_folders
 from .state import STATE_FORMAT, capture_rng, check_identity, restore_rng, seed_everything
 from .store import Durability, TrainStore
 
@@ -153,6 +154,7 @@ def train(cache_dir: str | Path, out: str | Path, config: TrainConfig, *, mirror
     started = time.perf_counter()
     rank, world_size = (world.rank, world.size) if world is not None else (0, 1)
     writer = rank == 0
+    check_run_folders(cache_dir, out, mirror, storage_options=storage_options, timeout_s=mirror_timeout_s)
     _deterministic(config.device)
     cache = ShardedImageCache(cache_dir)
     labels, classes = labels_for_cache(cache, config.labels, texts)
@@ -162,7 +164,8 @@ def train(cache_dir: str | Path, out: str | Path, config: TrainConfig, *, mirror
     config.micro_batch(world_size)          # refuses a batch that does not split over the ranks
     shape = model_config(config.profile).model
     identity = {"format": STATE_FORMAT, "config": config.computing(), "cache": cache.fingerprint,
-                "classes": classes, "n_train": int(len(train_idx)), "model": dict(shape.__dict__)}
+                "classes": classes, "labels": label_digest(labels, classes), "n_train": int(len(train_idx)),
+                "model": dict(shape.__dict__)}
     out = Path(out)
     store = _open_store(out, mirror, config, storage_options, sync_save, mirror_quota_bytes,
                         mirror_timeout_s) if writer else None
