@@ -31,9 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         print(f"error: {describe_os_error(exc)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted; rerun the same command to resume", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:      # Ctrl-C, or SIGTERM where a verb stops on it (train)
+        print(f"{str(exc) or 'interrupted'}; rerun the same command to resume", file=sys.stderr)
+        return getattr(exc, "exit_status", 130)
 
 
 def describe_os_error(exc: OSError) -> str:
