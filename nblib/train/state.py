@@ -60,10 +60,12 @@ def check_identity(stored: dict, current: dict, where: str) -> None:
         if isinstance(old, dict) and isinstance(new, dict):
             check_identity(old, new, where)
             continue
+        if key == "labels" and old is None:
+            continue                  # a state saved before runs recorded their labels: nothing to compare
         if old != new and key == "labels":
             raise ResumeMismatch(
-                f"{where} was trained on other labels (label sha256 {_short(old)[:14]}..., this command's "
-                f"{_short(new)[:14]}...): the texts file was edited since, or --texts points at another copy "
+                f"{where} was trained on other labels (label sha256 {str(old)[:12]}..., this command's "
+                f"{str(new)[:12]}...): the texts file was edited since, or --texts points at another copy "
                 f"(a shuffled one?); pass --texts with the file the run started from, or pass another --out "
                 f"to train a new run on these labels")
         if old != new:
