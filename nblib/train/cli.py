@@ -1,4 +1,7 @@
-"""`python -m nblib train`'s flags -> TrainConfig -> `train` (the parser lives in nblib.cli)."""
+"""`python -m nblib train`'s flags -> TrainConfig -> `train` (the parser lives in nblib.cli).
+
+SIGTERM stops a run as Ctrl-C does (`SigtermStop`).
+"""
 from __future__ import annotations
 
 import contextlib
