@@ -31,9 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         print(f"error: {describe_os_error(exc)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted; rerun the same command to resume", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:      # Ctrl-C, or SIGTERM where a verb stops on it (train)
+        print(f"{str(exc) or 'interrupted'}; rerun the same command to resume", file=sys.stderr)
+        return getattr(exc, "exit_status", 130)
 
 
 def describe_os_error(exc: OSError) -> str:
@@ -394,7 +394,7 @@ def _train_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=positive_int, help="optimizer steps in all (required)")
     p.add_argument("--batch-size", type=positive_int, default=32, help="global batch (default %(default)s)")
     p.add_argument("--accumulation", type=positive_int, default=1, help="micro-batches per step (default 1)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument("--lr", type=finite_positive_float, default=2e-3)
     p.add_argument("--mirror", help="durable copy: a folder (Google Drive) or an fsspec URL (s3://bucket/prefix)")
     p.add_argument("--profile", default="smoke", help="encoder shape: smoke | t4 | full or a preset (default smoke)")

@@ -1,12 +1,92 @@
-"""`python -m nblib train`'s flags -> TrainConfig -> `train` (the parser lives in nblib.cli)."""
+"""`python -m nblib train`'s flags -> TrainConfig -> `train` (the parser lives in nblib.cli).
+
+SIGTERM stops a run as Ctrl-C does (`SigtermStop`).
+"""
 from __future__ import annotations
 
+import contextlib
+import logging
+import signal
+import threading
 from pathlib import Path
 
 from nblib.errors import ConfigError, InputError
 
 from .config import TrainConfig
 from .loop import TrainReport, train
+
+log = logging.getLogger(__name__)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread as Ctrl-C raises KeyboardInterrupt: the same clean stop."""
+
+    exit_status = 128 + signal.SIGTERM
+
+
+class SigtermStop:
+    """SIGTERM stops a run as Ctrl-C does: the writer joined, the loader's workers shut down, no traceback,
+    exit status 143; rerun to resume.
+
+    Without it SIGTERM killed the main process at once and its loader workers held the caller's pipes
+    until their 5 s watchdog saw the parent gone (one printed a BrokenPipeError traceback when the
+    parent died mid-batch). Between steps the first SIGTERM is acted on at the end of the step under
+    way (its save done, no batch cut in half); before the first step it stops at once, and so does a
+    second SIGTERM. Trade-off: the stop waits for one step (and its evaluation, when one is due).
+    """
+
+    def __init__(self):
+        self.pending = self.stepping = False
+
+    @contextlib.contextmanager
+    def installed(self):
+        """SIGTERM handled as above within (main thread only; elsewhere nothing changes)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        previous = signal.signal(signal.SIGTERM, self._on_signal)
+        try:
+            yield self
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    @contextlib.contextmanager
+    def workers_terminated(self):
+        """Within: a loader worker killed by SIGTERM (the whole process group was sent it) stops the run
+        as the main process's own SIGTERM does, instead of torch's RuntimeError and its traceback.
+        """
+        try:
+            yield
+        except RuntimeError as exc:
+            if "killed by signal: Terminated" not in str(exc):
+                raise
+            _stopping()
+            raise Terminated("terminated (SIGTERM, to the loader's workers too)") from None
+
+    def on_step(self, step: int, report) -> None:
+        """train()'s per-step callback: stop here when a SIGTERM came during the step."""
+        self.stepping = True
+        if self.pending:
+            self._stop()
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.stepping and not self.pending:
+            self.pending = True
+            log.warning("SIGTERM: stopping after this step (send it again to stop at once)")
+            return
+        self._stop()
+
+    def _stop(self):
+        _stopping()
+        raise Terminated("terminated (SIGTERM)")
+
+
+def _stopping() -> None:
+    """The stop finishes what it started: later SIGTERMs are ignored, and torch's SIGCHLD handler (which
+    raises when a loader worker dies: they got the SIGTERM too) no longer fires while the loader shuts down.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
 
 
 def config_from_args(args) -> TrainConfig:
@@ -19,7 +99,7 @@ def config_from_args(args) -> TrainConfig:
 
 
 def run_train(args, world=None) -> TrainReport:
-    """Check the paths, then train (or resume) as the flags say."""
+    """Check the paths, then train (or resume) as the flags say; SIGTERM stops it as Ctrl-C does."""
     cache = Path(args.cache)
     if not (cache / "manifest.json").is_file():
         raise InputError(f"--cache {cache} is not a cache folder (no manifest.json); build one with "
@@ -29,9 +109,11 @@ def run_train(args, world=None) -> TrainReport:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise InputError(f"--out {out} is a file; pass a folder for the run")
-    return train(cache, out, config_from_args(args), mirror=args.mirror, texts=args.texts,
-                 progress=not args.no_progress, world=world, mirror_timeout_s=args.mirror_timeout,
-                 sync_save=args.sync_save, mirror_quota_bytes=mirror_quota_bytes(args.mirror, args.drive_quota_gb))
+    with SigtermStop().installed() as stop, stop.workers_terminated():
+        return train(cache, out, config_from_args(args), mirror=args.mirror, texts=args.texts,
+                     progress=not args.no_progress, world=world, mirror_timeout_s=args.mirror_timeout,
+                     sync_save=args.sync_save, on_step=stop.on_step,
+                     mirror_quota_bytes=mirror_quota_bytes(args.mirror, args.drive_quota_gb))
 
 
 def mirror_quota_bytes(mirror: str | None, quota_gb: float | None) -> int | None:

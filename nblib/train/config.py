@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, fields
 
+from nblib.config import SEED_LIMIT
 from nblib.errors import ConfigError
 
 LABELS = ("kind", "script")
@@ -61,6 +62,8 @@ class TrainConfig:
                           ("workers", 0), ("seed", 0)):
             if getattr(self, name) < low:
                 raise ConfigError(f"train.{name}={getattr(self, name)} is out of range; use an integer >= {low}")
+        if self.seed >= SEED_LIMIT:
+            raise ConfigError(f"train.seed={self.seed} is out of range; use an integer from 0 to 2**64 - 1")
         _choice("labels", self.labels, LABELS)
         _choice("precision", self.precision, PRECISIONS)
         _choice("best_metric", self.best_metric, METRICS)

@@ -74,6 +74,19 @@ def labels_for_cache(cache, labels: str = "kind", texts: str | Path | None = Non
     return values[: len(cache)], classes
 
 
+def label_digest(labels: np.ndarray, classes: list[str]) -> str:
+    """sha256 of the class names and every image's label: a resume must train on the same labels.
+
+    A texts file edited since the run started, or a `--texts` that is a shuffled copy, gives other labels
+    for the same images; the run's identity holds this digest so such a resume is refused.
+    """
+    import hashlib
+
+    digest = hashlib.sha256(json.dumps(list(classes)).encode())
+    digest.update(np.ascontiguousarray(labels, dtype="<i8").tobytes())
+    return digest.hexdigest()
+
+
 def split(n: int, holdout: float, labels: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(train indices, held-out indices), a fixed keyed permutation cut at `holdout`, each sorted."""
     order = GlobalShuffle(n=n, seed=SPLIT_SALT).indices()

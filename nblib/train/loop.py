@@ -31,9 +31,10 @@ from nblib.errors import ConfigError, ResumeMismatch, TrainingDiverged
 from nblib.manifest import write_manifest
 
 from .config import TrainConfig
-from .data import BatchPlan, LabelledImages, StepBatches, labels_for_cache, split
+from .data import BatchPlan, LabelledImages, StepBatches, label_digest, labels_for_cache, split
 from .device import as_nblib_error, deterministic, dropout_seed, require_device
 from .model import Classifier
+from .objstore import check_run_folders
 from .state import STATE_FORMAT, capture_rng, check_identity, restore_rng, seed_everything
 from .store import Durability, TrainStore
 
@@ -176,6 +177,7 @@ def _train(cache_dir, out, config: TrainConfig, *, mirror, texts, progress, worl
     started = time.perf_counter()
     rank, world_size = (world.rank, world.size) if world is not None else (0, 1)
     writer = rank == 0
+    check_run_folders(cache_dir, out, mirror, storage_options=storage_options, timeout_s=mirror_timeout_s)
     cache = ShardedImageCache(cache_dir)
     labels, classes = labels_for_cache(cache, config.labels, texts)
     train_idx, held_idx = split(len(cache), config.holdout)
@@ -184,7 +186,8 @@ def _train(cache_dir, out, config: TrainConfig, *, mirror, texts, progress, worl
     config.micro_batch(world_size)          # refuses a batch that does not split over the ranks
     shape = model_config(config.profile).model
     identity = {"format": STATE_FORMAT, "config": config.computing(), "cache": cache.fingerprint,
-                "classes": classes, "n_train": int(len(train_idx)), "model": dict(shape.__dict__)}
+                "classes": classes, "labels": label_digest(labels, classes), "n_train": int(len(train_idx)),
+                "model": dict(shape.__dict__)}
     out = Path(out)
     store = _open_store(out, mirror, config, storage_options, sync_save, mirror_quota_bytes,
                         mirror_timeout_s) if writer else None

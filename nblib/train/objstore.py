@@ -6,6 +6,11 @@ Object stores have no rename: an object appears whole when its PUT completes, so
 checks the bytes' sha256 first and then PUTs them in one request (what AtomicWriter's temporary
 file plus rename gives on a disk). Listings are not cached, so the mirror sees deletions at once.
 `s3://` needs s3fs and `gs://` gcsfs (both pinned; a missing one is named in the error).
+`check_run_folders` refuses, before a run writes, a mirror that would not be a second copy (an
+empty name, `s3://` with no bucket, `memory://`, a protocol that is not a folder, s3:// or gs://, a
+folder inside the run's or the cache's), a run folder inside its cache (or the other way round), and
+a bucket that does not exist (the mirror never creates one: a mistyped name would be created
+silently). A bucket that cannot be reached is let through: training never waits for the mirror.
 Credentials and the endpoint come from the usual environment (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL,
 GOOGLE_APPLICATION_CREDENTIALS, STORAGE_EMULATOR_HOST) or `storage_options`. Trade-off: timeouts
 are short (connect 5 s, read 30 s, 2 attempts, on both clients) so a stalled bucket fails an
@@ -26,12 +31,16 @@ import re
 from pathlib import Path, PurePosixPath
 
 from nblib.atomic import WrittenFile
-from nblib.errors import ConfigError
+from nblib.errors import ConfigError, InputError
 from nblib.store.parts import FileOps
 
 URL = re.compile(r"^([a-z][a-z0-9+.-]*)://(.+)$")
 PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
 CONNECT_S, READ_S, ATTEMPTS = 5, 30, 2
+LOOKS_LIKE_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):/")
+MIRROR_PROTOCOLS = tuple(PACKAGES)          # object stores a mirror may use; anything else is a folder or refused
+SUPPORTED = "a folder (Google Drive: /content/drive/MyDrive/RUN), s3://BUCKET/PREFIX or gs://BUCKET/PREFIX"
+log = logging.getLogger(__name__)
 DEFAULT_S3_CONFIG = {"connect_timeout": CONNECT_S, "read_timeout": READ_S, "retries": {"max_attempts": ATTEMPTS}}
 
 
@@ -45,6 +54,102 @@ def mirror_target(target: str | Path, storage_options: dict | None = None) -> tu
         return Path(target), FileOps()
     protocol, rest = URL.match(target).groups()
     return Path(PurePosixPath(rest.rstrip("/"))), FsspecOps(open_filesystem(protocol, storage_options), target)
+
+
+def check_run_folders(cache_dir: str | Path, out: str | Path, mirror: str | Path | None = None, *,
+                      storage_options: dict | None = None, timeout_s: float = 60.0) -> None:
+    """ConfigError unless the cache, the run folder and the mirror are three places, none inside another,
+    and the mirror is a durable second copy (a folder, or a bucket that exists). See the module docstring.
+    """
+    folders = {"--cache": Path(cache_dir), "--out": Path(out)}
+    if mirror is not None:
+        check_mirror_name(mirror)
+        if not is_url(mirror):
+            folders["--mirror"] = Path(mirror)
+    _refuse_nesting(folders)
+    if mirror is not None and is_url(mirror):
+        check_bucket_exists(str(mirror), storage_options, timeout_s)
+
+
+def check_mirror_name(mirror: str | Path) -> None:
+    """ConfigError for a mirror name that is no second copy: empty, a URL with no bucket, `memory://`, or a
+    protocol the mirror does not speak (ftp://, http://, file://, ...).
+    """
+    text = str(mirror)
+    if not text.strip():
+        raise ConfigError(f"--mirror {text!r} is empty: it would mirror into the current folder, not a second "
+                          f"copy; pass {SUPPORTED}, or leave --mirror out")
+    shaped = LOOKS_LIKE_URL.match(text)
+    if shaped is None and not is_url(text):
+        return
+    protocol = shaped.group(1).lower() if shaped else URL.match(text).group(1)
+    if protocol == "memory":
+        raise ConfigError(f"--mirror {text} lives in this process's memory and dies with it: not a second copy; "
+                          f"pass {SUPPORTED}")
+    if protocol not in MIRROR_PROTOCOLS:
+        hint = (f"pass the folder itself ({text.split('://', 1)[-1] or '/PATH'})" if protocol in ("file", "local")
+                else f"pass {SUPPORTED}")
+        raise ConfigError(f"--mirror {text}: the mirror does not write to {protocol}://; {hint}")
+    match = URL.match(text)
+    if match is None or not match.group(2).strip("/"):
+        raise ConfigError(f"--mirror {text} names no bucket (it would become a local folder named "
+                          f"{text.split('/')[0]!r}); pass {protocol}://BUCKET/PREFIX")
+
+
+def check_bucket_exists(url: str, storage_options: dict | None = None, timeout_s: float = 60.0) -> None:
+    """InputError when the store answers that the bucket of `url` does not exist (s3://, gs://).
+
+    Any other outcome lets the run start: the bucket exists, or the store cannot be reached now (a dead
+    or stalled endpoint, refused credentials), in which case the mirror retries later and the run's
+    durability line says what is not yet mirrored; the check waits at most `timeout_s`.
+    """
+    from nblib.store.deadline import call_within
+
+    protocol, rest = URL.match(url).groups()
+    bucket = rest.split("/", 1)[0]
+    if protocol not in ("s3", "s3a", "gs", "gcs"):
+        return
+    try:
+        fs = open_filesystem(protocol, storage_options)
+        ask = ((lambda: fs.call_s3("head_bucket", Bucket=bucket)) if protocol in ("s3", "s3a")
+               else (lambda: fs.info(bucket)))
+        call_within(ask, timeout_s, what=f"the bucket {protocol}://{bucket}", thread_name="nblib-bucket-check")
+    except FileNotFoundError:
+        raise InputError(f"--mirror {url}: the bucket {protocol}://{bucket} does not exist (the store answered "
+                         f"404, no such bucket); check its name, or create it first (the mirror never creates "
+                         f"a bucket)") from None
+    except ConfigError:
+        raise
+    except Exception as exc:  # cannot reach or may not look: the mirror retries while training goes on
+        log.warning("could not check that the bucket %s://%s exists (%s: %s); training goes on and the "
+                    "mirror retries", protocol, bucket, type(exc).__name__, str(exc)[:200])
+
+
+def _refuse_nesting(folders: dict[str, Path]) -> None:
+    """ConfigError naming two of the run's folders that are one folder, or one inside the other."""
+    resolved = {flag: path.expanduser().resolve() for flag, path in folders.items()}
+    names = list(resolved)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            pa, pb = resolved[a], resolved[b]
+            if pa == pb:
+                raise ConfigError(f"{a} and {b} are the same folder ({pa}): {_why(b, a, same=True)}; "
+                                  f"pass another {b}")
+            if pa.is_relative_to(pb) or pb.is_relative_to(pa):
+                inner, outer = (a, b) if pa.is_relative_to(pb) else (b, a)
+                raise ConfigError(f"{inner} {resolved[inner]} is inside {outer} {resolved[outer]}: "
+                                  f"{_why(inner, outer)}; keep them side by side (e.g. work/cache, work/run, "
+                                  f"/content/drive/MyDrive/run)")
+
+
+def _why(inner: str, outer: str, same: bool = False) -> str:
+    """Why `inner` may not be (inside) `outer`."""
+    if same and "--mirror" in (inner, outer):
+        return "the mirror would be no second copy of the run"
+    if inner == "--out" and outer == "--cache":
+        return "the run would write its checkpoints, final.pt and train.json among the cache's shards"
+    return (f"losing {outer}, or removing it for a fresh start (as a refused resume advises), would take "
+            f"{inner} with it")
 
 
 def open_filesystem(protocol: str, storage_options: dict | None = None):
@@ -140,7 +245,7 @@ class FsspecOps(FileOps):
         return _Stat(int(info.get("size") or 0))
 
     def makedirs(self, path) -> None:
-        self.fs.makedirs(str(path), exist_ok=True)
+        pass                                  # prefixes need no folder; never create a bucket (a typo would be)
 
     def unlink(self, path) -> None:
         if not self.fs.exists(str(path)):

@@ -6,8 +6,8 @@ torch (CPU, and every CUDA device when there is one; the loop re-seeds torch's g
 (seed, step, rank) before each step, so no rank's dropout depends on them); step and epoch; the data order as the
 shuffle's state, a few hundred bytes of JSON (not a buffer of samples); the metric history and
 the best step so far; and the run's identity (settings that change the bytes, the cache's
-fingerprint, the labels). `check_identity` refuses a resume whose identity differs, naming the
-field, the stored value and the new one.
+fingerprint, the classes and a digest of every label). `check_identity` refuses a resume whose
+identity differs, naming the field, the stored value and the new one.
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def restore_rng(state: dict) -> None:
 def seed_everything(seed: int) -> None:
     """Seed Python, numpy and torch (all devices) for a fresh run."""
     random.seed(seed)
-    np.random.seed(seed)
+    np.random.seed(seed if seed < 2 ** 32 else [seed & 0xFFFF_FFFF, seed >> 32])  # legacy seeding takes 32 bits
     torch.manual_seed(seed)
 
 
@@ -61,6 +61,14 @@ def check_identity(stored: dict, current: dict, where: str) -> None:
         if isinstance(old, dict) and isinstance(new, dict):
             check_identity(old, new, where)
             continue
+        if key == "labels" and old is None:
+            continue                  # a state saved before runs recorded their labels: nothing to compare
+        if old != new and key == "labels":
+            raise ResumeMismatch(
+                f"{where} was trained on other labels (label sha256 {str(old)[:12]}..., this command's "
+                f"{str(new)[:12]}...): the texts file was edited since, or --texts points at another copy "
+                f"(a shuffled one?); pass --texts with the file the run started from, or pass another --out "
+                f"to train a new run on these labels")
         if old != new:
             raise ResumeMismatch(
                 f"{where} holds a run with {key}={_short(old)}, this command asks for {key}={_short(new)}; "
