@@ -44,8 +44,8 @@ def trace_records(n_records: int, *, hidden: int = 256, experts: int = 8, layers
                           f"1 <= fewest <= most tokens and sizes >= 1")
     if top_k is not None and not 1 <= top_k <= experts:
         raise ConfigError(f"top_k={top_k} must be in [1, experts={experts}]")
-    routers = [np.random.default_rng([seed, 1_000_003, layer]).standard_normal((hidden, experts), np.float32)
-               / np.sqrt(hidden) for layer in range(layers)]
+    routers = [(np.random.default_rng([seed, 1_000_003, layer]).standard_normal((hidden, experts))
+                / np.sqrt(hidden)).astype(np.float32) for layer in range(layers)]
     for i in range(start, start + n_records):
         rng = np.random.default_rng([seed, i])
         n_tokens = int(rng.integers(tokens[0], tokens[1] + 1))
@@ -53,8 +53,9 @@ def trace_records(n_records: int, *, hidden: int = 256, experts: int = 8, layers
         logits = states @ routers[i % layers]
         probs = np.exp(logits - logits.max(axis=1, keepdims=True))
         probs /= probs.sum(axis=1, keepdims=True)
+        probs = probs.astype(np.float32)
         target = probs if top_k is None else np.argsort(-probs, axis=1, kind="stable")[:, :top_k].astype(np.int64)
-        yield {"hidden_states": states.astype(dtype), "target_routing": target.astype(target.dtype),
+        yield {"hidden_states": states.astype(dtype), "target_routing": target,
                "layer_id": i % layers, "step": i // layers,
                "token_ids": rng.integers(0, VOCAB, n_tokens, dtype=np.int32)}
 
