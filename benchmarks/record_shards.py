@@ -181,11 +181,12 @@ def read_rates(shards, parquet: ParquetRecords, rounds: int, random_reads: int) 
     rates: dict[str, list[float]] = {}
     n = len(shards)
     for k in range(-1, rounds):  # round -1 warms imports and the page cache: not counted
-        picks = np.random.default_rng(k).integers(0, n, random_reads)
+        seed = k + 1
+        picks = np.random.default_rng(seed).integers(0, n, random_reads)
         for name, records in (("nblib in order", shards.iter_records()),
                               ("parquet in order", parquet.in_order()),
-                              ("nblib shard-window shuffle", shards.iter_records(shards.shuffle(seed=k))),
-                              ("parquet row-group shuffle", parquet.windowed(k)),
+                              ("nblib shard-window shuffle", shards.iter_records(shards.shuffle(seed=seed))),
+                              ("parquet row-group shuffle", parquet.windowed(seed)),
                               ("nblib uniform random", (shards[int(i)] for i in picks)),
                               ("parquet uniform random", (parquet[int(i)] for i in picks))):
             rate = timed(records)[0]  # generators: nothing runs before its turn
@@ -206,16 +207,20 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--random-reads", type=int, default=1500)
     p.add_argument("--work", default=None, help="scratch folder (default: a temporary one)")
+    p.add_argument("--reuse", action="store_true", help="keep a trace.pkl already in --work (same --gb)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "record_shards.json"))
     args = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
-    from nblib.cache import RecordShards, write_trace_pickle
+    from nblib.cache import RecordShards, record_source, write_trace_pickle
 
     work = Path(args.work or tempfile.mkdtemp(prefix="record-shards-"))
     work.mkdir(parents=True, exist_ok=True)
     stream, tiny = work / "trace.pkl", work / "tiny.pkl"
     started = time.perf_counter()
-    n_records = write_trace_pickle(stream, target_bytes=int(args.gb * 1e9), **SIZES)
+    if args.reuse and stream.exists():
+        n_records = sum(1 for _ in record_source(stream))
+    else:
+        n_records = write_trace_pickle(stream, target_bytes=int(args.gb * 1e9), **SIZES)
     write_trace_pickle(tiny, n_records=10, **SIZES)
     print(f"trace: {n_records:,} records, {stream.stat().st_size / 1e9:.3f} GB pickle stream "
           f"({time.perf_counter() - started:.0f} s to write)", flush=True)

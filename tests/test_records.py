@@ -61,6 +61,7 @@ def test_records_of_any_shapes_and_scalars_come_back_identical(tmp_path, codec):
     assert all(same_record(a, shards[i]) for i, a in enumerate(records))
     shards[3]["x"][0, 0] = 99.0  # served arrays are writable copies: the next read is unchanged
     assert shards[3]["x"][0, 0] == records[3]["x"][0, 0]
+    assert same_record(pickle.loads(pickle.dumps(shards))[7], records[7])  # spawn-started workers get a copy
 
 
 def test_group_by_keeps_one_key_per_shard_in_input_order_within_the_size_bound(tmp_path):
@@ -84,6 +85,7 @@ def test_a_record_of_another_dtype_or_without_the_group_key_is_refused_by_index(
     records[3]["x"] = records[3]["x"].astype(np.float64)
     with pytest.raises(InputError, match=r"record 3 field 'x' is float64"):
         write_records(records, tmp_path / "a", shard_mb=1)
+    assert not [p.name for p in (tmp_path / "a").iterdir() if p.name.startswith(".tmp-")]  # no open shard left
     with pytest.raises(InputError, match=r"record 0 has no field 'layer'"):
         write_records(mixed_records(3), tmp_path / "b", shard_mb=1, group_by="layer")
 
@@ -369,3 +371,39 @@ def test_the_cli_refuses_records_without_out_in_one_line(tmp_path):
     assert len(result.stderr.strip().splitlines()) == 1
     result = run_records_cli("--records", stream, "--out", tmp_path / "o", "--codec", "png")
     assert result.returncode == 2 and "not one for records" in result.stderr
+
+
+@pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
+def test_every_pickle_protocol_is_told_apart_as_stream_or_list_and_reads_back(tmp_path, protocol):
+    records = list(trace_records(6, **SMALL))
+    stream, whole = tmp_path / "stream.pkl", tmp_path / "list.pkl"
+    with open(stream, "wb") as f:
+        for record in records:
+            pickle.dump(record, f, protocol=protocol)
+    with open(whole, "wb") as f:
+        pickle.dump(records, f, protocol=protocol)
+    assert (record_source(stream).kind, record_source(whole).kind) == ("pickle-stream", "pickle-list")
+    for source in (stream, whole):
+        served = list(record_source(source))
+        assert len(served) == 6 and all(same_record(a, b) for a, b in zip(records, served))
+
+
+def test_a_map_style_loader_with_the_shuffle_sampler_resumes_at_a_consumed_count(tmp_path):
+    torch = pytest.importorskip("torch")
+    from nblib.cache.record_torch import RecordDataset
+    from nblib.shuffle import ShuffleSampler
+
+    write_records(trace_records(30, **SMALL), tmp_path / "out", shard_mb=0.02, group_by="layer_id")
+    dataset = RecordDataset(tmp_path / "out", inputs=("layer_id", "token_ids"), target="step")
+
+    def targets(sampler):
+        loader = torch.utils.data.DataLoader(dataset, sampler=sampler, batch_size=1, num_workers=2)
+        return [int(step) * 4 + int(inputs[0]) for inputs, step in loader]
+
+    make = lambda: ShuffleSampler(dataset.shards.shuffle(seed=5))
+    everything = targets(make())
+    state = make().state_dict(consumed=11)
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert everything[:11] + targets(resumed) == everything
+    assert sorted(everything) == list(range(30))

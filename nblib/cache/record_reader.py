@@ -59,7 +59,6 @@ class RecordShards:
         self.shards = self.manifest["shards"]
         self.counts = np.array([s["count"] for s in self.shards], dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(self.counts)])
-        self._decompress = record_coder(self.manifest["codec"], self.manifest["codec_level"])[1]
         self._open: tuple | None = None   # (shard number, mapped bytes, offsets, base, checksums)
         self._touched: set[int] = set()
         self._check_stats()
@@ -96,7 +95,8 @@ class RecordShards:
         if self.check != "off" and xxhash.xxh3_64_intdigest(blob) != int(checksums[local]):
             raise self._corrupt(shard, local, "its bytes do not match the shard's xxh3 table")
         try:
-            return decode_record(self._decompress(blob))
+            decompress = record_coder(self.manifest["codec"], self.manifest["codec_level"])[1]  # cached per process
+            return decode_record(decompress(blob))
         except Exception as exc:  # zstd errors and malformed payloads: both mean the bytes are wrong
             raise self._corrupt(shard, local, f"it does not decode ({exc})") from None
 

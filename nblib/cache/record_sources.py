@@ -70,7 +70,7 @@ def record_source(path: str | Path, *, trust: bool = False, available_ram: int |
     Raises:
         InputError (missing, another kind of file), BudgetExceeded (a pickled list larger than the RAM).
     """
-    path = Path(path)
+    path = Path(path).absolute()  # the manifest's path must lead back to it from any folder (repair)
     if not path.is_file():
         raise InputError(f"--records {path} {'is a folder' if path.exists() else 'does not exist'}; pass "
                          f"a pickle stream, a pickled list, an .npz or a .pt file of records")

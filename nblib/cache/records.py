@@ -135,9 +135,13 @@ def write_records(records, out: str | Path, *, shard_mb: float = 400, group_by: 
         _preflight(out, source, old)
         run = _ShardRun(out, layout, source, old, lock, max_open_groups)
         count = 0
-        for count, record in enumerate(records, start=1):
-            run.add(count - 1, record)
-        manifest = run.finish(count)
+        try:
+            for count, record in enumerate(records, start=1):
+                run.add(count - 1, record)
+            manifest = run.finish(count)
+        except BaseException:
+            run.abandon()  # the shards still open leave no temporary file; the listed ones stay
+            raise
     shards = manifest["shards"]
     warn_many_files(len(shards) + 1, out, shard_mb)
     return RecordSummary(
@@ -315,10 +319,14 @@ class _ShardRun:
         self.repaired += 1
         self.written += 1
 
-    def _other_input(self, entry: dict, why: str) -> CacheError:
+    def abandon(self) -> None:
+        """Delete the temporary files of the shards still open (after an error)."""
         for slot in self.slots.values():
             if slot.writer is not None:
                 slot.writer.discard()
+
+    def _other_input(self, entry: dict, why: str) -> CacheError:
+        self.abandon()
         return CacheError(f"this input is not the one {self.out} was written from (shard {entry['file']}: "
                           f"{why}): pass the same records in the same order to resume or repair, or "
                           f"overwrite=True (--overwrite) to rebuild")
