@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -59,8 +60,9 @@ def run_child(args: list[str]) -> tuple[int, float, str]:
 
 
 def shard_command(source: Path, out: Path, shard_mb: float) -> list[str]:
+    shutil.rmtree(out, ignore_errors=True)  # a fresh build each time (a folder there would be resumed)
     return ["-c", CLI_CHILD, "cache", "--records", str(source), "--out", str(out), "--shard-size-mb", str(shard_mb),
-            "--group-by", "layer_id", "--overwrite"]
+            "--group-by", "layer_id"]
 
 
 def write_parquet(shards, path: Path) -> None:

@@ -155,7 +155,7 @@ def array_shapes(payload: bytes) -> dict[str, list[int]]:
 def record_coder(codec: str, level: int | None):
     """(compress, decompress) of a codec ("zstd" at `level`, or "raw"); built once per process."""
     if codec == "raw":
-        return bytes, bytes
+        return bytes, bytearray  # a bytearray decodes without another copy (decode_record)
     if codec != "zstd":
         raise ValueError(codec)
     import zstandard
