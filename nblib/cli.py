@@ -168,6 +168,7 @@ def cache_main(argv: list[str]) -> int:
     Build or resume: `cache --texts PATH --out DIR [--size --shard-mb --codec --workers ...]`.
     Your own images: `cache --images PATH --out DIR` (a folder of image files, a Parquet file or an
     HF datasets folder; `--column` names the image column).
+    Records of tensors: `cache --records FILE --out DIR --shard-size-mb 400 [--group-by layer_id]`.
     Check: `cache --verify DIR`, fix: `cache --verify --repair DIR` (exit 0 OK, 1 problems found).
     """
     from nblib.cache import populate, verify
@@ -178,11 +179,15 @@ def cache_main(argv: list[str]) -> int:
     if args.verify is not None or args.repair or args.folder:
         if not folder:
             raise ConfigError("--verify needs the cache folder: python -m nblib cache --verify DIR [--repair]")
+        if args.records or _is_record_folder(folder):
+            return _cache_records(args, verify_folder=folder)
         report = verify(folder, repair=args.repair, texts=args.texts, field=args.field, workers=args.workers)
         print(report)
         return 0 if report.ok else 1
     if args.images:
         return _cache_images(args)
+    if args.records:
+        return _cache_records(args)
     if not args.texts or not args.out:
         raise ConfigError("building a cache needs --texts PATH (or --images PATH) and --out DIR (or check "
                           "one with --verify DIR)")
@@ -216,6 +221,34 @@ def _cache_images(args: argparse.Namespace) -> int:
     return 0
 
 
+def _is_record_folder(folder) -> bool:
+    from nblib.cache.record_format import is_record_folder
+
+    return is_record_folder(folder)
+
+
+def _cache_records(args: argparse.Namespace, verify_folder=None) -> int:
+    """`cache --records FILE --out DIR [--shard-size-mb --group-by]`: record shards (nblib.cache.records)."""
+    from nblib.cache.record_sources import record_source
+    from nblib.cache.record_verify import verify_records
+    from nblib.cache.records import write_records
+    from nblib.errors import ConfigError
+
+    if verify_folder is not None:
+        source = record_source(args.records, trust=args.trust_pickle) if args.records else None
+        report = verify_records(verify_folder, repair=args.repair, records=source, trust=args.trust_pickle)
+        print(report)
+        return 0 if report.ok else 1
+    if not args.out or args.texts or args.images:
+        raise ConfigError("--records FILE needs --out DIR and neither --texts nor --images")
+    source = record_source(args.records, trust=args.trust_pickle)
+    with _os_errors_name(args.out):
+        summary = write_records(source, args.out, shard_mb=args.shard_mb, group_by=args.group_by,
+                                codec=args.codec or "zstd", codec_level=args.codec_level, overwrite=args.overwrite)
+    print(summary)
+    return 0
+
+
 @contextlib.contextmanager
 def _os_errors_name(folder):
     """An OSError that names no path (a write into an open file: ENOSPC) names the output folder."""
@@ -240,17 +273,23 @@ def _cache_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--images", help="your own images instead of texts: a folder of image files, a "
                                     "Parquet file or an HF datasets folder (see --column)")
     p.add_argument("--column", default=None, help="with --images: the image column (default 'image')")
+    p.add_argument("--records", help="records of tensors instead: a pickle stream, a pickled list, .npz or .pt")
+    p.add_argument("--group-by", default=None, help="with --records: a scalar field whose records share shards")
+    p.add_argument("--trust-pickle", action="store_true",
+                   help="with --records: unpickle any class the file names (only for your own files)")
     p.add_argument("--codec-level", type=int, default=None,
                    help="compression level of zlib/png (0-9) or zstd (1-22; default 3)")
     p.add_argument("--out", help="cache folder to create or resume")
     p.add_argument("--size", type=positive_int, default=defaults.model.image_size,
                    help="image size in pixels (default: the profile's, %(default)s)")
-    p.add_argument("--shard-mb", type=finite_positive_float, default=float(defaults.run.shard_mb),
+    p.add_argument("--shard-mb", "--shard-size-mb", dest="shard_mb", type=finite_positive_float,
+                   default=float(defaults.run.shard_mb),
                    help="target stored MB per shard (default %(default)s)")
     p.add_argument("--workers", type=int, default=None, help="render processes (default: all cores)")
     p.add_argument("--field", default=None, help="JSONL field holding the text (default 'text' for .jsonl)")
-    p.add_argument("--codec", default=defaults.run.codec, choices=(*CODECS, "auto"),
-                   help="shard format; auto lets the disk budget pick (default %(default)s)")
+    p.add_argument("--codec", default=None, choices=(*CODECS, "auto"),
+                   help=f"shard format; auto lets the disk budget pick (default {defaults.run.codec}; "
+                        f"zstd for --records)")
     p.add_argument("--seed", type=seed_int, default=defaults.run.seed)
     p.add_argument("--errors", default="strict", choices=("strict", "replace"),
                    help="invalid UTF-8 in --texts: refuse (strict) or replace with U+FFFD")
@@ -269,6 +308,8 @@ def _cache_args(argv: list[str]) -> argparse.Namespace:
         raise ConfigError(f"{exc}; see python -m nblib cache --help") from None
     if args.folder and args.verify is None and not args.repair:
         raise ConfigError(f"unexpected argument {args.folder!r}; to check a cache use --verify DIR")
+    if args.codec is None and not args.records:
+        args.codec = defaults.run.codec
     return args
 
 

@@ -3,7 +3,11 @@
 Parts: `codecs` (the codec registry `CODECS`), `format` (the shard files, `ShardWriter`, the
 manifest, the local stat cache), `texts` (what is rendered), `populate` (render into shards,
 resumably), `images` (`write_images`: your own arrays in), `verify` (check and repair), `reader`
-(`ShardedImageCache`, `CacheDataset`). The measurements and demos of notebook 02 live in
+(`ShardedImageCache`, `CacheDataset`). Record shards (records of tensors, grouped by a key):
+`records` (`write_records`), `record_format`, `record_sources` (pickle stream or list, .npz, .pt),
+`record_reader` (`RecordShards`, `RecordShardShuffle`), `record_verify`, `record_budget`,
+`record_traces` (guide-like test data) and `record_torch` (torch datasets; imports torch, so it is
+not re-exported here). The measurements and demos of notebook 02 live in
 `nblib.lab.cache_population`; the command line is `python -m nblib cache` (`nblib.cli`).
 """
 from __future__ import annotations
@@ -21,6 +25,11 @@ from nblib.cache.format import (
 from nblib.cache.images import image_source, write_images
 from nblib.cache.populate import CachePlan, PopulateSummary, cache_bytes_on_disk, plan_cache, populate
 from nblib.cache.reader import CacheDataset, ShardedImageCache
+from nblib.cache.record_reader import RecordShards, RecordShardShuffle
+from nblib.cache.record_sources import RecordSource, record_source
+from nblib.cache.record_traces import trace_records, write_trace_pickle
+from nblib.cache.record_verify import RecordVerifyReport, verify_records
+from nblib.cache.records import RecordSummary, write_records
 from nblib.cache.texts import (
     TextSource,
     read_texts,
@@ -38,4 +47,6 @@ __all__ = [
     "decode_image", "encode_image", "measure_codecs", "plan_cache", "populate",
     "read_cache_manifest", "read_texts", "sample_texts", "sample_texts_path", "source_fingerprint",
     "text_source", "verify", "write_images", "write_shard", "image_source",
+    "RecordShardShuffle", "RecordShards", "RecordSource", "RecordSummary", "RecordVerifyReport", "record_source",
+    "trace_records", "verify_records", "write_records", "write_trace_pickle",
 ]

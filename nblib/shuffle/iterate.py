@@ -32,7 +32,13 @@ def full_order(shuffle) -> np.ndarray:
 
 
 def fresh_like(shuffle, **changes):
-    """A new shuffle with the same arguments (but `changes`), at the start of its epoch."""
+    """A new shuffle with the same arguments (but `changes`), at the start of its epoch.
+
+    A shuffle whose arguments are more than its identity fields (RecordShardShuffle's shard
+    counts) builds its own copy through its `fresh(**changes)`.
+    """
+    if hasattr(shuffle, "fresh"):
+        return shuffle.fresh(**changes)
     arguments = {name: getattr(shuffle, name) for name in shuffle.identity_fields}
     return type(shuffle)(**{**arguments, **changes})
 

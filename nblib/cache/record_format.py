@@ -1,0 +1,295 @@
+"""Record shards' bytes: one record (named arrays + scalar fields) as a payload, shards, the manifest.
+
+A record is a dict of numpy arrays (any dtype but object, any shape, which may differ between
+records) and scalar fields (int, float, bool, str, None). Its payload is a uint32 header length,
+a compact key-sorted JSON header (each array's name, dtype, shape and offset; the scalars'
+values), then the arrays' bytes, each 8-byte aligned: the same record always gives the same
+bytes. A stored record is its payload compressed with zstd (each record alone, so any record reads
+alone) or the payload itself (codec "raw").
+
+A shard file (`shard-00000.rec`) has the image cache's packed layout (`nblib.cache.format`): the
+header (codec, and (0, 0, RECORD_LAYOUT) where images keep their shape, so neither reader takes
+the other's shards), the stored records, a uint64 offsets index, one xxh3-64 per stored record
+and the trailer; `open_packed` maps it and every read checks its record's xxh3. Shards are written
+through the one `AtomicWriter` (sha256 as written) plus a whole-file xxh3, so a shard is complete
+and listed in the manifest, or it does not exist.
+
+The manifest (`manifest.json`, an `nblib.manifest` record of kind "nblib.records") holds the
+source, the layout (codec, shard bytes, group key), the fields' schema, and each shard's index,
+key, record count, stored and raw bytes, the largest shape of each array field, sha256, xxh3 and
+the xxh3 of its records' payloads (what a resume checks the input against).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import numbers
+import struct
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from nblib.atomic import AtomicWriter
+from nblib.cache.format import HEADER, SHARD_MAGIC, TRAILER, open_packed
+from nblib.errors import CacheError, InputError, ManifestDamaged
+from nblib.manifest import parse_manifest, write_manifest
+
+MANIFEST = "manifest.json"
+MANIFEST_KIND = "nblib.records"
+MANIFEST_VERSION = 1
+RECORD_LAYOUT = 1               # the payload layout above; sits where image shards keep their shape
+RECORD_CODECS = ("zstd", "raw")
+ZSTD_LEVEL = 3
+SHARD_SUFFIX = ".rec"
+ALIGN = 8
+LENGTH = struct.Struct("<I")
+SCALAR_TYPES = (bool, int, float, str, type(None))
+
+
+# ====================================================================================== one record
+
+
+def encode_record(record: dict, index: int = 0) -> bytes:
+    """The payload of one record (deterministic bytes); InputError naming a field it cannot hold."""
+    if not isinstance(record, dict) or not record:
+        raise InputError(f"record {index:,} is a {type(record).__name__}, not a non-empty dict of "
+                         f"arrays and scalars; each record must be a dict such as "
+                         f"{{'hidden_states': array, 'layer_id': 3}}")
+    arrays, scalars, offset = [], {}, 0
+    for name in sorted(record, key=str):
+        value = as_field(record[name], name, index)
+        if isinstance(value, np.ndarray):
+            arrays.append((str(name), value, offset))
+            offset += _aligned(value.nbytes)
+        else:
+            scalars[str(name)] = value
+    header = json.dumps({"a": [[n, a.dtype.str, list(a.shape), o] for n, a, o in arrays], "s": scalars},
+                        sort_keys=True, separators=(",", ":"), allow_nan=True).encode()
+    start = _aligned(LENGTH.size + len(header))
+    payload = bytearray(start + offset)
+    LENGTH.pack_into(payload, 0, len(header))
+    payload[LENGTH.size:LENGTH.size + len(header)] = header
+    for _name, array, at in arrays:
+        payload[start + at:start + at + array.nbytes] = memoryview(np.ascontiguousarray(array)).cast("B")
+    return bytes(payload)
+
+
+def decode_record(payload) -> dict:
+    """The record of a payload: writable numpy arrays and Python scalars (ValueError if malformed)."""
+    buffer = payload if isinstance(payload, bytearray) else bytearray(payload)
+    try:
+        (length,) = LENGTH.unpack_from(buffer, 0)
+        header = json.loads(bytes(buffer[LENGTH.size:LENGTH.size + length]))
+        start = _aligned(LENGTH.size + length)
+        record = {}
+        for name, dtype, shape, at in header["a"]:
+            dtype = np.dtype(dtype)
+            count = int(np.prod(shape, dtype=np.int64))
+            record[name] = np.frombuffer(buffer, dtype=dtype, count=count, offset=start + at).reshape(shape)
+        record.update(header["s"])
+    except (struct.error, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"its payload does not decode ({type(exc).__name__}: {exc})") from None
+    return record
+
+
+def as_field(value, name, index: int = 0):
+    """A record field as stored: a numpy array, or a JSON scalar; torch tensors become arrays."""
+    if type(value).__module__.startswith("torch") and hasattr(value, "detach"):
+        value = value.detach().cpu().numpy()
+    if isinstance(value, np.ndarray):
+        if value.dtype.hasobject or value.dtype.names is not None:
+            raise InputError(f"record {index:,} field {name!r} is an array of dtype {value.dtype}; record "
+                             f"shards hold plain numeric arrays: convert it (e.g. np.asarray(x, float32))")
+        return value
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, SCALAR_TYPES):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    raise InputError(f"record {index:,} field {name!r} is a {type(value).__name__}; a record holds numpy "
+                     f"arrays (or torch tensors) and int/float/bool/str/None scalars: convert it "
+                     f"(lists: np.asarray(value))")
+
+
+def field_schema(record: dict) -> dict:
+    """{field: {"kind": "array", "dtype", "ndim"} or {"kind": "scalar"}}: what every record must match."""
+    schema = {}
+    for name, value in record.items():
+        value = as_field(value, name)
+        schema[str(name)] = ({"kind": "array", "dtype": value.dtype.str, "ndim": value.ndim}
+                             if isinstance(value, np.ndarray) else {"kind": "scalar"})
+    return dict(sorted(schema.items()))
+
+
+def check_schema(record: dict, schema: dict, index: int) -> None:
+    """InputError naming the record and field when `record` does not have the fields of `schema`."""
+    if sorted(map(str, record)) != list(schema):
+        raise InputError(f"record {index:,} has fields {sorted(map(str, record))}, the first record has "
+                         f"{list(schema)}: every record needs the same fields (shapes may differ)")
+    for name, want in schema.items():
+        value = record[name]
+        is_array = isinstance(value, np.ndarray) or (hasattr(value, "detach") and hasattr(value, "dtype"))
+        if (want["kind"] == "array") != is_array:
+            raise InputError(f"record {index:,} field {name!r} is a {type(value).__name__}; in the first "
+                             f"record it is {'an array' if want['kind'] == 'array' else 'a scalar'}")
+        if is_array:
+            value = as_field(value, name, index)
+            if (value.dtype.str, value.ndim) != (want["dtype"], want["ndim"]):
+                raise InputError(f"record {index:,} field {name!r} is {value.dtype} with {value.ndim} "
+                                 f"dims; the first record's is {np.dtype(want['dtype'])} with "
+                                 f"{want['ndim']}: cast it to one dtype (shapes may differ)")
+
+
+def array_shapes(payload: bytes) -> dict[str, list[int]]:
+    """{array field: shape} read from a payload's header (no array is decoded)."""
+    (length,) = LENGTH.unpack_from(payload, 0)
+    header = json.loads(payload[LENGTH.size:LENGTH.size + length])
+    return {name: shape for name, _dtype, shape, _at in header["a"]}
+
+
+@functools.lru_cache(maxsize=8)
+def record_coder(codec: str, level: int | None):
+    """(compress, decompress) of a codec ("zstd" at `level`, or "raw"); built once per process."""
+    if codec == "raw":
+        return bytes, bytearray  # a bytearray decodes without another copy (decode_record)
+    if codec != "zstd":
+        raise ValueError(codec)
+    import zstandard
+
+    # no frame checksum: the shard's xxh3 table checks every stored record
+    compressor = zstandard.ZstdCompressor(level=level or ZSTD_LEVEL, write_checksum=False)
+    decompressor = zstandard.ZstdDecompressor()
+    return compressor.compress, decompressor.decompress
+
+
+# ====================================================================================== shards
+
+
+def record_shard_name(index: int) -> str:
+    """The file name of record shard `index`: shard-00042.rec."""
+    return f"shard-{index:05d}{SHARD_SUFFIX}"
+
+
+class RecordShardWriter:
+    """Stream one record shard to a temporary file beside its name; `commit` makes it durable.
+
+    Stored records go straight to disk (RAM: the offsets and checksums, 16 bytes a record), so
+    many writers may be open at once (one per group key). `commit` appends the tables and the
+    trailer, fsyncs, renames and returns the manifest entry.
+    """
+
+    def __init__(self, folder: str | Path, index: int, key, codec: str):
+        self.name, self.index, self.key, self.codec = record_shard_name(index), index, key, codec
+        self.sizes: list[int] = []
+        self.checksums: list[int] = []
+        self.stored_bytes = 0
+        self.raw_bytes = 0
+        self.max_shapes: dict[str, list[int]] = {}
+        self.stat: dict | None = None
+        self._source = xxhash.xxh3_64()
+        self._file_xxh3 = xxhash.xxh3_64()
+        self._writer = AtomicWriter(Path(folder) / self.name, background_hash=False)
+        self._leading = HEADER.pack(SHARD_MAGIC, codec.encode().ljust(4, b"\0"), 0, 0, RECORD_LAYOUT)
+        self._write(self._leading)
+
+    @property
+    def count(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def source_xxh3(self) -> str:
+        """xxh3 of the payloads added so far (what a resume compares the input against)."""
+        return self._source.hexdigest()
+
+    def add(self, stored: bytes, payload: bytes) -> None:
+        """Append one stored record (and feed its payload to the source hash and the shapes)."""
+        self._write(stored)
+        self.sizes.append(len(stored))
+        self.checksums.append(xxhash.xxh3_64_intdigest(stored))
+        self.stored_bytes += len(stored)
+        self.raw_bytes += len(payload)
+        self._source.update(payload)
+        for name, shape in array_shapes(payload).items():
+            old = self.max_shapes.get(name)
+            self.max_shapes[name] = list(shape) if old is None else [max(a, b) for a, b in zip(old, shape)]
+
+    def commit(self, expect_sha256: str | None = None) -> dict:
+        """Write the tables and trailer, fsync and rename; the shard's manifest entry."""
+        offsets = np.zeros(len(self.sizes) + 1, dtype="<u8")
+        np.cumsum(self.sizes, out=offsets[1:])
+        tables = offsets.tobytes() + np.array(self.checksums, dtype="<u8").tobytes()
+        self._write(tables)
+        self._write(TRAILER.pack(len(self.sizes), xxhash.xxh3_64_intdigest(self._leading),
+                                 xxhash.xxh3_64_intdigest(tables), SHARD_MAGIC))
+        try:
+            written = self._writer.commit(expect_sha256=expect_sha256)
+        except ValueError:
+            raise CacheError(f"re-written {self.name} does not match its manifest sha256 (zstandard or "
+                             f"numpy changed how these records are stored since the shards were "
+                             f"written): rebuild with overwrite=True (--overwrite)") from None
+        self.stat = {"bytes": written.bytes, "mtime_ns": written.mtime_ns, "sha256": written.sha256}
+        return {"file": self.name, "index": self.index, "key": self.key, "count": self.count,
+                "bytes": written.bytes, "raw_bytes": self.raw_bytes,
+                "max_shapes": dict(sorted(self.max_shapes.items())),
+                "sha256": written.sha256, "xxh3": self._file_xxh3.hexdigest(),
+                "source_xxh3": self._source.hexdigest()}
+
+    def discard(self) -> None:
+        """Delete the temporary file (a no-op after commit)."""
+        self._writer.discard()
+
+    def _write(self, data) -> None:
+        self._writer.write(data)
+        self._file_xxh3.update(data)
+
+
+def open_record_shard(path: Path, count: int, codec: str):
+    """Map a record shard: (bytes, offsets [n + 1], start of the records, xxh3 [n]); ValueError if malformed."""
+    return open_packed(path, count, codec, (0, 0, RECORD_LAYOUT))
+
+
+# ====================================================================================== manifest
+
+
+def read_record_manifest(folder: str | Path) -> dict:
+    """The manifest body of the record shards at `folder`; CacheError when missing, damaged or foreign."""
+    path = Path(folder) / MANIFEST
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise CacheError(f"no {MANIFEST} in {folder}: it holds no record shards (yet); build them with "
+                         f"python -m nblib cache --records FILE --out {folder}") from None
+    except OSError as exc:
+        raise CacheError(f"{path} cannot be read ({exc}); check the disk or mount") from None
+    try:
+        body = parse_manifest(raw, MANIFEST_KIND, versions=(MANIFEST_VERSION,), where=str(path)).body
+    except ManifestDamaged as exc:
+        raise CacheError(f"{str(exc).split(';')[0]}; these record shards cannot be trusted as they are: "
+                         f"rebuild them with overwrite=True (--overwrite), or point at another folder") from None
+    if not isinstance(body.get("shards"), list) or not isinstance(body.get("source"), dict):
+        raise CacheError(f"{path} is an {MANIFEST_KIND} record without shards or source; rebuild it "
+                         f"with overwrite=True (--overwrite)")
+    return body
+
+
+def write_record_manifest(folder: str | Path, body: dict) -> None:
+    """Write the manifest atomically, shards in index order; seq is the number of shards listed."""
+    body["shards"].sort(key=lambda s: s["index"])
+    write_manifest(Path(folder) / MANIFEST, MANIFEST_KIND, body, version=MANIFEST_VERSION,
+                   seq=len(body["shards"]))
+
+
+def is_record_folder(folder: str | Path) -> bool:
+    """True when `folder` holds a manifest of record shards (whatever its state)."""
+    try:
+        return json.loads((Path(folder) / MANIFEST).read_bytes()).get("kind") == MANIFEST_KIND
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN

@@ -1,0 +1,146 @@
+"""Verify record shards against their manifest (size and sha256 of each), and repair them from the source.
+
+`verify_records` hashes every listed shard (sha256, identity), so it catches a same-size edit that
+kept the file's mtime, which a reader's stat check cannot. Repair deletes leftover temporaries and
+unlisted shard files, then reruns `write_records` over the source (the path the manifest recorded,
+or the records passed): listed shards whose records hash as recorded are skipped, damaged ones are
+rewritten to their recorded sha256, and an unfinished folder is finished.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from nblib.atomic import leftover_temporaries
+from nblib.cache.format import DAMAGED, current_stat, read_shard_stats, record_shard_stats, shard_state
+from nblib.cache.populate import cache_lock
+from nblib.cache.record_format import read_record_manifest
+from nblib.errors import CacheError
+
+
+@dataclass(frozen=True)
+class RecordVerifyReport:
+    """The health of a folder of record shards, and what a repair did."""
+
+    folder: str
+    n_shards: int = 0
+    n_records: int = 0
+    complete: bool = False
+    missing: tuple[str, ...] = ()
+    truncated: tuple[str, ...] = ()
+    corrupt: tuple[str, ...] = ()
+    touched: tuple[str, ...] = ()
+    temporaries: tuple[str, ...] = ()
+    unlisted: tuple[str, ...] = ()
+    manifest_problem: str | None = None
+    repaired: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+
+    @property
+    def damaged(self) -> tuple[str, ...]:
+        return self.missing + self.truncated + self.corrupt
+
+    @property
+    def ok(self) -> bool:
+        return self.manifest_problem is None and self.complete and not self.damaged \
+            and not self.temporaries and not self.unlisted
+
+    def __str__(self) -> str:
+        head = f"record shards {self.folder}: "
+        if self.manifest_problem:
+            return head + f"BROKEN: {self.manifest_problem}"
+        lines = [head + ("OK" if self.ok else "PROBLEMS") + f" - {self.n_shards} shards, {self.n_records:,} records"]
+        for label, names in (("missing", self.missing), ("truncated (size differs from the manifest)", self.truncated),
+                             ("corrupt (sha256 differs from the manifest)", self.corrupt),
+                             ("leftover temporary files", self.temporaries),
+                             ("shard files the manifest does not list", self.unlisted),
+                             ("intact but with a new mtime (copied)", self.touched),
+                             ("repaired", self.repaired), ("removed", self.removed)):
+            if names:
+                lines.append(f"  {label}: {', '.join(names)}")
+        if not self.complete:
+            lines.append("  incomplete: rerun the same cache --records command to finish")
+        if self.damaged or self.temporaries or self.unlisted:
+            lines.append(f"  fix: python -m nblib cache --verify --repair {self.folder} (rebuilds damaged "
+                         f"shards from the source records)")
+        return "\n".join(lines)
+
+
+def verify_records(folder: str | Path, *, repair: bool = False, records=None,
+                   trust: bool = False) -> RecordVerifyReport:
+    """Check every shard's size and sha256; with `repair`, rebuild what is wrong from the source.
+
+    Args:
+        folder: the folder of record shards.
+        repair: delete strays and rewrite damaged shards from the source.
+        records: the source to rebuild from (default: the file the manifest recorded; a folder written
+            from an iterable needs it passed again).
+        trust: as for `record_source` (a pickle's globals).
+
+    Raises:
+        CacheError: not a folder; a repair without a source at hand; another input than the one written.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CacheError(f"{folder} is not a folder of record shards; check the path")
+    if not repair:
+        return _inspect(folder)
+    report = _inspect(folder)
+    if report.manifest_problem or (report.ok and not report.touched):
+        return report
+    manifest = read_record_manifest(folder)
+    rebuild = report.damaged or not report.complete
+    source = _source(folder, manifest, records, trust) if rebuild else None  # before anything is deleted
+    with cache_lock(folder):
+        removed = [*report.temporaries, *report.unlisted]
+        # a damaged shard may keep its size and mtime (only sha256 saw it): remove it, so the rerun rewrites it
+        for name in [*removed, *report.truncated, *report.corrupt]:
+            (folder / name).unlink(missing_ok=True)
+        for entry in manifest["shards"]:
+            if entry["file"] in report.touched:
+                record_shard_stats(folder, current_stat(folder, entry))
+    if rebuild:
+        from nblib.cache.records import write_records
+
+        write_records(source, folder, shard_mb=manifest["shard_mb"], group_by=manifest["group_by"],
+                      codec=manifest["codec"], codec_level=manifest["codec_level"])
+    after = _inspect(folder)
+    return dataclasses.replace(after, repaired=tuple(n for n in report.damaged if n not in after.damaged),
+                               removed=tuple(removed))
+
+
+def _source(folder: Path, manifest: dict, records, trust: bool):
+    """What to rebuild from: `records`, or the file the manifest recorded (CacheError when neither is at hand)."""
+    from nblib.cache.record_sources import record_source
+
+    if records is None:
+        path = manifest["source"].get("path")
+        if not path:
+            raise CacheError(f"{folder} was written from records in memory; pass them again "
+                             f"(verify_records(folder, repair=True, records=...)) to rebuild its damaged shards")
+        if not Path(path).is_file():
+            raise CacheError(f"the source {path} these shards were written from is not there; pass "
+                             f"records=... (or put the file back) to rebuild the damaged shards")
+        records = record_source(path, trust=trust)
+    return records
+
+
+def _inspect(folder: Path) -> RecordVerifyReport:
+    try:
+        manifest = read_record_manifest(folder)
+    except CacheError as exc:
+        return RecordVerifyReport(folder=str(folder), manifest_problem=str(exc))
+    found: dict[str, list[str]] = {state: [] for state in (*DAMAGED, "touched")}
+    stats = read_shard_stats(folder)
+    for entry in manifest["shards"]:
+        state = shard_state(folder, entry, full=True, stats=stats)
+        if state is not None:
+            found[state].append(entry["file"])
+    listed = {entry["file"] for entry in manifest["shards"]}
+    return RecordVerifyReport(
+        folder=str(folder), n_shards=len(manifest["shards"]), n_records=sum(s["count"] for s in manifest["shards"]),
+        complete=bool(manifest.get("complete")), missing=tuple(found["missing"]),
+        truncated=tuple(found["truncated"]), corrupt=tuple(found["corrupt"]), touched=tuple(found["touched"]),
+        temporaries=tuple(str(p.relative_to(folder)) for p in leftover_temporaries(folder)),
+        unlisted=tuple(sorted(p.name for p in folder.glob("shard-*") if p.name not in listed)))
