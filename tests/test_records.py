@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import cache_folder_bytes, subprocess_env
+from nblib.budget.records import batch_for_vram, largest_shapes, record_bytes, shard_size_for_ram
 from nblib.cache import (
     RecordShards,
     RecordShardShuffle,
@@ -25,7 +26,6 @@ from nblib.cache import (
     write_records,
     write_trace_pickle,
 )
-from nblib.cache.record_budget import batch_for_vram, largest_shapes, record_bytes, shard_size_for_ram
 from nblib.cache.record_format import read_record_manifest
 from nblib.errors import BudgetExceeded, CacheError, InputError, StateError
 

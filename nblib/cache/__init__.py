@@ -5,9 +5,9 @@ manifest, the local stat cache), `texts` (what is rendered), `populate` (render 
 resumably), `images` (`write_images`: your own arrays in), `verify` (check and repair), `reader`
 (`ShardedImageCache`, `CacheDataset`). Record shards (records of tensors, grouped by a key):
 `records` (`write_records`), `record_format`, `record_sources` (pickle stream or list, .npz, .pt),
-`record_reader` (`RecordShards`, `RecordShardShuffle`), `record_verify`, `record_budget`,
-`record_traces` (guide-like test data) and `record_torch` (torch datasets; imports torch, so it is
-not re-exported here). The measurements and demos of notebook 02 live in
+`record_reader` (`RecordShards`, `RecordShardShuffle`), `record_verify`, `record_traces` (guide-like
+test data) and `record_torch` (torch datasets; imports torch, so it is not re-exported here); their
+budget is `nblib.budget.records`. The measurements and demos of notebook 02 live in
 `nblib.lab.cache_population`; the command line is `python -m nblib cache` (`nblib.cli`).
 """
 from __future__ import annotations
