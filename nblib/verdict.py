@@ -136,6 +136,10 @@ class MemoryVerdict:
             return "less"
         return "same"
 
+    @property
+    def distinguishable(self) -> bool:
+        return self.direction != "same"
+
     def short(self) -> str:
         from nblib.units import fmt_bytes
 
