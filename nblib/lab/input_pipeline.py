@@ -443,7 +443,8 @@ def _finding(finding: str, reference: str, measured: str, agrees: bool, why: str
     """A finding's row; with `versus` (a paired verdict), a difference the noise covers gives no verdict."""
     if versus is not None and not versus.distinguishable:
         text = versus.short() if isinstance(versus, MemoryVerdict) else versus.short("faster", "slower")
-        return {"finding": finding, "reference": reference, "measured": f"{measured} ({text})",
+        return {"finding": finding, "reference": reference,
+                "measured": measured if text in measured else f"{measured} ({text})",
                 "verdict": NOT_DISTINGUISHABLE, "why": "the noise of the paired runs covers the difference"}
     return {"finding": finding, "reference": reference, "measured": measured,
             "verdict": "agrees" if agrees else "does not", "why": why}
