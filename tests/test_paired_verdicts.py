@@ -167,3 +167,13 @@ def test_04_throughput_lines_are_paired_verdicts_against_dataset_shuffle():
     other = BuiltinRow("resumable (buffer)", 100, 200, 500, 400, True, True, 5000.0, True, versus_tf=v)
     text = builtins_conclusion([tf_row, other])
     assert "interleaved pairs" in text and "resumable (buffer): x5.00 (95% interval" in text and "faster" in text
+
+
+def test_03_the_projected_rate_is_printed_beside_the_measured_one():
+    from nblib import budget, config
+    from nblib.lab.streaming_encoding import rate_check
+
+    prediction = budget.predict_budget(config.for_profile("smoke"), "cpu")
+    said = rate_check(prediction, prediction.samples_per_s / 200)
+    assert f"{prediction.samples_per_s:,.1f} samples/s" in said and "x0.005 the projection" in said
+    assert "trust the measured rate" in said
