@@ -43,27 +43,29 @@ def test_against_base_judges_each_config_on_its_own_pairs_under_drift():
     assert max(values["base"]) > 1.2 * min(values["base"])      # the drift is larger than the minimum effect
 
 
-def _drifting_family(effects: dict, log: list):
-    """A pipeline family whose rate drifts down run after run; `effects` maps a knob value to its true speed-up."""
+def _drifting_measure(effects: dict, log: list):
+    """A stand-in for measure_pipeline: the machine slows 4% per run, run after run (no wall clock, no flakiness);
+    `effects` maps a knob value to its true speed-up.
+    """
+    from nblib.pipeline.harness import PipelineReport
+
     clock = itertools.count()
 
-    def family(knob=0):
+    def measure(make, consumer_ms=0.0, consumer=None, steps=20, warmup=2):
+        knob = make()
         log.append(knob)
-        per_batch_s = 0.002 * 1.04 ** next(clock) / effects.get(knob, 1.0)
-
-        def batches():
-            import time
-            while True:
-                time.sleep(per_batch_s)
-                yield np.zeros((8, 2))
-        return batches()
-    return family
+        rate = 1000 * 0.96 ** next(clock) * effects.get(knob, 1.0)
+        return PipelineReport(rate, 0.1, 0.01, 10**8, 0, 8, steps, 8e3 / rate)
+    return measure
 
 
-def test_a_sweep_pairs_each_config_with_a_base_run_and_drift_decides_nothing():
+def test_a_sweep_pairs_each_config_with_a_base_run_and_drift_decides_nothing(monkeypatch):
+    import sys
+
+    sweep_module = sys.modules["nblib.pipeline.sweep"]     # the package's `sweep` name is the function
     log: list = []
-    table = sweep(_drifting_family({2: 2.0}, log), {"knob": [0, 1, 2]}, steps=4, warmup=1, repeats=5,
-                  warm_start=False)
+    monkeypatch.setattr(sweep_module, "measure_pipeline", _drifting_measure({2: 2.0}, log))
+    table = sweep(lambda knob=0: knob, {"knob": [0, 1, 2]}, steps=4, warmup=1, repeats=5, warm_start=False)
     assert log[:4] == [0, 1, 2, 0]                       # B c1 c2 B: each config next to a base run
     rows = {r["knob"]: r for r in table.rows}
     assert len(rows[1]["base_runs"]) == len(rows[1]["runs"]) == 5 and "base_runs" not in rows[0]
