@@ -1,13 +1,13 @@
-"""Measurement discipline: repeated, interleaved runs, a median and a spread, and a verdict that
-says "not distinguishable on this machine" when the spread covers the difference.
+"""Measurement discipline: repeated, interleaved runs, a median and a spread, and a paired verdict
+that says "not distinguishable here" when noise covers the difference.
 
 One sample on a shared machine says little: a busy moment can halve a rate. Every notebook
-measurement that feeds a verdict goes through here. `interleaved` runs each configuration at
-least `MIN_REPEATS` times, alternating the order every round (A B, B A, A B ...) so a burst of
-load hits both; `Spread` keeps every value with its median and its range (min to max); `compare`
-calls two configurations different only when their ranges do not overlap. Trade-off: the
-min-max range is conservative (one outlier widens it, so a real but small difference can read
-"not distinguishable"), which is the right side to err on for a printed conclusion.
+measurement that feeds a verdict goes through here. `interleaved` runs each configuration
+`MIN_REPEATS` times, alternating the order every round (A B, B A, A B ...) so a burst of load
+hits both; `Spread` keeps every value, in run order, with its median and its range (min to max);
+`compare` judges the runs of one round as a pair with `nblib.verdict` (per-pair ratios, a 95%
+interval of their median, a minimum effect of 1.15x), so slow drift in the machine's load cancels
+inside a pair. Trade-off: differences under 15% are never called on this shared CPU.
 """
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-MIN_REPEATS = 3      # fewer runs than this give no spread worth a verdict
+from nblib.verdict import MIN_PAIRS, PairedVerdict, verdict_of_pairs
+
+MIN_REPEATS = MIN_PAIRS   # runs of each configuration: fewer pairs than this give no firm verdict
 
 
 @dataclass(frozen=True)
@@ -93,53 +95,18 @@ def interleaved_order(names: Sequence, repeats: int) -> list:
     return order
 
 
-@dataclass(frozen=True)
-class Verdict:
-    """How `b` compares with `a`: the ratio of medians and whether the ranges keep them apart."""
-
-    a: str
-    b: str
-    ratio: float              # median(b) / median(a)
-    distinguishable: bool     # the two ranges do not overlap, and each has MIN_REPEATS runs
-    spread: float             # the larger of the two relative spreads
-    enough_runs: bool
-
-    @property
-    def direction(self) -> str:
-        """'higher', 'lower' (b against a) or 'same' when they cannot be told apart."""
-        if not self.distinguishable:
-            return "same"
-        return "higher" if self.ratio > 1 else "lower"
-
-    def text(self, higher: str = "higher", lower: str = "lower") -> str:
-        """One line: 'b is x1.32 a: higher' or 'not distinguishable on this machine (spread 12%)'."""
-        if not self.enough_runs:
-            return (f"{self.b} vs {self.a}: x{self.ratio:.2f}, too few runs for a verdict "
-                    f"(fewer than {MIN_REPEATS} each)")
-        if not self.distinguishable:
-            return (f"{self.b} vs {self.a}: x{self.ratio:.2f}, not distinguishable on this machine "
-                    f"(spread {self.spread:.0%})")
-        return f"{self.b} vs {self.a}: x{self.ratio:.2f}, {higher if self.ratio > 1 else lower}"
-
-    def short(self) -> str:
-        """The verdict without the names: 'x1.32' or 'x1.03, not distinguishable on this machine (spread 12%)'."""
-        if not self.enough_runs:
-            return f"x{self.ratio:.2f}, too few runs for a verdict"
-        if not self.distinguishable:
-            return f"x{self.ratio:.2f}, not distinguishable on this machine (spread {self.spread:.0%})"
-        return f"x{self.ratio:.2f}, beyond the spread"
-
-    def __str__(self) -> str:
-        return self.text()
+Verdict = PairedVerdict   # what `compare` returns: the paired method of nblib.verdict
 
 
 def compare(a: Spread, b: Spread, names: tuple[str, str] = ("a", "b")) -> Verdict:
-    """Compare two Spreads: distinguishable only when their ranges do not overlap."""
-    enough = a.n >= MIN_REPEATS and b.n >= MIN_REPEATS
-    apart = a.high < b.low or b.high < a.low
-    ratio = b.median / a.median if a.median else float("inf")
-    return Verdict(a=names[0], b=names[1], ratio=ratio, distinguishable=enough and apart,
-                   spread=max(a.relative, b.relative), enough_runs=enough)
+    """Compare two Spreads measured together by `interleaved`: their i-th runs are a pair (one round).
+
+    The verdict is `nblib.verdict.verdict_of_pairs` on the per-round ratios b/a (a minimum effect of
+    MIN_EFFECT, a 95% interval of the median ratio, MIN_PAIRS pairs for a firm call), never a
+    comparison of two ranges. Spreads of unequal length are paired over their first common runs.
+    """
+    n = min(a.n, b.n)
+    return verdict_of_pairs(a.values[:n], b.values[:n], names)
 
 
 def against_value(measured: Spread, value: float) -> str:

@@ -1,13 +1,38 @@
-"""A figure's verdict against what was expected: "right" within a relative tolerance, else "wrong".
+"""Verdicts: a figure against what was expected, and configuration A against B measured on a busy machine.
 
-One definition for every notebook: a value is right when it lies within `tolerance` (default
-10%) of the expected value, or of the ends of an expected (low, high) range:
-low x (1 - tolerance) <= value <= high x (1 + tolerance). Trade-off: a fixed band says nothing
-about noise; repeated measurements and their spread are `nblib.compare`'s job.
+Two kinds, one home. `within_tolerance` judges a value against an expected value or range with a
+fixed relative band (default 10%). `paired_verdict` judges two configurations timed (or sized) on
+this machine: it runs them in pairs, alternating the order (A B, B A, ...), and judges the ratio
+b/a of each pair, so slow drift in the machine's load cancels inside a pair instead of landing on
+one configuration. The verdict is firm ("higher", "lower") only when a 95% interval of the
+median pair ratio (a seeded bootstrap, never narrower than the sign test's) excludes 1 *and* the
+median lies beyond a minimum effect (MIN_EFFECT, 1.15x on a shared CPU); anything less is "not
+distinguishable here". While the interval straddles the minimum effect and the time budget
+allows, more pairs are run. Memory works the same way on pair
+differences, against the noise of RSS itself (the spread of repeated identical measurements):
+an effect smaller than that noise is "too small to see here".
+
+Trade-off: the minimum effect hides real differences smaller than 15%, and a borderline effect
+may read firm in one run and "not distinguishable" in the next; but two runs cannot reach
+opposite firm verdicts unless the median ratio swings across the whole band [1/1.15, 1.15].
+The bootstrap is seeded, so a verdict is a pure function of its measurements.
 """
 from __future__ import annotations
 
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
 TOLERANCE = 0.10
+MIN_EFFECT = 1.15         # a shared 2-core CPU: smaller speed ratios are not called (state it with the verdict)
+MIN_PAIRS = 5             # pairs before the first look at the interval
+MAX_PAIRS = 15            # pairs at most, whatever the time budget says
+CONFIDENCE = 0.95
+BOOTSTRAP_DRAWS = 2000
+BOOTSTRAP_SEED = 20261125
+NOISE_FACTOR = 1.0        # a memory effect must exceed this many times the RSS noise
 
 
 def within_tolerance(value: float, expected: float | tuple[float, float], tolerance: float = TOLERANCE) -> bool:
@@ -19,3 +44,287 @@ def within_tolerance(value: float, expected: float | tuple[float, float], tolera
 def verdict(right: bool) -> str:
     """The word a table prints for a check: "right" or "wrong"."""
     return "right" if right else "wrong"
+
+
+@dataclass(frozen=True)
+class PairedVerdict:
+    """How `b` compares with `a` over paired runs: the median ratio b/a, its interval and the call."""
+
+    a: str
+    b: str
+    ratios: tuple[float, ...]     # b/a of each pair, in run order
+    low: float                    # the bootstrap interval of the median ratio
+    high: float
+    min_effect: float
+    min_pairs: int = 1            # fewer pairs than this: no firm call, whatever the interval says
+
+    @property
+    def n(self) -> int:
+        return len(self.ratios)
+
+    @property
+    def enough_runs(self) -> bool:
+        """At least `min_pairs` pairs: with fewer, a sign test cannot keep false winners under 5%."""
+        return self.n >= self.min_pairs
+
+    @property
+    def spread(self) -> float:
+        """The interval's width as a share: high / low - 1."""
+        return self.high / self.low - 1 if self.low > 0 else float("inf")
+
+    @property
+    def ratio(self) -> float:
+        return float(statistics.median(self.ratios))
+
+    @property
+    def direction(self) -> str:
+        """'higher' or 'lower' (b against a) when firm; 'same' when not distinguishable here (or too few pairs)."""
+        if not self.enough_runs:
+            return "same"
+        return firm_direction(self.ratio, self.low, self.high, self.min_effect)
+
+    @property
+    def distinguishable(self) -> bool:
+        return self.direction != "same"
+
+    @property
+    def undecided(self) -> bool:
+        """Too few pairs yet, or the interval straddles the minimum effect: more pairs could change the call."""
+        return not self.enough_runs or straddles(self.low, self.high, self.min_effect)
+
+    def short(self, higher: str = "higher", lower: str = "lower") -> str:
+        """'x1.32 (1.21-1.40, 7 pairs): higher' or '..., not distinguishable here (below x1.15 or ...)'."""
+        head = f"x{self.ratio:.2f} (95% interval {self.low:.2f}-{self.high:.2f}, {self.n} pairs)"
+        if self.direction == "higher":
+            return f"{head}: {higher}"
+        if self.direction == "lower":
+            return f"{head}: {lower}"
+        if not self.enough_runs:
+            return f"{head}: too few pairs for a verdict (a call needs {self.min_pairs})"
+        return (f"{head}: not distinguishable here (a call needs x{self.min_effect:.2f} either way and an "
+                f"interval clear of 1)")
+
+    def text(self, higher: str = "higher", lower: str = "lower") -> str:
+        return f"{self.b} vs {self.a}: {self.short(higher, lower)}"
+
+    def __str__(self) -> str:
+        return self.text()
+
+
+@dataclass(frozen=True)
+class MemoryVerdict:
+    """How much more memory `b` holds than `a`, over paired runs, against the noise of RSS itself."""
+
+    a: str
+    b: str
+    differences: tuple[float, ...]   # bytes, b - a of each pair
+    low: float
+    high: float
+    noise: float                     # bytes: the spread of repeated identical measurements
+
+    @property
+    def difference(self) -> float:
+        return float(statistics.median(self.differences))
+
+    @property
+    def direction(self) -> str:
+        """'more', 'less' or 'same' ('too small to see here')."""
+        floor = NOISE_FACTOR * self.noise
+        if self.low > 0 and self.difference > floor:
+            return "more"
+        if self.high < 0 and -self.difference > floor:
+            return "less"
+        return "same"
+
+    @property
+    def distinguishable(self) -> bool:
+        return self.direction != "same"
+
+    def short(self) -> str:
+        from nblib.units import fmt_bytes
+
+        sign = "+" if self.difference >= 0 else "-"
+        head = (f"{sign}{fmt_bytes(abs(self.difference))} ({len(self.differences)} pairs, RSS noise "
+                f"{fmt_bytes(self.noise)})")
+        if self.direction == "same":
+            return f"{head}: too small to see here"
+        return f"{head}: {self.direction}"
+
+    def text(self) -> str:
+        return f"{self.b} vs {self.a}: {self.short()}"
+
+    def __str__(self) -> str:
+        return self.text()
+
+
+def paired_verdict(run_a: Callable[[], float], run_b: Callable[[], float], names: tuple[str, str] = ("a", "b"), *,
+                   min_effect: float = MIN_EFFECT, min_pairs: int = MIN_PAIRS, max_pairs: int = MAX_PAIRS,
+                   budget_s: float | None = None) -> PairedVerdict:
+    """Run a and b in alternating pairs (A B, B A, ...), adding pairs while the call is undecided.
+
+    Each callable returns one measurement (a rate, a time, bytes: anything whose ratio means something).
+    Pairs stop at `max_pairs`, or once the interval is clear of the minimum effect, or once
+    `budget_s` seconds have passed (at least `min_pairs` pairs always run).
+    """
+    check_effect(min_effect)
+    started = time.perf_counter()
+    a_values: list[float] = []
+    b_values: list[float] = []
+    while True:
+        first, second = (run_a, run_b) if len(a_values) % 2 == 0 else (run_b, run_a)
+        x, y = float(first()), float(second())
+        a_values.append(x if first is run_a else y)
+        b_values.append(y if first is run_a else x)
+        if len(a_values) < min_pairs:
+            continue
+        got = verdict_of_pairs(a_values, b_values, names, min_effect, min(min_pairs, max_pairs))
+        spent = time.perf_counter() - started
+        if not got.undecided or len(a_values) >= max_pairs or (budget_s is not None and spent >= budget_s):
+            return got
+
+
+def paired_order(n_others: int, passes: int) -> list[tuple[int, int]]:
+    """Runs of several configurations, each paired with a base run, as (config index, base slot).
+
+    Index 0 is the base's run of that slot; config i >= 1 is paired with the base run of its slot.
+
+    One pass is B c1 c2 B c3 c4 B ...: each config next to a base run (c1 after it, c2 before the
+    next, which c3 follows), so a pass costs n + n/2 + 1 runs. Every other pass is the same sequence
+    mirrored, so each config runs after its base in one pass and before it in the next. Slots are
+    numbered anew in each pass.
+    """
+    order: list[tuple[int, int]] = []
+    for p in range(passes):
+        slot = p * (n_others + 2)
+        seq = [(0, slot)]
+        for j in range(n_others):
+            if j % 2 == 0:
+                seq.append((j + 1, slot))
+            else:
+                slot += 1
+                seq += [(j + 1, slot), (0, slot)]
+        order += seq if p % 2 == 0 else seq[::-1]
+    return order
+
+
+def against_base(run_base: Callable[[], float], runs: dict[str, Callable[[], float]], base_name: str = "base",
+                 passes: int = MIN_PAIRS, min_effect: float = MIN_EFFECT) -> tuple[dict, dict]:
+    """Run every configuration of `runs` paired with a run of the base (`paired_order`), `passes` times.
+
+    Returns (verdicts: name -> PairedVerdict of it against the base, values: name -> every run, the
+    base's under `base_name`).
+    """
+    names = list(runs)
+    values: dict[str, list[float]] = {base_name: [], **{n: [] for n in names}}
+    by_slot: dict[int, float] = {}
+    slots: dict[str, list[int]] = {n: [] for n in names}
+    for i, slot in paired_order(len(names), passes):
+        if i == 0:
+            by_slot[slot] = float(run_base())
+            values[base_name].append(by_slot[slot])
+        else:
+            values[names[i - 1]].append(float(runs[names[i - 1]]()))
+            slots[names[i - 1]].append(slot)
+    verdicts = {n: verdict_of_pairs([by_slot[s] for s in slots[n]], values[n], (base_name, n), min_effect)
+                for n in names}
+    return verdicts, values
+
+
+def verdict_of_pairs(a_values: Sequence[float], b_values: Sequence[float], names: tuple[str, str] = ("a", "b"),
+                     min_effect: float = MIN_EFFECT, min_pairs: int = MIN_PAIRS) -> PairedVerdict:
+    """The verdict on measurements already taken in pairs (a_values[i] beside b_values[i]).
+
+    Fewer than `min_pairs` pairs give no firm call: the sign test's interval of 3 pairs is their
+    min-max, which excludes 1 by chance in 1 trial of 4 (measured: ~19% false winners at a true
+    ratio of 1.0 with 25% noise), against ~5% at 5 pairs.
+    """
+    check_effect(min_effect)
+    a_values, b_values = [float(v) for v in a_values], [float(v) for v in b_values]
+    if len(a_values) != len(b_values) or not a_values:
+        raise ValueError(f"paired measurements need as many a as b values, at least one: got {len(a_values)} "
+                         f"and {len(b_values)}")
+    if any(v <= 0 for v in (*a_values, *b_values)):
+        raise ValueError("a ratio verdict needs positive measurements (rates, seconds, bytes)")
+    ratios = tuple(b / a for a, b in zip(a_values, b_values))
+    low, high = median_interval([math.log(r) for r in ratios])
+    return PairedVerdict(names[0], names[1], ratios, math.exp(low), math.exp(high), min_effect, min_pairs)
+
+
+def memory_verdict(a_values: Sequence[float], b_values: Sequence[float],
+                   names: tuple[str, str] = ("a", "b")) -> MemoryVerdict:
+    """Paired memory measurements (bytes) of a and b, judged against their own noise.
+
+    The noise is the larger range (max - min) of each configuration's repeated values: what RSS
+    moves when nothing changed. An effect must exceed it to be called.
+    """
+    if len(a_values) != len(b_values) or len(a_values) < 2:
+        raise ValueError(f"a memory verdict needs at least 2 pairs (the noise is their spread): got "
+                         f"{len(a_values)} and {len(b_values)} values")
+    differences = tuple(float(b - a) for a, b in zip(a_values, b_values))
+    low, high = median_interval(differences)
+    noise = max(max(a_values) - min(a_values), max(b_values) - min(b_values))
+    return MemoryVerdict(names[0], names[1], differences, low, high, float(noise))
+
+
+def firm_direction(ratio: float, low: float, high: float, min_effect: float) -> str:
+    """'higher' / 'lower' when the interval excludes 1 and the ratio is beyond the minimum effect; else 'same'."""
+    if low > 1 and ratio >= min_effect:
+        return "higher"
+    if high < 1 and ratio <= 1 / min_effect:
+        return "lower"
+    return "same"
+
+
+def straddles(low: float, high: float, min_effect: float) -> bool:
+    """The interval reaches across the minimum effect, either way: more pairs could still change the call.
+
+    An interval inside the band (1/min_effect, min_effect) cannot become firm, and one beyond an edge already is.
+    """
+    return any(low < edge < high for edge in (1 / min_effect, min_effect))
+
+
+def median_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float]:
+    """The interval of the median of `values`: the seeded bootstrap's, widened to the sign test's where wider.
+
+    A percentile bootstrap of a median is too narrow for a handful of pairs (at 5 pairs it covers
+    well under 95%); the order-statistic (sign test) interval is exact for any n but coarse. The union keeps
+    the bootstrap's resolution at many pairs and the sign test's honesty at few.
+    """
+    boot_low, boot_high = bootstrap_median_interval(values, confidence)
+    rank_low, rank_high = order_statistic_interval(values, confidence)
+    return min(boot_low, rank_low), max(boot_high, rank_high)
+
+
+def bootstrap_median_interval(values: Sequence[float], confidence: float = CONFIDENCE,
+                              draws: int = BOOTSTRAP_DRAWS, seed: int = BOOTSTRAP_SEED) -> tuple[float, float]:
+    """A percentile bootstrap interval of the median of `values` (seeded: the same values, the same interval)."""
+    import numpy as np
+
+    data = np.asarray(values, dtype=float)
+    if data.size == 1:
+        return float(data[0]), float(data[0])
+    rng = np.random.default_rng(seed)
+    medians = np.median(data[rng.integers(0, data.size, size=(draws, data.size))], axis=1)
+    tail = (1 - confidence) / 2 * 100
+    return float(np.percentile(medians, tail)), float(np.percentile(medians, 100 - tail))
+
+
+def order_statistic_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float]:
+    """The distribution-free interval of the median: the k-th smallest to the k-th largest value, with k the
+    largest whose binomial(n, 1/2) tail stays within (1 - confidence) / 2 (the min and max when none does).
+    """
+    ordered = sorted(float(v) for v in values)
+    n = len(ordered)
+    tail, k, below = (1 - confidence) / 2, 0, 0.0
+    while k < n // 2:
+        below += math.comb(n, k) / 2 ** n       # P(fewer than k + 1 values below the median)
+        if below > tail:
+            break
+        k += 1
+    k = max(k, 1)
+    return ordered[k - 1], ordered[n - k]
+
+
+def check_effect(min_effect: float) -> None:
+    if not (isinstance(min_effect, (int, float)) and math.isfinite(min_effect) and min_effect > 1):
+        raise ValueError(f"min_effect={min_effect!r} must be a ratio above 1 (for example {MIN_EFFECT})")

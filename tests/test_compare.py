@@ -14,22 +14,36 @@ from nblib.pipeline.recommend import knob_verdicts, recommend
 
 
 def test_same_distribution_with_one_outlier_is_not_distinguishable():
-    a = spread([100, 101, 99, 100])
-    b = spread([100, 102, 99, 160])          # one lucky run
+    a = spread([100, 101, 99, 100, 100])
+    b = spread([100, 102, 99, 160, 101])          # one lucky run
     v = compare(a, b, ("a", "b"))
     assert not v.distinguishable and v.direction == "same"
-    assert "not distinguishable on this machine" in v.text() and "spread" in v.text()
+    assert "not distinguishable here" in v.text() and "95% interval" in v.text()
 
 
-def test_separated_ranges_are_distinguishable_with_a_direction():
-    v = compare(spread([100, 104, 98]), spread([150, 149, 158]))
-    assert v.distinguishable and v.direction == "higher" and v.ratio == pytest.approx(150 / 100)
-    assert compare(spread([150, 149, 158]), spread([100, 104, 98])).direction == "lower"
+def test_separated_pairs_are_distinguishable_with_a_direction():
+    v = compare(spread([100, 104, 98, 101, 99]), spread([150, 149, 158, 152, 151]))
+    assert v.distinguishable and v.direction == "higher" and v.ratio == pytest.approx(1.5, rel=0.03)
+    assert compare(spread([150, 149, 158, 152, 151]), spread([100, 104, 98, 101, 99])).direction == "lower"
 
 
-def test_a_single_run_never_gives_a_verdict_however_far_apart():
+def test_pairs_cancel_drift_that_makes_the_ranges_overlap():
+    # the machine slows down run after run; every round, b is 1.5x a: the ranges overlap, the pairs agree
+    a = spread([100, 200, 300, 400, 500])
+    v = compare(a, spread([1.5 * x for x in a.values]))
+    assert a.high > 1.5 * a.low and v.direction == "higher" and v.ratio == pytest.approx(1.5)
+
+
+def test_a_difference_under_the_minimum_effect_is_never_called():
+    v = compare(spread([100, 100, 100, 100, 100]), spread([110, 110, 110, 110, 110]))
+    assert v.low > 1 and not v.distinguishable
+
+
+def test_too_few_pairs_never_give_a_verdict_however_far_apart():
     v = compare(spread([100]), spread([1000]))
-    assert not v.distinguishable and not v.enough_runs and "too few runs" in v.text()
+    assert not v.distinguishable and not v.enough_runs and "too few pairs" in v.text()
+    three = compare(spread([100, 101, 99]), spread([200, 201, 199]))
+    assert not three.distinguishable and "too few pairs" in three.text()
 
 
 def test_interleaved_alternates_the_order_so_load_hits_every_configuration():
@@ -61,7 +75,7 @@ def test_a_spread_reports_median_range_and_count():
 def test_render_scaling_never_says_scales_when_more_workers_are_slower():
     from nblib.lab.cache_population import scaling_verdict
 
-    slower = {1: spread([949, 900, 980]), 2: spread([240, 260, 300])}
+    slower = {1: spread([949, 900, 980, 950, 940]), 2: spread([240, 260, 300, 250, 270])}
     verdict = scaling_verdict(slower, n_texts=4000, cores=2, load=7.5)
     assert "scales" not in verdict.split(":")[0] and "slower" in verdict and "load average 7.5" in verdict
 
@@ -69,7 +83,7 @@ def test_render_scaling_never_says_scales_when_more_workers_are_slower():
 def test_render_scaling_with_overlapping_runs_is_not_distinguishable():
     from nblib.lab.cache_population import scaling_verdict
 
-    noisy = {1: spread([900, 950, 1000]), 2: spread([700, 980, 1500])}   # one lucky 2-worker run
+    noisy = {1: spread([900, 950, 1000, 960, 940]), 2: spread([700, 980, 1500, 950, 900])}   # one lucky run
     verdict = scaling_verdict(noisy, n_texts=4000, cores=2, load=1.0)
     assert "not distinguishable" in verdict and "no scaling shown" in verdict
 
@@ -77,7 +91,7 @@ def test_render_scaling_with_overlapping_runs_is_not_distinguishable():
 def test_render_scaling_says_the_profile_cannot_show_it_when_a_run_is_start_up():
     from nblib.lab.cache_population import scaling_verdict
 
-    tiny = {1: spread([949, 900, 980]), 2: spread([1700, 1800, 1750])}
+    tiny = {1: spread([949, 900, 980, 950, 940]), 2: spread([1700, 1800, 1750, 1720, 1760])}
     assert "cannot show scaling" in scaling_verdict(tiny, n_texts=512, cores=2, load=0.5)
     assert scaling_verdict(tiny, n_texts=4000, cores=2, load=0.5).startswith("rendering scales")
 
@@ -104,19 +118,20 @@ def test_a_base_with_one_slow_run_makes_no_knob_matter():
 
 
 def test_a_knob_whose_values_separate_beyond_the_spread_mattered():
-    table = _table({32: [1000, 1050, 980], 8: [400, 420, 390], 128: [2000, 2100, 1950]})
+    table = _table({32: [1000, 1050, 980, 1010, 990], 8: [400, 420, 390, 410, 405],
+                    128: [2000, 2100, 1950, 2050, 2010]})
     rec = recommend(table, rss_cap_bytes=1e9)
     assert rec.knob_that_mattered == "batch_size" and rec.row["batch_size"] == 128
-    assert "beyond the spread" in rec.reason
+    assert "faster than the base, 95% interval" in rec.reason
     assert knob_verdicts(table)["batch_size"].distinguishable
 
 
-def test_the_sweep_verdict_cell_is_computed_from_the_spreads():
+def test_the_sweep_verdict_cell_is_computed_from_the_pairs():
     from nblib.lab.input_pipeline import sweep_verdict
 
-    noisy = _table({32: [1539, 3240, 3275], 8: [2300, 3100, 3370]})
+    noisy = _table({32: [1539, 3240, 3275, 3300, 3250], 8: [2300, 3100, 3370, 3200, 3280]})
     assert sweep_verdict(noisy).startswith("no knob's effect stood out")
-    clear = _table({32: [1000, 1050, 980], 128: [2000, 2100, 1950]})
+    clear = _table({32: [1000, 1050, 980, 1010, 990], 128: [2000, 2100, 1950, 2050, 2010]})
     assert sweep_verdict(clear).startswith("batch_size mattered most")
 
 
@@ -167,20 +182,21 @@ def test_the_time_share_verdict_needs_every_run_on_one_side():
     from nblib.lab.input_pipeline import time_share_verdict
 
     share = {"encoder_samples_per_s": 94, "data_wait": 0.02, "pipeline_samples_per_s": 3000,
-             "data_wait_runs": (0.01, 0.02, 0.03), "pipeline_runs": (2500, 3000, 3300)}
+             "data_wait_runs": (0.01, 0.02, 0.03, 0.02, 0.01), "pipeline_runs": (2500, 3000, 3300, 2900, 3100)}
     assert time_share_verdict(share).startswith("the encoder is the wall")
-    assert time_share_verdict({**share, "data_wait_runs": (0.1, 0.2, 0.7)}).startswith("not distinguishable")
-    assert time_share_verdict({**share, "data_wait_runs": (0.8, 0.7, 0.75)}).startswith("the input pipeline")
+    assert time_share_verdict({**share, "data_wait_runs": (0.1, 0.2, 0.7, 0.2, 0.1)}).startswith("not distinguishable")
+    assert time_share_verdict({**share, "data_wait_runs": (0.8, 0.7, 0.75, 0.8, 0.9)}).startswith("the input pipeline")
     assert time_share_verdict({**share, "data_wait_runs": (0.02,)}).startswith("too few runs")
 
 
-def test_the_offload_verdict_is_computed_from_the_ranges():
+def test_the_offload_verdict_is_computed_from_the_pairs():
     from nblib.lab.streaming_encoding import offload_verdict
 
-    noisy = {"async": spread([100, 120, 90]), "consolidate": spread([110, 95, 130])}
+    noisy = {"async": spread([100, 120, 90, 105, 100]), "consolidate": spread([110, 95, 130, 100, 98])}
     assert "not distinguishable" in offload_verdict(noisy, on_gpu=False)
-    clear = {"async": spread([100, 102, 99]), "consolidate": spread([70, 72, 69])}
-    assert "consolidate vs async: x0.70, slower" in offload_verdict(clear, on_gpu=True)
+    clear = {"async": spread([100, 102, 99, 100, 101]), "consolidate": spread([70, 72, 69, 70, 71])}
+    got = offload_verdict(clear, on_gpu=True)
+    assert got.startswith("consolidate vs async: x0.70 (95% interval") and "slower" in got
 
 
 def test_the_read_verdict_needs_every_run_above_the_encoder():

@@ -140,3 +140,63 @@ def test_notebook_defines_no_functions_or_classes(path):
         tree = ast.parse(_python(_source(cell)))
         defs = [n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
         assert not defs, f"{path.name} defines {defs}: put reusable code in nblib"
+
+
+# ------------------------------------------------------------------------------ numbers only from code (issue 30)
+
+# A figure in prose: a number with a unit of size, share, rate or time, or a ratio (x1.2, 2x).
+_UNIT = r"(?:GB|MB|KB|kB|GiB|MiB|TB|%|samples/s|images/s|img/s|bytes\b|(?<=\d) ms\b|(?<=\d) s\b|(?<=\d) h\b)"
+PROSE_FIGURE = re.compile(r"(?<![\w.,])[~≈]?\d[\d,]*(?:\.\d+)?(?:-\d[\d,]*(?:\.\d+)?)?(?: ?" + _UNIT
+                          + r"|x(?!\w))|(?<!\w)x\d+(?:\.\d+)?")
+REFERENCE = "a figure of nblib/reference.py, with its source there"
+METHOD = "a constant of the method, set in code (nblib.verdict, a tolerance, a margin)"
+FIXED = "fixed arithmetic on reference figures or on a constant the code sets; no run can change it"
+NOT_REVIEWED = "06 is owned by the training work (issue 30's 06 items); not reviewed by the verdict work"
+# Prose may carry only these figures: each one a source figure or fixed arithmetic, never a result a cell
+# computes (those are printed by the cell, or the prose says "see the table above"). Grow it with a reason.
+SOURCE_FIGURES = {
+    "00": {"~15 GB": REFERENCE, "~12.7 GB": REFERENCE, "70-100 GB": REFERENCE},
+    "01": {"750 GB": REFERENCE, "8.9 GB": REFERENCE, "10%": METHOD, "236 MB": FIXED, "471 MB": REFERENCE,
+           "2.04 s": REFERENCE, "2 TB": "the drive_quota_gb=2000 the next cell passes", "2 MiB": REFERENCE,
+           "20 MiB": REFERENCE, "0.1 MB": "nblib.simulate's check against this machine's RSS (its tests)",
+           "300-500 MB": REFERENCE, "0.4 GB": METHOD, "~500 KB": REFERENCE, "125 GB": REFERENCE,
+           "1.5-2x": REFERENCE, "78 GB": "the t4 preset's free disk (nblib.budget.DEVICES)", "287 GB": FIXED,
+           "400-500 MB": REFERENCE, "1 GB": FIXED, "177 GB": FIXED, "15 GB": REFERENCE},
+    "02": {"287 GB": FIXED, "150,528 bytes": FIXED, "70-100 GB": REFERENCE, "1%": METHOD, "95%": METHOD,
+           "1.15x": METHOD, "~287 GB": FIXED, "~400 MB": "the t4 profile's shard_mb"},
+    "03": {"94 samples/s": REFERENCE, "5.6 h": REFERENCE},
+    "04": {"500 kB": REFERENCE, "125 GB": REFERENCE, "1x": METHOD, "2x": METHOD, "~500 KB": REFERENCE,
+           "1.5-2x": REFERENCE, "10%": METHOD, "116 GiB": FIXED, "12.7 GB": REFERENCE, "4 kB": METHOD, "1%": METHOD,
+           "25 GB": FIXED, "8 bytes": "an int64 index: the resumable buffer's design",
+           "150 kB": "the benchmark's sample size (benchmarks/shuffle_checkpoint.py)"},
+    "05": {"75-83%": REFERENCE, "10.6 ms": FIXED, "94 samples/s": REFERENCE, "~9-16 GB": REFERENCE,
+           "0.25 ms": "the STEP_MS_PER_IMAGE the parameters cell sets", "4,000 images/s": FIXED, "95%": METHOD,
+           "1.15x": METHOD, "38%": REFERENCE, "205 samples/s": REFERENCE, "80%": METHOD, "~6 GB": REFERENCE,
+           "68 GB": REFERENCE, "400 MB": REFERENCE, "287 GB": FIXED},
+    "06": {"7-10%": NOT_REVIEWED, "64%": NOT_REVIEWED, "500 kB": REFERENCE, "300-500 MB": REFERENCE,
+           "15 GB": REFERENCE, "0.4 GB": METHOD},
+}
+
+
+def prose_figures(markdown: str) -> list[str]:
+    """The figures a markdown cell states, outside code spans and fenced blocks."""
+    text = re.sub(r"```.*?```", "", markdown, flags=re.S)
+    return PROSE_FIGURE.findall(re.sub(r"`[^`]*`", "``", text))
+
+
+def test_prose_figures_are_found_and_code_spans_are_not():
+    said = "A batch of 192 needs ~3 GB of 15 GB; RAM is at ~80%, x1.32 faster, 2x on disk; `x = 3 GB` 224 x 224"
+    assert prose_figures(said) == ["~3 GB", "15 GB", "~80%", "x1.32", "2x"]
+    # 01 §2's old prose, which its own table contradicted (2.03 GB, 87%), is refused
+    refused = [f for f in prose_figures(said) if f not in SOURCE_FIGURES["01"]]
+    assert "~3 GB" in refused and "~80%" in refused and "15 GB" not in refused
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_markdown_carries_no_figure_a_cell_computes(path):
+    """Numbers only from code: prose states source figures and constants, never a computed result."""
+    allowed = SOURCE_FIGURES.get(path.name[:2], {})
+    found = [(i, f) for i, c in enumerate(_load(path)["cells"]) if c["cell_type"] == "markdown"
+             for f in prose_figures(_source(c)) if f not in allowed]
+    assert not found, (f"{path.name}: markdown states {found} (cell, figure); print it from a code cell or say "
+                       f"'see the table above'; a source figure goes into SOURCE_FIGURES with its reason")

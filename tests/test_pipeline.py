@@ -325,22 +325,24 @@ def test_needle_verdicts_follow_the_measurements_not_the_text():
     from nblib.lab.input_pipeline import MixingResult, needle_table
     from nblib.pipeline import SweepTable
 
-    def table(batch_rates):   # three runs per config, 1% apart: well separated unless the medians are close
+    noise = (0.99, 1.0, 1.01, 1.0, 0.995)   # five runs per config, 1% apart: pairs agree unless the medians are close
+
+    def table(batch_rates):
         rows = [{"batch_size": b, "varied": "base" if i == 0 else "batch_size", "samples_per_s": r, "data_wait": 0.5,
-                 "startup_s": 0.1, "peak_rss_bytes": 1e8, "runs": (0.99 * r, r, 1.01 * r)}
+                 "startup_s": 0.1, "peak_rss_bytes": 1e8, "runs": tuple(x * r for x in noise)}
                 for i, (b, r) in enumerate(batch_rates)]
         return SweepTable(knobs=("batch_size",), rows=rows, planned=len(rows))
 
     def mixing(single, mixed, fixed):
-        return MixingResult(2, single, mixed, fixed, 3, {k: (0.99 * v, v, 1.01 * v) for k, v in
+        return MixingResult(2, single, mixed, fixed, 5, {k: tuple(x * v for x in noise) for k, v in
                                                          (("single", single), ("mixed", mixed), ("fixed", fixed))})
 
     share = {"data_wait": 0.8, "encoder_samples_per_s": 94, "pipeline_samples_per_s": 100}
     trap = [{"num_workers": 0, "rss_added_bytes": 0}, {"num_workers": 1, "rss_added_bytes": 5e8}]
     agree = needle_table(share, table([(32, 100), (128, 200)]), mixing(200, 140, 190), trap)
     assert [r["verdict"] for r in agree] == ["agrees"] * 4
-    differ = needle_table({**share, "data_wait": 0.1}, table([(32, 100), (128, 110)]),
-                          mixing(200, 190, 190), [{**trap[0]}, {**trap[1], "rss_added_bytes": 1e6}])
+    differ = needle_table({**share, "data_wait": 0.1}, table([(32, 100), (128, 80)]),
+                          mixing(200, 260, 190), [{**trap[0]}, {**trap[1], "rss_added_bytes": 1e6}])
     assert [r["verdict"] for r in differ] == ["does not"] * 4
     noisy = needle_table(share, table([(32, 100), (128, 101)]), MixingResult(2, 200, 140, 190, 1), trap)
     assert [r["verdict"] for r in noisy][1:3] == ["not distinguishable on this machine"] * 2

@@ -3,7 +3,8 @@
 `compare_formats` writes the same in-memory images in each format, then reads them back in
 order and at random, `repeats` times with the order of the formats rotated every repeat (so
 a slow minute of a shared machine does not land on one format), and reports the median and the
-spread (min-max) of each rate. Like for like: the same images, the same batch size, arrays in and
+spread (min-max) of each rate; `formats_verdict` judges each format against a reference on the
+runs of the same repeat, in pairs (`nblib.verdict`). Like for like: the same images, the same batch size, arrays in and
 arrays out (Parquet rows are decoded to uint8 arrays, as a training loop needs them), every file
 fsynced. Parquet gets its fastest layout (raw pixel bytes per row, zstd across the column chunk).
 `checked_read_ratio` times in-order raw reads with the per-image xxh3 check on and off,
@@ -21,13 +22,14 @@ from pathlib import Path
 import numpy as np
 
 from nblib.cache import ShardedImageCache, write_images
+from nblib.verdict import MIN_PAIRS, verdict_of_pairs
 
 NBLIB_CODECS = ("raw", "zlib", "zstd", "png")
 PARQUET = "parquet+zstd"
 
 
 def compare_formats(images: np.ndarray, folder: str | Path, *, formats: Sequence[str] = (*NBLIB_CODECS, PARQUET),
-                    repeats: int = 3, shard_mb: float = 8.0, batch_size: int = 64, n_random: int = 200,
+                    repeats: int = MIN_PAIRS, shard_mb: float = 8.0, batch_size: int = 64, n_random: int = 200,
                     random_s: float = 0.5, seed: int = 0) -> list[dict]:
     """One row per format: bytes/image, and the median and spread of write, in-order and random images/s.
 
@@ -60,6 +62,7 @@ def compare_formats(images: np.ndarray, folder: str | Path, *, formats: Sequence
         for key, values in samples[fmt].items():
             row[f"{key}_per_s"] = statistics.median(values)
             row[f"{key}_spread"] = (min(values), max(values))
+            row[f"{key}_runs"] = tuple(values)       # in repeat order: the i-th runs of two formats are a pair
         rows.append(row)
     return rows
 
@@ -101,10 +104,11 @@ def format_table(rows: list[dict]) -> str:
 
 
 def formats_verdict(rows: list[dict], reference: str = "zlib") -> list[str]:
-    """One line per format against `reference`: bytes ratio, and each rate faster, slower or within the spread.
+    """One line per format against `reference`: bytes ratio, and each rate faster, slower or not distinguishable.
 
-    A rate counts as faster or slower only when the two spreads (min-max over repeats) do not
-    overlap; otherwise the line says the difference is within the noise of this machine.
+    The rates of one repeat are a pair (the formats ran back to back, in rotated order), judged by
+    `nblib.verdict.verdict_of_pairs`: faster or slower only when the median pair ratio is beyond the
+    minimum effect (1.15x) and its 95% interval is clear of 1.
     """
     by = {r["format"]: r for r in rows}
     base = by[reference]
@@ -114,15 +118,9 @@ def formats_verdict(rows: list[dict], reference: str = "zlib") -> list[str]:
             continue
         parts = [f"{fmt}: {row['bytes_per_image'] / base['bytes_per_image']:.2f}x the bytes of {reference}"]
         for key, label in (("write", "writes"), ("in_order", "reads in order"), ("random", "reads at random")):
-            (lo, hi), (base_lo, base_hi) = row[f"{key}_spread"], base[f"{key}_spread"]
-            ratio = row[f"{key}_per_s"] / base[f"{key}_per_s"]
-            if lo > base_hi:
-                parts.append(f"{label} {ratio:.1f}x faster")
-            elif hi < base_lo:
-                parts.append(f"{label} {1 / ratio:.1f}x slower")
-            else:
-                parts.append(f"{label} within the spread ({ratio:.2f}x)")
-        lines.append(", ".join(parts))
+            v = verdict_of_pairs(base[f"{key}_runs"], row[f"{key}_runs"], (reference, fmt))
+            parts.append(f"{label} {v.short('faster', 'slower')}")
+        lines.append("\n    ".join(parts))
     return lines
 
 

@@ -2,8 +2,9 @@
 streaming vs loading the cache, and the "what moved the needle" table against the tuning log.
 
 Each function runs one experiment with real tf.data / DataLoader pipelines and returns plain
-rows; verdicts compare those rows with `nblib.reference.TUNING_LOG` under the tolerances below,
-so a finding agrees or not because of what was measured here, never because it was typed.
+rows; verdicts compare those rows with `nblib.reference.TUNING_LOG` by the paired method of
+`nblib.verdict` (speed against the base in interleaved pairs, memory against the noise of RSS), so a
+finding agrees or not because of what was measured here, never because it was typed.
 """
 from __future__ import annotations
 
@@ -15,17 +16,17 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nblib.compare import MIN_REPEATS, Spread, Verdict, against_value, compare, interleaved
+from nblib.compare import MIN_REPEATS, Spread, against_value, compare, interleaved
 from nblib.pipeline import ComputeStandIn, measure_pipeline, sweep
-from nblib.pipeline.recommend import knob_effects, knob_verdicts, most_effective_knob
+from nblib.pipeline.recommend import knob_effects, knob_verdicts, most_effective_knob, value_verdicts
 from nblib.reference import T4_SAMPLES_PER_S, TUNING_LOG
 from nblib.units import fmt_bytes, fmt_rate
+from nblib.verdict import MIN_EFFECT, MemoryVerdict, memory_verdict, verdict_of_pairs
 
 # what "agrees" means for each finding of the tuning log (the reference's own numbers are in TUNING_LOG)
 DOMINATES_SHARE = 0.5        # "the pipeline dominated": data-wait at least half the step
-HELPED_RATIO = 1.25          # "batch size helped": the largest batch at least 1.25x the smallest's rate
-SLOWER_RATIO = 0.95          # "was slower": below 95% of the best fixed setting (beyond run-to-run noise)
-MIXING_SLOWER = 0.10         # "mixing cost throughput": at least 10% slower than one source
+# "helped", "was slower", "mixing cost throughput": a firm paired verdict against the base (or one
+# source), nblib.verdict: a 95% interval of the median pair ratio clear of 1 and at least MIN_EFFECT (1.15x)
 PER_WORKER_BYTES = 100e6     # "each worker builds its own TF": >= 100 MB more per worker
 FIX_RECOVERS = 0.80          # the mixing fix must recover >= 80% of single-source samples/s
 
@@ -139,15 +140,18 @@ def torch_inert_knob(knob: str, config: dict, n_images: int, batches_measured: i
 
 
 def sweep_verdict(table) -> str:
-    """The sweep's conclusion, computed from its spreads: the knob that mattered, or that none did."""
+    """The sweep's conclusion from paired runs: each knob value against the base, and the knob that mattered."""
+    values = value_verdicts(table)
     verdicts = knob_verdicts(table)
     mattered = most_effective_knob(knob_effects(table), verdicts)
-    lines = [f"  {knob:<19} {v.text('faster', 'slower')}" for knob, v in verdicts.items()]
-    head = (f"{mattered} mattered most: its fastest value beats its slowest beyond the spread of "
-            f"{table.spread(table.base).n} interleaved runs" if mattered else
-            "no knob's effect stood out of the noise on this machine: each knob's fastest and slowest "
-            "values overlap")
-    return "\n".join([head, "each knob, slowest value vs fastest value:", *lines])
+    pairs = max((v.n for vs in values.values() for v in vs), default=0)
+    lines = [f"  {v.b:<24} {v.short('faster', 'slower')}" for vs in values.values() for v in vs]
+    head = (f"{mattered} mattered most: {verdicts[mattered].b} vs the base, "
+            f"{verdicts[mattered].short('faster', 'slower')}" if mattered else
+            "no knob's effect stood out of the noise on this machine: no knob value is faster or slower than "
+            "the base beyond the noise")
+    return "\n".join([head, f"each knob value against the base ({pairs} pairs, each next to a base run; a call "
+                             f"needs x{MIN_EFFECT:.2f} either way and a 95% interval clear of 1):", *lines])
 
 
 # ------------------------------------------------------------------------------ mixing
@@ -435,11 +439,13 @@ NOT_DISTINGUISHABLE = "not distinguishable on this machine"
 
 
 def _finding(finding: str, reference: str, measured: str, agrees: bool, why: str,
-             versus: Verdict | None = None) -> dict:
-    """A finding's row; with `versus` (the two spreads compared), overlapping ranges give no verdict."""
+             versus=None) -> dict:
+    """A finding's row; with `versus` (a paired verdict), a difference the noise covers gives no verdict."""
     if versus is not None and not versus.distinguishable:
-        return {"finding": finding, "reference": reference, "measured": f"{measured} ({versus.short()})",
-                "verdict": NOT_DISTINGUISHABLE, "why": "the spread of the repeated runs covers the difference"}
+        text = versus.short() if isinstance(versus, MemoryVerdict) else versus.short("faster", "slower")
+        return {"finding": finding, "reference": reference,
+                "measured": measured if text in measured else f"{measured} ({text})",
+                "verdict": NOT_DISTINGUISHABLE, "why": "the noise of the paired runs covers the difference"}
     return {"finding": finding, "reference": reference, "measured": measured,
             "verdict": "agrees" if agrees else "does not", "why": why}
 
@@ -458,72 +464,75 @@ def _dominates(time_share: dict) -> dict:
                     f"the encoder takes: for this job the encoder is the wall")
 
 
+def _against_base(table, knob: str, pick) -> tuple[dict, object] | None:
+    """The row of `knob`'s curve chosen by `pick` (not the base) and its paired verdict against the base."""
+    base = table.base
+    rows = [r for r in table.curve(knob) if r is not base] if knob in table.knobs else []
+    row = pick(rows) if rows else None
+    return None if row is None else (row, table.versus_base(row))
+
+
 def _batch_helped(table) -> dict | None:
-    curve = table.curve("batch_size") if "batch_size" in table.knobs else []
-    if len(curve) < 2:
+    got = _against_base(table, "batch_size", lambda rows: max(rows, key=lambda r: r["batch_size"]))
+    if got is None or got[0]["batch_size"] < table.base["batch_size"]:
         return None
-    ratio = curve[-1]["samples_per_s"] / curve[0]["samples_per_s"]
+    row, v = got
     ref = TUNING_LOG["rate at batch 128"].value / TUNING_LOG["rate at batch 24"].value
-    versus = compare(table.spread(curve[0]), table.spread(curve[-1]))
     return _finding("larger batches helped", f"24->128: x{ref:.1f}",
-                    f"{curve[0]['batch_size']}->{curve[-1]['batch_size']}: x{ratio:.2f}", ratio >= HELPED_RATIO,
-                    "per-batch overheads are already small next to per-image decode here",
-                    versus)
-
-
-def _fixed_parallel(table) -> list[dict]:
-    return [r for r in table.curve("num_parallel_calls") if r["num_parallel_calls"] > 0]
+                    f"{table.base['batch_size']}->{row['batch_size']}: {v.short('faster', 'slower')}",
+                    v.direction == "higher", "per-batch overheads are already small next to per-image decode here", v)
 
 
 def _more_parallel_slower(table, ncores: int) -> dict | None:
-    fixed = _fixed_parallel(table) if "num_parallel_calls" in table.knobs else []
-    beyond = [r for r in fixed if r["num_parallel_calls"] > ncores]
-    if not fixed or not beyond:
+    if "num_parallel_calls" not in table.knobs or not 0 < table.base["num_parallel_calls"] <= ncores:
         return None
-    within = [r for r in fixed if r["num_parallel_calls"] <= ncores]
-    if not within:
+    got = _against_base(table, "num_parallel_calls",
+                        lambda rows: max((r for r in rows if r["num_parallel_calls"] > ncores),
+                                         key=lambda r: r["num_parallel_calls"], default=None))
+    if got is None:
         return None
-    best = max(within, key=lambda r: r["samples_per_s"])
-    most = max(beyond, key=lambda r: r["num_parallel_calls"])
-    ratio = most["samples_per_s"] / best["samples_per_s"]
+    row, v = got
     return _finding("more num_parallel_* was slower", "128/64 calls: slower",
-                    f"{most['num_parallel_calls']} calls: x{ratio:.2f} of <= {ncores}", ratio < SLOWER_RATIO,
-                    f"{most['num_parallel_calls']} threads on {ncores} cores queue rather than contend; the "
-                    f"reference ran 64-128 threads", compare(table.spread(best), table.spread(most)))
+                    f"{row['num_parallel_calls']} calls vs the base's {table.base['num_parallel_calls']} "
+                    f"(<= {ncores} cores): {v.short('faster', 'slower')}", v.direction == "lower",
+                    f"{row['num_parallel_calls']} threads on {ncores} cores queue rather than contend; the "
+                    f"reference ran 64-128 threads", v)
 
 
 def _autotune_slower(table) -> dict | None:
-    if "num_parallel_calls" not in table.knobs:
+    if "num_parallel_calls" not in table.knobs or table.base["num_parallel_calls"] <= 0:
         return None
-    auto = [r for r in table.curve("num_parallel_calls") if r["num_parallel_calls"] == -1]
-    fixed = _fixed_parallel(table)
-    if not auto or not fixed:
+    got = _against_base(table, "num_parallel_calls",
+                        lambda rows: next((r for r in rows if r["num_parallel_calls"] == -1), None))
+    if got is None:
         return None
-    best = max(fixed, key=lambda r: r["samples_per_s"])
-    ratio = auto[0]["samples_per_s"] / best["samples_per_s"]
-    return _finding("AUTOTUNE was slower than fixed", "AUTOTUNE: slower", f"x{ratio:.2f} of the best fixed",
-                    ratio < SLOWER_RATIO, "with 2 cores AUTOTUNE has little to choose between",
-                    compare(table.spread(best), table.spread(auto[0])))
+    row, v = got
+    return _finding("AUTOTUNE was slower than fixed", "AUTOTUNE: slower",
+                    f"AUTOTUNE vs the base's fixed {table.base['num_parallel_calls']}: {v.short('faster', 'slower')}",
+                    v.direction == "lower", "with 2 cores AUTOTUNE has little to choose between", v)
 
 
 def _buffers_cost_ram(table) -> dict | None:
-    curve = table.curve("shuffle_buffer") if "shuffle_buffer" in table.knobs else []
-    if len(curve) < 2:
+    got = _against_base(table, "shuffle_buffer", lambda rows: max(rows, key=lambda r: r["shuffle_buffer"]))
+    if got is None or got[0]["shuffle_buffer"] <= table.base["shuffle_buffer"] or "base_rss_runs" not in got[0]:
         return None
-    small, large = curve[0], curve[-1]
+    row, _ = got
+    base = table.base
     low, high = TUNING_LOG["RSS with larger shuffle buffers"].value
-    grew = large["peak_rss_bytes"] > small["peak_rss_bytes"] and large["startup_s"] > small["startup_s"]
+    names = (f"shuffle_buffer={base['shuffle_buffer']}", f"shuffle_buffer={row['shuffle_buffer']}")
+    memory = memory_verdict(row["base_rss_runs"], row["rss_runs"], names)
+    start = verdict_of_pairs(row["base_startup_runs"], row["startup_runs"], names)
     return _finding("larger shuffle buffers: more RAM, later start", f"RSS {fmt_bytes(low)} -> {fmt_bytes(high)}",
-                    f"{fmt_bytes(small['peak_rss_bytes'])} -> {fmt_bytes(large['peak_rss_bytes'])}, start "
-                    f"{small['startup_s']:.2f} -> {large['startup_s']:.2f} s", grew,
-                    "the buffers swept here are too small next to the process's RSS to stand out")
+                    f"peak RSS {memory.short()}; start {start.short('later', 'earlier')}",
+                    memory.direction == "more",
+                    "the buffers swept here are too small next to the process's RSS to stand out", memory)
 
 
 def _mixing_slower(mixing: MixingResult) -> dict:
     low, high = TUNING_LOG["rate mixing 4 datasets"].value
     return _finding("mixing 4 datasets was slower", f"{low} vs {high}: {high / low - 1:.0%} slower",
                     f"{mixing.mixed:,.0f} vs {mixing.single:,.0f}: {mixing.slowdown:.0%} slower",
-                    mixing.slowdown >= MIXING_SLOWER,
+                    compare(mixing.spread("single"), mixing.spread("mixed")).direction == "lower",
                     f"with a budget of {mixing.budget}, each source keeps one decode thread, and "
                     f"{mixing.budget} cores stay busy either way",
                     compare(mixing.spread("single"), mixing.spread("mixed")))

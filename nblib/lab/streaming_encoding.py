@@ -52,6 +52,22 @@ def offload_verdict(rates: dict[str, Spread], on_gpu: bool) -> str:
     return f"{v.text('faster', 'slower')} {where}"
 
 
+def rate_check(prediction, measured_samples_per_s: float) -> str:
+    """The budget's projected samples/s beside the rate just measured, with how the projection was made.
+
+    On a CPU the projection is a FLOP roofline at the preset's assumed share of peak, not a calibrated
+    figure: the line says so and prints the measured/projected ratio, so the two numbers never stand apart.
+    """
+    dev = prediction.device
+    ratio = measured_samples_per_s / prediction.samples_per_s if prediction.samples_per_s else float("nan")
+    how = (f"projection: {prediction.flops_per_image / 1e9:,.2f} GFLOP per image at {dev.efficiency:.0%} of the "
+           f"{dev.name}'s {dev.compute_flops / 1e12:,.2f} TFLOP/s peak")
+    note = ("" if dev.is_gpu else "; a CPU's share of its peak for small kernels under load is far below the "
+            "preset's, so trust the measured rate here and the budget's time only on a calibrated device")
+    return (f"rate: the budget projected {prediction.samples_per_s:,.1f} samples/s ({how}); measured "
+            f"{measured_samples_per_s:,.1f} samples/s, x{ratio:.3f} the projection{note}")
+
+
 # ------------------------------------------------------------------------------ kill and resume
 
 

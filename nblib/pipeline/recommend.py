@@ -1,21 +1,23 @@
-"""Pick the fastest measured config that fits a RAM cap, and say which knob mattered most.
+"""Pick the config that beats the base by the most under a RAM cap, and say which knob mattered most.
 
-A knob's effect is the spread of samples/s across its values: along its own curve in a
-one-knob-at-a-time sweep (the other knobs at base), or between the means of its values in a
-product sweep. Trade-off: the pick is the fastest row measured, not a model's optimum between
-rows, so it is only as good as the grid. Noise: each row carries the samples/s of every run
-(`SweepTable.spread`); a knob "mattered" only when its best and worst values are distinguishable
-(`nblib.compare.compare`: their ranges do not overlap), and the pick is "faster than the base" only
-when it is distinguishable from the base. Otherwise the reason says so, with the spread.
+Every knob value is judged against the base on interleaved pairs (`SweepTable.versus_base`,
+`nblib.verdict`: a 95% interval of the median pair ratio and a minimum effect of 1.15x). The pick
+is, among the rows that fit the cap and are faster than the base by that verdict, the one with
+the largest median ratio; when none is, the base stays the pick (picking the fastest of a dozen
+noisy medians would crown noise). A knob "mattered" when one of its values is firmly faster or
+slower than the base; the one that mattered most has the largest such effect. Trade-off: the pick
+is a measured row, not a model's optimum between rows, so it is only as good as the grid.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from nblib.compare import Verdict, compare
+from nblib.compare import Verdict
 from nblib.errors import BudgetExceeded, ConfigError
 from nblib.pipeline.sweep import BASE, SweepTable, knob_text
 from nblib.units import fmt_bytes, fmt_rate
+from nblib.verdict import MIN_EFFECT
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,7 @@ class Recommendation:
 
 
 def recommend(table: SweepTable, rss_cap_bytes: float) -> Recommendation:
-    """The fastest row of `table` whose peak RSS is at most `rss_cap_bytes`, with a one-line reason."""
+    """The row under `rss_cap_bytes` that beats the base by the most (paired verdict), else the base."""
     if not table.rows:
         raise ConfigError("the sweep table has no rows (interrupted before its first config?); sweep again")
     fitting = [r for r in table.rows if r["peak_rss_bytes"] <= rss_cap_bytes]
@@ -51,66 +53,75 @@ def recommend(table: SweepTable, rss_cap_bytes: float) -> Recommendation:
             f"the RSS cap {fmt_bytes(rss_cap_bytes)} is below the smallest config's peak "
             f"{fmt_bytes(smallest['peak_rss_bytes'])} ({_knobs_text(smallest, table.knobs)}); raise the "
             f"cap to at least that, or sweep smaller buffers and fewer workers")
-    best = max(fitting, key=lambda r: r["samples_per_s"])
     base = table.base
     effects = knob_effects(table)
     verdicts = knob_verdicts(table)
     mattered = most_effective_knob(effects, verdicts)
-    speedup = best["samples_per_s"] / base["samples_per_s"] if base["samples_per_s"] > 0 else float("inf")
+    faster = [(r, table.versus_base(r)) for r in fitting if r is not base]
+    faster = [(r, v) for r, v in faster if v.direction == "higher"]
+    if faster:
+        best, versus = max(faster, key=lambda rv: rv[1].ratio)
+    elif base in fitting:
+        best, versus = base, None
+    else:
+        best = max(fitting, key=lambda r: r["samples_per_s"])
+        versus = table.versus_base(best)
+    speedup = versus.ratio if versus is not None else 1.0
     over = len(table.rows) - len(fitting)
-    versus = None if best is base else compare(table.spread(base), table.spread(best), ("the base", "the pick"))
-    reason = (f"{_knobs_text(best, table.knobs)}: {fmt_rate(best['samples_per_s'])} = x{speedup:.2f} the "
-              f"base's {fmt_rate(base['samples_per_s'])}"
-              + ("" if versus is None else f" ({_versus_text(versus)})")
-              + f", data-wait {best['data_wait']:.0%}, peak RSS {fmt_bytes(best['peak_rss_bytes'])} under the "
+    head = (f"{_knobs_text(best, table.knobs)}: {fmt_rate(best['samples_per_s'])}"
+            + (" (the base: no config under the cap was faster than the base beyond the noise)" if versus is None
+               else f" = x{speedup:.2f} the base over {versus.n} pairs ({_versus_text(versus)})"))
+    reason = (head + f", data-wait {best['data_wait']:.0%}, peak RSS {fmt_bytes(best['peak_rss_bytes'])} under the "
               f"{fmt_bytes(rss_cap_bytes)} cap{f' ({over} configs over the cap left out)' if over else ''}; "
-              + _mattered_text(mattered, effects, verdicts))
+              + _mattered_text(mattered, verdicts))
     return Recommendation(row=best, base=base, speedup=speedup, rss_cap_bytes=rss_cap_bytes,
                           effects=effects, knob_that_mattered=mattered, reason=reason, against_base=versus)
 
 
-def knob_verdicts(table: SweepTable) -> dict[str, Verdict]:
-    """Each knob's slowest value against its fastest, by their spreads (one-at-a-time sweeps).
+def value_verdicts(table: SweepTable) -> dict[str, list[Verdict]]:
+    """Each knob's values other than the base's, each against the base on its pairs (`SweepTable.versus_base`).
 
-    For a product sweep (no curves) the verdicts are those of the rows whose knob takes each value
-    with the other knobs as in the fastest row; knobs with a single measured value are left out.
+    For a product sweep the rows compared are those whose other knobs are as in the base row.
     """
-    out = {}
+    base = table.base
+    out: dict[str, list[Verdict]] = {}
+    if base is None:
+        return out
     for knob in table.knobs:
-        curve = table.curve(knob)
-        if any(r["varied"] == "product" for r in table.rows):
-            best_row = max(table.rows, key=lambda r: r["samples_per_s"])
-            curve = [r for r in table.rows if all(r[k] == best_row[k] for k in table.knobs if k != knob)]
-        if len({str(r[knob]) for r in curve}) < 2:
-            continue
-        slow = min(curve, key=lambda r: r["samples_per_s"])
-        fast = max(curve, key=lambda r: r["samples_per_s"])
-        out[knob] = compare(table.spread(slow), table.spread(fast),
-                            (f"{knob}={knob_text(slow[knob])}", f"{knob}={knob_text(fast[knob])}"))
+        rows = [r for r in table.rows if r is not base and r[knob] != base[knob]
+                and all(r[k] == base[k] for k in table.knobs if k != knob)]
+        if rows:
+            out[knob] = [table.versus_base(r) for r in sorted(rows, key=lambda r: _sort_value(r[knob]))]
     return out
 
 
+def knob_verdicts(table: SweepTable) -> dict[str, Verdict]:
+    """Each knob's strongest value against the base: the firm verdict with the largest effect, else the largest."""
+    return {knob: max(vs, key=lambda v: (v.distinguishable, abs(math.log(v.ratio))))
+            for knob, vs in value_verdicts(table).items()}
+
+
 def most_effective_knob(effects: dict, verdicts: dict[str, Verdict]) -> str | None:
-    """The knob with the largest effect among those whose effect is distinguishable (None if none is)."""
+    """The knob whose value moved samples/s firmly by the most against the base (None if none did)."""
     real = [k for k, v in verdicts.items() if v.distinguishable]
-    return max(real, key=lambda k: effects[k][0]) if real else None
+    return max(real, key=lambda k: abs(math.log(verdicts[k].ratio))) if real else None
 
 
-def _mattered_text(mattered: str | None, effects: dict, verdicts: dict[str, Verdict]) -> str:
+def _mattered_text(mattered: str | None, verdicts: dict[str, Verdict]) -> str:
     if mattered is None:
-        widest = max((v.spread for v in verdicts.values()), default=0.0)
-        return (f"no knob's effect stood out of the noise: every knob's slowest and fastest values are "
-                f"not distinguishable on this machine (spread up to {widest:.0%})")
-    return (f"{mattered} mattered most ({verdicts[mattered].b} x{verdicts[mattered].ratio:.2f} "
-            f"{verdicts[mattered].a}, beyond the spread)")
+        return ("no knob's effect stood out of the noise: no knob value is faster or slower than the base "
+                f"beyond the noise (a call needs x{MIN_EFFECT:.2f} and a 95% interval clear of 1)")
+    v = verdicts[mattered]
+    return f"{mattered} mattered most ({v.b} vs {v.a}: {v.short('faster', 'slower')})"
 
 
 def _versus_text(v: Verdict) -> str:
     if not v.enough_runs:
-        return "too few runs to tell it from the base"
+        return "too few pairs to tell it from the base"
     if not v.distinguishable:
-        return f"not distinguishable from the base on this machine, spread {v.spread:.0%}"
-    return "faster than the base beyond the spread" if v.ratio > 1 else "slower than the base"
+        return f"not distinguishable from the base here, 95% interval x{v.low:.2f}-{v.high:.2f}"
+    return (f"faster than the base, 95% interval x{v.low:.2f}-{v.high:.2f}" if v.ratio > 1 else
+            f"slower than the base, 95% interval x{v.low:.2f}-{v.high:.2f}")
 
 
 def knob_effects(table: SweepTable) -> dict[str, tuple[float, object]]:
@@ -126,6 +137,10 @@ def knob_effects(table: SweepTable) -> dict[str, tuple[float, object]]:
         best = max(means, key=means.get)
         effects[knob] = (max(means.values()) - min(means.values()), best)
     return effects
+
+
+def _sort_value(value):
+    return (0, value, "") if isinstance(value, (int, float)) and not isinstance(value, bool) else (1, 0, str(value))
 
 
 def _knobs_text(row: dict, knobs) -> str:

@@ -6,12 +6,16 @@ is read off directly. `product=True` measures every combination instead. Knobs a
 parameters of `make_pipeline_for`; a grid naming another one is refused before anything runs.
 Ctrl-C stops the sweep and returns the rows measured so far.
 
-Noise: every config runs `repeats` times (`nblib.compare.MIN_REPEATS` by default) in passes whose
-order alternates (forward, then backward), after one discarded warm-up run of the base, so a busy
-moment or a one-time start-up cost lands on no config alone; each row keeps its median run and
-the range of all its runs (`runs`, `low`, `high`). A knob that has no effect where it would be
-tried (`inert`, e.g. prefetch_factor with num_workers=0) is not measured: the table lists it in
-`skipped`, with why.
+Noise: in a one-at-a-time sweep every non-base config runs `repeats` times (`nblib.compare.MIN_REPEATS`
+by default), each run next to a run of the base (a pair: B c1 c2 B c3 c4 B ..., one base run shared
+by its two neighbours, the whole pass mirrored every other pass so each config runs before and after
+its base alike), after one discarded warm-up run of the base. A knob value is judged against the
+base on those pairs (`SweepTable.versus_base`, `nblib.verdict`), so slow drift in the machine's load
+cancels inside a pair. A product sweep runs every config `repeats` times in passes of alternating
+order. Each row keeps its median run and the range of all its runs (`runs`, `low`, `high`); a
+non-base row also keeps the base run paired with each of its runs (`base_runs`). A knob that has
+no effect where it would be tried (`inert`, e.g. prefetch_factor with num_workers=0) is not
+measured: the table lists it in `skipped`, with why.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from nblib.compare import MIN_REPEATS, Spread, interleaved_order, progress_bar
 from nblib.errors import ConfigError
 from nblib.pipeline.harness import measure_pipeline
 from nblib.units import fmt_bytes
+from nblib.verdict import PairedVerdict, paired_order, verdict_of_pairs
 
 BASE = "base"   # the `varied` value of the base config's row
 
@@ -63,6 +68,16 @@ class SweepTable:
         """A row's samples/s over all its runs."""
         return Spread(tuple(row.get("runs", (row["samples_per_s"],))))
 
+    def versus_base(self, row: dict) -> PairedVerdict:
+        """`row` against the base on their pairs (one-at-a-time sweeps), or on runs of the same pass (product)."""
+        base = self.base
+        names = ("the base", _knobs_diff(row, base, self.knobs))
+        if "base_runs" in row:
+            return verdict_of_pairs(row["base_runs"], row["runs"], names)
+        a, b = self.spread(base).values, self.spread(row).values
+        n = min(len(a), len(b))
+        return verdict_of_pairs(a[:n], b[:n], names)
+
     def find(self, **knobs) -> dict | None:
         """The row whose knobs have these values (None when it was not measured)."""
         return next((r for r in self.rows if all(r[k] == v for k, v in knobs.items())), None)
@@ -74,8 +89,10 @@ class SweepTable:
                 for r in self.rows]
         widths = [max(len(str(c)) for c in col) for col in zip(head, *body)]
         lines = ["  ".join(f"{c:>{w}}" for c, w in zip(line, widths)) for line in [head, *body]]
-        runs = max((self.spread(r).n for r in self.rows), default=0)
-        lines.append(f"(samples/s: median of {runs} interleaved runs per config; range: min-max)")
+        runs = max((self.spread(r).n for r in self.rows if r["varied"] != BASE), default=0)
+        paired = any("base_runs" in r for r in self.rows)
+        lines.append(f"(samples/s: median of {runs} runs per config"
+                     + (", each next to a run of the base" if paired else ", interleaved") + "; range: min-max)")
         for knob, why in self.skipped.items():
             lines.append(f"(not swept: {knob}, {why})")
         if self.interrupted:
@@ -110,18 +127,26 @@ def sweep(make_pipeline_for: Callable[..., Iterable], grid: Mapping[str, Sequenc
         configs = kept
     table = SweepTable(knobs=tuple(k for k in grid if k not in skipped or product), planned=len(configs),
                        skipped=skipped)
+    paired = not product and len(configs) > 1 and configs[0][0] == BASE
+    order = paired_order(len(configs) - 1, max(1, repeats)) if paired else \
+        [(i, None) for i in interleaved_order(range(len(configs)), max(1, repeats))]
     runs: list[list] = [[] for _ in configs]
-    order = interleaved_order(range(len(configs)), max(1, repeats))
+    slots: list[list] = [[] for _ in configs]     # the base slot each run of a config is paired with
+    base_by_slot: dict = {}
     bar = _bar(len(order) + bool(warm_start and configs), progress)
     try:
         if warm_start and configs:
             measure_pipeline(lambda: make_pipeline_for(**configs[0][1]), consumer_ms, consumer=consumer,
                              steps=max(1, steps // 2), warmup=warmup)
             _tick(bar)
-        for i in order:
+        for i, slot in order:
             (varied, config), reports = configs[i], runs[i]
             reports.append(measure_pipeline(lambda config=config: make_pipeline_for(**config), consumer_ms,
                                             consumer=consumer, steps=steps, warmup=warmup))
+            if slot is not None:
+                slots[i].append(slot)
+                if i == 0:
+                    base_by_slot[slot] = reports[-1]
             _tick(bar)
             if on_row is not None:
                 on_row({**config, "varied": varied, **reports[-1].as_dict()})
@@ -130,7 +155,17 @@ def sweep(make_pipeline_for: Callable[..., Iterable], grid: Mapping[str, Sequenc
     finally:
         if bar is not None:
             bar.close()
+    if paired:
+        runs = [reports if i == 0 else [r for r, slot in zip(reports, slots[i]) if slot in base_by_slot]
+                for i, reports in enumerate(runs)]
     table.rows = [_row(config, varied, reports) for (varied, config), reports in zip(configs, runs) if reports]
+    if paired:
+        for row, i in zip(table.rows, [i for i, reports in enumerate(runs) if reports]):
+            if i:
+                paired_base = [base_by_slot[slot] for slot in slots[i][:len(row["runs"])]]
+                row["base_runs"] = tuple(r.samples_per_s for r in paired_base)
+                row["base_rss_runs"] = tuple(r.peak_rss_bytes for r in paired_base)
+                row["base_startup_runs"] = tuple(r.startup_s for r in paired_base)
     if table.interrupted:
         warnings.warn(f"sweep interrupted: returning the {len(table.rows)} of {len(configs)} configs "
                       f"measured so far", stacklevel=2)
@@ -171,10 +206,17 @@ def knob_names(make_pipeline_for: Callable) -> tuple[str, ...] | None:
 
 
 def _row(config: dict, varied: str, reports: list) -> dict:
-    """One table row: the knobs, the median run's report, every run's samples/s and their range."""
+    """One table row: the knobs, the median run's report, every run's samples/s (peak RSS, startup) and their range."""
     rates = tuple(r.samples_per_s for r in reports)
     return {**config, "varied": varied, **_median_run(reports).as_dict(), "runs": rates,
-            "low": min(rates), "high": max(rates)}
+            "low": min(rates), "high": max(rates), "rss_runs": tuple(r.peak_rss_bytes for r in reports),
+            "startup_runs": tuple(r.startup_s for r in reports)}
+
+
+def _knobs_diff(row: dict, base: dict, knobs) -> str:
+    """The knobs where `row` differs from `base`, as 'cycle_length=1' (or 'the base')."""
+    diff = [f"{k}={knob_text(row[k])}" for k in knobs if row[k] != base[k]]
+    return ", ".join(diff) or "the base"
 
 
 def _range_text(spread: Spread) -> str:

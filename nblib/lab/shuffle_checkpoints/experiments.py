@@ -8,7 +8,9 @@ cost seconds per buffer size, which is why sizes are small in the smoke profile.
 """
 from __future__ import annotations
 
+import functools
 import shutil
+import statistics
 import tempfile
 import time
 from contextlib import contextmanager
@@ -36,6 +38,7 @@ from nblib.tfdata import (
     shuffle_pipeline,
     tf_shuffle_order,
 )
+from nblib.verdict import MIN_PAIRS, against_base
 
 
 def measure_checkpoint(buffer_sizes, sample_kb: float, *, symbolic=(False, True), folder=None,
@@ -124,15 +127,17 @@ def resume_proof(spec: PipelineSpec, folder, *, algorithm: str = "buffer", cut_a
 
 
 def compare_shuffles(spec: PipelineSpec, folder, *, cut_after: int = 5, compared: int = 20,
-                     methods=tuple(SHUFFLE_METHODS)) -> list[BuiltinRow]:
+                     methods=tuple(SHUFFLE_METHODS), passes: int = MIN_PAIRS) -> list[BuiltinRow]:
     """Every shuffle method on the same pipeline: checkpoint bytes (plain, symbolic), exact resume, throughput.
 
     For each method and each symbolic flag: iterate `cut_after` batches, write a
     `tf.train.Checkpoint` of the iterator, restore it into a freshly built pipeline and compare
     the next `compared` batches (indices and pixels) with an uninterrupted run's. Then one timed
-    pass over the whole pipeline (warm: after the round trips). The private global shuffle is
-    skipped, with a note, where this TensorFlow lacks it. `folder` is removed at the end, also on
-    an exception.
+    pass over the whole pipeline (warm: after the round trips) gives the order; then `passes` rounds
+    time every method's full pass next to one of Dataset.shuffle's (`nblib.verdict.against_base`):
+    samples/s is the median pass, and `versus_tf` the paired verdict against Dataset.shuffle. The
+    private global shuffle is skipped, with a note, where this TensorFlow lacks it. `folder` is
+    removed at the end, also on an exception.
     """
     rows = []
     with _work_folder(folder, "nblib-tfckpt-builtins-", remove_given=True) as root:
@@ -149,7 +154,27 @@ def compare_shuffles(spec: PipelineSpec, folder, *, cut_after: int = 5, compared
             rows.append(BuiltinRow(method, spec.buffer_size, spec.n_samples, plain.checkpoint_bytes,
                                    symbolic.checkpoint_bytes, plain.identical, symbolic.identical,
                                    spec.n_samples / seconds, _same_order_in_numpy(spec, method, order)))
-    return rows
+    return _paired_with_tf_shuffle(rows, spec, passes)
+
+
+def _paired_with_tf_shuffle(rows: list[BuiltinRow], spec: PipelineSpec, passes: int) -> list[BuiltinRow]:
+    """Each measured row but Dataset.shuffle's, its passes judged against Dataset.shuffle's in pairs.
+
+    `verdict.against_base`: T m1 m2 T m3 m4 T ..., each method's pass next to one of Dataset.shuffle's,
+    mirrored every other round; a row's samples/s becomes the median of its passes.
+    """
+    if not any(r.method == TF_SHUFFLE and not r.skipped for r in rows):
+        return rows
+    timed = replace(spec, symbolic=True)
+
+    def rate(method: str) -> float:
+        return spec.n_samples / _timed_pass(timed, method)[0]
+
+    others = [r.method for r in rows if not r.skipped and r.method != TF_SHUFFLE]
+    verdicts, values = against_base(lambda: rate(TF_SHUFFLE), {m: functools.partial(rate, m) for m in others},
+                                    TF_SHUFFLE, passes)
+    return [r if r.skipped else replace(r, samples_per_s=statistics.median(values[r.method]),
+                                        versus_tf=verdicts.get(r.method)) for r in rows]
 
 
 def quality_vs_buffer(n: int, buffer_sizes, episode_len: int, seed: int = 0) -> list[QualityRow]:

@@ -67,6 +67,7 @@ class BuiltinRow:
     samples_per_s: float           # one full pass over the pipeline (symbolic), samples and pixels
     same_order_in_numpy: bool | None  # TF's order == nblib.shuffle.full_order (None: no numpy twin)
     skipped: str = ""              # why the method was not measured (e.g. missing in this TensorFlow)
+    versus_tf: object = None       # nblib.verdict.PairedVerdict: passes paired with Dataset.shuffle's (None for it)
 
     @property
     def needs(self) -> str:

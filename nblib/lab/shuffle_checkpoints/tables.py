@@ -141,9 +141,10 @@ def builtins_conclusion(rows) -> str:
     lines.append(f"Exact resume (plain and symbolic): {len(exact)} of {len(measured)}"
                  + (f"; not: {', '.join(r.method for r in measured if r.method not in exact)}"
                     if len(exact) < len(measured) else "") + ".")
-    if tf_row:
-        lines.append("Throughput vs Dataset.shuffle: " + ", ".join(
-            f"{r.method} {r.samples_per_s / tf_row.samples_per_s:.2f}x" for r in small) + ".")
+    paired = [r for r in small if r.versus_tf is not None]
+    if tf_row and paired:
+        lines.append("Throughput against Dataset.shuffle, full passes in interleaved pairs:")
+        lines.extend(f"  {r.method}: {r.versus_tf.short('faster', 'slower')}" for r in paired)
     twins = [r.method for r in measured if r.same_order_in_numpy]
     lines.append(f"Same order in numpy (and torch, nblib.shuffle): {', '.join(twins) or 'none'}; "
                  "TensorFlow's own orders exist only in TF.")
