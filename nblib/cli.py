@@ -407,7 +407,7 @@ def _encode_config(args: argparse.Namespace, default_profile: str):
 def train_main(argv: list[str]) -> int:
     """`python -m nblib train`: train the encoder on a cache's labels; rerunning the command resumes."""
     from nblib.encode.distributed import join
-    from nblib.train.cli import run_train
+    from nblib.train.command import run_train
 
     args = _train_args(argv)
     world = join(device=args.device)

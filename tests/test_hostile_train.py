@@ -41,7 +41,7 @@ def test_a_resume_whose_labels_changed_is_refused_naming_the_labels(cache_dir, t
     """Before: the resume trained on the new labels with exit 0 (the identity held the class names only)."""
     from nblib.cli import _train_args
     from nblib.train import train
-    from nblib.train.cli import config_from_args
+    from nblib.train.command import config_from_args
 
     texts = Path(json.loads((cache_dir / "manifest.json").read_text())["body"]["source"]["path"])
     original = texts.read_text(encoding="utf-8")

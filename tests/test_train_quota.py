@@ -13,7 +13,7 @@ from test_train import labelled_cache
 
 from conftest import subprocess_env
 from nblib.errors import ConfigError
-from nblib.train.cli import mirror_quota_bytes
+from nblib.train.command import mirror_quota_bytes
 
 
 @pytest.fixture(scope="module")

@@ -70,7 +70,7 @@ class PeakMemory:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
             self.cuda_baseline = torch.cuda.memory_allocated(device)
-        self._hwm_reset = _reset_peak_rss()
+        self._hwm_reset = reset_peak_rss()
         self.baseline = self.peak = self.rss()
         self._stop.clear()
         self._thread = threading.Thread(target=self._sample, name="PeakMemory", daemon=True)
@@ -83,7 +83,7 @@ class PeakMemory:
         self.peak = max(self.peak, self.rss())
         if self._hwm_reset:   # the kernel's exact high-water mark catches peaks between samples
             children = self.rss() - self._process.memory_info().rss
-            self.peak = max(self.peak, _peak_rss() + max(0, children))
+            self.peak = max(self.peak, peak_rss() + max(0, children))
         torch = _cuda_torch()
         if torch is not None and self.cuda_baseline is not None:
             device = self._device(torch)
@@ -115,17 +115,17 @@ class PeakMemory:
         return "; ".join(parts)
 
 
-def _reset_peak_rss() -> bool:
+def reset_peak_rss() -> bool:
     """Reset this process's VmHWM (Linux: write 5 to /proc/self/clear_refs); False if unsupported."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
-        return _peak_rss() > 0
+        return peak_rss() > 0
     except OSError:
         return False
 
 
-def _peak_rss() -> int:
+def peak_rss() -> int:
     """This process's peak RSS since the last reset (VmHWM), in bytes; 0 if unknown."""
     try:
         with open("/proc/self/status") as f:

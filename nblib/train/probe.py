@@ -121,25 +121,13 @@ def _vm() -> int:
         return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _peak_since_reset() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
 def _worker(payload: dict) -> dict:
     import resource
 
     import torch
 
     from nblib.measure import pin_malloc_mmap_threshold
+    from nblib.measure.rss import peak_rss, reset_peak_rss
 
     pin_malloc_mmap_threshold()
     device, batch, cap = payload["device"], payload["batch"], payload["cap"]
@@ -157,7 +145,7 @@ def _worker(payload: dict) -> dict:
     if cap and not cuda:
         limit = _vm() + int(cap)
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    _reset_peak()
+    reset_peak_rss()
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -170,7 +158,7 @@ def _worker(payload: dict) -> dict:
     device_peak = torch.cuda.max_memory_reserved() if cuda else 0
     if cuda:
         torch.cuda.empty_cache()
-    return {"batch_size": batch, "rss_before": rss_before, "peak_rss": max(_peak_since_reset(), rss_before),
+    return {"batch_size": batch, "rss_before": rss_before, "peak_rss": max(peak_rss(), rss_before),
             "fits": fits, "error": error, "device_peak": int(device_peak)}
 
 

@@ -1,4 +1,7 @@
-"""`python -m nblib train`'s flags -> TrainConfig -> `train` (the parser lives in nblib.cli).
+"""What `python -m nblib train` does once its flags are parsed: flags -> TrainConfig -> `train`.
+
+The parser lives in `nblib.cli` beside every other verb's (`_train_args`); this module checks the
+paths, builds the config and runs the loop.
 
 SIGTERM stops a run as Ctrl-C does (`SigtermStop`).
 """
