@@ -73,11 +73,12 @@ class AtomicWriter:
         self.bytes += view.nbytes
         return view.nbytes
 
-    def commit(self, expect_sha256: str | None = None) -> WrittenFile:
+    def commit(self, expect_sha256: str | None = None, *, sync_dir: bool = True) -> WrittenFile:
         """Flush, fsync, rename onto `path`, fsync the folder; the file's size and sha256.
 
         With `expect_sha256`, a file whose bytes hash differently is discarded and ValueError
-        raised, so a mismatching rewrite never replaces anything.
+        raised, so a mismatching rewrite never replaces anything. `sync_dir=False` leaves the
+        folder's fsync to the caller (one fsync after several renames, the last file's commit).
         """
         if self.result is not None:
             return self.result
@@ -93,7 +94,8 @@ class AtomicWriter:
         except BaseException:
             self.discard()
             raise
-        fsync_dir(self.path.parent)
+        if sync_dir:
+            fsync_dir(self.path.parent)
         self._file = None
         st = self.path.stat()
         self.result = WrittenFile(self.path, self.bytes, digest, st.st_mtime_ns)
@@ -147,13 +149,31 @@ def atomic_write_json(path: str | Path, obj) -> WrittenFile:
     return atomic_write_bytes(path, json_bytes(obj))
 
 
-def atomic_torch_save(obj, path: str | Path) -> WrittenFile:
-    """`torch.save` to `path` atomically (torch imported here, not at nblib import)."""
+def atomic_torch_save(obj, path: str | Path, *, sync_dir: bool = True) -> WrittenFile:
+    """`torch.save` to `path` atomically (torch imported here, not at nblib import).
+
+    torch writes the temporary file itself (its C++ writer, no copy of the state in memory); the
+    sha256 is then read back from the page cache on the same descriptor that is fsynced, the file
+    renamed onto `path` and (with `sync_dir`) the folder fsynced.
+    """
     import torch
 
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return atomic_write_bytes(path, buffer.getvalue())
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "rb") as f:
+            torch.save(obj, tmp)
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
+            nbytes = f.tell()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    if sync_dir:
+        fsync_dir(path.parent)
+    return WrittenFile(path, nbytes, digest, path.stat().st_mtime_ns)
 
 
 def json_bytes(obj) -> bytes:
