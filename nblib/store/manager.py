@@ -218,7 +218,7 @@ class CheckpointManager:
             limit = timeout_s if timeout_s is not None else self.stall.deadline_s
             found = call_within(lambda: load_latest([self.remote], name, map_location, weights_only), limit,
                                 thread_name="nblib-checkpoint-mirror-read")
-            found = Loaded(found.obj, local_damaged + found.damaged, found.newest_version)
+            found = Loaded(found.obj, local_damaged + found.damaged, found.newest_version, found.loaded_version)
             source = "mirror"
         if found.obj is None:
             return found, "none"
