@@ -1,6 +1,8 @@
 """Durable checkpoints: write to fast local staging first, mirror to Drive in a background thread.
 
-`DurableStore` is a short front over: `parts` (the part format over one folder), `mirror` (the
+`DurableStore` is a short front over: `manager` (the `CheckpointManager` training shares: the
+mirror and its claim, the deadline on mirror reads, the checkpoint series and its retention, an
+optional background writer), `parts` (the part format over one folder), `mirror` (the
 thread that copies to Drive and re-fills what the mirror lost), `retry` (Drive calls retried,
 remounted), `checkpoints` (a versioned torch checkpoint series), `run_manifest` (the run's
 manifest, newest sequence wins) and `retention` (which local copies may go). The caller never waits
