@@ -163,8 +163,11 @@ def atomic_torch_save(obj, path: str | Path, *, sync_dir: bool = True) -> Writte
     try:
         with os.fdopen(fd, "rb") as f:
             torch.save(obj, tmp)
-            digest = hashlib.file_digest(f, "sha256").hexdigest()
-            nbytes = f.tell()
+            digest, nbytes = hashlib.sha256(), 0
+            while block := f.read(8 << 20):
+                digest.update(block)
+                nbytes += len(block)
+            digest = digest.hexdigest()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:

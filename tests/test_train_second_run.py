@@ -254,3 +254,27 @@ def test_a_failed_background_write_travels_in_its_future(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         manager.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: staging into pinned buffers")
+def test_on_cuda_an_async_save_writes_the_bytes_of_a_sync_save(tmp_path):
+    from nblib.store.manager import CheckpointManager
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4)).cuda()
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(8, 64, device="cuda")).sum().backward()
+    optimizer.step()
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    sync, manager = CheckpointManager(tmp_path / "sync"), CheckpointManager(tmp_path / "async")
+    for version in (1, 2):
+        sync.save({"state": state}, version)
+        manager.save({"state": state}, version, blocking=False)
+    manager.wait()
+    assert manager._staging.allocations == 1
+    for version in (1, 2):
+        name = f"state-{version:06d}.pt"
+        assert (tmp_path / "async" / name).read_bytes() == (tmp_path / "sync" / name).read_bytes()
+    loaded = torch.load(tmp_path / "async" / "state-000002.pt", weights_only=True)
+    assert all(t.device.type == "cpu" for t in loaded["model"].values())
+    sync.close()
+    manager.close()

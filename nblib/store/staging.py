@@ -26,7 +26,7 @@ class HostStaging:
     """Reused host buffers for the tensors of one state: one snapshot, allocated on the first save."""
 
     def __init__(self):
-        self._buffers: list = []          # one UntypedStorage per source storage, in traversal order
+        self._buffers: list = []          # ((bytes, pinned), UntypedStorage) per source storage
         self.allocations = 0              # how many times the buffers were (re)allocated
 
     def stage(self, obj):
@@ -34,17 +34,20 @@ class HostStaging:
         import torch
 
         storages, tensors = _storages_and_tensors(obj, torch)
-        self._fit([(s.nbytes(), s.device.type != "cpu") for s in storages.values()], torch)
+        buffers = self._fit([(s.nbytes(), s.device.type != "cpu") for s in storages.values()], torch)
         index = {key: i for i, key in enumerate(storages)}
-        for storage, buffer in zip(storages.values(), self._buffers):
+        for storage, buffer in zip(storages.values(), buffers):
             buffer.copy_(storage, non_blocking=storage.device.type == "cuda")
         if any(s.device.type == "cuda" for s in storages.values()):
             torch.cuda.synchronize()      # the pinned copies are complete before the writer reads them
         memo = {}
         for key, tensor in tensors:
-            buffer = self._buffers[index[key]]
-            staged = torch.empty(0, dtype=tensor.dtype).set_(buffer, tensor.storage_offset(), tensor.size(),
-                                                              tensor.stride())
+            staged = torch.empty(0, dtype=tensor.dtype).set_(buffers[index[key]], tensor.storage_offset(),
+                                                              tensor.size(), tensor.stride())
+            if isinstance(tensor, torch.nn.Parameter):      # what torch.save records: the type and the flag
+                staged = torch.nn.Parameter(staged, requires_grad=tensor.requires_grad)
+            elif tensor.requires_grad:
+                staged.requires_grad_(True)
             memo[id(tensor)] = staged
         return copy.deepcopy(obj, memo)
 
@@ -52,13 +55,21 @@ class HostStaging:
         """Free the buffers (the next stage allocates them again)."""
         self._buffers = []
 
-    def _fit(self, wanted: list[tuple[int, bool]], torch) -> None:
-        have = [(b.nbytes(), b.is_pinned()) for b in self._buffers]
-        if have == wanted:
-            return
-        self._buffers = []                # the old ones go before the new ones are allocated
-        self._buffers = [_host_buffer(nbytes, pinned, torch) for nbytes, pinned in wanted]
-        self.allocations += 1
+    def _fit(self, wanted: list[tuple[int, bool]], torch) -> list:
+        """One buffer per wanted (bytes, pinned): the held ones where sizes match, new ones for the rest;
+        held buffers nobody wants are freed first, so the buffers never outgrow one snapshot.
+        """
+        pool: dict = {}
+        for key, buffer in self._buffers:
+            pool.setdefault(key, []).append(buffer)
+        fitted = [pool[key].pop() if pool.get(key) else None for key in wanted]
+        if any(buffer is None for buffer in fitted):
+            self._buffers = []            # what is not reused goes before anything new is allocated
+            fitted = [buffer if buffer is not None else _host_buffer(nbytes, pinned, torch)
+                      for buffer, (nbytes, pinned) in zip(fitted, wanted)]
+            self.allocations += 1
+        self._buffers = list(zip(wanted, fitted))
+        return fitted
 
 
 class BackgroundWriter:
