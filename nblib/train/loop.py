@@ -119,11 +119,11 @@ def _open_store(out: Path, mirror, config: TrainConfig, storage_options, sync_sa
         return None, lock
     try:
         store = TrainStore(out, mirror, keep_last=config.keep_last, storage_options=storage_options,
-                           start_mirror=True, sync_save=sync_save, quota_bytes=quota_bytes, identity=identity)
+                           start_mirror=True, sync_save=sync_save, quota_bytes=quota_bytes, identity=identity,
+                           deadline_s=startup_timeout_s)
     except BaseException:
         lock.release()
         raise
-    store.startup_timeout_s = startup_timeout_s
     return store, lock
 
 

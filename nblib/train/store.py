@@ -59,7 +59,8 @@ class Durability:
 class TrainStore:
     """A run's train states and best weights over one CheckpointManager: local folder first, mirror behind.
 
-    `identity` (the run's: config, cache fingerprint, classes, ...) claims the mirror folder; `writer`
+    `identity` (the run's: config, cache fingerprint, classes, ...) claims the mirror folder; `deadline_s`
+    bounds each mirror read (default NBLIB_MIRROR_DEADLINE_S; train passes --mirror-timeout); `writer`
     (default `start_mirror`) is the process that holds the run folder: only it removes temporaries,
     claims the mirror and runs the mirror thread. A reader (`start_mirror=False`) only loads.
     """
@@ -68,7 +69,7 @@ class TrainStore:
                  storage_options: dict | None = None, retries: int = 3, backoff_s: float = 0.5,
                  retry_interval_s: float = 30.0, remount=None, start_mirror: bool = True,
                  sync_save: bool = False, quota_bytes: int | None = None, identity: dict | None = None,
-                 writer: bool | None = None):
+                 writer: bool | None = None, deadline_s: float | None = None):
         self.local_root = Path(run_dir) / FOLDER
         self.keep_last = keep_last
         self.mirror_label = None if mirror is None else str(mirror)
@@ -76,14 +77,14 @@ class TrainStore:
         self.watch = None
         self.quota_bytes = quota_bytes     # the mirror folder's quota (Drive) for the disk watch
         self.sync_save = sync_save
-        self.startup_timeout_s = 60.0      # a stalled mirror at start: give up on it after this, start afresh
+        self.startup_timeout_s = deadline_s or 60.0   # a stalled mirror at start: give up on it after this
         root, ops = (None, None) if mirror is None else mirror_target(mirror, storage_options)
         self.manager = CheckpointManager(
             self.local_root, None if root is None else root / FOLDER,
             mirror_ops=ops if mirror is not None and is_url(mirror) else None, keep_last=keep_last,
             identity=identity, writer=start_mirror if writer is None else writer, prune_unmirrored=True,
             retries=retries, backoff_s=backoff_s, retry_interval_s=retry_interval_s, remount=remount,
-            on_saved=self._saved, version_label="step")
+            deadline_s=deadline_s, on_saved=self._saved, version_label="step")
         self.local = self.manager.local
         self.remote = self.manager.remote
 
