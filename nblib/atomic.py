@@ -152,9 +152,10 @@ def atomic_write_json(path: str | Path, obj) -> WrittenFile:
 def atomic_torch_save(obj, path: str | Path, *, sync_dir: bool = True) -> WrittenFile:
     """`torch.save` to `path` atomically (torch imported here, not at nblib import).
 
-    torch writes the temporary file itself (its C++ writer, no copy of the state in memory); the
-    sha256 is then read back from the page cache on the same descriptor that is fsynced, the file
-    renamed onto `path` and (with `sync_dir`) the folder fsynced.
+    torch writes the temporary file itself (its C++ writer, no copy of the state in memory); a thread
+    then hashes it back from the page cache while the file is fsynced (the hash costs CPU, the fsync
+    waits on the disk: they overlap), then it is renamed onto `path` and (with `sync_dir`) the folder
+    fsynced.
     """
     import torch
 
@@ -163,12 +164,15 @@ def atomic_torch_save(obj, path: str | Path, *, sync_dir: bool = True) -> Writte
     try:
         with os.fdopen(fd, "rb") as f:
             torch.save(obj, tmp)
-            digest, nbytes = hashlib.sha256(), 0
-            while block := f.read(8 << 20):
-                digest.update(block)
-                nbytes += len(block)
-            digest = digest.hexdigest()
-            os.fsync(f.fileno())
+            box: dict = {}
+            hasher = threading.Thread(target=_hash_fd, args=(f.fileno(), box), name="nblib-save-hash")
+            hasher.start()
+            try:
+                os.fsync(f.fileno())
+            finally:
+                hasher.join()
+        if "error" in box:
+            raise box["error"]
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -176,7 +180,19 @@ def atomic_torch_save(obj, path: str | Path, *, sync_dir: bool = True) -> Writte
         raise
     if sync_dir:
         fsync_dir(path.parent)
-    return WrittenFile(path, nbytes, digest, path.stat().st_mtime_ns)
+    return WrittenFile(path, box["bytes"], box["sha256"], path.stat().st_mtime_ns)
+
+
+def _hash_fd(fd: int, box: dict, chunk: int = 8 << 20) -> None:
+    """box['sha256'] and box['bytes'] of the open file `fd` (positional reads), or box['error']."""
+    try:
+        digest, offset = hashlib.sha256(), 0
+        while block := os.pread(fd, chunk, offset):
+            digest.update(block)
+            offset += len(block)
+        box["sha256"], box["bytes"] = digest.hexdigest(), offset
+    except BaseException as exc:
+        box["error"] = exc
 
 
 def json_bytes(obj) -> bytes:
