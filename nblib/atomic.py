@@ -160,6 +160,7 @@ def atomic_torch_save(obj, path: str | Path, *, sync_dir: bool = True) -> Writte
     import torch
 
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "rb") as f:
