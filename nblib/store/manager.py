@@ -12,8 +12,9 @@ queued for the mirror stays locally until copied), and an optional background wr
 the tensors into reused host buffers (`staging.py`; pinned on CUDA) and returns the write's
 `concurrent.futures.Future` (torchtitan's `CheckpointManager._async_wait` pattern; the error travels
 in the future). A synchronous save of CUDA tensors stages into the same host buffers, so both
-write the same bytes. Only a writer (`writer=True`, the holder of the run folder's lock) removes the
-`.tmp-` temporaries a killed writer left; a reader opened to load deletes nothing.
+write the same bytes. Only a writer that holds the folder alone (`clean_temporaries`, training's rank
+0 under the run folder's lock) removes the `.tmp-` temporaries a killed writer left; a reader opened
+to load deletes nothing.
 
 Trade-off: the newest versions live on local disk only until the mirror copies them, and the
 staging buffers hold one snapshot of host RAM between saves. Failure modes: a failed background
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -56,8 +58,10 @@ class CheckpointManager:
         keep_last: versions kept per name on each side.
         keep_local, keep_every: the part retention of a DurableStore sharing this mirror (None: all).
         identity: the run's identity (JSON): claims the mirror folder for this run.
-        writer: this process writes the folder (holds its lock): it removes leftover temporaries,
-            claims the mirror and runs the mirror thread. A reader (False) only loads.
+        writer: this process writes the folder: it claims the mirror and runs the mirror thread. A
+            reader (False) only loads, and deletes nothing.
+        clean_temporaries: a writer that holds the folder's lock alone (no other process writes there)
+            removes the `.tmp-` files a killed writer left (False where ranks share the folder).
         prune_unmirrored: prune local versions beyond `keep_last` at each save even with a mirror
             (training: a version queued for the mirror is kept until copied); False: with a mirror,
             local versions go only once a newer one is mirrored (encode).
@@ -70,6 +74,7 @@ class CheckpointManager:
     def __init__(self, local_dir: str | Path, mirror_dir: str | Path | None = None, *,
                  mirror_ops: FileOps | None = None, keep_last: int = 3, keep_local: int | None = None,
                  keep_every: int | None = None, identity: dict | None = None, writer: bool = True,
+                 clean_temporaries: bool = False,
                  prune_unmirrored: bool = False, retries: int = 5, backoff_s: float = 0.5,
                  retry_interval_s: float = 30.0, verify_mirror: bool = True, remount: Callable[[], Any] | None = None,
                  deadline_s: float | None = None, on_saved: Callable[[str, Path], None] | None = None,
@@ -83,7 +88,7 @@ class CheckpointManager:
         self.identity = None if identity is None else json.loads(json.dumps(identity))   # as mirror.json holds it
         self.on_saved, self.version_label = on_saved, version_label
         self.local_dir.mkdir(parents=True, exist_ok=True)
-        if writer and (removed := remove_temporaries(self.local_dir)):   # a SIGKILL mid-write; we hold the folder
+        if writer and clean_temporaries and (removed := remove_temporaries(self.local_dir)):   # a SIGKILL mid-write
             log.info("removed %d half-written temporaries a killed run left in %s", removed, self.local_dir)
         self.local = CheckpointFolder(self.local_dir, FileOps(), "local")
         self.local_parts = PartFolder(self.local_dir, FileOps(), "local")
@@ -97,6 +102,7 @@ class CheckpointManager:
         self._pending: Future | None = None
         self._writer: BackgroundWriter | None = None
         self._staging = HostStaging()
+        self.last_wait_s = 0.0                            # what the last save waited for the write before it
         if self.mirror_dir is not None:
             self._open_mirror(mirror_ops, identity is not None, keep_local, keep_every, retries, backoff_s,
                               retry_interval_s, verify_mirror, remount, deadline_s)
@@ -148,8 +154,6 @@ class CheckpointManager:
 
     def wait(self) -> float:
         """Block until the write in flight ended; raise its error. The seconds waited."""
-        import time
-
         future, self._pending = self._pending, None
         if future is None:
             return 0.0

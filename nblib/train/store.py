@@ -82,7 +82,8 @@ class TrainStore:
         self.manager = CheckpointManager(
             self.local_root, None if root is None else root / FOLDER,
             mirror_ops=ops if mirror is not None and is_url(mirror) else None, keep_last=keep_last,
-            identity=identity, writer=start_mirror if writer is None else writer, prune_unmirrored=True,
+            identity=identity, writer=start_mirror if writer is None else writer,
+            clean_temporaries=start_mirror if writer is None else writer, prune_unmirrored=True,
             retries=retries, backoff_s=backoff_s, retry_interval_s=retry_interval_s, remount=remount,
             deadline_s=deadline_s, on_saved=self._saved, version_label="step")
         self.local = self.manager.local
