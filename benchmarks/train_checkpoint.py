@@ -1,72 +1,104 @@
-"""Saving a train state: nblib's atomic writer + record, synchronous and asynchronous, against
-torch.distributed.checkpoint (DCP), synchronous and asynchronous.
+"""Saving and loading a train state: nblib's store (synchronous and asynchronous) against the peers.
 
-For the smoke and t4 encoders + head with AdamW state, four ways side by side, interleaved repeats:
-  nblib-sync:  TrainStore(sync_save=True).save: torch.save to memory, AtomicWriter (temporary, fsync,
-               rename, fsync folder), record last, on the training thread (the writer before async saves)
-  nblib-async: TrainStore.save: the loop blocks for the snapshot (a host copy of the tensors); the same
+For the smoke and t4 encoders + head with AdamW state, side by side, interleaved repeats:
+  nblib-sync:  TrainStore(sync_save=True).save: torch.save streamed into the atomic writer (temporary,
+               sha256 while writing, fsync, rename, fsync folder), the record last, on the loop's thread
+  nblib-async: TrainStore.save: the loop blocks for staging (a host copy into reused buffers); the same
                write runs on the store's writer thread; save time is until `wait_saves` returns
+  torch.save:  torch.save(state, path) straight to the file, no fsync, no hash (what accelerate's
+               save_state does for every object but the weights; the fastest possible save)
   dcp:         torch.distributed.checkpoint.save to a folder (FileSystemWriter: one file per rank + .metadata)
   dcp-async:   torch.distributed.checkpoint.async_save: the loop blocks for DCP's staging copy
-Prints save time, blocking time (what the training loop waits), bytes on disk (min / median / max of
-the repeats), the blocking time against nblib-sync, and, with --step-seconds S (a measured step time,
-e.g. from `python -m nblib train ... --steps 40`'s report), the blocking time as a share of a step and
-of a save interval of --save-every steps.
-Run: python benchmarks/train_checkpoint.py [--profile smoke|t4] [--repeats 5] [--step-seconds S]
+Loads: nblib's `TrainStore.load_latest` (sha256 checked against the record), torch.load of the
+torch.save file (what accelerate's load_state does), dcp.load into a state of the same shapes.
+Host RAM: the peak RSS above the baseline while one async save is staged and written, sampled every
+millisecond, in snapshots (the state's bytes); goal: at most one.
+Prints save, blocking and load time (min / median / max of the repeats), bytes on disk, blocking time
+against nblib-sync and against the fastest peer; `--json` writes them under benchmarks/results/.
+Run: python benchmarks/train_checkpoint.py [--profile smoke|t4] [--repeats 7] [--json]
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 
+import psutil
 import torch
 
-WRITERS = ("nblib-sync", "nblib-async", "dcp", "dcp-async")
+WRITERS = ("nblib-sync", "nblib-async", "torch.save", "dcp", "dcp-async")
+PEERS = ("torch.save", "dcp", "dcp-async")
+RESULTS = Path(__file__).parent / "results"
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--profile", default="smoke")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--step-seconds", type=float, help="a measured training step of this profile, seconds")
-    p.add_argument("--save-every", type=int, default=5, help="steps per local save (train's default 5)")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--json", action="store_true", help="write the results under benchmarks/results/")
+    p.add_argument("--label", default="", help="a tag for the JSON file name (e.g. before, after)")
     args = p.parse_args()
     state = make_state(args.profile)
     folder = Path(tempfile.mkdtemp(prefix="nblib-ckpt-bench-"))
+    savers = {"nblib-sync": save_nblib_sync, "nblib-async": save_nblib_async, "torch.save": save_torch,
+              "dcp": save_dcp, "dcp-async": save_dcp_async}
+    loaders = {"nblib-sync": load_nblib, "torch.save": load_torch, "dcp": load_dcp}
+    rows = {name: [] for name in WRITERS}
+    loads: dict[str, list[float]] = {name: [] for name in loaders}
     try:
-        savers = {"nblib-sync": save_nblib_sync, "nblib-async": save_nblib_async, "dcp": save_dcp,
-                  "dcp-async": save_dcp_async}
-        rows = {name: [] for name in WRITERS}
         for r in range(args.repeats):                          # interleaved: load drifts hit all alike
             for name in WRITERS:
-                rows[name].append(savers[name](state, folder / f"{name}-{r}"))
-                shutil.rmtree(folder / f"{name}-{r}", ignore_errors=True)
-        print(f"train state of profile {args.profile}: {sum(v.numel() for v in state['model'].values()):,} "
-              f"parameters; min / median / max of {args.repeats} interleaved repeats")
-        print(table(rows, args.step_seconds, args.save_every))
+                where = folder / f"{name}-{r}"
+                rows[name].append(savers[name](state, where))
+                if name in loaders:
+                    loads[name].append(loaders[name](state, where))
+                shutil.rmtree(where, ignore_errors=True)
+        ram = snapshots_held(state, folder / "ram")
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+    load_avg = os.getloadavg()
+    print(f"train state of profile {args.profile}: {sum(v.numel() for v in state['model'].values()):,} "
+          f"parameters, {state_bytes(state) / 2**20:.1f} MiB; min / median / max of {args.repeats} interleaved "
+          f"repeats; load average {load_avg[0]:.2f} {load_avg[1]:.2f} {load_avg[2]:.2f}")
+    print(table(rows, loads))
+    print(f"host RAM during one async save: peak {ram:.2f} snapshots above the baseline (goal <= 1)")
+    if args.json:
+        write_json(args, rows, loads, ram, load_avg)
 
 
-def table(rows: dict, step_seconds: float | None, save_every: int) -> str:
-    """One line per writer: save s, blocking s (min / median / max), bytes, blocking vs nblib-sync, share of a step."""
+def table(rows: dict, loads: dict) -> str:
+    """One line per writer: save s, blocking s, load s (min / median / max), bytes, ratios."""
     base = statistics.median(v[1] for v in rows["nblib-sync"])
-    head = f"{'writer':<12}{'save s':>24}{'blocking s':>24}{'bytes':>14}{'block/sync':>12}"
-    if step_seconds:
-        head += f"{'block/step':>12}{f'/{save_every} steps':>12}"
+    fastest = min(statistics.median(v[1] for v in rows[p]) for p in ("torch.save", "dcp"))
+    fastest_load = min(statistics.median(loads[p]) for p in ("torch.save", "dcp"))
+    head = (f"{'writer':<12}{'save s':>22}{'blocking s':>22}{'load s':>22}{'bytes':>13}{'block/sync':>11}"
+            f"{'block/peer':>11}{'load/peer':>10}")
     lines = [head]
     for name, values in rows.items():
         block = statistics.median(v[1] for v in values)
-        line = (f"{name:<12}{_spread([v[0] for v in values]):>24}{_spread([v[1] for v in values]):>24}"
-                f"{values[0][2]:>14,}{block / base:>12.3f}")
-        if step_seconds:
-            line += f"{block / step_seconds:>12.1%}{block / (save_every * step_seconds):>12.1%}"
-        lines.append(line)
+        load = f"{_spread(loads[name]):>22}" if name in loads else f"{'-':>22}"
+        ratio = f"{statistics.median(loads[name]) / fastest_load:>10.2f}" if name in loads else f"{'-':>10}"
+        lines.append(f"{name:<12}{_spread([v[0] for v in values]):>22}{_spread([v[1] for v in values]):>22}"
+                     f"{load}{values[0][2]:>13,}{block / base:>11.3f}{block / fastest:>11.2f}{ratio}")
     return "\n".join(lines)
+
+
+def write_json(args, rows: dict, loads: dict, ram: float, load_avg) -> None:
+    body = {"kind": "nblib.bench.train_checkpoint/1", "profile": args.profile, "repeats": args.repeats,
+            "label": args.label, "load_average": list(load_avg), "torch": torch.__version__,
+            "cpu_count": os.cpu_count(), "ram_snapshots": ram,
+            "save_s": {k: [v[0] for v in rows[k]] for k in rows},
+            "blocking_s": {k: [v[1] for v in rows[k]] for k in rows},
+            "bytes": {k: rows[k][0][2] for k in rows}, "load_s": loads}
+    name = f"train-checkpoint-{args.profile}{'-' + args.label if args.label else ''}-{time.strftime('%Y-%m-%d')}.json"
+    (RESULTS / name).write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {RESULTS / name}")
 
 
 def make_state(profile: str) -> dict:
@@ -80,6 +112,26 @@ def make_state(profile: str) -> dict:
     torch.nn.functional.cross_entropy(model(images), torch.tensor([0, 1])).backward()
     opt.step()
     return {"model": model.state_dict(), "optimizer": opt.state_dict()}
+
+
+def state_bytes(state: dict) -> int:
+    seen, total = set(), 0
+
+    def walk(value):
+        nonlocal total
+        if isinstance(value, torch.Tensor):
+            if value.untyped_storage().data_ptr() not in seen:
+                seen.add(value.untyped_storage().data_ptr())
+                total += value.untyped_storage().nbytes()
+        elif isinstance(value, dict):
+            for item in value.values():
+                walk(item)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                walk(item)
+
+    walk(state)
+    return total
 
 
 def save_nblib_sync(state: dict, folder: Path) -> tuple[float, float, int]:
@@ -97,13 +149,41 @@ def save_nblib_async(state: dict, folder: Path) -> tuple[float, float, int]:
     from nblib.train.store import TrainStore
 
     store = TrainStore(folder)
+    store.save(state, 1, backup=False)            # the first save allocates the staging buffers
+    store.wait_saves()
     start = time.perf_counter()
-    store.save(state, 1, backup=False)
+    store.save(state, 2, backup=False)
     blocking = time.perf_counter() - start
     store.wait_saves()
     took = time.perf_counter() - start
     store.close()
-    return took, blocking, _size(folder / "checkpoints")
+    return took, blocking, _size(folder / "checkpoints") // 2
+
+
+def load_nblib(state: dict, folder: Path) -> float:
+    from nblib.train.store import TrainStore
+
+    start = time.perf_counter()
+    store = TrainStore(folder, sync_save=True)
+    loaded, _ = store.load_latest()
+    took = time.perf_counter() - start
+    store.close()
+    assert loaded is not None
+    return took
+
+
+def save_torch(state: dict, folder: Path) -> tuple[float, float, int]:
+    folder.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    torch.save(state, folder / "state.pt")
+    took = time.perf_counter() - start
+    return took, took, _size(folder)
+
+
+def load_torch(state: dict, folder: Path) -> float:
+    start = time.perf_counter()
+    torch.load(folder / "state.pt", map_location="cpu", weights_only=True)
+    return time.perf_counter() - start
 
 
 def save_dcp(state: dict, folder: Path) -> tuple[float, float, int]:
@@ -113,6 +193,15 @@ def save_dcp(state: dict, folder: Path) -> tuple[float, float, int]:
     dcp.save(state, checkpoint_id=str(folder))
     took = time.perf_counter() - start
     return took, took, _size(folder)
+
+
+def load_dcp(state: dict, folder: Path) -> float:
+    import torch.distributed.checkpoint as dcp
+
+    target = {"model": {k: torch.empty_like(v) for k, v in state["model"].items()}}
+    start = time.perf_counter()
+    dcp.load(target, checkpoint_id=str(folder))
+    return time.perf_counter() - start
 
 
 def save_dcp_async(state: dict, folder: Path) -> tuple[float, float, int]:
@@ -125,12 +214,38 @@ def save_dcp_async(state: dict, folder: Path) -> tuple[float, float, int]:
     return time.perf_counter() - start, blocking, _size(folder)
 
 
+def snapshots_held(state: dict, folder: Path) -> float:
+    """Peak RSS above the baseline during three async saves in a row, in state sizes."""
+    from nblib.train.store import TrainStore
+
+    store = TrainStore(folder)
+    store.save(state, 1, backup=False)
+    store.wait_saves()
+    process, peak, stop = psutil.Process(), [0], threading.Event()
+    base = process.memory_info().rss
+
+    def sample():
+        while not stop.is_set():
+            peak[0] = max(peak[0], process.memory_info().rss - base)
+            time.sleep(0.001)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    for step in (2, 3, 4):
+        store.save(state, step, backup=False)
+    store.wait_saves()
+    stop.set()
+    sampler.join()
+    store.close()
+    return peak[0] / state_bytes(state)
+
+
 def _spread(values: list[float]) -> str:
     return f"{min(values):.3f}/{statistics.median(values):.3f}/{max(values):.3f}"
 
 
 def _size(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and p.suffix in (".pt", ".distcp", ""))
 
 
 if __name__ == "__main__":

@@ -73,11 +73,12 @@ class AtomicWriter:
         self.bytes += view.nbytes
         return view.nbytes
 
-    def commit(self, expect_sha256: str | None = None) -> WrittenFile:
+    def commit(self, expect_sha256: str | None = None, *, sync_dir: bool = True) -> WrittenFile:
         """Flush, fsync, rename onto `path`, fsync the folder; the file's size and sha256.
 
         With `expect_sha256`, a file whose bytes hash differently is discarded and ValueError
-        raised, so a mismatching rewrite never replaces anything.
+        raised, so a mismatching rewrite never replaces anything. `sync_dir=False` leaves the
+        folder's fsync to the caller (one fsync after several renames, the last file's commit).
         """
         if self.result is not None:
             return self.result
@@ -93,7 +94,8 @@ class AtomicWriter:
         except BaseException:
             self.discard()
             raise
-        fsync_dir(self.path.parent)
+        if sync_dir:
+            fsync_dir(self.path.parent)
         self._file = None
         st = self.path.stat()
         self.result = WrittenFile(self.path, self.bytes, digest, st.st_mtime_ns)
@@ -147,13 +149,51 @@ def atomic_write_json(path: str | Path, obj) -> WrittenFile:
     return atomic_write_bytes(path, json_bytes(obj))
 
 
-def atomic_torch_save(obj, path: str | Path) -> WrittenFile:
-    """`torch.save` to `path` atomically (torch imported here, not at nblib import)."""
+def atomic_torch_save(obj, path: str | Path, *, sync_dir: bool = True) -> WrittenFile:
+    """`torch.save` to `path` atomically (torch imported here, not at nblib import).
+
+    torch writes the temporary file itself (its C++ writer, no copy of the state in memory); a thread
+    then hashes it back from the page cache while the file is fsynced (the hash costs CPU, the fsync
+    waits on the disk: they overlap), then it is renamed onto `path` and (with `sync_dir`) the folder
+    fsynced.
+    """
     import torch
 
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return atomic_write_bytes(path, buffer.getvalue())
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "rb") as f:
+            torch.save(obj, tmp)
+            box: dict = {}
+            hasher = threading.Thread(target=_hash_fd, args=(f.fileno(), box), name="nblib-save-hash")
+            hasher.start()
+            try:
+                os.fsync(f.fileno())
+            finally:
+                hasher.join()
+        if "error" in box:
+            raise box["error"]
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    if sync_dir:
+        fsync_dir(path.parent)
+    return WrittenFile(path, box["bytes"], box["sha256"], path.stat().st_mtime_ns)
+
+
+def _hash_fd(fd: int, box: dict, chunk: int = 8 << 20) -> None:
+    """box['sha256'] and box['bytes'] of the open file `fd` (positional reads), or box['error']."""
+    try:
+        digest, offset = hashlib.sha256(), 0
+        while block := os.pread(fd, chunk, offset):
+            digest.update(block)
+            offset += len(block)
+        box["sha256"], box["bytes"] = digest.hexdigest(), offset
+    except BaseException as exc:
+        box["error"] = exc
 
 
 def json_bytes(obj) -> bytes:

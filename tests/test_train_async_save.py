@@ -103,14 +103,14 @@ def test_an_async_run_writes_the_bytes_a_synchronous_run_writes(cache_dir, tmp_p
 
 
 def _failing_write(monkeypatch, failing_name: str) -> None:
-    original = FileOps.write_atomic
+    original = FileOps.write_torch
 
-    def write_atomic(self, path, blocks, expect_sha256=None):
+    def write_torch(self, path, obj, *, sync_dir=True):
         if Path(path).name == failing_name:
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        return original(self, path, blocks, expect_sha256)
+        return original(self, path, obj, sync_dir=sync_dir)
 
-    monkeypatch.setattr(FileOps, "write_atomic", write_atomic)
+    monkeypatch.setattr(FileOps, "write_torch", write_torch)
 
 
 def test_a_failed_background_write_is_raised_at_the_next_save(cache_dir, tmp_path, monkeypatch):
@@ -132,23 +132,25 @@ def test_a_failed_last_write_is_raised_before_final_pt_is_written(cache_dir, tmp
 
 
 FAIL_IN_SUBPROCESS = """
-import errno, sys, time
+import errno, io, sys, time
 from pathlib import Path
+import torch
 from nblib.store.parts import FileOps
 from nblib.atomic import AtomicWriter
 MODE, TARGET, MARK = sys.argv[1], sys.argv[2], sys.argv[3]
-original = FileOps.write_atomic
-def write_atomic(self, path, blocks, expect_sha256=None):
+original = FileOps.write_torch
+def write_torch(self, path, obj, *, sync_dir=True):
     if Path(path).name != TARGET:
-        return original(self, path, blocks, expect_sha256)
+        return original(self, path, obj, sync_dir=sync_dir)
     if MODE == "fail":
         raise OSError(errno.ENOSPC, "No space left on device")
     writer = AtomicWriter(path)                        # half a file in its temporary, then hang
-    data = bytes(b"".join(bytes(b) for b in blocks))
-    writer.write(data[: len(data) // 2])
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    writer.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
     Path(MARK).write_text("mid-write")
     time.sleep(3600)
-FileOps.write_atomic = write_atomic
+FileOps.write_torch = write_torch
 from nblib.cli import main
 sys.exit(main(sys.argv[4:]))
 """

@@ -1,6 +1,8 @@
 """Durable checkpoints: write to fast local staging first, mirror to Drive in a background thread.
 
-`DurableStore` is a short front over: `parts` (the part format over one folder), `mirror` (the
+`DurableStore` is a short front over: `manager` (the `CheckpointManager` training shares: the
+mirror and its claim, the deadline on mirror reads, the checkpoint series and its retention, an
+optional background writer), `parts` (the part format over one folder), `mirror` (the
 thread that copies to Drive and re-fills what the mirror lost), `retry` (Drive calls retried,
 remounted), `checkpoints` (a versioned torch checkpoint series), `run_manifest` (the run's
 manifest, newest sequence wins) and `retention` (which local copies may go). The caller never waits
@@ -41,29 +43,20 @@ import numpy as np
 
 from nblib import env
 from nblib.atomic import TMP_PREFIX, atomic_write_bytes
-from nblib.errors import ConfigError, DriveError, StateError
+from nblib.errors import DriveError, StateError
 
-from .checkpoints import CheckpointFolder, load_latest
-from .deadline import DeadlineOps, MirrorStalled, Stall, mirror_deadline
-from .identity import ForeignMirror, claim
-from .mirror import (
-    CopyCheckpoint,
-    CopyManifest,
-    CopyPart,
-    Mirror,
-    MirrorStatus,
-    MirrorWarning,
-    Retention,
-    Sides,
-)
+from .checkpoints import CheckpointFolder, load_latest, stem
+from .deadline import MirrorStalled, Stall
+from .identity import ForeignMirror
+from .manager import CheckpointManager, default_remount
+from .mirror import CopyManifest, CopyPart, Mirror, MirrorStatus, MirrorWarning
 from .parts import DamagedCopy, FileEntry, FileOps, PartFolder, PartInfo, VerifyLevel, check_name
-from .retention import checkpoints_to_drop, retained_parts
-from .retry import Retrier, RetryingOps
+from .retention import retained_parts
 from .run_manifest import MANIFEST_FILE, newest, read_run_manifest, run_manifest_bytes
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DamagedCopy", "DurableStore", "FileEntry", "FileOps", "ForeignMirror", "MirrorStalled",
+__all__ = ["CheckpointManager", "DamagedCopy", "DurableStore", "FileEntry", "FileOps", "ForeignMirror", "MirrorStalled",
            "MirrorStatus", "MirrorWarning", "PartFolder", "PartInfo", "VerifyLevel", "retained_parts"]
 
 
@@ -96,38 +89,28 @@ class DurableStore:
                  deadline_s: float | None = None, _ops: FileOps | None = None):
         self.local_dir = Path(local_dir)
         self.mirror_dir = Path(mirror_dir) if mirror_dir is not None else None
-        _check_knobs(self.local_dir, self.mirror_dir, keep_local, keep_every, keep_checkpoints,
-                     retries, backoff_s)
         self.keep_checkpoints = keep_checkpoints
-        self.local_dir.mkdir(parents=True, exist_ok=True)
-        self.local = PartFolder(self.local_dir, FileOps(), "local")
-        self._checkpoints = [CheckpointFolder(self.local_dir, FileOps(), "local")]
+        self.checkpoints = CheckpointManager(
+            self.local_dir, self.mirror_dir, mirror_ops=_ops, keep_last=keep_checkpoints, keep_local=keep_local,
+            keep_every=keep_every, identity=identity, retries=retries, backoff_s=backoff_s,
+            retry_interval_s=retry_interval_s, verify_mirror=verify_mirror,
+            remount=remount if remount is not None or _ops is not None else _default_remount(),
+            deadline_s=deadline_s)
+        self.local = self.checkpoints.local_parts
+        self._checkpoints = [self.checkpoints.local]
         self._folders = [self.local]
-        self._mirror: Mirror | None = None
+        self._mirror: Mirror | None = self.checkpoints.mirror
         self._versions: dict[str, int] = {}
         self._manifest_seq: int | None = None
-        self._stall: Stall | None = None
+        self._stall: Stall | None = self.checkpoints.stall
         self._stall_warned = False
         self._one_try: list = []                # the mirror's folders read once, without retries
         if self.mirror_dir is not None:
-            ops = _ops if _ops is not None else FileOps()
-            remount = remount if remount is not None else _default_remount()
-            deadline_s = deadline_s if deadline_s is not None else mirror_deadline()
-            self._stall = Stall(self.mirror_dir, deadline_s)
-            reads = DeadlineOps(RetryingOps(ops, Retrier(retries, backoff_s, remount), self.mirror_dir),
-                                self._stall)
-            if identity is not None:
-                _claim_or_warn(reads, self.mirror_dir, identity, self.local_dir)   # ForeignMirror: refused
+            reads, once = self.checkpoints.reads, self.checkpoints.once
             self._folders.append(PartFolder(self.mirror_dir, reads, "mirror"))
-            once = DeadlineOps(ops, self._stall)    # one try, with the deadline: never the thread's ops
             self._one_try = [PartFolder(self.mirror_dir, once, "mirror"),
                              CheckpointFolder(self.mirror_dir, once, "mirror")]
-            self._checkpoints.append(CheckpointFolder(self.mirror_dir, reads, "mirror"))
-            sides = Sides(self.local, PartFolder(self.mirror_dir, ops, "mirror"), self._checkpoints[0],
-                          CheckpointFolder(self.mirror_dir, ops, "mirror"))
-            self._mirror = Mirror(sides, Retention(keep_local, keep_every, keep_checkpoints),
-                                  Retrier(retries, backoff_s, remount), retry_interval_s=retry_interval_s,
-                                  verify_readback=verify_mirror, identity=identity, stall_s=deadline_s)
+            self._checkpoints.append(self.checkpoints.remote)
 
     # ------------------------------------------------------------------------------ parts
 
@@ -220,12 +203,8 @@ class DurableStore:
         if name not in self._versions:          # scan once; later saves never touch Drive here
             self._versions[name] = max([0, *self._checkpoint_versions(name)])
         version = self._versions[name] = self._versions[name] + 1
-        path = self._checkpoints[0].save(obj, name, version)
-        if self._mirror is None:
-            for old in checkpoints_to_drop(self._checkpoints[0].versions(name), self.keep_checkpoints):
-                self._checkpoints[0].remove(name, old)
-        self._enqueue(CopyCheckpoint(name, version))
-        return path
+        self.checkpoints.save({name: obj}, version)
+        return self.checkpoints.local.root / f"{stem(name, version)}.pt"
 
     def load_latest(self, name: str, map_location="cpu", weights_only: bool = True):
         """The newest checkpoint `name` that verifies and loads, from either side; None if none does."""
@@ -268,9 +247,12 @@ class DurableStore:
         """Flush (warning if the mirror is failing), then stop the mirror thread. Idempotent."""
         if self._mirror is None:
             return True
-        if self._mirror.alive:
-            self.flush(timeout)
-        return self._mirror.stop()
+        try:
+            if self._mirror.alive:
+                self.flush(timeout)
+        finally:
+            stopped = self._mirror.stop()
+        return stopped
 
     def __enter__(self) -> DurableStore:
         return self
@@ -357,27 +339,6 @@ def behind_message(status: MirrorStatus, mirror_dir: Path, local_dir: Path, time
     return f"{head}, {why}); everything is safe in {local_dir}. {fix}"
 
 
-def _claim_or_warn(ops: FileOps, mirror_dir: Path, identity: dict, local_dir: Path) -> None:
-    """Claim the mirror folder for this run now; when the mount stalls, warn (the thread claims it later)."""
-    try:
-        claim(ops, mirror_dir, identity, local_dir)
-    except MirrorStalled as exc:
-        warnings.warn(f"{exc}; the mirror thread claims {mirror_dir} for this run before its first copy",
-                      MirrorWarning, stacklevel=3)
-
-
-def _check_knobs(local: Path, mirror: Path | None, keep_local, keep_every, keep_checkpoints,
-                 retries, backoff_s) -> None:
-    if mirror is not None and mirror.expanduser().absolute() == local.expanduser().absolute():
-        raise ConfigError(f"mirror_dir and local_dir are the same folder ({local}); point mirror_dir at Drive")
-    for knob, value, low in (("keep_local", keep_local, 0), ("keep_every", keep_every, 1),
-                             ("keep_checkpoints", keep_checkpoints, 1), ("retries", retries, 0)):
-        if value is not None and (not isinstance(value, int) or value < low):
-            raise ConfigError(f"{knob}={value!r} is out of range; set it to an integer >= {low}")
-    if backoff_s < 0:
-        raise ConfigError(f"backoff_s={backoff_s} is negative; set it to 0 or more seconds")
-
-
 def _warn_damaged(damaged: list[DamagedCopy], what: str) -> None:
     """One WARNING log record per damaged copy (a second damaged part is never folded into the first)."""
     for d in damaged:
@@ -385,8 +346,8 @@ def _warn_damaged(damaged: list[DamagedCopy], what: str) -> None:
 
 
 def _default_remount() -> Callable[[], Any] | None:
-    """nblib.env.remount_drive inside Colab; nothing elsewhere (a local folder needs no remount)."""
-    return env.remount_drive if env.runtime() == "colab" else None
+    """nblib.env.remount_drive inside Colab; nothing elsewhere (kept here: tests replace it on this module)."""
+    return default_remount()
 
 
 def _colab_flush_and_unmount() -> None:

@@ -43,7 +43,7 @@ def claim(ops: FileOps, root: Path, identity: dict, local_dir: Path) -> dict:
         mine = {"kind": KIND, "identity": identity, "local_dir": str(local_dir), "host": socket.gethostname(),
                 "pid": os.getpid(), "claimed_at": time.time()}
         with contextlib.suppress(FileExistsError):   # lost the race: the other claim is checked below
-            _create_exclusive(ops, root / IDENTITY_FILE, json.dumps(mine, sort_keys=True).encode())
+            ops.create_exclusive(root / IDENTITY_FILE, json.dumps(mine, sort_keys=True).encode())
         record = read_claim(ops, root)
     require_same(record, identity, root)
     return record
@@ -81,13 +81,3 @@ def require_same(record: dict | None, identity: dict, root: Path) -> None:
         f"{record.get('host')}; {', '.join(changed)}): two runs in one mirror folder would overwrite each "
         f"other's parts; pass another --mirror (one folder per run), or delete {root} if that run is no "
         f"longer needed")
-
-
-def _create_exclusive(ops: FileOps, path: Path, data: bytes) -> None:
-    """Create `path` with `data`, failing with FileExistsError when it exists (O_EXCL, then fsync)."""
-    with ops.open(path, "xb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    with contextlib.suppress(OSError):
-        ops.fsync_dir(path.parent)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import hashlib
 import io
 import os
 import re
@@ -25,7 +26,16 @@ from pathlib import Path
 
 import numpy as np
 
-from nblib.atomic import TMP_PREFIX, AtomicWriter, WrittenFile, fsync_dir, npy_header, sha256_file, sha256_json
+from nblib.atomic import (
+    TMP_PREFIX,
+    AtomicWriter,
+    WrittenFile,
+    atomic_torch_save,
+    fsync_dir,
+    npy_header,
+    sha256_file,
+    sha256_json,
+)
 from nblib.errors import ConfigError, ManifestDamaged, StateError
 from nblib.manifest import manifest_bytes, parse_manifest
 
@@ -145,12 +155,48 @@ class FileOps:
     def fsync_dir(self, path: Path) -> None:
         fsync_dir(path)
 
+    def create_exclusive(self, path: Path, data: bytes) -> None:
+        """Create `path` holding `data`; FileExistsError when it exists (O_EXCL, fsync, fsync the folder)."""
+        with self.open(path, "xb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        with contextlib.suppress(OSError):
+            self.fsync_dir(path.parent)
+
     def write_atomic(self, path: Path, blocks: Iterable, expect_sha256: str | None = None) -> WrittenFile:
         """Write `blocks` to `path` through AtomicWriter (temporary, fsync, rename, fsync folder)."""
         with AtomicWriter(path) as writer:
             for block in blocks:
                 writer.write(block)
             return writer.commit(expect_sha256)
+
+    def write_torch(self, path: Path, obj, *, sync_dir: bool = True) -> WrittenFile:
+        """torch.save `obj` to `path` atomically (atomic.atomic_torch_save: no in-memory copy)."""
+        return atomic_torch_save(obj, path, sync_dir=sync_dir)
+
+    def load_torch(self, path: Path, nbytes: int, sha256: str, map_location="cpu", weights_only: bool = True):
+        """torch.load `path` while a thread hashes it (through `open`); StateError unless size and sha256 match.
+
+        The load and the hash read the file side by side (both release the GIL): a load costs the
+        longer of the two, not their sum. A mismatch discards what was loaded.
+        """
+        import torch
+
+        box: dict = {}
+        hasher = threading.Thread(target=_hash_into, args=(self, path, box), name="nblib-load-hash", daemon=True)
+        hasher.start()
+        try:
+            obj = torch.load(path, map_location=map_location, weights_only=weights_only)
+        finally:
+            hasher.join()
+        if "error" in box:
+            raise box["error"]
+        if box["bytes"] != nbytes:
+            raise StateError(f"{path.name} has {box['bytes']} bytes, its record says {nbytes}")
+        if box["sha256"] != sha256:
+            raise StateError("sha256 differs from its record")
+        return obj
 
     def read_bytes(self, path: Path) -> bytes | None:
         """The file's bytes, or None when it does not exist."""
@@ -415,3 +461,16 @@ def _created(raw: bytes) -> float:
         return float(parse_manifest(raw, PART_KIND, versions=(PART_VERSION,)).body["created"])
     except (ManifestDamaged, KeyError, TypeError, ValueError):
         return float("-inf")
+
+
+def _hash_into(ops: FileOps, path: Path, box: dict) -> None:
+    """box['sha256'] and box['bytes'] of the file at `path` read through `ops`, or box['error']."""
+    try:
+        digest, nbytes = hashlib.sha256(), 0
+        with ops.open(path, "rb") as f:
+            while block := f.read(CHUNK):
+                digest.update(block)
+                nbytes += len(block)
+        box["sha256"], box["bytes"] = digest.hexdigest(), nbytes
+    except BaseException as exc:
+        box["error"] = exc

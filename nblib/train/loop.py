@@ -112,12 +112,26 @@ def model_config(profile: str):
 
 
 def _open_store(out: Path, mirror, config: TrainConfig, storage_options, sync_save: bool, quota_bytes,
-                startup_timeout_s: float) -> TrainStore:
-    """The writer rank's store: local states first, the mirror (Drive folder or bucket) in a thread."""
-    store = TrainStore(out, mirror, keep_last=config.keep_last, storage_options=storage_options,
-                       start_mirror=True, sync_save=sync_save, quota_bytes=quota_bytes)
-    store.startup_timeout_s = startup_timeout_s
-    return store
+                startup_timeout_s: float, identity: dict, rank: int = 0):
+    """(the writer rank's store or None, this rank's lock on `out`): every rank of one launch locks the run
+    folder under one identity (a second run is refused before it writes); rank 0 opens the store, which
+    claims the mirror (Drive folder or bucket) for this run's identity and runs its thread.
+    """
+    from nblib.atomic import sha256_json
+    from nblib.lock import FolderLock, run_identity
+
+    lock = FolderLock(out, identity=run_identity(f"nblib.train:{sha256_json(identity)[:16]}"), rank=rank,
+                      what="run folder", hint="train into another --out").acquire()
+    if rank != 0:
+        return None, lock
+    try:
+        store = TrainStore(out, mirror, keep_last=config.keep_last, storage_options=storage_options,
+                           start_mirror=True, sync_save=sync_save, quota_bytes=quota_bytes, identity=identity,
+                           deadline_s=startup_timeout_s)
+    except BaseException:
+        lock.release()
+        raise
+    return store, lock
 
 
 def _resume(state: dict | None, source: str, out: Path, identity: dict, plan: BatchPlan,
@@ -135,13 +149,15 @@ def _resume(state: dict | None, source: str, out: Path, identity: dict, plan: Ba
     return step, list(state["history"]), state["best"], source
 
 
-def _close_store(store: TrainStore | None, report: TrainReport, mirror_timeout_s: float) -> None:
-    """Join the writer, wait (bounded) for the mirror, and record what is durable in the report."""
-    if store is None:
-        return
-    writes = store.writer.writes if store.writer is not None else []
-    report.durability = store.close(mirror_timeout_s)
-    report.write_seconds = list(writes)
+def _close_store(store: TrainStore | None, report: TrainReport, mirror_timeout_s: float, lock=None) -> None:
+    """Join the writer, wait (bounded) for the mirror, record what is durable in the report; release the lock."""
+    try:
+        if store is not None:
+            report.durability = store.close(mirror_timeout_s)
+            report.write_seconds = list(store.write_seconds)
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def train(cache_dir: str | Path, out: str | Path, config: TrainConfig, *, mirror: str | None = None,
@@ -189,17 +205,18 @@ def _train(cache_dir, out, config: TrainConfig, *, mirror, texts, progress, worl
                 "classes": classes, "labels": label_digest(labels, classes), "n_train": int(len(train_idx)),
                 "model": dict(shape.__dict__)}
     out = Path(out)
-    store = _open_store(out, mirror, config, storage_options, sync_save, mirror_quota_bytes,
-                        mirror_timeout_s) if writer else None
-    model = Classifier(shape, len(classes), seed=config.seed, dropout=config.dropout).to(config.device)
-    optimizer, scheduler, scaler = training_objects(model, config)
-
-    state, source = _load(store, world, out)
-    step, history, best, source = _resume(state, source, out, identity, plan,
-                                          (model, optimizer, scheduler, scaler))
-    report = TrainReport(out, config.steps, step, source, history, best, None, 0.0, classes=classes)
-    net, model_group = _wrap(model, world, config.device)
+    store, lock = _open_store(out, mirror, config, storage_options, sync_save, mirror_quota_bytes,
+                              mirror_timeout_s, identity, rank)
+    report = TrainReport(out, config.steps, 0, "start", [], None, None, 0.0, classes=classes)
+    model_group = None
     try:
+        model = Classifier(shape, len(classes), seed=config.seed, dropout=config.dropout).to(config.device)
+        optimizer, scheduler, scaler = training_objects(model, config)
+        state, source = _load(store, world, out)
+        step, history, best, source = _resume(state, source, out, identity, plan,
+                                              (model, optimizer, scheduler, scaler))
+        report.start_step, report.resumed_from, report.history, report.best_step = step, source, history, best
+        net, model_group = _wrap(model, world, config.device)
         if writer and step == 0:
             report.history.append(_evaluate(model, cache, labels, held_idx, config, 0, float("nan")))
         stop = config.steps if stop_after is None else min(config.steps, max(step, stop_after))
@@ -234,7 +251,7 @@ def _train(cache_dir, out, config: TrainConfig, *, mirror, texts, progress, worl
         if writer and step == config.steps:
             report.final = _write_final(out, model, classes, config)
     finally:
-        _close_store(store, report, mirror_timeout_s)
+        _close_store(store, report, mirror_timeout_s, lock)
         _close_group(model_group)
     report.seconds = time.perf_counter() - started
     if writer:

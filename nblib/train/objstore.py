@@ -225,7 +225,7 @@ class FsspecOps(FileOps):
 
     def _bind(self) -> None:
         for name in ("open", "listdir", "is_dir", "stat", "makedirs", "unlink", "replace", "read_bytes",
-                     "write_atomic"):
+                     "write_atomic", "create_exclusive", "load_torch", "write_torch"):
             setattr(self, name, _as_oserror(getattr(self, name), self.label))
 
     def open(self, path, mode="rb"):
@@ -267,9 +267,51 @@ class FsspecOps(FileOps):
         except FileNotFoundError:
             return None
 
+    def load_torch(self, path, nbytes: int, sha256: str, map_location="cpu", weights_only: bool = True):
+        """One GET of the object, checked against its record (size, sha256), then torch.load from memory."""
+        import io
+
+        import torch
+
+        from nblib.errors import StateError
+
+        data = self.read_bytes(path)
+        if data is None or len(data) != nbytes:
+            got = 0 if data is None else len(data)
+            raise StateError(f"{Path(path).name} has {got} bytes, its record says {nbytes}")
+        if hashlib.sha256(data).hexdigest() != sha256:
+            raise StateError("sha256 differs from its record")
+        return torch.load(io.BytesIO(data), map_location=map_location, weights_only=weights_only)
+
+    def write_torch(self, path, obj, *, sync_dir: bool = True) -> WrittenFile:
+        """torch.save into memory, then one PUT."""
+        import io
+
+        import torch
+
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        return self.write_atomic(path, [buffer.getbuffer()])
+
+    def create_exclusive(self, path, data: bytes) -> None:
+        """Create the object `path` unless it exists (FileExistsError): a conditional PUT (If-None-Match)
+        where the filesystem has one (s3fs), else a check then a PUT (a narrow race another claim loses
+        at its next check).
+        """
+        try:
+            with self.fs.open(str(path), "xb") as f:
+                f.write(data)
+            return
+        except (NotImplementedError, ValueError, TypeError):
+            pass                                  # no exclusive mode in this filesystem
+        if self.fs.exists(str(path)):
+            raise FileExistsError(17, "object exists", str(path))
+        self.fs.pipe_file(str(path), data)
+
     def write_atomic(self, path, blocks, expect_sha256: str | None = None) -> WrittenFile:
         """One PUT of the whole object, after its sha256 matched `expect_sha256` (if given)."""
-        data = b"".join(bytes(b) for b in blocks)
+        blocks = list(blocks)
+        data = bytes(blocks[0]) if len(blocks) == 1 else b"".join(bytes(b) for b in blocks)
         digest = hashlib.sha256(data).hexdigest()
         if expect_sha256 is not None and digest != expect_sha256:
             raise ValueError(f"{Path(path).name}: the bytes hash to {digest[:12]}..., expected {expect_sha256[:12]}...")

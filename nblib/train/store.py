@@ -1,39 +1,33 @@
-"""Train states local-first, copied to a mirror (a Drive folder or a bucket) by the store's mirror thread.
+"""Train states local-first, copied to a mirror (a Drive folder or a bucket): training's adapter over
+`nblib.store.CheckpointManager`, the checkpoint manager encode uses too.
 
 Every `save_every` steps the state is written to RUN/checkpoints as `state-<step>.pt` plus its
-manifest record (nblib.store.checkpoints: atomic, sha256, record last); every `backup_every`
-steps that version is queued for the mirror. The copy runs on `nblib.store.mirror.Mirror`'s
-thread, with its retries, remounts and stall handling: training never waits for Drive or the
-bucket, and `durability()` says which step is only local. The local write itself is asynchronous
-too: `save` takes a staged snapshot (a deep copy of the tensors in host memory, taken at the save
-step) and hands it to one writer thread (`StateWriter`), which writes it through the same atomic
-writer and record, then queues the mirror and prunes; at most one write is in flight (the next
-save waits for it), and a failed write is raised at the next save or at `wait_saves`/`close`.
-Retention keeps the newest `keep_last` states on each side, plus the `best` series (weights
-only, written when the named metric improves), whose newest version is the best so far. Resume
-is local-first: the mirror is read only when the run folder holds no state that loads (a new
-VM). Trade-off: between backups the newest states exist on one disk only; the backup interval
-bounds what a lost VM costs; the newest save costs the loop a host copy of the state, not its write.
+manifest record (atomic, sha256, record last); every `backup_every` steps that version is queued for
+the mirror, whose thread copies it with retries, remounts and stall handling: training never waits
+for Drive or the bucket, and `durability()` says which step is only local. The manager claims the
+mirror folder for the run's identity (`mirror.json`: a second run on the same mirror is refused,
+naming the mirror folder), bounds every read of the mirror, and, unless `sync_save`, writes on its
+background thread: `save` waits for the previous write (raising its error), stages the tensors
+into reused host buffers (pinned on CUDA) and returns; the write's Future carries any error to the
+next save, `wait_saves` or `close`. Retention keeps the newest `keep_last` states on each side, plus
+the `best` series (weights only, written when the named metric improves). Resume is local-first:
+the mirror is read only when the run folder holds no state that loads (a new VM). Only a writer
+(the holder of the run folder's lock) removes half-written temporaries; a reader deletes nothing.
+Trade-off: between backups the newest states exist on one disk only; the backup interval bounds
+what a lost VM costs; a save costs the loop a copy of the state into host buffers, not its write.
 """
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
-import threading
 import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from nblib.atomic import remove_temporaries
 from nblib.errors import DriveError
-from nblib.store.checkpoints import CheckpointFolder, load_latest
-from nblib.store.deadline import call_within
-from nblib.store.mirror import CopyCheckpoint, Mirror, MirrorStatus, Retention, Sides
-from nblib.store.parts import FileOps, PartFolder
-from nblib.store.retention import checkpoints_to_drop
-from nblib.store.retry import Retrier, RetryingOps
+from nblib.store.manager import CheckpointManager
+from nblib.store.mirror import MirrorStatus
 
 from .objstore import is_url, mirror_target
 
@@ -63,89 +57,64 @@ class Durability:
 
 
 class TrainStore:
-    """A run's train states and best weights: local folder first, mirror thread behind it."""
+    """A run's train states and best weights over one CheckpointManager: local folder first, mirror behind.
+
+    `identity` (the run's: config, cache fingerprint, classes, ...) claims the mirror folder; `deadline_s`
+    bounds each mirror read (default NBLIB_MIRROR_DEADLINE_S; train passes --mirror-timeout); `writer`
+    (default `start_mirror`) is the process that holds the run folder: only it removes temporaries,
+    claims the mirror and runs the mirror thread. A reader (`start_mirror=False`) only loads.
+    """
 
     def __init__(self, run_dir: str | Path, mirror: str | Path | None = None, *, keep_last: int = 3,
                  storage_options: dict | None = None, retries: int = 3, backoff_s: float = 0.5,
                  retry_interval_s: float = 30.0, remount=None, start_mirror: bool = True,
-                 sync_save: bool = False, quota_bytes: int | None = None):
+                 sync_save: bool = False, quota_bytes: int | None = None, identity: dict | None = None,
+                 writer: bool | None = None, deadline_s: float | None = None):
         self.local_root = Path(run_dir) / FOLDER
-        self.local_root.mkdir(parents=True, exist_ok=True)
-        if removed := remove_temporaries(self.local_root):      # a SIGKILL mid-write; one writer per run folder
-            log.info("removed %d half-written temporaries a killed run left in %s", removed, self.local_root)
-        self.local = CheckpointFolder(self.local_root, FileOps(), "local")
         self.keep_last = keep_last
         self.mirror_label = None if mirror is None else str(mirror)
-        self.remote: CheckpointFolder | None = None
-        self._mirror: Mirror | None = None
-        self._queued: int | None = None
         self._mirror_dir = None if mirror is None or is_url(mirror) else Path(mirror)
         self.watch = None
         self.quota_bytes = quota_bytes     # the mirror folder's quota (Drive) for the disk watch
         self.sync_save = sync_save
-        self.writer: StateWriter | None = None     # started by the first asynchronous save
-        self.startup_timeout_s = 60.0      # a stalled mirror at start: give up on it after this, start afresh
-        if mirror is not None:
-            root, ops = mirror_target(mirror, storage_options)
-            root = root / FOLDER
-            if remount is None and not is_url(mirror):
-                from nblib.store import _default_remount
-                remount = _default_remount()
-            self.remote = CheckpointFolder(root, RetryingOps(ops, Retrier(retries, backoff_s, remount), root), "mirror")
-            if start_mirror:
-                sides = Sides(PartFolder(self.local_root), PartFolder(root, ops, "mirror"), self.local,
-                              CheckpointFolder(root, ops, "mirror"))
-                self._mirror = Mirror(sides, Retention(None, None, keep_last), Retrier(retries, backoff_s, remount),
-                                      retry_interval_s=retry_interval_s)
+        self.startup_timeout_s = deadline_s or 60.0   # a stalled mirror at start: give up on it after this
+        root, ops = (None, None) if mirror is None else mirror_target(mirror, storage_options)
+        self.manager = CheckpointManager(
+            self.local_root, None if root is None else root / FOLDER,
+            mirror_ops=ops if mirror is not None and is_url(mirror) else None, keep_last=keep_last,
+            identity=identity, writer=start_mirror if writer is None else writer,
+            clean_temporaries=start_mirror if writer is None else writer, prune_unmirrored=True,
+            retries=retries, backoff_s=backoff_s, retry_interval_s=retry_interval_s, remount=remount,
+            deadline_s=deadline_s, on_saved=self._saved, version_label="step")
+        self.local = self.manager.local
+        self.remote = self.manager.remote
 
     def save(self, state: dict, step: int, *, backup: bool, best: dict | None = None) -> float:
         """Write `state` as version `step` locally (atomic), `best` first as the best series' version `step`;
-        queue both for the mirror when `backup`. Asynchronous unless `sync_save`: the tensors are copied
+        queue both for the mirror when `backup`. Asynchronous unless `sync_save`: the tensors are staged
         now, the files written on the writer thread. The seconds waited for the previous write.
         """
-        if self.sync_save:
-            self._write(state, step, backup, best)
-            return 0.0
-        if self.writer is None:
-            self.writer = StateWriter()
-        staged_state, staged_best = snapshot((state, best))
-        return self.writer.submit(lambda: self._write(staged_state, step, backup, staged_best), step)
+        self.manager.save({BEST: best, STATE: state}, step, backup=backup, blocking=self.sync_save,
+                          backup_also=(BEST,))
+        return self.manager.last_wait_s
 
     def wait_saves(self) -> float:
         """Wait for the write in flight; raise its error if it failed. The seconds waited."""
-        return 0.0 if self.writer is None else self.writer.wait()
+        return self.manager.wait()
 
-    def _write(self, state: dict, step: int, backup: bool, best: dict | None) -> None:
-        """The save itself: best weights, then the state, then the mirror queue and local retention."""
-        if best is not None:
-            self.local.save(best, BEST, step)
-            self._prune_local(BEST)
-        path = self.local.save(state, STATE, step)
-        self._watch_disks(path.stat().st_size)
-        if backup and self._mirror is not None:
-            self._queued = step
-            self._mirror.enqueue(CopyCheckpoint(STATE, step))
-        self._prune_local(STATE, keep_also=self._queued)      # only once the new state is complete
-        if backup:
-            self.backup_best()
+    @property
+    def write_seconds(self) -> list[float]:
+        """What each background write took."""
+        return self.manager.write_seconds
 
     def backup_best(self) -> None:
         """Queue the newest best version for the mirror (at a backup step)."""
-        versions = self.local.versions(BEST)
-        if versions and self._mirror is not None:
-            self._mirror.enqueue(CopyCheckpoint(BEST, versions[-1]))
+        self.manager.enqueue_newest(BEST)
 
     def load_latest(self) -> tuple[dict | None, str]:
         """(newest state that verifies and loads, 'local' | 'mirror' | 'none'): local first."""
-        found = load_latest([self.local], STATE, weights_only=True)
-        _warn(found.damaged)
-        if found.obj is not None:
-            return found.obj, "local"
-        if self.remote is None:
-            return None, "none"
         try:
-            found = call_within(lambda: load_latest([self.remote], STATE, weights_only=True), self.startup_timeout_s,
-                                    thread_name="nblib-train-mirror-read")
+            found, source = self.manager.load_newest(STATE, self.startup_timeout_s)
         except (DriveError, TimeoutError) as exc:
             # Safe to start over: a run is deterministic, so any state this run writes at step s has
             # the bytes of one the mirror may hold for step s; only the recomputation is lost.
@@ -155,41 +124,44 @@ class TrainStore:
                           f"what the mirror may hold)", stacklevel=2)
             return None, "start (mirror unreachable)"
         _warn(found.damaged)
-        return (found.obj, "mirror") if found.obj is not None else (None, "none")
+        return found.obj, source
 
     def local_versions(self, name: str = STATE) -> list[int]:
         return self.local.versions(name)
 
     def mirror_status(self) -> MirrorStatus:
-        return self._mirror.status() if self._mirror is not None else MirrorStatus(0, 0, False, None, 0)
+        return self.manager.mirror_status()
 
     def durability(self, local_step: int) -> Durability:
+        """Where the newest state stands. With nothing queued by this process (a resume at the last step),
+        the state it resumed from is the one the mirror holds once caught up (the mirror's resync copies
+        a local one it lacks).
+        """
         status = self.mirror_status()
-        return Durability(local_step, self._queued if self._mirror else None, status.caught_up,
+        queued = self.manager.queued(STATE)
+        if queued is None and STATE in self.manager.loaded:
+            queued = self.manager.loaded[STATE][0]
+            local_step = max(local_step, queued)
+        if queued is None:
+            queued = max(self.local.versions(STATE), default=None)
+        return Durability(local_step, queued if self.manager.mirror else None, status.caught_up,
                           status.failing, status.last_error)
 
     def flush(self, timeout: float | None) -> bool:
         """Wait up to `timeout` s for the mirror to catch up; True when it did (or there is none)."""
-        return True if self._mirror is None else self._mirror.wait(timeout)
+        return self.manager.flush(timeout)
 
     def close(self, timeout: float | None = 30.0) -> Durability:
-        """Join the local writer, flush the mirror for at most `timeout` s, stop its thread; what is durable where.
-
-        A write that failed and was not raised yet (the run is ending on another error) is logged here.
+        """Join the local writer, flush the mirror for at most `timeout` s, stop both threads; what is durable
+        where. A write that failed and was not raised yet (the run is ending on another error) is logged;
+        the threads stop even when interrupted.
         """
-        if self.writer is not None:
-            try:
-                self.writer.wait()
-            except Exception as exc:          # the caller is already raising; do not hide that error
-                log.error("the background write of a train state failed: %s: %s", type(exc).__name__, exc)
-            self.writer.stop()
-            self.writer = None
-        if self._mirror is None:
-            return self.durability(max(self.local.versions(STATE), default=0))
-        self._mirror.wait(timeout)
-        result = self.durability(max(self.local.versions(STATE), default=0))
-        self._mirror.stop()
-        return result
+        self.manager.close(timeout)
+        return self.durability(max(self.local.versions(STATE), default=0))
+
+    def _saved(self, name: str, path: Path) -> None:
+        if name == STATE:
+            self._watch_disks(path.stat().st_size)
 
     def _watch_disks(self, checkpoint_bytes: int) -> None:
         """Warn before the local disk or the mirror folder (Drive) runs out of room for the next states."""
@@ -202,100 +174,6 @@ class TrainStore:
             quota = {} if self.quota_bytes is None or self._mirror_dir is None else {"mirror": self.quota_bytes}
             self.watch = DiskWatch(folders, checkpoint_bytes, headroom=self.keep_last + 1, quota_bytes=quota)
         self.watch.check()
-
-    def _prune_local(self, name: str, keep_also: int | None = None) -> None:
-        """Keep the newest `keep_last` versions locally, and the newest queued backup until copied."""
-        for version in checkpoints_to_drop(self.local.versions(name), self.keep_last):
-            if version != keep_also:
-                self.local.remove(name, version)
-
-
-class StateWriter:
-    """One background thread that runs save jobs in order, at most one in flight; a failure is kept
-    and raised by the next `submit` or `wait`, never lost. `writes` holds each write's seconds.
-    """
-
-    def __init__(self):
-        self._cond = threading.Condition()
-        self._job = None
-        self._busy = False
-        self._error: BaseException | None = None
-        self._step = 0
-        self._stopping = False
-        self.writes: list[float] = []       # what each background write took
-        self._thread = threading.Thread(target=self._run, name="nblib-train-writer", daemon=True)
-        self._thread.start()
-
-    def submit(self, job, step: int) -> float:
-        """Wait for the write in flight (raising its error), then start `job`; the seconds waited."""
-        waited = self.wait()
-        with self._cond:
-            self._job, self._busy, self._step = job, True, step
-            self._cond.notify_all()
-        return waited
-
-    def wait(self) -> float:
-        """Block until no write is in flight; raise a failed write's error. The seconds waited."""
-        start = time.perf_counter()
-        with self._cond:
-            while self._busy:
-                self._cond.wait()
-            error, self._error = self._error, None
-        waited = time.perf_counter() - start
-        if error is not None:
-            raise error
-        return waited
-
-    def stop(self) -> None:
-        """End the thread once idle (after `wait`)."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while self._job is None and not self._stopping:
-                    self._cond.wait()
-                if self._job is None:
-                    return
-                job, self._job = self._job, None
-            start = time.perf_counter()
-            error = None
-            try:
-                job()
-            except BaseException as exc:      # raised on the training thread at the next save or wait
-                exc.add_note(f"(raised by the background write of the train state of step {self._step})")
-                error = exc
-            with self._cond:
-                self.writes.append(time.perf_counter() - start)
-                self._error, self._busy = error, False
-                self._cond.notify_all()
-
-
-def snapshot(obj):
-    """A deep copy of `obj` whose tensors live in host memory: CPU tensors cloned (storage sharing,
-    state-dict metadata and container types kept, so torch.save writes the same bytes), CUDA tensors
-    copied with .cpu() (a save then records them as CPU storages; a resume maps to CPU anyway).
-    """
-    import torch
-
-    memo: dict = {}
-
-    def stage(value):
-        if isinstance(value, torch.Tensor):
-            if value.device.type != "cpu" and id(value) not in memo:
-                memo[id(value)] = value.detach().cpu()
-        elif isinstance(value, dict):
-            for item in value.values():
-                stage(item)
-        elif isinstance(value, (list, tuple)):
-            for item in value:
-                stage(item)
-
-    stage(obj)
-    return copy.deepcopy(obj, memo)
 
 
 def _warn(damaged) -> None:

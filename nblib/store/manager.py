@@ -1,0 +1,288 @@
+"""One checkpoint manager for encoding and training: versioned saves local first, a mirror behind them.
+
+`CheckpointManager` owns a folder of checkpoint series (`checkpoints.py`: `<name>-000001.pt` plus its
+sha256 record, written last) and, optionally, a mirror folder (a Drive folder, or a bucket through
+the `mirror_ops` the caller passes) that the `mirror.Mirror` thread fills. `DurableStore` (encode)
+and `train.store.TrainStore` are both built on it, so both get, from one place: the claim of the
+mirror folder for the run's `identity` (`identity.py`: a second run on the mirror is refused at
+open, naming the mirror folder), the deadline on every read of the mirror from the caller's thread
+(`deadline.py`), the knob checks, retention (`keep_last` versions per name on each side; a version
+queued for the mirror stays locally until copied), and an optional background writer:
+`save(..., blocking=False)` first waits for the write in flight (raising its error), then stages
+the tensors into reused host buffers (`staging.py`; pinned on CUDA) and returns the write's
+`concurrent.futures.Future` (torchtitan's `CheckpointManager._async_wait` pattern; the error travels
+in the future). A synchronous save of CUDA tensors stages into the same host buffers, so both
+write the same bytes. Only a writer that holds the folder alone (`clean_temporaries`, training's rank
+0 under the run folder's lock) removes the `.tmp-` temporaries a killed writer left; a reader opened
+to load deletes nothing.
+
+Trade-off: the newest versions live on local disk only until the mirror copies them, and the
+staging buffers hold one snapshot of host RAM between saves. Failure modes: a failed background
+write is raised at the next `save`, `wait` or logged by `close`; `close` stops both threads even
+when interrupted (KeyboardInterrupt).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+import warnings
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+from nblib import env
+from nblib.atomic import remove_temporaries
+from nblib.errors import ConfigError
+
+from .checkpoints import CheckpointFolder, Loaded, load_latest
+from .deadline import DeadlineOps, MirrorStalled, Stall, call_within, mirror_deadline
+from .identity import claim
+from .mirror import CopyCheckpoint, Mirror, MirrorStatus, MirrorWarning, Retention, Sides
+from .parts import FileOps, PartFolder
+from .retention import checkpoints_to_drop
+from .retry import Retrier, RetryingOps
+from .staging import BackgroundWriter, HostStaging
+
+log = logging.getLogger("nblib.store")
+
+
+class CheckpointManager:
+    """Versioned checkpoints in `local_dir`, mirrored to `mirror_dir` by a thread; see the module docstring.
+
+    Args:
+        local_dir: the local folder of the series (created).
+        mirror_dir: the mirror folder (a path; for a bucket, its 'bucket/prefix' with `mirror_ops`); None: none.
+        mirror_ops: the FileOps of the mirror (default: the local file system, a Drive mount).
+        keep_last: versions kept per name on each side.
+        keep_local, keep_every: the part retention of a DurableStore sharing this mirror (None: all).
+        identity: the run's identity (JSON): claims the mirror folder for this run.
+        writer: this process writes the folder: it claims the mirror and runs the mirror thread. A
+            reader (False) only loads, and deletes nothing.
+        clean_temporaries: a writer that holds the folder's lock alone (no other process writes there)
+            removes the `.tmp-` files a killed writer left (False where ranks share the folder).
+        prune_unmirrored: prune local versions beyond `keep_last` at each save even with a mirror
+            (training: a version queued for the mirror is kept until copied); False: with a mirror,
+            local versions go only once a newer one is mirrored (encode).
+        retries, backoff_s, retry_interval_s, verify_mirror, remount: how the mirror retries (`retry.py`).
+        deadline_s: how long a mirror read may block (default NBLIB_MIRROR_DEADLINE_S).
+        on_saved(name, path): called on the writing thread after each version is written (disk watches).
+        version_label: what a version is called in errors ("step" for training).
+    """
+
+    def __init__(self, local_dir: str | Path, mirror_dir: str | Path | None = None, *,
+                 mirror_ops: FileOps | None = None, keep_last: int = 3, keep_local: int | None = None,
+                 keep_every: int | None = None, identity: dict | None = None, writer: bool = True,
+                 clean_temporaries: bool = False,
+                 prune_unmirrored: bool = False, retries: int = 5, backoff_s: float = 0.5,
+                 retry_interval_s: float = 30.0, verify_mirror: bool = True, remount: Callable[[], Any] | None = None,
+                 deadline_s: float | None = None, on_saved: Callable[[str, Path], None] | None = None,
+                 version_label: str = "version"):
+        self.local_dir = Path(local_dir)
+        self.mirror_dir = None if mirror_dir is None else Path(mirror_dir)
+        check_knobs(self.local_dir, self.mirror_dir if mirror_ops is None else None,
+                    keep_local=keep_local, keep_every=keep_every, keep_checkpoints=keep_last, retries=retries,
+                    backoff_s=backoff_s)
+        self.keep_last, self.writer, self.prune_unmirrored = keep_last, writer, prune_unmirrored
+        self.identity = None if identity is None else json.loads(json.dumps(identity))   # as mirror.json holds it
+        self.on_saved, self.version_label = on_saved, version_label
+        self.local_dir.mkdir(parents=True, exist_ok=True)
+        if writer and clean_temporaries and (removed := remove_temporaries(self.local_dir)):   # a SIGKILL mid-write
+            log.info("removed %d half-written temporaries a killed run left in %s", removed, self.local_dir)
+        self.local = CheckpointFolder(self.local_dir, FileOps(), "local")
+        self.local_parts = PartFolder(self.local_dir, FileOps(), "local")
+        self.remote: CheckpointFolder | None = None       # the mirror, read from the caller's thread
+        self.reads: FileOps | None = None                 # its ops: retried, each call with the deadline
+        self.once: FileOps | None = None                  # one try with the deadline (never the thread's ops)
+        self.stall: Stall | None = None
+        self.mirror: Mirror | None = None
+        self.loaded: dict[str, tuple[int, str]] = {}      # name -> (version, side) load_newest returned
+        self._queued: dict[str, int] = {}                 # name -> newest version queued for the mirror
+        self._pending: Future | None = None
+        self._writer: BackgroundWriter | None = None
+        self._staging = HostStaging()
+        self.last_wait_s = 0.0                            # what the last save waited for the write before it
+        if self.mirror_dir is not None:
+            self._open_mirror(mirror_ops, identity is not None, keep_local, keep_every, retries, backoff_s,
+                              retry_interval_s, verify_mirror, remount, deadline_s)
+
+    def _open_mirror(self, mirror_ops, claimed, keep_local, keep_every, retries, backoff_s, retry_interval_s,
+                     verify_mirror, remount, deadline_s) -> None:
+        ops = mirror_ops if mirror_ops is not None else FileOps()
+        if remount is None and mirror_ops is None:
+            remount = default_remount()
+        deadline_s = deadline_s if deadline_s is not None else mirror_deadline()
+        self.stall = Stall(self.mirror_dir, deadline_s)
+        self.reads = DeadlineOps(RetryingOps(ops, Retrier(retries, backoff_s, remount), self.mirror_dir), self.stall)
+        self.once = DeadlineOps(ops, self.stall)
+        self.remote = CheckpointFolder(self.mirror_dir, self.reads, "mirror")
+        if not self.writer:
+            return
+        if claimed:
+            claim_or_warn(self.reads, self.mirror_dir, self.identity, self.local_dir)  # ForeignMirror: refused
+        sides = Sides(self.local_parts, PartFolder(self.mirror_dir, ops, "mirror"), self.local,
+                      CheckpointFolder(self.mirror_dir, ops, "mirror"))
+        self.mirror = Mirror(sides, Retention(keep_local, keep_every, self.keep_last),
+                             Retrier(retries, backoff_s, remount), retry_interval_s=retry_interval_s,
+                             verify_readback=verify_mirror, identity=self.identity, stall_s=deadline_s)
+
+    # ------------------------------------------------------------------------------ saving
+
+    def save(self, objects: dict[str, Any], version: int, *, backup: bool = True, blocking: bool = True,
+             backup_also: tuple[str, ...] = ()) -> Future:
+        """Write each object (None: skipped) as version `version` of its name, in order; queue them (and the
+        newest version of each `backup_also` name) for the mirror when `backup`; prune. The write's Future.
+
+        The write in flight is waited for first (`last_wait_s`), its error raised here. `blocking=False`
+        stages the tensors into host buffers now and writes on the background thread.
+        """
+        self.last_wait_s = self.wait()
+        objects = {name: obj for name, obj in objects.items() if obj is not None}
+        if blocking:
+            future: Future = Future()
+            self._write(self._on_host(objects), version, backup, backup_also)
+            future.set_result(None)
+            return future
+        staged = self._staging.stage(objects)
+        if self._writer is None:
+            self._writer = BackgroundWriter()
+        self._pending = self._writer.submit(lambda: self._write(staged, version, backup, backup_also),
+                                            f"(raised by the background write of {'/'.join(objects)} of "
+                                            f"{self.version_label} {version})")
+        return self._pending
+
+    def wait(self) -> float:
+        """Block until the write in flight ended; raise its error. The seconds waited."""
+        future, self._pending = self._pending, None
+        if future is None:
+            return 0.0
+        start = time.perf_counter()
+        future.result()
+        return time.perf_counter() - start
+
+    @property
+    def write_seconds(self) -> list[float]:
+        """What each background write took."""
+        return [] if self._writer is None else list(self._writer.writes)
+
+    def queued(self, name: str) -> int | None:
+        """The newest version of `name` queued for the mirror by this process."""
+        return self._queued.get(name)
+
+    def enqueue_newest(self, name: str) -> None:
+        """Queue the newest local version of `name` for the mirror."""
+        versions = self.local.versions(name)
+        if versions and self.mirror is not None:
+            self._queued[name] = versions[-1]
+            self.mirror.enqueue(CopyCheckpoint(name, versions[-1]))
+
+    def _write(self, objects: dict, version: int, backup: bool, backup_also) -> None:
+        for name, obj in objects.items():
+            path = self.local.save(obj, name, version)
+            if self.on_saved is not None:
+                self.on_saved(name, path)
+            if backup and self.mirror is not None:
+                self._queued[name] = version
+                self.mirror.enqueue(CopyCheckpoint(name, version))
+            self._prune_local(name)               # only once the new version is complete
+        for name in backup_also if backup else ():
+            if name not in objects:
+                self.enqueue_newest(name)
+
+    def _on_host(self, objects: dict) -> dict:
+        """`objects` itself when every tensor is on the CPU, else staged (what torch.save writes: host storages)."""
+        import torch
+
+        from .staging import _storages_and_tensors
+
+        storages, _ = _storages_and_tensors(objects, torch)
+        return objects if all(s.device.type == "cpu" for s in storages.values()) else self._staging.stage(objects)
+
+    def _prune_local(self, name: str) -> None:
+        if self.mirror is not None and not self.prune_unmirrored:
+            return                                # the mirror thread prunes once a newer version is copied
+        keep = self._queued.get(name)
+        for version in checkpoints_to_drop(self.local.versions(name), self.keep_last):
+            if version != keep:
+                self.local.remove(name, version)
+
+    # ----------------------------------------------------------------------------- loading
+
+    def load_newest(self, name: str, timeout_s: float | None = None, map_location="cpu",
+                    weights_only: bool = True) -> tuple[Loaded, str]:
+        """(what loaded, 'local' | 'mirror' | 'none'): the newest local version that verifies, else the mirror's.
+
+        The mirror is read within `timeout_s` (default: the deadline): TimeoutError or DriveError past it.
+        """
+        found = load_latest([self.local], name, map_location, weights_only)
+        source = "local"
+        if found.obj is None and self.remote is not None:
+            local_damaged = found.damaged
+            limit = timeout_s if timeout_s is not None else self.stall.deadline_s
+            found = call_within(lambda: load_latest([self.remote], name, map_location, weights_only), limit,
+                                thread_name="nblib-checkpoint-mirror-read")
+            found = Loaded(found.obj, local_damaged + found.damaged, found.newest_version, found.loaded_version)
+            source = "mirror"
+        if found.obj is None:
+            return found, "none"
+        self.loaded[name] = (found.loaded_version, source)
+        return found, source
+
+    # ------------------------------------------------------------------------------ mirror
+
+    def mirror_status(self) -> MirrorStatus:
+        return self.mirror.status() if self.mirror is not None else MirrorStatus(0, 0, False, None, 0)
+
+    def flush(self, timeout: float | None) -> bool:
+        """Wait up to `timeout` s for the mirror to catch up; True when it did (or there is none)."""
+        return True if self.mirror is None else self.mirror.wait(timeout)
+
+    def close(self, timeout: float | None = 30.0) -> bool:
+        """Join the write in flight (its error logged), flush the mirror for `timeout` s, stop both threads.
+
+        The threads are stopped even when the wait is interrupted (KeyboardInterrupt): nothing keeps
+        running after close. True when the mirror caught up (or there is none).
+        """
+        caught_up = True
+        try:
+            try:
+                self.wait()
+            except Exception as exc:              # the caller is already raising; do not hide that error
+                log.error("the background write of a checkpoint failed: %s: %s", type(exc).__name__, exc)
+            if self.mirror is not None and self.mirror.alive:
+                caught_up = self.mirror.wait(timeout)
+        finally:
+            self._pending = None
+            if self._writer is not None:
+                self._writer.stop()
+            if self.mirror is not None:
+                self.mirror.stop()
+            self._staging.release()
+        return caught_up
+
+
+def claim_or_warn(ops: FileOps, mirror_dir: Path, identity: dict, local_dir: Path) -> None:
+    """Claim the mirror folder for this run now; when the mount stalls, warn (the thread claims it later)."""
+    try:
+        claim(ops, mirror_dir, identity, local_dir)
+    except MirrorStalled as exc:
+        warnings.warn(f"{exc}; the mirror thread claims {mirror_dir} for this run before its first copy",
+                      MirrorWarning, stacklevel=3)
+
+
+def check_knobs(local: Path, mirror: Path | None, **knobs) -> None:
+    """ConfigError for a mirror that is the local folder or a knob out of range (names the knob and the fix)."""
+    if mirror is not None and mirror.expanduser().absolute() == local.expanduser().absolute():
+        raise ConfigError(f"mirror_dir and local_dir are the same folder ({local}); point mirror_dir at Drive")
+    for knob, low in (("keep_local", 0), ("keep_every", 1), ("keep_checkpoints", 1), ("retries", 0)):
+        value = knobs.get(knob)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+            raise ConfigError(f"{knob}={value!r} is out of range; set it to an integer >= {low}")
+    if knobs.get("backoff_s", 0) < 0:
+        raise ConfigError(f"backoff_s={knobs['backoff_s']} is negative; set it to 0 or more seconds")
+
+
+def default_remount() -> Callable[[], Any] | None:
+    """nblib.env.remount_drive inside Colab; nothing elsewhere (a local folder needs no remount)."""
+    return env.remount_drive if env.runtime() == "colab" else None

@@ -1,0 +1,154 @@
+"""Host staging for an asynchronous save, and the one background writer whose saves are Futures.
+
+`HostStaging.stage(obj)` copies every tensor storage of a (nested) state into host buffers it
+allocated once and reuses while the storages keep their sizes (pinned memory when the source is
+on CUDA, copied non-blocking, then one stream sync), and rebuilds the containers around views of
+them (`copy.deepcopy` with the tensors memoized, so state-dict metadata and shared storages stay
+as they were): `torch.save` of the result writes the bytes a synchronous save of host tensors
+writes. `BackgroundWriter.submit(fn)` runs `fn` on one daemon thread, in order, and returns a
+`concurrent.futures.Future`; an exception travels in the future (torchtitan's
+`CheckpointManager` pattern) and the job's references are dropped when it ends, failed or not.
+Trade-off: the buffers stay allocated between saves (one snapshot of host RAM, pinned on CUDA)
+to make the loop's block a memcpy; the caller must wait for the previous write before staging
+the next (`CheckpointManager.save` does), since the write reads the same buffers.
+"""
+from __future__ import annotations
+
+import copy
+import queue
+import threading
+import time
+import traceback
+from concurrent.futures import Future
+
+
+class HostStaging:
+    """Reused host buffers for the tensors of one state: one snapshot, allocated on the first save."""
+
+    def __init__(self):
+        self._buffers: list = []          # ((bytes, pinned), UntypedStorage) per source storage
+        self.allocations = 0              # how many times the buffers were (re)allocated
+
+    def stage(self, obj):
+        """A copy of `obj` whose tensors are views of this staging's host buffers (see the module docstring)."""
+        import torch
+
+        storages, tensors = _storages_and_tensors(obj, torch)
+        buffers = self._fit([(s.nbytes(), s.device.type != "cpu") for s in storages.values()], torch)
+        index = {key: i for i, key in enumerate(storages)}
+        for storage, buffer in zip(storages.values(), buffers):
+            buffer.copy_(storage, non_blocking=storage.device.type == "cuda")
+        if any(s.device.type == "cuda" for s in storages.values()):
+            torch.cuda.synchronize()      # the pinned copies are complete before the writer reads them
+        memo = {}
+        for key, tensor in tensors:
+            staged = torch.empty(0, dtype=tensor.dtype).set_(buffers[index[key]], tensor.storage_offset(),
+                                                              tensor.size(), tensor.stride())
+            if isinstance(tensor, torch.nn.Parameter):      # what torch.save records: the type and the flag
+                staged = torch.nn.Parameter(staged, requires_grad=tensor.requires_grad)
+            elif tensor.requires_grad:
+                staged.requires_grad_(True)
+            memo[id(tensor)] = staged
+        return copy.deepcopy(obj, memo)
+
+    def release(self) -> None:
+        """Free the buffers (the next stage allocates them again)."""
+        self._buffers = []
+
+    def _fit(self, wanted: list[tuple[int, bool]], torch) -> list:
+        """One buffer per wanted (bytes, pinned): the held ones where sizes match, new ones for the rest;
+        held buffers nobody wants are freed first, so the buffers never outgrow one snapshot.
+        """
+        pool: dict = {}
+        for key, buffer in self._buffers:
+            pool.setdefault(key, []).append(buffer)
+        fitted = [pool[key].pop() if pool.get(key) else None for key in wanted]
+        if any(buffer is None for buffer in fitted):
+            self._buffers = []            # what is not reused goes before anything new is allocated
+            fitted = [buffer if buffer is not None else _host_buffer(nbytes, pinned, torch)
+                      for buffer, (nbytes, pinned) in zip(fitted, wanted)]
+            self.allocations += 1
+        self._buffers = list(zip(wanted, fitted))
+        return fitted
+
+
+class BackgroundWriter:
+    """One daemon thread that runs jobs in order; `submit` returns a Future, `writes` each job's seconds."""
+
+    def __init__(self, name: str = "nblib-checkpoint-writer"):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.writes: list[float] = []
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn, note: str = "") -> Future:
+        """Queue `fn`; its Future (result None, or the exception it raised with `note` added)."""
+        future: Future = Future()
+        self._jobs.put((fn, future, note))
+        return future
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self, timeout: float | None = None) -> bool:
+        """End the thread after the queued jobs (or at once when `timeout` is 0); True if it ended."""
+        self._jobs.put(None)
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            fn, future, note = item
+            item = None
+            if not future.set_running_or_notify_cancel():
+                continue
+            start = time.perf_counter()
+            try:
+                fn()
+            except BaseException as exc:       # handed to the caller through the future
+                if note:
+                    exc.add_note(note)
+                traceback.clear_frames(exc.__traceback__)   # no frame keeps the staged state alive
+                future.set_exception(exc)
+            else:
+                future.set_result(None)
+            finally:
+                fn = future = None             # the job's references go now, not at the next job
+                self.writes.append(time.perf_counter() - start)
+
+
+def _storages_and_tensors(obj, torch) -> tuple[dict, list]:
+    """{key: storage} of the distinct storages (first seen first) and (key, tensor) of every tensor of a
+    nested dict / list / tuple. A storage's key is its device and address; an empty one is its own.
+    """
+    storages: dict = {}
+    tensors: list = []
+
+    def walk(value) -> None:
+        if isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            key = (_key(storage) if storage.nbytes() else ("empty", id(value)))
+            tensors.append((key, value))
+            storages.setdefault(key, storage)
+        elif isinstance(value, dict):
+            for item in value.values():
+                walk(item)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                walk(item)
+
+    walk(obj)
+    return storages, tensors
+
+
+def _key(storage) -> tuple:
+    return storage.device.type, storage.device.index, storage.data_ptr(), storage.nbytes()
+
+
+def _host_buffer(nbytes: int, pinned: bool, torch):
+    """A host storage of `nbytes`: page-locked when it stages a CUDA tensor (async copies need it)."""
+    return torch.UntypedStorage(nbytes, device="cpu").pin_memory() if pinned else torch.UntypedStorage(nbytes)
