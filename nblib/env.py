@@ -226,6 +226,14 @@ def hardware_report(drive: str | Path | None = None, local: str | Path | None = 
 # ---------------------------------------------------------------------------------- helpers
 
 
+def on_google_drive(folder: str | Path) -> bool:
+    """True when `folder` lies under Colab's Drive mount point."""
+    try:
+        return Path(folder).resolve().is_relative_to(COLAB_MOUNT_POINT)
+    except OSError:
+        return False
+
+
 def _colab_drive():
     """google.colab.drive when running in Colab, else None (the local fallback is used)."""
     if importlib.util.find_spec("google") is None or importlib.util.find_spec("google.colab") is None:

@@ -132,13 +132,9 @@ def _knobs(budget: Budget, resource: str, limit: float) -> str:
 
 
 def _on_google_drive(folder: Path) -> bool:
-    """True when `folder` lies under Colab's Drive mount point."""
-    from nblib.env import COLAB_MOUNT_POINT
+    from nblib.env import on_google_drive
 
-    try:
-        return Path(folder).resolve().is_relative_to(COLAB_MOUNT_POINT)
-    except OSError:
-        return False
+    return on_google_drive(folder)
 
 
 def _same_filesystem(a: Path, b: Path) -> bool:

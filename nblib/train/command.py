@@ -124,7 +124,7 @@ def mirror_quota_bytes(mirror: str | None, quota_gb: float | None) -> int | None
     quota (15 GB) for a folder under the Colab Drive mount, else none. Refused without a mirror folder.
     """
     from nblib.budget.drive import FREE_QUOTA_GB
-    from nblib.budget.preflight import _on_google_drive
+    from nblib.env import on_google_drive
 
     from .objstore import is_url
     from .ops import drive_quota_bytes
@@ -135,6 +135,6 @@ def mirror_quota_bytes(mirror: str | None, quota_gb: float | None) -> int | None
                           f"has {where}; drop --drive-quota-gb or pass --mirror /content/drive/MyDrive/RUN")
     if quota_gb is not None:
         return drive_quota_bytes(quota_gb)
-    if mirror is not None and not is_url(mirror) and _on_google_drive(Path(mirror)):
+    if mirror is not None and not is_url(mirror) and on_google_drive(Path(mirror)):
         return drive_quota_bytes(FREE_QUOTA_GB)
     return None
