@@ -190,3 +190,31 @@ def test_cache_wds_sigkilled_three_times_resumes_to_byte_identical_shards(tmp_pa
                         per_tar=100)
     args = lambda out: ("--wds", pattern, "--out", out, "--shard-mb", 0.05, "--no-progress")
     assert_three_kills_resume_to_the_reference(tmp_path, args, shards=70)
+
+
+@pytest.mark.slow
+def test_train_runs_on_a_wds_cache_with_the_labels_of_its_cls_members(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import subprocess_env
+
+    arrays, labels = pixels(24, size=64, seed=500), [k % 4 for k in range(24)]
+    pattern = write_wds(tmp_path / "wds", arrays, labels, [""] * 24, per_tar=12)
+    assert cache_main(["--wds", pattern, "--out", str(tmp_path / "c"), "--no-progress"]) == 0
+    result = subprocess.run([sys.executable, "-m", "nblib", "train", "--cache", str(tmp_path / "c"), "--out",
+                             str(tmp_path / "run"), "--steps", "1", "--batch-size", "8"],
+                            env=subprocess_env(NBLIB_PROFILE="smoke"), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "4 classes" in result.stdout
+
+
+def test_a_dataset_dict_folder_is_refused_naming_its_splits(tmp_path):
+    import datasets
+
+    from nblib.cache.sources import hf_source
+    from nblib.errors import InputError
+
+    datasets.DatasetDict({"train": hf_dataset(pixels(2), labels=[0, 1])}).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(InputError, match=r"DatasetDict of splits \['train'\]"):
+        hf_source(tmp_path / "dd", "img")

@@ -62,7 +62,8 @@ def hf_source(path: str | Path, image_column: str = "image", *, label_column: st
         raise InputError(f"--hf {path}: no such file or folder; nblib reads local datasets only (nothing "
                          f"downloads): save it first with datasets.load_dataset({str(path)!r})"
                          f".save_to_disk('DIR') and pass --hf DIR")
-    if local.is_dir() and ((local / "dataset_info.json").exists() or (local / "state.json").exists()):
+    saved = ("dataset_info.json", "state.json", "dataset_dict.json")
+    if local.is_dir() and any((local / name).exists() for name in saved):
         return _saved_dataset(local, image_column, label_column, text_column)
     files = _table_files(local)
     return _table_source(files, image_column, label_column, text_column)
