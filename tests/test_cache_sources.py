@@ -218,3 +218,18 @@ def test_a_dataset_dict_folder_is_refused_naming_its_splits(tmp_path):
     datasets.DatasetDict({"train": hf_dataset(pixels(2), labels=[0, 1])}).save_to_disk(str(tmp_path / "dd"))
     with pytest.raises(InputError, match=r"DatasetDict of splits \['train'\]"):
         hf_source(tmp_path / "dd", "img")
+
+
+def test_a_null_text_or_label_is_refused_naming_the_row(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from nblib.cache.sources import hf_source
+    from nblib.errors import InputError
+
+    cells = [{"bytes": png(a), "path": None} for a in pixels(3)]
+    pq.write_table(pa.table({"image": cells, "t": ["a", None, "c"], "y": [0, 1, None]}), tmp_path / "x.parquet")
+    with pytest.raises(InputError, match="row 1 has no text"):
+        hf_source(tmp_path / "x.parquet", text_column="t")
+    with pytest.raises(InputError, match="row 2 has no label"):
+        hf_source(tmp_path / "x.parquet", label_column="y")

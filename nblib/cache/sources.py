@@ -132,7 +132,7 @@ def _saved_dataset(folder: Path, image_column: str, label_column, text_column) -
         names = getattr(feature, "names", None)
         source.labels, source.classes = _labels(dataset[label_column], names, f"--hf {folder}")
     elif text_column:
-        source.texts = list(dataset[text_column])
+        source.texts = _texts(dataset[text_column], f"--hf {folder}")
     return source
 
 
@@ -158,7 +158,7 @@ def _table_source(files: list[Path], image_column: str, label_column, text_colum
         values = [v for f in files for v in _read_column(f, label_column)]
         source.labels, source.classes = _labels(values, _class_names(schemas[0], label_column), str(files[0]))
     elif text_column:
-        source.texts = [v for f in files for v in _read_column(f, text_column)]
+        source.texts = _texts([v for f in files for v in _read_column(f, text_column)], str(files[0]))
     return source
 
 
@@ -181,6 +181,13 @@ def _labels(values: list, names, where: str) -> tuple[list[int], list[str]]:
     classes = sorted({str(v) for v in values})
     lookup = {c: k for k, c in enumerate(classes)}
     return [lookup[str(v)] for v in values], classes
+
+
+def _texts(values: list, where: str) -> list[str]:
+    if any(v is None for v in values):
+        raise InputError(f"{where}: row {values.index(None):,} has no text (null); fill it (\"\" for none) "
+                         f"or drop the row")
+    return [str(v) for v in values]
 
 
 def _schema(path: Path):
