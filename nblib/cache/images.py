@@ -185,9 +185,9 @@ def _close_manifest(out: Path, manifest: dict, total: int | None, keys: Sequence
         manifest["source"]["keys"] = {"file": KEYS_FILE, "sha256": written.sha256}
     table = side() if side is not None else None
     if table:
-        values = table.get("labels", table.get("texts", []))
-        if len(values) != done:
-            raise InputError(f"{len(values):,} labels or texts for {done:,} images: one per image, in order")
+        for name in ("labels", "texts"):
+            if name in table and len(table[name]) != done:
+                raise InputError(f"{len(table[name]):,} {name} for {done:,} images: one per image, in order")
         written = atomic_write_bytes(out / SIDE_FILE, json_bytes(table))
         manifest["source"]["side"] = {"file": SIDE_FILE, "sha256": written.sha256,
                                       "kind": "labels" if "labels" in table else "texts"}
