@@ -167,7 +167,9 @@ def cache_main(argv: list[str]) -> int:
 
     Build or resume: `cache --texts PATH --out DIR [--size --shard-mb --codec --workers ...]`.
     Your own images: `cache --images PATH --out DIR` (a folder of image files, a Parquet file or an
-    HF datasets folder; `--column` names the image column).
+    HF datasets folder; `--column` names the image column); a saved HF dataset, Parquet or Arrow
+    files with labels or texts: `cache --hf PATH --image-column C [--label-column L | --text-column T]
+    --out DIR`; webdataset tars: `cache --wds 'shards-{000..009}.tar' --out DIR`.
     Records of tensors: `cache --records FILE --out DIR --shard-size-mb 400 [--group-by layer_id]`.
     Check: `cache --verify DIR`, fix: `cache --verify --repair DIR` (exit 0 OK, 1 problems found).
     """
@@ -184,7 +186,7 @@ def cache_main(argv: list[str]) -> int:
         report = verify(folder, repair=args.repair, texts=args.texts, field=args.field, workers=args.workers)
         print(report)
         return 0 if report.ok else 1
-    if args.images:
+    if args.images or args.hf or args.wds:
         return _cache_images(args)
     if args.records:
         return _cache_records(args)
@@ -202,21 +204,34 @@ def cache_main(argv: list[str]) -> int:
 
 
 def _cache_images(args: argparse.Namespace) -> int:
-    """`cache --images PATH --out DIR`: your own images into a cache (nblib.cache.write_images)."""
+    """`cache --images PATH | --hf PATH | --wds PATTERN --out DIR`: your own images into a cache
+    (nblib.cache.write_images), with the labels or texts of --hf and --wds in a side table.
+    """
     from nblib.cache import image_source, write_images
     from nblib.cache.images import image_keys
+    from nblib.cache.sources import ImageSource, hf_source, wds_source
     from nblib.errors import ConfigError
 
-    if not args.out or args.texts:
-        raise ConfigError("--images PATH needs --out DIR and no --texts")
+    flag = "--images" if args.images else "--hf" if args.hf else "--wds"
+    if not args.out or args.texts or sum(bool(x) for x in (args.images, args.hf, args.wds)) > 1:
+        raise ConfigError(f"{flag} needs --out DIR, and takes no --texts nor another of --images/--hf/--wds")
     if args.codec == "auto":
-        raise ConfigError("--codec auto is for --texts; pick one of raw, zlib, zstd, png for --images")
-    images, count = image_source(args.images, args.column)
+        raise ConfigError(f"--codec auto is for --texts; pick one of raw, zlib, zstd, png for {flag}")
+    if (args.label_column or args.text_column) and not args.hf:
+        raise ConfigError("--label-column and --text-column go with --hf (--wds reads cls/txt/json members)")
+    if args.images:
+        images, count = image_source(args.images, args.column)
+        source = ImageSource(images=iter(images), count=count, keys=image_keys(args.images))
+    elif args.hf:
+        source = hf_source(args.hf, args.image_column or args.column or "image",
+                           label_column=args.label_column, text_column=args.text_column)
+    else:
+        source = wds_source(args.wds)
     with _os_errors_name(args.out):
-        summary = write_images(images, args.out, shard_mb=args.shard_mb, codec=args.codec,
-                               codec_level=args.codec_level, n_images=count, seed=args.seed,
+        summary = write_images(source.images, args.out, shard_mb=args.shard_mb, codec=args.codec,
+                               codec_level=args.codec_level, n_images=source.count, seed=args.seed,
                                overwrite=args.overwrite, progress=not args.no_progress,
-                               keys=image_keys(args.images))
+                               keys=source.keys, side=source.side)
     print(summary)
     return 0
 
@@ -273,6 +288,11 @@ def _cache_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--images", help="your own images instead of texts: a folder of image files, a "
                                     "Parquet file or an HF datasets folder (see --column)")
     p.add_argument("--column", default=None, help="with --images: the image column (default 'image')")
+    p.add_argument("--hf", help="a local HF dataset (save_to_disk folder) or Parquet/Arrow file or folder")
+    p.add_argument("--image-column", default=None, help="with --hf: the image column (default 'image')")
+    p.add_argument("--label-column", default=None, help="with --hf: a class column (ClassLabel, ints or strings)")
+    p.add_argument("--text-column", default=None, help="with --hf: a text (caption) column")
+    p.add_argument("--wds", help="webdataset tars, brace-expanded: 'shards-{000..009}.tar'")
     p.add_argument("--records", help="records of tensors instead: a pickle stream, a pickled list, .npz or .pt")
     p.add_argument("--group-by", default=None, help="with --records: a scalar field whose records share shards")
     p.add_argument("--trust-pickle", action="store_true",

@@ -2,7 +2,8 @@
 
 Parts: `codecs` (the codec registry `CODECS`), `format` (the shard files, `ShardWriter`, the
 manifest, the local stat cache), `texts` (what is rendered), `populate` (render into shards,
-resumably), `images` (`write_images`: your own arrays in), `verify` (check and repair), `reader`
+resumably), `images` (`write_images`: your own arrays in), `sources` (a saved HF dataset, Parquet,
+Arrow, webdataset tars, with labels or texts in a side table), `verify` (check and repair), `reader`
 (`ShardedImageCache`, `CacheDataset`). Record shards (records of tensors, grouped by a key):
 `records` (`write_records`), `record_format`, `record_sources` (pickle stream or list, .npz, .pt),
 `record_reader` (`RecordShards`, `RecordShardShuffle`), `record_verify`, `record_traces` (guide-like

@@ -56,6 +56,7 @@ from nblib.cache.populate import (
 from nblib.errors import CacheError, InputError
 
 KEYS_FILE = "source-keys.json"
+SIDE_FILE = "source-labels.json"
 READ_DEADLINE_ENV = "NBLIB_READ_DEADLINE_S"
 DEFAULT_READ_DEADLINE_S = 60.0
 SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
@@ -65,7 +66,7 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".we
 def write_images(images, out: str | Path, *, shard_mb: float = 400, codec: str = "raw",
                  codec_level: int | None = None, column: str | None = None, n_images: int | None = None,
                  seed: int = 0, overwrite: bool = False, progress: bool = True,
-                 keys: Sequence[str] | None = None) -> PopulateSummary:
+                 keys: Sequence[str] | None = None, side=None) -> PopulateSummary:
     """Write `images` into a sharded cache at `out`, resuming whatever is already there.
 
     Every image must have the shape of the first. Pass the same images in the same order to
@@ -89,6 +90,8 @@ def write_images(images, out: str | Path, *, shard_mb: float = 400, codec: str =
         progress: show a progress bar.
         keys: one name per image (its file name, say), kept in `source-keys.json` beside the
             manifest; an export carries them in a `key` column (`source_keys` reads them).
+        side: a callable giving, once every image has been read, a JSON-able side table (labels
+            or texts, one per image) kept in `source-labels.json` (`nblib.cache.sources`).
 
     Returns:
         A `PopulateSummary` (images and shards in the cache, written, reused, rewritten, speed).
@@ -128,7 +131,7 @@ def write_images(images, out: str | Path, *, shard_mb: float = 400, codec: str =
         with _progress_bar(total, start, progress) as bar:
             blobs = ((coder.encode(image), image) for image in checked)
             written = _append_shards(blobs, out, manifest, start, total, layout, spec, bar, lock)
-        done = _close_manifest(out, manifest, total, keys)
+        done = _close_manifest(out, manifest, total, keys, side)
         return PopulateSummary(
             cache_dir=str(out), codec=codec, n_images=done, n_shards=len(manifest["shards"]),
             shards_written=written + len(rewritten), shards_reused=reused,
@@ -163,7 +166,8 @@ def _append_shards(blobs, out: Path, manifest: dict, start: int, total: int | No
     return written
 
 
-def _close_manifest(out: Path, manifest: dict, total: int | None, keys: Sequence[str] | None) -> int:
+def _close_manifest(out: Path, manifest: dict, total: int | None, keys: Sequence[str] | None,
+                    side=None) -> int:
     """Check the count against the announced one, record the source's identity (and the images'
     keys, in their own file: the manifest stays small); the images in the cache.
     """
@@ -179,6 +183,14 @@ def _close_manifest(out: Path, manifest: dict, total: int | None, keys: Sequence
             raise InputError(f"{len(keys):,} keys for {done:,} images: pass one key per image, in order")
         written = atomic_write_bytes(out / KEYS_FILE, json_bytes(keys))
         manifest["source"]["keys"] = {"file": KEYS_FILE, "sha256": written.sha256}
+    table = side() if side is not None else None
+    if table:
+        for name in ("labels", "texts"):
+            if name in table and len(table[name]) != done:
+                raise InputError(f"{len(table[name]):,} {name} for {done:,} images: one per image, in order")
+        written = atomic_write_bytes(out / SIDE_FILE, json_bytes(table))
+        manifest["source"]["side"] = {"file": SIDE_FILE, "sha256": written.sha256,
+                                      "kind": "labels" if "labels" in table else "texts"}
     write_cache_manifest(out, manifest)
     return done
 

@@ -60,6 +60,8 @@ def read_labels(texts_path: str | Path, labels: str = "kind") -> tuple[np.ndarra
 def labels_for_cache(cache, labels: str = "kind", texts: str | Path | None = None) -> tuple[np.ndarray, list[str]]:
     """Labels of every image of a cache, from the texts file its manifest records (or `texts`)."""
     source = cache.manifest["source"]
+    if texts is None and source.get("side"):
+        return side_table_labels(cache)
     path = texts if texts is not None else source.get("path")
     if path is None:
         raise ConfigError(f"the cache {cache.cache_dir} was built from texts in memory and records no file; "
@@ -72,6 +74,17 @@ def labels_for_cache(cache, labels: str = "kind", texts: str | Path | None = Non
         raise InputError(f"{path} has {len(values):,} lines but the cache {cache.cache_dir} was rendered from "
                          f"{source['n_texts']:,} texts: they are not its texts; pass the right --texts")
     return values[: len(cache)], classes
+
+
+def side_table_labels(cache) -> tuple[np.ndarray, list[str]]:
+    """Labels of every image of a cache built by `cache --hf ... --label-column` or `cache --wds` (cls)."""
+    from nblib.cache.sources import source_labels
+
+    table = source_labels(cache.cache_dir) or {}
+    if "labels" not in table:
+        raise ConfigError(f"the cache {cache.cache_dir} carries texts, not labels (it was built with "
+                          f"--text-column or from txt members); rebuild it with --label-column, or cls members")
+    return np.asarray(table["labels"], dtype=np.int64)[: len(cache)], list(table["classes"])
 
 
 def label_digest(labels: np.ndarray, classes: list[str]) -> str:

@@ -1,0 +1,324 @@
+"""Images in from where people keep them: a saved HF dataset, Parquet or Arrow files, webdataset tars.
+
+`hf_source(path, image_column, label_column=..., text_column=...)` reads a `datasets.save_to_disk`
+folder, a Parquet file or folder, or an Arrow file or folder, locally (nothing downloads: a hub
+name is refused). `wds_source("shards-{000..009}.tar")` streams webdataset tars with the standard
+`tarfile` module, member by member (never extracted to disk): a sample is the members that share
+a key (the name up to its first dot); its image is the jpg/jpeg/png/webp member, its label `cls`,
+its text `txt`, or the `label`/`text` field of its `json`.
+
+Every image goes through the one decoder of `nblib.cache.images` (mode conversion, 16-bit
+scaling, decompression-bomb refusal), and into `write_images`, so the cache resumes as
+`--images` does. Labels (with class names) and/or texts travel in a side table, `source-labels.json`,
+hashed in the manifest; `source_labels(cache_dir)` reads it, and `train` takes its labels.
+Trade-off: the side table is one JSON list (a few bytes a row; 10 M captions make a big file),
+and a tar stream cannot be counted without reading it, so a wds cache has no disk preflight.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import tarfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nblib.cache.images import _dataset_rows, _decode_cell, decode_image_bytes
+from nblib.errors import CacheError, InputError
+
+WDS_IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
+_BRACE = re.compile(r"\{([^{}]*)\}")
+
+
+@dataclass
+class ImageSource:
+    """Images to cache, with their count (None when unknown), keys, and a side table filled as read."""
+    images: Iterator
+    count: int | None
+    keys: list[str] | None = None
+    labels: list = field(default_factory=list)
+    texts: list = field(default_factory=list)
+    classes: list[str] | None = None
+
+    def side(self) -> dict | None:
+        """The side table once every image was read: {"labels", "classes"}, {"texts"}, both, or {}."""
+        table = {}
+        if self.labels:
+            classes = self.classes or [str(k) for k in range(max(self.labels) + 1)]
+            table.update(labels=[int(v) for v in self.labels], classes=list(classes))
+        if self.texts:
+            table["texts"] = [str(t) for t in self.texts]
+        return table
+
+
+def hf_source(path: str | Path, image_column: str = "image", *, label_column: str | None = None,
+              text_column: str | None = None) -> ImageSource:
+    """A saved HF dataset, a Parquet file or folder, or an Arrow file or folder, with its labels or texts."""
+    if label_column and text_column:
+        raise InputError("pass --label-column or --text-column, not both")
+    local = Path(path)
+    if not local.exists():
+        raise InputError(f"--hf {path}: no such file or folder; nblib reads local datasets only (nothing "
+                         f"downloads): save it first with datasets.load_dataset({str(path)!r})"
+                         f".save_to_disk('DIR') and pass --hf DIR")
+    saved = ("dataset_info.json", "state.json", "dataset_dict.json")
+    if local.is_dir() and any((local / name).exists() for name in saved):
+        return _saved_dataset(local, image_column, label_column, text_column)
+    files = _table_files(local)
+    return _table_source(files, image_column, label_column, text_column)
+
+
+def wds_source(pattern: str) -> ImageSource:
+    """Webdataset tars named by `pattern` (brace-expanded: shards-{000..009}.tar), streamed."""
+    paths = [Path(p) for p in expand_braces(str(pattern))]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise InputError(f"--wds {pattern}: {len(missing)} of its {len(paths)} tars are missing or not files "
+                         f"({', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}); fix the pattern")
+    source = ImageSource(images=iter(()), count=None, keys=[])
+    source.images = _wds_images(paths, source)
+    return source
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """Brace expansion as the shell and webdataset do it: {000..009} (zero-padded ranges), {a,b}."""
+    match = _BRACE.search(pattern)
+    if not match:
+        return [pattern]
+    head, body, tail = pattern[: match.start()], match.group(1), pattern[match.end():]
+    ranged = re.fullmatch(r"(\d+)\.\.(\d+)", body)
+    if ranged:
+        first, last = ranged.groups()
+        width = len(first) if first.startswith("0") else 0
+        step = 1 if int(last) >= int(first) else -1
+        parts = [str(k).zfill(width) for k in range(int(first), int(last) + step, step)]
+    else:
+        parts = body.split(",")
+    return [name for part in parts for name in expand_braces(head + part + tail)]
+
+
+def source_labels(cache_dir: str | Path) -> dict | None:
+    """The side table a cache carries ({"labels", "classes"} or {"texts"}), checked by its hash, or None."""
+    from nblib.cache.format import read_cache_manifest
+
+    cache_dir = Path(cache_dir)
+    recorded = read_cache_manifest(cache_dir)["source"].get("side")
+    if not recorded:
+        return None
+    path = cache_dir / recorded["file"]
+    raw = path.read_bytes() if path.exists() else b""
+    if hashlib.sha256(raw).hexdigest() != recorded["sha256"]:
+        raise CacheError(f"{path} is missing or damaged (its sha256 differs from the manifest's); rerun "
+                         f"the cache command that built {cache_dir} to rewrite it")
+    return json.loads(raw)
+
+
+# ====================================================================================== helpers
+
+
+def _saved_dataset(folder: Path, image_column: str, label_column, text_column) -> ImageSource:
+    import datasets
+
+    dataset = datasets.load_from_disk(str(folder))
+    if isinstance(dataset, datasets.DatasetDict):
+        raise InputError(f"--hf {folder} is a DatasetDict of splits {list(dataset)}; pass one split's "
+                         f"folder (e.g. --hf {folder / next(iter(dataset))})")
+    wanted = [c for c in (image_column, label_column, text_column) if c]
+    _check_columns(f"--hf {folder}", wanted, dataset.column_names)
+    source = ImageSource(images=_dataset_rows(dataset, image_column), count=len(dataset))
+    if label_column:
+        feature = dataset.features[label_column]
+        names = getattr(feature, "names", None)
+        source.labels, source.classes = _labels(dataset[label_column], names, f"--hf {folder}")
+    elif text_column:
+        source.texts = _texts(dataset[text_column], f"--hf {folder}")
+    return source
+
+
+def _table_files(path: Path) -> list[Path]:
+    if path.is_file():
+        if path.suffix not in (".parquet", ".arrow"):
+            raise InputError(f"--hf {path} is a {path.suffix or 'suffix-less'} file; pass a .parquet or "
+                             f".arrow file, a folder of them, or a save_to_disk folder")
+        return [path]
+    files = sorted(path.glob("*.parquet")) or sorted(path.glob("*.arrow"))
+    if not files:
+        raise InputError(f"--hf {path} holds no .parquet or .arrow files and is no save_to_disk folder")
+    return files
+
+
+def _table_source(files: list[Path], image_column: str, label_column, text_column) -> ImageSource:
+    schemas = [_schema(f) for f in files]
+    wanted = [c for c in (image_column, label_column, text_column) if c]
+    for f, schema in zip(files, schemas):
+        _check_columns(f"--hf {f}", wanted, schema.names)
+    source = ImageSource(images=_table_images(files, image_column), count=sum(_rows(f) for f in files))
+    if label_column:
+        values = [v for f in files for v in _read_column(f, label_column)]
+        source.labels, source.classes = _labels(values, _class_names(schemas[0], label_column), str(files[0]))
+    elif text_column:
+        source.texts = _texts([v for f in files for v in _read_column(f, text_column)], str(files[0]))
+    return source
+
+
+def _check_columns(where: str, wanted: list[str], names: list[str]) -> None:
+    absent = [c for c in wanted if c not in names]
+    if absent:
+        raise InputError(f"{where} has no column {absent[0]!r}; its columns are {list(names)}: pass "
+                         f"--image-column / --label-column / --text-column one of those")
+
+
+def _labels(values: list, names, where: str) -> tuple[list[int], list[str]]:
+    """(int label per row, class names): ClassLabel names when known, else the sorted distinct values."""
+    if any(v is None for v in values):
+        raise InputError(f"{where}: row {values.index(None):,} has no label; fill it or drop the row")
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        top = max(values, default=-1)
+        if min(values, default=0) < 0:
+            raise InputError(f"{where}: label {min(values)} is negative; labels are class indices 0..n-1")
+        return list(values), list(names) if names else [str(k) for k in range(top + 1)]
+    classes = sorted({str(v) for v in values})
+    lookup = {c: k for k, c in enumerate(classes)}
+    return [lookup[str(v)] for v in values], classes
+
+
+def _texts(values: list, where: str) -> list[str]:
+    if any(v is None for v in values):
+        raise InputError(f"{where}: row {values.index(None):,} has no text (null); fill it (\"\" for none) "
+                         f"or drop the row")
+    return [str(v) for v in values]
+
+
+def _schema(path: Path):
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_schema(path)
+    return _arrow_reader(path).schema
+
+
+def _rows(path: Path) -> int:
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(path).metadata.num_rows
+    return sum(batch.num_rows for batch in _arrow_reader(path))
+
+
+def _arrow_reader(path: Path):
+    """An Arrow file (IPC file format) or stream (the format datasets writes) as a batch reader."""
+    import pyarrow as pa
+
+    try:
+        return pa.ipc.open_stream(pa.memory_map(str(path)))
+    except pa.ArrowInvalid:
+        file = pa.ipc.open_file(pa.memory_map(str(path)))
+        batches = (file.get_batch(k) for k in range(file.num_record_batches))
+        return pa.RecordBatchReader.from_batches(file.schema, batches)
+
+
+def _batches(path: Path, column: str):
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        yield from pq.ParquetFile(path).iter_batches(batch_size=256, columns=[column])
+    else:
+        for batch in _arrow_reader(path):
+            yield batch.select([column])
+
+
+def _read_column(path: Path, column: str) -> list:
+    return [v for batch in _batches(path, column) for v in batch.column(0).to_pylist()]
+
+
+def _table_images(files: list[Path], column: str) -> Iterator:
+    for path in files:
+        row = 0
+        for batch in _batches(path, column):
+            for value in batch.column(0).to_pylist():
+                yield _decode_cell(value, f"{path} row {row:,} (column {column!r})")
+                row += 1
+
+
+def _class_names(schema, column: str) -> list[str] | None:
+    """ClassLabel names from the `huggingface` schema metadata that datasets writes, if any."""
+    meta = (schema.metadata or {}).get(b"huggingface")
+    try:
+        feature = json.loads(meta)["info"]["features"][column]
+    except (TypeError, ValueError, KeyError):
+        return None
+    return feature.get("names") if isinstance(feature, dict) else None
+
+
+def _wds_images(paths: list[Path], source: ImageSource) -> Iterator:
+    for path in paths:
+        for key, members in _wds_samples(path):
+            yield _wds_sample(path, key, members, source)
+
+
+def _wds_samples(path: Path) -> Iterator[tuple[str, dict[str, bytes]]]:
+    """(key, {extension: bytes}) of each sample of one tar, streamed in order (members of a sample are adjacent)."""
+    key, members, name = None, {}, None
+    try:
+        with tarfile.open(path, mode="r|*") as tar:
+            for info in tar:
+                if not info.isfile():
+                    continue
+                name = info.name
+                folder, _, base = name.rpartition("/")
+                stem, dot, ext = base.partition(".")
+                if not dot:
+                    continue
+                this = f"{folder}/{stem}" if folder else stem
+                if this != key and key is not None:
+                    yield key, members
+                    members = {}
+                key = this
+                members[ext.lower()] = tar.extractfile(info).read()
+    except (tarfile.TarError, EOFError, OSError) as exc:
+        after = f" after member {name!r}" if name else " at its start"
+        raise InputError(f"--wds {path} is damaged{after} ({exc}); re-download or rewrite that tar") from None
+    if key is not None:
+        yield key, members
+
+
+def _wds_sample(path: Path, key: str, members: dict[str, bytes], source: ImageSource):
+    ext = next((e for e in WDS_IMAGE_EXTENSIONS if e in members), None)
+    if ext is None:
+        raise InputError(f"--wds {path}: sample {key!r} has no image member ({', '.join(WDS_IMAGE_EXTENSIONS)}); "
+                         f"its members are {sorted(members)}")
+    image = decode_image_bytes(members[ext], f"--wds {path} member {key}.{ext}")
+    label, text = _wds_annotation(path, key, members)
+    n = len(source.keys)
+    if n and ((label is not None) != (len(source.labels) == n) or (text is not None) != (len(source.texts) == n)):
+        raise InputError(f"--wds {path}: sample {key!r} carries {'a label' if label is not None else 'no label'} "
+                         f"and {'a text' if text is not None else 'no text'}, unlike the first sample; "
+                         f"every sample needs the same annotations")
+    source.keys.append(key)
+    if label is not None:
+        source.labels.append(label)
+    if text is not None:
+        source.texts.append(text)
+    return image
+
+
+def _wds_annotation(path: Path, key: str, members: dict[str, bytes]) -> tuple[int | None, str | None]:
+    label = text = None
+    extra = {}
+    if "json" in members:
+        try:
+            extra = json.loads(members["json"])
+        except ValueError as exc:
+            raise InputError(f"--wds {path} member {key}.json is not JSON ({exc})") from None
+        extra = extra if isinstance(extra, dict) else {}
+    raw = members.get("cls", extra.get("label", extra.get("cls")))
+    if raw is not None:
+        try:
+            label = int(raw.decode().strip() if isinstance(raw, bytes) else raw)
+        except (ValueError, UnicodeDecodeError):
+            raise InputError(f"--wds {path} sample {key!r}: its label {raw!r} is not an integer class") from None
+    raw = members.get("txt", extra.get("text", extra.get("caption")))
+    if raw is not None:
+        text = raw.decode("utf-8", errors="replace") if isinstance(raw, bytes) else str(raw)
+    return label, text
