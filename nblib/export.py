@@ -414,14 +414,23 @@ def _umask() -> int:
 
 
 def _cache_labels(cache, texts, field: str | None) -> dict[str, list[str]]:
-    """{"text": [...]} for a cache rendered from texts, {"key": [...]} for one of named image files, else {}."""
+    """{"text": [...]} for a cache rendered from texts; for one of images (a folder, a dataset, tars): their
+    names ("key") and the labels ("label", the class name) and texts ("text") its side table carries; else {}.
+    """
     from nblib.cache.images import source_keys
+    from nblib.cache.sources import source_labels
     from nblib.cache.texts import source_fingerprint, text_source
 
     source = cache.manifest["source"]
     if "n_texts" not in source:
         keys = source_keys(cache.cache_dir)
-        return {"key": keys} if keys is not None else {}
+        side = source_labels(cache.cache_dir) or {}
+        columns = {"key": keys} if keys is not None else {}
+        if "labels" in side:
+            columns["label"] = [side["classes"][k] for k in side["labels"]]
+        if "texts" in side:
+            columns["text"] = list(side["texts"])
+        return columns
     path = texts if texts is not None else source.get("path")
     if path is None:
         raise InputError(f"the cache at {cache.cache_dir} was rendered from an in-memory list of texts, so the "

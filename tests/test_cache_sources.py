@@ -233,3 +233,18 @@ def test_a_null_text_or_label_is_refused_naming_the_row(tmp_path):
         hf_source(tmp_path / "x.parquet", text_column="t")
     with pytest.raises(InputError, match="row 2 has no label"):
         hf_source(tmp_path / "x.parquet", label_column="y")
+
+
+def test_the_export_of_a_wds_cache_carries_every_key_label_and_text(tmp_path):
+    import pyarrow.parquet as pq
+
+    from nblib.export import export_cache
+
+    arrays = pixels(5, seed=300)
+    labels, texts = [2, 0, 1, 1, 0], [f"caption {k}" for k in range(5)]
+    pattern = write_wds(tmp_path / "wds", arrays, labels, texts, per_tar=3)
+    assert cache_main(["--wds", pattern, "--out", str(tmp_path / "c"), "--no-progress"]) == 0
+    export_cache(tmp_path / "c", tmp_path / "x", "parquet")
+    table = pq.read_table(sorted((tmp_path / "x").glob("*.parquet"))).to_pydict()
+    assert table["key"] == [f"sample{k:05d}" for k in range(5)]
+    assert table["label"] == [str(v) for v in labels] and table["text"] == texts
