@@ -100,8 +100,12 @@ def setup_nblib():
                     f"(its zip, e.g. GitHub: Code > Download ZIP) to MyDrive/ under a name starting with "
                     f"nblib-suite, or set os.environ['NBLIB_REPO'] = 'https://github.com/<you>/nblib-suite' "
                     f"(a reachable fork); then rerun this cell") from None
-            copy_from_drive(copies[0])
             source = copies[0]
+            try:
+                copy_from_drive(source)
+            except (OSError, zipfile.BadZipFile) as exc:
+                raise SetupFailed(f"git clone {repo} failed ({why}), and copying {source} from your Drive failed "
+                                  f"({exc}); upload it again (or delete it), then rerun this cell") from None
             print(f"git clone {repo} failed ({why}); nblib comes from your Drive copy {source} "
                   f"(to take a newer copy later: !rm -rf {dest}, then rerun this cell)")
         with open(os.path.join(new, ".nblib-source"), "w") as f:

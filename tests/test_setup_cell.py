@@ -6,6 +6,7 @@ packages but not nblib, so the cell's real `git clone` and `pip install -e` chan
 The repositories are tiny git repositories holding a two-module `nblib` (fast to install):
 - a clone that fails, with no copy of the repository on Drive: ONE line naming both NBLIB_REPO and
   where on Drive a copy would be found, before a failed install or `import nblib` adds more errors;
+- a copy on Drive that is not the repository (a broken upload, another zip): ONE line naming it;
 - a `pip install` that fails: ONE line naming pip and its log, saying that NBLIB_REPO is not the fix;
 - NBLIB_REPO changed and the cell rerun: nblib now comes from the new repository.
 """
@@ -15,6 +16,7 @@ import json
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -78,6 +80,26 @@ def test_a_failed_clone_with_no_drive_copy_stops_with_one_line_naming_nblib_repo
     assert not nb.cells[1].outputs and not stand_in.clone.exists()
 
 
+@pytest.mark.parametrize("upload", ["not a zip", "a zip without the repository"])
+def test_a_drive_copy_that_is_not_the_repository_stops_with_one_line_naming_it(stand_in, upload):
+    from nbclient.exceptions import CellExecutionError
+
+    stand_in.env["NBLIB_REPO"] = f"file://{stand_in.tmp / 'not-published'}"
+    stand_in.my_drive.mkdir(parents=True)
+    bad = stand_in.my_drive / "nblib-suite-main.zip"
+    if upload == "not a zip":
+        bad.write_bytes(b"half an upload")
+    else:
+        with zipfile.ZipFile(bad, "w") as z:
+            z.writestr("nblib-suite-main/README.md", "only the README")
+    nb = _notebook()
+    with pytest.raises(CellExecutionError):
+        stand_in.client(nb).execute()
+    line = _one_error_line(nb.cells[0])
+    assert "nblib-suite-main.zip" in line and ("upload it again" in line or "upload the repository's zip" in line), line
+    assert not stand_in.clone.exists() and not nb.cells[1].outputs
+
+
 def test_a_failed_pip_install_names_pip_and_its_log_not_nblib_repo(stand_in):
     from nbclient.exceptions import CellExecutionError
 
@@ -133,7 +155,7 @@ def _tiny_repository(path: Path, name: str, pyproject: str | None = None) -> Pat
     (path / "nblib").mkdir(parents=True)
     (path / "pyproject.toml").write_text(pyproject or (
         '[build-system]\nrequires = ["setuptools>=68"]\nbuild-backend = "setuptools.build_meta"\n'
-        f'[project]\nname = "nblib"\nversion = "0.0.1"\n[tool.setuptools.packages.find]\ninclude = ["nblib*"]\n'))
+        '[project]\nname = "nblib"\nversion = "0.0.1"\n[tool.setuptools.packages.find]\ninclude = ["nblib*"]\n'))
     (path / "nblib" / "__init__.py").write_text(f"from . import env\nORIGIN = {name!r}\n")
     (path / "nblib" / "env.py").write_text(TINY_ENV.format(name=name))
     git = ["git", "-C", str(path), "-c", "user.name=test", "-c", "user.email=test@localhost"]
