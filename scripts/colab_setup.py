@@ -30,7 +30,7 @@ def setup_nblib():
 
     class SetupFailed(Exception):  # shown as one line, not a traceback
         def _render_traceback_(self):
-            return [f"SetupFailed: {self}"]
+            return ["SetupFailed: " + " ".join(str(self).split())]
 
     repo = os.environ.get("NBLIB_REPO", "https://github.com/nblib-suite/nblib-suite")
     dest = os.path.abspath(os.environ.get("NBLIB_CLONE_DIR", "/content/nblib-suite"))
