@@ -13,6 +13,7 @@ the smoke profile, writes that file, and strips the notebook.
 """
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import os
@@ -27,30 +28,33 @@ CHECK_MARK = "# NBVAL_CHECK_OUTPUT"
 REFERENCES = Path(__file__).resolve().parents[1] / "tests" / "nbval_references"
 KERNELSPEC = {"name": "python3", "display_name": "Python 3", "language": "python"}
 
-SETUP_CELL = f'''\
-# Setup: in Colab only, clone and install nblib (Colab's own torch and TensorFlow stay) and mount Drive.
-# The repository: NBLIB_REPO (default {REPO_URL}); for a fork, set os.environ["NBLIB_REPO"] first.
-import os, subprocess, sys
+# The setup cell: a Colab form (a reader there sees one line, "Setup"; JupyterLab shows it collapsed).
+# Its installer is scripts/colab_setup.py's setup_nblib, copied in whole (it runs before nblib exists).
+SETUP_TITLE = '#@title Setup { display-mode: "form" }'
+SETUP_METADATA = {"cellView": "form", "jupyter": {"source_hidden": True}}
+
+
+def _setup_cell() -> str:
+    source = (Path(__file__).resolve().parent / "colab_setup.py").read_text()
+    fn = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "setup_nblib")
+    body = "\n".join(source.splitlines()[fn.lineno - 1:fn.end_lineno])
+    return f"""\
+{SETUP_TITLE}
+# In Colab: fetch nblib (git clone NBLIB_REPO, else your Drive's MyDrive/nblib-suite*/ or nblib-suite*.zip),
+# pip install it, mount Drive. Rerun after changing NBLIB_REPO to switch. Elsewhere it only imports nblib.
+import sys
+
+
+{body}
+
+
 if "google.colab" in sys.modules:
-    NBLIB_REPO = os.environ.get("NBLIB_REPO", "{REPO_URL}")
-    NBLIB_SRC = os.environ.get("NBLIB_CLONE_DIR", "/content/nblib-suite")
-    class SetupFailed(Exception):  # shown as one line, not a traceback
-        def _render_traceback_(self):
-            return [f"SetupFailed: {{self}}"]
-    def _run(what, *command):
-        done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode:
-            why = (done.stderr.strip().splitlines() or [f"exit status {{done.returncode}}"])[-1]
-            raise SetupFailed(f"{{what}} failed ({{why}}). Set NBLIB_REPO to the URL of a reachable nblib-suite "
-                              f"repository (your fork), e.g. os.environ['NBLIB_REPO'] = "
-                              f"'https://github.com/<you>/nblib-suite', then rerun this cell")
-    if not os.path.isdir(NBLIB_SRC):
-        _run(f"git clone {{NBLIB_REPO}}", "git", "clone", "-q", "--depth=1", NBLIB_REPO, NBLIB_SRC)
-    _run(f"pip install -e {{NBLIB_SRC}} (cloned from {{NBLIB_REPO}})", sys.executable, "-m", "pip", "install",
-         "-q", "-e", NBLIB_SRC)
-    sys.path.insert(0, NBLIB_SRC)
+    setup_nblib()
 import nblib
-WORKSPACE = nblib.env.workspace()  # Google Drive in Colab, a local folder elsewhere'''
+WORKSPACE = nblib.env.workspace()  # Google Drive in Colab, a local folder elsewhere"""
+
+
+SETUP_CELL = _setup_cell()
 
 
 def md(text: str) -> nbformat.NotebookNode:
@@ -71,7 +75,14 @@ def header_cells(filename: str, title: str, learn: list[str]) -> list[nbformat.N
     badge = (f"[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]"
              f"({COLAB_URL}/{filename})")
     bullets = "\n".join(f"- {item}" for item in learn)
-    return [md(f"# {title}"), md(badge), md(f"## What you will learn\n{bullets}"), code(SETUP_CELL)]
+    return [md(f"# {title}"), md(badge), md(f"## What you will learn\n{bullets}"), setup_cell()]
+
+
+def setup_cell() -> nbformat.NotebookNode:
+    """The setup cell: SETUP_CELL, shown as a form in Colab and collapsed in JupyterLab."""
+    cell = code(SETUP_CELL)
+    cell.metadata.update(json.loads(json.dumps(SETUP_METADATA)))
+    return cell
 
 
 def write_notebook(path: str | Path, cells: list[nbformat.NotebookNode]) -> Path:
@@ -147,7 +158,9 @@ if __name__ == "__main__":
     elif verb == "setup":
         for p in paths:
             nb = nbformat.read(p, as_version=4)
-            nb.cells[3].source = SETUP_CELL
+            cell = setup_cell()
+            nb.cells[3].source = cell.source
+            nb.cells[3].metadata.update(cell.metadata)
             nbformat.write(strip(nb), p)
             print("setup cell written", p)
     elif verb == "strip":

@@ -8,6 +8,10 @@ NBLIB_CLONE_DIR and `%pip install -e`s it, then mounts the stand-in's Drive. The
 nblib is installed from the clone; no other distribution changes (torch and TensorFlow keep their
 version and files); the workspace lives under the fake MyDrive; rerunning the cell, even after the
 mount dropped with Errno 107, re-clones nothing, reinstalls nothing else and remounts.
+
+Before the repository is public (NBLIB_REPO unreachable), the setup cell installs from a copy of
+the repository on the stand-in's Drive: a folder `MyDrive/nblib-suite/` or GitHub's zip
+`MyDrive/nblib-suite-main.zip` (tests/test_setup_cell.py has the error when there is neither).
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import zipfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -61,11 +66,10 @@ def colab(tmp_path_factory):
                   "NBLIB_CLONE_DIR": str(env.clone), "NBLIB_COLAB_MOUNT_POINT": str(env.mount_point),
                   "NBLIB_PROFILE": "smoke", "NBLIB_OUTPUTS": str(content / "outputs"),
                   "PIP_NO_INPUT": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
-    spec = tmp / "jupyter" / "kernels" / KERNEL
-    spec.mkdir(parents=True)
-    (spec / "kernel.json").write_text(json.dumps({
+    env.kernel_env = kernel_env
+    _write_kernel_spec(env, KERNEL, {
         "argv": [str(env.venv / "bin" / "python"), "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": "Colab stand-in", "language": "python", "env": kernel_env}))
+        "display_name": "Colab stand-in", "language": "python", "env": kernel_env})
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("JUPYTER_PATH", str(tmp / "jupyter"))
         mp.setenv("COLAB_STUB_HOME", str(env.stub_home))
@@ -128,6 +132,52 @@ def test_notebook_03_runs_on_the_fake_colab_and_mirrors_its_run_to_the_fake_driv
         f"encode did not mirror its parts to the fake Drive ({cloud})"
 
 
+@pytest.mark.parametrize("kind", ["folder", "zip"])
+def test_without_a_reachable_repository_the_setup_cell_installs_from_a_copy_on_drive(colab, kind, tmp_path):
+    """Before the repository is public: the clone fails, and nblib comes from MyDrive/nblib-suite*/ or *.zip."""
+    stub_home, clone = tmp_path / "stub", tmp_path / "content" / "nblib-suite"
+    my_drive = stub_home / "drive" / "MyDrive"
+    my_drive.mkdir(parents=True)
+    if kind == "folder":
+        copy = my_drive / "nblib-suite"
+        shutil.copytree(colab.src, copy, ignore=shutil.ignore_patterns(".git"))
+    else:                                      # GitHub's "Download ZIP": one top folder, <repo>-<branch>/
+        copy = my_drive / "nblib-suite-main.zip"
+        with zipfile.ZipFile(copy, "w") as z:
+            for path in sorted(colab.src.rglob("*")):
+                if path.is_file() and ".git" not in path.relative_to(colab.src).parts:
+                    z.write(path, Path("nblib-suite-main") / path.relative_to(colab.src))
+    (my_drive / "nblib-suite-notes.txt").write_text("not a repository: ignored")
+    kernel = _kernel_spec(colab, f"{KERNEL}-{kind}", NBLIB_REPO=f"file://{tmp_path / 'not-published'}",
+                          NBLIB_CLONE_DIR=str(clone), COLAB_STUB_HOME=str(stub_home),
+                          NBLIB_COLAB_MOUNT_POINT=str(tmp_path / "content" / "drive"),
+                          NBLIB_OUTPUTS=str(tmp_path / "content" / "outputs"))
+    venv = _shipped_venv(tmp_path / "venv")
+    kernel["argv"][0] = str(venv / "bin" / "python")
+    _write_kernel_spec(colab, f"{KERNEL}-{kind}", kernel)
+    nb = _notebook("00_setup.ipynb")
+    nb.cells = nb.cells[:4]
+    client = _client(nb, colab, kernel_name=f"{KERNEL}-{kind}")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("COLAB_STUB_HOME", str(stub_home))
+        with client.setup_kernel():
+            client.reset_execution_trackers()
+            for index, cell in enumerate(nb.cells):
+                client.execute_cell(cell, index)
+            said = _text(nb.cells[3])
+            check = _check(client, nb)
+            rerun = _text(_execute(client, nb, nb.cells[3].source))
+    assert f"nblib comes from your Drive copy {tmp_path / 'content' / 'drive' / 'MyDrive' / copy.name}" in said, said
+    assert "not-published failed (fatal: " in said, "the line says why the clone was not used"
+    assert Path(check["nblib"]).is_relative_to(clone), "nblib is imported from the local copy, not from Drive"
+    assert (clone / "pyproject.toml").is_file() and not (clone / ".git").exists()
+    assert json.loads((clone / ".nblib-source").read_text())["source"].endswith(copy.name)
+    workspace = Path(check["workspace"])
+    assert workspace.resolve() == (my_drive / "nblib").resolve(), workspace
+    assert "Drive copy" not in rerun, "a rerun with the same NBLIB_REPO fetches nothing"
+    assert not Path(f"{clone}.new").exists() and not Path(f"{clone}.new.unzip").exists()
+
+
 # ---------------------------------------------------------------------------------- helpers
 
 
@@ -181,11 +231,23 @@ def _notebook(name: str) -> nbformat.NotebookNode:
     return nbformat.read(ROOT / "notebooks" / name, as_version=4)
 
 
-def _client(nb, colab):
+def _client(nb, colab, kernel_name=KERNEL):
     from nbclient import NotebookClient
 
-    return NotebookClient(nb, kernel_name=KERNEL, timeout=600, allow_errors=False,
+    return NotebookClient(nb, kernel_name=kernel_name, timeout=600, allow_errors=False,
                           resources={"metadata": {"path": str(colab.content)}})
+
+
+def _kernel_spec(colab, name: str, **env: str) -> dict:
+    """The stand-in kernel's spec with some of its environment replaced."""
+    return {"argv": [str(colab.venv / "bin" / "python"), "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+            "display_name": name, "language": "python", "env": {**colab.kernel_env, **env}}
+
+
+def _write_kernel_spec(colab, name: str, spec: dict) -> None:
+    folder = colab.tmp / "jupyter" / "kernels" / name
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "kernel.json").write_text(json.dumps(spec))
 
 
 def _execute(client, nb, source: str):

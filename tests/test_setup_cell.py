@@ -1,15 +1,24 @@
-"""The Colab setup cell fails clearly (issue 19): a clone that fails stops the cell with ONE line that
-names NBLIB_REPO and what to set it to, before a failed install or `import nblib` can add two more errors.
+"""The Colab setup cell fails clearly and follows NBLIB_REPO (issues 19 and 30), on a Colab-like kernel.
 
-The kernel looks like Colab's (the `google.colab` stand-in imported at start-up, as in test_colab.py);
-NBLIB_REPO points at a folder that is not a repository, so the real `git clone` fails.
+The kernel looks like Colab's (the `google.colab` stand-in imported at start-up, as in test_colab.py,
+with its fake Drive under the test's folder) and runs in a throwaway venv that sees this environment's
+packages but not nblib, so the cell's real `git clone` and `pip install -e` change nothing outside it.
+The repositories are tiny git repositories holding a two-module `nblib` (fast to install):
+- a clone that fails, with no copy of the repository on Drive: ONE line naming both NBLIB_REPO and
+  where on Drive a copy would be found, before a failed install or `import nblib` adds more errors;
+- a copy on Drive that is not the repository (a broken upload, another zip): ONE line naming it;
+- a `pip install` that fails: ONE line naming pip and its log, saying that NBLIB_REPO is not the fix;
+- NBLIB_REPO changed and the cell rerun: nblib now comes from the new repository.
 """
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import sys
+import zipfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import nbformat
 import pytest
@@ -19,36 +28,155 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from nbtools import SETUP_CELL  # noqa: E402
 
 KERNEL = "colab-setup-stub"
+TINY_ENV = "def workspace():\n    return 'workspace of {name}'\n"
+pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="the setup cell clones with git; install git")
 
 
-@pytest.mark.skipif(shutil.which("git") is None, reason="the setup cell clones with git; install git")
-def test_a_failed_clone_stops_the_setup_cell_with_one_line_naming_nblib_repo(tmp_path, monkeypatch):
-    from nbclient import NotebookClient
-    from nbclient.exceptions import CellExecutionError
+@pytest.fixture
+def stand_in(tmp_path, monkeypatch):
+    """A Colab-like kernel spec in a throwaway venv; `env` is its environment (edit it before `client`)."""
+    from test_colab import _shipped_venv
 
     startup = tmp_path / "ipython" / "profile_default" / "startup"
     startup.mkdir(parents=True)
     (startup / "00-colab.py").write_text("import google.colab  # the stand-in: this kernel is 'in Colab'\n")
-    missing = tmp_path / "no-such-repository"
-    spec = tmp_path / "jupyter" / "kernels" / KERNEL
-    spec.mkdir(parents=True)
-    (spec / "kernel.json").write_text(json.dumps({
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": "Colab setup stand-in", "language": "python",
-        "env": {"PYTHONPATH": str(ROOT / "tests" / "colab_stub"), "IPYTHONDIR": str(tmp_path / "ipython"),
-                "COLAB_STUB_HOME": str(tmp_path / "stub"), "NBLIB_REPO": f"file://{missing}",
-                "NBLIB_CLONE_DIR": str(tmp_path / "clone")}}))
+    venv = _shipped_venv(tmp_path / "venv")
+    env = {"PYTHONPATH": str(ROOT / "tests" / "colab_stub"), "IPYTHONDIR": str(tmp_path / "ipython"),
+           "COLAB_STUB_HOME": str(tmp_path / "stub"), "NBLIB_CLONE_DIR": str(tmp_path / "clone"),
+           "NBLIB_COLAB_MOUNT_POINT": str(tmp_path / "content" / "drive"),
+           "PIP_NO_INPUT": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(SETUP_CELL),
-                                         nbformat.v4.new_code_cell("print('the next cell ran')")])
-    client = NotebookClient(nb, kernel_name=KERNEL, timeout=120, allow_errors=False,
-                            resources={"metadata": {"path": str(tmp_path)}})
+    monkeypatch.setenv("COLAB_STUB_HOME", str(tmp_path / "stub"))
+
+    def client(nb):
+        from nbclient import NotebookClient
+
+        spec = tmp_path / "jupyter" / "kernels" / KERNEL
+        spec.mkdir(parents=True, exist_ok=True)
+        (spec / "kernel.json").write_text(json.dumps({
+            "argv": [str(venv / "bin" / "python"), "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+            "display_name": "Colab setup stand-in", "language": "python", "env": env}))
+        return NotebookClient(nb, kernel_name=KERNEL, timeout=300, allow_errors=False,
+                              resources={"metadata": {"path": str(tmp_path)}})
+
+    return SimpleNamespace(tmp=tmp_path, env=env, client=client, clone=tmp_path / "clone",
+                           my_drive=tmp_path / "stub" / "drive" / "MyDrive")
+
+
+def test_a_failed_clone_with_no_drive_copy_stops_with_one_line_naming_nblib_repo_and_drive(stand_in):
+    from nbclient.exceptions import CellExecutionError
+
+    missing = stand_in.tmp / "no-such-repository"
+    stand_in.env["NBLIB_REPO"] = f"file://{missing}"
+    nb = _notebook()
     with pytest.raises(CellExecutionError):       # Run all stops at the setup cell
-        client.execute()
-    errors = [o for o in nb.cells[0].outputs if o.output_type == "error"]
-    assert len(errors) == 1 and errors[0].ename == "SetupFailed"
+        stand_in.client(nb).execute()
+    line = _one_error_line(nb.cells[0])
+    assert f"git clone file://{missing} failed (fatal: " in line, "the line gives git's reason"
+    assert "os.environ['NBLIB_REPO']" in line, line
+    assert "no copy of the repository on your Drive" in line and "nblib-suite*.zip" in line, line
+    assert str(stand_in.tmp / "content" / "drive" / "MyDrive") in line, "the line names where it looked"
+    assert "pip" not in line, "a failed clone gets the clone's advice, not pip's"
+    assert not nb.cells[1].outputs and not stand_in.clone.exists()
+
+
+@pytest.mark.parametrize("upload", ["not a zip", "a zip without the repository"])
+def test_a_drive_copy_that_is_not_the_repository_stops_with_one_line_naming_it(stand_in, upload):
+    from nbclient.exceptions import CellExecutionError
+
+    stand_in.env["NBLIB_REPO"] = f"file://{stand_in.tmp / 'not-published'}"
+    stand_in.my_drive.mkdir(parents=True)
+    bad = stand_in.my_drive / "nblib-suite-main.zip"
+    if upload == "not a zip":
+        bad.write_bytes(b"half an upload")
+    else:
+        with zipfile.ZipFile(bad, "w") as z:
+            z.writestr("nblib-suite-main/README.md", "only the README")
+    nb = _notebook()
+    with pytest.raises(CellExecutionError):
+        stand_in.client(nb).execute()
+    line = _one_error_line(nb.cells[0])
+    assert "nblib-suite-main.zip" in line and ("upload it again" in line or "upload the repository's zip" in line), line
+    assert not stand_in.clone.exists() and not nb.cells[1].outputs
+
+
+def test_a_failed_pip_install_names_pip_and_its_log_not_nblib_repo(stand_in):
+    from nbclient.exceptions import CellExecutionError
+
+    repo = _tiny_repository(stand_in.tmp / "broken", "broken", pyproject="[project\nname = 'nblib'\n")
+    stand_in.env["NBLIB_REPO"] = f"file://{repo}"
+    nb = _notebook()
+    with pytest.raises(CellExecutionError):
+        stand_in.client(nb).execute()
+    line = _one_error_line(nb.cells[0])
+    log = Path(f"{stand_in.clone}-pip.log")
+    assert f"pip install -e {stand_in.clone} failed (" in line and str(log) in line, line
+    assert "TOMLDecodeError" in line, "the line gives pip's reason"
+    assert "the fix is not NBLIB_REPO" in line and "os.environ['NBLIB_REPO']" not in line, line
+    assert log.is_file() and "TOMLDecodeError" in log.read_text(), "pip's own output is kept in the log"
+    assert (stand_in.clone / "pyproject.toml").is_file(), "the clone itself succeeded and stays"
+    assert not nb.cells[1].outputs
+
+
+def test_changing_nblib_repo_and_rerunning_installs_from_the_new_repository(stand_in):
+    first = _tiny_repository(stand_in.tmp / "first", "first")
+    second = _tiny_repository(stand_in.tmp / "second", "second")
+    stand_in.env["NBLIB_REPO"] = f"file://{first}"
+    nb = _notebook()
+    client = stand_in.client(nb)
+    with client.setup_kernel():
+        client.reset_execution_trackers()
+        for index, cell in enumerate(nb.cells):
+            client.execute_cell(cell, index)
+        before = _text(nb.cells[1])
+        rerun = _run(client, nb, SETUP_CELL)                    # same NBLIB_REPO: nothing fetched
+        assert not _text(rerun), _text(rerun)
+        _run(client, nb, f"import os; os.environ['NBLIB_REPO'] = 'file://{second}'")
+        _run(client, nb, SETUP_CELL)                            # what the error line tells a user to do
+        after = _text(_run(client, nb, nb.cells[1].source))
+    init = str(stand_in.clone / "nblib" / "__init__.py")
+    assert before.split() == ["first", "workspace", "of", "first", init], before
+    assert after.split() == ["second", "workspace", "of", "second", init], after
+    assert json.loads((stand_in.clone / ".nblib-source").read_text())["repo"] == f"file://{second}"
+    assert not Path(f"{stand_in.clone}.new").exists()
+
+
+# ---------------------------------------------------------------------------------- helpers
+
+
+def _notebook():
+    """The setup cell, then a cell that says which nblib the kernel imported."""
+    probe = "print(nblib.ORIGIN, WORKSPACE, nblib.__file__)"
+    return nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(SETUP_CELL), nbformat.v4.new_code_cell(probe)])
+
+
+def _tiny_repository(path: Path, name: str, pyproject: str | None = None) -> Path:
+    """A git repository with a minimal installable `nblib` (ORIGIN = name, env.workspace())."""
+    (path / "nblib").mkdir(parents=True)
+    (path / "pyproject.toml").write_text(pyproject or (
+        '[build-system]\nrequires = ["setuptools>=68"]\nbuild-backend = "setuptools.build_meta"\n'
+        '[project]\nname = "nblib"\nversion = "0.0.1"\n[tool.setuptools.packages.find]\ninclude = ["nblib*"]\n'))
+    (path / "nblib" / "__init__.py").write_text(f"from . import env\nORIGIN = {name!r}\n")
+    (path / "nblib" / "env.py").write_text(TINY_ENV.format(name=name))
+    git = ["git", "-C", str(path), "-c", "user.name=test", "-c", "user.email=test@localhost"]
+    subprocess.run(["git", "init", "-q", str(path)], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", name], check=True)
+    return path
+
+
+def _one_error_line(cell) -> str:
+    errors = [o for o in cell.outputs if o.output_type == "error"]
+    assert len(errors) == 1 and errors[0].ename == "SetupFailed", cell.outputs
     shown = errors[0].traceback
     assert len(shown) == 1 and "\n" not in shown[0], shown
-    assert "git clone" in shown[0] and "NBLIB_REPO" in shown[0] and "os.environ['NBLIB_REPO']" in shown[0]
-    assert not [o for o in nb.cells[0].outputs if o.output_type == "stream"], "nothing else is printed"
-    assert not nb.cells[1].outputs and not (tmp_path / "clone").exists()
+    return shown[0]
+
+
+def _run(client, nb, source: str):
+    nb.cells.append(nbformat.v4.new_code_cell(source))
+    return client.execute_cell(nb.cells[-1], len(nb.cells) - 1)
+
+
+def _text(cell) -> str:
+    return "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
