@@ -60,7 +60,7 @@ def disks(monkeypatch, tmp_path):
 def test_the_issue_refusal_drops_keep_local_and_gives_a_combination_that_fits(disks, cfg, short):
     workspace, _free = disks
     message = refusal(cfg, workspace, job="encode", device="cpu")
-    assert f"({short}." in message and "GB short" in message, message
+    assert f"({short}." in message and "GB short" in message and "\n" not in message, message
     assert "keep_local" not in message and "checkpoint_every" not in message, message
     assert "no single knob closes it" in message and "more free disk" in message, message
     offered = alternatives(message)

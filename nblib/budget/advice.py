@@ -114,30 +114,29 @@ def closing_knobs(budget, resources: tuple[str, ...], free: float, *, buy: str =
     return f"{fallback}; or {more}" if fallback else more
 
 
-def cache_knobs(config, need: float, free: float) -> str:
+def cache_knobs(config, need: float, free: float, *, sizes: dict[str, float] | None = None) -> str:
     """What brings an image cache of `need` bytes within `free` less the margin: a codec, fewer samples, more disk.
 
-    The codec is the least compressed one (estimated ratios) that fits; n_samples the most that
-    fit; a knob whose best value still leaves the cache over is not offered.
+    The codec is the least compressed one that fits: by `sizes` (codec -> the whole cache's bytes,
+    measured on the user's images) when given, else by the estimated ratios; n_samples the most
+    that fit. A knob whose best value still leaves the cache over is not offered.
     """
     r, size = config.run, config.model.image_size
     target = free * (1 - MARGIN)
     scale = need / max(1, cache_bytes(r.n_samples, size, r.codec, shard_mb=r.shard_mb))   # a measured need
-
-    def bytes_of(n: int, codec: str) -> float:
-        return cache_bytes(n, size, codec, shard_mb=r.shard_mb) * scale
-
+    if sizes is None:
+        sizes = {c: cache_bytes(r.n_samples, size, c, shard_mb=r.shard_mb) * scale for c in CODEC_RATIO_ESTIMATE}
+        source = "estimated ratio"
+    else:
+        source = "measured"
     turns = []
-    ratio = CODEC_RATIO_ESTIMATE.get(r.codec, 0.0)
-    for codec in sorted((c for c in CODEC_RATIO_ESTIMATE if CODEC_RATIO_ESTIMATE[c] < ratio),
-                        key=lambda c: -CODEC_RATIO_ESTIMATE[c]):
-        if bytes_of(r.n_samples, codec) <= target:
-            turns.append(f"run.codec={codec!r} (the cache {bytes_of(r.n_samples, codec) / GB:,.2f} GB, "
-                         f"{CODEC_RATIO_ESTIMATE[codec]:.2f} of raw, an estimate)")
+    for codec in sorted((c for c in sizes if sizes[c] < need), key=lambda c: -sizes[c]):
+        if sizes[codec] <= target:
+            turns.append(f"run.codec={codec!r} (the cache {sizes[codec] / GB:,.2f} GB, {source})")
             break
-    most = _largest(1, r.n_samples - 1, lambda n: bytes_of(n, r.codec) <= target)
+    most = _largest(1, r.n_samples - 1, lambda n: need * n / r.n_samples <= target)
     if most is not None:
-        turns.append(f"run.n_samples={most:,} (the cache {bytes_of(most, r.codec) / GB:,.2f} GB)")
+        turns.append(f"run.n_samples={most:,} (the cache {need * most / r.n_samples / GB:,.2f} GB)")
     turns.append(f"{(need / (1 - MARGIN) - free) / GB:,.1f} GB more free disk on that folder")
     return "; or ".join(turns)
 
