@@ -262,7 +262,9 @@ class _Search:
             lowest = 1 if knob == "prefetch" else 0
             return [(v, {knob: v}) for v in range(getattr(r, knob) - 1, lowest - 1, -1)][-2:]
         if knob in ("batch_size", "checkpoint_every", "consolidate_every"):
-            values = sorted({max(1, getattr(r, knob) >> i) for i in range(1, 40)} - {getattr(r, knob)}, reverse=True)
+            cap = {"batch_size": r.n_samples, "checkpoint_every": -(-r.n_samples // r.batch_size)}.get(knob, 1 << 62)
+            values = sorted({min(cap, max(1, getattr(r, knob) >> i)) for i in range(1, 40)} - {getattr(r, knob)},
+                            reverse=True)      # halvings, never above what the run holds
             if knob == "consolidate_every":
                 values = [v for v in values if r.checkpoint_every % v == 0]
             if knob == "checkpoint_every":
