@@ -17,7 +17,7 @@ preflight, knobs (plan_budget).
 from __future__ import annotations
 
 from nblib.budget._checks import require_positive
-from nblib.budget.advice import Advice, Suggestion, advise, advise_resource
+from nblib.budget.advice import Advice, Suggestion, advise, advise_resource, cache_knobs, closing_knobs
 from nblib.budget.devices import DEVICES, Device, device_preset, device_preset_name
 from nblib.budget.disk import (
     CODEC_RATIO_ESTIMATE,
@@ -71,7 +71,8 @@ from nblib.config import OUTPUT_CHOICES
 
 __all__ = [
     "FOLDER_ITEMS_LIMIT", "FREE_QUOTA_GB", "UPLOAD_PER_DAY", "Advice", "DriveLimitCheck", "Suggestion",
-    "advise", "advise_resource", "cache_shards", "drive_limit_checks", "smallest_checkpoint_every",
+    "advise", "advise_resource", "cache_knobs", "cache_shards", "closing_knobs", "drive_limit_checks",
+    "smallest_checkpoint_every",
     "uploaded_bytes",
     "CODEC_RATIO_ESTIMATE", "DEVICES", "KNOBS", "LOADER_WORKER_RAM",
     "NO_CACHE", "NPY_HEADER_BYTES", "OUTPUT_CHOICES", "RESOURCES", "RESTORE_RAM_FACTOR", "RUNTIME_RAM_CPU",

@@ -1,27 +1,31 @@
 """What to turn when a budget does not fit: for every resource over its limit, the knobs and the values that fit.
 
 `advise(budget)` returns one `Advice` per resource over its limit (VRAM, RAM, local disk, Drive)
-and per Drive limit crossed (items per folder, uploads per day). Each names the knobs that lower
-that resource, with the value that fits where one can be computed (the largest batch, the
-largest checkpoint or consolidation cadence, keep_local, the Drive size) and the total it gives
-where it cannot; a knob is only suggested at a value other than the one already set. Values aim
-at (1 - MARGIN) of the limit, as `max_batch_size` and `plan_budget` do. Trade-off: each knob is
-searched alone (a few dozen closed-form predictions, well under a millisecond each); combining
-them is `plan_budget`'s job.
+and per Drive limit crossed (items per folder, uploads per day). Each names only the knobs that
+close the gap, each with the value that fits (the largest batch, the largest checkpoint or
+consolidation cadence, keep_local, the largest output subset, float16, a codec, the Drive size);
+a knob whose best value still leaves the resource over is dropped. When no knob closes it alone,
+the smallest combination that does is given, else what to buy. `closing_knobs` does the same for
+one disk shared by several resources (a refusal's "what to turn"). Values aim at (1 - MARGIN) of
+the limit, as `max_batch_size` and `plan_budget` do. Trade-off: each knob is searched alone, then
+subsets of knobs at their extreme values (a few dozen closed-form predictions of ~6 ms each, only
+when no single knob fits); choosing the best whole config is `plan_budget`'s job.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
-from nblib.budget.disk import CODEC_RATIO_ESTIMATE
+from nblib.budget.disk import CODEC_RATIO_ESTIMATE, cache_bytes
 from nblib.budget.drive import smallest_checkpoint_every
 from nblib.budget.resources import FIT_MARGIN, KNOBS
 from nblib.config import OUTPUT_CHOICES
 from nblib.units import GB
 
 __all__ = [
-    "MARGIN", "NAMES", "OPTION_KNOBS", "RUN_KNOBS", "Advice", "Suggestion", "advise", "advise_resource", "knob_words",
+    "MARGIN", "NAMES", "OPTION_KNOBS", "RUN_KNOBS", "Advice", "Suggestion", "advise", "advise_resource",
+    "cache_knobs", "closing_knobs", "knob_words",
 ]
 
 MARGIN = FIT_MARGIN
@@ -40,8 +44,11 @@ class Suggestion:
     current: object
     effect: str        # "the largest that fits VRAM and RAM", "RAM 9.80 GB", "Drive 43.1 GB, still over"
     also: str = ""     # a second knob the value needs ("run.consolidate_every=40")
+    together: bool = False   # no knob closes the gap alone: this one and `also` are the smallest combination
 
     def __str__(self) -> str:
+        if self.together:
+            return f"no single knob closes it: {self.knob}={self.value!r} and {self.also} ({self.effect})"
         also = f" with {self.also}" if self.also else ""
         return f"{self.knob}={self.value!r}{also} ({self.effect})"
 
@@ -54,10 +61,18 @@ class Advice:
     text: str          # "RAM 33.29 > 11.00 GB" or a Drive limit check's numbers
     suggestions: tuple[Suggestion, ...]
     fallback: str = ""  # the knobs in words when no value could be computed
+    note: str = ""      # why no knob of the run is offered ("no knob of the run closes it: even ...")
+
+    @property
+    def turns(self) -> str:
+        """What to turn, without the numbers: the suggestions (after the note), else the words."""
+        turns = "; or ".join(str(s) for s in self.suggestions)
+        if self.note:
+            return f"{self.note}; {turns}" if turns else self.note
+        return turns or self.fallback
 
     def __str__(self) -> str:
-        turns = "; or ".join(str(s) for s in self.suggestions) or self.fallback
-        return f"{self.text}: {turns}" if turns else self.text
+        return f"{self.text}: {self.turns}" if self.turns else self.text
 
 
 def advise(budget) -> tuple[Advice, ...]:
@@ -69,14 +84,61 @@ def advise(budget) -> tuple[Advice, ...]:
 
 
 def advise_resource(budget, resource: str, limit: float | None = None) -> Advice:
-    """What lowers `resource` below `limit` (default: the budget's), each knob with the value that fits."""
+    """What brings `resource` below `limit` (default: the budget's): only knobs that close the gap, with values."""
     limit = budget.limits[resource] if limit is None else limit
     need = budget.totals[resource]
-    search = _Search(budget, resource, limit * (1 - MARGIN))
-    suggest = {"vram": _vram, "ram": _ram, "local disk": _local_disk, "drive": _drive}[resource]
-    return Advice(resource, f"{NAMES[resource]} {need / GB:.2f} > {limit / GB:.2f} GB",
-                  tuple(s for s in suggest(search) if s is not None and s.value != s.current),
-                  knob_words(budget.config, resource))
+    search = _Search(budget, (resource,), limit * (1 - MARGIN))
+    found, note = search.closing(_CANDIDATES[resource], buy=resource == "drive")
+    return Advice(resource, f"{NAMES[resource]} {need / GB:.2f} > {limit / GB:.2f} GB", found,
+                  knob_words(budget.config, resource), note)
+
+
+def closing_knobs(budget, resources: tuple[str, ...], free: float, *, buy: str = "free disk") -> str:
+    """The knobs that bring the sum of `resources` (one disk's) within `free` less the margin, in words.
+
+    Each knob that closes the gap alone, with its value and what it saves; when none does, the
+    smallest combination that does ("no single knob closes it: ..."); when nothing the run can
+    turn is enough, how much more of `buy` ("free disk": bytes more free on that folder;
+    "drive_quota_gb": the Drive size that holds it).
+    """
+    search = _Search(budget, tuple(resources), free * (1 - MARGIN))
+    knobs = [k for r in resources for k in _CANDIDATES[r] if k != "drive_quota"]
+    found, fallback = search.closing(list(dict.fromkeys(knobs)), buy=False)
+    need = search.total()
+    if buy == "drive_quota_gb":
+        more = f"a Drive of {math.ceil(need / (1 - MARGIN) / GB):,} GB (drive_quota_gb)"
+    else:
+        more = f"{(need / (1 - MARGIN) - free) / GB:,.1f} GB more {buy} on that folder"
+    if found:
+        return "; or ".join(map(str, found)) + f"; or {more}"
+    return f"{fallback}; or {more}" if fallback else more
+
+
+def cache_knobs(config, need: float, free: float, *, sizes: dict[str, float] | None = None) -> str:
+    """What brings an image cache of `need` bytes within `free` less the margin: a codec, fewer samples, more disk.
+
+    The codec is the least compressed one that fits: by `sizes` (codec -> the whole cache's bytes,
+    measured on the user's images) when given, else by the estimated ratios; n_samples the most
+    that fit. A knob whose best value still leaves the cache over is not offered.
+    """
+    r, size = config.run, config.model.image_size
+    target = free * (1 - MARGIN)
+    scale = need / max(1, cache_bytes(r.n_samples, size, r.codec, shard_mb=r.shard_mb))   # a measured need
+    if sizes is None:
+        sizes = {c: cache_bytes(r.n_samples, size, c, shard_mb=r.shard_mb) * scale for c in CODEC_RATIO_ESTIMATE}
+        source = "estimated ratio"
+    else:
+        source = "measured"
+    turns = []
+    for codec in sorted((c for c in sizes if sizes[c] < need), key=lambda c: -sizes[c]):
+        if sizes[codec] <= target:
+            turns.append(f"run.codec={codec!r} (the cache {sizes[codec] / GB:,.2f} GB, {source})")
+            break
+    most = _largest(1, r.n_samples - 1, lambda n: need * n / r.n_samples <= target)
+    if most is not None:
+        turns.append(f"run.n_samples={most:,} (the cache {need * most / r.n_samples / GB:,.2f} GB)")
+    turns.append(f"{(need / (1 - MARGIN) - free) / GB:,.1f} GB more free disk on that folder")
+    return "; or ".join(turns)
 
 
 def knob_words(config, resource: str, *, on_drive: bool = True) -> str:
@@ -116,54 +178,111 @@ def knob_words(config, resource: str, *, on_drive: bool = True) -> str:
 # ------------------------------------------------------------------------------- per resource
 
 
-def _vram(s: _Search) -> list:
-    return [s.batch_size(), s.consolidate_every()]
-
-
-def _ram(s: _Search) -> list:
-    return [s.batch_size(), s.checkpoint_every(), s.lower("prefetch", 1), s.lower("workers", 0)]
-
-
-def _local_disk(s: _Search) -> list:
-    return [s.keep_local(), s.checkpoint_every()]
-
-
-def _drive(s: _Search) -> list:
-    r, opts = s.config.run, s.budget.options
-    found = [s.fewer_outputs()]
-    if r.out_dtype != "float16":
-        found.append(s.whole("run.out_dtype", "out_dtype", "float16"))
-    codec = opts.get("codec") or r.codec
-    smaller = [c for c in CODEC_RATIO_ESTIMATE if CODEC_RATIO_ESTIMATE[c] < CODEC_RATIO_ESTIMATE.get(codec, 0.0)]
-    if smaller and opts.get("bytes_per_image") is None:
-        found.append(s.whole("run.codec", "codec", min(smaller, key=CODEC_RATIO_ESTIMATE.get)))
-    found.append(s.drive_quota())
-    return found
+# The knobs searched per resource, in the order they are offered (the cheapest to accept first).
+_CANDIDATES = {
+    "vram": ["batch_size", "consolidate_every"],
+    "ram": ["batch_size", "checkpoint_every", "prefetch", "workers"],
+    "local disk": ["keep_local", "checkpoint_every"],
+    "drive": ["out_dtype", "outputs", "codec", "drive_quota"],
+}
 
 
 class _Search:
-    """Predictions of one resource with knobs changed, against a target (the limit less the margin)."""
+    """Predictions of some resources (one disk's, or one limit's) with knobs changed, against a target."""
 
-    def __init__(self, budget, resource: str, target: float):
-        self.budget, self.resource, self.target = budget, resource, target
+    def __init__(self, budget, resources: tuple[str, ...], target: float):
+        self.budget, self.resources, self.target = budget, resources, target
         self.config = budget.config
+        self.label = " + ".join(NAMES[r] for r in resources)
 
     def total(self, resource: str | None = None, **changes) -> int:
-        """The predicted total of `resource` (default: this one) with `changes` applied."""
+        """The predicted total of `resource` (default: the sum of this search's) with `changes` applied."""
         run = {k: v for k, v in changes.items() if k in RUN_KNOBS}
         options = {**self.budget.options, **{k: v for k, v in changes.items() if k in OPTION_KNOBS}}
         if "codec" in run and options.get("codec"):
             options["codec"] = run["codec"]
-        return self.budget.with_changes(run, options).totals[resource or self.resource]
+        totals = (self.budget.with_changes(run, options) if changes else self.budget).totals
+        return totals[resource] if resource else sum(totals[r] for r in self.resources)
 
     def fits(self, **changes) -> bool:
         return self.total(**changes) <= self.target
+
+    def closing(self, knobs: list[str], *, buy: bool) -> tuple[tuple[Suggestion, ...], str]:
+        """(the knobs that close the gap alone, with values; else the smallest combination) and a fallback line."""
+        single = [getattr(self, knob)() for knob in knobs if knob != "drive_quota"]
+        found = [s for s in single if s is not None and s.value != s.current and self.fits(**_changes(s))]
+        fallback = ""
+        if not found:
+            combined, fallback = self.combination([k for k in knobs if k != "drive_quota"])
+            found = [combined] if combined is not None else []
+        if buy and "drive_quota" in knobs:
+            found.append(self.drive_quota())
+        return tuple(found), fallback
+
+    def combination(self, knobs: list[str]) -> tuple[Suggestion | None, str]:
+        """The fewest knobs that fit together, each at the least change that still fits; else why not."""
+        choices = {k: o for k in knobs if (o := self.options(k))}
+        names = list(choices)
+        for size in range(2, len(names) + 1):
+            for subset in itertools.combinations(names, size):
+                if not self.fits(**_merged(choices[k][-1] for k in subset)):
+                    continue
+                chosen: list = []
+                for i, knob in enumerate(subset):
+                    rest = [choices[k][-1] for k in subset[i + 1:]]
+                    chosen.append(next(o for o in choices[knob] if self.fits(**_merged([*chosen, o, *rest]))))
+                extra = {f: v for k, o in zip(subset, chosen) for f, v in o[1].items() if f != k}
+                also = " and ".join([*(f"{_knob_name(k)}={o[0]!r}" for k, o in zip(subset[1:], chosen[1:])),
+                                     *(f"{_knob_name(f)}={v!r}" for f, v in extra.items()
+                                       if f not in subset and v != self.current(f))])
+                return (Suggestion(_knob_name(subset[0]), chosen[0][0], self.current(subset[0]),
+                                   self._effect(**_merged(chosen)), also, together=True),
+                        "")
+        if not names:
+            return None, ""
+        every = _merged(choices[k][-1] for k in names)
+        words = " and ".join(f"{_knob_name(k)}={choices[k][-1][0]!r}" for k in names)
+        return None, (f"no knob of the run closes it: even {words} together leave "
+                      f"{self.label} {self.total(**every) / GB:,.2f} GB, over {self.target / GB:,.2f} GB")
+
+    def options(self, knob: str) -> list[tuple[object, dict]]:
+        """(value, changes) of `knob` below its current value, from the least change to the most."""
+        r = self.config.run
+        if knob == "out_dtype":
+            return [("float16", {"out_dtype": "float16"})] if r.out_dtype != "float16" else []
+        if knob == "outputs":
+            smaller = {o: self.total(outputs=o) for o in OUTPUT_CHOICES if o != r.outputs}
+            smaller = {o: t for o, t in smaller.items() if t < self.total()}
+            return [(o, {"outputs": o}) for o in sorted(smaller, key=lambda o: -smaller[o])]
+        if knob == "codec":
+            return [(c, {"codec": c}) for c in self._smaller_codecs()]
+        if knob == "keep_local":
+            return [(k, {"keep_local": k}) for k in range(self.current("keep_local") - 1, -1, -1)]
+        if knob in ("prefetch", "workers"):
+            lowest = 1 if knob == "prefetch" else 0
+            return [(v, {knob: v}) for v in range(getattr(r, knob) - 1, lowest - 1, -1)][-2:]
+        if knob in ("batch_size", "checkpoint_every", "consolidate_every"):
+            cap = {"batch_size": r.n_samples, "checkpoint_every": -(-r.n_samples // r.batch_size)}.get(knob, 1 << 62)
+            values = sorted({min(cap, max(1, getattr(r, knob) >> i)) for i in range(1, 40)} - {getattr(r, knob)},
+                            reverse=True)      # halvings, never above what the run holds
+            if knob == "consolidate_every":
+                values = [v for v in values if r.checkpoint_every % v == 0]
+            if knob == "checkpoint_every":
+                return [(v, {"checkpoint_every": v, "consolidate_every": _largest_divisor(v, r.consolidate_every)})
+                        for v in values]
+            return [(v, {knob: v}) for v in values]
+        return []
+
+    def current(self, knob: str):
+        if knob in OPTION_KNOBS:
+            return self.budget.options.get(knob, 2 if knob == "keep_local" else None)
+        return getattr(self.config.run, knob)
 
     def batch_size(self) -> Suggestion | None:
         """The largest batch whose VRAM and RAM both fit (what max_batch_size finds)."""
         limits = self.budget.limits
         memory = [r for r in ("vram", "ram") if limits[r] > 0]
-        targets = {r: (self.target if r == self.resource else limits[r] * (1 - MARGIN)) for r in memory}
+        targets = {r: (self.target if r in self.resources else limits[r] * (1 - MARGIN)) for r in memory}
 
         def fits(b: int) -> bool:
             return all(self.total(r, batch_size=b) <= targets[r] for r in memory)
@@ -207,33 +326,28 @@ class _Search:
         return None
 
     def keep_local(self) -> Suggestion | None:
-        current = self.budget.options.get("keep_local", 2)
+        current = self.current("keep_local")
         best = _largest(0, current - 1, lambda k: self.fits(keep_local=k))
         if best is None:
             return None
         return Suggestion("keep_local", best, current, self._effect(keep_local=best))
 
-    def lower(self, knob: str, value: int) -> Suggestion | None:
-        """`knob` at `value` when it is set higher and that alone fits."""
-        current = getattr(self.config.run, knob)
-        if current <= value or not self.fits(**{knob: value}):
-            return None
-        return Suggestion(f"run.{knob}", value, current, self._effect(**{knob: value}))
+    def prefetch(self) -> Suggestion | None:
+        return self._first_fitting("prefetch")
 
-    def whole(self, knob: str, field: str, value) -> Suggestion:
-        """`knob` at `value`, with the total it gives (fitting or not)."""
-        return Suggestion(knob, value, getattr(self.config.run, field), self._effect(**{field: value}))
+    def workers(self) -> Suggestion | None:
+        return self._first_fitting("workers")
 
-    def fewer_outputs(self) -> Suggestion | None:
-        """The largest output subset that fits, else the smallest subset there is (with its total)."""
-        current = self.config.run.outputs
-        totals = {o: self.total(outputs=o) for o in OUTPUT_CHOICES if o != current}
-        smaller = {o: t for o, t in totals.items() if t < self.budget.totals[self.resource]}
-        if not smaller:
-            return None
-        fitting = [o for o in OUTPUT_CHOICES if o in smaller and smaller[o] <= self.target]
-        choice = fitting[0] if fitting else min(smaller, key=smaller.get)
-        return Suggestion("run.outputs", choice, current, self._effect(outputs=choice))
+    def out_dtype(self) -> Suggestion | None:
+        return self._first_fitting("out_dtype")
+
+    def outputs(self) -> Suggestion | None:
+        """The largest output subset that fits."""
+        return self._first_fitting("outputs")
+
+    def codec(self) -> Suggestion | None:
+        """The least compressed smaller codec that fits (estimated ratios: not for a measured bytes_per_image)."""
+        return self._first_fitting("codec")
 
     def drive_quota(self) -> Suggestion:
         need = self.budget.totals["drive"]
@@ -242,11 +356,54 @@ class _Search:
         return Suggestion("drive_quota_gb", value, current, f"a Drive of {value:,} GB holds {need / GB:,.1f} GB "
                           f"with a {MARGIN:.0%} margin")
 
+    def _first_fitting(self, knob: str) -> Suggestion | None:
+        for value, changes in self.options(knob):
+            if self.fits(**changes):
+                return Suggestion(_knob_name(knob), value, self.current(knob), self._effect(**changes))
+        return None
+
+    def _smaller_codecs(self) -> list[str]:
+        opts = self.budget.options
+        if opts.get("bytes_per_image") is not None or "drive" not in self.resources:
+            return []
+        codec = opts.get("codec") or self.config.run.codec
+        ratio = CODEC_RATIO_ESTIMATE.get(codec, 0.0)
+        return sorted((c for c in CODEC_RATIO_ESTIMATE if CODEC_RATIO_ESTIMATE[c] < ratio),
+                      key=lambda c: -CODEC_RATIO_ESTIMATE[c])
+
     def _effect(self, **changes) -> str:
         total = self.total(**changes)
         verdict = "" if total <= self.target else (", still over" if total > self.target / (1 - MARGIN)
                                                    else f", within the {MARGIN:.0%} margin")
-        return f"{NAMES[self.resource]} {total / GB:,.2f} GB{verdict}"
+        saves = self.total() - total
+        return f"{self.label} {total / GB:,.2f} GB" + (f", saves {saves / GB:,.1f} GB" if saves > 0 else "") + verdict
+
+
+def _knob_name(knob: str) -> str:
+    return knob if knob in OPTION_KNOBS else f"run.{knob}"
+
+
+def _merged(options) -> dict:
+    """One changes dict from (value, changes) options."""
+    merged: dict = {}
+    for _value, changes in options:
+        merged.update(changes)
+    return merged
+
+
+def _changes(s: Suggestion) -> dict:
+    """The changes a Suggestion names (its knob and its `also`), for re-checking that it fits."""
+    changes = {s.knob.removeprefix("run."): s.value}
+    for part in filter(None, s.also.split(" and ")):
+        name, value = part.split("=", 1)
+        changes[name.removeprefix("run.")] = _literal(value)
+    return changes
+
+
+def _literal(text: str):
+    import ast
+
+    return ast.literal_eval(text)
 
 
 def _largest(lo: int, hi: int, fits) -> int | None:

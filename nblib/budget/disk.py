@@ -91,15 +91,20 @@ def choose_codec(n_images: int, free_bytes: int, codec_stats: dict[str, dict],
     return max(fitting, key=lambda name: float(codec_stats[name]["decode_images_per_s"]))
 
 
-def check_disk(folder: str | Path, need_bytes: int, *, what: str, knob: str) -> None:
-    """Raise BudgetExceeded when `need_bytes` exceed the free disk of `folder`'s filesystem."""
+def check_disk(folder: str | Path, need_bytes: int, *, what: str, knob) -> None:
+    """Raise BudgetExceeded when `need_bytes` exceed the free disk of `folder`'s filesystem.
+
+    `knob` is what to turn: words, or a function of the free bytes that computes the knobs with the
+    values that fit (`nblib.budget.advice.closing_knobs`), called only when the check refuses.
+    """
     from nblib.disk import disk_free, existing_parent
 
     path, free = existing_parent(folder), disk_free(folder)
     if need_bytes > free:
+        turn = knob(free) if callable(knob) else knob
         raise BudgetExceeded(
             f"{what} needs {need_bytes / GB:.2f} GB but only {free / GB:.2f} GB is free on "
-            f"{path}; {knob}")
+            f"{path} ({(need_bytes - free) / GB:,.2f} GB short); {turn}")
 
 
 def disk_lines(config: PipelineConfig, *, codec: str = "raw", bytes_per_image: float | None = None,

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 from nblib.budget._checks import validated
-from nblib.budget.advice import advise_resource, knob_words
+from nblib.budget.advice import advise_resource, cache_knobs, closing_knobs, knob_words
 from nblib.budget.devices import device_preset, device_preset_name
 from nblib.budget.disk import cache_bytes, check_disk
 from nblib.budget.drive import cache_folder_check, run_folder_check, upload_check
@@ -47,25 +47,25 @@ def preflight(config: PipelineConfig, workspace, *, job: str = "encode", device:
         need = disk_bytes if disk_bytes is not None else cache_bytes(
             cfg.run.n_samples, cfg.model.image_size, cfg.run.codec, shard_mb=cfg.run.shard_mb)
         check_disk(disk_folder or workspace.cache, int(need), what=f"the image cache ({cfg.run.codec})",
-                   knob=knob_words(cfg, "cache"))
+                   knob=lambda free: cache_knobs(cfg, int(need), free))
         return budget
     _check_ram(budget)
     if dev.is_gpu and cuda:
         _check_vram(budget, cuda_device)
     local, drive = budget.totals["local disk"], budget.totals["drive"]
     on_drive = _on_google_drive(workspace.drive)      # only then is drive_quota_gb the knob of that disk
+    buy = "drive_quota_gb" if on_drive else "free disk"
     if disk_bytes is not None:
         check_disk(disk_folder or workspace.runs, int(disk_bytes), what="the encode run",
                    knob=knob_words(cfg, "drive", on_drive=on_drive))
     elif _same_filesystem(workspace.staging, workspace.drive):
-        check_disk(workspace.drive, local + drive, what="the encode run (staging + durable "
-                   "copy on one disk)", knob=f"{knob_words(cfg, 'drive', on_drive=False)}; or "
-                                          f"{knob_words(cfg, 'local disk')}")
+        check_disk(workspace.drive, local + drive, what="the encode run (staging + durable copy on one disk)",
+                   knob=lambda free: closing_knobs(budget, ("local disk", "drive"), free))
     else:
         check_disk(workspace.staging, local, what="local staging of the encode run",
-                   knob=knob_words(cfg, "local disk"))
+                   knob=lambda free: closing_knobs(budget, ("local disk",), free))
         check_disk(workspace.drive, drive, what="the durable copy of the encode run",
-                   knob=knob_words(cfg, "drive", on_drive=on_drive))
+                   knob=lambda free: closing_knobs(budget, ("drive",), free, buy=buy))
     return budget
 
 
@@ -126,9 +126,8 @@ def _check_drive_limits(config: PipelineConfig, job: str) -> None:
 
 
 def _knobs(budget: Budget, resource: str, limit: float) -> str:
-    """The knobs that fit `limit`, each with its value, or the knobs in words."""
-    advice = advise_resource(budget, resource, limit)
-    return "; or ".join(str(s) for s in advice.suggestions) or advice.fallback
+    """The knobs that close the gap to `limit`, each with the value that fits, or why none does."""
+    return advise_resource(budget, resource, limit).turns or f"more {resource}"
 
 
 def _on_google_drive(folder: Path) -> bool:

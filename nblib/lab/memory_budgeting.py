@@ -228,10 +228,15 @@ def panel_verdict(b, knobs=PANEL_KNOBS) -> str:
         return b.headline
     parts = []
     for advice in b.advice:
-        kept = [s for s in advice.suggestions if s.knob.split(".")[-1] in knobs]
-        parts.append(f"{advice.text}: " + "; or ".join(map(str, kept)) if kept else
-                     f"{advice.text}: no control of this panel fixes it alone")
+        kept = [s for s in advice.suggestions if all(k.split(".")[-1] in knobs for k in _knobs_of(s))]
+        turns = "; or ".join(map(str, kept)) or "no control of this panel fixes it alone"
+        parts.append(f"{advice.text}: " + (f"{advice.note}; {turns}" if advice.note else turns))
     return b.headline + (". " if not b.fits else "; but ") + ". ".join(parts)
+
+
+def _knobs_of(suggestion) -> list[str]:
+    """Every knob a suggestion turns: its own and those of `also` ("run.codec='zlib' and keep_local=0")."""
+    return [suggestion.knob, *(part.split("=")[0] for part in filter(None, suggestion.also.split(" and ")))]
 
 
 def time_readout(b) -> str:

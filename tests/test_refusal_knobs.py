@@ -1,0 +1,165 @@
+"""Issue 30: a refusal gives the knobs that can close the gap, each with the value that fits, and drops the
+knobs that cannot (keep_local and checkpoint_every moved 10 GB of a 587-956 GB shortfall).
+
+Every test reads the knob values out of the refusal's own text, applies them to the config and runs
+the same preflight again: it must pass. Free disk, RAM and VRAM are fixed (monkeypatched) so the
+numbers do not depend on this machine.
+"""
+from __future__ import annotations
+
+import ast
+import collections
+import re
+import sys
+
+import pytest
+
+import nblib
+from nblib import budget, config
+
+SEED = config.preset("seed_t4")              # the reference job: 1,907,747 images, every output, float16
+GB = 1e9
+PAIR = re.compile(r"((?:run\.)?[a-z_]+)=('[^']*'|\([^)]*\)|[\d,]+)")
+PREFLIGHT = sys.modules["nblib.budget.preflight"]
+
+
+def refusal(config_, workspace, **kwargs) -> str:
+    with pytest.raises(nblib.BudgetExceeded) as info:
+        budget.preflight(config_, workspace, **kwargs)
+    return str(info.value)
+
+
+def alternatives(message: str) -> list[dict]:
+    """Each alternative the refusal offers, as {knob: value}; those without a value (buy more) are left out."""
+    turns = message.split("; ", 1)[1]
+    found = []
+    for alt in turns.split("; or "):
+        pairs = PAIR.findall(alt.split(" (")[0])
+        if pairs:
+            found.append({k: ast.literal_eval(v.replace(",", "") if v[0].isdigit() else v) for k, v in pairs})
+    return found
+
+
+def applied(config_, changes: dict) -> tuple:
+    """(the config with the run knobs changed, the preflight keyword arguments the rest becomes)."""
+    run = {k.removeprefix("run."): v for k, v in changes.items() if k.startswith("run.")}
+    return config_.replace(**run), {k: v for k, v in changes.items() if not k.startswith("run.")}
+
+
+@pytest.fixture
+def disks(monkeypatch, tmp_path):
+    """A workspace whose staging and "Drive" have the free bytes the test sets (one disk by default)."""
+    free = {"staging": 68 * GB, "drive": 68 * GB}
+    workspace = nblib.env.workspace(tmp_path / "drive")
+    monkeypatch.setattr("nblib.disk.disk_free",
+                        lambda folder: free["staging" if str(folder).startswith(str(workspace.staging)) else "drive"])
+    return workspace, free
+
+
+@pytest.mark.parametrize("cfg,short", [(SEED, 588), (SEED.replace(out_dtype="float32"), 956)])
+def test_the_issue_refusal_drops_keep_local_and_gives_a_combination_that_fits(disks, cfg, short):
+    workspace, _free = disks
+    message = refusal(cfg, workspace, job="encode", device="cpu")
+    assert f"({short}." in message and "GB short" in message and "\n" not in message, message
+    assert "keep_local" not in message and "checkpoint_every" not in message, message
+    assert "no single knob closes it" in message and "more free disk" in message, message
+    offered = alternatives(message)
+    assert offered and all(len(changes) >= 2 for changes in offered), message
+    for changes in offered:
+        fixed, kwargs = applied(cfg, changes)
+        budget.preflight(fixed, workspace, job="encode", device="cpu", **kwargs)     # passes: it really fits
+
+
+def test_a_larger_disk_gets_single_knobs_each_with_a_value_that_fits(disks):
+    workspace, free = disks
+    free["staging"] = free["drive"] = 700 * GB          # float32 needs 1,025 GB: one knob is enough
+    cfg = SEED.replace(out_dtype="float32")
+    message = refusal(cfg, workspace, job="encode", device="cpu")
+    offered = alternatives(message)
+    assert "no single knob" not in message and offered and all(len(c) == 1 for c in offered), message
+    assert "keep_local" not in message, message
+    for changes in offered:
+        fixed, kwargs = applied(cfg, changes)
+        budget.preflight(fixed, workspace, job="encode", device="cpu", **kwargs)
+
+
+def test_a_small_staging_shortfall_still_offers_keep_local_with_its_value(disks, monkeypatch):
+    workspace, free = disks
+    monkeypatch.setattr(PREFLIGHT, "_same_filesystem", lambda a, b: False)
+    free["staging"], free["drive"] = 9 * GB, 2000 * GB  # staging needs 10.7 GB: keep one part fewer
+    message = refusal(SEED, workspace, job="encode", device="cpu")
+    offered = alternatives(message)
+    assert {"keep_local": 1} in offered, message
+    for changes in offered:
+        fixed, kwargs = applied(SEED, changes)
+        budget.preflight(fixed, workspace, job="encode", device="cpu", **kwargs)
+
+
+def test_a_drive_on_google_drive_offers_the_drive_size_that_holds_it(disks, monkeypatch):
+    workspace, free = disks
+    monkeypatch.setattr(PREFLIGHT, "_same_filesystem", lambda a, b: False)
+    monkeypatch.setattr(PREFLIGHT, "_on_google_drive", lambda folder: True)
+    free["staging"], free["drive"] = 78 * GB, 15 * GB
+    message = refusal(SEED, workspace, job="encode", device="cpu", drive_limits=False)
+    assert "no knob of the run closes it" in message and "a Drive of 718 GB" in message, message
+    assert "run.outputs=" in message and "still over" not in message, message
+
+
+def test_the_cache_refusal_gives_the_codec_and_the_sample_count_that_fit(disks):
+    workspace, _free = disks
+    message = refusal(SEED, workspace, job="cache")
+    offered = alternatives(message)
+    assert {"run.codec": "zlib"} in offered and any("run.n_samples" in c for c in offered), message
+    for changes in offered:
+        fixed, kwargs = applied(SEED, changes)
+        budget.preflight(fixed, workspace, job="cache", **kwargs)
+
+
+@pytest.mark.parametrize("available,knobs", [(1.0 * GB, 1), (0.2 * GB, 2)])
+def test_a_ram_refusal_gives_the_batch_size_that_fits(disks, monkeypatch, available, knobs):
+    import psutil
+
+    workspace, free = disks
+    free["staging"] = free["drive"] = 2000 * GB
+    memory = collections.namedtuple("memory", "available")
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: memory(available))
+    cfg = SEED.replace(n_samples=1000)
+    message = refusal(cfg, workspace, job="encode", device="cpu")
+    offered = alternatives(message)
+    assert offered and "run.batch_size" in offered[0] and len(offered[0]) == knobs, message
+    for changes in offered:
+        fixed, kwargs = applied(cfg, changes)
+        budget.preflight(fixed, workspace, job="encode", device="cpu", **kwargs)
+
+
+def test_a_vram_refusal_gives_the_batch_size_that_fits(disks, monkeypatch):
+    import psutil
+    import torch
+
+    workspace, free = disks
+    free["staging"] = free["drive"] = 2000 * GB
+    memory = collections.namedtuple("memory", "available")
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: memory(100 * GB))
+    monkeypatch.setattr(PREFLIGHT, "_cuda_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index: (int(0.7 * GB), int(15 * GB)))
+    cfg = SEED.replace(n_samples=1000)
+    message = refusal(cfg, workspace, job="encode", device="t4")
+    offered = alternatives(message)
+    assert offered == [{"run.batch_size": offered[0]["run.batch_size"]}] and offered[0]["run.batch_size"] < 192
+    budget.preflight(cfg.replace(batch_size=offered[0]["run.batch_size"]), workspace, job="encode", device="t4")
+
+
+def test_the_verdict_offers_no_knob_that_leaves_the_resource_over():
+    for cfg, quota in ((SEED, 15), (SEED, 300), (SEED.replace(out_dtype="float32", batch_size=900), 15)):
+        b = budget.predict_budget(cfg, "t4", drive_quota_gb=quota)
+        assert "still over" not in b.verdict, b.verdict
+        for advice in b.advice:
+            for s in advice.suggestions:
+                if s.knob == "drive_quota_gb":
+                    continue
+                changes = {s.knob: s.value, **dict(p.split("=", 1) for p in s.also.split(" and ") if p)}
+                changes = {k: ast.literal_eval(v) if isinstance(v, str) else v for k, v in changes.items()}
+                fixed, kwargs = applied(cfg, changes)
+                after = budget.predict_budget(fixed, "t4", drive_quota_gb=quota, **kwargs)
+                assert after.totals[advice.resource] <= 0.9 * b.limits[advice.resource], str(s)
