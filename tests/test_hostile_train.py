@@ -222,7 +222,7 @@ def test_sigterm_with_two_workers_stops_cleanly_releases_the_pipes_and_the_rerun
             assert time.monotonic() < deadline, "timed out waiting for a checkpoint"
             time.sleep(0.01)
         workers = psutil.Process(proc.pid).children(recursive=True)
-        assert proc.poll() is None and len(workers) == 2, "the run ended (or had no workers) before the signal"
+        assert proc.poll() is None and len(workers) >= 2, "the run ended (or had no workers) before the signal"
         if target == "the main process":
             proc.send_signal(signal.SIGTERM)
         else:

@@ -11,6 +11,7 @@ import random
 import shutil
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -137,6 +138,8 @@ def moto():
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     endpoint = f"http://127.0.0.1:{port}"
+    # moto keeps its buckets in this process, not in the server: start every test from none
+    urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST"), timeout=30).close()
     saved = {k: os.environ.get(k) for k in _aws(endpoint)}
     os.environ.update(_aws(endpoint))
     try:

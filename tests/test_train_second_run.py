@@ -170,9 +170,16 @@ def test_after_a_resume_from_the_mirror_at_the_last_step_the_report_says_the_mir
 
 
 def test_ctrl_c_during_close_leaves_no_writer_or_mirror_thread_running(tmp_path, monkeypatch):
+    earlier = set(threading.enumerate())      # other tests of this worker may leave stalled mirrors behind
     store = TrainStore(tmp_path / "run", tmp_path / "backup")
     state = {"step": 1, "model": {"w": torch.ones(3)}}
     store.save(state, 1, backup=True)
+    names = ("nblib-store-mirror", "nblib-checkpoint-writer", "nblib-train-writer")
+
+    def ours() -> list[str]:
+        return [t.name for t in threading.enumerate() if t.name in names and t not in earlier]
+
+    assert ours(), "the store started no thread: the test would prove nothing"
 
     def interrupted(self, timeout=None):
         raise KeyboardInterrupt
@@ -181,10 +188,9 @@ def test_ctrl_c_during_close_leaves_no_writer_or_mirror_thread_running(tmp_path,
     with pytest.raises(KeyboardInterrupt):
         store.close(5)
     deadline = time.monotonic() + 30
-    names = ("nblib-store-mirror", "nblib-checkpoint-writer", "nblib-train-writer")
-    while any(t.name in names for t in threading.enumerate()) and time.monotonic() < deadline:
+    while ours() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not [t.name for t in threading.enumerate() if t.name in names]
+    assert not ours()
 
 
 def test_async_staging_reuses_one_set_of_buffers_and_writes_the_bytes_of_a_sync_save(tmp_path):
