@@ -313,6 +313,7 @@ def events_at_batch(low: list[tuple], high: list[tuple], b_low: int, b_high: int
     constant), so two traces with the same sequence of events give any batch's stream exactly. A model
     whose operators change with the batch (another event sequence, a size not affine) gets None.
     """
+    low, high = _frees_sorted(low), _frees_sorted(high)
     if len(low) != len(high):
         return None
     out = []
@@ -328,6 +329,21 @@ def events_at_batch(low: list[tuple], high: list[tuple], b_low: int, b_high: int
         else:
             out.append(e0)
     return out
+
+
+def _frees_sorted(events: list[tuple]) -> list[tuple]:
+    """Each run of consecutive frees sorted by handle: the order a graph's teardown frees in varies
+    between runs (finalizers), and a run's end state does not depend on it (free blocks coalesce).
+    """
+    out, run = [], []
+    for e in events:
+        if e[0] == "f":
+            run.append(e)
+            continue
+        out += sorted(run)
+        run = []
+        out.append(e)
+    return out + sorted(run)
 
 
 def _flops(func, args, kwargs, out) -> int:
