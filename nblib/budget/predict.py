@@ -24,6 +24,7 @@ from nblib.budget.memory import (
     host_memory_lines,
     model_memory_lines,
 )
+from nblib.budget.model_vram import FIT_MARGIN
 from nblib.budget.resources import RESOURCES
 from nblib.config import PipelineConfig
 from nblib.errors import ConfigError
@@ -230,7 +231,7 @@ def calibrate(device: str | Device, measured_samples_per_s: float,
     return measured_samples_per_s * flops_per_image(validated(config).model) / dev.compute_flops
 
 
-def max_batch_size(config: PipelineConfig, device: str | Device = "t4", margin: float = 0.1,
+def max_batch_size(config: PipelineConfig, device: str | Device = "t4", margin: float = FIT_MARGIN,
                    **predict_kwargs) -> int:
     """The largest batch, at most the run's n_samples, whose predicted VRAM (GPU) and RAM fit in
     (1 - margin) of the device.

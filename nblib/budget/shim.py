@@ -98,7 +98,7 @@ def shim_path() -> Path:
 
 def run_child(module: str, payload: dict, timeout_s: float = 600.0) -> dict:
     """Run `python -m module JSON` with the shim's path in the payload; its last JSON line, parsed."""
-    payload = {**payload, "shim": str(shim_path())}
+    payload = {**payload, "shim": None if cuda_build() else str(shim_path())}   # a CUDA build has its own guard
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-m", module, json.dumps(payload)], capture_output=True, text=True,
                           timeout=timeout_s, env=env)
@@ -109,8 +109,15 @@ def run_child(module: str, payload: dict, timeout_s: float = 600.0) -> dict:
     return json.loads(lines[-1])
 
 
+def cuda_build() -> bool:
+    """True when the installed torch is a CUDA build (its own CUDA guard: no shim needed nor possible)."""
+    spec = importlib.util.find_spec("torch")
+    return bool(spec and spec.origin and any((Path(spec.origin).parent / "lib").glob("libtorch_cuda*")))
+
+
 def load_shim(payload: dict) -> None:
     """In the child, before torch is imported: load the shim (its CUDA hooks are chosen when torch starts)."""
     import ctypes
 
-    ctypes.CDLL(payload["shim"])
+    if payload.get("shim"):
+        ctypes.CDLL(payload["shim"])
