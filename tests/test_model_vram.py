@@ -78,12 +78,15 @@ def test_budget_cli_prints_json_lines_in_bytes_and_refuses_what_does_not_fit(spe
     assert sum(line["bytes"] for line in out["vram_lines"]) == out["total_bytes"]
     assert out["high_bytes"] == out["total_bytes"] + out["workspace_margin_bytes"]
     assert out["fits"] and out["largest_batch"] >= 8 and out["fit_margin"] == 0.1
-    big = out["largest_batch"] * 4
-    done = subprocess.run([sys.executable, "-m", "nblib", "budget", "--model", specs["vit"], "--batch-size", str(big),
-                           "--train"], capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 2
-    assert "does NOT fit" in done.stdout and f"--batch-size {out['largest_batch']}" in done.stderr
-    assert "GB of VRAM" in done.stderr
+    done = subprocess.run([sys.executable, "-m", "nblib", "budget", "--model", specs["vit"], "--batch-size",
+                           "1000000", "--train", "--json"], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 2, done.stderr
+    refused = json.loads(done.stdout)
+    assert not refused["fits"] and refused["high_bytes"] > 0.9 * refused["limit_bytes"]
+    assert 8 <= refused["largest_batch"] < 1_000_000
+    error = done.stderr.strip().splitlines()[-1]
+    assert error.startswith("error:") and f"--batch-size {refused['largest_batch']} or less" in error
+    assert f"{refused['high_bytes'] / 1e9:.2f} GB of VRAM" in error
 
 
 GPU_RESULTS = ROOT / "outputs" / "gpu_model_vram.json"

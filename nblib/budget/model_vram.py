@@ -120,7 +120,7 @@ def model_vram(model, batch_size: int, device: str | Device = "t4", *, precision
     payload = {**model_payload(model), "precision": precision, "train": train, "output": output,
                "classes": n_classes, "cc": dev.compute_capability, "batch": batch_size,
                "cap": int(dev.vram_bytes * (1 - FIT_MARGIN)) - dev.cuda_context_bytes,
-               "search": find_largest, "max_batch": max_batch}
+               "search": find_largest, "max_batch": max(max_batch, batch_size)}
     out = run_child("nblib.budget.model_vram", payload, timeout_s=timeout_s)
     point = out["point"]
     lines = (Line("CUDA context", dev.cuda_context_bytes, CONTEXT_SOURCE), *_lines(point, train, precision))
