@@ -138,7 +138,15 @@ def budget_main(argv: list[str]) -> int:
     p.add_argument("--texts", help="your texts (file or JSONL): the plan measures the cache's bytes per image "
                                    "on a few hundred of them (default: the reference analysis' ratios)")
     p.add_argument("--reference", action="store_true", help="reference analysis vs this suite")
+    p.add_argument("--model", help="budget this model's VRAM from a trace of its own code (trm, hf:CLASS, "
+                                   "hf:CLASS:config.json, timm:NAME, package.module:factory)")
+    p.add_argument("--weights", help="a state-dict file for --model")
+    p.add_argument("--train", action="store_true", help="with --model: a training step, not encoding")
+    p.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default="fp16")
+    p.add_argument("--json", action="store_true", help="with --model: print the budget as JSON (bytes)")
     args = parse_or_refuse(p, argv)
+    if args.model:
+        return _model_budget(args)
     if args.reference:
         from nblib.lab.memory_budgeting import reference_table
 
@@ -158,6 +166,23 @@ def budget_main(argv: list[str]) -> int:
         sizes = codec_sizes(args.texts, cfg.model.image_size)
         print(sizes)
         print(plan_budget(cfg, args.device, codec_sizes=sizes, **kwargs))
+    return 0
+
+
+def _model_budget(args: argparse.Namespace) -> int:
+    """`budget --model`: the traced VRAM lines and the largest batch that fits (nblib.budget.model_vram)."""
+    import json
+
+    from nblib.budget.model_vram import model_vram
+
+    model = args.model
+    if args.weights:
+        from nblib.models import load_model
+
+        model = load_model(args.model, args.weights)
+    budget = model_vram(model, args.batch_size or 64, args.device, precision=args.precision, train=args.train)
+    print(json.dumps(budget.as_json(), indent=1) if args.json else budget.table())
+    budget.refuse_if_over()
     return 0
 
 

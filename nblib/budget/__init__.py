@@ -12,7 +12,8 @@ is instant and explains itself, but it is only as right as its accounting;
 Parts: devices (the machines), memory (model arithmetic, memory lines), disk (cache, parts,
 shards, the disk check), drive (Drive's items-per-folder and daily-upload limits), checkpoint
 (tf.data shuffle checkpoints), predict (the Budget), advice (the knobs that fit, per resource),
-preflight, knobs (plan_budget).
+preflight, knobs (plan_budget), model_vram (any model's VRAM from a trace of its own code on the
+simulated GPU, in a subprocess: trace, shim, allocator).
 """
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ from nblib.budget.memory import (
     output_shapes,
     param_count,
 )
+from nblib.budget.model_vram import FIT_MARGIN, ModelVRAM, model_vram
 from nblib.budget.predict import Budget, calibrate, max_batch_size, predict_budget
 from nblib.budget.preflight import preflight
 from nblib.budget.resources import KNOBS, RESOURCES
@@ -70,6 +72,7 @@ from nblib.budget.shuffle_checkpoint import (
 from nblib.config import OUTPUT_CHOICES
 
 __all__ = [
+    "FIT_MARGIN", "ModelVRAM", "model_vram",
     "FOLDER_ITEMS_LIMIT", "FREE_QUOTA_GB", "UPLOAD_PER_DAY", "Advice", "DriveLimitCheck", "Suggestion",
     "advise", "advise_resource", "cache_knobs", "cache_shards", "closing_knobs", "drive_limit_checks",
     "smallest_checkpoint_every",

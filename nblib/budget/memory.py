@@ -26,6 +26,9 @@ LOADER_WORKER_RAM = int(0.15 * GB)
 # sm_90, 4096 KiB x 8 on sm_90 (H100, H200).
 CUBLAS_WORKSPACE_BYTES = 4096 * 1024 * 2 + 16 * 1024 * 8
 CUBLAS_WORKSPACE_BYTES_SM90 = 4096 * 1024 * 8
+# Where the cuBLAS workspace may land (nblib.budget.trace.WORKSPACE_POSITIONS): PyTorch's order first
+WORKSPACE_POSITIONS = {"after": "after the first GEMM's output (PyTorch's order)",
+                       "before": "before it", "first": "first on the device"}
 # The last torch whose autocast caches fp16 weight copies under inference_mode (from 2.10 the
 # cache is skipped there, so each Linear casts its weight per call and frees it at once).
 AUTOCAST_CACHE_LAST_TORCH = (2, 9)
@@ -164,13 +167,21 @@ def device_memory_lines(config: PipelineConfig, *, compute_capability: int = 75,
         out.append(Line("outputs held on GPU", 0, "offload=async copies each batch's outputs to "
                         "pinned RAM at once: only the batch in hand is on the GPU"))
     allocated = sum(line.bytes for line in out)
-    reserved = replay_reserved(config, weights=weight_blocks, precision=precision, sdpa_backend=sdpa_backend,
-                               offload=offload, workspace=workspace,
-                               cache_weight_copies=autocast_caches_weights(torch_version))
+    by_position = {pos: replay_reserved(config, weights=weight_blocks, precision=precision,
+                                        sdpa_backend=sdpa_backend, offload=offload, workspace=workspace,
+                                        cache_weight_copies=autocast_caches_weights(torch_version), position=pos)
+                   for pos in WORKSPACE_POSITIONS}
+    reserved = by_position["after"]
     out.append(Line("allocator cache", max(0, reserved - allocated),
                     "segments the caching allocator holds beyond the live bytes: the encode loop's "
                     "allocations replayed op by op through its model (2 MiB / 20 MiB segments, best "
-                    "fit, splitting; nblib.budget.vram_replay, nblib.budget.allocator)"))
+                    "fit, splitting; nblib.budget.vram_replay, nblib.budget.allocator), the cuBLAS "
+                    "workspace after the first GEMM's output as PyTorch orders it"))
+    margin = max(by_position.values()) - reserved
+    out.append(Line("workspace placement margin", margin,
+                    "where the one cuBLAS workspace block lands moves reserved memory: " + ", ".join(
+                        f"{WORKSPACE_POSITIONS[p]} {fmt_bytes(b)}" for p, b in by_position.items())
+                    + "; the budget counts the worst"))
     return tuple(out)
 
 

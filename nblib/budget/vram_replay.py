@@ -1,7 +1,8 @@
 """The encode loop's device allocations, op by op, replayed through the caching-allocator model.
 
 The allocator cache is set by *where* blocks land, not only by how many bytes are live: a
-cuBLAS workspace allocated at the first GEMM inside a freed patchify block, or a small output
+cuBLAS workspace allocated at the first GEMM (after its output, PyTorch's order) inside a freed
+patchify block, or a small output
 that splits a stream-sized block, decides whether the next 4-stream MLP buffer finds a hole or
 needs a new segment. So this replay follows nblib.trm's forward pass and nblib.encode's
 per-batch steps in their order, with the sizes the model arithmetic gives (every block of at
@@ -37,8 +38,12 @@ class _Shape:
 class _Replay:
     """One device's allocations: the allocator model, the lazy cuBLAS workspace, autocast copies."""
 
-    def __init__(self, shape: _Shape, workspace: int, cache_weight_copies: bool, math: bool):
+    def __init__(self, shape: _Shape, workspace: int, cache_weight_copies: bool, math: bool,
+                 position: str = "after"):
         self.alloc = CachingAllocatorModel()
+        self.position = position                     # the workspace: "after" the first GEMM's output
+        if position == "first":                      # (PyTorch's order), "before" it, or "first" on the device
+            self.alloc.malloc(workspace)
         self.s, self.workspace, self.cached, self.math = shape, workspace, cache_weight_copies, math
         self.half = shape.act == 2
         self._weight_copies: dict[str, int] = {}
@@ -62,10 +67,13 @@ class _Replay:
                     self._weight_copies[name], weight = weight, None
             if not input_half:
                 cast = self.m(rows * n_in * 2)
+        out = self.m(rows * n_out * self.s.act) if self.position != "before" or self._gemm_seen else None
         if not self._gemm_seen:
             self._gemm_seen = True
-            self.m(self.workspace)                   # held for the stream's life
-        out = self.m(rows * n_out * self.s.act)
+            if self.position != "first":
+                self.m(self.workspace)               # held for the stream's life
+            if out is None:
+                out = self.m(rows * n_out * self.s.act)
         self.f(cast, weight)
         return out
 
@@ -146,12 +154,14 @@ class _Replay:
 
 
 def replay_reserved(config: PipelineConfig, *, weights: list[int], precision: str, sdpa_backend: str,
-                    offload: str, workspace: int, cache_weight_copies: bool) -> int:
+                    offload: str, workspace: int, cache_weight_copies: bool, position: str = "after") -> int:
     """Peak reserved bytes of the caching-allocator model over the encode loop's batches.
 
     As many batches as nblib.simulate runs to reach the steady state: three with
     offload="async"; with "consolidate", one full group of `consolidate_every` batches, its
-    concatenation and copy, and two more.
+    concatenation and copy, and two more. `position` places the cuBLAS workspace: "after" the first
+    GEMM's output, PyTorch's order (a structured addmm allocates its output, then at::cuda::blas::gemm
+    takes the handle's workspace: nblib.budget.trace), "before" it, or "first" on the device.
     """
     m, r = config.model, config.run
     half = precision in ("fp16", "bf16", "auto")
@@ -164,7 +174,7 @@ def replay_reserved(config: PipelineConfig, *, weights: list[int], precision: st
     kept = [order.index(name) for name in r.outputs]
     every = r.consolidate_every if offload == "consolidate" else 1
     batches = every + 2 if offload == "consolidate" else 3
-    run = _Replay(shape, workspace, cache_weight_copies and half, sdpa_backend == "math")
+    run = _Replay(shape, workspace, cache_weight_copies and half, sdpa_backend == "math", position)
     for size in weights:
         run.m(size)
     images, pending = None, []

@@ -97,8 +97,9 @@ class Preprocessing:
             align = None if self.interpolation == "nearest" else False
             x = F.interpolate(x, size=self.size, mode=self.interpolation, align_corners=align,
                               antialias=self.antialias and self.interpolation != "nearest")
-        mean = torch.tensor(self.mean, device=x.device).view(1, 3, 1, 1)
-        std = torch.tensor(self.std, device=x.device).view(1, 3, 1, 1)
+        # built on the CPU, then moved: a fake CUDA device (nblib.budget.trace) cannot build from a list
+        mean = torch.tensor(self.mean).view(1, 3, 1, 1).to(x.device)
+        std = torch.tensor(self.std).view(1, 3, 1, 1).to(x.device)
         return ((x * self.scale - mean) / std).contiguous()
 
 

@@ -10,6 +10,9 @@ simulation cannot see: the CUDA context (300-500 MB on a T4), kernel-internal sc
 cuBLAS's workspace, launch overheads and real clocks.
 `simulate_train_step` runs the training loop's own step (forward, backward, GradScaler, AdamW)
 the same way, in a fresh process with a small C++ shim (see `nblib.simulate.train`).
+`simulate_model` does both for any model (nblib.models): the encode loop's HostPart or nblib.train's
+train_step on the model with a head. The tracing machinery itself lives in nblib.budget.trace (the
+budget traces models with it and may not import the simulation); `fake_cuda` re-exports it.
 Importing this package is light; torch loads with `simulate_encode`.
 """
 from __future__ import annotations
@@ -23,6 +26,7 @@ _LAZY = {
     "fake_cuda": "nblib.simulate.fake_cuda", "DeviceTrace": "nblib.simulate.fake_cuda",
     "simulate_train_step": "nblib.simulate.train", "SimulatedStep": "nblib.simulate.train",
     "SimulationUnavailable": "nblib.simulate.train",
+    "simulate_model": "nblib.simulate.model", "SimulatedModelRun": "nblib.simulate.model",
 }
 
 __all__ = sorted(_LAZY)

@@ -25,50 +25,22 @@ Every figure is simulated: the CUDA context, kernel scratch and real timing are 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from nblib.budget.devices import Device, gpu_preset
+from nblib.budget.shim import SHIM_SOURCE, SimulationUnavailable, backward_capability, shim_path
 from nblib.config import ModelConfig
-from nblib.errors import ConfigError, NblibError
+from nblib.errors import ConfigError
 
 LABEL = "simulated"
 PRECISIONS = ("fp16", "bf16", "fp32")
 STEPS = 3
-SHIM_SOURCE = r"""
-// nblib.simulate.train: a CPU-only torch build gets torch's own fake CUDA device guard and CUDA
-// hooks that report "built", so autograd can record and run fake cuda:0 tensors. No kernel runs.
-#include <c10/core/impl/FakeGuardImpl.h>
-#include <ATen/detail/CUDAHooksInterface.h>
-struct NblibFakeCUDAHooks : at::CUDAHooksInterface {
-  NblibFakeCUDAHooks(at::CUDAHooksArgs) {}
-  bool isBuilt() const override { return true; }
-  bool hasPrimaryContext(c10::DeviceIndex) const override { return true; }
-};
-namespace {
-struct Install {
-  Install() {
-    if (!c10::impl::hasDeviceGuardImpl(c10::DeviceType::CUDA)) {
-      static c10::impl::FakeGuardImpl<c10::DeviceType::CUDA> guard;
-      c10::impl::registerDeviceGuard(c10::DeviceType::CUDA, &guard);
-    }
-  }
-} install;
-}
-namespace at { C10_REGISTER_TYPED_CLASS(CUDAHooksRegistry, "CUDAHooks", ::NblibFakeCUDAHooks) }
-"""
-
-
-class SimulationUnavailable(NblibError):
-    """This machine cannot simulate a backward pass (no C++ compiler, no torch headers, or a CUDA build)."""
+__all__ = ["SHIM_SOURCE", "STEPS", "SimulatedStep", "SimulationUnavailable", "backward_capability", "shim_path",
+           "simulate_train_step"]
 
 
 @dataclass(frozen=True)
@@ -136,52 +108,6 @@ def simulate_train_step(model: ModelConfig, batch_size: int, gpu: str | Device =
                          kernels=kernels, peak_shape=tuple(out.pop("peak_shape")), **out)
 
 
-def backward_capability() -> tuple[bool, str]:
-    """(True, "") where this machine can simulate a backward pass, else (False, the reason)."""
-    try:
-        shim_path()
-    except SimulationUnavailable as exc:
-        return False, str(exc)
-    return True, ""
-
-
-def shim_path() -> Path:
-    """The compiled shim for this torch (built once into the temp folder, keyed by source and torch)."""
-    spec = importlib.util.find_spec("torch")
-    if spec is None or spec.origin is None:
-        raise SimulationUnavailable("torch is not installed: no training step to simulate")
-    root = Path(spec.origin).parent
-    include, lib = root / "include", root / "lib"
-    if any(lib.glob("libtorch_cuda*")):
-        raise SimulationUnavailable(f"{root} is a CUDA build: the fake-CUDA shim is for CPU-only torch; "
-                                    f"on a GPU machine measure the step with torch.cuda.max_memory_allocated()")
-    if not (include / "c10" / "core" / "impl" / "FakeGuardImpl.h").exists():
-        raise SimulationUnavailable(f"torch's C++ headers are missing under {include}: the backward pass "
-                                    f"cannot be simulated here (install a torch wheel that ships include/)")
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if not cxx:
-        raise SimulationUnavailable("no C++ compiler (c++, g++ or $CXX): the backward pass cannot be simulated "
-                                    "here; install one (apt-get install g++) or read the closed-form budget")
-    version = (root / "version.py").read_text(encoding="utf-8") if (root / "version.py").exists() else ""
-    key = hashlib.sha256((SHIM_SOURCE + version + str(root)).encode()).hexdigest()[:16]
-    out = Path(tempfile.gettempdir()) / f"nblib-fake-cuda-{key}.so"
-    if out.exists():
-        return out
-    with tempfile.TemporaryDirectory() as tmp:
-        src, built = Path(tmp) / "shim.cpp", Path(tmp) / "shim.so"
-        src.write_text(SHIM_SOURCE, encoding="utf-8")
-        done = subprocess.run([cxx, "-O1", "-std=c++17", "-shared", "-fPIC", f"-I{include}", str(src), f"-L{lib}",
-                               "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}", "-o", str(built)],
-                              capture_output=True, text=True)
-        if done.returncode:
-            why = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            raise SimulationUnavailable(f"the fake-CUDA shim did not compile with {cxx}: {why}")
-        staged = out.with_name(f"{out.name}.{os.getpid()}.tmp")
-        shutil.copyfile(built, staged)
-        os.replace(staged, out)            # same folder: atomic; a concurrent build writes the same bytes
-    return out
-
-
 # ---------------------------------------------------------------- the child process
 def _child(payload: dict) -> dict:
     """In a fresh process: load the shim, then torch, then run the steps. The result as JSON-able data."""
@@ -192,7 +118,7 @@ def _child(payload: dict) -> dict:
 
     import torch
 
-    from nblib.simulate.fake_cuda import fake_cuda
+    from nblib.budget.trace import attention_as_on_gpu, fake_cuda, step_trace_class
     from nblib.train.config import TrainConfig
     from nblib.train.loop import train_step, training_objects
     from nblib.train.model import Classifier
@@ -204,8 +130,8 @@ def _child(payload: dict) -> dict:
     net = Classifier(model, payload["classes"], seed=config.seed, dropout=config.dropout)   # as the loop builds it
     with fake_cuda(), mock.patch("torch.cuda.is_bf16_supported", return_value=True), \
             torch.autograd.set_multithreading_enabled(False):
-        trace = _step_trace_class()(payload["cc"])
-        with trace, _attention_as_on_gpu(trace):
+        trace = step_trace_class()(payload["cc"])
+        with trace, attention_as_on_gpu(trace):
             net.to(config.device)
             weights = trace.allocator.allocated
             optimizer, scheduler, scaler = training_objects(net, config)
@@ -286,62 +212,6 @@ class _Audit:
 
 def _audit(trace, net, optimizer, scaler, batch_size: int) -> _Audit:
     return _Audit(trace, net, optimizer, scaler, batch_size)
-
-
-def _attention_as_on_gpu(trace):
-    """A TorchFunctionMode that runs F.scaled_dot_product_attention as the simulated GPU would.
-
-    With autograd on, SDPA decomposes before a dispatch mode sees it, and a CPU build's backend
-    choice is always math; the GPU picks by architecture (a T4: memory-efficient). This calls that
-    kernel's aten op, whose autograd formula saves what the GPU's saves (output and logsumexp).
-    """
-    import torch
-    import torch.nn.functional as F
-    from torch.overrides import TorchFunctionMode
-
-    aten = torch.ops.aten
-
-    class AttentionAsOnGPU(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            if func is not F.scaled_dot_product_attention:
-                return func(*args, **kwargs)
-            q, k, v = args[:3]
-            if q.device.type != "cuda":
-                return func(*args, **kwargs)
-            backend = trace.sdpa_backend()
-            trace.sdpa_used[backend] = trace.sdpa_used.get(backend, 0) + 1
-            if torch.is_autocast_enabled("cuda"):      # SDPA is on autocast's fp16 list
-                dtype = torch.get_autocast_dtype("cuda")
-                q, k, v = (t.to(dtype) for t in (q, k, v))
-            grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-            if backend == "efficient":
-                return aten._scaled_dot_product_efficient_attention(q, k, v, None, grad)[0]
-            if backend == "flash":
-                return aten._scaled_dot_product_flash_attention(q, k, v)[0]
-            if backend == "cudnn":
-                return aten._scaled_dot_product_cudnn_attention(q, k, v, None, grad)[0]
-            return func(q, k, v, *args[3:], **kwargs)
-
-    return AttentionAsOnGPU()
-
-
-def _step_trace_class():
-    """DeviceTrace that answers a read of a device value (no data on a fake device) with 0."""
-    import torch
-
-    from nblib.simulate.fake_cuda import DeviceTrace
-
-    scalar = torch.ops.aten._local_scalar_dense.default
-
-    class StepTrace(DeviceTrace):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is scalar and getattr(args[0], "constant", None) is None:
-                t = args[0]
-                return 0.0 if t.dtype.is_floating_point else (False if t.dtype == torch.bool else 0)
-            return super().__torch_dispatch__(func, types, args, kwargs)
-
-    return StepTrace
 
 
 if __name__ == "__main__":

@@ -1,0 +1,123 @@
+"""The fake-CUDA shim: what lets a CPU-only torch record and run backward on fake cuda:0 tensors.
+
+Stock torch (CPU build) runs a forward on fake CUDA tensors but cannot record it for backward, nor
+copy a permuted tensor (`contiguous`): both ask the CUDA device guard, and a CPU build has none.
+A 20-line C++ shim, compiled once with the local C++ compiler against torch's own headers and
+loaded before torch in a fresh process, installs torch's own `FakeGuardImpl<CUDA>` and CUDA hooks
+that report "built, with a primary context". It changes global torch state, so whatever uses it
+runs in a subprocess (`run_child`). Shared by the budget's trace (nblib.budget.model_vram) and the
+simulated training step (nblib.simulate.train).
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from nblib.errors import NblibError
+
+SHIM_SOURCE = r"""
+// nblib.simulate.train: a CPU-only torch build gets torch's own fake CUDA device guard and CUDA
+// hooks that report "built", so autograd can record and run fake cuda:0 tensors. No kernel runs.
+#include <c10/core/impl/FakeGuardImpl.h>
+#include <ATen/detail/CUDAHooksInterface.h>
+struct NblibFakeCUDAHooks : at::CUDAHooksInterface {
+  NblibFakeCUDAHooks(at::CUDAHooksArgs) {}
+  bool isBuilt() const override { return true; }
+  bool hasPrimaryContext(c10::DeviceIndex) const override { return true; }
+};
+namespace {
+struct Install {
+  Install() {
+    if (!c10::impl::hasDeviceGuardImpl(c10::DeviceType::CUDA)) {
+      static c10::impl::FakeGuardImpl<c10::DeviceType::CUDA> guard;
+      c10::impl::registerDeviceGuard(c10::DeviceType::CUDA, &guard);
+    }
+  }
+} install;
+}
+namespace at { C10_REGISTER_TYPED_CLASS(CUDAHooksRegistry, "CUDAHooks", ::NblibFakeCUDAHooks) }
+"""
+
+
+class SimulationUnavailable(NblibError):
+    """This machine cannot simulate a backward pass (no C++ compiler, no torch headers, or a CUDA build)."""
+
+
+def backward_capability() -> tuple[bool, str]:
+    """(True, "") where this machine can simulate a backward pass, else (False, the reason)."""
+    try:
+        shim_path()
+    except SimulationUnavailable as exc:
+        return False, str(exc)
+    return True, ""
+
+
+def shim_path() -> Path:
+    """The compiled shim for this torch (built once into the temp folder, keyed by source and torch)."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        raise SimulationUnavailable("torch is not installed: no training step to simulate")
+    root = Path(spec.origin).parent
+    include, lib = root / "include", root / "lib"
+    if any(lib.glob("libtorch_cuda*")):
+        raise SimulationUnavailable(f"{root} is a CUDA build: the fake-CUDA shim is for CPU-only torch; "
+                                    f"on a GPU machine measure the step with torch.cuda.max_memory_allocated()")
+    if not (include / "c10" / "core" / "impl" / "FakeGuardImpl.h").exists():
+        raise SimulationUnavailable(f"torch's C++ headers are missing under {include}: the backward pass "
+                                    f"cannot be simulated here (install a torch wheel that ships include/)")
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if not cxx:
+        raise SimulationUnavailable("no C++ compiler (c++, g++ or $CXX): the backward pass cannot be simulated "
+                                    "here; install one (apt-get install g++) or read the closed-form budget")
+    version = (root / "version.py").read_text(encoding="utf-8") if (root / "version.py").exists() else ""
+    key = hashlib.sha256((SHIM_SOURCE + version + str(root)).encode()).hexdigest()[:16]
+    out = Path(tempfile.gettempdir()) / f"nblib-fake-cuda-{key}.so"
+    if out.exists():
+        return out
+    with tempfile.TemporaryDirectory() as tmp:
+        src, built = Path(tmp) / "shim.cpp", Path(tmp) / "shim.so"
+        src.write_text(SHIM_SOURCE, encoding="utf-8")
+        done = subprocess.run([cxx, "-O1", "-std=c++17", "-shared", "-fPIC", f"-I{include}", str(src), f"-L{lib}",
+                               "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}", "-o", str(built)],
+                              capture_output=True, text=True)
+        if done.returncode:
+            why = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            raise SimulationUnavailable(f"the fake-CUDA shim did not compile with {cxx}: {why}")
+        staged = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+        shutil.copyfile(built, staged)
+        os.replace(staged, out)            # same folder: atomic; a concurrent build writes the same bytes
+    return out
+
+
+def run_child(module: str, payload: dict, timeout_s: float = 600.0) -> dict:
+    """Run `python -m module JSON` with the shim's path in the payload; its last JSON line, parsed."""
+    payload = {**payload, "shim": None if cuda_build() else str(shim_path())}   # a CUDA build has its own guard
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", module, json.dumps(payload)], capture_output=True, text=True,
+                          timeout=timeout_s, env=env)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode or not lines:
+        why = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        raise SimulationUnavailable(f"the fake-CUDA trace failed in its process ({module}): {why}")
+    return json.loads(lines[-1])
+
+
+def cuda_build() -> bool:
+    """True when the installed torch is a CUDA build (its own CUDA guard: no shim needed nor possible)."""
+    spec = importlib.util.find_spec("torch")
+    return bool(spec and spec.origin and any((Path(spec.origin).parent / "lib").glob("libtorch_cuda*")))
+
+
+def load_shim(payload: dict) -> None:
+    """In the child, before torch is imported: load the shim (its CUDA hooks are chosen when torch starts)."""
+    import ctypes
+
+    if payload.get("shim"):
+        ctypes.CDLL(payload["shim"])

@@ -1,0 +1,153 @@
+"""The traced VRAM budget of any model (nblib.budget.model_vram) against the simulated jobs, the CLI, the GPU twin."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _tiny_configs(folder: Path) -> dict[str, str]:
+    transformers = pytest.importorskip("transformers")
+    vit = folder / "vit.json"
+    transformers.ViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+                           image_size=32, patch_size=8).to_json_file(vit)
+    resnet = folder / "resnet.json"
+    transformers.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1],
+                              layer_type="basic").to_json_file(resnet)
+    return {"vit": f"hf:ViTModel:{vit}", "resnet": f"hf:ResNetModel:{resnet}", "trm": "trm:smoke"}
+
+
+@pytest.fixture(scope="module")
+def specs(tmp_path_factory):
+    from nblib.simulate.train import backward_capability
+
+    ok, why = backward_capability()
+    if not ok:
+        pytest.skip(why)
+    return _tiny_configs(tmp_path_factory.mktemp("configs"))
+
+
+def test_the_cublas_workspace_comes_after_the_first_gemms_output():
+    """PyTorch's order (Blas.cpp structured addmm, CublasHandlePool.cpp): output first, workspace second."""
+    import torch
+
+    from nblib.budget.trace import WORKSPACE_POSITIONS, DeviceTrace, fake_cuda, replay_events
+
+    with fake_cuda():
+        trace = DeviceTrace(75)
+        with trace:
+            a = torch.empty(512, 512).to("cuda:0")
+            b = a @ a
+            del b
+    kinds = [e[0] for e in trace.events]
+    w = kinds.index("w")
+    assert kinds[w - 1] == "m" and trace.events[w - 1][2] == 512 * 512 * 4      # the mm's output, then the workspace
+    by_pos = trace.reserved_by_position()
+    assert by_pos[WORKSPACE_POSITIONS[0]] == trace.allocator.max_reserved == replay_events(trace.events)
+    assert set(by_pos) == set(WORKSPACE_POSITIONS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("train", [False, True], ids=["encode", "train"])
+@pytest.mark.parametrize("precision", ["fp16", "fp32"])
+@pytest.mark.parametrize("name", ["trm", "vit", "resnet"])
+def test_the_budget_is_within_ten_percent_of_the_simulated_job(specs, name, precision, train):
+    from nblib.budget.model_vram import model_vram
+    from nblib.simulate.model import simulate_model
+
+    for batch in (8, 40):
+        budget = model_vram(specs[name], batch, precision=precision, train=train, find_largest=False)
+        sim = simulate_model(specs[name], batch, precision=precision, train=train)
+        assert 0.9 <= budget.reserved / sim.max_reserved <= 1.1, (batch, budget.reserved, sim.max_reserved)
+        assert budget.high >= budget.total and budget.line("CUDA context") == 400_000_000
+
+
+@pytest.mark.slow
+def test_budget_cli_prints_json_lines_in_bytes_and_refuses_what_does_not_fit(specs):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "nblib", "budget", "--model", specs["vit"], "--batch-size", "8",
+                           "--train", "--json"], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert sum(line["bytes"] for line in out["vram_lines"]) == out["total_bytes"]
+    assert out["high_bytes"] == out["total_bytes"] + out["workspace_margin_bytes"]
+    assert out["fits"] and out["largest_batch"] >= 8 and out["fit_margin"] == 0.1
+    done = subprocess.run([sys.executable, "-m", "nblib", "budget", "--model", specs["vit"], "--batch-size",
+                           "1000000", "--train", "--json"], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 2, done.stderr
+    refused = json.loads(done.stdout)
+    assert not refused["fits"] and refused["high_bytes"] > 0.9 * refused["limit_bytes"]
+    assert 8 <= refused["largest_batch"] < 1_000_000
+    error = done.stderr.strip().splitlines()[-1]
+    assert error.startswith("error:") and f"--batch-size {refused['largest_batch']} or less" in error
+    assert f"{refused['high_bytes'] / 1e9:.2f} GB of VRAM" in error
+
+
+GPU_RESULTS = ROOT / "outputs" / "gpu_model_vram.json"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("train", [False, True], ids=["encode", "train"])
+@pytest.mark.parametrize("spec", ["trm", "hf:ViTModel", "hf:ResNetModel"])
+def test_budget_and_simulation_against_max_memory_reserved_on_a_gpu(spec, train):
+    """On a real GPU: torch.cuda.max_memory_reserved() of the job against the traced budget and the simulation.
+
+    Results are appended to outputs/gpu_model_vram.json (send that file back).
+    """
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU: torch.cuda.is_available() is False here")
+    from nblib.budget.model_vram import model_vram
+    from nblib.models import load_model
+    from nblib.simulate.model import simulate_model
+
+    batch, precision = 32, "fp16"
+    budget = model_vram(spec, batch, "t4", precision=precision, train=train, find_largest=False)
+    sim = simulate_model(spec, batch, precision=precision, train=train)
+    measured = _measure_on_gpu(load_model(spec), batch, train)
+    row = {"spec": spec, "train": train, "batch": batch, "precision": precision, "gpu": torch.cuda.get_device_name(),
+           "measured_reserved": measured, "budget_reserved": budget.reserved, "budget_high": budget.high
+           - budget.line("CUDA context"), "simulated_reserved": sim.max_reserved}
+    GPU_RESULTS.parent.mkdir(exist_ok=True)
+    rows = json.loads(GPU_RESULTS.read_text()) if GPU_RESULTS.exists() else []
+    GPU_RESULTS.write_text(json.dumps(rows + [row], indent=1))
+    assert 0.9 <= budget.reserved / measured <= 1.1, row
+    assert 0.9 <= sim.max_reserved / measured <= 1.1, row
+
+
+def _measure_on_gpu(loaded, batch: int, train: bool) -> int:
+    import torch
+    import torch.nn.functional as F
+
+    from nblib.models.head import _image_size, with_head
+    from nblib.models.outputs import named_outputs
+
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    size = _image_size(loaded)
+    host = torch.zeros(batch, size, size, 3, dtype=torch.uint8)
+    if not train:
+        loaded.module.to("cuda")
+        for _ in range(3):
+            with torch.inference_mode(), torch.autocast("cuda", dtype=torch.float16):
+                outputs = named_outputs(loaded.module(loaded.preprocessing.apply(host.to("cuda"))))
+            del outputs
+    else:
+        net = with_head(loaded, 12, image_size=size).to("cuda").train()
+        optimizer = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-4, foreach=False)
+        scaler = torch.amp.GradScaler("cuda")
+        for _ in range(3):
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = F.cross_entropy(net(host.to("cuda")), torch.zeros(batch, dtype=torch.int64, device="cuda"))
+                scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_reserved()
