@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from nblib.budget.devices import Device, device_preset
 from nblib.budget.memory import Line
-from nblib.budget.resources import FIT_MARGIN   # the one rule for "fits"
+from nblib.budget.resources import FIT_MARGIN  # the one rule for "fits"
 from nblib.budget.shim import run_child
 from nblib.errors import BudgetExceeded, ConfigError
 from nblib.units import GB, fmt_bytes
