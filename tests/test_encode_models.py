@@ -132,8 +132,7 @@ def test_cli_encode_of_any_model_killed_and_resumed_gives_every_byte_of_an_unint
     expected = _every_output_byte(whole.run_dir)
     assert len(expected) >= 2
     assert _every_output_byte(killed) == expected
-    manifest = enc.read_index(killed)
-    assert manifest["n_parts"] == N_TEXTS // 2
+    assert len(enc.read_index(killed)["parts"]) == N_TEXTS // 2
 
 
 def test_outputs_are_the_names_the_model_returns_with_their_shapes(cache_dir, models, tmp_path):
