@@ -120,11 +120,9 @@ def encode(cache: ImageSource, run_dir: str | Path, config: PipelineConfig, devi
         progress: show a progress bar.
         offload: "async" (per-batch copies to pinned host buffers) or "consolidate" (keep
             `consolidate_every` batches on the GPU, then one copy).
-        weights: a weights file (safetensors or a torch state dict, `TRMVisionEncoder.save_weights`'s
-            too) loaded strictly over the model; None: its seeded initialization.
-        model: what encodes: a spec (`nblib.models.load_model`: "trm", "hf:CLASS[:config.json]",
-            "timm:NAME", "package.module:factory"), a `LoadedModel` or an nn.Module; None: the
-            TRM of `config`. Another model stores the `outputs` asked for (default: all it returns).
+        weights: a state dict (safetensors or torch) loaded strictly over the model's seeded weights.
+        model: a spec ("trm", "hf:CLASS[:config.json]", "timm:NAME", "package.module:factory"), a
+            `LoadedModel` or an nn.Module (None: the TRM); it stores `outputs` (default: all).
         preflight: check RAM, VRAM and each disk against the budget before the first batch.
         workspace: the `nblib.env.Workspace` the preflight checks (default: run_dir everywhere).
         do_consolidate: merge the parts into one .npy per output at the end.
@@ -159,9 +157,7 @@ def encode(cache: ImageSource, run_dir: str | Path, config: PipelineConfig, devi
         pending = pending_parts(run.plan, manifest)
         mine = world.assign(pending, run.plan.n_parts, run.fingerprints)    # this process's share
         if mine and preflight:
-            _preflight(run, workspace, pending, do_consolidate)
-            if run.model.is_trm:                                             # the budget knows the TRM
-                world.preflight(run.config, str(run.torch_device))
+            _preflight(run, workspace, pending, do_consolidate, world)
         with world.progress(run.run_dir, run.plan.n_parts, progress):      # one bar over all ranks' parts
             done = encode_parts(run, parts_store, manifest, mine, lock, world.record(run.run_dir, mine),
                                 write_manifest=world.writes_manifest, progress=progress and not world.distributed)
@@ -455,7 +451,7 @@ def _require_folder(folder: Path, what: str) -> Path:
     return folder
 
 
-def _preflight(run: RunInputs, workspace, pending: list[int], do_consolidate: bool) -> None:
+def _preflight(run: RunInputs, workspace, pending: list[int], do_consolidate: bool, world: World = SINGLE) -> None:
     """The budget's preflight before the first batch: RAM and VRAM, then each disk written.
 
     The disks are checked here, with what this run writes to each (`disk_needs`): the parts
@@ -476,6 +472,8 @@ def _preflight(run: RunInputs, workspace, pending: list[int], do_consolidate: bo
     per_image = None if run.model.is_trm else run.model.bytes_per_sample(run.config.run.out_dtype)
     check_disks(disk_needs(run.config, run.run_dir, run.mirror_dir, run.plan, pending, do_consolidate,
                            per_image=per_image, n_outputs=len(run.model.outputs)), mirror=run.mirror_dir)
+    if run.model.is_trm:
+        world.preflight(run.config, str(run.torch_device))          # the host's RAM for all its ranks
 
 
 # ------------------------------------------------------------------------------ helpers: the loop
