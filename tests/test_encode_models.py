@@ -116,6 +116,7 @@ def _kill_after(cmd: list[str], out: Path, parts: int, env: dict) -> None:
     assert _durable_parts(out) >= parts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", ["hf:ResNetModel:{models}/resnet.json", "tinyfactory:build"])
 def test_cli_encode_of_any_model_killed_and_resumed_gives_every_byte_of_an_uninterrupted_run(
         spec, cache_dir, models, tmp_path):
@@ -162,6 +163,7 @@ def test_resume_with_another_config_class_or_preprocessing_is_refused_naming_wha
         _run(cache_dir, factory_run, "tinyfactory:build_wide")
 
 
+@pytest.mark.slow
 def test_cli_refusal_of_another_model_is_one_error_line_exit_2(cache_dir, models, tmp_path):
     run = tmp_path / "r"
     _run(cache_dir, run, None, do_consolidate=False)          # the TRM, the default

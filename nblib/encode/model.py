@@ -13,6 +13,7 @@ what changed.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,8 +61,8 @@ class EncodeModel:
 
     def settings(self, settings: dict) -> dict:
         """The run's settings with the model's part: the TRM's config shape, or another model's class and outputs."""
-        if self.is_trm:
-            return settings
+        if self.is_trm:      # the module's shape: the config's, or a trm:PRESET's
+            return {**settings, "model": dataclasses.asdict(self.module.config)}
         identity = self.loaded.identity()
         return {**settings, "model": {"class": identity["class"]}, "outputs": list(self.outputs)}
 
