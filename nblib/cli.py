@@ -373,7 +373,8 @@ def encode_main(argv: list[str]) -> int:
         with _os_errors_name(args.out):
             report = encode(ShardedImageCache(args.cache), args.out, config, device=world.device,
                             mirror_dir=args.mirror, progress=not args.no_progress, offload=args.offload,
-                            weights=args.weights, preflight=not args.no_preflight, world=world,
+                            weights=args.weights, model=args.model, outputs=_encode_outputs(args),
+                            preflight=not args.no_preflight, world=world,
                             verify=VerifyLevel.HASH if args.verify else VerifyLevel.STAT,
                             precision=args.precision, reencode_numerics=args.reencode_numerics)
     finally:
@@ -395,10 +396,13 @@ def _encode_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", help="smoke | t4 | full, or a preset name (default: NBLIB_PROFILE)")
     p.add_argument("--batch-size", type=positive_int)
     p.add_argument("--checkpoint-every", type=positive_int, help="batches per durable part")
-    p.add_argument("--outputs", help=f"comma-separated subset of {','.join(OUTPUT_NAMES)}")
+    p.add_argument("--outputs", help=f"comma-separated outputs to store: of the TRM {','.join(OUTPUT_NAMES)}; "
+                   f"of another model, the names its forward returns (default: all)")
     p.add_argument("--dtype", choices=OUTPUT_DTYPES, help="dtype of the stored outputs")
     p.add_argument("--mirror", help="durable mirror folder (e.g. on Google Drive)")
-    p.add_argument("--weights", help="trained weights saved by TRMVisionEncoder.save_weights")
+    p.add_argument("--model", help="trm (default), trm:PRESET, hf:CLASS, hf:CLASS:config.json, timm:NAME or "
+                   "package.module:factory; built with seeded random weights, nothing downloaded")
+    p.add_argument("--weights", help="a state-dict file (safetensors or torch) loaded strictly over the model")
     p.add_argument("--seed", type=seed_int, help="seed of the initial weights")
     p.add_argument("--workers", type=int, help="DataLoader worker processes (0: read in the main one)")
     p.add_argument("--device", help="cpu | cuda (default: cuda when available)")
@@ -437,8 +441,6 @@ def _encode_config(args: argparse.Namespace, default_profile: str):
     if args.checkpoint_every is not None:
         changes["checkpoint_every"] = args.checkpoint_every
         changes["consolidate_every"] = math.gcd(args.checkpoint_every, config.run.consolidate_every)
-    if args.outputs:
-        changes["outputs"] = tuple(o.strip() for o in args.outputs.split(",") if o.strip())
     if args.dtype:
         changes["out_dtype"] = args.dtype
     if args.seed is not None:
@@ -446,6 +448,13 @@ def _encode_config(args: argparse.Namespace, default_profile: str):
     if args.workers is not None:
         changes["workers"] = args.workers
     return config.replace(**changes) if changes else config
+
+
+def _encode_outputs(args: argparse.Namespace) -> tuple[str, ...] | None:
+    """The --outputs names (None: the TRM's configured ones, or all another model returns)."""
+    if not args.outputs:
+        return None
+    return tuple(o.strip() for o in args.outputs.split(",") if o.strip())
 
 
 # --------------------------------------------------------------------------------------- train

@@ -395,7 +395,7 @@ def test_a_shard_edited_in_place_with_its_mtime_kept_is_never_encoded(tmp_path, 
     (("--device", "tpu"), "device 'tpu' is not one torch knows"),
     (("--device", "cuda"), "device 'cuda' asked for, but"),
     (("--weights", "{missing}"), "does not exist"),
-    (("--weights", "{garbage}"), "is not a file that TRMVisionEncoder.save_weights wrote"),
+    (("--weights", "{garbage}"), "is neither a safetensors file nor a torch state dict"),
     (("--weights", "{folder}"), "is a folder"),
 ], ids=["device-tpu", "device-cuda", "weights-missing", "weights-garbage", "weights-folder"])
 def test_bad_encode_flags_are_one_error_line_and_write_nothing(tmp_path, encode_refs, flags, says):

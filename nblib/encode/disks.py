@@ -26,14 +26,16 @@ DISK_BLOCK = 4096                 # the preflight rounds each file up to whole b
 
 
 def disk_needs(config: PipelineConfig, run_dir: Path, mirror_dir, plan: RunPlan, missing: list[int],
-               do_consolidate: bool = True) -> dict[str, tuple[Path, int]]:
+               do_consolidate: bool = True, *, per_image: int | None = None,
+               n_outputs: int | None = None) -> dict[str, tuple[Path, int]]:
     """What the rest of a run writes, by item: name -> (folder it lands in, bytes).
 
     Each file is rounded up to whole 4 KiB blocks (part.json and headers included), so a disk
-    of many small parts is not under-counted.
+    of many small parts is not under-counted. `per_image` and `n_outputs` are a model's own
+    (default: the config's TRM outputs).
     """
-    per_image = budget.output_bytes_per_image(config)
-    outputs = len(config.run.outputs)
+    per_image = budget.output_bytes_per_image(config) if per_image is None else per_image
+    outputs = len(config.run.outputs) if n_outputs is None else n_outputs
     left = sum(plan.part_range(k)[1] - plan.part_range(k)[0] for k in missing)
     parts = left * per_image + len(missing) * (outputs + 1) * DISK_BLOCK
     needs = {"parts still to encode": (run_dir, parts)}

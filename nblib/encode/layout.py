@@ -76,16 +76,18 @@ def plan_run(config: PipelineConfig, n_samples: int) -> RunPlan:
     return RunPlan(n_samples, config.run.batch_size, config.run.checkpoint_every)
 
 
-def settings_of(config: PipelineConfig, n_samples: int) -> dict:
+def settings_of(config: PipelineConfig, n_samples: int, model=None) -> dict:
     """The knobs that decide the output bytes (model, batches, parts, outputs, dtype, seed).
 
     Loader knobs (workers, prefetch, consolidate_every, offload mode) are left out on purpose: a
-    resume on another machine may change them without changing a byte.
+    resume on another machine may change them without changing a byte. `model` (an
+    `nblib.encode.model.EncodeModel`) puts in a model other than the TRM: its class and outputs.
     """
     r = config.run
-    return {"model": dataclasses.asdict(config.model), "n_samples": n_samples,
-            "batch_size": r.batch_size, "checkpoint_every": r.checkpoint_every,
-            "outputs": list(r.outputs), "out_dtype": r.out_dtype, "seed": r.seed}
+    settings = {"model": dataclasses.asdict(config.model), "n_samples": n_samples,
+                "batch_size": r.batch_size, "checkpoint_every": r.checkpoint_every,
+                "outputs": list(r.outputs), "out_dtype": r.out_dtype, "seed": r.seed}
+    return model.settings(settings) if model is not None else settings
 
 
 def part_meta(plan: RunPlan, k: int, fingerprints: dict, settings: dict | None = None) -> dict:
@@ -143,10 +145,12 @@ def read_run_manifest(store: PartStore) -> dict | None:
 def refuse_if_changed(old: dict, new: dict, old_settings: dict | None, new_settings: dict | None,
                       where: str) -> None:
     """ResumeMismatch naming each fingerprint (and setting) that differs between two runs."""
-    changed = [k for k in ("settings", "weights", "cache") if k in old and old[k] != new.get(k)]
-    if not changed:
+    details = _model_changes(old, new)
+    model_keys = ("weights",) if details else ()       # the TRM's weights vs another model: said once
+    changed = [k for k in ("settings", "weights", "cache") if k in old and k not in model_keys
+               and old[k] != new.get(k)]
+    if not changed and not details:
         return
-    details = []
     for key in changed:
         if key == "settings" and old_settings and new_settings:
             diffs = _setting_diffs(old_settings, new_settings) or ["fingerprint differs"]
@@ -155,8 +159,22 @@ def refuse_if_changed(old: dict, new: dict, old_settings: dict | None, new_setti
             details.append(f"{key} changed ({old[key][:12]} -> {str(new.get(key))[:12]})")
     raise ResumeMismatch(
         f"{where} was made with other inputs: {', '.join(details)}. Resuming would mix outputs "
-        f"of two different runs; rerun with the original cache, weights and settings, or encode "
+        f"of two different runs; rerun with the original cache, model, weights and settings, or encode "
         f"into a new --out folder")
+
+
+def _model_changes(old: dict, new: dict) -> list[str]:
+    """The model's part of a refusal: another model than the TRM, or what differs between two models."""
+    from nblib.models import describe_changes
+
+    if "model" not in old and "model" not in new:
+        return []
+    if ("model" in old) != ("model" in new):
+        was = old["model"].get("spec") if "model" in old else "the TRM (trm)"
+        now = new["model"].get("spec") if "model" in new else "the TRM (trm)"
+        return [f"model changed ({was} -> {now})"]
+    change = describe_changes(old["model"], new["model"])
+    return [change] if change else []
 
 
 def _setting_diffs(old: dict, new: dict) -> list[str]:

@@ -42,10 +42,11 @@ from nblib.encode.layout import (
     refuse_if_changed,
     settings_of,
 )
+from nblib.encode.model import EncodeModel, encode_model, load_encoder
 from nblib.encode.protocols import ImageSource, PartStore, require_image_source, require_part_store
 from nblib.encode.ranks import RankRecord, require_all_parts
 from nblib.env import Workspace
-from nblib.errors import BudgetExceeded, CacheError, ConfigError, NblibError, StateError
+from nblib.errors import BudgetExceeded, CacheError, ConfigError, StateError
 from nblib.lock import FolderLock, run_identity
 from nblib.malloc import pin_malloc_mmap_threshold
 from nblib.store.parts import VerifyLevel
@@ -97,7 +98,7 @@ class EncodeReport:
 def encode(cache: ImageSource, run_dir: str | Path, config: PipelineConfig, device: str | None = None, *,
            outputs: tuple[str, ...] | None = None, out_dtype: str | None = None,
            mirror_dir: str | Path | None = None, progress: bool = True, offload: str = "async",
-           weights: str | Path | None = None, preflight: bool = True, workspace=None,
+           weights: str | Path | None = None, model=None, preflight: bool = True, workspace=None,
            do_consolidate: bool = True, store: PartStore | None = None,
            world: World | None = None, verify: VerifyLevel = VerifyLevel.STAT, precision: str = "auto",
            reencode_numerics: bool = False) -> EncodeReport:
@@ -119,7 +120,9 @@ def encode(cache: ImageSource, run_dir: str | Path, config: PipelineConfig, devi
         progress: show a progress bar.
         offload: "async" (per-batch copies to pinned host buffers) or "consolidate" (keep
             `consolidate_every` batches on the GPU, then one copy).
-        weights: trained weights (`TRMVisionEncoder.save_weights`); None: the seeded initialization.
+        weights: a state dict (safetensors or torch) loaded strictly over the model's seeded weights.
+        model: a spec ("trm", "hf:CLASS[:config.json]", "timm:NAME", "package.module:factory"), a
+            `LoadedModel` or an nn.Module (None: the TRM); it stores `outputs` (default: all).
         preflight: check RAM, VRAM and each disk against the budget before the first batch.
         workspace: the `nblib.env.Workspace` the preflight checks (default: run_dir everywhere).
         do_consolidate: merge the parts into one .npy per output at the end.
@@ -144,8 +147,8 @@ def encode(cache: ImageSource, run_dir: str | Path, config: PipelineConfig, devi
     """
     world = world if world is not None else SINGLE
     run = plan_encode(cache, run_dir, config, device, outputs=outputs, out_dtype=out_dtype,
-                      mirror_dir=mirror_dir, offload=offload, weights=weights, world=world, precision=precision,
-                      reencode_numerics=reencode_numerics)
+                      mirror_dir=mirror_dir, offload=offload, weights=weights, model=model, world=world,
+                      precision=precision, reencode_numerics=reencode_numerics)
     identity = numerics.identity_of(run.fingerprints)          # a resume on other hardware is the same run
     with run_lock(run.run_dir, identity, world.rank, world.lock_environ) as lock:  # another run: refused
         parts_store = open_store(run.run_dir, run.mirror_dir, identity) if store is None \
@@ -154,8 +157,7 @@ def encode(cache: ImageSource, run_dir: str | Path, config: PipelineConfig, devi
         pending = pending_parts(run.plan, manifest)
         mine = world.assign(pending, run.plan.n_parts, run.fingerprints)    # this process's share
         if mine and preflight:
-            _preflight(run, workspace, pending, do_consolidate)
-            world.preflight(run.config, str(run.torch_device))
+            _preflight(run, workspace, pending, do_consolidate, world)
         with world.progress(run.run_dir, run.plan.n_parts, progress):      # one bar over all ranks' parts
             done = encode_parts(run, parts_store, manifest, mine, lock, world.record(run.run_dir, mine),
                                 write_manifest=world.writes_manifest, progress=progress and not world.distributed)
@@ -185,8 +187,8 @@ class RunInputs:
     mirror_dir: Path | None
     config: PipelineConfig       # with the run's outputs, dtype and n_samples
     plan: RunPlan
-    fingerprints: dict           # settings, weights, cache: a resume refuses when one changed
-    encoder: Any                 # the TRMVisionEncoder (torch), on the CPU until parts are encoded
+    fingerprints: dict           # settings, weights or model, cache: a resume refuses when one changed
+    model: EncodeModel           # what encodes (torch), on the CPU until parts are encoded
     torch_device: Any            # the torch.device it encodes on
     offload: str
     reencode_numerics: bool = False   # parts of other numerics are encoded again, not refused
@@ -214,9 +216,9 @@ class Consolidated:
 def plan_encode(cache: ImageSource, run_dir: str | Path, config: PipelineConfig, device: str | None = None, *,
                 outputs: tuple[str, ...] | None = None, out_dtype: str | None = None,
                 mirror_dir: str | Path | None = None, offload: str = "async",
-                weights: str | Path | None = None, world: World = SINGLE, precision: str = "auto",
+                weights: str | Path | None = None, model=None, world: World = SINGLE, precision: str = "auto",
                 reencode_numerics: bool = False) -> RunInputs:
-    """Phase 1: check the folders, cache, config and device, load the encoder, fingerprint the run.
+    """Phase 1: check the folders, cache, config and device, load the model, fingerprint the run.
 
     Nothing is written. ConfigError, CacheError as `encode` documents.
     """
@@ -228,19 +230,23 @@ def plan_encode(cache: ImageSource, run_dir: str | Path, config: PipelineConfig,
                            default=Path(mirror_dir))
         world.refuse_mirror()                      # one process only: ranks write --out directly
     source = require_image_source(cache)
-    run_config = _effective_config(config, len(source), outputs, out_dtype)
+    trm = model is None or getattr(model, "kind", None) == "trm" or \
+        (isinstance(model, str) and model.strip().partition(":")[0] in ("", "trm"))
+    run_config = _effective_config(config, len(source), outputs if trm else None, out_dtype)
     if offload not in OFFLOAD_MODES:
         raise ConfigError(f"offload={offload!r} is unknown; choose one of {OFFLOAD_MODES}")
-    _require_usable_cache(source, run_config)
+    _require_complete_cache(source)
     torch_device = resolve_device(device)
     if torch_device.type == "cpu":
         # the budget's RAM lines count live buffers; without this glibc keeps freed activations
         # resident and a CPU run peaks 1.5-1.8x above them (see measure.pin_malloc_mmap_threshold)
         pin_malloc_mmap_threshold()
-    encoder = load_encoder(run_config, weights).set_inference(precision=precision)
+    encoder = encode_model(run_config, model, weights, outputs=outputs, precision=precision,
+                           image_size=source.image_size)
+    encoder.check_image_size(source.image_size, run_config)
     plan = plan_run(run_config, len(source))
-    fingerprints = {"settings": sha256_json(settings_of(run_config, plan.n_samples)),
-                    "weights": encoder.weights_fingerprint(), "cache": source.fingerprint,
+    fingerprints = {"settings": sha256_json(settings_of(run_config, plan.n_samples, encoder)),
+                    **encoder.fingerprints(), "cache": source.fingerprint,
                     numerics.KEY: numerics.numerics_of(torch_device, precision)}
     return RunInputs(source, folder, mirror, run_config, plan, fingerprints, encoder, torch_device, offload,
                      reencode_numerics)
@@ -254,7 +260,7 @@ def resume(store: PartStore, run: RunInputs, world: World, verify: VerifyLevel =
     single process writes the result back (the others share the folder: see `World.writes_manifest`).
     """
     old = read_run_manifest(store)
-    settings = settings_of(run.config, run.plan.n_samples)
+    settings = settings_of(run.config, run.plan.n_samples, run.model)
     encodes = world.role != "consolidate"      # one that only merges takes the parts' numerics as they are
     if old is not None:
         refuse_if_changed(old.get("fingerprints", {}), run.fingerprints, old.get("settings", {}), settings,
@@ -291,7 +297,7 @@ def encode_parts(run: RunInputs, store: PartStore, manifest: dict, parts: list[i
     started = time.perf_counter()
     timeline, writing = [], 0.0
     if parts:
-        run.encoder.to(run.torch_device).eval()
+        run.model.module.to(run.torch_device).eval()
         timeline, writing = _encode_loop(run, store, manifest, parts, lock, record, write_manifest, progress)
     return EncodedParts(manifest, run.plan.samples_in(parts), time.perf_counter() - started, writing,
                         tuple(timeline))
@@ -326,31 +332,6 @@ def consolidate_run(run: RunInputs, store: PartStore, manifest: dict, lock: Fold
     kept = _without_parts(manifest, [run.plan.part_name(k) for k in ks])
     encode_parts(run, store, kept, ks, lock, write_manifest=True)
     return Consolidated(consolidate(run.run_dir, store=store, lock=lock), tuple(ks))
-
-
-def load_encoder(config: PipelineConfig, weights: str | Path | None = None):
-    """The seeded encoder of a config, with trained weights loaded when a path is given.
-
-    ConfigError when `weights` is missing, a folder, or not a file `save_weights` wrote.
-    """
-    from nblib.trm import TRMVisionEncoder
-
-    encoder = TRMVisionEncoder(config, seed=config.run.seed)
-    if weights is None:
-        return encoder
-    path = Path(weights)
-    if not path.is_file():
-        what = "is a folder" if path.is_dir() else "does not exist"
-        raise ConfigError(f"weights {path} {what}: pass the file TRMVisionEncoder.save_weights wrote, "
-                          f"or leave weights out (no --weights) to encode with the seeded initial weights")
-    try:
-        return encoder.load_weights(path)
-    except (NblibError, OSError):
-        raise
-    except Exception as exc:  # torch.load fails on garbage with many types: unpickling, zip, key, index
-        raise ConfigError(f"weights {path} ({path.stat().st_size:,} bytes) is not a file that "
-                          f"TRMVisionEncoder.save_weights wrote ({type(exc).__name__} reading it); pass such "
-                          f"a file, or leave weights out to use the seeded initial weights") from exc
 
 
 def resolve_device(name: str | None):
@@ -406,27 +387,20 @@ def _effective_config(config: PipelineConfig, n_samples: int, outputs, out_dtype
     return config.replace(**changes)
 
 
-def _require_usable_cache(cache: ImageSource, config: PipelineConfig) -> None:
-    """Refuse a cache that is still being populated or holds images of another size."""
+def _require_complete_cache(cache: ImageSource) -> None:
+    """Refuse a cache that is still being populated (the image size is the model's check)."""
     if not cache.complete:
         raise CacheError(f"the cache holds {len(cache):,} images and is not complete; finish it first "
                          f"(rerun nblib.cache.populate / python -m nblib cache with the same texts)")
-    size = cache.image_size
-    if size != config.model.image_size:
-        raise ConfigError(
-            f"the cache holds {size}x{size} images, the {config.name} model expects "
-            f"{config.model.image_size}x{config.model.image_size}; pick a profile with "
-            f"image_size={size} or re-render the cache at image_size={config.model.image_size}")
 
 
-def _new_manifest(config: PipelineConfig, plan: RunPlan, fingerprints: dict) -> dict:
-    shapes = budget.output_shapes(config.model)
+def _new_manifest(config: PipelineConfig, plan: RunPlan, fingerprints: dict, model: EncodeModel) -> dict:
     return {"kind": RUN_KIND, "version": RUN_VERSION, "config_name": config.name,
-            "settings": settings_of(config, plan.n_samples), "fingerprints": fingerprints,
+            "settings": settings_of(config, plan.n_samples, model), "fingerprints": fingerprints,
             "n_samples": plan.n_samples, "batch_size": plan.batch_size,
             "checkpoint_every": plan.checkpoint_every, "n_parts": plan.n_parts,
-            "outputs": list(config.run.outputs), "out_dtype": config.run.out_dtype,
-            "shapes": {o: list(shapes[o]) for o in config.run.outputs},
+            "outputs": list(model.outputs), "out_dtype": config.run.out_dtype,
+            "shapes": {o: list(model.shapes[o]) for o in model.outputs},
             "parts": {}, "samples_done": 0, "complete": False}
 
 
@@ -436,7 +410,7 @@ def _manifest_of(run: RunInputs, durable: list, old_settings: dict | None, encod
     A part names its own settings, so a refusal names the setting that changed even without a
     run manifest (shards). Parts of other numerics are refused, or left out to be encoded again.
     """
-    fresh = _new_manifest(run.config, run.plan, run.fingerprints)
+    fresh = _new_manifest(run.config, run.plan, run.fingerprints, run.model)
     parts, other = {}, []
     for info in durable:
         meta = dict(info.meta or {})
@@ -477,20 +451,29 @@ def _require_folder(folder: Path, what: str) -> Path:
     return folder
 
 
-def _preflight(run: RunInputs, workspace, pending: list[int], do_consolidate: bool) -> None:
+def _preflight(run: RunInputs, workspace, pending: list[int], do_consolidate: bool, world: World = SINGLE) -> None:
     """The budget's preflight before the first batch: RAM and VRAM, then each disk written.
 
     The disks are checked here, with what this run writes to each (`disk_needs`): the parts
     still missing, the consolidated outputs, the mirror's copies. The image cache, already
     complete, takes nothing more. The device preset is the budget's default (t4 with CUDA).
+    The RAM and VRAM lines are the TRM's shape arithmetic: for another model they are skipped
+    (logged) until the budget traces any model; its disks are checked from its output shapes.
     """
     if workspace is None:
         d = run.run_dir
         workspace = Workspace(drive=d, cache=d, runs=d, checkpoints=d, local=d, staging=d, figures=d)
-    budget.preflight(run.config, workspace, job="encode", disk_bytes=0, disk_folder=run.run_dir,   # RAM, VRAM
-                     cuda_device=run.torch_device if run.torch_device.type == "cuda" else None)
-    check_disks(disk_needs(run.config, run.run_dir, run.mirror_dir, run.plan, pending, do_consolidate),
-                mirror=run.mirror_dir)
+    if run.model.is_trm:
+        budget.preflight(run.config, workspace, job="encode", disk_bytes=0, disk_folder=run.run_dir,   # RAM, VRAM
+                         cuda_device=run.torch_device if run.torch_device.type == "cuda" else None)
+    else:
+        log.info("preflight: RAM and VRAM are not predicted for %s (the budget knows the TRM's shapes "
+                 "only); checking the disks from its output shapes", run.model.loaded.spec)
+    per_image = None if run.model.is_trm else run.model.bytes_per_sample(run.config.run.out_dtype)
+    check_disks(disk_needs(run.config, run.run_dir, run.mirror_dir, run.plan, pending, do_consolidate,
+                           per_image=per_image, n_outputs=len(run.model.outputs)), mirror=run.mirror_dir)
+    if run.model.is_trm:
+        world.preflight(run.config, str(run.torch_device))          # the host's RAM for all its ranks
 
 
 # ------------------------------------------------------------------------------ helpers: the loop
@@ -521,7 +504,7 @@ def _encode_loop(run: RunInputs, store: PartStore, manifest: dict, parts: list[i
             start, stop = plan.part_range(k)
             for b_start, b_stop in plan.part_batches(k):
                 images = next(loader).to(device, non_blocking=True)
-                host.add(run.encoder.encode(images), b_start - start)
+                host.add(run.model(images), b_start - start)
                 encoded += b_stop - b_start
                 clock.mark(encoded)
                 bar.update(b_stop - b_start)

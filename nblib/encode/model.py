@@ -1,0 +1,153 @@
+"""The model an encode run runs: any module through the contract (`nblib.models`), one inference wrapper.
+
+`encode_model(...)` loads the model a spec names (the TRM by default, built from the run's config
+and seed as before), picks the outputs to store (the TRM's `run.outputs`; for another model the
+`outputs` asked for, default all it returns) and their per-sample shapes from one CPU forward.
+`EncodeModel.__call__` is the one place a batch runs: inference mode, autocast for the run's
+precision, PyTorch's SDPA pick, the model's preprocessing, its named outputs. The TRM goes
+through it too, byte for byte its old path. Trade-off: the TRM keeps its old weights
+fingerprint (so manifests written before the contract still resume); any other model is
+fingerprinted by its identity (class, config, weights sha256, preprocessing), so a refusal names
+what changed.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from nblib.config import PipelineConfig
+from nblib.errors import ConfigError
+
+__all__ = ["EncodeModel", "encode_model", "load_encoder"]
+
+
+@dataclass(frozen=True)
+class EncodeModel:
+    """A loaded model (`nblib.models.LoadedModel`), the outputs a run stores, their shapes and precision."""
+
+    loaded: object
+    outputs: tuple[str, ...]
+    shapes: dict[str, tuple[int, ...]]
+    precision: str = "auto"
+
+    @property
+    def is_trm(self) -> bool:
+        return self.loaded.kind == "trm"
+
+    @property
+    def module(self):
+        return self.loaded.module
+
+    def __call__(self, images) -> dict:
+        """uint8 [B, H, W, 3] on the run's device -> {output: tensor}, under inference mode and autocast."""
+        import torch
+
+        from nblib.sdpa import sdpa_context
+
+        with torch.inference_mode(), _autocast(self.precision, images.device), sdpa_context(None):
+            named = self.loaded(images)
+        return {name: named[name] for name in self.outputs}
+
+    def fingerprints(self) -> dict:
+        """The run fingerprints that say which model made the outputs (see the module docstring)."""
+        if self.is_trm:
+            return {"weights": self.module.weights_fingerprint()}
+        return {"model": self.loaded.identity()}
+
+    def settings(self, settings: dict) -> dict:
+        """The run's settings with the model's part: the TRM's config shape, or another model's class and outputs."""
+        if self.is_trm:      # the module's shape: the config's, or a trm:PRESET's
+            return {**settings, "model": dataclasses.asdict(self.module.config)}
+        identity = self.loaded.identity()
+        return {**settings, "model": {"class": identity["class"]}, "outputs": list(self.outputs)}
+
+    def bytes_per_sample(self, out_dtype: str) -> int:
+        """Bytes one sample's stored outputs take, in `out_dtype`."""
+        itemsize = np.dtype(out_dtype).itemsize
+        return sum(math.prod(self.shapes[name]) * itemsize for name in self.outputs)
+
+    def check_image_size(self, image_size: int, config: PipelineConfig) -> None:
+        """ConfigError when the model cannot take the cache's images (a model that resizes takes any size)."""
+        if self.is_trm:
+            want = self.module.config.image_size
+            if image_size != want:
+                raise ConfigError(
+                    f"the cache holds {image_size}x{image_size} images, the {config.name} model expects "
+                    f"{want}x{want}; pick a profile with image_size={image_size} or re-render the cache at "
+                    f"image_size={want}")
+            return
+        pre = self.loaded.preprocessing
+        if pre.layout == "uint8_nhwc" and pre.size is not None and pre.size != (image_size, image_size):
+            raise ConfigError(
+                f"the cache holds {image_size}x{image_size} images, {self.loaded.spec} takes "
+                f"{pre.size[0]}x{pre.size[1]} uint8 images and does not resize; re-render the cache at "
+                f"that size, or declare a preprocessing that resizes")
+
+
+def encode_model(config: PipelineConfig, model=None, weights: str | Path | None = None, *,
+                 outputs: tuple[str, ...] | None = None, precision: str = "auto",
+                 image_size: int | None = None) -> EncodeModel:
+    """The model a run encodes with: `model` a spec string, a `LoadedModel` or an nn.Module (None: the TRM).
+
+    outputs: the names to store (the TRM: the config's run.outputs; another model: all by default);
+    ConfigError naming the model's outputs for an unknown one.
+    """
+    from nblib.models import LoadedModel, load_model, preprocessing_from
+
+    if isinstance(model, LoadedModel):
+        loaded = model
+        if weights is not None:
+            raise ConfigError("weights= goes with a model spec; load them into the LoadedModel instead")
+    elif model is None or isinstance(model, str):
+        loaded = load_model(model, weights, config=config, seed=config.run.seed)
+    else:
+        loaded = _wrap_module(model, preprocessing_from)
+        if weights is not None:
+            raise ConfigError("weights= goes with a model spec; load them into the module instead")
+    if loaded.kind == "trm":
+        loaded.module.set_inference(precision=precision)
+        from nblib import budget
+
+        shapes = budget.output_shapes(loaded.module.config)
+        return EncodeModel(loaded, tuple(config.run.outputs), {o: tuple(shapes[o]) for o in config.run.outputs},
+                           precision)
+    shapes = loaded.output_shapes(image_size or config.model.image_size)
+    chosen = tuple(outputs) if outputs else tuple(shapes)
+    unknown = [o for o in chosen if o not in shapes]
+    if unknown or len(set(chosen)) != len(chosen):
+        raise ConfigError(f"outputs {list(chosen)}: {loaded.spec} returns {list(shapes)}; pick distinct names "
+                          f"among them (--outputs a,b), or leave --outputs out to store them all")
+    return EncodeModel(loaded, chosen, {o: shapes[o] for o in chosen}, precision)
+
+
+def load_encoder(config: PipelineConfig, weights: str | Path | None = None):
+    """The seeded TRM encoder of a config, with trained weights loaded when a path is given (WeightsError)."""
+    from nblib.models import load_model
+
+    return load_model("trm", weights, config=config).module
+
+
+def _wrap_module(module, preprocessing_from):
+    from nblib.models import LoadedModel, Preprocessing, module_config
+
+    pre = getattr(module, "preprocessing", None)
+    pre = preprocessing_from(pre) if pre is not None else Preprocessing()
+    cls = type(module)
+    module.eval()
+    return LoadedModel(module, f"{cls.__module__}.{cls.__qualname__}", "module", pre, module_config(module))
+
+
+def _autocast(precision: str, device):
+    """The TRM's rule for every model: auto is fp16 autocast on CUDA, fp32 (no autocast) on the CPU."""
+    import torch
+
+    if precision == "auto":
+        precision = "fp16" if device.type == "cuda" else "fp32"
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.float16 if precision == "fp16" else torch.bfloat16)
