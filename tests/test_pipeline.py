@@ -240,8 +240,13 @@ def test_ctrl_c_during_a_sweep_returns_the_rows_measured_so_far():
             os.kill(os.getpid(), signal.SIGINT)    # a real Ctrl-C, delivered mid-measurement
         return serial_batches(5, batch=batch_size)
 
-    with pytest.warns(UserWarning, match="interrupted"):
-        table = sweep(family, {"batch_size": [1, 2, 3, 4, 5]}, steps=10, warmup=1, warm_start=False)
+    # Python's own Ctrl-C handler: a shell starts a background job with SIGINT ignored, and pytest inherits that
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.warns(UserWarning, match="interrupted"):
+            table = sweep(family, {"batch_size": [1, 2, 3, 4, 5]}, steps=10, warmup=1, warm_start=False)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert table.interrupted and len(table) == 2 and table.planned == 5
     assert table.column("batch_size") == [1, 2]
     assert "interrupted" in str(table)
