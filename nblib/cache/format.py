@@ -399,21 +399,29 @@ def _legacy_stats(cache_dir: Path) -> dict:
 
 def read_cache_manifest(cache_dir: str | Path) -> dict:
     """The manifest body of the cache at `cache_dir`; CacheError when missing, damaged or foreign."""
-    path = Path(cache_dir) / MANIFEST
+    return read_shards_manifest(cache_dir, MANIFEST_KIND, MANIFEST_VERSION, "this cache",
+                                f"it is not an image cache (yet); build one with python -m nblib cache "
+                                f"--texts PATH --out {cache_dir}")
+
+
+def read_shards_manifest(folder: str | Path, kind: str, version: int, what: str, missing: str) -> dict:
+    """The manifest body of a folder of shards (images or records) with its `shards` and `source`; CacheError
+    naming `what` and the fix when it is missing (`missing` says how to build one), damaged or foreign.
+    """
+    path = Path(folder) / MANIFEST
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
-        raise CacheError(f"no {MANIFEST} in {cache_dir}: it is not an image cache (yet); build one "
-                         f"with python -m nblib cache --texts PATH --out {cache_dir}") from None
+        raise CacheError(f"no {MANIFEST} in {folder}: {missing}") from None
     except OSError as exc:
         raise CacheError(f"{path} cannot be read ({exc}); check the disk or mount") from None
     try:
-        body = parse_manifest(raw, MANIFEST_KIND, versions=(MANIFEST_VERSION,), where=str(path)).body
+        body = parse_manifest(raw, kind, versions=(version,), where=str(path)).body
     except ManifestDamaged as exc:
-        raise CacheError(f"{_why_unusable(raw, exc)}; this cache cannot be trusted as it is: rebuild "
+        raise CacheError(f"{_why_unusable(raw, exc)}; {what} cannot be trusted as it is: rebuild "
                          f"it with overwrite=True (--overwrite), or point at another folder") from None
     if not isinstance(body.get("shards"), list) or not isinstance(body.get("source"), dict):
-        raise CacheError(f"{path} is an nblib.cache record without shards or source; rebuild it "
+        raise CacheError(f"{path} is an {kind} record without shards or source; rebuild it "
                          f"with overwrite=True (--overwrite)")
     return body
 

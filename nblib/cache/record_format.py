@@ -31,9 +31,9 @@ import numpy as np
 import xxhash
 
 from nblib.atomic import AtomicWriter
-from nblib.cache.format import HEADER, SHARD_MAGIC, TRAILER, open_packed
-from nblib.errors import CacheError, InputError, ManifestDamaged
-from nblib.manifest import parse_manifest, write_manifest
+from nblib.cache.format import HEADER, SHARD_MAGIC, TRAILER, open_packed, read_shards_manifest
+from nblib.errors import CacheError, InputError
+from nblib.manifest import write_manifest
 
 MANIFEST = "manifest.json"
 MANIFEST_KIND = "nblib.records"
@@ -257,23 +257,9 @@ def open_record_shard(path: Path, count: int, codec: str):
 
 def read_record_manifest(folder: str | Path) -> dict:
     """The manifest body of the record shards at `folder`; CacheError when missing, damaged or foreign."""
-    path = Path(folder) / MANIFEST
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise CacheError(f"no {MANIFEST} in {folder}: it holds no record shards (yet); build them with "
-                         f"python -m nblib cache --records FILE --out {folder}") from None
-    except OSError as exc:
-        raise CacheError(f"{path} cannot be read ({exc}); check the disk or mount") from None
-    try:
-        body = parse_manifest(raw, MANIFEST_KIND, versions=(MANIFEST_VERSION,), where=str(path)).body
-    except ManifestDamaged as exc:
-        raise CacheError(f"{str(exc).split(';')[0]}; these record shards cannot be trusted as they are: "
-                         f"rebuild them with overwrite=True (--overwrite), or point at another folder") from None
-    if not isinstance(body.get("shards"), list) or not isinstance(body.get("source"), dict):
-        raise CacheError(f"{path} is an {MANIFEST_KIND} record without shards or source; rebuild it "
-                         f"with overwrite=True (--overwrite)")
-    return body
+    return read_shards_manifest(folder, MANIFEST_KIND, MANIFEST_VERSION, "these record shards",
+                                f"it holds no record shards (yet); build them with python -m nblib cache "
+                                f"--records FILE --out {folder}")
 
 
 def write_record_manifest(folder: str | Path, body: dict) -> None:
