@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from nblib.budget.devices import Device, device_preset
 from nblib.budget.memory import Line
-from nblib.budget.resources import FIT_MARGIN  # the one rule for "fits"
+from nblib.budget.resources import FIT_MARGIN, largest_fitting  # the one rule for "fits"
 from nblib.budget.shim import run_child
 from nblib.errors import BudgetExceeded, ConfigError
 from nblib.units import GB, fmt_bytes
@@ -200,20 +200,6 @@ def _child(payload: dict) -> dict:
             return max(point(b)["reserved"].values()) <= payload["cap"]
         out["largest"] = largest_fitting(fits, payload["max_batch"])
     return out
-
-
-def largest_fitting(fits, cap: int) -> int:
-    """The largest b in [1, cap] with fits(b) (fits is monotone), by doubling then bisection; 0 if none."""
-    if not fits(1):
-        return 0
-    lo, hi = 1, 2
-    while hi <= cap and fits(hi):
-        lo, hi = hi, hi * 2
-    hi = min(hi, cap + 1)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
 
 
 def trace_job(loaded, b: int, payload: dict) -> dict:

@@ -24,7 +24,7 @@ from nblib.budget.memory import (
     host_memory_lines,
     model_memory_lines,
 )
-from nblib.budget.resources import FIT_MARGIN, RESOURCES
+from nblib.budget.resources import FIT_MARGIN, RESOURCES, largest_fitting
 from nblib.config import PipelineConfig
 from nblib.errors import ConfigError
 from nblib.units import GB, fmt_bytes
@@ -245,14 +245,4 @@ def max_batch_size(config: PipelineConfig, device: str | Device = "t4", margin: 
         return all(t[r] <= budget.limits[r] * (1 - margin) for r in ("vram", "ram")
                    if budget.limits[r] > 0)
 
-    if not fits(1):
-        return 0
-    cap = min(1 << 20, cfg.run.n_samples)            # a batch never holds more than the run's samples
-    lo, hi = 1, 2
-    while hi <= cap and fits(hi):
-        lo, hi = hi, hi * 2
-    hi = min(hi, cap + 1)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
+    return largest_fitting(fits, min(1 << 20, cfg.run.n_samples))   # a batch never holds more than the run's samples

@@ -6,7 +6,7 @@ these, so they live below both and neither module imports the other for them.
 from __future__ import annotations
 
 __all__ = [
-    "FIT_MARGIN", "KNOBS", "RESOURCES", "fits",
+    "FIT_MARGIN", "KNOBS", "RESOURCES", "fits", "largest_fitting",
 ]
 
 # The one rule for "fits" in every notebook, panel and preflight: a need fits when it stays within
@@ -18,6 +18,20 @@ FIT_MARGIN = 0.1
 def fits(need: float, limit: float, margin: float = FIT_MARGIN) -> bool:
     """`need` fits `limit` with `margin` of it kept free."""
     return need <= limit * (1 - margin)
+
+
+def largest_fitting(fits, cap: int) -> int:
+    """The largest b in [1, cap] with fits(b) (fits is monotone), by doubling then bisection; 0 if none."""
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= cap and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, cap + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 RESOURCES = ("vram", "ram", "local disk", "drive")
 
