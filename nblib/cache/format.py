@@ -236,6 +236,20 @@ def shard_index(name: str) -> int:
 # ====================================================================================== checking
 
 
+def shard_findings(folder: Path, shards: list[dict]) -> tuple[dict[str, list[str]], list[str]]:
+    """A full check of every listed shard (stat and hash): {"missing"/"truncated"/"corrupt"/"touched": files},
+    and the `shard-*` files the manifest does not list. Image caches and record shards share it.
+    """
+    found: dict[str, list[str]] = {state: [] for state in (*DAMAGED, "touched")}
+    stats = read_shard_stats(folder)
+    for entry in shards:
+        state = shard_state(folder, entry, full=True, stats=stats)
+        if state is not None:
+            found[state].append(entry["file"])
+    listed = {entry["file"] for entry in shards}
+    return found, sorted(p.name for p in folder.glob("shard-*") if p.name not in listed)
+
+
 def shard_state(cache_dir: Path, entry: dict, *, full: bool = False, stats: dict | None = None,
                 digest: str = "sha256") -> str | None:
     """How a listed shard's file compares with its manifest entry.

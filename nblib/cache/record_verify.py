@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nblib.atomic import leftover_temporaries
-from nblib.cache.format import DAMAGED, current_stat, read_shard_stats, record_shard_stats, shard_state
+from nblib.cache.format import current_stat, record_shard_stats, shard_findings
 from nblib.cache.populate import cache_lock
 from nblib.cache.record_format import read_record_manifest
 from nblib.errors import CacheError
@@ -131,16 +131,10 @@ def _inspect(folder: Path) -> RecordVerifyReport:
         manifest = read_record_manifest(folder)
     except CacheError as exc:
         return RecordVerifyReport(folder=str(folder), manifest_problem=str(exc))
-    found: dict[str, list[str]] = {state: [] for state in (*DAMAGED, "touched")}
-    stats = read_shard_stats(folder)
-    for entry in manifest["shards"]:
-        state = shard_state(folder, entry, full=True, stats=stats)
-        if state is not None:
-            found[state].append(entry["file"])
-    listed = {entry["file"] for entry in manifest["shards"]}
+    found, unlisted = shard_findings(folder, manifest["shards"])
     return RecordVerifyReport(
         folder=str(folder), n_shards=len(manifest["shards"]), n_records=sum(s["count"] for s in manifest["shards"]),
         complete=bool(manifest.get("complete")), missing=tuple(found["missing"]),
         truncated=tuple(found["truncated"]), corrupt=tuple(found["corrupt"]), touched=tuple(found["touched"]),
         temporaries=tuple(str(p.relative_to(folder)) for p in leftover_temporaries(folder)),
-        unlisted=tuple(sorted(p.name for p in folder.glob("shard-*") if p.name not in listed)))
+        unlisted=tuple(unlisted))

@@ -15,12 +15,10 @@ from pathlib import Path
 
 from nblib.atomic import leftover_temporaries
 from nblib.cache.format import (
-    DAMAGED,
     current_stat,
     read_cache_manifest,
-    read_shard_stats,
     record_shard_stats,
-    shard_state,
+    shard_findings,
     write_cache_manifest,
 )
 from nblib.cache.populate import cache_lock, rerender_shard, resolve_workers
@@ -149,15 +147,8 @@ def _inspect(cache_dir: Path) -> VerifyReport:
         manifest = read_cache_manifest(cache_dir)
     except CacheError as exc:
         return VerifyReport(cache_dir=str(cache_dir), manifest_problem=str(exc))
-    found: dict[str, list[str]] = {state: [] for state in (*DAMAGED, "touched")}
-    stats = read_shard_stats(cache_dir)
-    for entry in manifest["shards"]:
-        state = shard_state(cache_dir, entry, full=True, stats=stats)
-        if state is not None:
-            found[state].append(entry["file"])
-    listed = {entry["file"] for entry in manifest["shards"]}
-    unlisted = sorted(p.name for p in cache_dir.glob("shard-*") if p.name not in listed)
     shards = manifest["shards"]
+    found, unlisted = shard_findings(cache_dir, shards)
     return VerifyReport(
         cache_dir=str(cache_dir), n_shards=len(shards), n_images=shards[-1]["stop"] if shards else 0,
         expected_images=expected_images(manifest) or 0,
