@@ -115,23 +115,10 @@ def make_state(profile: str) -> dict:
 
 
 def state_bytes(state: dict) -> int:
-    seen, total = set(), 0
+    """One snapshot's bytes: the distinct storages the state holds (nblib.store.staging counts them)."""
+    from nblib.store.staging import storage_bytes
 
-    def walk(value):
-        nonlocal total
-        if isinstance(value, torch.Tensor):
-            if value.untyped_storage().data_ptr() not in seen:
-                seen.add(value.untyped_storage().data_ptr())
-                total += value.untyped_storage().nbytes()
-        elif isinstance(value, dict):
-            for item in value.values():
-                walk(item)
-        elif isinstance(value, (list, tuple)):
-            for item in value:
-                walk(item)
-
-    walk(state)
-    return total
+    return storage_bytes(state)
 
 
 def save_nblib_sync(state: dict, folder: Path) -> tuple[float, float, int]:

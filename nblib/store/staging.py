@@ -121,6 +121,13 @@ class BackgroundWriter:
                 self.writes.append(time.perf_counter() - start)
 
 
+def storage_bytes(obj) -> int:
+    """Bytes of the distinct tensor storages a nested dict / list / tuple holds (a snapshot's size)."""
+    import torch
+
+    return sum(storage.nbytes() for storage in _storages_and_tensors(obj, torch)[0].values())
+
+
 def _storages_and_tensors(obj, torch) -> tuple[dict, list]:
     """{key: storage} of the distinct storages (first seen first) and (key, tensor) of every tensor of a
     nested dict / list / tuple. A storage's key is its device and address; an empty one is its own.
