@@ -176,16 +176,8 @@ class ShardWriter:
             offsets = np.zeros(len(self.sizes) + 1, dtype="<u8")
             np.cumsum(self.sizes, out=offsets[1:])
             tables = offsets.tobytes() + tables
-        self._write(tables)
-        self._write(TRAILER.pack(len(self.sizes), xxhash.xxh3_64_intdigest(self._leading),
-                                 xxhash.xxh3_64_intdigest(tables), SHARD_MAGIC))
-        try:
-            written = self._writer.commit(expect_sha256=expect_sha256)
-        except ValueError:
-            raise CacheError(f"re-written {self.name} does not match its manifest sha256: the renderer, "
-                             f"Pillow or the images changed since the cache was built; rebuild it "
-                             f"with overwrite=True (--overwrite)") from None
-        self.stat = {"bytes": written.bytes, "mtime_ns": written.mtime_ns, "sha256": written.sha256}
+        written = seal_shard(self, tables, expect_sha256, "the renderer, Pillow or the images changed since "
+                                                           "the cache was built; rebuild it")
         entry = {"file": self.name, "start": self.start, "stop": self.stop, "count": len(self.sizes),
                  "bytes": written.bytes, "sha256": written.sha256, "xxh3": self._file_xxh3.hexdigest()}
         if self._source is not None:
@@ -234,6 +226,23 @@ def shard_index(name: str) -> int:
 
 
 # ====================================================================================== checking
+
+
+def seal_shard(shard, tables: bytes, expect_sha256: str | None, why: str):
+    """Finish a shard writer (images or records): its tables, the trailer, fsync and rename, its stat.
+
+    A re-written shard whose sha256 differs from its manifest's is a CacheError: `why` says what changed.
+    """
+    shard._write(tables)
+    shard._write(TRAILER.pack(len(shard.sizes), xxhash.xxh3_64_intdigest(shard._leading),
+                              xxhash.xxh3_64_intdigest(tables), SHARD_MAGIC))
+    try:
+        written = shard._writer.commit(expect_sha256=expect_sha256)
+    except ValueError:
+        raise CacheError(f"re-written {shard.name} does not match its manifest sha256: {why} with "
+                         f"overwrite=True (--overwrite)") from None
+    shard.stat = {"bytes": written.bytes, "mtime_ns": written.mtime_ns, "sha256": written.sha256}
+    return written
 
 
 def shard_findings(folder: Path, shards: list[dict]) -> tuple[dict[str, list[str]], list[str]]:

@@ -31,8 +31,8 @@ import numpy as np
 import xxhash
 
 from nblib.atomic import AtomicWriter
-from nblib.cache.format import HEADER, SHARD_MAGIC, TRAILER, open_packed, read_shards_manifest
-from nblib.errors import CacheError, InputError
+from nblib.cache.format import HEADER, SHARD_MAGIC, open_packed, read_shards_manifest, seal_shard
+from nblib.errors import InputError
 from nblib.manifest import write_manifest
 
 MANIFEST = "manifest.json"
@@ -222,16 +222,8 @@ class RecordShardWriter:
         offsets = np.zeros(len(self.sizes) + 1, dtype="<u8")
         np.cumsum(self.sizes, out=offsets[1:])
         tables = offsets.tobytes() + np.array(self.checksums, dtype="<u8").tobytes()
-        self._write(tables)
-        self._write(TRAILER.pack(len(self.sizes), xxhash.xxh3_64_intdigest(self._leading),
-                                 xxhash.xxh3_64_intdigest(tables), SHARD_MAGIC))
-        try:
-            written = self._writer.commit(expect_sha256=expect_sha256)
-        except ValueError:
-            raise CacheError(f"re-written {self.name} does not match its manifest sha256 (zstandard or "
-                             f"numpy changed how these records are stored since the shards were "
-                             f"written): rebuild with overwrite=True (--overwrite)") from None
-        self.stat = {"bytes": written.bytes, "mtime_ns": written.mtime_ns, "sha256": written.sha256}
+        written = seal_shard(self, tables, expect_sha256, "zstandard or numpy changed how these records are "
+                                                           "stored since the shards were written; rebuild")
         return {"file": self.name, "index": self.index, "key": self.key, "count": self.count,
                 "bytes": written.bytes, "raw_bytes": self.raw_bytes,
                 "max_shapes": dict(sorted(self.max_shapes.items())),
