@@ -30,6 +30,7 @@ from nblib.errors import CacheError, ConfigError
 from nblib.shuffle.feistel import FeistelPermutation
 from nblib.shuffle.keyed_random import check_n, derive_keys
 from nblib.shuffle.positional import PositionalShuffle
+from nblib.shuffle.shard_aware import windowed_indices
 from nblib.shuffle.state import as_int
 
 CHECKS = ("record", "first-touch", "off")
@@ -228,13 +229,7 @@ class RecordShardShuffle(PositionalShuffle):
     def indices(self, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Record indices of output positions [start, stop) as an int64 array."""
         start, stop = self.check_range(start, stop)
-        parts = []
-        window = int(np.searchsorted(self._window_starts, start, side="right")) - 1
-        while start < stop:
-            window_stop = min(stop, int(self._window_starts[window + 1]))
-            parts.append(self._window_indices(window, np.arange(start, window_stop)))
-            start, window = window_stop, window + 1
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        return windowed_indices(self._window_starts, start, stop, self._window_indices)
 
     def _window_indices(self, window: int, positions: np.ndarray) -> np.ndarray:
         if self._cache is None or self._cache[0] != window:
