@@ -164,17 +164,10 @@ TRACED_BATCHES = (2, 3)     # two small traces give every batch's allocation str
 
 
 def _child(payload: dict) -> dict:
-    from nblib.budget.shim import load_shim
+    from nblib.budget.shim import child_model
 
-    load_shim(payload)
+    loaded = child_model(payload)
     from nblib.budget.trace import WORKSPACE_POSITIONS, events_at_batch, replay_stats
-    from nblib.models import load_model
-
-    config = None
-    if payload["trm_model"]:
-        from nblib.config import ModelConfig
-        config = ModelConfig(**payload["trm_model"])
-    loaded = load_model(payload["spec"], payload["weights"], config=config)
     b0, b1 = TRACED_BATCHES
     low, high = trace_job(loaded, b0, payload), trace_job(loaded, b1, payload)
     traced = {b0: low, b1: high}

@@ -121,3 +121,16 @@ def load_shim(payload: dict) -> None:
 
     if payload.get("shim"):
         ctypes.CDLL(payload["shim"])
+
+
+def child_model(payload: dict):
+    """In a child process: load the fake-CUDA shim, then the payload's model (spec, weights, TRM shape)."""
+    load_shim(payload)
+    from nblib.models import load_model
+
+    config = None
+    if payload["trm_model"]:
+        from nblib.config import ModelConfig
+
+        config = ModelConfig(**payload["trm_model"])
+    return load_model(payload["spec"], payload["weights"], config=config)

@@ -49,22 +49,15 @@ def simulate_model(model, batch_size: int, gpu: str | Device = "t4", *, precisio
 
 
 def _child(payload: dict) -> dict:
-    from nblib.budget.shim import load_shim
+    from nblib.budget.shim import child_model
 
-    load_shim(payload)
+    loaded = child_model(payload)
     from unittest import mock
 
     import torch
 
     from nblib.budget.trace import attention_as_on_gpu, fake_cuda, step_trace_class
-    from nblib.models import load_model
     from nblib.models.head import _image_size, with_head
-
-    config = None
-    if payload["trm_model"]:
-        from nblib.config import ModelConfig
-        config = ModelConfig(**payload["trm_model"])
-    loaded = load_model(payload["spec"], payload["weights"], config=config)
     size, b = _image_size(loaded), payload["batch"]
     net = with_head(loaded, payload["classes"], payload["output"], image_size=size) if payload["train"] else None
     with fake_cuda(), mock.patch("torch.cuda.is_bf16_supported", return_value=True), \
