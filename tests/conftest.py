@@ -23,6 +23,21 @@ def repo() -> Path:
     return REPO
 
 
+def fresh_touched_bytes(nbytes: int):
+    """`nbytes` of new anonymous pages, every page written: a real RSS rise in any process.
+
+    np.ones can be served from memory the allocator already holds resident (a worker that ran
+    other tests first), which adds no RSS; a fresh mmap cannot.
+    """
+    import mmap
+
+    import numpy as np
+
+    pages = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
+    pages[:] = 1
+    return pages
+
+
 def subprocess_env(**extra: str) -> dict[str, str]:
     """Environment for a real `python -m nblib ...` subprocess of this checkout."""
     env = dict(os.environ)

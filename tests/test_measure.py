@@ -5,9 +5,9 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 
+from conftest import fresh_touched_bytes
 from nblib import budget, measure
 from nblib.config import preset
 
@@ -15,7 +15,7 @@ from nblib.config import preset
 def test_peak_memory_sees_a_short_lived_allocation():
     start = time.perf_counter()
     with measure.PeakMemory(interval_s=0.01) as pm:
-        block = np.ones(200_000_000, dtype=np.uint8)   # 200 MB, touched
+        block = fresh_touched_bytes(200_000_000)   # 200 MB, touched
         first = pm.samples
         deadline = time.monotonic() + 60                # the sampler keeps going while the body runs,
         while pm.samples < first + 3 and time.monotonic() < deadline:  # however slowly it is scheduled
@@ -30,7 +30,7 @@ def test_peak_memory_sees_a_short_lived_allocation():
 
 def test_peak_memory_catches_a_spike_shorter_than_one_sample():
     with measure.PeakMemory(interval_s=0.05) as pm:
-        np.ones(150_000_000, dtype=np.uint8).sum()      # lives for a few milliseconds
+        fresh_touched_bytes(150_000_000).sum()      # lives for a few milliseconds
     assert pm.delta > 140e6
 
 

@@ -12,6 +12,7 @@ import time
 import numpy as np
 import pytest
 
+from conftest import fresh_touched_bytes
 from nblib.errors import BudgetExceeded, ConfigError
 from nblib.pipeline import (
     ComputeStandIn,
@@ -162,7 +163,7 @@ def test_startup_counts_the_time_to_the_first_batch():
 
 def test_peak_rss_counts_buffers_the_pipeline_holds():
     def holding():
-        buffer = np.ones(150_000_000, np.uint8)   # 150 MB, touched
+        buffer = fresh_touched_bytes(150_000_000)   # 150 MB, touched
         yield from serial_batches(1, n=5)
         del buffer
 
