@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 from nblib.budget.vram_replay import replay_reserved
 from nblib.config import ModelConfig, PipelineConfig
@@ -185,6 +186,7 @@ def device_memory_lines(config: PipelineConfig, *, compute_capability: int = 75,
     return tuple(out)
 
 
+@lru_cache(maxsize=16)
 def autocast_caches_weights(torch_version: str | None = None) -> bool:
     """True when autocast keeps fp16 copies of the weights under inference_mode (torch <= 2.9)."""
     if torch_version is None:

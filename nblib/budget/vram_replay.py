@@ -15,6 +15,7 @@ torch: the budget stays importable without it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from nblib.budget.allocator import CachingAllocatorModel
 from nblib.config import PipelineConfig
@@ -163,16 +164,27 @@ def replay_reserved(config: PipelineConfig, *, weights: list[int], precision: st
     GEMM's output, PyTorch's order (a structured addmm allocates its output, then at::cuda::blas::gemm
     takes the handle's workspace: nblib.budget.trace), "before" it, or "first" on the device.
     """
-    m, r = config.model, config.run
-    half = precision in ("fp16", "bf16", "auto")
-    shape = _Shape(rows=r.batch_size * m.tokens, dim=m.dim, mlp=m.mlp_ratio * m.dim,
-                   pixels=r.batch_size * m.image_size ** 2 * 3, scores=r.batch_size * m.heads * m.tokens ** 2,
-                   pooled_rows=r.batch_size * m.capsules, children=m.children, checksum=m.checksum_dim,
-                   act=2 if half else 4)
-    out_itemsize = {"float16": 2, "float32": 4}[r.out_dtype]
-    order = ("sketches", "checksums", "children")
-    kept = [order.index(name) for name in r.outputs]
+    r = config.run
     every = r.consolidate_every if offload == "consolidate" else 1
+    return _replay_reserved(config.model, r.batch_size, r.out_dtype, tuple(r.outputs), every, tuple(weights),
+                            precision, sdpa_backend, offload, workspace, cache_weight_copies, position)
+
+
+@lru_cache(maxsize=4096)
+def _replay_reserved(m, batch_size: int, out_dtype: str, outputs: tuple, every: int, weights: tuple,
+                     precision: str, sdpa_backend: str, offload: str, workspace: int, cache_weight_copies: bool,
+                     position: str) -> int:
+    """replay_reserved on the inputs that move it, cached: the advice's searches and the widgets ask
+    the same VRAM question again for every knob that leaves VRAM alone (Drive cadence, quota, disk).
+    """
+    half = precision in ("fp16", "bf16", "auto")
+    shape = _Shape(rows=batch_size * m.tokens, dim=m.dim, mlp=m.mlp_ratio * m.dim,
+                   pixels=batch_size * m.image_size ** 2 * 3, scores=batch_size * m.heads * m.tokens ** 2,
+                   pooled_rows=batch_size * m.capsules, children=m.children, checksum=m.checksum_dim,
+                   act=2 if half else 4)
+    out_itemsize = {"float16": 2, "float32": 4}[out_dtype]
+    order = ("sketches", "checksums", "children")
+    kept = [order.index(name) for name in outputs]
     batches = every + 2 if offload == "consolidate" else 3
     run = _Replay(shape, workspace, cache_weight_copies and half, sdpa_backend == "math", position)
     for size in weights:
