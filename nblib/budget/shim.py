@@ -20,6 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from nblib.budget import warm
 from nblib.errors import NblibError
 
 SHIM_SOURCE = r"""
@@ -97,8 +98,17 @@ def shim_path() -> Path:
 
 
 def run_child(module: str, payload: dict, timeout_s: float = 600.0) -> dict:
-    """Run `python -m module JSON` with the shim's path in the payload; its last JSON line, parsed."""
+    """`module._child(payload)` with the shim's path in the payload, in a fork of the warm process
+    (nblib.budget.warm), else in a fresh `python -m module JSON`; its result.
+    """
     payload = {**payload, "shim": None if cuda_build() else str(shim_path())}   # a CUDA build has its own guard
+    if warm.enabled():
+        try:
+            return warm.run_warm(module, payload, timeout_s)
+        except warm.WarmUnavailable:
+            pass                          # no warm process here: a fresh one, as below
+        except RuntimeError as exc:
+            raise SimulationUnavailable(f"the fake-CUDA trace failed in its process ({module}): {exc}") from None
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-m", module, json.dumps(payload)], capture_output=True, text=True,
                           timeout=timeout_s, env=env)

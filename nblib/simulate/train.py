@@ -26,13 +26,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import subprocess
 import sys
 from dataclasses import dataclass, field
 
 from nblib.budget.devices import Device, gpu_preset
-from nblib.budget.shim import SHIM_SOURCE, SimulationUnavailable, backward_capability, shim_path
+from nblib.budget.shim import SHIM_SOURCE, SimulationUnavailable, backward_capability, run_child, shim_path
 from nblib.config import ModelConfig
 from nblib.errors import ConfigError
 
@@ -91,18 +89,10 @@ def simulate_train_step(model: ModelConfig, batch_size: int, gpu: str | Device =
         raise ConfigError(f"precision={precision!r} is unknown; choose one of {PRECISIONS}")
     if steps < 2:
         raise ConfigError(f"steps={steps}: AdamW's moments exist only after the first step; use >= 2")
-    shim = shim_path()
+    shim_path()                            # SimulationUnavailable here (a CUDA build, no compiler) names why
     payload = {"model": model.__dict__, "batch": batch_size, "gpu": dev.name, "cc": dev.compute_capability,
-               "precision": precision, "classes": n_classes, "steps": steps, "audit": audit,
-               "shim": str(shim)}
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "nblib.simulate.train", json.dumps(payload)],
-                          capture_output=True, text=True, timeout=timeout_s, env=env)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode or not lines:
-        why = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
-        raise SimulationUnavailable(f"the simulated training step failed in its process: {why}")
-    out = json.loads(lines[-1])
+               "precision": precision, "classes": n_classes, "steps": steps, "audit": audit}
+    out = run_child("nblib.simulate.train", payload, timeout_s=timeout_s)
     kernels = tuple(Kernel(*k) for k in out.pop("kernels"))
     return SimulatedStep(model=model, batch_size=batch_size, gpu=dev.name, precision=precision, steps=steps,
                          kernels=kernels, peak_shape=tuple(out.pop("peak_shape")), **out)
