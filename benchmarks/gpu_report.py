@@ -690,7 +690,7 @@ def compare_outputs(low: dict, ref: dict) -> dict:
 
 
 def step_t4_projection(ctx: Context, inputs: dict) -> dict:
-    """The T4's rate from the simulated T4's kernels on a roofline (nblib.simulate), calibrated twice."""
+    """The simulated T4's roofline (a ceiling), nblib.t4_speed's range beside it, and this GPU's share of its own."""
     return t4_projection(ctx.config, ctx.ref_batch, ctx.gpu, ctx.device_name, inputs["throughput"])
 
 

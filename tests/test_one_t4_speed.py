@@ -54,7 +54,8 @@ def _t4_speed_values() -> set[float]:
 
 def _t4_passages(path: Path) -> list[tuple[str, str]]:
     """(where, text) of every passage that speaks of a T4: a prose paragraph naming one, a table row naming one,
-    and each table cell under a column whose header names one. Notebook cells too, code included."""
+    and each table cell under a column whose header names one. Notebook cells too, code included.
+    """
     if path.suffix == ".ipynb":
         cells = json.loads(path.read_text())["cells"]
         return [(f"{path.name} cell {i} ({c['cell_type']})", "".join(c["source"])) for i, c in enumerate(cells)
@@ -136,7 +137,8 @@ def test_every_t4_rate_a_notebook_prints_comes_from_the_range():
 @pytest.mark.parametrize("path", [ROOT / "README.md", *NOTEBOOKS], ids=lambda p: p.name)
 def test_every_t4_speed_figure_in_the_readme_and_the_notebooks_is_the_range_or_the_reference(path):
     """A rate, a time or an MFU beside "T4" is the reference's own figure (quoted) or, in the README only, one of
-    nblib.t4_speed's printed figures. A notebook prints the range from code: its prose and code carry none."""
+    nblib.t4_speed's printed figures. A notebook prints the range from code: its prose and code carry none.
+    """
     readme = path.suffix == ".md"
     allowed = _reference_values() | (_t4_speed_values() if readme else set())
     wrong = [(where, figure) for where, text in _t4_passages(path)   # model lines: the test below recomputes them
@@ -169,5 +171,6 @@ def test_a_typed_t4_rate_is_caught(tmp_path):
                 "32% of 65 TFLOP/s", "a T4 encodes 345 samples/s (270-430)"):
         assert any(f not in allowed for f in _figures(old)), old
     readme = tmp_path / "README.md"
-    readme.write_text("| figure | simulated T4 | CPU |\n|---|---|---|\n| samples/s fp16 | 448 samples/s | 204 samples/s |\n")
+    readme.write_text("| figure | simulated T4 | CPU |\n|---|---|---|\n"
+                      "| samples/s fp16 | 448 samples/s | 204 samples/s |\n")
     assert [f for _, p in _t4_passages(readme) for f in _figures(p)] == [448.0]

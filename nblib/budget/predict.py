@@ -161,7 +161,8 @@ def predict_budget(config: PipelineConfig, device: str | Device = "t4", *,
         codec: the image cache's codec (default: the config's); bytes_per_image: a measured size
             per cached image, which replaces the codec's estimate.
         keep_local: parts kept on local disk after they are mirrored to Drive.
-        efficiency: the share of the device's peak FLOP/s reached (`calibrate`); default the preset's.
+        efficiency: the share of the device's peak FLOP/s reached (`calibrate`); default the preset's, or on
+            a T4 nblib.t4_speed's sourced range (`Budget.speed`, its mid as samples_per_s).
         precision: "fp16" (autocast, the default on CUDA), "bf16" or "fp32"; offload: "async" or
             "consolidate". Both shape the VRAM lines (`device_memory_lines`, checked against nblib.simulate).
 
