@@ -388,9 +388,9 @@ def encoder_projection(budget) -> tuple[float, str]:
     size = budget.config.model.image_size
     if budget.speed:
         return budget.speed.samples_per_s.high, (
-            f"the fast end of the {budget.device.name}'s {budget.rate_text()} for {budget.flops_per_image / 1e9:,.1f} "
-            f"GFLOP per {size} px image, {budget.speed.precision}: {budget.speed.label}, nblib.t4_speed, public T4 "
-            f"measurements with their sources")
+            f"the fast end of the {budget.device.name.upper()}'s {budget.rate_text()} for "
+            f"{budget.flops_per_image / 1e9:,.1f} GFLOP per {size} px image, {budget.speed.precision}: "
+            f"{budget.speed.label}, nblib.t4_speed, public T4 measurements with their sources")
     return budget.samples_per_s, f"{budget.speed_method}, {size} px"
 
 
