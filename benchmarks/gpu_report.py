@@ -47,7 +47,7 @@ import numpy as np
 import psutil
 import torch
 
-from nblib import budget, env
+from nblib import budget, env, reference
 from nblib.atomic import atomic_write_json, sha256_json
 from nblib.config import preset
 from nblib.measure import synchronize as _sync
@@ -57,7 +57,7 @@ from nblib.units import fmt_exception
 
 SCHEMA = "nblib.gpu_report/1"
 RESULTS = Path(__file__).resolve().parent / "results"
-REFERENCE_T4_FP32_SAMPLES_PER_S = 94.0   # the reference analysis: seed_t4 on a Colab T4, fp32, batch 192
+REFERENCE_T4_FP32_SAMPLES_PER_S = reference.ANALYSIS["samples per second"].value   # seed_t4, Colab T4, fp32, batch 192
 TOLERANCE = 0.03                         # candidates within 3% of the fastest are "as fast"
 MB = 1e6
 ROW_SECONDS = 1.0                        # a throughput timing aims at ~1 s (big batches: fewer calls)
@@ -690,16 +690,16 @@ def compare_outputs(low: dict, ref: dict) -> dict:
 
 
 def step_t4_projection(ctx: Context, inputs: dict) -> dict:
-    """The T4's rate from the simulated T4's kernels on a roofline (nblib.simulate), calibrated twice."""
+    """The simulated T4's roofline (a ceiling), nblib.t4_speed's range beside it, and this GPU's share of its own."""
     return t4_projection(ctx.config, ctx.ref_batch, ctx.gpu, ctx.device_name, inputs["throughput"])
 
 
 def t4_projection(config, batch: int, gpu, gpu_name: str, throughput: dict) -> dict:
-    """Roofline samples/s of a T4 per precision; calibrated by the reference's measured fp32 rate,
-    and (on a GPU with a preset) by the share of its own roofline this GPU reached.
+    """Roofline samples/s of a T4 per precision (a ceiling), nblib.t4_speed's sourced range beside it, and
+    (on a GPU with a preset) the roofline scaled by the share of its own roofline this GPU reached.
     """
     from nblib.simulate import simulate_encode
-    from nblib.simulate.roofline import calibrated_rate, reference_share, roofline
+    from nblib.simulate.roofline import calibrated_rate, roofline
 
     cfg = config.replace(batch_size=batch)
     t4 = {p: roofline(simulate_encode(cfg, "t4", precision=p, batches=1).kernels, batch, "t4")
@@ -710,7 +710,7 @@ def t4_projection(config, batch: int, gpu, gpu_name: str, throughput: dict) -> d
         out[precision] = {"flops_per_batch": roof.flops, "bytes_per_batch": roof.bytes,
                           "analytic_flops_per_batch": budget.flops_per_image(config.model) * batch,
                           "t4_roofline_samples_per_s": roof.samples_per_s,
-                          "t4_calibrated_by_reference": roof.samples_per_s * reference_share()}
+                          "t4_speed_range": _t4_range(cfg, precision)}
         measured = next((r["samples_per_s"] for r in throughput.get("rows", []) if r["batch"] == batch
                          and r["precision"] == precision and r["sdpa_backend"] == "default"
                          and r["samples_per_s"]), None)
@@ -727,9 +727,17 @@ PROJECTION_METHOD = (
     "nblib.simulate: the encoder's kernels on a fake T4 (efficient attention, as sm_75 runs it), FLOPs from "
     "torch.utils.flop_counter's formulas and bytes as every input read and every output written once; each "
     "kernel takes max(FLOPs / peak, bytes / bandwidth) on nblib.budget.DEVICES['t4'] (65 TFLOP/s fp16, 8.1 "
-    "fp32, 320 GB/s). 'calibrated by reference' scales it by the share of the seed_t4 fp32 roofline the "
-    "reference's measured 94 samples/s reached (assumed to carry over to fp16 and other shapes); 'calibrated "
-    "by this GPU' by the share of its own roofline the GPU measured here reached.")
+    "fp32, 320 GB/s): a ceiling. 't4_speed_range' is the T4's speed the suite quotes: nblib.t4_speed, the "
+    "budget's FLOPs divided by the achieved FLOP/s range of public T4 measurements (a projection, with its "
+    "sources); 'calibrated by this GPU' scales the roofline by the share of its own roofline the GPU measured "
+    "here reached.")
+
+
+def _t4_range(config, precision: str) -> dict:
+    """The budget's T4 speed range (nblib.t4_speed) for `config` in `precision`: low, mid, high and the method."""
+    speed = budget.predict_budget(config, "t4", precision=precision).speed
+    r = speed.samples_per_s
+    return {"low": r.low, "mid": r.mid, "high": r.high, "label": speed.label, "method": speed.method}
 
 
 # ------------------------------------------------------------------------------ capped memory
@@ -872,8 +880,9 @@ def _sum_projection(s: dict) -> str:
     def fmt(p):
         e = s[p]
         mine = e["t4_calibrated_by_this_gpu"]
-        return (f"{p} roofline {e['t4_roofline_samples_per_s']:,.0f}, calibrated by the reference "
-                f"{e['t4_calibrated_by_reference']:,.0f}" + (f", by this GPU {mine:,.0f}" if mine else "")
+        r = e["t4_speed_range"]
+        return (f"{p} roofline {e['t4_roofline_samples_per_s']:,.0f}, projection (nblib.t4_speed) "
+                f"{r['mid']:,.0f} ({r['low']:,.0f}-{r['high']:,.0f})" + (f", by this GPU {mine:,.0f}" if mine else "")
                 + " samples/s")
     return f"SIMULATED T4 (batch {s['batch']}): {fmt('fp16')}; {fmt('fp32')}"
 
@@ -962,7 +971,6 @@ def simulate_main(args) -> int:
 def simulated_sections(config) -> dict:
     """environment, budget_accuracy, throughput, offload, t4_projection, capped_memory of a simulated T4."""
     from nblib.simulate import simulate_encode
-    from nblib.simulate.roofline import reference_share, roofline
 
     t4, batch, label = budget.device_preset("t4"), config.run.batch_size, "simulated"
     env_ = {"status": "ok", "label": label, "device": "cuda:0 (fake)", "device_name": "T4 (simulated)",
@@ -979,16 +987,15 @@ def simulated_sections(config) -> dict:
         rows.append({"batch": b, "fits": predicted.fits, "lines": [
             {"name": "reserved at peak (+ allocator cache)", "predicted": allocator, "measured": sim.max_reserved,
              "ratio": sim.max_reserved / allocator}]})
-    rates = {p: roofline(simulate_encode(config, t4, precision=p, batches=1).kernels, batch, t4)
-             for p in ("fp32", "fp16")}
     throughput_rows = []
     for p in ("fp32", "fp16"):
-        rate = rates[p].samples_per_s * reference_share()
-        throughput_rows.append({**_row_dict(batch, p, rate), "ms_per_batch": 1000 * batch / rate,
-                                "mfu": rate * budget.flops_per_image(config.model) / peak_flops(t4, p, False)})
-    throughput = {"status": "ok", "label": label, "rows": throughput_rows,
-                  "method": "roofline of the simulated T4's kernels x the share of the seed_t4 fp32 roofline "
-                            "the reference's measured 94 samples/s reached (nblib.simulate.roofline.reference_share)"}
+        r = _t4_range(config, p)
+        throughput_rows.append({**_row_dict(batch, p, r["mid"]), "low": r["low"], "high": r["high"],
+                                "ms_per_batch": 1000 * batch / r["mid"],
+                                "mfu": r["mid"] * budget.flops_per_image(config.model) / peak_flops(t4, p, False)})
+    throughput = {"status": "ok", "label": label + " T4; rates: projection (nblib.t4_speed)", "rows": throughput_rows,
+                  "method": "nblib.t4_speed through the budget: FLOPs per image / the achieved FLOP/s range of "
+                            "public T4 measurements with their sources; samples_per_s is the range's mid"}
     offload = {"status": "ok", "label": label, "batch_size": batch}
     for mode in ("async", "consolidate"):
         sim = simulate_encode(config, t4, offload=mode)

@@ -63,8 +63,6 @@ ANALYSIS = _by_name(
     _analysis("run time", 5.6, "h"),
 )
 
-T4_SAMPLES_PER_S = ANALYSIS["samples per second"]
-
 CHECKPOINT_TABLE = _by_name(
     ReferenceFigure("shuffle buffers", (10_000, 50_000, 250_000, 400_000), "samples", CHECKPOINT_SOURCE,
                     "the rows of the table"),

@@ -143,12 +143,20 @@ class Projection:
     method: str
     label: str = LABEL
 
-    def summary(self) -> str:
+    def rate_text(self) -> str:
+        """'301 samples/s (249-363)': the mid, then the range; every T4 rate the suite prints reads so."""
         s = self.samples_per_s
-        text = f"{s.mid:,.0f} samples/s ({s.low:,.0f}-{s.high:,.0f})"
+        return f"{s.mid:,.0f} samples/s ({s.low:,.0f}-{s.high:,.0f})"
+
+    def hours_text(self) -> str:
+        """'1.76 h (1.46-2.13 h)' for n_samples ('' without a count)."""
         h = self.hours
-        if h:
-            text += f", {self.n_samples:,} samples in {h.mid:.2f} h ({h.low:.2f}-{h.high:.2f} h)"
+        return f"{h.mid:.2f} h ({h.low:.2f}-{h.high:.2f} h)" if h else ""
+
+    def summary(self) -> str:
+        text = self.rate_text()
+        if self.hours:
+            text += f", {self.n_samples:,} samples in {self.hours_text()}"
         return f"{text} on a T4, {self.precision}{' training' if self.train else ''} ({self.label})"
 
 
@@ -185,8 +193,8 @@ def achieved_range(precision: str = "fp16") -> tuple[Range, str]:
 
 
 def project(flops_per_sample: float, precision: str = "fp16", train: bool = False,
-            n_samples: int | None = None) -> Projection:
-    """A T4 rate and time range for a model of `flops_per_sample` (forward; x3 when `train`)."""
+            n_samples: int | None = None, counted_by: str = "FlopCounterMode on a CPU forward") -> Projection:
+    """A T4 rate and time range for a model of `flops_per_sample` (forward; x3 when `train`), counted `counted_by`."""
     if flops_per_sample <= 0:
         raise ConfigError(f"flops_per_sample={flops_per_sample} must be > 0; count it with flops_per_sample()")
     achieved, how = achieved_range(precision)
@@ -195,7 +203,7 @@ def project(flops_per_sample: float, precision: str = "fp16", train: bool = Fals
     hours = None if not n_samples else Range(n_samples / rate.high / 3600, n_samples / rate.mid / 3600,
                                              n_samples / rate.low / 3600)
     step = "3 x the forward FLOPs (forward + backward)" if train else "the forward FLOPs"
-    method = (f"{step} per sample ({work / 1e9:.2f} GFLOP, FlopCounterMode on a CPU forward) divided by the "
+    method = (f"{step} per sample ({work / 1e9:.2f} GFLOP, {counted_by}) divided by the "
               f"{how}; mid = geometric mean")
     return Projection(rate, hours, n_samples, flops_per_sample, achieved, precision, train, method)
 

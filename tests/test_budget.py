@@ -227,7 +227,7 @@ def test_reference_figures_are_data_with_a_source_and_a_unit():
         for name, figure in group.items():
             assert figure.name == name and figure.source and figure.unit
             assert not any(word in f"{figure.note} {figure.name}".lower() for word in ("wrong", "right", "agree"))
-    assert reference.T4_SAMPLES_PER_S.value == 94
+    assert reference.ANALYSIS["samples per second"].value == 94
     assert reference.CHECKPOINT_TABLE["temporary space during a save"].value == (1.5, 2.0)
 
 

@@ -57,7 +57,7 @@ def test_every_read_is_made_by_an_earlier_step():
 
 
 def test_the_long_run_is_capped_by_the_measured_rate():
-    assert gpu_report.long_run_batches(1000, 448.0, 192, 120.0)[0] == 280   # 120 s at a T4's ~448 samples/s
+    assert gpu_report.long_run_batches(1000, 448.0, 192, 120.0)[0] == 280   # 120 s at 448 samples/s
     assert gpu_report.long_run_batches(1000, 5000.0, 192, 120.0) == (1000, gpu_report.long_run_batches(
         1000, 5000.0, 192, 120.0)[1])
     n, why = gpu_report.long_run_batches(1000, 10.0, 192, 120.0)
@@ -123,7 +123,8 @@ def test_the_t4_projection_is_simulated_and_counts_every_flop(reports):
     for precision in ("fp32", "fp16"):
         entry = projection[precision]
         assert entry["flops_per_batch"] == pytest.approx(entry["analytic_flops_per_batch"], rel=1e-9)
-        assert entry["t4_calibrated_by_reference"] < entry["t4_roofline_samples_per_s"]
+        r = entry["t4_speed_range"]        # nblib.t4_speed (the smoke model is memory-bound: it may pass the roofline)
+        assert r["low"] < r["mid"] < r["high"] and r["label"] == "projection" and "achieved FLOP/s" in r["method"]
         assert entry["t4_calibrated_by_this_gpu"] is None                 # a CPU has no GPU preset
 
 

@@ -182,11 +182,15 @@ def test_budget_vram_within_10_percent_of_the_simulated_gpu(name, gpu, precision
     assert ratio == pytest.approx(1, abs=0.02), f"the replay drifted from the code: {ratio:.3f}"
 
 
-def test_the_t4_preset_efficiency_is_the_simulated_calibrated_rate():
-    """One T4 rate for the suite: the budget's T4 efficiency is the simulated roofline x the reference's share."""
+def test_the_t4_time_is_the_sourced_range_under_the_simulated_roofline():
+    """One T4 speed: the full run's time is the budget's nblib.t4_speed range, under the simulated ceiling."""
+    from nblib import t4_speed
     from nblib.lab.simulated_t4 import full_run_time
 
     t4_time = full_run_time()
-    seed = preset("seed_t4")
-    b = budget.predict_budget(seed, "t4")
-    assert b.samples_per_s == pytest.approx(t4_time.samples_per_s, rel=0.01)
+    b = budget.predict_budget(preset("seed_t4"), "t4")
+    assert t4_time.speed == b.speed and t4_time.samples_per_s == b.samples_per_s == b.speed.samples_per_s.mid
+    assert t4_time.samples_per_s == pytest.approx(t4_speed.seed_t4().samples_per_s.mid, rel=1e-3)
+    assert t4_time.speed.samples_per_s.high < t4_time.roofline_samples_per_s       # a roofline is a ceiling
+    text = str(t4_time)
+    assert t4_time.speed.hours_text() in text and t4_time.speed.rate_text() in text and "projection" in text

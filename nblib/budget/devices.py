@@ -4,6 +4,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from nblib import t4_speed
 from nblib.errors import ConfigError
 from nblib.units import GB, GiB
 
@@ -23,6 +24,7 @@ class Device:
     memory_bandwidth: float = 0.0   # bytes/s of device memory (host DRAM for the CPU)
     tf32_flops: float = 0.0   # peak TF32 tensor FLOP/s (0: no TF32, fp32 runs at fp32_flops)
     compute_capability: int = 0     # CUDA sm_XY as XY (75 for a T4); 0 for the CPU
+    sourced_speed: bool = False     # its time is nblib.t4_speed's range (public measurements), not `efficiency`
 
     @property
     def is_gpu(self) -> bool:
@@ -44,14 +46,12 @@ DEVICES: dict[str, Device] = {
     # of which ~11 GB usable, ~78 GB free of a 108 GB disk. NVIDIA T4 datasheet: 8.1 TFLOP/s
     # FP32, 65 TFLOP/s FP16 tensor, 320 GB/s GDDR6, Turing sm_75 (no TF32, no bf16 tensor
     # cores). CUDA context 300-500 MB on a T4 (nvidia-smi after init).
-    # Efficiency: the simulated T4 (nblib.simulate) puts seed_t4's fp16 kernels at 739 samples/s on
-    # the roofline; scaled by the share of its fp32 roofline the reference's measured 94 samples/s
-    # reached (0.61) that is 448 samples/s, 32.4% of the fp16 peak at 47.05 GFLOP per image: one
-    # T4 rate for the whole suite (`gpu_report.py --simulate`; tests/test_simulate.py recomputes it).
+    # Speed: nblib.t4_speed, a range drawn from public PyTorch measurements on a T4 with their
+    # sources (sourced_speed); `efficiency` is that range's mid over the fp16 peak, derived, not typed.
     "t4": Device("t4", vram_bytes=int(15.0 * GB), ram_bytes=int(11.0 * GB),
                  disk_bytes=int(78 * GB), fp32_flops=8.1e12, fp16_flops=65e12,
-                 cuda_context_bytes=int(0.4 * GB), efficiency=0.324, memory_bandwidth=320e9,
-                 compute_capability=75),
+                 cuda_context_bytes=int(0.4 * GB), efficiency=t4_speed.achieved_range("fp16")[0].mid / 65e12,
+                 memory_bandwidth=320e9, compute_capability=75, sourced_speed=True),
     # Colab L4: 22.5 GB VRAM shown, 53 GB RAM, ~200 GB free disk. NVIDIA L4 datasheet: 30.3
     # TFLOP/s FP32, 121 TFLOP/s FP16 tensor (dense; 242 with sparsity), 60 TF32 (dense),
     # 300 GB/s, Ada sm_89.

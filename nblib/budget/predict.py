@@ -10,8 +10,10 @@ knobs that fit (`nblib.budget.advice`); the widget, the CLI and the notebooks pr
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from dataclasses import replace as dataclass_replace
 from functools import cached_property
 
+from nblib import t4_speed
 from nblib.budget._checks import checked_sdpa_backend, require_positive, validated
 from nblib.budget.advice import advise
 from nblib.budget.devices import Device, device_preset
@@ -45,6 +47,7 @@ class Budget:
     samples_per_s: float
     sdpa_backend: str
     options: dict = field(default_factory=dict, compare=False)  # predict_budget's keyword arguments
+    speed: t4_speed.Projection | None = field(default=None, compare=False)  # the sourced range, where there is one
 
     @property
     def totals(self) -> dict[str, int]:
@@ -69,6 +72,25 @@ class Budget:
     def seconds(self) -> float:
         return self.config.run.n_samples / self.samples_per_s
 
+    def rate_text(self) -> str:
+        """The rate as the suite prints it: a sourced range on a T4 (nblib.t4_speed), else one projected figure."""
+        return self.speed.rate_text() if self.speed else f"{self.samples_per_s:,.0f} samples/s"
+
+    def hours_text(self) -> str:
+        """The run's time as the suite prints it: a sourced range on a T4 (nblib.t4_speed), else one figure."""
+        return self.speed.hours_text() if self.speed else f"{self.seconds / 3600:.2f} h"
+
+    @property
+    def speed_method(self) -> str:
+        """How the rate was made, with its label (always a projection: nothing here ran on the device)."""
+        if self.speed:
+            return f"{self.speed.label}, nblib.t4_speed: {self.speed.method}"
+        eff = self.options.get("efficiency")
+        share = (f"{eff:.1%} of its peak (calibrated)" if eff is not None
+                 else f"{self.device.efficiency:.0%} of its peak")
+        return (f"projection: {self.flops_per_image / 1e9:,.2f} GFLOP per image at {share}, "
+                f"{self.device.compute_flops / 1e12:,.2f} TFLOP/s on the {self.device.name}")
+
     @property
     def headline(self) -> str:
         """Fits or not, which limit binds and by how much (the chart's title)."""
@@ -76,7 +98,8 @@ class Budget:
         need, limit = self.totals[r], self.limits[r]
         if need <= limit:
             return (f"fits on {self.device.name}: {r} binds at {need / GB:.2f} of "
-                    f"{limit / GB:.2f} GB ({need / limit:.0%}); time {self.seconds / 3600:.2f} h")
+                    f"{limit / GB:.2f} GB ({need / limit:.0%}); time {self.hours_text()}"
+                    + (f" ({self.speed.label})" if self.speed else ""))
         over = ", ".join(f"{q} {u:.1f}x" for q, u in sorted(self.usage.items(), key=lambda kv: -kv[1]) if u > 1)
         return f"does NOT fit on {self.device.name}: over the limit: {over}"
 
@@ -112,9 +135,8 @@ class Budget:
             rows.append(f"{r.upper():<12} {self.totals[r] / GB:>10.3f} GB   ({limit})")
             for line in self.lines[r]:
                 rows.append(f"  {line.name:<34} {fmt_bytes(line.bytes):>11}  {line.why}")
-        rows.append(f"TIME         {self.seconds / 3600:>10.2f} h    "
-                    f"({self.flops_per_image / 1e9:.2f} GFLOP/image, "
-                    f"{self.samples_per_s:,.0f} samples/s)")
+        rows.append(f"TIME         {self.hours_text()}    ({self.flops_per_image / 1e9:.2f} GFLOP/image, "
+                    f"{self.rate_text()}{', ' + self.speed.label if self.speed else ''})")
         rows.append("DRIVE LIMITS (besides the quota)")
         rows.extend(f"  {check.numbers}" + ("" if check.crossed else " (ok)") for check in self.drive_limits)
         rows.append(f"VERDICT      {self.verdict}")
@@ -139,7 +161,8 @@ def predict_budget(config: PipelineConfig, device: str | Device = "t4", *,
         codec: the image cache's codec (default: the config's); bytes_per_image: a measured size
             per cached image, which replaces the codec's estimate.
         keep_local: parts kept on local disk after they are mirrored to Drive.
-        efficiency: the share of the device's peak FLOP/s reached (`calibrate`); default the preset's.
+        efficiency: the share of the device's peak FLOP/s reached (`calibrate`); default the preset's, or on
+            a T4 nblib.t4_speed's sourced range (`Budget.speed`, its mid as samples_per_s).
         precision: "fp16" (autocast, the default on CUDA), "bf16" or "fp32"; offload: "async" or
             "consolidate". Both shape the VRAM lines (`device_memory_lines`, checked against nblib.simulate).
 
@@ -180,8 +203,9 @@ def predict_budget(config: PipelineConfig, device: str | Device = "t4", *,
     local, drive = disk_lines(cfg, codec=codec, bytes_per_image=bytes_per_image,
                               keep_local=keep_local)
     flops = flops_per_image(m)
+    speed = _sourced_speed(dev, flops, precision, given.run.n_samples) if efficiency is None else None
     eff = dev.efficiency if efficiency is None else efficiency
-    rate = dev.compute_flops * eff / flops
+    rate = speed.samples_per_s.mid if speed else dev.compute_flops * eff / flops
     return Budget(
         config=given, device=dev,
         lines={"vram": tuple(vram), "ram": tuple(ram), "local disk": local, "drive": drive},
@@ -190,7 +214,20 @@ def predict_budget(config: PipelineConfig, device: str | Device = "t4", *,
         flops_per_image=flops, samples_per_s=rate, sdpa_backend=backend,
         options={"sdpa_backend": sdpa_backend, "drive_quota_gb": drive_quota_gb, "codec": codec_arg,
                  "bytes_per_image": bytes_per_image, "keep_local": keep_local, "efficiency": efficiency,
-                 "precision": precision, "offload": offload})
+                 "precision": precision, "offload": offload},
+        speed=speed)
+
+
+def _sourced_speed(dev: Device, flops: float, precision: str, n_samples: int) -> t4_speed.Projection | None:
+    """nblib.t4_speed's range for a device that has one (the T4); bf16 takes fp32's (sm_75 has no bf16 tensor cores)."""
+    if not dev.sourced_speed:
+        return None
+    speed = t4_speed.project(flops, "fp16" if precision == "fp16" else "fp32", n_samples=n_samples,
+                             counted_by="flops_per_image from the TRM's shapes, FlopCounterMode's count to 0.1%")
+    if precision == "bf16":
+        speed = dataclass_replace(speed, method=speed.method + "; bf16 has no tensor cores on a T4 (sm_75): "
+                                                               "fp32's range")
+    return speed
 
 
 def _attention_on(dev: Device, sdpa_backend: str | None) -> str:

@@ -69,9 +69,21 @@ class RankBudget:
             f"{fmt_bytes(self.host_ram)} of {fmt_bytes(limits['ram'])}",
             f"  shared folder     {fmt_bytes(self.drive_total)} of {fmt_bytes(limits['drive'])} "
             f"(every part once + {self.world_size - 1} more in flight)",
-            f"  time              {fmt_duration(self.seconds)} = {fmt_duration(self.single.seconds)} / "
-            f"{self.world_size} ranks (projection: perfect scaling)",
+            f"  time              {self._time()} = {fmt_duration(self.single.seconds)} / "
+            f"{self.world_size} ranks (projection: perfect scaling{self._source()})",
             f"  verdict           {'fits' if self.fits else 'does NOT fit'}"])
+
+
+    def _time(self) -> str:
+        """The time per rank, with nblib.t4_speed's range (divided as the mid is) where the device has one."""
+        speed, n = self.single.speed, self.world_size
+        if not speed:
+            return fmt_duration(self.seconds)
+        return f"{fmt_duration(self.seconds)} ({fmt_duration(speed.hours.low * 3600 / n)}-" \
+               f"{fmt_duration(speed.hours.high * 3600 / n)})"
+
+    def _source(self) -> str:
+        return f"; {self.single.speed.label}, nblib.t4_speed's range" if self.single.speed else ""
 
 
 def rank_budget(config: PipelineConfig, device: str = "t4", world_size: int = 1, *,

@@ -18,6 +18,7 @@ import numpy as np
 from nblib.cache import ShardedImageCache, populate, read_cache_manifest
 from nblib.compare import MIN_REPEATS, Spread, against_value, compare, interleaved, interleaved_order
 from nblib.errors import CacheError
+from nblib.lab.input_pipeline import encoder_projection  # noqa: F401  the encoder's rate a read must beat (notebook 02)
 
 
 def texts_sharing_an_image(texts: Sequence[str], image_size: int) -> list[list[str]]:

@@ -16,10 +16,11 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nblib import t4_speed
 from nblib.compare import MIN_REPEATS, Spread, against_value, compare, interleaved
 from nblib.pipeline import ComputeStandIn, measure_pipeline, sweep
 from nblib.pipeline.recommend import knob_effects, knob_verdicts, most_effective_knob, value_verdicts
-from nblib.reference import T4_SAMPLES_PER_S, TUNING_LOG
+from nblib.reference import TUNING_LOG
 from nblib.units import fmt_bytes, fmt_rate
 from nblib.verdict import MIN_EFFECT, MemoryVerdict, memory_verdict, verdict_of_pairs
 
@@ -56,15 +57,29 @@ def tf_sources(cache, n_images: int | None = None, n_sources: int = 4):
     return encoded_sources((cache[i] for i in range(n)), n_sources)
 
 
-def where_time_goes(sources, encoder_samples_per_s: float = T4_SAMPLES_PER_S.value, batch_size: int = 32,
+def stand_in_encoder() -> tuple[float, str]:
+    """The stand-in encoder's rate and the line that says where it comes from.
+
+    The fast end of the T4's sourced range for seed_t4 in fp16 (nblib.t4_speed, a projection): a pipeline
+    that keeps up with the fast end keeps up with the whole range.
+    """
+    p = t4_speed.seed_t4("fp16")
+    rate = p.samples_per_s.high
+    return rate, (f"stand-in encoder: {rate:,.0f} samples/s = {1e3 / rate:.2f} ms per image, the fast end of "
+                  f"the T4's {p.rate_text()} for seed_t4 in {p.precision} ({p.label}, nblib.t4_speed: "
+                  f"public T4 measurements with their sources)")
+
+
+def where_time_goes(sources, encoder_samples_per_s: float | None = None, batch_size: int = 32,
                     steps: int = 8, repeats: int = MIN_REPEATS) -> dict:
-    """The default tf.data pipeline feeding a stand-in encoder of the given rate: data-wait is the pipeline's share.
+    """The default tf.data pipeline feeding a stand-in encoder (`stand_in_encoder()`): data-wait is its share.
 
     Both measurements (fed to the encoder, and the pipeline alone) run `repeats` interleaved times; the
     row holds the median run and every run's data-wait and pipeline rate.
     """
     from nblib.pipeline.tf_pipelines import tf_pipeline
 
+    encoder_samples_per_s = encoder_samples_per_s or stand_in_encoder()[0]
     step = device_step(1e3 / encoder_samples_per_s, launch_ms=0.0)
     reports: dict[str, list] = {"fed": [], "alone": []}
 
@@ -365,14 +380,18 @@ def render_loader_rate(texts, image_size: int = 224, num_workers: int | None = N
 
 
 def encoder_projection(budget) -> tuple[float, str]:
-    """The encoder's images/s of a Budget and how it was made (a projection, with its method)."""
-    dev = budget.device
-    method = (f"projection: {budget.flops_per_image / 1e9:,.1f} GFLOP per {budget.config.model.image_size} px "
-              f"image at {dev.efficiency:.0%} of the {dev.name} {dev.compute_flops / 1e12:,.0f} TFLOP/s peak "
-              f"({budget.config.run.out_dtype if dev.is_gpu else 'fp32'} compute"
-              + ("; that share is the simulated T4's roofline calibrated by the reference's fp32 rate)"
-                 if dev.name == "t4" else ")"))
-    return budget.samples_per_s, method
+    """The encoder's images/s a loader must beat, from a Budget, and how it was made (a projection, its method).
+
+    On a T4 the fast end of nblib.t4_speed's sourced range (a loader that beats it beats the whole
+    range); elsewhere the budget's one projected rate.
+    """
+    size = budget.config.model.image_size
+    if budget.speed:
+        return budget.speed.samples_per_s.high, (
+            f"the fast end of the {budget.device.name.upper()}'s {budget.rate_text()} for "
+            f"{budget.flops_per_image / 1e9:,.1f} GFLOP per {size} px image, {budget.speed.precision}: "
+            f"{budget.speed.label}, nblib.t4_speed, public T4 measurements with their sources")
+    return budget.samples_per_s, f"{budget.speed_method}, {size} px"
 
 
 def cacheless_verdict(rendered: Spread, encoder_samples_per_s: float, encoder_method: str, image_size: int,

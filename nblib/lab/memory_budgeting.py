@@ -97,9 +97,9 @@ def reference_comparison(device: str | budget.Device = "t4",
         check("checkpoints", ["checkpoints total"], r.n_samples * budget.output_bytes_per_image(cfg), "B",
               f"{n_parts} parts x {f(r.checkpoint_every * per_batch16)}: each part holds its own batches"),
         check("run time", ["run time"], r.n_batches * s_per_batch / 3600, "h",
-              f"{r.n_batches:,} batches x the measured {s_per_batch} s (fp32); in fp16 the simulated T4 "
-              f"({b.device.efficiency:.0%} of its peak) projects {b.samples_per_s:.0f} samples/s against "
-              f"the measured fp32 {ANALYSIS['samples per second'].value}"),
+              f"{r.n_batches:,} batches x the measured {s_per_batch} s (fp32); in fp16 the budget projects "
+              f"{b.rate_text()} ({b.speed.label + ', nblib.t4_speed' if b.speed else b.speed_method}) against the "
+              f"measured fp32 {ANALYSIS['samples per second'].value}"),
     ]
 
 
@@ -241,13 +241,8 @@ def _knobs_of(suggestion) -> list[str]:
 
 def time_readout(b) -> str:
     """The run time a panel shows beside the chart, with how it is projected."""
-    return (f"time {b.seconds / 3600:,.2f} h: {b.config.run.n_samples:,} images at {b.samples_per_s:,.0f} images/s "
-            f"(projection: {b.flops_per_image / 1e9:,.2f} GFLOP per image, H_cycles x (L_cycles + 1) passes, at "
-            f"{b.device.efficiency:.0%} of the {b.device.name}'s peak{_efficiency_source(b.device)})")
-
-
-def _efficiency_source(device) -> str:
-    return ", the simulated T4's calibrated roofline" if device.name == "t4" else ""
+    return (f"time {b.hours_text()}: {b.config.run.n_samples:,} images at {b.rate_text()} "
+            f"({b.speed_method})")
 
 
 def measure_forward_peaks(config, batch_sizes, on_gpu: bool = False, progress: bool = True,

@@ -3,23 +3,24 @@
 No GPU is lent to this project. `simulated_vram` puts the budget's VRAM beside the simulated T4's
 (nblib.simulate: the real encoder on a fake CUDA device, PyTorch's caching-allocator policy), so a
 notebook can show predicted / simulated next to predicted / measured RSS. `full_run_time` is the
-one T4 time the suite quotes: the roofline of the simulated T4's fp16 kernels, scaled by the share
-of the fp32 roofline that the reference's measured 94 samples/s reached. What a simulation sees: every
-tensor the code allocates and every kernel it launches. What it cannot see: the CUDA context
-(an assumed 0.4 GB), kernel scratch besides cuBLAS's workspace, launch overheads and clocks.
+T4 time every notebook quotes: nblib.t4_speed's range (public T4 measurements with their sources,
+a projection) through the budget, beside the simulated T4's roofline, a ceiling it must stay under.
+What a simulation sees: every tensor the code allocates and every kernel it launches. What it
+cannot see: the CUDA context (an assumed 0.4 GB), kernel scratch besides cuBLAS's workspace,
+launch overheads and clocks.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nblib import budget
+from nblib import budget, t4_speed
 from nblib.config import PipelineConfig, preset
 
 LABEL = "simulated"
 CAN_SEE = ("every tensor the real encoder code and the encode loop allocate on the device, the caching "
            "allocator's segments (PyTorch's default policy), cuBLAS's workspace, and every kernel's FLOPs and bytes")
 CANNOT_SEE = ("the CUDA context (300-500 MB on a T4: an assumption, 0.4 GB in the budget), other kernels' scratch, "
-              "launch overheads, clocks and thermal limits: a simulated time is a roofline, calibrated, not measured")
+              "launch overheads, clocks and thermal limits: a simulated time is a roofline, a ceiling, not measured")
 
 
 @dataclass(frozen=True)
@@ -67,37 +68,42 @@ def vram_table(measured_rows, vram_rows: list[VramRow]) -> str:
 
 @dataclass(frozen=True)
 class T4Time:
-    """The full run's time on a T4: one number, and how it was made (simulated, calibrated)."""
+    """The full run's time on a T4: nblib.t4_speed's sourced range, beside the simulated T4's roofline ceiling."""
 
-    n_samples: int
-    samples_per_s: float
-    roofline_samples_per_s: float
-    reference_share: float
-    precision: str
+    speed: t4_speed.Projection          # the budget's T4 range (public measurements; a projection)
+    roofline_samples_per_s: float       # the simulated T4's kernels on a roofline: a ceiling (simulated)
+
+    @property
+    def n_samples(self) -> int:
+        return self.speed.n_samples
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.speed.samples_per_s.mid
 
     @property
     def hours(self) -> float:
-        return self.n_samples / self.samples_per_s / 3600
+        return self.speed.hours.mid
 
     def __str__(self) -> str:
-        return (f"T4 time of the full run ({self.n_samples:,} images, seed_t4, {self.precision} autocast): "
-                f"{self.hours:.1f} h at {self.samples_per_s:,.0f} samples/s ({LABEL})\n"
-                f"method: the simulated T4's {self.precision} kernels on a roofline "
-                f"({self.roofline_samples_per_s:,.0f} samples/s) x {self.reference_share:.2f}, the share of the "
-                f"fp32 roofline the reference's measured 94 samples/s reached (assumed to carry over to "
-                f"{self.precision}); not measured on a GPU")
+        s = self.speed
+        return (f"T4 time of the full run ({s.n_samples:,} images, seed_t4, {s.precision} autocast): "
+                f"{s.hours_text()} at {s.rate_text()} ({s.label})\n"
+                f"method: {s.method}; sources: nblib.t4_speed.SOURCES; not measured on a GPU\n"
+                f"check: the simulated T4's {s.precision} kernels on a roofline, a ceiling no run beats: "
+                f"{self.roofline_samples_per_s:,.0f} samples/s ({LABEL}); the range's high end is "
+                f"{s.samples_per_s.high / self.roofline_samples_per_s:.0%} of it")
 
 
 def full_run_time(config: PipelineConfig | None = None, precision: str = "fp16") -> T4Time:
-    """The T4's time for the reference's full run: simulated roofline, calibrated by the reference's fp32 rate."""
+    """The T4's time for the reference's full run: the budget's sourced range, and the simulated roofline beside it."""
     from nblib.simulate import simulate_encode
-    from nblib.simulate.roofline import reference_share, roofline
+    from nblib.simulate.roofline import roofline
 
     cfg = config or preset("seed_t4")
+    speed = budget.predict_budget(cfg, "t4", precision=precision).speed
     run = simulate_encode(cfg, "t4", precision=precision, batches=1)
-    roof = roofline(run.kernels, cfg.run.batch_size, "t4").samples_per_s
-    share = reference_share()
-    return T4Time(cfg.run.n_samples, roof * share, roof, share, precision)
+    return T4Time(speed, roofline(run.kernels, cfg.run.batch_size, "t4").samples_per_s)
 
 
 def disk_table(disk) -> str:

@@ -2,8 +2,8 @@
 
 What the notebook shows about `nblib.encode` lives here, not in the core package: both offload
 modes timed on the same cache, a CLI encode SIGKILLed mid-run (the resume is the CLI itself), a
-PCA of the sketches, how often checksum codes collide, and the full seed_t4 run's time and disk
-projected from a measured rate against the reference figures of `nblib.reference`.
+PCA of the sketches, how often checksum codes collide, and the full seed_t4 run's disk and its T4
+time (nblib.t4_speed's sourced range) beside the reference figures of `nblib.reference`.
 """
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ from pathlib import Path
 
 import numpy as np
 
-from nblib import budget, reference
+from nblib import budget, reference, t4_speed
 from nblib.compare import MIN_REPEATS, Spread, compare, interleaved
 from nblib.config import OUTPUT_CHOICES, PipelineConfig, preset
 from nblib.encode import OFFLOAD_MODES, PARTS_FOLDER, encode, open_store, read_run_manifest
 from nblib.encode.protocols import ImageSource
-from nblib.errors import StateError
+from nblib.errors import ConfigError, StateError
 
 REFERENCE_SAMPLES_PER_S = float(reference.ANALYSIS["samples per second"].value)  # seed_t4, Colab T4, fp32
 COLAB_RUNTIME_HOURS = float(reference.COLAB["runtime limit"].value)
@@ -55,17 +55,18 @@ def offload_verdict(rates: dict[str, Spread], on_gpu: bool) -> str:
 def rate_check(prediction, measured_samples_per_s: float) -> str:
     """The budget's projected samples/s beside the rate just measured, with how the projection was made.
 
-    On a CPU the projection is a FLOP roofline at the preset's assumed share of peak, not a calibrated
-    figure: the line says so and prints the measured/projected ratio, so the two numbers never stand apart.
+    On a T4 the projection is nblib.t4_speed's sourced range (the ratio is against its mid); on a CPU it
+    is a FLOP roofline at the preset's assumed share of peak, not a calibrated figure: the line says so
+    and prints the measured/projected ratio, so the two numbers never stand apart.
     """
     dev = prediction.device
     ratio = measured_samples_per_s / prediction.samples_per_s if prediction.samples_per_s else float("nan")
-    how = (f"projection: {prediction.flops_per_image / 1e9:,.2f} GFLOP per image at {dev.efficiency:.0%} of the "
-           f"{dev.name}'s {dev.compute_flops / 1e12:,.2f} TFLOP/s peak")
+    projected = prediction.rate_text() if prediction.speed else f"{prediction.samples_per_s:,.1f} samples/s"
     note = ("" if dev.is_gpu else "; a CPU's share of its peak for small kernels under load is far below the "
             "preset's, so trust the measured rate here and the budget's time only on a calibrated device")
-    return (f"rate: the budget projected {prediction.samples_per_s:,.1f} samples/s ({how}); measured "
-            f"{measured_samples_per_s:,.1f} samples/s, x{ratio:.3f} the projection{note}")
+    return (f"rate: the budget projected {projected} ({prediction.speed_method}); measured "
+            f"{measured_samples_per_s:,.1f} samples/s, x{ratio:.3f} the projection"
+            f"{' (its mid)' if prediction.speed else ''}{note}")
 
 
 # ------------------------------------------------------------------------------ kill and resume
@@ -177,23 +178,24 @@ def checksum_collisions(checksums: np.ndarray, image_hashes: list[str] | None = 
 
 @dataclass(frozen=True)
 class FullRunProjection:
-    """Time and disk of the full seed_t4 run on a T4, projected from a measured encode rate."""
+    """Time and disk of the full seed_t4 run on a T4: nblib.t4_speed's sourced range beside a measured rate."""
 
     n_samples: int
     measured_samples_per_s: float
     measured_on: str
-    efficiency: float                       # share of peak FLOP/s the measurement reached
-    rates: dict[str, float]                 # basis -> projected T4 samples/s
+    speed: t4_speed.Projection              # the T4's range for the target (fp16), a projection
+    rates: dict[str, float]                 # basis -> T4 samples/s (measured ones only; the range is `speed`)
     disk: tuple[tuple[str, int], ...]       # (outputs + dtype, bytes of the outputs)
 
     def hours(self, rate: float) -> float:
         return self.n_samples / rate / 3600
 
     def table(self) -> str:
-        """The projection as aligned text: rates and hours, then disk per output choice."""
+        """The projection as aligned text: the T4's range, measured rates and hours, then disk per output choice."""
         rows = [f"full run: {self.n_samples:,} samples (seed_t4 model) on a Colab T4",
-                f"measured here: {self.measured_samples_per_s:,.1f} samples/s on {self.measured_on} "
-                f"= {self.efficiency:.1%} of its peak FLOP/s"]
+                f"  {'T4 ' + self.speed.precision + ' (' + self.speed.label + ', nblib.t4_speed)':<48} "
+                f"{self.speed.rate_text()}  {self.speed.hours_text()}",
+                f"measured here: {self.measured_samples_per_s:,.1f} samples/s on {self.measured_on}"]
         for basis, rate in self.rates.items():
             rows.append(f"  {basis:<48} {rate:>8,.0f} samples/s  {self.hours(rate):>6.1f} h  "
                         f"({rate / REFERENCE_SAMPLES_PER_S:.1f}x the reference)")
@@ -208,29 +210,27 @@ class FullRunProjection:
 def project_full_run(measured_samples_per_s: float, measured_config: PipelineConfig,
                      measured_on: str | None = None, target: PipelineConfig | None = None,
                      target_device: str = "t4") -> FullRunProjection:
-    """Project the full run's time (via FLOPs per image) and disk from a measured rate.
+    """The full run's time on a T4 (nblib.t4_speed's range, through the budget) and its disk.
 
-    Rates: the reference (94 samples/s, fp32), the budget's default T4 efficiency, and the
-    efficiency measured here applied to the T4's fp16 peak; the last is only as good as the
-    guess that a T4 reaches the share of its peak this machine reached. Disk: every output in
-    float32, then each choice of `nblib.config.OUTPUT_CHOICES` in float16.
+    Rates beside the range: the reference's measured 94 samples/s (fp32), and the rate measured here
+    when here is a T4 running the target's model. A CPU's rate is not carried to a T4: its share of
+    its own peak says nothing about a T4's tensor cores. Disk: every output in float32, then each
+    choice of `nblib.config.OUTPUT_CHOICES` in float16.
     """
     from nblib.env import cuda_available
 
     target = target or preset("seed_t4")
     measured_on = measured_on or ("t4" if cuda_available() else "cpu")
-    efficiency = budget.calibrate(measured_on, measured_samples_per_s, measured_config)
-    rates = {"reference (T4, fp32, measured)": REFERENCE_SAMPLES_PER_S,
-             "budget prediction (T4 fp16, default efficiency)":
-                 budget.predict_budget(target, target_device).samples_per_s,
-             "measured efficiency on the T4's fp16 peak":
-                 budget.predict_budget(target, target_device, efficiency=efficiency).samples_per_s}
+    speed = budget.predict_budget(target, target_device).speed
+    if speed is None:
+        raise ConfigError(f"target_device={target_device!r} has no sourced speed range; the full run's time is "
+                          f"projected for a T4 (target_device='t4')")
+    rates = {"reference (T4, fp32, measured)": REFERENCE_SAMPLES_PER_S}
     if measured_on == target_device and measured_config.model == target.model:
         rates = {"measured here": measured_samples_per_s, **rates}
     disk = tuple((f"{'+'.join(outs)} {dtype}", target.run.n_samples *
                   budget.output_bytes_per_image(target, outs, dtype))
                  for outs in OUTPUT_CHOICES for dtype in ("float32", "float16")
                  if dtype == "float16" or len(outs) == 3)
-    return FullRunProjection(n_samples=target.run.n_samples,
-                             measured_samples_per_s=measured_samples_per_s, measured_on=measured_on,
-                             efficiency=efficiency, rates=rates, disk=disk)
+    return FullRunProjection(n_samples=target.run.n_samples, measured_samples_per_s=measured_samples_per_s,
+                             measured_on=measured_on, speed=speed, rates=rates, disk=disk)

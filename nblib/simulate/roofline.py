@@ -4,12 +4,12 @@ A kernel takes max(FLOPs / peak rate, bytes / memory bandwidth): GEMM-like kerne
 attention, convolution) run at the tensor-core rate in fp16/bf16, at TF32 for fp32 convolutions
 where the GPU has TF32 (cudnn.allow_tf32 is on by default; matmul's allow_tf32 is off), else at
 the fp32 rate; everything else is bandwidth-bound. The sum is a ceiling no GPU beats: no launch
-overheads, perfect overlap. `calibrated_rate` scales it by the share of the roofline a measured
-run reached (the reference's 94 samples/s fp32 on a T4), the only measured T4 figure there is.
+overheads, perfect overlap. It is not the T4's speed: that is nblib.t4_speed's range, drawn from
+public T4 measurements with their sources. `calibrated_rate` carries a rate measured on one GPU to
+another by the share of its own roofline it reached (benchmarks/gpu_report.py, on a real GPU).
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 from nblib.budget.devices import Device, device_preset
@@ -76,22 +76,3 @@ def calibrated_rate(target: Roofline, reference: Roofline, measured_samples_per_
     """
     share = measured_samples_per_s / reference.samples_per_s
     return target.samples_per_s * share
-
-
-REFERENCE_SAMPLES_PER_S = 94.0    # nblib.reference: seed_t4, batch 192, fp32, measured on a Colab T4
-
-
-@functools.lru_cache(maxsize=1)
-def reference_share() -> float:
-    """The share of the simulated T4's fp32 roofline the reference's measured 94 samples/s reached.
-
-    The reference measured seed_t4 at batch 192 in fp32 on a T4; its roofline here is ~155
-    samples/s, so the share is ~0.61. Scaling another roofline by it assumes the same share
-    carries over (to fp16, to another batch): the one calibration a measured T4 figure allows.
-    """
-    from nblib.config import preset
-    from nblib.simulate.encode import simulate_encode
-
-    cfg = preset("seed_t4")
-    run = simulate_encode(cfg, "t4", precision="fp32", batches=1)
-    return REFERENCE_SAMPLES_PER_S / roofline(run.kernels, cfg.run.batch_size, "t4").samples_per_s
