@@ -332,3 +332,23 @@ def _torchrun(cache_dir: Path, out: Path) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
             "--max-restarts", "0", "-m", "nblib",
             "train", "--cache", str(cache_dir), "--out", str(out), *ARGS, "--steps", "16", "--device", "cpu"]
+
+
+def test_deterministic_mode_skips_importing_inductor_yet_a_compile_inside_it_is_deterministic():
+    """torch.use_deterministic_algorithms imports Inductor (~1 s a run); the block must not, and must stay exact."""
+    code = ("import sys, torch\n"
+            "from nblib.train.device import deterministic\n"
+            "with deterministic('cpu'):\n"
+            "    assert torch.are_deterministic_algorithms_enabled()\n"
+            "    assert 'torch._inductor.config' not in sys.modules\n"
+            "    import torch._inductor.config as c\n"
+            "    assert c.deterministic, 'a compile inside the block would not be deterministic'\n"
+            "    print('inside ok')\n"
+            "assert not torch.are_deterministic_algorithms_enabled()\n"
+            "with deterministic('cpu'):\n"
+            "    assert c.deterministic and torch.are_deterministic_algorithms_enabled()\n"
+            "assert not c.deterministic and not torch.are_deterministic_algorithms_enabled()\n"
+            "print('after ok')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(),
+                          timeout=300)
+    assert done.returncode == 0 and "after ok" in done.stdout, done.stderr[-2000:]

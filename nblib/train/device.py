@@ -25,6 +25,7 @@ import contextlib
 import hashlib
 import os
 import re
+import sys
 
 from nblib.errors import ConfigError, DeterminismError
 
@@ -103,14 +104,37 @@ def deterministic(device: str):
     if device.startswith("cuda"):
         ensure_cublas_workspace()
     was = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-           torch.backends.cudnn.benchmark)
-    torch.use_deterministic_algorithms(True)
+           torch.backends.cudnn.benchmark, os.environ.get(INDUCTOR_ENV))
+    set_deterministic(torch, True, False)
     torch.backends.cudnn.benchmark = False
     try:
         yield
     finally:
-        torch.use_deterministic_algorithms(was[0], warn_only=was[1])
+        set_deterministic(torch, was[0], was[1])
         torch.backends.cudnn.benchmark = was[2]
+        if was[3] is None:
+            os.environ.pop(INDUCTOR_ENV, None)
+        else:
+            os.environ[INDUCTOR_ENV] = was[3]
+
+
+INDUCTOR_ENV = "TORCHINDUCTOR_DETERMINISTIC"
+
+
+def set_deterministic(torch, mode: bool, warn_only: bool) -> None:
+    """torch.use_deterministic_algorithms without importing Inductor (~1 s of torch._dynamo imports).
+
+    torch's own function imports torch._inductor.config to set its `deterministic` flag. Where
+    Inductor is loaded already it is called as is; where it is not, the same switch is set and
+    Inductor is told through the variable its config reads when it is first imported
+    (TORCHINDUCTOR_DETERMINISTIC), so a torch.compile inside the block is deterministic too.
+    """
+    if "torch._inductor.config" in sys.modules:
+        torch.use_deterministic_algorithms(mode, warn_only=warn_only)
+        return
+    torch._C._set_deterministic_algorithms(mode, warn_only=warn_only)
+    if mode:
+        os.environ[INDUCTOR_ENV] = "1"
 
 
 NONDETERMINISTIC = re.compile(r"^\s*(?P<op>\S+) does not have a deterministic implementation")
