@@ -460,10 +460,12 @@ def _encode_outputs(args: argparse.Namespace) -> tuple[str, ...] | None:
 # --------------------------------------------------------------------------------------- train
 def train_main(argv: list[str]) -> int:
     """`python -m nblib train`: train the encoder on a cache's labels; rerunning the command resumes."""
-    from nblib.encode.distributed import join
-    from nblib.train.command import run_train
+    from nblib.train.command import check_train_args, run_train
 
     args = _train_args(argv)
+    check_train_args(args)                 # a refusal answers before torch is imported
+    from nblib.encode.distributed import join
+
     world = join(device=args.device)
     try:
         with _os_errors_name(args.out):

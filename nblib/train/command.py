@@ -12,11 +12,14 @@ import logging
 import signal
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from nblib.errors import ConfigError, InputError
 
 from .config import TrainConfig
-from .loop import TrainReport, train
+
+if TYPE_CHECKING:
+    from .loop import TrainReport
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +104,10 @@ def config_from_args(args) -> TrainConfig:
                        workers=args.workers)
 
 
-def run_train(args, world=None) -> TrainReport:
-    """Check the paths, then train (or resume) as the flags say; SIGTERM stops it as Ctrl-C does."""
+def check_train_args(args) -> int | None:
+    """The refusals a command line can get before torch is imported (~2 s): the paths, the knobs, the
+    quota; the mirror quota in bytes when they pass.
+    """
     cache = Path(args.cache)
     if not (cache / "manifest.json").is_file():
         raise InputError(f"--cache {cache} is not a cache folder (no manifest.json); build one with "
@@ -112,11 +117,19 @@ def run_train(args, world=None) -> TrainReport:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise InputError(f"--out {out} is a file; pass a folder for the run")
+    config_from_args(args)
+    return mirror_quota_bytes(args.mirror, args.drive_quota_gb)
+
+
+def run_train(args, world=None) -> TrainReport:
+    """Check the paths, then train (or resume) as the flags say; SIGTERM stops it as Ctrl-C does."""
+    quota = check_train_args(args)
+    from .loop import train
+
     with SigtermStop().installed() as stop, stop.workers_terminated():
-        return train(cache, out, config_from_args(args), mirror=args.mirror, texts=args.texts,
+        return train(Path(args.cache), Path(args.out), config_from_args(args), mirror=args.mirror, texts=args.texts,
                      progress=not args.no_progress, world=world, mirror_timeout_s=args.mirror_timeout,
-                     sync_save=args.sync_save, on_step=stop.on_step,
-                     mirror_quota_bytes=mirror_quota_bytes(args.mirror, args.drive_quota_gb))
+                     sync_save=args.sync_save, on_step=stop.on_step, mirror_quota_bytes=quota)
 
 
 def mirror_quota_bytes(mirror: str | None, quota_gb: float | None) -> int | None:
