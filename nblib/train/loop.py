@@ -27,16 +27,17 @@ import torch
 import torch.nn.functional as F
 
 from nblib.atomic import atomic_torch_save
-from nblib.errors import ResumeMismatch, TrainingDiverged
+from nblib.errors import ConfigError, ResumeMismatch, TrainingDiverged
 from nblib.manifest import write_manifest
 
 from .config import TrainConfig
 from .data import BatchPlan, LabelledImages, StepBatches
 from .device import as_nblib_error, autocast, deterministic, dropout_seed, require_device
 from .objstore import check_run_folders
+from .records import RecordTask
 from .state import STATE_FORMAT, capture_rng, check_identity, check_model, restore_rng, seed_everything
 from .store import Durability, TrainStore
-from .task import make_task, model_config
+from .task import ImageTask, model_config
 
 __all__ = ["TrainReport", "model_config", "train", "train_step", "training_objects"]
 
@@ -253,6 +254,21 @@ def _train(cache_dir, out, config: TrainConfig, *, mirror, progress, world, stor
     if writer:
         _write_report(out, report, config)
     return report
+
+
+def make_task(data, config: TrainConfig, *, texts=None, model=None, output=None, weights=None, fields=None):
+    """The task of a run: record shards when `fields` (nblib.train.records.RecordFields) are given, else images."""
+    from nblib.cache.record_format import is_record_folder
+
+    if fields is not None:
+        if texts is not None:
+            raise ConfigError("--texts gives the labels of an image cache; record shards carry their targets "
+                              "(--target-key): drop --texts")
+        return RecordTask(data, config, fields, model=model, output=output, weights=weights)
+    if is_record_folder(data):
+        raise ConfigError(f"{data} holds record shards, not images: train from it with --records {data} "
+                          f"--input-key FIELD --target-key FIELD")
+    return ImageTask(data, config, texts=texts, model=model, output=output, weights=weights)
 
 
 def _after_step(step, loss, model, task, config, optimizer, scheduler, scaler, identity, store, report,

@@ -158,20 +158,3 @@ class ImageTask:
             net = with_head(loaded, len(self.classes), output, image_size=size)
         freeze_unreached(net, torch.zeros(1, size, size, 3, dtype=torch.uint8))
         return net, contract_identity(loaded, net.output, head="own logits" if net.own_logits else "linear"), loaded
-
-
-def make_task(data, config: TrainConfig, *, texts=None, model=None, output=None, weights=None, fields=None):
-    """The task of a run: record shards when `fields` (nblib.train.records.RecordFields) are given, else images."""
-    from nblib.cache.record_format import is_record_folder
-
-    if fields is not None:
-        from .records import RecordTask
-
-        if texts is not None:
-            raise ConfigError("--texts gives the labels of an image cache; record shards carry their targets "
-                              "(--target-key): drop --texts")
-        return RecordTask(data, config, fields, model=model, output=output, weights=weights)
-    if is_record_folder(data):
-        raise ConfigError(f"{data} holds record shards, not images: train from it with --records {data} "
-                          f"--input-key FIELD --target-key FIELD")
-    return ImageTask(data, config, texts=texts, model=model, output=output, weights=weights)
