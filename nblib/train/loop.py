@@ -1,6 +1,8 @@
 """The training loop: resume or start, step, evaluate, save locally, back up, finish with final.pt.
 
-`train(cache_dir, out, config)` is what `python -m nblib train` and notebook 06 run. Rerunning it
+`train(cache_dir, out, config)` is what `python -m nblib train` and notebook 06 run, over a task
+(`nblib.train.task.ImageTask`: a cache of images with the TRM or any `model=` spec;
+`nblib.train.records.RecordTask`: record shards with `fields=`). Rerunning it
 on the same folder resumes from the newest state that loads (local first, then the mirror) and
 gives the same final bytes as an uninterrupted run: every input of a step is in the state (weights,
 AdamW moments, schedule, scaler, the RNGs dropout draws from, the data order as a
