@@ -272,3 +272,15 @@ def test_hostile_model_and_record_flags_print_one_error_line_and_exit_2(argv, ex
     assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), done.stderr
     assert expected in lines[0], lines[0]
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_model_that_cannot_take_the_input_is_refused_at_start_naming_it(records_dir, cache_dir, models, tmp_path):
+    with pytest.raises(ConfigError, match=r"--model tinyfactory:build on --input-key hidden_states \[1, \d+, 32\]"):
+        train(records_dir, tmp_path / "run", CONFIG, fields=ROUTING, model="tinyfactory:build")
+    with pytest.raises(ConfigError, match=r"the model has no output 'features'; its outputs are \['logits'\]"):
+        train(records_dir, tmp_path / "run", CONFIG, fields=ROUTING, model="tinyfactory:router", output="features")
+    with pytest.raises(ConfigError, match=r"no output 'sketches'; its outputs are \['pooled', 'logits'\]"):
+        train(cache_dir, tmp_path / "run", CONFIG, model="tinyfactory:build", output="sketches")
+    with pytest.raises(ConfigError, match=r"--output sketches picks one output of a --model"):
+        train(cache_dir, tmp_path / "run", CONFIG, output="sketches")
+    assert not (tmp_path / "run").exists()

@@ -41,7 +41,7 @@ from nblib.errors import ConfigError
 from .config import TrainConfig
 from .data import BatchPlan, split
 from .device import autocast
-from .task import EVAL_BATCH, contract_identity, freeze_unreached, host, is_trm
+from .task import EVAL_BATCH, contract_identity, freeze_unreached, host, is_trm, runs_on
 
 LOSSES = ("auto", "ce", "mse")
 
@@ -182,10 +182,12 @@ class RecordTask:
         if self.loss_name == "mse" and config.best_metric == "heldout_accuracy":
             raise ConfigError("--best-metric heldout_accuracy needs --loss ce; with mse use heldout_loss")
         self.model, self.loaded = self._model(model, output, weights, sample)
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            out = self.model.eval()(inputs)
-            loss_terms(out, target, lengths, self.loss_name)       # the shapes and classes agree, before any save
-        freeze_unreached(self.model, inputs)
+        with runs_on(f"--model {model or 'linear'} on --input-key {fields.inputs} {list(inputs.shape)} "
+                     f"{inputs.dtype} (one record)"):
+            with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                out = self.model.eval()(inputs)
+            freeze_unreached(self.model, inputs)
+        loss_terms(out, target, lengths, self.loss_name)            # the shapes and classes agree, before any save
         width = int(out.shape[-1]) if self.loss_name == "ce" else 0
         self.classes = [str(c) for c in range(width)]
         self.model_identity = contract_identity(self.loaded, self.model.output)

@@ -18,6 +18,7 @@ are found by one batch-1 forward and backward at start and frozen, so DDP waits 
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from nblib.config import for_profile, preset
-from nblib.errors import ConfigError
+from nblib.errors import ConfigError, NblibError
 
 from .config import TrainConfig
 from .data import BatchPlan, LabelledImages, label_digest, labels_for_cache, split
@@ -67,6 +68,18 @@ def freeze_unreached(net, *inputs) -> None:
             param.requires_grad_(False)
     net.zero_grad(set_to_none=True)
     net.train()
+
+
+@contextlib.contextmanager
+def runs_on(what: str):
+    """A model that fails on its first (batch-1) forward and backward at start: a ConfigError naming `what`."""
+    try:
+        yield
+    except NblibError:
+        raise                                               # already says what is wrong (an unknown output)
+    except (RuntimeError, ValueError, TypeError, IndexError) as exc:
+        raise ConfigError(f"{what}: its forward and backward failed at start ({type(exc).__name__}: "
+                          f"{str(exc)[:300]}); give it a model that takes that input, or another --output") from None
 
 
 def host(state: dict) -> dict:
@@ -152,9 +165,14 @@ class ImageTask:
         from nblib.models.head import with_head
 
         loaded = load_model(spec, weights, seed=self.config.seed)
-        size = self.cache.image_size
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.config.seed ^ HEAD_SEED_SALT)
-            net = with_head(loaded, len(self.classes), output, image_size=size)
-        freeze_unreached(net, torch.zeros(1, size, size, 3, dtype=torch.uint8))
+        size, pre = self.cache.image_size, loaded.preprocessing
+        if pre.layout == "uint8_nhwc" and pre.size is not None and pre.size != (size, size):
+            raise ConfigError(f"the cache holds {size}x{size} images, {spec} takes {pre.size[0]}x{pre.size[1]} uint8 "
+                              f"images and does not resize; re-render the cache at that size, or declare a "
+                              f"preprocessing that resizes")
+        with runs_on(f"--model {spec} on the cache's [B, {size}, {size}, 3] uint8 images"):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(self.config.seed ^ HEAD_SEED_SALT)
+                net = with_head(loaded, len(self.classes), output, image_size=size)
+            freeze_unreached(net, torch.zeros(1, size, size, 3, dtype=torch.uint8))
         return net, contract_identity(loaded, net.output, head="own logits" if net.own_logits else "linear"), loaded
