@@ -459,7 +459,7 @@ def _encode_outputs(args: argparse.Namespace) -> tuple[str, ...] | None:
 
 # --------------------------------------------------------------------------------------- train
 def train_main(argv: list[str]) -> int:
-    """`python -m nblib train`: train the encoder on a cache's labels; rerunning the command resumes."""
+    """`python -m nblib train`: train a model on a cache's labels or on record shards; rerunning it resumes."""
     from nblib.train.command import check_train_args, run_train
 
     args = _train_args(argv)
@@ -486,7 +486,19 @@ def _train_args(argv: list[str]) -> argparse.Namespace:
     from nblib.train.device import require_device
 
     p = argparse.ArgumentParser(prog="python -m nblib train", description=train_main.__doc__, exit_on_error=False)
-    p.add_argument("--cache", help="folder of a ShardedImageCache built from a .jsonl texts file (required)")
+    p.add_argument("--cache", help="folder of a ShardedImageCache with labels (a .jsonl's texts, or a side table)")
+    p.add_argument("--records", help="instead of --cache: record shards (cache --records); needs --input-key and "
+                                     "--target-key")
+    p.add_argument("--input-key", help="with --records: the array field the model takes")
+    p.add_argument("--target-key", help="with --records: the field the loss compares the output with")
+    p.add_argument("--loss", choices=("auto", "ce", "mse"), default="auto",
+                   help="with --records: ce (class labels or probability rows), mse; auto: ce for integer targets")
+    p.add_argument("--classes", type=positive_int, help="with --records, integer targets and no --model: classes")
+    p.add_argument("--model", help="trm (default for --cache), trm:PRESET, hf:CLASS[:config.json], timm:NAME or "
+                                   "package.module:factory; with --records default: a per-token linear map")
+    p.add_argument("--output", help="the model output its head (with --records: its loss) takes (default: logits, "
+                                    "else pooler_output, else the first)")
+    p.add_argument("--weights", help="a state-dict file (safetensors or torch) the model starts from")
     p.add_argument("--out", help="run folder; rerun with the same folder to resume (required)")
     p.add_argument("--steps", type=positive_int, help="optimizer steps in all (required)")
     p.add_argument("--batch-size", type=positive_int, default=32, help="global batch (default %(default)s)")
@@ -517,10 +529,13 @@ def _train_args(argv: list[str]) -> argparse.Namespace:
         args = p.parse_args(argv)
     except argparse.ArgumentError as exc:
         raise ConfigError(f"{exc}; see python -m nblib train --help") from None
-    missing = [f"--{name}" for name in ("cache", "out", "steps") if getattr(args, name) is None]
-    if missing:
-        raise ConfigError(f"train needs {', '.join(missing)}: python -m nblib train --cache CACHE --out RUN "
-                          f"--steps N [--batch-size B] [--seed S] [--mirror DIR_OR_URL]")
+    data = "records" if args.records is not None else "cache"
+    needs = ("out", "steps", "input_key", "target_key") if data == "records" else ("cache", "out", "steps")
+    missing = [f"--{name.replace('_', '-')}" for name in needs if getattr(args, name) is None]
+    if missing or (args.cache is not None and args.records is not None):
+        raise ConfigError(f"train needs {', '.join(missing) or 'one of --cache and --records'}: python -m nblib "
+                          f"train --cache CACHE (or --records DIR --input-key X --target-key Y) --out RUN --steps N "
+                          f"[--model SPEC] [--batch-size B] [--seed S] [--mirror DIR_OR_URL]")
     args.device = require_device(args.device)    # before any rank joins: one error line, not a CUDA traceback
     return args
 

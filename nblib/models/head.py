@@ -34,6 +34,7 @@ def with_head(loaded, n_classes: int, output: str | None = None, *, image_size: 
             super().__init__()
             self.model = loaded.module
             self.head = nn.Identity() if own_logits else nn.Linear(features, n_classes)
+            self.output, self.own_logits = name, own_logits      # what the head reads (a run's identity)
 
         def forward(self, images):
             return self.head(_reduce(named_outputs(self.model(loaded.preprocessing.apply(images)))[name]))

@@ -4,6 +4,10 @@
 - `data`: labels that come free with the texts (kind, script), the held-out split, `BatchPlan`
   (the global sample order as a shuffle state of a few hundred bytes, the same on any world size).
 - `model`: `Classifier`, the TRM encoder with gradients through its last outer cycle, plus a head.
+- `task`: what a run trains on and with: `ImageTask` (the cache's images and labels; the TRM, or any
+  model of `nblib.models` with a head on its output or its own logits: `--model SPEC`).
+- `records`: `RecordTask`, record shards read one shard at a time (`--records DIR --input-key X
+  --target-key Y`), with a per-token linear model or any model, ce or mse.
 - `state`: what a checkpoint holds, RNG capture/restore, the identity check of a resume.
 - `store`: `TrainStore`, local-first states mirrored to Drive or a bucket by nblib.store's thread.
 - `objstore`: fsspec (s3://, gs://) as the mirror's file operations.

@@ -104,32 +104,53 @@ def config_from_args(args) -> TrainConfig:
                        workers=args.workers)
 
 
-def check_train_args(args) -> int | None:
+def check_train_args(args):
     """The refusals a command line can get before torch is imported (~2 s): the paths, the knobs, the
-    quota; the mirror quota in bytes when they pass.
+    quota. (the RecordFields of --records or None, the mirror quota in bytes) when they pass.
     """
-    cache = Path(args.cache)
-    if not (cache / "manifest.json").is_file():
+    fields = record_fields(args)
+    cache = Path(args.cache if fields is None else args.records)
+    if fields is None and not (cache / "manifest.json").is_file():
         raise InputError(f"--cache {cache} is not a cache folder (no manifest.json); build one with "
                          f"python -m nblib cache --texts data/sample_texts.jsonl --out {cache}")
+    if fields is not None and not (cache / "manifest.json").is_file():
+        raise InputError(f"--records {cache} is not a folder of record shards (no manifest.json); build one with "
+                         f"python -m nblib cache --records FILE.pkl --out {cache} --shard-size-mb 400")
     if args.workers < 0:
         raise ConfigError(f"--workers {args.workers} is negative; use 0 (read in the main process) or more")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise InputError(f"--out {out} is a file; pass a folder for the run")
     config_from_args(args)
-    return mirror_quota_bytes(args.mirror, args.drive_quota_gb)
+    return fields, mirror_quota_bytes(args.mirror, args.drive_quota_gb)
 
 
 def run_train(args, world=None) -> TrainReport:
     """Check the paths, then train (or resume) as the flags say; SIGTERM stops it as Ctrl-C does."""
-    quota = check_train_args(args)
+    fields, quota = check_train_args(args)
+    cache = Path(args.cache if fields is None else args.records)
     from .loop import train
 
     with SigtermStop().installed() as stop, stop.workers_terminated():
-        return train(Path(args.cache), Path(args.out), config_from_args(args), mirror=args.mirror, texts=args.texts,
+        return train(cache, Path(args.out), config_from_args(args), mirror=args.mirror, texts=args.texts,
                      progress=not args.no_progress, world=world, mirror_timeout_s=args.mirror_timeout,
-                     sync_save=args.sync_save, on_step=stop.on_step, mirror_quota_bytes=quota)
+                     sync_save=args.sync_save, on_step=stop.on_step, mirror_quota_bytes=quota,
+                     model=args.model, output=args.output, weights=args.weights, fields=fields)
+
+
+def record_fields(args):
+    """The RecordFields `--records` asks for (None for an image cache); ConfigError for a flag of the other kind."""
+    record_flags = {"--input-key": args.input_key, "--target-key": args.target_key, "--classes": args.classes,
+                    "--loss": None if args.loss == "auto" else args.loss}
+    if args.records is None:
+        given = [flag for flag, value in record_flags.items() if value is not None]
+        if given:
+            raise ConfigError(f"{', '.join(given)} go with --records (record shards); an image cache (--cache) "
+                              f"trains on its labels: drop them, or pass --records DIR")
+        return None
+    from .records import RecordFields
+
+    return RecordFields(args.input_key, args.target_key, args.loss, args.classes)
 
 
 def mirror_quota_bytes(mirror: str | None, quota_gb: float | None) -> int | None:

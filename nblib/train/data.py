@@ -125,10 +125,14 @@ class BatchPlan:
                               f"samples; use a smaller batch or a bigger cache")
         return spe
 
-    def shuffle_at(self, step: int) -> GlobalShuffle:
+    def shuffle(self, epoch: int = 0):
+        """The order of epoch `epoch` over positions of `train` (a plan over shards overrides it)."""
+        return GlobalShuffle(n=len(self.train), seed=self.seed, epoch=epoch)
+
+    def shuffle_at(self, step: int):
         """The shuffle positioned where step `step` starts reading (the last partial batch is dropped)."""
         epoch, within = divmod(int(step), self.steps_per_epoch)
-        shuffle = GlobalShuffle(n=len(self.train), seed=self.seed, epoch=epoch)
+        shuffle = self.shuffle(epoch)
         shuffle.position = within * self.batch_size
         return shuffle
 
@@ -148,11 +152,11 @@ class BatchPlan:
 
     def step_of(self, state: bytes) -> int:
         """The step a stored shuffle state resumes at; StateError when it is not this plan's."""
-        shuffle = GlobalShuffle(n=len(self.train), seed=self.seed)
+        shuffle = self.shuffle(0)
         loaded = load_state_json(state.decode() if isinstance(state, bytes) else state)
         epoch = state_fields(loaded).get("epoch")
         if isinstance(epoch, int) and epoch != shuffle.epoch:
-            shuffle = GlobalShuffle(n=len(self.train), seed=self.seed, epoch=epoch)
+            shuffle = self.shuffle(epoch)
         shuffle.load_state_dict(loaded)       # refuses another n or seed, or an edited state
         within, rest = divmod(shuffle.position, self.batch_size)
         if rest:

@@ -160,3 +160,13 @@ def dropout_seed(seed: int, step: int, rank: int) -> int:
     """The seed of torch's generator for `step` on `rank`: one stream per (seed, step, rank), in [0, 2^63)."""
     digest = hashlib.sha256(f"nblib.train.dropout:{seed}:{step}:{rank}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
+
+
+def autocast(device: str, precision: str):
+    """The forward's autocast for a run's precision on `device` (none for fp32)."""
+    import torch
+
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.float16 if precision == "fp16" else torch.bfloat16
+    return torch.autocast("cuda" if device.startswith("cuda") else "cpu", dtype=dtype)

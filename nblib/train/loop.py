@@ -1,6 +1,8 @@
 """The training loop: resume or start, step, evaluate, save locally, back up, finish with final.pt.
 
-`train(cache_dir, out, config)` is what `python -m nblib train` and notebook 06 run. Rerunning it
+`train(cache_dir, out, config)` is what `python -m nblib train` and notebook 06 run, over a task
+(`nblib.train.task.ImageTask`: a cache of images with the TRM or any `model=` spec;
+`nblib.train.records.RecordTask`: record shards with `fields=`). Rerunning it
 on the same folder resumes from the newest state that loads (local first, then the mirror) and
 gives the same final bytes as an uninterrupted run: every input of a step is in the state (weights,
 AdamW moments, schedule, scaler, the RNGs dropout draws from, the data order as a
@@ -15,6 +17,7 @@ TrainingDiverged before anything after the last good state is written.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -26,23 +29,24 @@ import torch
 import torch.nn.functional as F
 
 from nblib.atomic import atomic_torch_save
-from nblib.config import for_profile, preset
 from nblib.errors import ConfigError, ResumeMismatch, TrainingDiverged
 from nblib.manifest import write_manifest
 
 from .config import TrainConfig
-from .data import BatchPlan, LabelledImages, StepBatches, label_digest, labels_for_cache, split
-from .device import as_nblib_error, deterministic, dropout_seed, require_device
-from .model import Classifier
+from .data import BatchPlan, LabelledImages, StepBatches
+from .device import as_nblib_error, autocast, deterministic, dropout_seed, require_device
 from .objstore import check_run_folders
-from .state import STATE_FORMAT, capture_rng, check_identity, restore_rng, seed_everything
+from .records import RecordTask
+from .state import STATE_FORMAT, capture_rng, check_identity, check_model, restore_rng, seed_everything
 from .store import Durability, TrainStore
+from .task import ImageTask, model_config
+
+__all__ = ["TrainReport", "model_config", "train", "train_step", "training_objects"]
 
 FINAL = "final.pt"
 SAMPLE_LOG_ENV = "NBLIB_TRAIN_SAMPLE_LOG"   # set: each rank appends "step: indices" (.txt), "step: seed" (.seeds)
 REPORT = "train.json"
 REPORT_KIND = "nblib.train.run"
-EVAL_BATCH = 64
 FP16_HINT = " or --precision bf16 (fp32 on CPU)"
 
 
@@ -84,9 +88,11 @@ class TrainReport:
     def __str__(self) -> str:
         lines = [f"trained {self.out}: steps {self.start_step} -> {self.steps} (resumed from {self.resumed_from})"]
         if self.first and self.last:
-            lines.append(f"held-out loss {self.first['heldout_loss']:.4f} -> {self.last['heldout_loss']:.4f}, "
-                         f"accuracy {self.first['heldout_accuracy']:.1%} -> {self.last['heldout_accuracy']:.1%} "
-                         f"(chance {1 / max(1, len(self.classes)):.1%}, {len(self.classes)} classes)")
+            line = f"held-out loss {self.first['heldout_loss']:.4f} -> {self.last['heldout_loss']:.4f}"
+            if self.classes and not math.isnan(self.last["heldout_accuracy"]):
+                line += (f", accuracy {self.first['heldout_accuracy']:.1%} -> {self.last['heldout_accuracy']:.1%} "
+                         f"(chance {1 / len(self.classes):.1%}, {len(self.classes)} classes)")
+            lines.append(line)
         if self.save_seconds:
             step = float(np.mean(self.step_seconds)) if self.step_seconds else float("nan")
             lines.append(f"saves blocked the loop {sum(self.save_seconds):.2f} s = {self.save_share:.1%} of step time "
@@ -99,16 +105,8 @@ class TrainReport:
         if self.durability is not None:
             lines.append(self.durability.line())
         if self.final is not None:
-            lines.append(f"final weights: {self.final} (python -m nblib encode --weights {self.final})")
+            lines.append(f"final weights: {self.final} (python -m nblib encode [--model SPEC] --weights {self.final})")
         return "\n".join(lines)
-
-
-def model_config(profile: str):
-    """The encoder shape a profile (or preset name) trains."""
-    try:
-        return for_profile(profile)
-    except ConfigError:
-        return preset(profile)
 
 
 def _open_store(out: Path, mirror, config: TrainConfig, storage_options, sync_save: bool, quota_bytes,
@@ -139,7 +137,9 @@ def _resume(state: dict | None, source: str, out: Path, identity: dict, plan: Ba
     """Load a verified state into (model, optimizer, scheduler, scaler): its step, history, best and source."""
     if state is None:
         return 0, [], None, "start" if source == "none" else source
-    check_identity(state["identity"], identity, f"{out} ({source} state, step {state['step']})")
+    where = f"{out} ({source} state, step {state['step']})"
+    check_model(state["identity"], identity, where)
+    check_identity(state["identity"], identity, where)
     for obj, key in zip(objects, ("model", "optimizer", "scheduler", "scaler")):
         obj.load_state_dict(state[key])
     step = plan.step_of(state["data_order"])
@@ -163,9 +163,13 @@ def _close_store(store: TrainStore | None, report: TrainReport, mirror_timeout_s
 def train(cache_dir: str | Path, out: str | Path, config: TrainConfig, *, mirror: str | None = None,
           texts: str | Path | None = None, progress: bool = False, world=None, storage_options: dict | None = None,
           mirror_timeout_s: float = 60.0, stop_after: int | None = None, on_step=None, sync_save: bool = False,
-          mirror_quota_bytes: int | None = None) -> TrainReport:
+          mirror_quota_bytes: int | None = None, model: str | None = None, output: str | None = None,
+          weights: str | Path | None = None, fields=None) -> TrainReport:
     """Train (or resume) the run in `out` to `config.steps`; the report. See the module docstring.
 
+    cache_dir: an image cache, or record shards with `fields` (`nblib.train.records.RecordFields`).
+    model: a model spec (`nblib.models.load_model`; None: the TRM, or the linear model for records);
+    output: the model output its head (records: its loss) takes; weights: a state dict to start from.
     stop_after: stop (cleanly, after saving) once this step is reached (notebook demos of a resume).
     on_step(step, report): called after every step (progress displays, tests).
     sync_save: write each state on the loop's thread (default: a snapshot now, the write on a writer thread).
@@ -175,9 +179,11 @@ def train(cache_dir: str | Path, out: str | Path, config: TrainConfig, *, mirror
     device = require_device(config.device)
     with deterministic(device):
         try:
-            return _train(cache_dir, out, config, mirror=mirror, texts=texts, progress=progress, world=world,
+            return _train(cache_dir, out, config, mirror=mirror, progress=progress, world=world,
                           storage_options=storage_options, mirror_timeout_s=mirror_timeout_s, stop_after=stop_after,
-                          on_step=on_step, sync_save=sync_save, mirror_quota_bytes=mirror_quota_bytes)
+                          on_step=on_step, sync_save=sync_save, mirror_quota_bytes=mirror_quota_bytes,
+                          task_args={"texts": texts, "model": model, "output": output, "weights": weights,
+                                     "fields": fields})
         except RuntimeError as exc:
             error = as_nblib_error(exc, device)
             if error is None:
@@ -185,32 +191,26 @@ def train(cache_dir: str | Path, out: str | Path, config: TrainConfig, *, mirror
             raise error from exc
 
 
-def _train(cache_dir, out, config: TrainConfig, *, mirror, texts, progress, world, storage_options,
-           mirror_timeout_s, stop_after, on_step, sync_save, mirror_quota_bytes) -> TrainReport:
+def _train(cache_dir, out, config: TrainConfig, *, mirror, progress, world, storage_options,
+           mirror_timeout_s, stop_after, on_step, sync_save, mirror_quota_bytes, task_args) -> TrainReport:
     """`train` inside the deterministic switches."""
-    from nblib.cache import ShardedImageCache
-
     started = time.perf_counter()
     rank, world_size = (world.rank, world.size) if world is not None else (0, 1)
     writer = rank == 0
-    check_run_folders(cache_dir, out, mirror, storage_options=storage_options, timeout_s=mirror_timeout_s)
-    cache = ShardedImageCache(cache_dir)
-    labels, classes = labels_for_cache(cache, config.labels, texts)
-    train_idx, held_idx = split(len(cache), config.holdout)
-    plan = BatchPlan(train_idx, config.batch_size, config.seed)
+    check_run_folders(cache_dir, out, mirror, storage_options=storage_options, timeout_s=mirror_timeout_s,
+                      data_flag="--records" if task_args["fields"] is not None else "--cache")
+    task = make_task(cache_dir, config, **task_args)
+    plan = task.plan
     plan.steps_per_epoch  # noqa: B018  refuses a batch larger than the training set, before any work
     config.micro_batch(world_size)          # refuses a batch that does not split over the ranks
-    shape = model_config(config.profile).model
-    identity = {"format": STATE_FORMAT, "config": config.computing(), "cache": cache.fingerprint,
-                "classes": classes, "labels": label_digest(labels, classes), "n_train": int(len(train_idx)),
-                "model": dict(shape.__dict__)}
+    identity = {"format": STATE_FORMAT, "config": config.computing(), **task.identity()}
     out = Path(out)
     store, lock = _open_store(out, mirror, config, storage_options, sync_save, mirror_quota_bytes,
                               mirror_timeout_s, identity, rank)
-    report = TrainReport(out, config.steps, 0, "start", [], None, None, 0.0, classes=classes)
+    report = TrainReport(out, config.steps, 0, "start", [], None, None, 0.0, classes=task.classes)
     model_group = None
     try:
-        model = Classifier(shape, len(classes), seed=config.seed, dropout=config.dropout).to(config.device)
+        model = task.model.to(config.device)
         optimizer, scheduler, scaler = training_objects(model, config)
         state, source = _load(store, world, out)
         step, history, best, source = _resume(state, source, out, identity, plan,
@@ -218,10 +218,9 @@ def _train(cache_dir, out, config: TrainConfig, *, mirror, texts, progress, worl
         report.start_step, report.resumed_from, report.history, report.best_step = step, source, history, best
         net, model_group = _wrap(model, world, config.device)
         if writer and step == 0:
-            report.history.append(_evaluate(model, cache, labels, held_idx, config, 0, float("nan")))
+            report.history.append(task.evaluate(model, config, 0, float("nan")))
         stop = config.steps if stop_after is None else min(config.steps, max(step, stop_after))
-        loader = _loader(cache_dir, labels, plan, step, stop, rank, world_size, config)
-        batches = iter(loader)
+        batches = iter(step_loader(task.dataset, task.collate, plan, step, stop, rank, world_size, config))
         if state is not None:
             restore_rng(state["rng"])
         else:
@@ -230,7 +229,7 @@ def _train(cache_dir, out, config: TrainConfig, *, mirror, texts, progress, worl
         while step < stop:
             tick = time.perf_counter()
             torch.manual_seed(dropout_seed(config.seed, step, rank))
-            loss, seen = train_step(net, optimizer, scheduler, scaler, batches, config)
+            loss, seen = train_step(net, optimizer, scheduler, scaler, batches, config, task.loss)
             step += 1
             _check_finite(step, loss, model, config, world, out, saving=step % config.save_every == 0 or step == stop)
             if os.environ.get(SAMPLE_LOG_ENV):
@@ -238,8 +237,8 @@ def _train(cache_dir, out, config: TrainConfig, *, mirror, texts, progress, worl
             report.samples += config.batch_size
             report.step_seconds.append(time.perf_counter() - tick)
             if writer:
-                _after_step(step, loss, model, cache, labels, held_idx, config, plan, optimizer, scheduler,
-                            scaler, identity, store, report, stop)
+                _after_step(step, loss, model, task, config, optimizer, scheduler, scaler, identity, store, report,
+                            stop)
             if bar is not None:
                 _show(bar, report, store, loss)
             if on_step is not None:
@@ -249,7 +248,7 @@ def _train(cache_dir, out, config: TrainConfig, *, mirror, texts, progress, worl
         if writer:
             report.final_wait_seconds = store.wait_saves()      # the last state is on disk (or its error raised)
         if writer and step == config.steps:
-            report.final = _write_final(out, model, classes, config)
+            report.final = atomic_torch_save(task.final_payload(model, config), out / FINAL).path
     finally:
         _close_store(store, report, mirror_timeout_s, lock)
         _close_group(model_group)
@@ -259,12 +258,27 @@ def _train(cache_dir, out, config: TrainConfig, *, mirror, texts, progress, worl
     return report
 
 
-def _after_step(step, loss, model, cache, labels, held_idx, config, plan, optimizer, scheduler, scaler,
-                identity, store, report, stop) -> None:
+def make_task(data, config: TrainConfig, *, texts=None, model=None, output=None, weights=None, fields=None):
+    """The task of a run: record shards when `fields` (nblib.train.records.RecordFields) are given, else images."""
+    from nblib.cache.record_format import is_record_folder
+
+    if fields is not None:
+        if texts is not None:
+            raise ConfigError("--texts gives the labels of an image cache; record shards carry their targets "
+                              "(--target-key): drop --texts")
+        return RecordTask(data, config, fields, model=model, output=output, weights=weights)
+    if is_record_folder(data):
+        raise ConfigError(f"{data} holds record shards, not images: train from it with --records {data} "
+                          f"--input-key FIELD --target-key FIELD")
+    return ImageTask(data, config, texts=texts, model=model, output=output, weights=weights)
+
+
+def _after_step(step, loss, model, task, config, optimizer, scheduler, scaler, identity, store, report,
+                stop) -> None:
     """Rank 0 after a step: evaluate, keep the best, save locally, back up."""
     final = step == config.steps or step == stop
     if step % config.eval_every == 0 or final:
-        report.history.append(_evaluate(model, cache, labels, held_idx, config, step, loss))
+        report.history.append(task.evaluate(model, config, step, loss))
     saving = step % config.save_every == 0 or final
     if not saving:
         return
@@ -273,28 +287,13 @@ def _after_step(step, loss, model, cache, labels, held_idx, config, plan, optimi
     best = None
     if _improved(report, config.best_metric):
         report.best_step = step
-        best = final_payload(model, report.classes, config)
-    state = {"identity": identity, "step": step, "epoch": step // plan.steps_per_epoch,
+        best = task.final_payload(model, config)
+    state = {"identity": identity, "step": step, "epoch": step // task.plan.steps_per_epoch,
              "model": model.state_dict(), "optimizer": optimizer.state_dict(),
              "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "rng": capture_rng(),
-             "data_order": plan.state_bytes(step), "history": report.history, "best": report.best_step}
+             "data_order": task.plan.state_bytes(step), "history": report.history, "best": report.best_step}
     report.save_waits.append(store.save(state, step, backup=backup, best=best))
     report.save_seconds.append(time.perf_counter() - tick)
-
-
-def final_payload(model: Classifier, classes: list[str], config: TrainConfig) -> dict:
-    """What final.pt holds: TRMVisionEncoder.save_weights's payload, plus the head and its classes.
-
-    Host tensors (a no-op on CPU): a T4 run's weights open with a plain torch.load on a CPU machine.
-    """
-    return {"config": model.encoder.config.__dict__,
-            "state_dict": {k: v.cpu() for k, v in model.encoder.state_dict().items()},
-            "head": {k: v.cpu() for k, v in model.state_dict().items() if not k.startswith("encoder.")},
-            "classes": list(classes), "train": config.to_dict()}
-
-
-def _write_final(out: Path, model, classes, config) -> Path:
-    return atomic_torch_save(final_payload(model, classes, config), out / FINAL).path
 
 
 def _write_report(out: Path, report: TrainReport, config: TrainConfig) -> None:
@@ -313,27 +312,29 @@ def training_objects(model, config: TrainConfig):
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=config.lr, weight_decay=config.weight_decay, foreach=False)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(config.warmup_steps, config.steps))
-    scaler = torch.amp.GradScaler(_device_type(config.device), enabled=config.precision == "fp16")
+    device_type = "cuda" if config.device.startswith("cuda") else "cpu"
+    scaler = torch.amp.GradScaler(device_type, enabled=config.precision == "fp16")
     return optimizer, scheduler, scaler
 
 
-def train_step(net, optimizer, scheduler, scaler, batches, config) -> tuple[float, list[int]]:
+def train_step(net, optimizer, scheduler, scaler, batches, config, loss_fn=None) -> tuple[float, list[int]]:
     """One optimizer step over `accumulation` micro-batches; the mean loss and the sample indices read.
 
-    The forward runs under autocast, backward outside it (torch's AMP recipe). A step the GradScaler
-    skips (inf/nan gradients: it lowers its scale and leaves the weights) does not advance the LR
-    schedule. `train` and the simulated T4 (nblib.simulate.train) both run it.
+    A micro-batch is (tensors..., indices); `loss_fn(net, *tensors)` is its loss (default: the cross
+    entropy of net(images) and the labels). The forward runs under autocast, backward outside it
+    (torch's AMP recipe). A step the GradScaler skips (inf/nan gradients: it lowers its scale and
+    leaves the weights) does not advance the LR schedule. `train` and the simulated T4
+    (nblib.simulate.train) both run it.
     """
     total, seen = 0.0, []
     for k in range(config.accumulation):
-        images, labels, indices = next(batches)
+        *tensors, indices = next(batches)
         seen += indices.tolist()
-        images = images.to(config.device, non_blocking=True)     # from pinned memory on CUDA: an async copy
-        labels = labels.to(config.device, non_blocking=True)
+        tensors = [t.to(config.device, non_blocking=True) for t in tensors]  # from pinned memory on CUDA: async
         sync = k == config.accumulation - 1 or not hasattr(net, "no_sync")
-        with _nullcontext() if sync else net.no_sync():
-            with _autocast(config):
-                loss = F.cross_entropy(net(images), labels) / config.accumulation
+        with contextlib.nullcontext() if sync else net.no_sync():
+            with autocast(config.device, config.precision):
+                loss = (loss_fn or _cross_entropy)(net, *tensors) / config.accumulation
             scaler.scale(loss).backward()
         total += float(loss.detach())
     scale = scaler.get_scale() if scaler.is_enabled() else None
@@ -343,6 +344,10 @@ def train_step(net, optimizer, scheduler, scaler, batches, config) -> tuple[floa
     if scale is None or not scaler.get_scale() < scale:         # update() lowers the scale after a skipped step
         scheduler.step()
     return total, seen
+
+
+def _cross_entropy(net, images, labels):
+    return F.cross_entropy(net(images), labels)
 
 
 def _check_finite(step: int, loss: float, model, config, world, out: Path, *, saving: bool) -> None:
@@ -374,24 +379,6 @@ def _log_samples(out: Path, rank: int, step: int, seen: list[int]) -> None:
         f.write(f"{step}: {' '.join(map(str, seen))}\n")
     with open(folder / f"rank{rank}-pid{os.getpid()}.seeds", "a") as f:   # the seed dropout drew from
         f.write(f"{step}: {torch.initial_seed()}\n")
-
-
-@torch.no_grad()
-def _evaluate(model, cache, labels, held_idx, config, step: int, train_loss: float) -> dict:
-    """Held-out loss and accuracy (no augmentation, no RNG drawn)."""
-    model.eval()
-    loss_sum, correct = 0.0, 0
-    for start in range(0, len(held_idx), EVAL_BATCH):
-        idx = held_idx[start:start + EVAL_BATCH]
-        images = torch.from_numpy(np.stack([cache[int(i)] for i in idx])).to(config.device)
-        target = torch.from_numpy(labels[idx]).to(config.device)
-        with _autocast(config):
-            logits = model(images).float()
-        loss_sum += float(F.cross_entropy(logits, target, reduction="sum"))
-        correct += int((logits.argmax(1) == target).sum())
-    model.train()
-    n = len(held_idx)
-    return {"step": step, "train_loss": train_loss, "heldout_loss": loss_sum / n, "heldout_accuracy": correct / n}
 
 
 def _improved(report: TrainReport, metric: str) -> bool:
@@ -444,11 +431,18 @@ def _close_group(group) -> None:
 
 
 def _loader(cache_dir, labels, plan, start, stop, rank, world_size, config):
-    """The DataLoader of this rank's micro-batches; pinned batches on CUDA; workers that never fork a thread."""
+    """The DataLoader of an image cache's labelled micro-batches (see `step_loader`)."""
+    return step_loader(LabelledImages(str(cache_dir), labels), None, plan, start, stop, rank, world_size, config)
+
+
+def step_loader(dataset, collate, plan, start, stop, rank, world_size, config):
+    """The DataLoader of this rank's micro-batches of steps [start, stop); pinned batches on CUDA; workers that
+    never fork a thread.
+    """
     from torch.utils.data import DataLoader
 
     batches = StepBatches(plan, start, stop, rank, world_size, config.accumulation)
-    return DataLoader(LabelledImages(str(cache_dir), labels), batch_sampler=batches, num_workers=config.workers,
+    return DataLoader(dataset, batch_sampler=batches, num_workers=config.workers, collate_fn=collate,
                       generator=torch.Generator().manual_seed(config.seed), pin_memory=config.device.startswith("cuda"),
                       multiprocessing_context=worker_start_method() if config.workers else None)
 
@@ -478,23 +472,6 @@ def _warmup_cosine(warmup: int, total: int):
         progress = (step - warmup) / max(1, total - warmup)
         return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
     return factor
-
-
-def _device_type(device: str) -> str:
-    return "cuda" if device.startswith("cuda") else "cpu"
-
-
-def _autocast(config: TrainConfig):
-    if config.precision == "fp32":
-        return _nullcontext()
-    dtype = torch.float16 if config.precision == "fp16" else torch.bfloat16
-    return torch.autocast(_device_type(config.device), dtype=dtype)
-
-
-def _nullcontext():
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 def _bar(show: bool, total: int, initial: int):

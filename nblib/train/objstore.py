@@ -57,11 +57,12 @@ def mirror_target(target: str | Path, storage_options: dict | None = None) -> tu
 
 
 def check_run_folders(cache_dir: str | Path, out: str | Path, mirror: str | Path | None = None, *,
-                      storage_options: dict | None = None, timeout_s: float = 60.0) -> None:
-    """ConfigError unless the cache, the run folder and the mirror are three places, none inside another,
-    and the mirror is a durable second copy (a folder, or a bucket that exists). See the module docstring.
+                      storage_options: dict | None = None, timeout_s: float = 60.0, data_flag: str = "--cache") -> None:
+    """ConfigError unless the data (`data_flag`: --cache or --records), the run folder and the mirror are
+    three places, none inside another, and the mirror is a durable second copy (a folder, or a bucket that
+    exists). See the module docstring.
     """
-    folders = {"--cache": Path(cache_dir), "--out": Path(out)}
+    folders = {data_flag: Path(cache_dir), "--out": Path(out)}
     if mirror is not None:
         check_mirror_name(mirror)
         if not is_url(mirror):
@@ -146,7 +147,7 @@ def _why(inner: str, outer: str, same: bool = False) -> str:
     """Why `inner` may not be (inside) `outer`."""
     if same and "--mirror" in (inner, outer):
         return "the mirror would be no second copy of the run"
-    if inner == "--out" and outer == "--cache":
+    if inner == "--out" and outer in ("--cache", "--records"):
         return "the run would write its checkpoints, final.pt and train.json among the cache's shards"
     return (f"losing {outer}, or removing it for a fresh start (as a refused resume advises), would take "
             f"{inner} with it")

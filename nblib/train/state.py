@@ -75,6 +75,33 @@ def check_identity(stored: dict, current: dict, where: str) -> None:
                 f"rerun with the original setting to resume, or pass another --out to start a new run")
 
 
+def check_model(stored: dict, current: dict, where: str) -> None:
+    """ResumeMismatch naming what changed when the run's model is not this command's (class, config, weights,
+    preprocessing, the output trained, the head); nothing when they are the same model, whatever the spec.
+    """
+    from nblib.models import identity_changes
+
+    old, new = stored.get("model"), current.get("model")
+    if old == new or not any(isinstance(m, dict) and "class" in m for m in (old, new)):
+        return                                                  # two TRM shapes: check_identity names the field
+    if isinstance(old, dict) and isinstance(new, dict) and "class" in old and "class" in new:
+        changes = identity_changes(old, new) + [f"{key}: {old.get(key)!r} -> {new.get(key)!r}"
+                                                for key in ("output", "head") if old.get(key) != new.get(key)]
+        if not changes:
+            return
+    else:
+        changes = [f"{_model_name(old)} -> {_model_name(new)}"]
+    raise ResumeMismatch(
+        f"{where} trained another model than this command gives ({'; '.join(changes[:6])}): rerun with the run's "
+        f"--model (and --output, --weights) to resume, or pass another --out to start a new run")
+
+
+def _model_name(model) -> str:
+    if isinstance(model, dict) and "class" in model:
+        return f"model {model['class']}"
+    return "the TRM (the default model)" if isinstance(model, dict) else "no model recorded"
+
+
 def part_bytes(state: dict) -> dict[str, int]:
     """Bytes each part of a train state adds to its checkpoint: its torch.save size less the container's."""
     return {name: max(0, _saved_size(value) - _saved_size(None)) for name, value in state.items()}

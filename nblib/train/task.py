@@ -1,0 +1,178 @@
+"""What a run trains on and with: the images of a cache and their labels, the model, its loss and evaluation.
+
+A task is what the loop (`nblib.train.loop`) needs from the data and the model, whatever they are:
+the batch order (`plan`), a picklable `dataset` with its `collate`, the model, the `loss` of a
+micro-batch, the held-out `evaluate`, what final.pt holds, and its part of the run's identity.
+`ImageTask` (`train --cache`) trains a classifier of the cache's labels:
+- the TRM (the default, or `--model trm[:PRESET]`): `Classifier`, the encoder with gradients through
+  its last outer cycle and a normalised head, as before (same identity, so old runs still resume);
+- any other model (`--model hf:CLASS[:config.json]`, `timm:NAME`, `package.module:factory`, with
+  `--weights`): `nblib.models.with_head` puts its preprocessing in front and a seeded Linear head on
+  the output `--output` names (default: its own `logits` when it has them, used as they are when
+  they have one column per class; else `pooler_output`; else its first output).
+The run's identity holds the model's class, config, a hash of its starting weights, its
+preprocessing and the head's output, so a resume with another model is refused, naming what
+changed (`nblib.train.state.check_model`). `nblib.train.records.RecordTask` is the task over record
+shards. Trade-off: a model's parameters no gradient reaches (a pooler beside the output trained on)
+are found by one batch-1 forward and backward at start and frozen, so DDP waits for none of them.
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from nblib.config import for_profile, preset
+from nblib.errors import ConfigError, NblibError
+
+from .config import TrainConfig
+from .data import BatchPlan, LabelledImages, label_digest, labels_for_cache, split
+from .device import autocast
+from .model import HEAD_SEED_SALT, Classifier
+
+EVAL_BATCH = 64
+
+
+def model_config(profile: str):
+    """The encoder shape a profile (or preset name) trains."""
+    try:
+        return for_profile(profile)
+    except ConfigError:
+        return preset(profile)
+
+
+def is_trm(spec: str | None) -> bool:
+    """Whether a --model spec names the suite's TRM (None: the default, the TRM)."""
+    from nblib.models import parse_spec
+
+    return spec is None or parse_spec(spec)[0] == "trm"
+
+
+def contract_identity(loaded, output: str | None, **extra) -> dict:
+    """A model's part of a run identity: the contract's identity without the spec, plus the output trained."""
+    identity = {k: v for k, v in loaded.identity().items() if k != "spec"}
+    return {**identity, "output": output, **extra}
+
+
+def freeze_unreached(net, *inputs) -> None:
+    """Freeze the parameters one forward and backward of `inputs` gives no gradient (no RNG drawn, no stat moved)."""
+    with torch.random.fork_rng(devices=[]):
+        net.eval()
+        out = net(*inputs)
+        out.float().sum().backward()
+    for param in net.parameters():
+        if param.requires_grad and param.grad is None:
+            param.requires_grad_(False)
+    net.zero_grad(set_to_none=True)
+    net.train()
+
+
+@contextlib.contextmanager
+def runs_on(what: str):
+    """A model that fails on its first (batch-1) forward and backward at start: a ConfigError naming `what`."""
+    try:
+        yield
+    except NblibError:
+        raise                                               # already says what is wrong (an unknown output)
+    except (RuntimeError, ValueError, TypeError, IndexError) as exc:
+        raise ConfigError(f"{what}: its forward and backward failed at start ({type(exc).__name__}: "
+                          f"{str(exc)[:300]}); give it a model that takes that input, or another --output") from None
+
+
+def host(state: dict) -> dict:
+    """A state dict on the host (a no-op on CPU): a T4 run's weights open with a plain torch.load anywhere."""
+    return {k: v.cpu() for k, v in state.items()}
+
+
+class ImageTask:
+    """A cache of images and the labels of its texts (or side table), for the TRM or any model with a head."""
+
+    flag = "--cache"
+
+    def __init__(self, cache_dir, config: TrainConfig, *, texts=None, model: str | None = None,
+                 output: str | None = None, weights=None):
+        from nblib.cache import ShardedImageCache
+
+        self.folder, self.config, self.spec = Path(cache_dir), config, model
+        self.cache = ShardedImageCache(cache_dir)
+        self.labels, self.classes = labels_for_cache(self.cache, config.labels, texts)
+        self.train_idx, self.held_idx = split(len(self.cache), config.holdout)
+        self.plan = BatchPlan(self.train_idx, config.batch_size, config.seed)
+        self.dataset, self.collate = LabelledImages(str(cache_dir), self.labels), None
+        if is_trm(model):
+            self.model, self.model_identity, self.loaded = self._trm(model, output, weights)
+        else:
+            self.model, self.model_identity, self.loaded = self._any(model, output, weights)
+
+    def identity(self) -> dict:
+        return {"cache": self.cache.fingerprint, "classes": self.classes,
+                "labels": label_digest(self.labels, self.classes), "n_train": int(len(self.train_idx)),
+                "model": self.model_identity}
+
+    def loss(self, net, images, labels):
+        return F.cross_entropy(net(images), labels)
+
+    @torch.no_grad()
+    def evaluate(self, model, config: TrainConfig, step: int, train_loss: float) -> dict:
+        """Held-out loss and accuracy (no augmentation, no RNG drawn)."""
+        model.eval()
+        loss_sum, correct = 0.0, 0
+        for start in range(0, len(self.held_idx), EVAL_BATCH):
+            idx = self.held_idx[start:start + EVAL_BATCH]
+            images = torch.from_numpy(np.stack([self.cache[int(i)] for i in idx])).to(config.device)
+            target = torch.from_numpy(self.labels[idx]).to(config.device)
+            with autocast(config.device, config.precision):
+                logits = model(images).float()
+            loss_sum += float(F.cross_entropy(logits, target, reduction="sum"))
+            correct += int((logits.argmax(1) == target).sum())
+        model.train()
+        n = len(self.held_idx)
+        return {"step": step, "train_loss": train_loss, "heldout_loss": loss_sum / n,
+                "heldout_accuracy": correct / n}
+
+    def final_payload(self, model, config: TrainConfig) -> dict:
+        """What final.pt holds. The TRM: its save_weights payload plus the head and classes. Another model:
+        its own weights under state_dict (what `encode --model SPEC --weights final.pt` loads), the head,
+        the spec, the output and the identity.
+        """
+        if self.loaded is None:
+            return {"config": model.encoder.config.__dict__, "state_dict": host(model.encoder.state_dict()),
+                    "head": host({k: v for k, v in model.state_dict().items() if not k.startswith("encoder.")}),
+                    "classes": list(self.classes), "train": config.to_dict()}
+        return {"spec": self.spec, "model": self.model_identity, "config": self.loaded.config,
+                "state_dict": host(model.model.state_dict()), "head": host(model.head.state_dict()),
+                "output": model.output, "classes": list(self.classes), "train": config.to_dict()}
+
+    def _trm(self, spec, output, weights):
+        if output is not None:
+            raise ConfigError(f"--output {output} picks one output of a --model to train a head on; the TRM "
+                              f"trains its own head on its sketches: drop --output, or pass --model")
+        shape = model_config((spec or "trm").partition(":")[2] or self.config.profile).model
+        net = Classifier(shape, len(self.classes), seed=self.config.seed, dropout=self.config.dropout)
+        identity = dict(shape.__dict__)
+        if weights is not None:
+            from nblib.models import load_weights, weights_sha256
+
+            load_weights(net.encoder, weights)
+            identity["weights_sha256"] = weights_sha256(net.encoder)
+        return net, identity, None
+
+    def _any(self, spec, output, weights):
+        from nblib.models import load_model
+        from nblib.models.head import with_head
+
+        loaded = load_model(spec, weights, seed=self.config.seed)
+        size, pre = self.cache.image_size, loaded.preprocessing
+        if pre.layout == "uint8_nhwc" and pre.size is not None and pre.size != (size, size):
+            raise ConfigError(f"the cache holds {size}x{size} images, {spec} takes {pre.size[0]}x{pre.size[1]} uint8 "
+                              f"images and does not resize; re-render the cache at that size, or declare a "
+                              f"preprocessing that resizes")
+        with runs_on(f"--model {spec} on the cache's [B, {size}, {size}, 3] uint8 images"):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(self.config.seed ^ HEAD_SEED_SALT)
+                net = with_head(loaded, len(self.classes), output, image_size=size)
+            freeze_unreached(net, torch.zeros(1, size, size, 3, dtype=torch.uint8))
+        return net, contract_identity(loaded, net.output, head="own logits" if net.own_logits else "linear"), loaded
