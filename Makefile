@@ -29,12 +29,15 @@ run: $(STAMP)
 	$(BIN)/python -m nblib suite
 
 # Tests and notebooks in JOBS pytest-xdist workers (`make test JOBS=0` runs them in this process).
+# One torch thread per worker (OMP/MKL_NUM_THREADS=1, inherited by the notebooks' kernels): JOBS workers with
+# a thread per core each oversubscribe the cores, and torch's spinning threads then ran a smoke encode 10-18x
+# slower (notebook 03's offload comparison: 129 s, 10 s with one thread). The CLI subprocesses run so already.
 # --dist loadfile keeps each file in one worker: a notebook's cells share one kernel, in order, and a
 # module's fixtures are built once. pytest's exit status is make's (and .ci/run's).
 JOBS ?= 2
 test: $(STAMP)
 	$(BIN)/ruff check .
-	NBLIB_PROFILE=smoke $(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile --durations=15 tests notebooks $(NBVAL)   # nbval references are recorded on smoke, GPU or not
+	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 NBLIB_PROFILE=smoke $(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile --durations=15 tests notebooks $(NBVAL)   # nbval references are recorded on smoke, GPU or not
 
 # only the browser test: JupyterLab in headless Chromium (`make test` runs it too; both skip it, with the
 # reason, where Debian's chromium or playwright is missing)
