@@ -181,3 +181,18 @@ def test_a_budget_given_measured_codec_sizes_advises_from_them_not_from_the_borr
                                       bytes_per_image=measured[changes["codec"]])
         assert f"Drive {after.totals['drive'] / GB:,.2f} GB" in s.effect, (s, after.totals["drive"])
         assert after.totals["drive"] <= 0.9 * b.limits["drive"]
+
+
+def test_a_preflight_given_measured_codec_sizes_refuses_with_codecs_sized_by_them(disks):
+    measured = {"raw": 150_536, "png": 5_246, "zlib": 4_232, "zstd": 2_349}   # 01's sample texts at 224 px
+    workspace, _free = disks
+    message = refusal(SEED, workspace, job="encode", device="cpu", codec_sizes=measured)
+    offered = [c for c in alternatives(message) if "run.codec" in c]
+    assert offered, message
+    for changes in offered:                   # the figure each gives is the measured one, and it really fits
+        fixed, kwargs = applied(SEED, changes)
+        after = budget.predict_budget(fixed, "cpu", bytes_per_image=measured[changes["run.codec"]], **kwargs)
+        assert f"{(after.totals['local disk'] + after.totals['drive']) / GB:,.2f} GB" in message, message
+        budget.preflight(fixed, workspace, job="encode", device="cpu", codec_sizes=measured, **kwargs)
+    cache = refusal(SEED, workspace, job="cache", device="cpu", codec_sizes=measured)
+    assert "measured)" in cache and "estimated ratio" not in cache, cache
