@@ -117,8 +117,8 @@ class _Watch:
 
     def __init__(self, name: str, limit_s: float):
         self.name, self.limit_s = name, limit_s
-        self.last = time.monotonic()
-        self.where = "while its kernel started"
+        self.last: float | None = None        # armed by the first cell: the kernel's start has its own timeout
+        self.where = ""
 
     def touch(self) -> None:
         self.last = time.monotonic()
@@ -128,7 +128,7 @@ class _Watch:
         self.touch()
 
     def silent_s(self) -> float:
-        return time.monotonic() - self.last
+        return 0.0 if self.last is None else time.monotonic() - self.last
 
     def error(self) -> NotebookStalled:
         return NotebookStalled(
@@ -159,7 +159,7 @@ def _watched_client(nb, path: Path, timeout: int, limit_s: float):
             return super().process_message(msg, cell, cell_index)
 
         async def _async_cleanup_kernel(self):
-            if self.km is not None and self.code_cells_executed:
+            if self.km is not None and watch.last is not None:
                 watch.begin(f"after its last cell ran, while its kernel shut down ({watch.where} was the last)")
             return await super()._async_cleanup_kernel()
 

@@ -96,3 +96,21 @@ def test_every_progress_bar_is_the_suites_one_helper_and_starts_no_monitor_threa
         with progress_bar(3, "test", "it", widget=widget) as bar:
             bar.update(3)
     assert not [t for t in threading.enumerate() if "monitor" in t.name.lower()]
+
+
+def test_a_kernel_that_will_not_shut_down_after_its_last_cell_fails_naming_that_phase(tmp_path):
+    # the hang issue 30 saw: every cell done, and nbclient still waiting on the kernel
+    path = notebook(tmp_path, "09_lingers.ipynb",
+                    "import os, signal, threading, time\n"
+                    "signal.signal(signal.SIGTERM, signal.SIG_IGN)   # what a stuck exit looks like to the runner\n"
+                    "threading.Thread(target=time.sleep, args=(600,)).start()   # joined at exit: never ends\n"
+                    "open('pid', 'w').write(str(os.getpid()))")
+    result = suite.run_notebook(path, tmp_path / "out", inactivity_s=3)   # jupyter_client kills it at 5 s
+    assert result.status == "FAILED", result
+    assert "09_lingers.ipynb produced no output for" in result.error
+    assert "after its last cell ran, while its kernel shut down (in cell 0 (`import os, signal" in result.error
+    kernel = int((tmp_path / "pid").read_text())
+    deadline = time.monotonic() + 10
+    while alive(kernel) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(kernel)
