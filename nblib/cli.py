@@ -549,9 +549,12 @@ def suite_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m nblib suite", description=suite_main.__doc__)
     parser.add_argument("--notebooks", default=None, help="folder of NN_*.ipynb (default notebooks/)")
     parser.add_argument("--out", default=None, help="executed copies go here (default outputs/notebooks)")
+    parser.add_argument("--inactivity-s", type=float, default=None,
+                        help="fail a notebook whose kernel sends nothing for this long (default "
+                             "NBLIB_SUITE_INACTIVITY_S, else 300)")
     args = parser.parse_args(argv)
     print(f"profile: {env.profile()}   outputs: {env.outputs_dir()}", flush=True)
-    results = run_suite(args.notebooks, args.out)
+    results = run_suite(args.notebooks, args.out, inactivity_s=args.inactivity_s)
     print(format_table(results))
     failed = [r for r in results if r.status != "ok"]
     for r in failed:

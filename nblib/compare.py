@@ -124,14 +124,21 @@ def _bar(total: int, progress: bool | str):
     return progress_bar(total, progress if isinstance(progress, str) else "measuring", "run")
 
 
-def progress_bar(total: int, desc: str, unit: str):
-    """A text progress bar (tqdm) for a measuring loop, on stderr.
+def progress_bar(total: int, desc: str, unit: str, *, initial: int = 0, disable: bool = False,
+                 widget: bool = False, **options):
+    """The suite's one progress bar (tqdm): every loop of nblib that shows progress uses it.
 
-    Plain text, not tqdm's notebook widget, and no monitor thread: a bar that sends widget
-    messages from a thread while a panel redraws its Output area was seen to stall a notebook
-    kernel under load; text bars cannot.
+    Text on stderr by default; `widget=True` gives tqdm.auto's Jupyter widget (text outside Jupyter)
+    for a bar updated from the calling thread only. Never tqdm's monitor thread: it outlives the
+    bar (notebook 06's training cell left one running) and refreshes bars from its own thread, and a
+    bar that sends widget messages from a thread while a panel redraws its Output area was seen to
+    stall a notebook kernel under load. `options` go to tqdm (unit_scale, smoothing, ...).
     """
-    from tqdm.std import tqdm
+    if widget:
+        from tqdm.auto import tqdm
+    else:
+        from tqdm.std import tqdm
 
-    tqdm.monitor_interval = 0
-    return tqdm(total=total, desc=desc, unit=unit, mininterval=1.0)
+    tqdm.monitor_interval = 0                   # the class attribute: no TMonitor thread is started
+    return tqdm(total=total, desc=desc, unit=unit, initial=initial, disable=disable,
+                mininterval=options.pop("mininterval", 1.0), **options)

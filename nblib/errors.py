@@ -10,7 +10,8 @@ from __future__ import annotations
 __all__ = [
     "BudgetExceeded", "CacheError", "ConfigError", "DeterminismError", "DriveError", "EmptyPipelineError",
     "FolderBusyError", "InputError", "LockLostError", "ManifestDamaged", "MissingDependency", "ModelOutputError",
-    "ModelSpecError", "NblibError", "PeerLost", "ResumeMismatch", "StateError", "TrainingDiverged", "WeightsError",
+    "ModelSpecError", "NblibError", "NotebookStalled", "PeerLost", "ResumeMismatch", "StateError",
+    "TrainingDiverged", "WeightsError",
 ]
 
 
@@ -89,3 +90,7 @@ class DeterminismError(NblibError):
 
 class TrainingDiverged(NblibError):
     """A training step gave a non-finite loss or weights: nothing after the last good state is saved."""
+
+
+class NotebookStalled(NblibError, TimeoutError):
+    """A notebook run by the suite produced no output for longer than the runner's inactivity limit."""

@@ -58,9 +58,10 @@ def _dropdown(key: str, label: str, options, value):
 # ============================================================ 01 memory budgeting
 
 
-def budget_panel(config, device: str = "t4", drive_quota_gb: float = 15.0) -> Panel:
+def budget_panel(config, device: str = "t4", drive_quota_gb: float = 15.0, codec_sizes=None) -> Panel:
     """Sliders and dropdowns over budget.predict_budget; the bar chart, the run time and the verdict
-    redraw live. The verdict names only knobs the panel has (`memory_budgeting.panel_verdict`).
+    redraw live. The verdict names only knobs the panel has (`memory_budgeting.panel_verdict`);
+    `codec_sizes` (measured on the user's texts) sizes the cache of every codec instead of the borrowed ratios.
     """
     from nblib import budget, plots
     from nblib.config import CODECS, OUTPUT_CHOICES, OUTPUT_NAMES
@@ -87,7 +88,8 @@ def budget_panel(config, device: str = "t4", drive_quota_gb: float = 15.0) -> Pa
 
     def render(device, drive_quota_gb, **knobs):
         try:
-            b = budget.predict_budget(config.replace(**knobs), device, drive_quota_gb=drive_quota_gb)
+            b = budget.predict_budget(config.replace(**knobs), device, drive_quota_gb=drive_quota_gb,
+                                      codec_sizes=codec_sizes)
         except ConfigError as exc:
             print(f"not a valid config: {exc}")
             return
@@ -181,11 +183,16 @@ def pipeline_sweep_panel(table) -> Panel:
 # ============================================================ 06 training
 
 
-def training_panel(model, state_bytes: int, step_seconds: float, steps: int = 10_000,
-                   provider: str = "s3") -> W.VBox:
-    """Batch, accumulation, save and backup intervals and retention; VRAM, RAM, Drive and bucket cost redraw."""
+def training_panel(model, state_bytes: int, best_bytes: int, step_seconds: float, steps: int = 10_000,
+                   provider: str = "s3", step_label: str = "measured here") -> W.VBox:
+    """Batch, accumulation, save and backup intervals and retention; VRAM, RAM, Drive and bucket cost redraw.
+
+    `step_seconds` is one step's time and `step_label` says where it comes from (a CPU measurement of
+    another model is not a T4 figure); the Drive and bucket bytes follow the one retention rule
+    (`nblib.budget.training.retained_bytes`).
+    """
     from nblib.budget.resources import fits
-    from nblib.budget.training import predict_training, t4_training_vram
+    from nblib.budget.training import predict_training, retained_bytes, retained_versions, t4_training_vram
     from nblib.train.ops import bucket_cost
     from nblib.units import fmt_bytes
 
@@ -200,19 +207,21 @@ def training_panel(model, state_bytes: int, step_seconds: float, steps: int = 10
     def render(micro_batch, accumulation, save_every, backup_every, keep_last):
         vram, vram_limit = t4_training_vram(model, micro_batch)
         cpu = predict_training(model, micro_batch, keep_last=keep_last)
-        drive = keep_last * state_bytes * 2
-        cost = bucket_cost(state_bytes, state_bytes // 3, steps=steps, backup_every=save_every * backup_every,
+        states, bests = retained_versions(keep_last)
+        drive = retained_bytes(state_bytes, best_bytes, keep_last)
+        cost = bucket_cost(state_bytes, best_bytes, steps=steps, backup_every=save_every * backup_every,
                            keep_last=keep_last, provider=provider)
-        save_s = steps * step_seconds * accumulation / 3600
+        hours = steps * step_seconds * accumulation / 3600
         print(f"effective batch {micro_batch * accumulation:,} ({accumulation} x {micro_batch})")
         print(f"T4 VRAM (projection, fp16 autocast, CUDA context included): {fmt_bytes(vram)} of "
               f"{fmt_bytes(vram_limit)} {'fits' if fits(vram, vram_limit) else 'DOES NOT FIT'}")
         print(f"host RAM on CPU (fp32 budget):      {fmt_bytes(cpu.total)}")
-        print(f"Drive (last {keep_last} states + best):     {fmt_bytes(drive)} of the 15 GB free quota")
-        print(f"local disk (retention):             {fmt_bytes(cpu.local_disk)}")
+        print(f"Drive (last {states} states + {bests} best):   {fmt_bytes(drive)} of the 15 GB free quota")
+        local = retained_bytes(state_bytes, best_bytes, keep_last, saving=True)
+        print(f"local disk (retention + a save):    {fmt_bytes(local)}")
         print(f"bucket: {cost.line()}")
         lost = save_every * backup_every
-        print(f"{steps:,} steps take ~{save_s:.1f} h; a lost VM costs at most {lost} steps "
-              f"({lost * step_seconds * accumulation / 60:.1f} min)")
+        print(f"{steps:,} steps at {step_seconds:.2f} s a step ({step_label}) take ~{hours:.1f} h; a lost VM "
+              f"costs at most {lost} steps ({lost * step_seconds * accumulation / 60:.1f} min)")
 
     return _output_panel(controls, render, "nblib-training-panel")

@@ -51,3 +51,19 @@ def test_no_markdown_types_a_measured_direction(name):
     for typed in ("Rendering scales with cores", "mattered most here", "rendering keeps up",
                   "nothing fits a free 15 GB Drive", "which is why it matches one dataset"):
         assert typed.lower() not in text.lower(), typed
+
+
+# issue 30: 06 used these without defining them, and cited an unnamed "sharding guide"
+TERMS_06 = ("AdamW", "AMP", "master weights", "GradScaler", "RLIMIT_AS", "FakeTensorMode", "cuBLAS", "BatchNorm")
+
+
+@pytest.mark.parametrize("term", TERMS_06)
+def test_notebook_06_defines_each_term_in_the_cell_where_it_first_appears(term):
+    nb = nbformat.read(NOTEBOOKS / "06_training.ipynb", as_version=4)
+    first = next(c.source for c in nb.cells if c.cell_type == "markdown" and term in c.source)
+    # a definition: the term in italics (*term* is ...), or followed by a parenthesis that says what it is
+    assert re.search(rf"\*{re.escape(term)}\*|{re.escape(term)}`? \(", first), (term, first[:300])
+
+
+def test_notebook_06_names_no_unnamed_guide():
+    assert "sharding guide" not in _markdown("06_training.ipynb")

@@ -163,3 +163,36 @@ def test_the_verdict_offers_no_knob_that_leaves_the_resource_over():
                 fixed, kwargs = applied(cfg, changes)
                 after = budget.predict_budget(fixed, "t4", drive_quota_gb=quota, **kwargs)
                 assert after.totals[advice.resource] <= 0.9 * b.limits[advice.resource], str(s)
+
+
+def test_a_budget_given_measured_codec_sizes_advises_from_them_not_from_the_borrowed_ratios():
+    # issue 30: 01's verdict sized the zstd cache with the reference's ratio (~26 GB) where its section 2 had
+    # measured ~4.5 GB; every figure the verdict quotes must come from the sizes measured on the user's texts
+    measured = {"raw": 150_536, "png": 5_246, "zlib": 4_232, "zstd": 2_349}   # 01's sample texts at 224 px
+    b = budget.predict_budget(SEED, "t4", drive_quota_gb=15, codec_sizes=measured)
+    assert f"{measured['raw']:,} B/image measured" in b.lines["drive"][0].why
+    drive = next(a for a in b.advice if a.resource == "drive")
+    with_codec = [s for s in drive.suggestions if "codec" in s.knob + s.also]
+    assert with_codec, drive                    # measured sizes make a codec part of the fix
+    for s in with_codec:
+        changes = {s.knob: s.value, **dict(p.split("=", 1) for p in s.also.split(" and ") if p)}
+        changes = {k.removeprefix("run."): ast.literal_eval(v) if isinstance(v, str) else v for k, v in changes.items()}
+        after = budget.predict_budget(SEED.replace(**changes), "t4", drive_quota_gb=15,
+                                      bytes_per_image=measured[changes["codec"]])
+        assert f"Drive {after.totals['drive'] / GB:,.2f} GB" in s.effect, (s, after.totals["drive"])
+        assert after.totals["drive"] <= 0.9 * b.limits["drive"]
+
+
+def test_a_preflight_given_measured_codec_sizes_refuses_with_codecs_sized_by_them(disks):
+    measured = {"raw": 150_536, "png": 5_246, "zlib": 4_232, "zstd": 2_349}   # 01's sample texts at 224 px
+    workspace, _free = disks
+    message = refusal(SEED, workspace, job="encode", device="cpu", codec_sizes=measured)
+    offered = [c for c in alternatives(message) if "run.codec" in c]
+    assert offered, message
+    for changes in offered:                   # the figure each gives is the measured one, and it really fits
+        fixed, kwargs = applied(SEED, changes)
+        after = budget.predict_budget(fixed, "cpu", bytes_per_image=measured[changes["run.codec"]], **kwargs)
+        assert f"{(after.totals['local disk'] + after.totals['drive']) / GB:,.2f} GB" in message, message
+        budget.preflight(fixed, workspace, job="encode", device="cpu", codec_sizes=measured, **kwargs)
+    cache = refusal(SEED, workspace, job="cache", device="cpu", codec_sizes=measured)
+    assert "measured)" in cache and "estimated ratio" not in cache, cache

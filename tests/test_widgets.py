@@ -108,7 +108,8 @@ def test_training_panel_redraws_t4_vram_with_the_cuda_context_and_refuses_a_batc
     from nblib.train.loop import model_config
 
     model = model_config("t4").model
-    panel = widgets.training_panel(model, state_bytes=200_000_000, step_seconds=0.5)
+    panel = widgets.training_panel(model, state_bytes=200_000_000, best_bytes=70_000_000, step_seconds=0.5,
+                                   step_label="measured on a CPU, the smoke model")
     first = capsys.readouterr().out
     vram, limit = tb.t4_training_vram(model, 64)
     assert vram == tb.predict_training(model, 64, precision="fp16", device="cuda", with_runtime=False).total \
@@ -117,3 +118,27 @@ def test_training_panel_redraws_t4_vram_with_the_cuda_context_and_refuses_a_batc
     big = next(b for b in range(64, 1025, 8) if tb.t4_training_vram(model, b)[0] > limit)
     _control(panel, "micro_batch").value = big
     assert "DOES NOT FIT" in capsys.readouterr().out
+
+
+def test_training_panel_sizes_drive_and_the_bucket_by_the_one_retention_rule_and_labels_the_step_time(capsys):
+    # issue 30: the panel's "Drive (last 3 states + best)" computed keep_last * state * 2, and its hours put a
+    # CPU smoke-model step time beside T4 figures without saying so
+    from nblib.budget import training as tb
+    from nblib.train.loop import model_config
+    from nblib.train.ops import bucket_cost
+    from nblib.units import fmt_bytes
+
+    state, best = 200_000_000, 70_000_000
+    panel = widgets.training_panel(model_config("t4").model, state_bytes=state, best_bytes=best, step_seconds=0.5,
+                                   step_label="measured on a CPU, the smoke model")
+    for keep in (3, 5):
+        if keep != 3:
+            _control(panel, "keep_last").value = keep
+        out = capsys.readouterr().out
+        kept = tb.retained_bytes(state, best, keep)
+        assert kept == keep * state + tb.BEST_KEPT * best
+        assert f"Drive (last {keep} states + 1 best):   {fmt_bytes(kept)} " in out
+        assert fmt_bytes(tb.retained_bytes(state, best, keep, saving=True)) in out
+        cost = bucket_cost(state, best, steps=10_000, backup_every=50 * 4, keep_last=keep)
+        assert cost.stored_bytes == kept and f"{fmt_bytes(kept)} kept" in out
+        assert "0.50 s a step (measured on a CPU, the smoke model)" in out

@@ -346,7 +346,9 @@ class _Search:
         return self._first_fitting("outputs")
 
     def codec(self) -> Suggestion | None:
-        """The least compressed smaller codec that fits (estimated ratios: not for a measured bytes_per_image)."""
+        """The least compressed smaller codec that fits (measured codec_sizes, else estimated ratios; none for a
+        measured bytes_per_image of one codec).
+        """
         return self._first_fitting("codec")
 
     def drive_quota(self) -> Suggestion:
@@ -363,13 +365,17 @@ class _Search:
         return None
 
     def _smaller_codecs(self) -> list[str]:
+        """Codecs smaller than the run's, least compressed first: by the sizes measured on the user's texts
+        (the budget's codec_sizes) when given, else by the reference's ratios.
+        """
         opts = self.budget.options
         if opts.get("bytes_per_image") is not None or "drive" not in self.resources:
             return []
         codec = opts.get("codec") or self.config.run.codec
-        ratio = CODEC_RATIO_ESTIMATE.get(codec, 0.0)
-        return sorted((c for c in CODEC_RATIO_ESTIMATE if CODEC_RATIO_ESTIMATE[c] < ratio),
-                      key=lambda c: -CODEC_RATIO_ESTIMATE[c])
+        sizes = dict(getattr(opts.get("codec_sizes"), "bytes_per_image", opts.get("codec_sizes")) or {}) \
+            or CODEC_RATIO_ESTIMATE
+        size = sizes.get(codec, 0.0)
+        return sorted((c for c in sizes if sizes[c] < size), key=lambda c: -sizes[c])
 
     def _effect(self, **changes) -> str:
         total = self.total(**changes)

@@ -147,7 +147,7 @@ def predict_budget(config: PipelineConfig, device: str | Device = "t4", *,
                    sdpa_backend: str | None = None, drive_quota_gb: float = FREE_QUOTA_GB,
                    codec: str | None = None, bytes_per_image: float | None = None,
                    keep_local: int = 2, efficiency: float | None = None, precision: str = "fp16",
-                   offload: str = "async") -> Budget:
+                   offload: str = "async", codec_sizes=None) -> Budget:
     """Predict peak VRAM, RAM, local disk and Drive use and the run time of an encode job.
 
     Args:
@@ -160,6 +160,9 @@ def predict_budget(config: PipelineConfig, device: str | Device = "t4", *,
         drive_quota_gb: the Drive space the run may fill (default: the free 15 GB).
         codec: the image cache's codec (default: the config's); bytes_per_image: a measured size
             per cached image, which replaces the codec's estimate.
+        codec_sizes: bytes per image per codec measured on the user's texts (an
+            `nblib.codec_sizes.CodecSizes` or a dict): the cache's size, and the codec the advice
+            offers, come from them instead of the reference's ratios (bytes_per_image wins if given).
         keep_local: parts kept on local disk after they are mirrored to Drive.
         efficiency: the share of the device's peak FLOP/s reached (`calibrate`); default the preset's, or on
             a T4 nblib.t4_speed's sourced range (`Budget.speed`, its mid as samples_per_s).
@@ -200,8 +203,8 @@ def predict_budget(config: PipelineConfig, device: str | Device = "t4", *,
     else:
         vram = ()
         ram = (*host_memory_lines(cfg, cuda=False), *model_lines)
-    local, drive = disk_lines(cfg, codec=codec, bytes_per_image=bytes_per_image,
-                              keep_local=keep_local)
+    measured = measured_bytes_per_image(codec_sizes, codec) if bytes_per_image is None else bytes_per_image
+    local, drive = disk_lines(cfg, codec=codec, bytes_per_image=measured, keep_local=keep_local)
     flops = flops_per_image(m)
     speed = _sourced_speed(dev, flops, precision, given.run.n_samples) if efficiency is None else None
     eff = dev.efficiency if efficiency is None else efficiency
@@ -214,7 +217,7 @@ def predict_budget(config: PipelineConfig, device: str | Device = "t4", *,
         flops_per_image=flops, samples_per_s=rate, sdpa_backend=backend,
         options={"sdpa_backend": sdpa_backend, "drive_quota_gb": drive_quota_gb, "codec": codec_arg,
                  "bytes_per_image": bytes_per_image, "keep_local": keep_local, "efficiency": efficiency,
-                 "precision": precision, "offload": offload},
+                 "precision": precision, "offload": offload, "codec_sizes": codec_sizes},
         speed=speed)
 
 
@@ -228,6 +231,12 @@ def _sourced_speed(dev: Device, flops: float, precision: str, n_samples: int) ->
         speed = dataclass_replace(speed, method=speed.method + "; bf16 has no tensor cores on a T4 (sm_75): "
                                                                "fp32's range")
     return speed
+
+
+def measured_bytes_per_image(codec_sizes, codec: str) -> float | None:
+    """The measured bytes per image of `codec` in `codec_sizes` (a CodecSizes or a dict); None if not measured."""
+    sizes = getattr(codec_sizes, "bytes_per_image", codec_sizes) or {}
+    return sizes.get(codec)
 
 
 def _attention_on(dev: Device, sdpa_backend: str | None) -> str:

@@ -26,28 +26,33 @@ from nblib.units import GB
 
 def preflight(config: PipelineConfig, workspace, *, job: str = "encode", device: str | None = None,
               disk_bytes: int | None = None, disk_folder=None, keep_local: int = 2,
-              drive_limits: bool | None = None, cuda_device=None) -> Budget:
+              drive_limits: bool | None = None, cuda_device=None, codec_sizes=None) -> Budget:
     """Check the predicted peak RAM, VRAM and disk against this machine; raise BudgetExceeded.
 
     job="encode" checks local staging (workspace.staging) and the durable copy (workspace.drive);
     job="cache" checks `disk_bytes` (default: the raw cache) on `disk_folder` (default
     workspace.cache). drive_limits: check Drive's items per folder and uploads per day (default:
     when workspace.drive is on Google Drive's mount). cuda_device: the job's GPU (default the current
-    one): its free VRAM and its preset are checked. Returns the Budget when everything fits.
+    one): its free VRAM and its preset are checked. codec_sizes: bytes per image per codec measured on
+    the user's texts (`nblib.codec_sizes`): the cache and the codecs a refusal offers are sized by them,
+    not by the reference's ratios. Returns the Budget when everything fits.
     """
     if job not in ("encode", "cache"):
         raise ConfigError(f"job={job!r} is unknown; use 'encode' or 'cache'")
     cfg = validated(config)
     cuda = _cuda_available()
     dev = device_preset(device or (preset_of_this_gpu(_gpu_name(cuda_device)) if cuda else "cpu"))
-    budget = predict_budget(cfg, dev, keep_local=keep_local)
+    budget = predict_budget(cfg, dev, keep_local=keep_local, codec_sizes=codec_sizes)
     if _on_google_drive(workspace.drive) if drive_limits is None else drive_limits:
         _check_drive_limits(cfg, job)
     if job == "cache":
-        need = disk_bytes if disk_bytes is not None else cache_bytes(
-            cfg.run.n_samples, cfg.model.image_size, cfg.run.codec, shard_mb=cfg.run.shard_mb)
-        check_disk(disk_folder or workspace.cache, int(need), what=f"the image cache ({cfg.run.codec})",
-                   knob=lambda free: cache_knobs(cfg, int(need), free))
+        r, measured = cfg.run, dict(getattr(codec_sizes, "bytes_per_image", codec_sizes) or {})
+        sizes = {c: cache_bytes(r.n_samples, cfg.model.image_size, c, b, shard_mb=r.shard_mb)
+                 for c, b in measured.items()} or None
+        need = disk_bytes if disk_bytes is not None else (sizes or {}).get(r.codec) or cache_bytes(
+            r.n_samples, cfg.model.image_size, r.codec, shard_mb=r.shard_mb)
+        check_disk(disk_folder or workspace.cache, int(need), what=f"the image cache ({r.codec})",
+                   knob=lambda free: cache_knobs(cfg, int(need), free, sizes=sizes))
         return budget
     _check_ram(budget)
     if dev.is_gpu and cuda:

@@ -45,19 +45,47 @@ TRANSIENT_BTD = 4           # the widest gradient of a block's backward (the MLP
 # the step in PyTorch's allocation order, no fitted constant. This closed form stays for the CPU probe only.
 ALLOCATOR_CACHE_SHARE = 0.10        # fitted on the simulation; see above
 STATE_OVERHEAD = 64 * 1024  # torch.save's zip records, the RNG states, history, data order
+BEST_OVERHEAD = 16 * 1024   # the best weights' zip records, config, classes and train settings
 SCALER_BYTES = 16           # GradScaler: scale (fp32) + growth tracker (int32) + found_inf per device
 RESIDENT = ("python + torch runtime", "parameters (fp32)", "AdamW moments (fp32)")   # held between steps
 
 
+BEST_KEPT = 1               # best-weights versions kept on each side: a best is written only when the metric
+                            # improves, so the newest is the best and older ones are worse copies
+
+
+def retained_versions(keep_last: int) -> tuple[int, int]:
+    """The one retention rule of a training run: (train states, best-weights versions) kept on each side.
+
+    The store prunes by it (`nblib.train.store.TrainStore`), and the budget, the bucket's cost, the
+    retention listing and the training panel size the mirror by it (`retained_bytes`).
+    """
+    return keep_last, BEST_KEPT
+
+
+def retained_bytes(state_bytes: int, best_bytes: int, keep_last: int, *, saving: bool = False) -> int:
+    """Bytes retention keeps on one side: the newest `keep_last` states and the best weights; with `saving`,
+    the local peak: a new state and best are written before the oldest are pruned.
+    """
+    states, bests = retained_versions(keep_last)
+    return (states + saving) * state_bytes + (bests + saving) * best_bytes
+
+
 @dataclass(frozen=True)
 class TrainingBudget:
-    """Memory lines of one training step, and the checkpoint's bytes on disk and the mirror."""
+    """Memory lines of one training step, and the checkpoint's bytes on disk and the mirror.
+
+    `mirror` is what retention keeps on a side (`retained_bytes`); `local_disk` adds the save in flight
+    (a new state and best are written before the oldest is pruned).
+    """
 
     lines: tuple[Line, ...]
     checkpoint_bytes: int
     local_disk: int
     mirror: int
     batch_size: int
+    best_bytes: int = 0
+    keep_last: int = 3
 
     @property
     def total(self) -> int:
@@ -75,8 +103,11 @@ class TrainingBudget:
         rows = [f"{line.name:<34}{fmt_bytes(line.bytes):>11}  {line.why}" for line in self.lines]
         rows.append(f"{'peak, predicted':<34}{fmt_bytes(self.total):>11}")
         rows.append(f"{'checkpoint (one train state)':<34}{fmt_bytes(self.checkpoint_bytes):>11}")
-        rows.append(f"{'local disk (retention)':<34}{fmt_bytes(self.local_disk):>11}")
-        rows.append(f"{'mirror (retention)':<34}{fmt_bytes(self.mirror):>11}")
+        rows.append(f"{'best weights (one version)':<34}{fmt_bytes(self.best_bytes):>11}")
+        states, bests = retained_versions(self.keep_last)
+        rows.append(f"{'mirror (retention)':<34}{fmt_bytes(self.mirror):>11}  last {states} states + {bests} best")
+        rows.append(f"{'local disk (retention + a save)':<34}{fmt_bytes(self.local_disk):>11}  "
+                    f"the mirror's + the state and best being written")
         return "\n".join(rows)
 
 
@@ -146,8 +177,9 @@ def predict_training(model: ModelConfig, batch_size: int, *, n_classes: int = 12
         Line("prefetched batches", (workers * prefetch if workers else 0) * b * image, "uint8 batches in flight"),
     ]
     checkpoint = (total * 4 + buffers) + trained * 8 + STATE_OVERHEAD
-    return TrainingBudget(tuple(lines), checkpoint, (keep_last + 1) * checkpoint + 2 * total * 4,
-                          keep_last * checkpoint + total * 4, batch_size)
+    best = total * 4 + buffers + BEST_OVERHEAD
+    return TrainingBudget(tuple(lines), checkpoint, retained_bytes(checkpoint, best, keep_last, saving=True),
+                          retained_bytes(checkpoint, best, keep_last), batch_size, best, keep_last)
 
 
 def largest_batch(model: ModelConfig, cap_bytes: int, *, step_only: bool = False, margin: float = FIT_MARGIN,

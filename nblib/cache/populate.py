@@ -609,7 +609,7 @@ def _auto_codec(n_images: int, cache_dir: Path, sample_images: list[np.ndarray])
 
 
 def _progress_bar(total: int, initial: int, enabled: bool):
-    from tqdm.auto import tqdm
+    from nblib.compare import progress_bar
 
-    return tqdm(total=total, initial=initial, unit="img", desc="rendering", disable=not enabled,
-                smoothing=0.1, dynamic_ncols=True)
+    return progress_bar(total, "rendering", "img", initial=initial, disable=not enabled, widget=True,
+                        smoothing=0.1, dynamic_ncols=True)

@@ -142,9 +142,9 @@ class DurableProgress:
         return len(self.done)
 
     def __enter__(self) -> DurableProgress:
-        from tqdm.auto import tqdm
+        from nblib.compare import progress_bar
 
-        self.bar = tqdm(total=len(self.names), initial=self.count(), unit="part", desc=self.desc)
+        self.bar = progress_bar(len(self.names), self.desc, "part", initial=self.count())
         self._thread = threading.Thread(target=self._poll, name="nblib-durable-progress", daemon=True)
         self._thread.start()
         return self

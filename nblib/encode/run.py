@@ -583,10 +583,10 @@ def _write_part(store: PartStore, manifest: dict, plan: RunPlan, k: int, arrays:
 
 
 def _progress_bar(plan: RunPlan, manifest: dict, enabled: bool):
-    from tqdm.auto import tqdm
+    from nblib.compare import progress_bar
 
-    return tqdm(total=plan.n_samples, initial=manifest["samples_done"], unit="img",
-                unit_scale=True, desc="encode", disable=not enabled, smoothing=0.1)
+    return progress_bar(plan.n_samples, "encode", "img", initial=manifest["samples_done"], disable=not enabled,
+                        widget=True, unit_scale=True, smoothing=0.1)
 
 
 def _postfix(store: PartStore, manifest: dict, plan: RunPlan, device) -> dict:

@@ -28,12 +28,12 @@ def texts_subset(n: int, folder: str | Path) -> Path:
     return path
 
 
-def memory_rows(model, batches: tuple[int, ...]) -> list[dict]:
+def memory_rows(model, batches: tuple[int, ...], progress: bool = True) -> list[dict]:
     """Per batch: the step's predicted peak RSS (measured fixed cost + predicted step) and the measured one."""
     from nblib.train.probe import step_peak
 
     rows = []
-    for b in batches:
+    for b in _bar(batches, progress, "measuring steps", "batch"):
         measured = step_peak(model, b)
         budget = predict_training(model, b)
         predicted = measured.rss_before + budget.step_bytes
@@ -58,13 +58,13 @@ def memory_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def largest_batch_demo(model, cap_bytes: int) -> tuple[int, list]:
+def largest_batch_demo(model, cap_bytes: int, progress: bool = True) -> tuple[int, list]:
     """(the budget's largest micro-batch under a cap on what a step adds, the probes that confirm it)."""
     from nblib.budget.training import largest_batch
     from nblib.train.probe import probe_largest_batch
 
     predicted = largest_batch(model, cap_bytes, step_only=True)
-    return predicted, probe_largest_batch(model, cap_bytes, predicted, tries=3)
+    return predicted, probe_largest_batch(model, cap_bytes, predicted, tries=3, progress=progress)
 
 
 def train_command(cache: str | Path, out: str | Path, steps: int, *extra: str) -> list[str]:
@@ -73,24 +73,31 @@ def train_command(cache: str | Path, out: str | Path, steps: int, *extra: str) -
 
 
 def kill_and_resume(cache: str | Path, folder: str | Path, steps: int, kill_after_step: int,
-                    *extra: str) -> dict:
+                    *extra: str, progress: bool = True) -> dict:
     """An uninterrupted CLI run, and one SIGKILLed once step `kill_after_step` is saved, then rerun."""
     import os
+
+    from nblib.compare import progress_bar
 
     folder = Path(folder)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     whole, killed = folder / "uninterrupted", folder / "killed"
+    bar = progress_bar(3, "uninterrupted run, killed run, rerun", "run", disable=not progress)
     subprocess.run(train_command(cache, whole, steps, *extra), env=env, check=True, capture_output=True)
+    bar.update(1)
     proc = subprocess.Popen(train_command(cache, killed, steps, *extra), env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     while proc.poll() is None and _newest_step(killed) < kill_after_step:
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    bar.update(1)
     at_kill = _newest_step(killed)
     finished_before_kill = (killed / "final.pt").exists()
     rerun = subprocess.run(train_command(cache, killed, steps, *extra), env=env, check=True, capture_output=True,
                            text=True)
+    bar.update(1)
+    bar.close()
     return {"killed_after_saved_step": at_kill, "finished_before_kill": finished_before_kill,
             "rerun_output": rerun.stdout.strip(), "identical": weights_identical(whole, killed)}
 
@@ -138,20 +145,100 @@ def checkpoint_contents(state: dict, *, buffer_size: int = 250_000, sample_bytes
     return "\n".join(lines)
 
 
-def retention_listing(run_dir: str | Path, mirror: str | Path | None) -> str:
-    """The state and best versions kept on each side."""
+def retention_listing(run_dir: str | Path, mirror: str | Path | None, keep_last: int = 3) -> str:
+    """The state and best versions kept on each side, their bytes on disk, and what the one retention rule
+    (`nblib.budget.training.retained_bytes`, which the budget and the bucket's cost use) gives with these
+    files' sizes.
+    """
+    from nblib.budget.training import retained_bytes, retained_versions
     from nblib.store.checkpoints import versions_in
 
+    states_kept, bests_kept = retained_versions(keep_last)
     rows = []
     for side, root in (("local", Path(run_dir) / "checkpoints"), ("mirror", None if mirror is None else
                                                                    Path(mirror) / "checkpoints")):
         if root is None or not root.exists():
             continue
         entries = [p.name for p in root.iterdir()]
-        size = sum(p.stat().st_size for p in root.iterdir() if p.is_file())
-        rows.append(f"{side:<7} states at steps {versions_in(entries, 'state')}, best at steps "
-                    f"{versions_in(entries, 'best')}  ({fmt_bytes(size)})")
+        size = sum(p.stat().st_size for p in root.iterdir() if p.is_file() and p.name.startswith(("state-", "best-")))
+        states, bests = versions_in(entries, "state"), versions_in(entries, "best")
+        rule = retained_bytes(version_bytes(root, "state"), version_bytes(root, "best"), keep_last)
+        rows.append(f"{side:<7} states at steps {states}, best at steps {bests}: {fmt_bytes(size)} on disk; the rule "
+                    f"(last {states_kept} states + {bests_kept} best) with these files' sizes: {fmt_bytes(rule)}")
     return "\n".join(rows)
+
+
+def version_bytes(root: str | Path, name: str) -> int:
+    """Bytes of the newest version of series `name` in a checkpoints folder: its .pt and its record."""
+    from nblib.store.checkpoints import stem, versions_in
+
+    root = Path(root)
+    versions = versions_in([p.name for p in root.iterdir()], name)
+    if not versions:
+        return 0
+    return sum((root / f"{stem(name, versions[-1])}{ext}").stat().st_size for ext in (".pt", ".json"))
+
+
+BUCKET = "nblib-demo"
+
+
+def bucket_backup_demo(cache: str | Path, folder: str | Path, config, *, bucket: str = BUCKET) -> str:
+    """A short run backed up to an S3 bucket on a local S3-compatible server (moto's, on 127.0.0.1, stopped
+    after): what the bucket holds, by the one retention rule. Where moto or s3fs is missing, says why it is
+    skipped. The same `train(..., mirror="s3://bucket/prefix", storage_options=...)` backs up to a real bucket.
+    """
+    import importlib.util
+    import logging
+    import socket
+
+    missing = [m for m in ("moto", "s3fs") if importlib.util.find_spec(m) is None]
+    if missing:
+        return (f"bucket demo skipped: {' and '.join(missing)} not installed here (pip install 'moto[server]' "
+                f"s3fs); a real bucket takes the same train(..., mirror='s3://bucket/prefix')")
+    from moto.server import ThreadedMotoServer
+
+    from nblib.train import train
+    from nblib.train.objstore import open_filesystem
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    endpoint = f"http://127.0.0.1:{port}"
+    options = {"key": "testing", "secret": "testing", "endpoint_url": endpoint}   # moto takes any key
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    requests_log = logging.getLogger("werkzeug")        # the server logs every request otherwise
+    level = requests_log.level
+    requests_log.setLevel(logging.ERROR)
+    server.start()
+    try:
+        fs = open_filesystem("s3", options)
+        fs.mkdir(bucket)                      # the run never creates a bucket: a mistyped name is refused
+        report = train(cache, Path(folder), config, mirror=f"s3://{bucket}/run", storage_options=options)
+        held = {Path(e["name"]).name: e["size"] for e in fs.ls(f"{bucket}/run/checkpoints", detail=True)}
+    finally:
+        server.stop()                         # nothing of this cell keeps running
+        requests_log.setLevel(level)
+    durable = report.durability.line() if report.durability is not None else ""
+    return _bucket_lines(f"s3://{bucket}/run", endpoint, held, config.keep_last, durable)
+
+
+def _bucket_lines(url: str, endpoint: str, held: dict[str, int], keep_last: int, durability: str) -> str:
+    from nblib.budget.training import retained_bytes, retained_versions
+    from nblib.store.checkpoints import stem, versions_in
+
+    states, bests = versions_in(held, "state"), versions_in(held, "best")
+
+    def newest(name: str, versions: list[int]) -> int:
+        return sum(held.get(f"{stem(name, versions[-1])}{ext}", 0) for ext in (".pt", ".json")) if versions else 0
+
+    size = sum(v for k, v in held.items() if k.startswith(("state-", "best-")))
+    states_kept, bests_kept = retained_versions(keep_last)
+    rule = retained_bytes(newest("state", states), newest("best", bests), keep_last)
+    return "\n".join([
+        f"bucket {url} on moto's S3 server at {endpoint} (a local stand-in for S3; stopped after this cell)",
+        f"bucket  states at steps {states}, best at steps {bests}: {fmt_bytes(size)}; the rule (last "
+        f"{states_kept} states + {bests_kept} best) with these files' sizes: {fmt_bytes(rule)}",
+        durability])
 
 
 def _newest_step(run: Path) -> int:
@@ -159,12 +246,12 @@ def _newest_step(run: Path) -> int:
         if (run / "checkpoints").exists() else 0
 
 
-def simulated_t4_rows(model, batches: tuple[int, ...], precision: str = "fp16") -> list[dict]:
+def simulated_t4_rows(model, batches: tuple[int, ...], precision: str = "fp16", progress: bool = True) -> list[dict]:
     """Per batch: the training budget's VRAM (no CUDA context) and the simulated T4's for the loop's own step."""
     from nblib.simulate.train import simulate_train_step
 
     rows = []
-    for b in batches:
+    for b in _bar(batches, progress, "simulating T4 steps", "batch"):
         sim = simulate_train_step(model, b, "t4", precision=precision)
         budget = predict_training(model, b, precision=precision, device="cuda", with_runtime=False)
         rows.append({"batch": b, "precision": precision, "budget": budget.total, "allocated": sim.max_allocated,
@@ -188,3 +275,14 @@ def simulated_t4_table(rows: list[dict]) -> str:
                      f"{r['batch'] / r['step_s']:,.0f} samples/s at most; {r['attention']} attention; "
                      f"peak at {r['peak_op']}")
     return "\n".join(lines)
+
+
+def _bar(items, progress: bool, desc: str, unit: str):
+    """`items`, behind the suite's progress bar (`nblib.compare.progress_bar`) when `progress`."""
+    from nblib.compare import progress_bar
+
+    items = list(items)
+    with progress_bar(len(items), desc, unit, disable=not progress) as bar:
+        for item in items:
+            yield item
+            bar.update(1)

@@ -56,6 +56,8 @@ class CheckpointManager:
         mirror_dir: the mirror folder (a path; for a bucket, its 'bucket/prefix' with `mirror_ops`); None: none.
         mirror_ops: the FileOps of the mirror (default: the local file system, a Drive mount).
         keep_last: versions kept per name on each side.
+        keep_per_name: versions kept on each side for the names given, instead of keep_last (training keeps
+            one best: `nblib.budget.training.retained_versions`).
         keep_local, keep_every: the part retention of a DurableStore sharing this mirror (None: all).
         identity: the run's identity (JSON): claims the mirror folder for this run.
         writer: this process writes the folder: it claims the mirror and runs the mirror thread. A
@@ -72,8 +74,9 @@ class CheckpointManager:
     """
 
     def __init__(self, local_dir: str | Path, mirror_dir: str | Path | None = None, *,
-                 mirror_ops: FileOps | None = None, keep_last: int = 3, keep_local: int | None = None,
-                 keep_every: int | None = None, identity: dict | None = None, writer: bool = True,
+                 mirror_ops: FileOps | None = None, keep_last: int = 3, keep_per_name: dict[str, int] | None = None,
+                 keep_local: int | None = None, keep_every: int | None = None, identity: dict | None = None,
+                 writer: bool = True,
                  clean_temporaries: bool = False,
                  prune_unmirrored: bool = False, retries: int = 5, backoff_s: float = 0.5,
                  retry_interval_s: float = 30.0, verify_mirror: bool = True, remount: Callable[[], Any] | None = None,
@@ -85,6 +88,9 @@ class CheckpointManager:
                     keep_local=keep_local, keep_every=keep_every, keep_checkpoints=keep_last, retries=retries,
                     backoff_s=backoff_s)
         self.keep_last, self.writer, self.prune_unmirrored = keep_last, writer, prune_unmirrored
+        self.keep_per_name = dict(keep_per_name or {})
+        for kept in self.keep_per_name.values():
+            check_knobs(self.local_dir, None, keep_checkpoints=kept)
         self.identity = None if identity is None else json.loads(json.dumps(identity))   # as mirror.json holds it
         self.on_saved, self.version_label = on_saved, version_label
         self.local_dir.mkdir(parents=True, exist_ok=True)
@@ -123,7 +129,7 @@ class CheckpointManager:
             claim_or_warn(self.reads, self.mirror_dir, self.identity, self.local_dir)  # ForeignMirror: refused
         sides = Sides(self.local_parts, PartFolder(self.mirror_dir, ops, "mirror"), self.local,
                       CheckpointFolder(self.mirror_dir, ops, "mirror"))
-        self.mirror = Mirror(sides, Retention(keep_local, keep_every, self.keep_last),
+        self.mirror = Mirror(sides, Retention(keep_local, keep_every, self.keep_last, self.keep_per_name),
                              Retrier(retries, backoff_s, remount), retry_interval_s=retry_interval_s,
                              verify_readback=verify_mirror, identity=self.identity, stall_s=deadline_s)
 
@@ -199,11 +205,15 @@ class CheckpointManager:
         storages, _ = _storages_and_tensors(objects, torch)
         return objects if all(s.device.type == "cpu" for s in storages.values()) else self._staging.stage(objects)
 
+    def versions_kept(self, name: str) -> int:
+        """Versions of `name` retention keeps on each side."""
+        return self.keep_per_name.get(name, self.keep_last)
+
     def _prune_local(self, name: str) -> None:
         if self.mirror is not None and not self.prune_unmirrored:
             return                                # the mirror thread prunes once a newer version is copied
         keep = self._queued.get(name)
-        for version in checkpoints_to_drop(self.local.versions(name), self.keep_last):
+        for version in checkpoints_to_drop(self.local.versions(name), self.versions_kept(name)):
             if version != keep:
                 self.local.remove(name, version)
 

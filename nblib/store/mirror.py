@@ -20,7 +20,7 @@ import threading
 import time
 import warnings
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nblib.errors import StateError
 from nblib.manifest import Manifest
@@ -122,6 +122,11 @@ class Retention:
     keep_local: int | None
     keep_every: int | None
     keep_checkpoints: int
+    keep_per_name: dict[str, int] = field(default_factory=dict)   # series kept apart (training's best: 1)
+
+    def versions_kept(self, name: str) -> int:
+        """Checkpoint versions of `name` kept on each side."""
+        return self.keep_per_name.get(name, self.keep_checkpoints)
 
 
 class Mirror:
@@ -357,7 +362,7 @@ class Mirror:
 
     def prune_checkpoints(self, name: str, mirrored_up_to: int) -> None:
         """Keep the newest versions on both sides; older local ones go only once a newer is mirrored."""
-        prune_checkpoint_versions(self.sides, self.retention.keep_checkpoints, name, mirrored_up_to)
+        prune_checkpoint_versions(self.sides, self.retention.versions_kept(name), name, mirrored_up_to)
 
     def _audit(self, full: bool) -> None:
         """Re-fill parts the mirror held and lost; re-copy the manifest so it lists what is there.

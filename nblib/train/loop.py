@@ -477,9 +477,9 @@ def _warmup_cosine(warmup: int, total: int):
 def _bar(show: bool, total: int, initial: int):
     if not show:
         return None
-    from tqdm.auto import tqdm
+    from nblib.compare import progress_bar
 
-    return tqdm(total=total, initial=initial, unit="step", desc="train")
+    return progress_bar(total, "train", "step", initial=initial)
 
 
 def _show(bar, report: TrainReport, store, loss: float) -> None:

@@ -2,7 +2,7 @@
 
 `PRICES` is a dated, sourced table (data, not code): storage per GB-month and requests per 1,000
 for S3 Standard and GCS Standard, the classes a checkpoint bucket uses. `bucket_cost` prices a
-run's backups: the bytes retention keeps (last N states + the best weights) for the months you
+run's backups: the bytes retention keeps (last N states + the best weights, `retained_bytes`) for the months you
 keep them, plus one PUT per file of each backup (a state is two objects: .pt and its record),
 LIST calls on every start and every mirror audit, and the GETs of one resume. `DiskWatch` warns
 (logging and a `DiskWarning`) before the local disk or the Drive quota runs out: when the free
@@ -18,6 +18,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from nblib.budget.training import retained_bytes
 from nblib.units import GB, fmt_bytes
 
 log = logging.getLogger("nblib.train")
@@ -74,7 +75,7 @@ def bucket_cost(state_bytes: int, best_bytes: int, *, steps: int, backup_every: 
     """The bucket's cost for one run's backups, kept `months` after the run."""
     price = PRICES[provider]
     backups = max(1, steps // backup_every)
-    stored = keep_last * state_bytes + keep_last * best_bytes
+    stored = retained_bytes(state_bytes, best_bytes, keep_last)   # the one retention rule
     writes = backups * 4 + restarts * 2 + backups           # state + best (.pt + record) each; LISTs
     reads = restarts * 4                                     # one resume: record + file, twice at most
     storage = stored / GB_DECIMAL * price.storage_gb_month * months

@@ -58,12 +58,19 @@ def step_peak(model: ModelConfig, batch_size: int, *, n_classes: int = 12, cap_b
     return StepPeak(**json.loads(lines[-1]))
 
 
-def probe_largest_batch(model: ModelConfig, cap_bytes: int, start: int, *, tries: int = 6, **kwargs) -> list[StepPeak]:
-    """Try batches from `start` (the budget's answer): up by 1.25x while they fit, down by 0.8x while not."""
+def probe_largest_batch(model: ModelConfig, cap_bytes: int, start: int, *, tries: int = 6, progress: bool = False,
+                        **kwargs) -> list[StepPeak]:
+    """Try batches from `start` (the budget's answer): up by 1.25x while they fit, down by 0.8x while not.
+    `progress` shows a bar over the tries (each a fresh process).
+    """
+    from nblib.compare import progress_bar
+
     results, batch = [], max(1, start)
+    bar = progress_bar(tries, "probing batches", "try", disable=not progress)
     for _ in range(tries):
         result = step_peak(model, batch, cap_bytes=cap_bytes, **kwargs)
         results.append(result)
+        bar.update(1)
         fits = [r.batch_size for r in results if r.fits]
         fails = [r.batch_size for r in results if not r.fits]
         if fits and fails and min(fails) - max(fits) <= max(1, max(fits) // 16):
@@ -72,6 +79,7 @@ def probe_largest_batch(model: ModelConfig, cap_bytes: int, start: int, *, tries
             batch = int(batch * 1.25) if not fails else (batch + min(fails)) // 2
         else:
             batch = max(1, int(batch * 0.8)) if not fits else (batch + max(fits)) // 2
+    bar.close()
     return results
 
 

@@ -10,7 +10,8 @@ naming the mirror folder), bounds every read of the mirror, and, unless `sync_sa
 background thread: `save` waits for the previous write (raising its error), stages the tensors
 into reused host buffers (pinned on CUDA) and returns; the write's Future carries any error to the
 next save, `wait_saves` or `close`. Retention keeps the newest `keep_last` states on each side, plus
-the `best` series (weights only, written when the named metric improves). Resume is local-first:
+the newest version of the `best` series (weights only, written when the named metric improves, so the
+newest is the best): `nblib.budget.training.retained_versions`, the rule the budget sizes. Resume is local-first:
 the mirror is read only when the run folder holds no state that loads (a new VM). Only a writer
 (the holder of the run folder's lock) removes half-written temporaries; a reader deletes nothing.
 Trade-off: between backups the newest states exist on one disk only; the backup interval bounds
@@ -25,6 +26,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from nblib.budget.training import retained_versions
 from nblib.errors import DriveError
 from nblib.store.manager import CheckpointManager
 from nblib.store.mirror import MirrorStatus
@@ -79,9 +81,11 @@ class TrainStore:
         self.sync_save = sync_save
         self.startup_timeout_s = deadline_s or 60.0   # a stalled mirror at start: give up on it after this
         root, ops = (None, None) if mirror is None else mirror_target(mirror, storage_options)
+        states, bests = retained_versions(keep_last)
         self.manager = CheckpointManager(
             self.local_root, None if root is None else root / FOLDER,
-            mirror_ops=ops if mirror is not None and is_url(mirror) else None, keep_last=keep_last,
+            mirror_ops=ops if mirror is not None and is_url(mirror) else None, keep_last=states,
+            keep_per_name={BEST: bests},
             identity=identity, writer=start_mirror if writer is None else writer,
             clean_temporaries=start_mirror if writer is None else writer, prune_unmirrored=True,
             retries=retries, backoff_s=backoff_s, retry_interval_s=retry_interval_s, remount=remount,
