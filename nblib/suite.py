@@ -149,6 +149,11 @@ def _watched_client(nb, path: Path, timeout: int, limit_s: float):
     from nbclient import NotebookClient
 
     class WatchedClient(NotebookClient):
+        async def async_start_new_kernel_client(self):
+            kc = await super().async_start_new_kernel_client()
+            poll_in_slices(self.kc.shell_channel)
+            return kc
+
         async def async_execute_cell(self, cell, cell_index, execution_count=None, store_history=True):
             if cell.cell_type == "code" and cell.source.strip():
                 watch.begin(_cell_label(cell, cell_index))
@@ -182,6 +187,36 @@ def _watched_client(nb, path: Path, timeout: int, limit_s: float):
     watch = _Watch(path.name, limit_s)
     return WatchedClient(nb, timeout=timeout, kernel_name="python3",
                          resources={"metadata": {"path": str(path.parent)}})
+
+
+SHELL_POLL_S = 0.5
+
+
+def poll_in_slices(channel, slice_s: float = SHELL_POLL_S) -> None:
+    """Make `channel.get_msg(timeout=T)` poll in slices of `slice_s`, still giving up after T.
+
+    nbclient waits for a cell's reply with one get_msg(timeout=the cell timeout). After notebook 01's
+    budget panel (a cell that shows widgets), the reply that had arrived was seen only when that
+    timeout ran out: the cell took exactly the timeout, 60 s or 900 s, with the kernel idle
+    (nbclient issue #312). A fresh poll sees the waiting message, so every slice looks again.
+    """
+    from queue import Empty
+
+    from nbclient.util import ensure_async
+
+    get = channel.get_msg
+
+    async def get_msg(timeout=None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = slice_s if deadline is None else max(0.0, min(slice_s, deadline - time.monotonic()))
+            try:
+                return await ensure_async(get(timeout=left))
+            except Empty:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+
+    channel.get_msg = get_msg
 
 
 def _kill_kernel(km) -> None:
