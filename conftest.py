@@ -4,6 +4,10 @@ Notebooks are committed without outputs, so the references live in
 `tests/nbval_references/<notebook>.json` (written by `scripts/nbtools.py refresh`, keyed by cell
 id). nbval compares a checked cell only against a stored output that has an execution count;
 this hook puts both on the collected cell before it runs.
+
+It also runs the longest files first: `make test` hands whole files to its xdist workers
+(--dist loadfile) in collection order, and a long file collected last ran alone at the end while
+the other worker idled (the browser tests: about 4 of the suite's minutes on one worker).
 """
 from __future__ import annotations
 
@@ -11,9 +15,33 @@ import json
 from pathlib import Path
 
 REFERENCES = Path(__file__).resolve().parent / "tests" / "nbval_references"
+LONGEST_FIRST = (      # files by their time in a fresh-clone `make test` (2 workers, idle machine), longest first
+    "tests/test_browser.py", "notebooks/05_input_pipeline_tuning.ipynb", "tests/test_train_resume.py",
+    "notebooks/04_shuffle_buffer_checkpoints.ipynb", "tests/test_hostile_train.py", "tests/test_model_vram.py",
+    "notebooks/01_memory_budgeting.ipynb", "notebooks/06_training.ipynb", "tests/test_train_device.py",
+    "tests/test_hostile.py", "tests/test_simulate_train.py", "tests/test_distributed.py",
+    "tests/test_train_second_run.py", "tests/test_colab.py", "notebooks/03_streaming_trm_encoding.ipynb",
+    "notebooks/02_cache_population.ipynb",
+)
 
 
 def pytest_collection_modifyitems(items):
+    _hand_nbval_its_references(items)
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    root = Path(__file__).resolve().parent
+    place = {id(item): n for n, item in enumerate(items)}
+
+    def key(item):
+        try:
+            name = Path(str(item.path)).resolve().relative_to(root).as_posix()
+        except ValueError:
+            name = ""
+        return rank.get(name, len(rank)), place[id(item)]
+
+    items.sort(key=key)
+
+
+def _hand_nbval_its_references(items) -> None:
     import nbformat
 
     cache: dict[Path, dict] = {}

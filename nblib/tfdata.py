@@ -22,6 +22,7 @@ imports torch).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import shutil
@@ -498,7 +499,7 @@ def _measure_in(label: str, spec: PipelineSpec, build: Callable, folder: Path, s
         return CheckpointRow(label, spec.buffer_size, spec.symbolic, spec.sample_bytes, 0, 0.0, 0.0, 0, 0,
                              0, 0, 0, False, fmt_exception(exc, with_type=True))
     next(iterator)
-    with DiskPeak(folder) as rotating:
+    with DiskPeak(folder) as rotating, _sampled_before_sweep(manager, rotating):
         path = manager.save()
     expected = next(iterator)
     bytes_on_disk = folder_bytes(folder)
@@ -515,6 +516,28 @@ def _measure_in(label: str, spec: PipelineSpec, build: Callable, folder: Path, s
     return CheckpointRow(label, spec.buffer_size, spec.symbolic, spec.sample_bytes, bytes_on_disk, save_s,
                          restore_s, first.peak, rotating.peak, max(save_mem.peak, restore_mem.peak),
                          max(0, save_mem.delta), max(0, restore_mem.delta), exact)
+
+
+@contextlib.contextmanager
+def _sampled_before_sweep(manager, peak: DiskPeak):
+    """Sample the folder when the new checkpoint is complete and the old one not yet deleted: the rotating
+    save's peak, which lasts a few ms and a 2 ms sampler missed on a busy machine (CheckpointManager.save
+    writes, then `_sweep`s the checkpoints past max_to_keep).
+    """
+    sweep = getattr(manager, "_sweep", None)
+    if sweep is None:
+        yield
+        return
+
+    def sampled():
+        peak.sample()
+        return sweep()
+
+    manager._sweep = sampled
+    try:
+        yield
+    finally:
+        manager._sweep = sweep
 
 
 def preflight_checkpoint(buffer_size: int, sample_bytes: int, folder) -> None:

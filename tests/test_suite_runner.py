@@ -82,20 +82,26 @@ def test_every_progress_bar_is_the_suites_one_helper_and_starts_no_monitor_threa
     # tqdm's monitor thread outlived 06's training bar (the kernel kept it after the cell) and refreshes bars from
     # its own thread; a widget bar updated from a thread was seen to stall a kernel. One helper, no monitor.
     import ast
-    import threading
+    import subprocess
+    import sys
     from pathlib import Path
-
-    from nblib.compare import progress_bar
 
     root = Path(suite.__file__).resolve().parent
     importers = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
                        if any(isinstance(n, (ast.Import, ast.ImportFrom)) and "tqdm" in ast.unparse(n)
                               for n in ast.walk(ast.parse(p.read_text()))))
     assert importers == ["compare.py"], importers
-    for widget in (False, True):
-        with progress_bar(3, "test", "it", widget=widget) as bar:
-            bar.update(3)
-    assert not [t for t in threading.enumerate() if "monitor" in t.name.lower()]
+    # in a fresh interpreter: a worker that ran other tests may hold a monitor that some library's bar started
+    code = ("import threading, time\n"
+            "from nblib.compare import progress_bar\n"
+            "for widget in (False, True):\n"
+            "    with progress_bar(3, 'test', 'it', widget=widget) as bar:\n"
+            "        bar.update(3)\n"
+            "time.sleep(0.2)\n"
+            "print([t.name for t in threading.enumerate() if 'monitor' in t.name.lower()])\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(root.parent)})
+    assert done.returncode == 0 and done.stdout.strip() == "[]", (done.stdout, done.stderr[-2000:])
 
 
 def test_a_kernel_that_will_not_shut_down_after_its_last_cell_fails_naming_that_phase(tmp_path):
