@@ -1,7 +1,11 @@
 """Shared test setup: every test runs against a private workspace, never the user's outputs/."""
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -36,6 +40,19 @@ def fresh_touched_bytes(nbytes: int):
     pages = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
     pages[:] = 1
     return pages
+
+
+@contextlib.contextmanager
+def importable_models(folder: Path, resnet: dict, factory_source: str):
+    """`folder` holding a tiny ResNet config (resnet.json) and a factory module (tinyfactory.py), on sys.path."""
+    (folder / "resnet.json").write_text(json.dumps(resnet))
+    (folder / "tinyfactory.py").write_text(textwrap.dedent(factory_source))
+    sys.path.insert(0, str(folder))
+    try:
+        yield folder
+    finally:
+        sys.path.remove(str(folder))
+        sys.modules.pop("tinyfactory", None)
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:

@@ -8,14 +8,13 @@ import json
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import small_cache, subprocess_env
+from conftest import importable_models, small_cache, subprocess_env
 from nblib import encode as enc
 from nblib.atomic import sha256_file
 from nblib.cache import ShardedImageCache
@@ -77,13 +76,8 @@ def cache_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> Path:
     """A folder with a tiny ResNet config and an importable factory module (put on PYTHONPATH)."""
-    folder = tmp_path_factory.mktemp("models")
-    (folder / "resnet.json").write_text(json.dumps(RESNET))
-    (folder / "tinyfactory.py").write_text(textwrap.dedent(FACTORY_SOURCE))
-    sys.path.insert(0, str(folder))
-    yield folder
-    sys.path.remove(str(folder))
-    sys.modules.pop("tinyfactory", None)
+    with importable_models(tmp_path_factory.mktemp("models"), RESNET, FACTORY_SOURCE) as folder:
+        yield folder
 
 
 def _run(cache_dir, out, model, **kwargs):

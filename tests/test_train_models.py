@@ -12,7 +12,6 @@ import re
 import shutil
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ import torch
 from test_train import labelled_cache
 from train_runs import run_and_kill, train_env
 
+from conftest import importable_models
 from nblib.errors import ConfigError, ResumeMismatch
 from nblib.train import TrainConfig, train
 from nblib.train.records import RecordFields
@@ -85,13 +85,8 @@ def cache_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> Path:
     """A folder with a tiny ResNet config and an importable factory module (on sys.path and the CLI's PYTHONPATH)."""
-    folder = tmp_path_factory.mktemp("specs")
-    (folder / "resnet.json").write_text(json.dumps(RESNET))
-    (folder / "tinyfactory.py").write_text(textwrap.dedent(FACTORY_SOURCE))
-    sys.path.insert(0, str(folder))
-    yield folder
-    sys.path.remove(str(folder))
-    sys.modules.pop("tinyfactory", None)
+    with importable_models(tmp_path_factory.mktemp("specs"), RESNET, FACTORY_SOURCE) as folder:
+        yield folder
 
 
 @pytest.fixture(scope="module")
