@@ -146,14 +146,7 @@ def _cell_label(cell, index: int) -> str:
 
 def _watched_client(nb, path: Path, timeout: int, limit_s: float):
     """An nbclient NotebookClient whose run fails with NotebookStalled after `limit_s` s without a message."""
-    from nbclient import NotebookClient
-
-    class WatchedClient(NotebookClient):
-        async def async_start_new_kernel_client(self):
-            kc = await super().async_start_new_kernel_client()
-            poll_in_slices(self.kc.shell_channel)
-            return kc
-
+    class WatchedClient(sliced_poll_client()):
         async def async_execute_cell(self, cell, cell_index, execution_count=None, store_history=True):
             if cell.cell_type == "code" and cell.source.strip():
                 watch.begin(_cell_label(cell, cell_index))
@@ -190,6 +183,19 @@ def _watched_client(nb, path: Path, timeout: int, limit_s: float):
 
 
 SHELL_POLL_S = 0.5
+
+
+def sliced_poll_client():
+    """nbclient's NotebookClient whose kernel client polls for cell replies in slices (`poll_in_slices`)."""
+    from nbclient import NotebookClient
+
+    class SlicedPollClient(NotebookClient):
+        async def async_start_new_kernel_client(self):
+            kc = await super().async_start_new_kernel_client()
+            poll_in_slices(self.kc.shell_channel)
+            return kc
+
+    return SlicedPollClient
 
 
 def poll_in_slices(channel, slice_s: float = SHELL_POLL_S) -> None:

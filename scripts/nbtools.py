@@ -126,20 +126,15 @@ def references_path(notebook: str | Path) -> Path:
 
 def refresh(path: str | Path, timeout: int = 900) -> Path:
     """Execute the notebook (smoke profile), write its checked cells' references, strip it."""
-    from nbclient import NotebookClient
-
-    from nblib.suite import poll_in_slices
+    from nblib.suite import sliced_poll_client
 
     path = Path(path)
     nb = nbformat.read(path, as_version=4)
     os.environ.setdefault("NBLIB_PROFILE", "smoke")
-    class Client(NotebookClient):
-        async def async_start_new_kernel_client(self):
-            kc = await super().async_start_new_kernel_client()
-            poll_in_slices(self.kc.shell_channel)   # a widget cell's reply is otherwise seen only at the timeout
-            return kc
-
-    Client(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
+    # the suite's client: a widget cell's reply is otherwise seen only at the cell timeout (nbclient#312)
+    client = sliced_poll_client()(nb, timeout=timeout, kernel_name="python3",
+                                  resources={"metadata": {"path": str(path.parent)}})
+    client.execute()
     REFERENCES.mkdir(parents=True, exist_ok=True)
     references_path(path).write_text(json.dumps(checked_references(nb), indent=1, sort_keys=True) + "\n")
     nbformat.write(strip(nb), path)
