@@ -463,13 +463,13 @@ def train_main(argv: list[str]) -> int:
     from nblib.train.command import check_train_args, run_train
 
     args = _train_args(argv)
-    check_train_args(args)                 # a refusal answers before torch is imported
+    checked = check_train_args(args)       # a refusal answers before torch is imported
     from nblib.encode.distributed import join
 
     world = join(device=args.device)
     try:
         with _os_errors_name(args.out):
-            report = run_train(args, world if world.size > 1 else None)
+            report = run_train(args, checked, world if world.size > 1 else None)
         # every rank waits for rank 0's last write before the process group closes: a rank that tore
         # gloo down while another still ran died in std::terminate at exit
         world.barrier("the end of training")

@@ -76,7 +76,7 @@ class DiskPeak:
         self._thread: threading.Thread | None = None
 
     def __enter__(self) -> DiskPeak:
-        self._sample()
+        self.sample()
         self._thread = threading.Thread(target=self._run, name="DiskPeak", daemon=True)
         self._thread.start()
         return self
@@ -84,14 +84,13 @@ class DiskPeak:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
-        self._sample()
+        self.sample()
 
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
-            self._sample()
+            self.sample()
 
     def sample(self) -> None:
         """Read the folder's size now (a caller that knows the peak's moment calls this at it)."""
         self.peak = max(self.peak, disk_usage(self.folder))
 
-    _sample = sample

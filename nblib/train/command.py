@@ -125,9 +125,11 @@ def check_train_args(args):
     return fields, mirror_quota_bytes(args.mirror, args.drive_quota_gb)
 
 
-def run_train(args, world=None) -> TrainReport:
-    """Check the paths, then train (or resume) as the flags say; SIGTERM stops it as Ctrl-C does."""
-    fields, quota = check_train_args(args)
+def run_train(args, checked, world=None) -> TrainReport:
+    """Train (or resume) as the flags say, once `check_train_args` passed them (`checked`, what it returned);
+    SIGTERM stops it as Ctrl-C does.
+    """
+    fields, quota = checked
     cache = Path(args.cache if fields is None else args.records)
     from .loop import train
 
