@@ -31,6 +31,7 @@ from nblib.units import GB, fmt_bytes
 PRECISIONS = ("fp16", "bf16", "fp32")
 TRAIN_STEPS = 3             # AdamW's moments exist from the first step: steps 2 and 3 are the steady state
 ENCODE_BATCHES = 2          # the second batch meets the first one's cached segments
+OUT_DTYPE = "float16"       # the dtype encode stores outputs in (PipelineConfig.run.out_dtype's default)
 CONTEXT_SOURCE = ("driver + kernel images, outside torch's allocator: an assumption (300-500 MB on a T4, "
                   "budget.DEVICES), no trace sees it")
 
@@ -208,6 +209,7 @@ def trace_job(loaded, b: int, payload: dict) -> dict:
 
     size = _image_size(loaded)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(payload["precision"])
+    out_dtype = getattr(torch, payload.get("out_dtype", OUT_DTYPE))
     # a copy per trace: .to() on a fake device replaces the parameters with fake tensors
     if payload["train"]:
         module = copy.deepcopy(with_head(loaded, payload["classes"], payload["output"], image_size=size)).train()
@@ -225,10 +227,17 @@ def trace_job(loaded, b: int, payload: dict) -> dict:
                 resident = _train_steps(module, host, b, dtype, payload, trace)
             else:
                 for _ in range(ENCODE_BATCHES):
+                    # as nblib.encode.run's loop: a batch's images stay on the device through its forward,
+                    # until the next batch's copy has landed
+                    images = host.to("cuda:0")
                     with torch.inference_mode(), torch.autocast("cuda", dtype=dtype or torch.float32,
                                                                 enabled=dtype is not None):
-                        outputs = named_outputs(module(loaded.preprocessing.apply(host.to("cuda:0"))))
-                    del outputs
+                        outputs = named_outputs(module(loaded.preprocessing.apply(images)))
+                    # its offload (nblib.encode.offload.HostPart.add, async): each output is cast to the
+                    # run's out_dtype on the device, beside the outputs, before its copy out
+                    cast = {n: t.to(out_dtype) for n, t in outputs.items()}
+                    del outputs, cast
+                del images
                 resident = trace.allocator.allocated
                 trace.mark("resident")
     ws = CUBLAS_WORKSPACE[trace.cc >= 90] if any(e[0] == "w" for e in trace.events) else 0

@@ -110,7 +110,7 @@ def _encode(loaded, b: int, size: int, payload: dict) -> None:
             shapes = {name: tuple(t.shape[1:]) for name, t in outputs.items()}
             host = _SimulatedHostPart(shapes, b * BATCHES, "float16", device, "async", 1)
         host.add(outputs, i * b)
-        del outputs, images
+        del outputs             # as nblib.encode.run's loop: the images live until the next batch's copy lands
     host.finish()
 
 
