@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
+import shutil
 import sys
 import textwrap
 from pathlib import Path
@@ -53,6 +55,34 @@ def importable_models(folder: Path, resnet: dict, factory_source: str):
     finally:
         sys.path.remove(str(folder))
         sys.modules.pop("tinyfactory", None)
+
+
+def shared_artifact(tmp_path_factory, name: str, build) -> Path:
+    """A folder built once per test session, whichever xdist worker asks first: `build(folder)` under a file lock.
+
+    For what tests only read (a cache, finished runs); a test that must change one copies it first. A build
+    that raised leaves no mark, so the next caller builds it again (and fails the same way, in its own test).
+    """
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent                          # the session's folder, above every worker's own
+    folder = root / f"shared-{name}"
+    with open(root / f"shared-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)            # a second worker waits here, then reads the first one's
+        if not (folder / ".built").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            build(folder)
+            (folder / ".built").touch()
+    return folder
+
+
+@pytest.fixture(scope="session")
+def two_rank_runs(tmp_path_factory):
+    """Two-rank torchrun launches (whole; killed and resumed) that several test files read: train_runs.py."""
+    import train_runs
+
+    return train_runs.two_rank_runs(tmp_path_factory)
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from train_runs import TWO_RANK_STEPS
 
 from conftest import subprocess_env
 from nblib.errors import ConfigError, DeterminismError, TrainingDiverged
@@ -291,24 +292,15 @@ def test_dropout_seeds_differ_by_rank_and_step_and_repeat_for_the_same_key():
 
 
 @pytest.mark.slow
-def test_two_ranks_draw_their_own_dropout_and_a_killed_launch_resumes_each_ranks_draws(tmp_path):
-    from test_train import assert_same_weights, labelled_cache, weights_of
-    from train_runs import run_and_kill, train_env
+def test_two_ranks_draw_their_own_dropout_and_a_killed_launch_resumes_each_ranks_draws(two_rank_runs):
+    from test_train import assert_same_weights, weights_of
 
-    cache_dir = labelled_cache(tmp_path / "cache", 160)
-    env = train_env(NBLIB_TRAIN_SAMPLE_LOG="1")
-    whole, killed = tmp_path / "whole", tmp_path / "killed"
-    done = subprocess.run(_torchrun(cache_dir, whole), env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    run_and_kill(_torchrun(cache_dir, killed), killed, after_step=4, extra_s=0.05, env=env, group=True)
-    assert not (killed / "final.pt").exists()
-    done = subprocess.run(_torchrun(cache_dir, killed), env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "resumed from local" in done.stdout
-    assert_same_weights(weights_of(killed), weights_of(whole))
-    drawn = _seeds(whole)
-    assert all(drawn[(step, 0)] != drawn[(step, 1)] for step in range(1, 17))     # each rank its own masks
-    assert _seeds(killed) == drawn                              # every step the resume ran drew the same
+    runs = two_rank_runs                      # torchrun: whole; killed after step 4 (ranks + torchrun), rerun
+    assert "resumed from local" in runs.resumed_stdout
+    assert_same_weights(weights_of(runs.killed), weights_of(runs.whole))
+    drawn = _seeds(runs.whole)
+    assert all(drawn[(step, 0)] != drawn[(step, 1)] for step in range(1, TWO_RANK_STEPS + 1))   # each rank its own
+    assert _seeds(runs.killed) == drawn                         # every step the resume ran drew the same
 
 
 def _switches() -> tuple[bool, bool]:
@@ -324,14 +316,6 @@ def _seeds(out: Path) -> dict[tuple[int, int], int]:
             step, seed = line.split(":")
             seeds[(int(step), rank)] = int(seed)
     return seeds
-
-
-def _torchrun(cache_dir: Path, out: Path) -> list[str]:
-    from train_runs import ARGS
-
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-            "--max-restarts", "0", "-m", "nblib",
-            "train", "--cache", str(cache_dir), "--out", str(out), *ARGS, "--steps", "16", "--device", "cpu"]
 
 
 def test_deterministic_mode_skips_importing_inductor_yet_a_compile_inside_it_is_deterministic():

@@ -10,15 +10,13 @@ import os
 import random
 import shutil
 import subprocess
-import sys
 import urllib.request
-from pathlib import Path
 
 import pytest
 import torch
 from test_train import assert_same_weights, weights_of
 from train_runs import (
-    ARGS,
+    TWO_RANK_STEPS,
     assert_the_bucket_alone_resumes_exactly,
     cache_and_reference,
     free_port,
@@ -28,7 +26,6 @@ from train_runs import (
 )
 
 pytestmark = pytest.mark.slow
-RANK_STEPS = 24                  # three epochs of 8 steps: long enough to kill a launch mid-run
 
 
 cache_dir, reference = cache_and_reference("resume")
@@ -82,33 +79,27 @@ def test_a_dead_bucket_never_blocks_training_and_the_report_says_what_is_not_dur
 # ------------------------------------------------------------------------------ torchrun ranks
 
 
-def test_two_ranks_killed_and_resumed_give_the_unkilled_launchs_bytes(cache_dir, tmp_path):
-    whole, killed = tmp_path / "whole", tmp_path / "killed"
-    done = subprocess.run(_torchrun(2, cache_dir, whole), env=train_env(), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    run_and_kill(_torchrun(2, cache_dir, killed), killed, after_step=4, extra_s=0.05, group=True)
-    assert not (killed / "final.pt").exists()
-    done = subprocess.run(_torchrun(2, cache_dir, killed), env=train_env(), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "resumed from local" in done.stdout
-    assert_same_weights(weights_of(killed), weights_of(whole))
-    assert not list((killed / "checkpoints").glob(".tmp-*"))
+def test_two_ranks_killed_and_resumed_give_the_unkilled_launchs_bytes(two_rank_runs):
+    runs = two_rank_runs                      # torchrun: whole; killed after step 4 (ranks + torchrun), rerun
+    assert "resumed from local" in runs.resumed_stdout
+    assert_same_weights(weights_of(runs.killed), weights_of(runs.whole))
+    assert not list((runs.killed / "checkpoints").glob(".tmp-*"))
 
 
-def test_two_ranks_then_one_continue_the_global_order_with_no_sample_skipped_or_repeated(cache_dir, tmp_path):
+def test_two_ranks_then_one_continue_the_global_order_with_no_sample_skipped_or_repeated(two_rank_runs, tmp_path):
     from nblib.manifest import read_manifest
     from nblib.train.loop import REPORT, REPORT_KIND
 
     out = tmp_path / "run"
+    shutil.copytree(two_rank_runs.killed_snapshot, out)          # 2 ranks, SIGKILLed once step 4 was saved
     env = train_env(NBLIB_TRAIN_SAMPLE_LOG="1")
-    run_and_kill(_torchrun(2, cache_dir, out), out, after_step=6, extra_s=0.05, env=env, group=True)
     first = {p.name for p in (out / "samples").glob("*.txt")}
-    done = subprocess.run(train_cli(cache_dir, out, "--steps", str(RANK_STEPS)), env=env, capture_output=True,
-                          text=True, timeout=600)
+    steps = TWO_RANK_STEPS
+    done = subprocess.run(train_cli(two_rank_runs.cache_dir, out, "--steps", str(steps), "--device", "cpu"),
+                          env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     start = read_manifest(out / REPORT, REPORT_KIND).body["start_step"]
-    assert 0 < start < RANK_STEPS
-    steps = RANK_STEPS
+    assert 0 < start < steps
     counted: dict[int, list[int]] = {}
     for path in (out / "samples").glob("*.txt"):
         rerun = path.name not in first
@@ -156,12 +147,6 @@ def moto():
 def _aws(endpoint: str) -> dict[str, str]:
     return {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
             "AWS_DEFAULT_REGION": "us-east-1"}
-
-
-def _torchrun(nproc: int, cache_dir: Path, out: Path) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-            "--max-restarts", "0", "-m", "nblib", "train", "--cache", str(cache_dir), "--out", str(out), *ARGS,
-            "--steps", str(RANK_STEPS)]
 
 
 

@@ -13,12 +13,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import pytest
 from test_train import assert_same_weights, labelled_cache, weights_of
 
-from conftest import subprocess_env
+from conftest import shared_artifact, subprocess_env
 
 STEPS = 12
 ARGS = ["--steps", str(STEPS), "--batch-size", "16", "--save-every", "2", "--backup-every", "4",
@@ -115,6 +116,42 @@ def ls_or_empty(fs, path: str) -> list[str]:
 def bucket_holds_a_state(fs, prefix: str) -> bool:
     """Whether the mirror under bucket/`prefix` holds a train state's record yet."""
     return any(p.endswith(".json") and "state-" in p for p in ls_or_empty(fs, f"{prefix}/checkpoints"))
+
+
+TWO_RANK_STEPS = 16             # two epochs of 8 steps at 2 ranks x batch 16 of the 128 training samples
+
+
+def torchrun_cli(cache_dir: Path, out: Path, nproc: int = 2) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+            "--max-restarts", "0", "-m", "nblib", "train", "--cache", str(cache_dir), "--out", str(out), *ARGS,
+            "--steps", str(TWO_RANK_STEPS), "--device", "cpu"]
+
+
+def two_rank_runs(tmp_path_factory):
+    """The `two_rank_runs` fixture (tests/conftest.py): real torchrun launches of 2 ranks, built once a session
+    (conftest.shared_artifact), read only:
+
+    `whole` an unkilled launch; `killed` a launch SIGKILLed (the ranks and torchrun) once step 4 was saved, then
+    rerun to the end (its stdout in `resumed_stdout`); `killed_snapshot` a copy of that folder as the kill left
+    it. The per-step sample and dropout-seed logs are on (NBLIB_TRAIN_SAMPLE_LOG).
+    """
+    def build(folder: Path) -> None:
+        cache_dir = labelled_cache(folder / "data", 160)
+        env = train_env(NBLIB_TRAIN_SAMPLE_LOG="1")
+        whole, killed = folder / "whole", folder / "killed"
+        done = subprocess.run(torchrun_cli(cache_dir, whole), env=env, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+        run_and_kill(torchrun_cli(cache_dir, killed), killed, after_step=4, extra_s=0.05, env=env, group=True)
+        assert not (killed / "final.pt").exists()
+        shutil.copytree(killed, folder / "killed_snapshot")
+        done = subprocess.run(torchrun_cli(cache_dir, killed), env=env, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+        (folder / "resumed_stdout.txt").write_text(done.stdout)
+
+    folder = shared_artifact(tmp_path_factory, "two-rank-runs", build)
+    return SimpleNamespace(cache_dir=folder / "data" / "cache", whole=folder / "whole", killed=folder / "killed",
+                           killed_snapshot=folder / "killed_snapshot",
+                           resumed_stdout=(folder / "resumed_stdout.txt").read_text())
 
 
 def free_port() -> int:
