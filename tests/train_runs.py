@@ -171,7 +171,12 @@ def cache_and_reference(name: str, n_images: int = 160):
 
     @pytest.fixture(scope="module")
     def reference(cache_dir, tmp_path_factory) -> dict:
-        """The final weights of one uninterrupted single-process run."""
-        return uninterrupted_weights(cache_dir, tmp_path_factory.mktemp("ref") / "run")
+        """The final weights of one uninterrupted single-process run on the same images and labels (a cache
+        built the same way elsewhere: the bytes are the same), made once a session for every module.
+        """
+        def build(folder: Path) -> None:
+            uninterrupted_weights(labelled_cache(folder / "data", n_images), folder / "run")
+
+        return weights_of(shared_artifact(tmp_path_factory, f"train-reference-{n_images}", build) / "run")
 
     return cache_dir, reference
