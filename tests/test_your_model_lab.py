@@ -5,6 +5,7 @@ from the one sourced range. A tiny ViT config; the traces run in the warm fake-C
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -14,6 +15,26 @@ from nblib.lab import your_model as lab
 transformers = pytest.importorskip("transformers")
 
 SIZE = 64          # the smoke profile's image size
+FACTORY = """
+import torch
+from torch import nn
+
+
+class TinyConv(nn.Module):
+    preprocessing = {"size": [32, 32]}
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, stride=2, padding=1)
+
+    def forward(self, x):
+        fmap = torch.relu(self.conv(x))
+        return {"fmap": fmap, "pooled": fmap.mean(dim=(2, 3))}
+
+
+def build():
+    return TinyConv()
+"""
 
 
 @pytest.fixture(scope="module")
@@ -47,12 +68,17 @@ def test_budget_against_simulation_adds_the_largest_batch_and_judges_it(spec):
     assert lab.agreement(rows).endswith(str(all(r.within for r in rows)))
 
 
-def test_kill_and_resume_kills_a_real_cli_run_midway_and_compares_bytes(spec, tmp_path):
+def test_kill_and_resume_kills_a_real_cli_run_midway_and_compares_bytes(tmp_path, monkeypatch):
+    """Any spec: a factory model here, so the command's processes load torch only (the test stays quick)."""
+    (tmp_path / "tinyconv.py").write_text(FACTORY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
     cache = small_cache(tmp_path / "cache", [f"text number {i}" for i in range(40)])
-    result = lab.kill_and_resume(cache, tmp_path / "kill", spec, "smoke", 4, after_parts=2, progress=False)
+    result = lab.kill_and_resume(cache, tmp_path / "kill", "tinyconv:build", "smoke", 4, after_parts=2,
+                                 progress=False)
     assert result.parts_total == 10 and result.n_samples == 40
     assert 0 < result.durable_at_kill < result.n_samples                       # killed mid-run, parts durable
-    assert result.identical == {"last_hidden_state": True, "pooler_output": True}
+    assert result.identical == {"fmap": True, "pooled": True}
     assert "byte for byte: True" in result.lines() and f"{result.durable_at_kill:,} of 40" in result.lines()
 
 
