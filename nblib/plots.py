@@ -615,7 +615,7 @@ def model_budget_vs_simulated(checks: dict, limit_bytes: float | None = None, sa
         rows = sorted(rows, key=lambda r: r.batch)
         batches = [r.batch for r in rows]
         ax.plot(batches, [r.budget.reserved / GB for r in rows], "o--", color=f"C{i}", label=f"{job}: budget (traced)")
-        ax.plot(batches, [r.simulated.max_reserved / GB for r in rows], "s:", color=f"C{i}", alpha=0.6,
+        ax.plot(batches, [r.simulated.max_reserved / GB for r in rows], "s", color=f"C{i}", mfc="none", ms=11,
                 label=f"{job}: simulated loop")
     if limit_bytes:
         ax.axhline(limit_bytes / GB, color="C3", lw=1, label="T4 limit less margin and CUDA context")

@@ -94,3 +94,16 @@ def test_train_preflight_on_cuda_refuses_with_the_micro_batch_it_checked(vit, tm
     with pytest.raises(BudgetExceeded, match=r"at batch 4 \(fp16, training\).*per forward pass: --batch-size 8 "
                                              r"is micro-batches of 4"):
         vram_preflight(task, config)
+
+
+def test_a_module_passed_as_an_object_runs_unchecked_with_a_warning_not_a_crash(on_a_t4, caplog):
+    """The trace rebuilds the model from its spec in its own process; an object has none to rebuild from."""
+    import torch
+
+    from nblib.budget import model_preflight
+    from nblib.models import LoadedModel, Preprocessing
+
+    loaded = LoadedModel(torch.nn.Conv2d(3, 4, 3), "torch.nn.Conv2d", "module", Preprocessing(), None)
+    with caplog.at_level(logging.WARNING, logger="nblib.budget.preflight"):
+        assert model_preflight(loaded, 8, torch.device("cuda", 0)) is None
+    assert "the VRAM of torch.nn.Conv2d is not checked" in caplog.text and "package.module:factory" in caplog.text

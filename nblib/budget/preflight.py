@@ -9,6 +9,7 @@ uploads per day: `nblib.budget.drive`). Nothing is written before the check.
 """
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -20,9 +21,12 @@ from nblib.budget.drive import cache_folder_check, run_folder_check, upload_chec
 from nblib.budget.memory import RUNTIME_RAM_CPU, RUNTIME_RAM_CUDA
 from nblib.budget.model_vram import ModelVRAM, model_vram
 from nblib.budget.predict import Budget, predict_budget
+from nblib.budget.shim import SimulationUnavailable
 from nblib.config import PipelineConfig
 from nblib.errors import BudgetExceeded, ConfigError
 from nblib.units import GB
+
+log = logging.getLogger(__name__)
 
 
 def preflight(config: PipelineConfig, workspace, *, job: str = "encode", device: str | None = None,
@@ -92,13 +96,26 @@ def model_vram_check(model, batch_size: int, device: str | Device = "t4", *, pre
 
 
 def model_preflight(model, batch_size: int, cuda_device, *, precision: str = "fp16", train: bool = False,
-                    output: str | None = None, n_classes: int = 12, out_dtype: str = "float16") -> ModelVRAM:
+                    output: str | None = None, n_classes: int = 12, out_dtype: str = "float16") -> ModelVRAM | None:
     """A CUDA job's VRAM check for any model, before its first batch: `model_vram_check` on the preset of
     this GPU (by its name, else the T4: `preset_of_this_gpu`), then the high end against its free VRAM.
+
+    None, with a warning logged, where no trace can be made: a module passed as an object (the trace
+    rebuilds the model from its spec in its own process) or a model whose trace fails (the reason is
+    logged); the job then runs unchecked, as it would with preflight=False.
     """
+    spec = getattr(model, "spec", model)
+    if getattr(model, "kind", None) == "module":
+        log.warning("preflight: the VRAM of %s is not checked: a module passed as an object cannot be rebuilt in "
+                    "the trace's process; pass a spec (package.module:factory) to have it checked", spec)
+        return None
     dev = device_preset(preset_of_this_gpu(_gpu_name(cuda_device)))
-    vram = model_vram_check(model, batch_size, dev, precision=precision, train=train, output=output,
-                            n_classes=n_classes, out_dtype=out_dtype)
+    try:
+        vram = model_vram_check(model, batch_size, dev, precision=precision, train=train, output=output,
+                                n_classes=n_classes, out_dtype=out_dtype)
+    except SimulationUnavailable as exc:
+        log.warning("preflight: the VRAM of %s is not checked: %s", spec, exc)
+        return None
     free = _free_vram(cuda_device)
     need = vram_needed(vram.high, dev.cuda_context_bytes)
     if need > free:

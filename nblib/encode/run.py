@@ -490,8 +490,9 @@ def _model_vram_preflight(run: RunInputs) -> None:
     precision = "fp16" if run.model.precision == "auto" else run.model.precision   # auto: fp16 autocast on CUDA
     vram = budget.model_preflight(run.model.loaded, min(run.plan.batch_size, run.plan.n_samples), run.torch_device,
                                   precision=precision, out_dtype=run.config.run.out_dtype)
-    log.info("preflight: %s fits: %.2f GB of %.2f GB at batch %d (largest that fits: %s; %s)", spec,
-             vram.high / 1e9, vram.limit / 1e9, vram.batch_size, vram.largest_batch, vram.label)
+    if vram is not None:
+        log.info("preflight: %s fits: %.2f GB of %.2f GB at batch %d (largest that fits: %s; %s)", spec,
+                 vram.high / 1e9, vram.limit / 1e9, vram.batch_size, vram.largest_batch, vram.label)
 
 
 # ------------------------------------------------------------------------------ helpers: the loop
