@@ -5,7 +5,10 @@ folders the job writes (local staging, the Drive copy, the cache folder), availa
 VRAM, and raises `BudgetExceeded` with the numbers and the knobs to turn, each with the value that
 fits this machine (`nblib.budget.advice`), when something does not fit. When the durable root is
 Google Drive it also refuses a plan that crosses one of Drive's own limits (items per folder,
-uploads per day: `nblib.budget.drive`). Nothing is written before the check.
+uploads per day: `nblib.budget.drive`). Nothing is written before the check. Any other model's VRAM
+is `model_vram_check` (a pure check against a GPU preset) and, for a CUDA job, `model_preflight` (this
+GPU's preset, then its free memory): both are the traced budget of `nblib.budget.model_vram`, no
+second formula.
 """
 from __future__ import annotations
 
@@ -165,7 +168,6 @@ def _check_ram(budget: Budget) -> None:
 
 
 def _check_vram(budget: Budget, cuda_device=None) -> None:
-
     free = _free_vram(cuda_device)
     need = vram_needed(budget.totals["vram"], budget.device.cuda_context_bytes)
     if need > free:
