@@ -603,3 +603,26 @@ def input_rates(rows, encoder_samples_per_s: float, encoder_label: str = "encode
 
 
 # ============================================================ end 05
+
+
+# ============================================================ 07 your model (nblib.lab.your_model)
+
+
+def model_budget_vs_simulated(checks: dict, limit_bytes: float | None = None, save_to=None) -> Figure:
+    """Reserved VRAM against batch per job ({"encoding": [BudgetCheck, ...], ...}): budget and simulation."""
+    fig, ax = new_figure(width=6.4, height=4.0)
+    for i, (job, rows) in enumerate(checks.items()):
+        rows = sorted(rows, key=lambda r: r.batch)
+        batches = [r.batch for r in rows]
+        ax.plot(batches, [r.budget.reserved / GB for r in rows], "o--", color=f"C{i}", label=f"{job}: budget (traced)")
+        ax.plot(batches, [r.simulated.max_reserved / GB for r in rows], "s", color=f"C{i}", mfc="none", ms=11,
+                label=f"{job}: simulated loop")
+    if limit_bytes:
+        ax.axhline(limit_bytes / GB, color="C3", lw=1, label="T4 limit less margin and CUDA context")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set(xlabel="batch size", ylabel="reserved VRAM, GB (simulated T4)",
+           title="Budget against the simulated loop (simulated T4, no GPU)")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3, which="both")
+    return finish(fig, save_to)

@@ -59,7 +59,7 @@ from nblib.budget.memory import (
 )
 from nblib.budget.model_vram import FIT_MARGIN, ModelVRAM, model_vram
 from nblib.budget.predict import Budget, calibrate, max_batch_size, predict_budget
-from nblib.budget.preflight import preflight
+from nblib.budget.preflight import model_preflight, model_vram_check, preflight
 from nblib.budget.resources import KNOBS, RESOURCES
 from nblib.budget.shuffle_checkpoint import (
     RESTORE_RAM_FACTOR,
@@ -85,5 +85,6 @@ __all__ = [
     "disk_lines", "flops_per_image",
     "forward_peak_delta", "max_batch_size", "model_memory_lines", "output_bytes_per_batch",
     "output_bytes_per_image", "output_shapes", "param_count", "plan_budget", "plan_shards",
-    "predict_budget", "preflight", "require_positive", "shuffle_checkpoint", "shuffle_checkpoint_table",
+    "model_preflight", "model_vram_check", "predict_budget", "preflight", "require_positive", "shuffle_checkpoint",
+    "shuffle_checkpoint_table",
 ]

@@ -99,18 +99,25 @@ class ModelVRAM:
     def refuse_if_over(self) -> None:
         """BudgetExceeded with the numbers and the knob when this budget does not fit."""
         if not self.fits:
+            fix = (f"use --batch-size {self.largest_batch} or less" if self.largest_batch else
+                   "even batch 1 does not fit: a smaller model or a GPU with more memory" if self.largest_batch == 0
+                   else "lower --batch-size (budget it with python -m nblib budget --model ...)")
             raise BudgetExceeded(
                 f"{self.spec} at batch {self.batch_size} ({self.precision}, "
                 f"{'training' if self.train else 'encoding'}) needs {self.high / GB:.2f} GB of VRAM (high end, "
                 f"CUDA context included) and a {self.device} allows {(1 - FIT_MARGIN) * self.limit / GB:.2f} GB "
-                f"({1 - FIT_MARGIN:.0%} of {self.limit / GB:.2f} GB); use --batch-size "
-                f"{self.largest_batch or 0} or less" + ("" if self.precision != "fp32" else ", or --precision fp16"))
+                f"({1 - FIT_MARGIN:.0%} of {self.limit / GB:.2f} GB); {fix}"
+                + ("" if self.precision != "fp32" else ", or --precision fp16"))
 
 
 def model_vram(model, batch_size: int, device: str | Device = "t4", *, precision: str = "fp16",
                train: bool = False, output: str | None = None, n_classes: int = 12,
-               find_largest: bool = True, max_batch: int = 4096, timeout_s: float = 600.0) -> ModelVRAM:
-    """The traced VRAM budget of `model` (a spec string or a LoadedModel) at `batch_size` on `device`."""
+               find_largest: bool = True, max_batch: int = 4096, timeout_s: float = 600.0,
+               out_dtype: str = OUT_DTYPE) -> ModelVRAM:
+    """The traced VRAM budget of `model` (a spec string or a LoadedModel) at `batch_size` on `device`.
+
+    out_dtype: the dtype encoding casts each output to on the device before its copy out (the run's).
+    """
     dev = device_preset(device)
     if not dev.is_gpu:
         raise ConfigError(f"device {dev.name!r} has no VRAM; name a GPU preset such as t4")
@@ -119,7 +126,7 @@ def model_vram(model, batch_size: int, device: str | Device = "t4", *, precision
     if batch_size < 1:
         raise ConfigError(f"batch_size={batch_size} must be >= 1")
     payload = {**model_payload(model), "precision": precision, "train": train, "output": output,
-               "classes": n_classes, "cc": dev.compute_capability, "batch": batch_size,
+               "classes": n_classes, "cc": dev.compute_capability, "batch": batch_size, "out_dtype": out_dtype,
                "cap": int(dev.vram_bytes * (1 - FIT_MARGIN)) - dev.cuda_context_bytes,
                "search": find_largest, "max_batch": max(max_batch, batch_size)}
     out = run_child("nblib.budget.model_vram", payload, timeout_s=timeout_s)

@@ -5,23 +5,31 @@ folders the job writes (local staging, the Drive copy, the cache folder), availa
 VRAM, and raises `BudgetExceeded` with the numbers and the knobs to turn, each with the value that
 fits this machine (`nblib.budget.advice`), when something does not fit. When the durable root is
 Google Drive it also refuses a plan that crosses one of Drive's own limits (items per folder,
-uploads per day: `nblib.budget.drive`). Nothing is written before the check.
+uploads per day: `nblib.budget.drive`). Nothing is written before the check. Any other model's VRAM
+is `model_vram_check` (a pure check against a GPU preset) and, for a CUDA job, `model_preflight` (this
+GPU's preset, then its free memory): both are the traced budget of `nblib.budget.model_vram`, no
+second formula.
 """
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
 from nblib.budget._checks import validated
 from nblib.budget.advice import advise_resource, cache_knobs, closing_knobs, knob_words
-from nblib.budget.devices import device_preset, device_preset_name
+from nblib.budget.devices import Device, device_preset, device_preset_name
 from nblib.budget.disk import cache_bytes, check_disk
 from nblib.budget.drive import cache_folder_check, run_folder_check, upload_check
 from nblib.budget.memory import RUNTIME_RAM_CPU, RUNTIME_RAM_CUDA
+from nblib.budget.model_vram import ModelVRAM, model_vram
 from nblib.budget.predict import Budget, predict_budget
+from nblib.budget.shim import SimulationUnavailable
 from nblib.config import PipelineConfig
 from nblib.errors import BudgetExceeded, ConfigError
 from nblib.units import GB
+
+log = logging.getLogger(__name__)
 
 
 def preflight(config: PipelineConfig, workspace, *, job: str = "encode", device: str | None = None,
@@ -74,6 +82,54 @@ def preflight(config: PipelineConfig, workspace, *, job: str = "encode", device:
     return budget
 
 
+def model_vram_check(model, batch_size: int, device: str | Device = "t4", *, precision: str = "fp16",
+                     train: bool = False, output: str | None = None, n_classes: int = 12,
+                     out_dtype: str = "float16") -> ModelVRAM:
+    """Any model's VRAM on the GPU preset `device`: the traced budget (`model_vram`, the one answer) with the
+    largest batch that fits; BudgetExceeded naming the GB needed, the GB allowed and that batch when over.
+
+    `model`: a spec or a `nblib.models.LoadedModel`; train: a training step with a head of `n_classes` on
+    `output` (as `nblib.models.with_head`), else the encode loop storing its outputs in `out_dtype`. Pure of
+    this machine: no CUDA is touched.
+    """
+    vram = model_vram(model, batch_size, device, precision=precision, train=train, output=output,
+                      n_classes=n_classes, find_largest=True, out_dtype=out_dtype)
+    vram.refuse_if_over()
+    return vram
+
+
+def model_preflight(model, batch_size: int, cuda_device, *, precision: str = "fp16", train: bool = False,
+                    output: str | None = None, n_classes: int = 12, out_dtype: str = "float16") -> ModelVRAM | None:
+    """A CUDA job's VRAM check for any model, before its first batch: `model_vram_check` on the preset of
+    this GPU (by its name, else the T4: `preset_of_this_gpu`), then the high end against its free VRAM.
+
+    None, with a warning logged, where no trace can be made: a module passed as an object (the trace
+    rebuilds the model from its spec in its own process) or a model whose trace fails (the reason is
+    logged); the job then runs unchecked, as it would with preflight=False.
+    """
+    spec = getattr(model, "spec", model)
+    if getattr(model, "kind", None) == "module":
+        log.warning("preflight: the VRAM of %s is not checked: a module passed as an object cannot be rebuilt in "
+                    "the trace's process; pass a spec (package.module:factory) to have it checked", spec)
+        return None
+    dev = device_preset(preset_of_this_gpu(_gpu_name(cuda_device)))
+    try:
+        vram = model_vram_check(model, batch_size, dev, precision=precision, train=train, output=output,
+                                n_classes=n_classes, out_dtype=out_dtype)
+    except SimulationUnavailable as exc:
+        log.warning("preflight: the VRAM of %s is not checked: %s", spec, exc)
+        return None
+    free = _free_vram(cuda_device)
+    need = vram_needed(vram.high, dev.cuda_context_bytes)
+    if need > free:
+        raise BudgetExceeded(
+            f"{vram.spec} at batch {batch_size} ({precision}, {'training' if train else 'encoding'}) needs "
+            f"{need / GB:.2f} GB of VRAM beside the CUDA context but {free / GB:.2f} GB is free on this GPU "
+            f"(another process holds the rest); free the GPU, or lower --batch-size (the largest batch that "
+            f"fits an idle {dev.name}: {vram.largest_batch})")
+    return vram
+
+
 def preset_of_this_gpu(gpu_name: str | None) -> str:
     """The device preset whose limits and advice fit this GPU: by its name, else the T4 (the smallest)."""
     return device_preset_name(gpu_name) or "t4"
@@ -112,9 +168,7 @@ def _check_ram(budget: Budget) -> None:
 
 
 def _check_vram(budget: Budget, cuda_device=None) -> None:
-    import torch
-
-    free, _total = torch.cuda.mem_get_info(_cuda_index(cuda_device))
+    free = _free_vram(cuda_device)
     need = vram_needed(budget.totals["vram"], budget.device.cuda_context_bytes)
     if need > free:
         raise BudgetExceeded(
@@ -151,6 +205,12 @@ def _gpu_name(cuda_device=None) -> str | None:
     import torch
 
     return torch.cuda.get_device_name(_cuda_index(cuda_device))
+
+
+def _free_vram(cuda_device=None) -> int:
+    import torch
+
+    return torch.cuda.mem_get_info(_cuda_index(cuda_device))[0]
 
 
 def _cuda_index(cuda_device) -> int:

@@ -457,8 +457,10 @@ def _preflight(run: RunInputs, workspace, pending: list[int], do_consolidate: bo
     The disks are checked here, with what this run writes to each (`disk_needs`): the parts
     still missing, the consolidated outputs, the mirror's copies. The image cache, already
     complete, takes nothing more. The device preset is the budget's default (t4 with CUDA).
-    The RAM and VRAM lines are the TRM's shape arithmetic: for another model they are skipped
-    (logged) until the budget traces any model; its disks are checked from its output shapes.
+    The TRM's RAM and VRAM lines are the budget's shape arithmetic. Another model's VRAM, on CUDA, is
+    the traced budget of its own encode loop (`budget.model_preflight`: the one answer of
+    `nblib.budget.model_vram`, on this GPU's preset) at the run's batch, precision and out_dtype; its
+    host RAM is not predicted (logged); its disks are checked from its output shapes.
     """
     if workspace is None:
         d = run.run_dir
@@ -467,13 +469,30 @@ def _preflight(run: RunInputs, workspace, pending: list[int], do_consolidate: bo
         budget.preflight(run.config, workspace, job="encode", disk_bytes=0, disk_folder=run.run_dir,   # RAM, VRAM
                          cuda_device=run.torch_device if run.torch_device.type == "cuda" else None)
     else:
-        log.info("preflight: RAM and VRAM are not predicted for %s (the budget knows the TRM's shapes "
-                 "only); checking the disks from its output shapes", run.model.loaded.spec)
+        _model_vram_preflight(run)
     per_image = None if run.model.is_trm else run.model.bytes_per_sample(run.config.run.out_dtype)
     check_disks(disk_needs(run.config, run.run_dir, run.mirror_dir, run.plan, pending, do_consolidate,
                            per_image=per_image, n_outputs=len(run.model.outputs)), mirror=run.mirror_dir)
     if run.model.is_trm:
         world.preflight(run.config, str(run.torch_device))          # the host's RAM for all its ranks
+
+
+def _model_vram_preflight(run: RunInputs) -> None:
+    """A non-TRM model on CUDA: its traced encode budget at the run's batch, or BudgetExceeded with the numbers."""
+    spec = run.model.loaded.spec
+    log.info("preflight: host RAM is not predicted for %s (the budget traces its VRAM only)", spec)
+    if run.torch_device.type != "cuda":
+        return
+    if run.offload != "async":
+        log.warning("preflight: the traced budget of %s follows offload=async; offload=%s keeps up to "
+                    "consolidate_every=%d batches of outputs on the GPU beyond it", spec, run.offload,
+                    run.config.run.consolidate_every)
+    precision = "fp16" if run.model.precision == "auto" else run.model.precision   # auto: fp16 autocast on CUDA
+    vram = budget.model_preflight(run.model.loaded, min(run.plan.batch_size, run.plan.n_samples), run.torch_device,
+                                  precision=precision, out_dtype=run.config.run.out_dtype)
+    if vram is not None:
+        log.info("preflight: %s fits: %.2f GB of %.2f GB at batch %d (largest that fits: %s; %s)", spec,
+                 vram.high / 1e9, vram.limit / 1e9, vram.batch_size, vram.largest_batch, vram.label)
 
 
 # ------------------------------------------------------------------------------ helpers: the loop

@@ -6,7 +6,8 @@ computed from tolerances, never typed.
 """
 import importlib
 
-__all__ = ["cache_population", "input_pipeline", "memory_budgeting", "shuffle_checkpoints", "streaming_encoding"]
+__all__ = ["cache_population", "input_pipeline", "memory_budgeting", "shuffle_checkpoints", "streaming_encoding",
+           "your_model"]
 
 
 def __getattr__(name: str):

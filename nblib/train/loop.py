@@ -39,7 +39,7 @@ from .objstore import check_run_folders
 from .records import RecordTask
 from .state import STATE_FORMAT, capture_rng, check_identity, check_model, restore_rng, seed_everything
 from .store import Durability, TrainStore
-from .task import ImageTask, model_config
+from .task import ImageTask, model_config, vram_preflight
 
 __all__ = ["TrainReport", "model_config", "train", "train_step", "training_objects"]
 
@@ -203,6 +203,7 @@ def _train(cache_dir, out, config: TrainConfig, *, mirror, progress, world, stor
     plan = task.plan
     plan.steps_per_epoch  # noqa: B018  refuses a batch larger than the training set, before any work
     config.micro_batch(world_size)          # refuses a batch that does not split over the ranks
+    vram_preflight(task, config, world_size)    # a --model on CUDA: its traced VRAM, before anything is written
     identity = {"format": STATE_FORMAT, "config": config.computing(), **task.identity()}
     out = Path(out)
     store, lock = _open_store(out, mirror, config, storage_options, sync_save, mirror_quota_bytes,

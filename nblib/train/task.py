@@ -82,6 +82,29 @@ def runs_on(what: str):
                           f"{str(exc)[:300]}); give it a model that takes that input, or another --output") from None
 
 
+def vram_preflight(task, config: TrainConfig, world_size: int = 1):
+    """On CUDA, before any work: a --model's traced training budget (`nblib.budget.model_preflight`, the one
+    answer of `nblib.budget.model_vram`) at the run's micro-batch and precision, with its head; BudgetExceeded
+    with the numbers and the largest micro-batch that fits. None (nothing checked) on CPU or for the TRM.
+    """
+    from nblib.budget.preflight import model_preflight
+    from nblib.errors import BudgetExceeded
+
+    if not isinstance(task, ImageTask) or task.loaded is None or not config.device.startswith("cuda"):
+        return None
+    micro = config.micro_batch(world_size)
+    try:
+        return model_preflight(task.loaded, micro, config.device, precision=config.precision, train=True,
+                               output=task.model.output, n_classes=len(task.classes))
+    except BudgetExceeded as exc:
+        if micro == config.batch_size:
+            raise
+        split = config.accumulation * world_size
+        raise BudgetExceeded(f"{exc} (per forward pass: --batch-size {config.batch_size} is micro-batches of "
+                             f"{micro} = batch / (accumulation {config.accumulation} x {world_size} ranks); "
+                             f"--batch-size is that micro-batch x {split})") from None
+
+
 def host(state: dict) -> dict:
     """A state dict on the host (a no-op on CPU): a T4 run's weights open with a plain torch.load anywhere."""
     return {k: v.cpu() for k, v in state.items()}
