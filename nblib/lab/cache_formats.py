@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from nblib.cache import ShardedImageCache, write_images
-from nblib.verdict import MIN_PAIRS, verdict_of_pairs
+from nblib.verdict import MAX_PAIRS, MIN_PAIRS, verdict_of_pairs
 
 NBLIB_CODECS = ("raw", "zlib", "zstd", "png")
 PARQUET = "parquet+zstd"
@@ -30,11 +30,15 @@ PARQUET = "parquet+zstd"
 
 def compare_formats(images: np.ndarray, folder: str | Path, *, formats: Sequence[str] = (*NBLIB_CODECS, PARQUET),
                     repeats: int = MIN_PAIRS, shard_mb: float = 8.0, batch_size: int = 64, n_random: int = 200,
-                    random_s: float = 0.5, seed: int = 0) -> list[dict]:
+                    random_s: float = 0.5, seed: int = 0, reference: str | None = None,
+                    budget_s: float | None = None, max_repeats: int = MAX_PAIRS) -> list[dict]:
     """One row per format: bytes/image, and the median and spread of write, in-order and random images/s.
 
     Random reads stop after `n_random` images or `random_s` seconds, whichever comes first (a
-    Parquet random read decodes a whole row group).
+    Parquet random read decodes a whole row group). With `reference` and `budget_s`, more repeats
+    run after the first `repeats` while a rate of some format against the reference is undecided
+    (`PairedVerdict.undecided`), for at most `budget_s` seconds and `max_repeats` repeats: what the
+    budget cannot decide stays "not distinguishable here".
     """
     images = np.ascontiguousarray(images, dtype=np.uint8)
     folder = Path(folder)
@@ -42,7 +46,11 @@ def compare_formats(images: np.ndarray, folder: str | Path, *, formats: Sequence
     picks = rng.integers(0, len(images), size=min(n_random, 4 * len(images)))
     samples: dict[str, dict[str, list[float]]] = {f: {"write": [], "in_order": [], "random": []} for f in formats}
     sizes: dict[str, int] = {}
-    for r in range(repeats):
+    r, deadline, per_repeat = 0, None, 0.0
+    while r < repeats or _more_repeats(samples, reference, r, max_repeats, deadline, per_repeat, budget_s):
+        if r == repeats and deadline is None and budget_s is not None:
+            deadline = time.perf_counter() + budget_s
+        start = time.perf_counter()
         order = list(formats[r % len(formats):]) + list(formats[:r % len(formats)])
         for fmt in order:
             target = folder / f"{fmt}-{r}"
@@ -52,10 +60,11 @@ def compare_formats(images: np.ndarray, folder: str | Path, *, formats: Sequence
             sizes[fmt] = sum(p.stat().st_size for p in target.rglob("*") if p.is_file())
             samples[fmt]["in_order"].append(len(images) / _seconds(read_in_order))
             read_one = read_at()  # opened before the clock starts, as a loader opens once
-            start = time.perf_counter()
-            done = _until(start + random_s, picks, read_one)
-            samples[fmt]["random"].append(done / (time.perf_counter() - start))
+            start_random = time.perf_counter()
+            done = _until(start_random + random_s, picks, read_one)
+            samples[fmt]["random"].append(done / (time.perf_counter() - start_random))
             shutil.rmtree(target, ignore_errors=True)
+        per_repeat, r = time.perf_counter() - start, r + 1
     rows = []
     for fmt in formats:
         row = {"format": fmt, "bytes_per_image": sizes[fmt] / len(images)}
@@ -125,6 +134,18 @@ def formats_verdict(rows: list[dict], reference: str = "zlib") -> list[str]:
 
 
 # ====================================================================================== helpers
+
+
+def _more_repeats(samples: dict, reference: str | None, done: int, max_repeats: int, deadline: float | None,
+                  per_repeat: float, budget_s: float | None) -> bool:
+    """Another repeat after the first ones: a verdict against `reference` is undecided, and one fits the budget."""
+    if reference is None or budget_s is None or done >= max_repeats:
+        return False
+    if deadline is not None and time.perf_counter() + per_repeat > deadline:
+        return False
+    base = samples[reference]
+    return any(verdict_of_pairs(base[key], runs[key]).undecided
+               for fmt, runs in samples.items() if fmt != reference for key in runs)
 
 
 def _seconds(fn: Callable[[], object]) -> float:
