@@ -9,8 +9,9 @@ distinguishable" (not distinguishable here, too small to see here, too few pairs
 
 - paired speed verdicts (`nblib.verdict.PairedVerdict.short`: "x1.32 (95% interval 1.21-1.40, 7 pairs): faster"),
 - memory verdicts ("+12 MB (5 pairs, RSS noise 3 MB): more"),
-- notebook 05's findings ("larger batches helped: AGREES"), its recommendation, 01's prediction
-  check ("the prediction holds / misses"), and `verdict:` lines.
+- notebook 05's findings ("larger batches helped: AGREES"), its recommendation and its cache-less
+  verdict ("rendering keeps up / would starve"), 01's prediction check ("the prediction holds /
+  misses"), and `verdict:` lines.
 
 A verdict printed twice (the same interval restated by a summary line or a finding) counts once:
 the later copy is skipped, and a finding whose measurement is such a restatement is checked for a
@@ -34,6 +35,8 @@ FINDING = re.compile(r"^(?P<label>\S.*): (?P<call>AGREES|DOES NOT|NOT DISTINGUIS
 PICK = re.compile(r"^(?P<label>[a-z_]+=.*?): [\d,.]+ ?[kM]? ?samples/s (?P<call>\(the base: no config|= x[\d.]+ "
                   r"the base over \d+ pairs \((?:faster|slower|not distinguishable|too few))")
 PREDICTION = re.compile(r"^(?P<call>the prediction holds|the prediction misses|too small to see here: every figure)")
+CACHELESS = re.compile(r"^at \d+ px, \d+ loader workers render .*: (?P<call>rendering keeps up|rendering would starve"
+                       r"|not distinguishable on this machine)")
 SENTENCE = re.compile(r"^\s*verdict: (?P<call>.+)$")
 UNDECIDED = ("not distinguishable", "too small to see", "too few", "cannot show", "no scaling shown",
              "the base: no config")
@@ -62,12 +65,9 @@ def extract(path: str | Path) -> list[Verdict]:
     for index, cell in enumerate(nb.get("cells", [])):
         if cell.get("cell_type") != "code":
             continue
-        parent = ""
         lines = _output_text(cell).splitlines()
         for n, line in enumerate(lines):
-            if line.strip() and not line.startswith(" "):
-                parent = line.split(":")[0].strip()
-            got = _verdict_of_line(line, parent, lines[n + 1:n + 3], seen)
+            got = _verdict_of_line(line, _parent(lines[:n], line), lines[n + 1:n + 3], seen)
             if got is None:
                 continue
             label, call, firm, restated = got
@@ -136,6 +136,15 @@ def main(argv: list[str] | None = None) -> int:
 # ------------------------------------------------------------------------------ helpers
 
 
+def _parent(above: list[str], line: str) -> str:
+    """The head (text before its first colon) of the nearest line above `line` that is indented less."""
+    indent = len(line) - len(line.lstrip())
+    for prev in reversed(above):
+        if prev.strip() and len(prev) - len(prev.lstrip()) < indent:
+            return prev.split(":")[0].strip()
+    return ""
+
+
 def _output_text(cell: dict) -> str:
     parts = []
     for out in cell.get("outputs", []):
@@ -164,6 +173,8 @@ def _verdict_of_line(line: str, parent: str, following: list[str], seen: set):
         return m.group("label"), *_phrase(call), restated
     if m := PREDICTION.match(stripped):
         return "prediction vs measurement", *_phrase(m.group("call")), False
+    if m := CACHELESS.match(stripped):
+        return "rendering against the encoder", *_phrase(m.group("call")), False
     for pattern in (PAIRED, MEMORY):
         if m := pattern.search(line):
             if m.group("head") in seen:
