@@ -113,9 +113,10 @@ def test_the_formats_comparison_repeats_while_a_verdict_against_the_reference_is
     monkeypatch.setattr(cache_formats, "_until", lambda deadline, picks, read: 10)
     images = np.zeros((4, 8, 8, 3), np.uint8)
     rows = cache_formats.compare_formats(images, tmp_path, formats=tuple(rates), repeats=5, reference="zlib",
-                                         budget_s=60.0, random_s=0.0)
+                                         budget_s=60.0, random_s=0.0, min_read_s=0.0)
     assert 5 < len(rows[0]["write_runs"]) <= MAX_PAIRS
-    fixed = cache_formats.compare_formats(images, tmp_path, formats=tuple(rates), repeats=5, random_s=0.0)
+    fixed = cache_formats.compare_formats(images, tmp_path, formats=tuple(rates), repeats=5, random_s=0.0,
+                                          min_read_s=0.0)
     assert len(fixed[0]["write_runs"]) == 5                           # no reference, no budget: the 5 repeats
 
 
@@ -129,3 +130,19 @@ def test_a_verdict_still_straddling_the_minimum_effect_is_not_distinguishable_wh
     assert mirrored.high < 1 and mirrored.direction == "same"
     clear = verdict_of_pairs(a, [120.0, 125.0, 130.0, 135.0, 140.0])   # the whole interval beyond x1.15
     assert not clear.undecided and clear.direction == "higher"
+
+
+def test_a_read_of_a_few_milliseconds_is_timed_over_passes_that_last_the_minimum():
+    import time
+
+    from nblib.lab import cache_formats
+
+    calls = []
+
+    def read():                            # one pass over a small cache: 1 ms, a fraction of one time slice
+        calls.append(1)
+        time.sleep(0.001)
+
+    rate = cache_formats._rate(read, 256, min_s=0.03)
+    assert len(calls) >= 10                # timed over many passes, not one
+    assert 0 < rate <= 256 * len(calls) / 0.03           # images per second over all the passes (>= 0.03 s)
