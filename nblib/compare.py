@@ -6,7 +6,7 @@ measurement that feeds a verdict goes through here. `interleaved` runs each conf
 `MIN_REPEATS` times, alternating the order every round (A B, B A, A B ...) so a burst of load
 hits both; `Spread` keeps every value, in run order, with its median and its range (min to max);
 `compare` judges the runs of one round as a pair with `nblib.verdict` (per-pair ratios, a 95%
-interval of their median, beyond a minimum effect of 1.15x), so slow drift in the machine's load cancels
+interval of their median, a minimum effect of 1.15x), so slow drift in the machine's load cancels
 inside a pair. Trade-off: differences under 15% are never called on this shared CPU.
 """
 from __future__ import annotations

@@ -120,16 +120,15 @@ def test_the_formats_comparison_repeats_while_a_verdict_against_the_reference_is
     assert len(fixed[0]["write_runs"]) == 5                           # no reference, no budget: the 5 repeats
 
 
-def test_a_verdict_still_straddling_the_minimum_effect_is_not_distinguishable_whichever_side_its_median_is():
-    # the median is beyond x1.15 and the interval is clear of 1, but the interval reaches below x1.15: undecided
-    a = [100.0] * 5
-    straddling = verdict_of_pairs(a, [105.0, 110.0, 120.0, 130.0, 140.0])
-    assert straddling.low > 1 and straddling.ratio > 1.15 and straddling.undecided
-    assert straddling.direction == "same" and "not distinguishable here" in straddling.short()
-    mirrored = verdict_of_pairs(a, [100 / r for r in (1.05, 1.10, 1.20, 1.30, 1.40)])
-    assert mirrored.high < 1 and mirrored.direction == "same"
-    clear = verdict_of_pairs(a, [120.0, 125.0, 130.0, 135.0, 140.0])   # the whole interval beyond x1.15
-    assert not clear.undecided and clear.direction == "higher"
+def test_a_median_far_beyond_the_minimum_effect_stays_firm_though_the_interval_reaches_toward_it():
+    # measured beside two CPU hogs: batch 8, mixing and format writes at x0.63-0.75 had intervals ending near
+    # x1/1.15; a rule that needs the whole interval beyond it moved them between runs (nblib.verdict's docstring)
+    a = [100.0] * 9
+    b = [100 * r for r in (0.62, 0.65, 0.68, 0.70, 0.71, 0.72, 0.80, 0.90, 0.95)]
+    got = verdict_of_pairs(a, b)
+    assert got.high > 1 / 1.15 and got.high < 1 and got.direction == "lower"
+    near = verdict_of_pairs(a, [100 * r for r in (0.80, 0.84, 0.86, 0.88, 0.89, 0.90, 0.92, 0.95, 0.97)])
+    assert near.ratio > 1 / 1.15 and near.direction == "same"        # the median inside the band: no call
 
 
 def test_a_read_of_a_few_milliseconds_is_timed_over_passes_that_last_the_minimum():

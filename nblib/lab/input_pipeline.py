@@ -27,7 +27,7 @@ from nblib.verdict import MIN_EFFECT, MemoryVerdict, memory_verdict, verdict_of_
 # what "agrees" means for each finding of the tuning log (the reference's own numbers are in TUNING_LOG)
 DOMINATES_SHARE = 0.5        # "the pipeline dominated": data-wait at least half the step
 # "helped", "was slower", "mixing cost throughput": a firm paired verdict against the base (or one
-# source), nblib.verdict: the 95% interval of the median pair ratio beyond MIN_EFFECT (1.15x)
+# source), nblib.verdict: a 95% interval of the median pair ratio clear of 1 and at least MIN_EFFECT (1.15x)
 PER_WORKER_BYTES = 100e6     # "each worker builds its own TF": >= 100 MB more per worker
 FIX_RECOVERS = 0.80          # the mixing fix must recover >= 80% of single-source samples/s
 
@@ -167,7 +167,7 @@ def sweep_verdict(table) -> str:
             "no knob's effect stood out of the noise on this machine: no knob value is faster or slower than "
             "the base beyond the noise")
     return "\n".join([head, f"each knob value against the base ({pairs} pairs, each next to a base run; a call "
-                             f"needs the 95% interval beyond x{MIN_EFFECT:.2f} either way):", *lines])
+                             f"needs x{MIN_EFFECT:.2f} either way and a 95% interval clear of 1):", *lines])
 
 
 # ------------------------------------------------------------------------------ mixing

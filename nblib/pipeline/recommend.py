@@ -1,7 +1,7 @@
 """Pick the config that beats the base by the most under a RAM cap, and say which knob mattered most.
 
 Every knob value is judged against the base on interleaved pairs (`SweepTable.versus_base`,
-`nblib.verdict`: the 95% interval of the median pair ratio beyond a minimum effect of 1.15x). The pick
+`nblib.verdict`: a 95% interval of the median pair ratio and a minimum effect of 1.15x). The pick
 is, among the rows that fit the cap and are faster than the base by that verdict, the one with
 the largest median ratio; when none is, the base stays the pick (picking the fastest of a dozen
 noisy medians would crown noise). A knob "mattered" when one of its values is firmly faster or
@@ -110,7 +110,7 @@ def most_effective_knob(effects: dict, verdicts: dict[str, Verdict]) -> str | No
 def _mattered_text(mattered: str | None, verdicts: dict[str, Verdict]) -> str:
     if mattered is None:
         return ("no knob's effect stood out of the noise: no knob value is faster or slower than the base "
-                f"beyond the noise (a call needs the 95% interval beyond x{MIN_EFFECT:.2f})")
+                f"beyond the noise (a call needs x{MIN_EFFECT:.2f} and a 95% interval clear of 1)")
     v = verdicts[mattered]
     return f"{mattered} mattered most ({v.b} vs {v.a}: {v.short('faster', 'slower')})"
 
