@@ -16,8 +16,9 @@ distinguishable" (not distinguishable here, too small to see here, too few pairs
 A verdict printed twice (the same interval restated by a summary line or a finding) counts once:
 the later copy is skipped, and a finding whose measurement is such a restatement is checked for a
 reversal but not counted as a move. The summary: verdicts compared, reversals (firm both times,
-opposite directions), moves (firm one time, not distinguishable the other), and verdicts found in
-one run only. Exit status 1 when there is a reversal or more moves than --max-moves, else 0.
+opposite directions; a recommendation that picks another config, or a sentence verdict that says
+another thing, counts as one too), moves (firm one time, not distinguishable the other), and
+verdicts found in one run only. Exit status 1 when there is a reversal or more moves than --max-moves, else 0.
 """
 from __future__ import annotations
 
