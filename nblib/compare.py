@@ -12,10 +12,11 @@ inside a pair. Trade-off: differences under 15% are never called on this shared 
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from nblib.verdict import MIN_PAIRS, PairedVerdict, verdict_of_pairs
+from nblib.verdict import MAX_PAIRS, MIN_PAIRS, PairedVerdict, verdict_of_pairs
 
 MIN_REPEATS = MIN_PAIRS   # runs of each configuration: fewer pairs than this give no firm verdict
 
@@ -67,24 +68,48 @@ def spread(values: Iterable[float]) -> Spread:
 
 
 def interleaved(runs: Mapping[str, Callable[[], float]], repeats: int = MIN_REPEATS,
-                progress: bool | str = False) -> dict[str, Spread]:
+                progress: bool | str = False, *, decide: Sequence[tuple[str, str]] = (),
+                budget_s: float | None = None, max_repeats: int = MAX_PAIRS) -> dict[str, Spread]:
     """Run every callable `repeats` times, alternating the order each round; a Spread per name.
 
     Round 0 runs A, B, C; round 1 runs C, B, A; and so on, so a slow stretch of the machine lands
     on every configuration alike. `progress` (True or a label) shows a tqdm bar over all runs.
+    Adaptive repeats: with `decide` (pairs of names, (a, b) judged as `compare` does) and
+    `budget_s`, more rounds run after the first `repeats` while one of those verdicts is undecided
+    (`PairedVerdict.undecided`), for at most `budget_s` seconds and `max_repeats` rounds: what the
+    budget cannot decide stays "not distinguishable here".
     """
     names = list(runs)
     got: dict[str, list[float]] = {name: [] for name in names}
     bar = _bar(len(names) * repeats, progress)
+    rounds, deadline, per_round = 0, None, 0.0
     try:
-        for name in interleaved_order(names, repeats):
-            got[name].append(float(runs[name]()))
-            if bar is not None:
-                bar.update(1)
+        while rounds < repeats or _undecided(got, decide, rounds, max_repeats, budget_s, deadline, per_round):
+            if rounds == repeats and deadline is None:
+                deadline = time.perf_counter() + (budget_s or 0.0)
+            if rounds >= repeats and bar is not None:
+                bar.total += len(names)
+                bar.refresh()
+            start = time.perf_counter()
+            for name in interleaved_order(names, rounds + 1)[-len(names):]:
+                got[name].append(float(runs[name]()))
+                if bar is not None:
+                    bar.update(1)
+            per_round, rounds = time.perf_counter() - start, rounds + 1
     finally:
         if bar is not None:
             bar.close()
     return {name: Spread(tuple(values)) for name, values in got.items()}
+
+
+def _undecided(got: dict, decide, rounds: int, max_repeats: int, budget_s: float | None, deadline: float | None,
+               per_round: float) -> bool:
+    """Another round: a verdict of `decide` is undecided, and a round fits the budget and the cap."""
+    if not decide or budget_s is None or rounds >= max_repeats:
+        return False
+    if deadline is not None and time.perf_counter() + per_round > deadline:
+        return False
+    return any(verdict_of_pairs(got[a], got[b]).undecided for a, b in decide)
 
 
 def interleaved_order(names: Sequence, repeats: int) -> list:

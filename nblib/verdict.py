@@ -15,6 +15,11 @@ an effect smaller than that noise is "too small to see here".
 Trade-off: the minimum effect hides real differences smaller than 15%, and a borderline effect
 may read firm in one run and "not distinguishable" in the next; but two runs cannot reach
 opposite firm verdicts unless the median ratio swings across the whole band [1/1.15, 1.15].
+Why the median and not the whole interval beyond the minimum effect: measured on notebooks 01, 02
+and 05 run twice beside two CPU hogs (2026-11-26, twice two runs), real effects of x0.63-0.75
+(batch 8, mixing, format writes) had medians far from x1/1.15 but intervals whose far end landed
+near it; calling firm only on the whole interval moved 3 and 5 verdicts between two runs, this rule
+1 and 0 on the same measurements.
 The bootstrap is seeded, so a verdict is a pure function of its measurements.
 """
 from __future__ import annotations

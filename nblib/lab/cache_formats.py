@@ -22,19 +22,27 @@ from pathlib import Path
 import numpy as np
 
 from nblib.cache import ShardedImageCache, write_images
-from nblib.verdict import MIN_PAIRS, verdict_of_pairs
+from nblib.verdict import MAX_PAIRS, MIN_PAIRS, verdict_of_pairs
 
 NBLIB_CODECS = ("raw", "zlib", "zstd", "png")
 PARQUET = "parquet+zstd"
+MIN_READ_S = 0.1          # a write or an in-order read is timed over passes that last this long at least
 
 
 def compare_formats(images: np.ndarray, folder: str | Path, *, formats: Sequence[str] = (*NBLIB_CODECS, PARQUET),
                     repeats: int = MIN_PAIRS, shard_mb: float = 8.0, batch_size: int = 64, n_random: int = 200,
-                    random_s: float = 0.5, seed: int = 0) -> list[dict]:
+                    random_s: float = 0.5, seed: int = 0, reference: str | None = None,
+                    budget_s: float | None = None, max_repeats: int = MAX_PAIRS,
+                    min_read_s: float = MIN_READ_S) -> list[dict]:
     """One row per format: bytes/image, and the median and spread of write, in-order and random images/s.
 
     Random reads stop after `n_random` images or `random_s` seconds, whichever comes first (a
-    Parquet random read decodes a whole row group).
+    Parquet random read decodes a whole row group). A write and an in-order read are each timed
+    over as many passes as last `min_read_s` (a pass over a small cache takes milliseconds: one
+    time slice of a busy CPU would be the whole measurement). With `reference` and `budget_s`, more repeats
+    run after the first `repeats` while a rate of some format against the reference is undecided
+    (`PairedVerdict.undecided`), for at most `budget_s` seconds and `max_repeats` repeats: what the
+    budget cannot decide stays "not distinguishable here".
     """
     images = np.ascontiguousarray(images, dtype=np.uint8)
     folder = Path(folder)
@@ -42,20 +50,25 @@ def compare_formats(images: np.ndarray, folder: str | Path, *, formats: Sequence
     picks = rng.integers(0, len(images), size=min(n_random, 4 * len(images)))
     samples: dict[str, dict[str, list[float]]] = {f: {"write": [], "in_order": [], "random": []} for f in formats}
     sizes: dict[str, int] = {}
-    for r in range(repeats):
+    r, deadline, per_repeat = 0, None, 0.0
+    while r < repeats or _more_repeats(samples, reference, r, max_repeats, deadline, per_repeat, budget_s):
+        if r == repeats and deadline is None and budget_s is not None:
+            deadline = time.perf_counter() + budget_s
+        start = time.perf_counter()
         order = list(formats[r % len(formats):]) + list(formats[:r % len(formats)])
         for fmt in order:
             target = folder / f"{fmt}-{r}"
             shutil.rmtree(target, ignore_errors=True)
-            write, read_in_order, read_at = _functions(fmt, images, target, shard_mb, batch_size)
-            samples[fmt]["write"].append(len(images) / _seconds(write))
+            samples[fmt]["write"].append(_write_rate(fmt, images, target, shard_mb, batch_size, min_read_s))
+            _, read_in_order, read_at = _functions(fmt, images, target, shard_mb, batch_size)
             sizes[fmt] = sum(p.stat().st_size for p in target.rglob("*") if p.is_file())
-            samples[fmt]["in_order"].append(len(images) / _seconds(read_in_order))
+            samples[fmt]["in_order"].append(_rate(read_in_order, len(images), min_read_s))
             read_one = read_at()  # opened before the clock starts, as a loader opens once
-            start = time.perf_counter()
-            done = _until(start + random_s, picks, read_one)
-            samples[fmt]["random"].append(done / (time.perf_counter() - start))
+            start_random = time.perf_counter()
+            done = _until(start_random + random_s, picks, read_one)
+            samples[fmt]["random"].append(done / (time.perf_counter() - start_random))
             shutil.rmtree(target, ignore_errors=True)
+        per_repeat, r = time.perf_counter() - start, r + 1
     rows = []
     for fmt in formats:
         row = {"format": fmt, "bytes_per_image": sizes[fmt] / len(images)}
@@ -125,6 +138,44 @@ def formats_verdict(rows: list[dict], reference: str = "zlib") -> list[str]:
 
 
 # ====================================================================================== helpers
+
+
+def _more_repeats(samples: dict, reference: str | None, done: int, max_repeats: int, deadline: float | None,
+                  per_repeat: float, budget_s: float | None) -> bool:
+    """Another repeat after the first ones: a verdict against `reference` is undecided, and one fits the budget."""
+    if reference is None or budget_s is None or done >= max_repeats:
+        return False
+    if deadline is not None and time.perf_counter() + per_repeat > deadline:
+        return False
+    base = samples[reference]
+    return any(verdict_of_pairs(base[key], runs[key]).undecided
+               for fmt, runs in samples.items() if fmt != reference for key in runs)
+
+
+def _rate(fn: Callable[[], object], n: int, min_s: float) -> float:
+    """`n` items per call of `fn`, timed over as many calls (at least one) as last `min_s` seconds."""
+    calls, start = 0, time.perf_counter()
+    while True:
+        fn()
+        calls += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_s:
+            return n * calls / elapsed
+
+
+def _write_rate(fmt: str, images: np.ndarray, target: Path, shard_mb: float, batch_size: int,
+                min_s: float) -> float:
+    """Images/s writing `images` to `target`, then to fresh sibling folders (removed) until `min_s` of writing."""
+    calls, elapsed = 0, 0.0
+    while True:
+        where = target if calls == 0 else target.with_name(f"{target.name}-w{calls}")
+        shutil.rmtree(where, ignore_errors=True)
+        elapsed += _seconds(_functions(fmt, images, where, shard_mb, batch_size)[0])
+        if calls:
+            shutil.rmtree(where, ignore_errors=True)
+        calls += 1
+        if elapsed >= min_s:
+            return len(images) * calls / elapsed
 
 
 def _seconds(fn: Callable[[], object]) -> float:

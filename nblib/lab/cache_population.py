@@ -64,8 +64,11 @@ class Scaling:
 
 def worker_scaling(texts, worker_counts: Sequence[int], folder: str | Path, image_size: int = 224,
                    shard_mb: float = 400, codec: str = "raw", repeats: int = MIN_REPEATS,
-                   progress: bool = True) -> Scaling:
-    """Populate the same texts per worker count, `repeats` interleaved rounds; images/s of each."""
+                   progress: bool = True, budget_s: float | None = None) -> Scaling:
+    """Populate the same texts per worker count, `repeats` interleaved rounds; images/s of each.
+
+    With `budget_s`, more rounds run while the fewest against the most workers is undecided (`interleaved`).
+    """
     texts = list(texts)
 
     def run(workers: int) -> float:
@@ -78,7 +81,8 @@ def worker_scaling(texts, worker_counts: Sequence[int], folder: str | Path, imag
             shutil.rmtree(target, ignore_errors=True)
 
     rates = interleaved({w: functools.partial(run, w) for w in worker_counts}, repeats,
-                        progress="render scaling" if progress else False)
+                        progress="render scaling" if progress else False, budget_s=budget_s,
+                        decide=((min(worker_counts), max(worker_counts)),))
     return Scaling(rates=rates, n_texts=len(texts), cores=_cores(), load=os.getloadavg()[0])
 
 

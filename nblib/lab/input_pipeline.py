@@ -116,25 +116,26 @@ def time_share_verdict(share: dict) -> str:
 
 
 def tf_sweep(sources, grid: dict, consumer=None, steps: int = 20, warmup: int = 3, repeats: int = MIN_REPEATS,
-             progress: bool = False):
+             progress: bool = False, budget_s: float | None = None):
     """Sweep tf.data knobs (one at a time around each knob's first value) over `sources`.
 
-    Every config, the base included, runs `repeats` times in interleaved passes (`pipeline.sweep`).
+    Every config runs `repeats` times, each run next to a run of the base (`pipeline.sweep`); with
+    `budget_s`, undecided configs get more pairs while the whole sweep stays within it.
     """
     from nblib.pipeline.tf_pipelines import tf_pipeline_for
 
     return sweep(tf_pipeline_for(sources), grid, consumer=consumer, steps=steps, warmup=warmup, repeats=repeats,
-                 progress="tf.data sweep" if progress else False)
+                 budget_s=budget_s, progress="tf.data sweep" if progress else False)
 
 
 def torch_sweep(cache, grid: dict, consumer=None, steps: int = 20, warmup: int = 3, repeats: int = MIN_REPEATS,
-                progress: bool = False):
-    """Sweep torch DataLoader knobs over the sharded cache (epoch after epoch), skipping inert knobs."""
+                progress: bool = False, budget_s: float | None = None):
+    """Sweep torch DataLoader knobs over the sharded cache (epoch after epoch), skipping inert knobs (as `tf_sweep`)."""
     from nblib.pipeline.torch_loaders import cache_loader_for
 
     inert = functools.partial(torch_inert_knob, n_images=len(cache), batches_measured=steps + warmup)
     return sweep(cache_loader_for(cache), grid, consumer=consumer, steps=steps, warmup=warmup, repeats=repeats,
-                 inert=inert, progress="DataLoader sweep" if progress else False)
+                 inert=inert, budget_s=budget_s, progress="DataLoader sweep" if progress else False)
 
 
 def torch_inert_knob(knob: str, config: dict, n_images: int, batches_measured: int) -> str | None:
@@ -222,8 +223,12 @@ class MixingResult:
 
 
 def mixing_experiment(sources, budget: int | None = None, repeats: int = MIN_REPEATS, steps: int = 30,
-                      warmup: int = 3, batch_size: int = 32, progress: bool = False) -> MixingResult:
-    """Measure one source, 4 mixed with sample_from_datasets, and the fix, interleaved `repeats` times."""
+                      warmup: int = 3, batch_size: int = 32, progress: bool = False,
+                      budget_s: float | None = None) -> MixingResult:
+    """Measure one source, 4 mixed with sample_from_datasets, and the fix, interleaved `repeats` times.
+
+    With `budget_s`, more rounds run while either verdict against one source is undecided (`interleaved`).
+    """
     from nblib.pipeline.tf_pipelines import mixed_pipeline
 
     budget = budget or cores()
@@ -232,10 +237,11 @@ def mixing_experiment(sources, budget: int | None = None, repeats: int = MIN_REP
         return measure_pipeline(make, steps=steps, warmup=warmup).samples_per_s
 
     got = interleaved({k: functools.partial(run, k) for k in ("single", "sample_from_datasets", "interleave")},
-                      repeats, progress="mixing" if progress else False)
+                      repeats, progress="mixing" if progress else False, budget_s=budget_s,
+                      decide=(("single", "sample_from_datasets"), ("single", "interleave")))
     spreads = dict(zip(("single", "mixed", "fixed"), got.values()))
     return MixingResult(budget=budget, single=spreads["single"].median, mixed=spreads["mixed"].median,
-                        fixed=spreads["fixed"].median, repeats=repeats,
+                        fixed=spreads["fixed"].median, repeats=spreads["single"].n,
                         runs={k: v.values for k, v in spreads.items()})
 
 

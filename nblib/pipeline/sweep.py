@@ -6,21 +6,27 @@ is read off directly. `product=True` measures every combination instead. Knobs a
 parameters of `make_pipeline_for`; a grid naming another one is refused before anything runs.
 Ctrl-C stops the sweep and returns the rows measured so far.
 
-Noise: in a one-at-a-time sweep every non-base config runs `repeats` times (`nblib.compare.MIN_REPEATS`
-by default), each run next to a run of the base (a pair: B c1 c2 B c3 c4 B ..., one base run shared
-by its two neighbours, the whole pass mirrored every other pass so each config runs before and after
-its base alike), after one discarded warm-up run of the base. A knob value is judged against the
-base on those pairs (`SweepTable.versus_base`, `nblib.verdict`), so slow drift in the machine's load
-cancels inside a pair. A product sweep runs every config `repeats` times in passes of alternating
+Noise: in a one-at-a-time sweep every non-base config runs `repeats` times
+(`nblib.compare.MIN_REPEATS` by default), each run next to a run of the base (a pair: B c1 c2 B c3
+c4 B ..., one base run shared by its two neighbours, the whole pass mirrored every other pass so
+each config runs before and after its base alike), after one discarded warm-up run of the base. A
+knob value is judged against the base on those pairs (`SweepTable.versus_base`, `nblib.verdict`), so
+slow drift in the machine's load cancels inside a pair. With a time budget (`budget_s`, seconds
+after those passes), a config whose verdict is still undecided (its interval straddles the minimum
+effect, `nblib.verdict`) gets more pairs, round by round, until it is decided, reaches `max_repeats`
+pairs, or the next round would overrun the budget; what the budget cannot decide stays "not
+distinguishable here". A product sweep runs every config `repeats` times in passes of alternating
 order. Each row keeps its median run and the range of all its runs (`runs`, `low`, `high`); a
-non-base row also keeps the base run paired with each of its runs (`base_runs`). A knob that has
-no effect where it would be tried (`inert`, e.g. prefetch_factor with num_workers=0) is not
-measured: the table lists it in `skipped`, with why.
+non-base row also keeps the base run paired with each of its runs (`base_runs`). A knob that has no
+effect where it would be tried (`inert`, e.g. prefetch_factor with num_workers=0) is not measured:
+the table lists it in `skipped`, with why.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
+import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,7 +35,7 @@ from nblib.compare import MIN_REPEATS, Spread, interleaved_order, progress_bar
 from nblib.errors import ConfigError
 from nblib.pipeline.harness import measure_pipeline
 from nblib.units import fmt_bytes
-from nblib.verdict import PairedVerdict, paired_order, verdict_of_pairs
+from nblib.verdict import MAX_PAIRS, PairedVerdict, paired_order, verdict_of_pairs
 
 BASE = "base"   # the `varied` value of the base config's row
 
@@ -89,7 +95,8 @@ class SweepTable:
                 for r in self.rows]
         widths = [max(len(str(c)) for c in col) for col in zip(head, *body)]
         lines = ["  ".join(f"{c:>{w}}" for c, w in zip(line, widths)) for line in [head, *body]]
-        runs = max((self.spread(r).n for r in self.rows if r["varied"] != BASE), default=0)
+        counts = [self.spread(r).n for r in self.rows if r["varied"] != BASE] or [0]
+        runs = f"{min(counts)}" if min(counts) == max(counts) else f"{min(counts)}-{max(counts)}"
         paired = any("base_runs" in r for r in self.rows)
         lines.append(f"(samples/s: median of {runs} runs per config"
                      + (", each next to a run of the base" if paired else ", interleaved") + "; range: min-max)")
@@ -103,6 +110,7 @@ class SweepTable:
 def sweep(make_pipeline_for: Callable[..., Iterable], grid: Mapping[str, Sequence], *,
           base: Mapping | None = None, product: bool = False, consumer_ms: float = 0.0,
           consumer: Callable | None = None, steps: int = 20, warmup: int = 2, repeats: int = MIN_REPEATS,
+          budget_s: float | None = None, max_repeats: int = MAX_PAIRS,
           inert: Callable[[str, dict], str | None] | None = None, warm_start: bool = True,
           progress: bool | str = False, on_row: Callable[[dict], None] | None = None) -> SweepTable:
     """Measure `make_pipeline_for(**config)` for each config of `grid` (see `measure_pipeline`).
@@ -110,66 +118,126 @@ def sweep(make_pipeline_for: Callable[..., Iterable], grid: Mapping[str, Sequenc
     `grid` maps knob names to the values to try; the first value of each is the base (or give
     `base`). Every config runs `repeats` times in passes of alternating order, after one discarded
     run of the base (`warm_start`); a row keeps the median run and every run's samples/s (`runs`).
+    With `budget_s` (one-at-a-time sweeps), configs whose verdict against the base is still
+    undecided (`PairedVerdict.undecided`) get more pairs, round by round, for at most `budget_s`
+    seconds after the `repeats` passes and up to `max_repeats` pairs a config: what the budget
+    cannot decide stays "not distinguishable here".
     `inert(knob, config)` returns why a knob does nothing in `config` (or None): such configs are
     not measured. `progress` shows a tqdm bar. Ctrl-C returns the configs measured so far.
     """
+    started = time.perf_counter()
     known = knob_names(make_pipeline_for)
-    configs = plan_configs(grid, base=base, product=product, known=known)
-    skipped: dict = {}
-    if inert is not None:
-        kept = []
-        for varied, config in configs:
-            why = inert(varied, config) if varied in grid else None
-            if why:
-                skipped[varied] = why
-            else:
-                kept.append((varied, config))
-        configs = kept
+    configs, skipped = _drop_inert(plan_configs(grid, base=base, product=product, known=known), grid, inert)
     table = SweepTable(knobs=tuple(k for k in grid if k not in skipped or product), planned=len(configs),
                        skipped=skipped)
     paired = not product and len(configs) > 1 and configs[0][0] == BASE
     order = paired_order(len(configs) - 1, max(1, repeats)) if paired else \
         [(i, None) for i in interleaved_order(range(len(configs)), max(1, repeats))]
-    runs: list[list] = [[] for _ in configs]
-    slots: list[list] = [[] for _ in configs]     # the base slot each run of a config is paired with
-    base_by_slot: dict = {}
-    bar = _bar(len(order) + bool(warm_start and configs), progress)
+    runs = _Runs(configs, functools.partial(measure_pipeline, consumer_ms=consumer_ms, consumer=consumer,
+                                            steps=steps, warmup=warmup), make_pipeline_for, on_row,
+                 _bar(len(order) + bool(warm_start and configs), progress))
     try:
         if warm_start and configs:
             measure_pipeline(lambda: make_pipeline_for(**configs[0][1]), consumer_ms, consumer=consumer,
                              steps=max(1, steps // 2), warmup=warmup)
-            _tick(bar)
+            _tick(runs.bar)
         for i, slot in order:
-            (varied, config), reports = configs[i], runs[i]
-            reports.append(measure_pipeline(lambda config=config: make_pipeline_for(**config), consumer_ms,
-                                            consumer=consumer, steps=steps, warmup=warmup))
-            if slot is not None:
-                slots[i].append(slot)
-                if i == 0:
-                    base_by_slot[slot] = reports[-1]
-            _tick(bar)
-            if on_row is not None:
-                on_row({**config, "varied": varied, **reports[-1].as_dict()})
+            runs.measure(i, slot)
+        if paired and budget_s is not None:
+            runs.more_pairs(started, time.perf_counter() + budget_s, max_repeats, first_pass=max(1, repeats))
     except KeyboardInterrupt:
         table.interrupted = True
     finally:
-        if bar is not None:
-            bar.close()
-    if paired:
-        runs = [reports if i == 0 else [r for r, slot in zip(reports, slots[i]) if slot in base_by_slot]
-                for i, reports in enumerate(runs)]
-    table.rows = [_row(config, varied, reports) for (varied, config), reports in zip(configs, runs) if reports]
-    if paired:
-        for row, i in zip(table.rows, [i for i, reports in enumerate(runs) if reports]):
-            if i:
-                paired_base = [base_by_slot[slot] for slot in slots[i][:len(row["runs"])]]
-                row["base_runs"] = tuple(r.samples_per_s for r in paired_base)
-                row["base_rss_runs"] = tuple(r.peak_rss_bytes for r in paired_base)
-                row["base_startup_runs"] = tuple(r.startup_s for r in paired_base)
+        if runs.bar is not None:
+            runs.bar.close()
+    table.rows = runs.rows(paired)
     if table.interrupted:
         warnings.warn(f"sweep interrupted: returning the {len(table.rows)} of {len(configs)} configs "
                       f"measured so far", stacklevel=2)
     return table
+
+
+class _Runs:
+    """A sweep's runs so far: each config's reports, the base slot each is paired with, the base run of each slot."""
+
+    def __init__(self, configs: list, measure: Callable, make_pipeline_for: Callable, on_row, bar):
+        self.configs, self._measure, self._make = configs, measure, make_pipeline_for
+        self._on_row, self.bar = on_row, bar
+        self.reports: list[list] = [[] for _ in configs]
+        self.slots: list[list] = [[] for _ in configs]     # the base slot each run of a config is paired with
+        self.base_by_slot: dict = {}
+
+    def measure(self, i: int, slot) -> None:
+        varied, config = self.configs[i]
+        self.reports[i].append(self._measure(lambda: self._make(**config)))
+        if slot is not None:
+            self.slots[i].append(slot)
+            if i == 0:
+                self.base_by_slot[slot] = self.reports[i][-1]
+        _tick(self.bar)
+        if self._on_row is not None:
+            self._on_row({**config, "varied": varied, **self.reports[i][-1].as_dict()})
+
+    def verdict(self, i: int) -> PairedVerdict:
+        """Config i against the base on its pairs so far (samples/s)."""
+        pairs = [(self.base_by_slot[s], r) for s, r in zip(self.slots[i], self.reports[i]) if s in self.base_by_slot]
+        return verdict_of_pairs([b.samples_per_s for b, _ in pairs], [r.samples_per_s for _, r in pairs])
+
+    def more_pairs(self, started: float, deadline: float, max_repeats: int, first_pass: int) -> None:
+        """Rounds of pairs for the undecided configs (each next to a base run), while a round fits before `deadline`.
+
+        A round's cost is estimated from the runs so far (since `started`); a round that would end past the
+        deadline is not begun. The rounds continue the passes' alternation (`paired_order`, mirrored every other).
+        """
+        per_run = (time.perf_counter() - started) / max(1, sum(map(len, self.reports)))
+        round_ = first_pass
+        while True:
+            todo = [i for i in range(1, len(self.configs))
+                    if len(self.reports[i]) < max_repeats and self.verdict(i).undecided]
+            if not todo:
+                return
+            order = paired_order(len(todo), round_ + 1)[-(len(todo) + len(todo) // 2 + 1):]
+            start = time.perf_counter()
+            if start + len(order) * per_run > deadline:
+                return
+            if self.bar is not None:
+                self.bar.total += len(order)
+                self.bar.refresh()
+            for j, slot in order:
+                self.measure(0 if j == 0 else todo[j - 1], ("more", round_, slot))
+            per_run = (time.perf_counter() - start) / len(order)
+            round_ += 1
+
+    def rows(self, paired: bool) -> list[dict]:
+        """One row per measured config; a non-base row of a paired sweep keeps only runs whose base run exists."""
+        rows = []
+        for i, ((varied, config), reports) in enumerate(zip(self.configs, self.reports)):
+            kept = [(s, r) for s, r in zip(self.slots[i], reports) if s in self.base_by_slot] \
+                if paired and i else [(None, r) for r in reports]
+            if not kept:
+                continue
+            row = _row(config, varied, [r for _, r in kept])
+            if paired and i:
+                paired_base = [self.base_by_slot[s] for s, _ in kept]
+                row["base_runs"] = tuple(r.samples_per_s for r in paired_base)
+                row["base_rss_runs"] = tuple(r.peak_rss_bytes for r in paired_base)
+                row["base_startup_runs"] = tuple(r.startup_s for r in paired_base)
+            rows.append(row)
+        return rows
+
+
+def _drop_inert(configs: list, grid: Mapping, inert) -> tuple[list, dict]:
+    """The configs whose varied knob acts (`inert` returns None for it), and knob -> why for those left out."""
+    if inert is None:
+        return configs, {}
+    kept, skipped = [], {}
+    for varied, config in configs:
+        why = inert(varied, config) if varied in grid else None
+        if why:
+            skipped[varied] = why
+        else:
+            kept.append((varied, config))
+    return kept, skipped
 
 
 def plan_configs(grid: Mapping[str, Sequence], *, base: Mapping | None = None, product: bool = False,
