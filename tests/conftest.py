@@ -77,14 +77,6 @@ def shared_artifact(tmp_path_factory, name: str, build) -> Path:
     return folder
 
 
-@pytest.fixture(scope="session")
-def two_rank_runs(tmp_path_factory):
-    """Two-rank torchrun launches (whole; killed and resumed) that several test files read: train_runs.py."""
-    import train_runs
-
-    return train_runs.two_rank_runs(tmp_path_factory)
-
-
 def subprocess_env(**extra: str) -> dict[str, str]:
     """Environment for a real `python -m nblib ...` subprocess of this checkout."""
     env = dict(os.environ)

@@ -3,7 +3,7 @@ flags refused in one line, strict determinism restored when `train` returns or r
 workspace set before CUDA starts, an op with no deterministic kernel named, a skipped GradScaler
 step that leaves the LR schedule alone, a diverged run stopped before it saves, backward outside
 autocast, pinned batches, loader workers that never fork a live thread, the nccl group of DDP on
-GPUs, and per-rank dropout over two real torchrun ranks killed and resumed.
+GPUs, and per-rank dropout seeds (two real torchrun ranks killed and resumed: tests/test_train_resume.py).
 (tests/test_train_gpu.py runs what only a GPU can show.)
 """
 from __future__ import annotations
@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_runs import TWO_RANK_STEPS
 
 from conftest import subprocess_env
 from nblib.errors import ConfigError, DeterminismError, TrainingDiverged
@@ -291,31 +290,8 @@ def test_dropout_seeds_differ_by_rank_and_step_and_repeat_for_the_same_key():
     assert devices.dropout_seed(0, 7, 1) == devices.dropout_seed(0, 7, 1) != devices.dropout_seed(1, 7, 1)
 
 
-@pytest.mark.slow
-def test_two_ranks_draw_their_own_dropout_and_a_killed_launch_resumes_each_ranks_draws(two_rank_runs):
-    from test_train import assert_same_weights, weights_of
-
-    runs = two_rank_runs                      # torchrun: whole; killed after step 4 (ranks + torchrun), rerun
-    assert "resumed from local" in runs.resumed_stdout
-    assert_same_weights(weights_of(runs.killed), weights_of(runs.whole))
-    drawn = _seeds(runs.whole)
-    assert all(drawn[(step, 0)] != drawn[(step, 1)] for step in range(1, TWO_RANK_STEPS + 1))   # each rank its own
-    assert _seeds(runs.killed) == drawn                         # every step the resume ran drew the same
-
-
 def _switches() -> tuple[bool, bool]:
     return torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-
-
-def _seeds(out: Path) -> dict[tuple[int, int], int]:
-    """(step, rank) -> the seed dropout drew from, over every process that ran in `out` (last one wins)."""
-    seeds = {}
-    for path in sorted((out / "samples").glob("*.seeds"), key=lambda p: p.stat().st_mtime):
-        rank = int(path.name.split("-")[0].removeprefix("rank"))
-        for line in path.read_text().splitlines():
-            step, seed = line.split(":")
-            seeds[(int(step), rank)] = int(seed)
-    return seeds
 
 
 def test_deterministic_mode_skips_importing_inductor_yet_a_compile_inside_it_is_deterministic():

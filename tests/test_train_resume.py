@@ -1,8 +1,9 @@
 """`python -m nblib train` killed with SIGKILL at random points and rerun: the final weights are the
 uninterrupted run's, bit for bit, with 0 or 2 loader workers, from the local folder, from a mirror
 folder alone, and from a real S3 server (moto) alone; a dead bucket never blocks training; two
-torchrun ranks killed and resumed give the unkilled launch's bytes; 2 ranks -> 1 continues the
-global sample order with no sample skipped or repeated. Real processes, real files, real ranks.
+torchrun ranks killed and resumed give the unkilled launch's bytes, each rank drawing its own dropout and the
+resume drawing the same; 2 ranks -> 1 continues the global sample order with no sample skipped or repeated.
+Real processes, real files, real ranks.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import random
 import shutil
 import subprocess
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from test_train import assert_same_weights, weights_of
 from train_runs import (
     TWO_RANK_STEPS,
     assert_the_bucket_alone_resumes_exactly,
+    build_two_rank_runs,
     cache_and_reference,
     free_port,
     run_and_kill,
@@ -116,7 +119,36 @@ def test_two_ranks_then_one_continue_the_global_order_with_no_sample_skipped_or_
     assert steps % per_epoch == 0
 
 
+@pytest.mark.slow
+def test_two_ranks_draw_their_own_dropout_and_a_killed_launch_resumes_each_ranks_draws(two_rank_runs):
+    runs = two_rank_runs                      # torchrun: whole; killed after step 4 (ranks + torchrun), rerun
+    assert "resumed from local" in runs.resumed_stdout
+    assert_same_weights(weights_of(runs.killed), weights_of(runs.whole))
+    drawn = _seeds(runs.whole)
+    assert all(drawn[(step, 0)] != drawn[(step, 1)] for step in range(1, TWO_RANK_STEPS + 1))   # each rank its own
+    assert _seeds(runs.killed) == drawn                         # every step the resume ran drew the same
+
+
 # ------------------------------------------------------------------------------ helpers
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory):
+    """Two-rank torchrun launches the two-rank tests read (train_runs.two_rank_runs): whole; killed, resumed."""
+    return build_two_rank_runs(tmp_path_factory.mktemp("two-ranks"))
+
+
+def _seeds(out: Path) -> dict[tuple[int, int], int]:
+    """(step, rank) -> the seed dropout drew from, over every process that ran in `out` (last one wins)."""
+    seeds = {}
+    for path in sorted((out / "samples").glob("*.seeds"), key=lambda p: p.stat().st_mtime):
+        rank = int(path.name.split("-")[0].removeprefix("rank"))
+        for line in path.read_text().splitlines():
+            step, seed = line.split(":")
+            seeds[(int(step), rank)] = int(seed)
+    return seeds
+
+
 
 
 @pytest.fixture

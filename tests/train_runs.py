@@ -86,7 +86,8 @@ def assert_the_bucket_alone_resumes_exactly(cache_dir: Path, reference: dict, ou
     for attempt in range(3):        # on a loaded machine the run can finish before the bucket holds a state
         attempt_url = url if attempt == 0 else f"{url}-retry{attempt}"
         prefix = attempt_url.split("://", 1)[1]
-        cmd = train_cli(cache_dir, out, "--mirror", attempt_url)
+        sooner = () if attempt == 0 else ("--backup-every", "2")   # a retry: a backup from step 2 (same weights)
+        cmd = train_cli(cache_dir, out, "--mirror", attempt_url, *sooner)
         run_and_kill(cmd, out, extra_s=0, env=env, done=lambda prefix=prefix: bucket_holds_a_state(fs, prefix),
                      finished_ok=True)
         finished = (out / "final.pt").exists()
@@ -127,31 +128,24 @@ def torchrun_cli(cache_dir: Path, out: Path, nproc: int = 2) -> list[str]:
             "--steps", str(TWO_RANK_STEPS), "--device", "cpu"]
 
 
-def two_rank_runs(tmp_path_factory):
-    """The `two_rank_runs` fixture (tests/conftest.py): real torchrun launches of 2 ranks, built once a session
-    (conftest.shared_artifact), read only:
-
-    `whole` an unkilled launch; `killed` a launch SIGKILLed (the ranks and torchrun) once step 4 was saved, then
-    rerun to the end (its stdout in `resumed_stdout`); `killed_snapshot` a copy of that folder as the kill left
-    it. The per-step sample and dropout-seed logs are on (NBLIB_TRAIN_SAMPLE_LOG).
+def build_two_rank_runs(folder: Path) -> SimpleNamespace:
+    """Real torchrun launches of 2 ranks in `folder`, for tests that only read them: `whole` an unkilled launch;
+    `killed` a launch SIGKILLed (the ranks and torchrun) once step 4 was saved, then rerun to the end (its stdout
+    in `resumed_stdout`); `killed_snapshot` a copy of that folder as the kill left it. The per-step sample and
+    dropout-seed logs are on (NBLIB_TRAIN_SAMPLE_LOG).
     """
-    def build(folder: Path) -> None:
-        cache_dir = labelled_cache(folder / "data", 160)
-        env = train_env(NBLIB_TRAIN_SAMPLE_LOG="1")
-        whole, killed = folder / "whole", folder / "killed"
-        done = subprocess.run(torchrun_cli(cache_dir, whole), env=env, capture_output=True, text=True, timeout=900)
-        assert done.returncode == 0, done.stderr[-3000:]
-        run_and_kill(torchrun_cli(cache_dir, killed), killed, after_step=4, extra_s=0.05, env=env, group=True)
-        assert not (killed / "final.pt").exists()
-        shutil.copytree(killed, folder / "killed_snapshot")
-        done = subprocess.run(torchrun_cli(cache_dir, killed), env=env, capture_output=True, text=True, timeout=900)
-        assert done.returncode == 0, done.stderr[-3000:]
-        (folder / "resumed_stdout.txt").write_text(done.stdout)
-
-    folder = shared_artifact(tmp_path_factory, "two-rank-runs", build)
-    return SimpleNamespace(cache_dir=folder / "data" / "cache", whole=folder / "whole", killed=folder / "killed",
-                           killed_snapshot=folder / "killed_snapshot",
-                           resumed_stdout=(folder / "resumed_stdout.txt").read_text())
+    cache_dir = labelled_cache(folder / "data", 160)
+    env = train_env(NBLIB_TRAIN_SAMPLE_LOG="1")
+    whole, killed = folder / "whole", folder / "killed"
+    done = subprocess.run(torchrun_cli(cache_dir, whole), env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_and_kill(torchrun_cli(cache_dir, killed), killed, after_step=4, extra_s=0.05, env=env, group=True)
+    assert not (killed / "final.pt").exists()
+    shutil.copytree(killed, folder / "killed_snapshot")
+    done = subprocess.run(torchrun_cli(cache_dir, killed), env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return SimpleNamespace(cache_dir=cache_dir, whole=whole, killed=killed, killed_snapshot=folder / "killed_snapshot",
+                           resumed_stdout=done.stdout)
 
 
 def free_port() -> int:
