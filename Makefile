@@ -34,7 +34,10 @@ run: $(STAMP)
 # slower (notebook 03's offload comparison: 129 s, 10 s with one thread). The CLI subprocesses run so already.
 # --dist loadfile keeps each file in one worker: a notebook's cells share one kernel, in order, and a
 # module's fixtures are built once. pytest's exit status is make's (and .ci/run's).
-JOBS ?= 2
+# Three workers on two cores: with two, user + sys time was 164-166% of the cores over a fresh-clone run (a
+# worker waits on its subprocesses, fsyncs and servers); with three, 175%, and pytest took 17 min 34 s against
+# 19 min 35 s for the same commit, idle. Every test must pass beside a busy CPU anyway.
+JOBS ?= 3
 test: $(STAMP)
 	$(BIN)/ruff check .
 	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TORCHINDUCTOR_COMPILE_THREADS=1 NBLIB_PROFILE=smoke $(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile --durations=15 tests notebooks $(NBVAL)   # nbval references are recorded on smoke, GPU or not
