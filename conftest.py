@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 REFERENCES = Path(__file__).resolve().parent / "tests" / "nbval_references"
-LONGEST_FIRST = (      # files by their time in a fresh-clone `make test` (2 workers, idle machine), longest first
+LONGEST_FIRST = (      # files by their time in a fresh-clone `make test` (idle machine), longest first
     "tests/test_browser.py", "notebooks/05_input_pipeline_tuning.ipynb", "tests/test_train_resume.py",
     "notebooks/04_shuffle_buffer_checkpoints.ipynb", "tests/test_hostile_train.py", "tests/test_model_vram.py",
     "notebooks/01_memory_budgeting.ipynb", "notebooks/06_training.ipynb", "tests/test_train_device.py",
