@@ -127,7 +127,7 @@ def model_vram(model, batch_size: int, device: str | Device = "t4", *, precision
         raise ConfigError(f"batch_size={batch_size} must be >= 1")
     payload = {**model_payload(model), "precision": precision, "train": train, "output": output,
                "classes": n_classes, "cc": dev.compute_capability, "batch": batch_size, "out_dtype": out_dtype,
-               "cap": int(dev.vram_bytes * (1 - FIT_MARGIN)) - dev.cuda_context_bytes,
+               "cap": reserved_cap(dev),
                "search": find_largest, "max_batch": max(max_batch, batch_size)}
     out = run_child("nblib.budget.model_vram", payload, timeout_s=timeout_s)
     point = out["point"]
@@ -138,6 +138,12 @@ def model_vram(model, batch_size: int, device: str | Device = "t4", *, precision
                      batch_size=batch_size, lines=lines, workspace_margin=max(by_pos.values()) - base,
                      limit=dev.vram_bytes, largest_batch=out.get("largest"), reserved_by_position=by_pos,
                      peak_op=point["peak_op"])
+
+
+def reserved_cap(device: str | Device) -> int:
+    """The reserved VRAM a job may reach on a GPU preset: (1 - FIT_MARGIN) of its VRAM less the CUDA context."""
+    dev = device_preset(device)
+    return int(dev.vram_bytes * (1 - FIT_MARGIN)) - dev.cuda_context_bytes
 
 
 def model_payload(model) -> dict:

@@ -22,7 +22,7 @@ from nblib.budget.devices import Device, device_preset, device_preset_name
 from nblib.budget.disk import cache_bytes, check_disk
 from nblib.budget.drive import cache_folder_check, run_folder_check, upload_check
 from nblib.budget.memory import RUNTIME_RAM_CPU, RUNTIME_RAM_CUDA
-from nblib.budget.model_vram import ModelVRAM, model_vram
+from nblib.budget.model_vram import OUT_DTYPE, ModelVRAM, model_vram
 from nblib.budget.predict import Budget, predict_budget
 from nblib.budget.shim import SimulationUnavailable
 from nblib.config import PipelineConfig
@@ -84,7 +84,7 @@ def preflight(config: PipelineConfig, workspace, *, job: str = "encode", device:
 
 def model_vram_check(model, batch_size: int, device: str | Device = "t4", *, precision: str = "fp16",
                      train: bool = False, output: str | None = None, n_classes: int = 12,
-                     out_dtype: str = "float16") -> ModelVRAM:
+                     out_dtype: str = OUT_DTYPE) -> ModelVRAM:
     """Any model's VRAM on the GPU preset `device`: the traced budget (`model_vram`, the one answer) with the
     largest batch that fits; BudgetExceeded naming the GB needed, the GB allowed and that batch when over.
 
@@ -99,7 +99,7 @@ def model_vram_check(model, batch_size: int, device: str | Device = "t4", *, pre
 
 
 def model_preflight(model, batch_size: int, cuda_device, *, precision: str = "fp16", train: bool = False,
-                    output: str | None = None, n_classes: int = 12, out_dtype: str = "float16") -> ModelVRAM | None:
+                    output: str | None = None, n_classes: int = 12, out_dtype: str = OUT_DTYPE) -> ModelVRAM | None:
     """A CUDA job's VRAM check for any model, before its first batch: `model_vram_check` on the preset of
     this GPU (by its name, else the T4: `preset_of_this_gpu`), then the high end against its free VRAM.
 

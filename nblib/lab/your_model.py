@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from nblib.budget.model_vram import ModelVRAM, model_vram
+from nblib.budget.model_vram import ModelVRAM, model_vram, reserved_cap
 from nblib.budget.resources import FIT_MARGIN
 from nblib.compare import progress_bar
 from nblib.lab.streaming_encoding import encode_command, run_and_kill
@@ -70,11 +70,8 @@ def sample_cache(folder: str | Path, n_texts: int, image_size: int):
 
 
 def t4_cap(device: str = "t4") -> int:
-    """Reserved VRAM a job may reach on the GPU preset: (1 - FIT_MARGIN) of its VRAM less the CUDA context."""
-    from nblib.budget.devices import device_preset
-
-    dev = device_preset(device)
-    return int(dev.vram_bytes * (1 - FIT_MARGIN)) - dev.cuda_context_bytes
+    """Reserved VRAM a job may reach on the GPU preset (`model_vram.reserved_cap`, the budget's own cap)."""
+    return reserved_cap(device)
 
 
 @dataclass(frozen=True)
