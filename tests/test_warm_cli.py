@@ -1,4 +1,4 @@
-"""The warm CLI launcher of the tests (tests/warm_cli.py) against a cold `python -m`: what a test can see is the same."""
+"""The tests' warm CLI launcher (tests/warm_cli.py) against a cold `python -m`: what a test can see is the same."""
 from __future__ import annotations
 
 import json
@@ -9,8 +9,8 @@ import sys
 import time
 
 import pytest
-
 import warm_cli
+
 from conftest import small_cache, subprocess_env
 from nblib.atomic import sha256_file
 
@@ -21,6 +21,7 @@ if what == "report":
     print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "path0": sys.path[0], "name": __name__,
                       "var": os.environ.get("WARM_PROBE_VAR"), "gone": os.environ.get("WARM_PROBE_GONE"),
                       "own_session": os.getsid(0) == os.getpid(), "hash": hash("warm-probe"),
+                      "callers_group": os.getpgid(0) == int(os.environ["WARM_PROBE_GROUP"]),
                       "custom": "warm_probe_custom" in sys.modules}))
     print(input(), file=sys.stderr)
 elif what == "exit":
@@ -50,7 +51,7 @@ def probe(tmp_path, monkeypatch):
     (folder / "warm_probe.py").write_text(PROBE)
     (folder / "sitecustomize.py").write_text("import sys\nsys.modules['warm_probe_custom'] = sys\n")
     monkeypatch.setattr(warm_cli, "WARM_MODULES", (*warm_cli.WARM_MODULES, "warm_probe"))
-    env = subprocess_env(WARM_PROBE_VAR="yes")
+    env = subprocess_env(WARM_PROBE_VAR="yes", WARM_PROBE_GROUP=str(os.getpgid(0)))
     env.pop("WARM_PROBE_GONE", None)
     env["PYTHONPATH"] = f"{folder}{os.pathsep}{env['PYTHONPATH']}"
     monkeypatch.setenv("WARM_PROBE_GONE", "the test's own, not the run's")
@@ -76,7 +77,8 @@ def test_a_warm_run_sees_the_argv_cwd_environment_stdin_and_sitecustomize_a_cold
     w, c = json.loads(warm.stdout), json.loads(cold.stdout)
     assert w.pop("hash") != 0 and c.pop("hash") != 0
     assert w == c == {"argv": ["report", "x y"], "cwd": str(tmp_path), "path0": str(tmp_path), "name": "__main__",
-                      "var": "yes", "gone": None, "own_session": False, "custom": True}
+                      "var": "yes", "gone": None, "own_session": False, "callers_group": True,
+                      "custom": True}
     assert warm.stderr == cold.stderr == "from stdin\n"
 
 

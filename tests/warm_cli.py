@@ -246,9 +246,9 @@ class _Servers:
         started = []
         for i in range(SERVERS):
             path = os.path.join(folder, f"s{i}")
+            # in the test process's own process group, as a cold child is (a Ctrl-C reaches both alike)
             process = _COLD_POPEN([sys.executable, here, "serve", path, str(os.getpid())], env=env,
-                                  stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=None,
-                                  start_new_session=True)
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=None)
             started.append((path, process))
         paths = []
         for path, process in started:
@@ -300,8 +300,8 @@ def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd,
         path = _SERVERS.next_path()
         run_env = dict(os.environ if env is None else env)
         if path is not None and _same_import_time_env(run_env, _SERVERS.env):
-            started = _start_warm(self, path, [os.fspath(a) for a in args], cwd, run_env, start_new_session, process_group,
-                                  (p2cread, c2pwrite, errwrite))
+            started = _start_warm(self, path, [os.fspath(a) for a in args], cwd, run_env, start_new_session,
+                                  process_group, (p2cread, c2pwrite, errwrite))
             if started:
                 self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
                 return
@@ -344,7 +344,7 @@ def _read_line(conn: socket.socket, timeout: float | None) -> str | None:
             if not chunk:
                 return None
             data += chunk
-    except (BlockingIOError, socket.timeout) as e:
+    except (TimeoutError, BlockingIOError) as e:
         if data:                                    # a half line: wait for the rest
             conn.settimeout(None)
             return data.decode() + (_read_line(conn, None) or "")
@@ -401,7 +401,10 @@ def install() -> bool:
 if __name__ == "__main__":
     if sys.argv[1] == "serve":
         started_by = int(sys.argv[3])
-        child_request = serve(sys.argv[2], started_by)
+        try:
+            child_request = serve(sys.argv[2], started_by)
+        except KeyboardInterrupt:             # a Ctrl-C to the test's process group: the server goes quietly
+            child_request = None
         if child_request is not None:
             del started_by
             run_child(child_request)
