@@ -37,6 +37,8 @@ run: $(STAMP)
 # Three workers on two cores: with two, user + sys time was 164-166% of the cores over a fresh-clone run (a
 # worker waits on its subprocesses, fsyncs and servers); with three, 175%, and pytest took 17 min 34 s against
 # 19 min 35 s for the same commit, idle. Every test must pass beside a busy CPU anyway.
+# The tests' `python -m nblib` runs fork from a warm interpreter with torch imported (tests/warm_cli.py): 16 min 35 s
+# -> 9 min 49 s of pytest, same tests, idle. NBLIB_TEST_WARM_CLI=0 starts every run cold.
 JOBS ?= 3
 test: $(STAMP)
 	$(BIN)/ruff check .

@@ -26,9 +26,12 @@ nblib's own measuring subprocesses, which must start fresh to measure RSS) runs 
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import os
 import selectors
+import shutil
 import socket
 import struct
 import subprocess
@@ -106,7 +109,8 @@ def serve(path: str, parent: int) -> dict | None:
                 except OSError:
                     pass                            # the test gave up on it
                 conn.close()
-    os.unlink(path)
+    with contextlib.suppress(OSError):
+        os.unlink(path)
     return None
 
 
@@ -238,6 +242,7 @@ class _Servers:
 
     def _start(self) -> None:
         folder = tempfile.mkdtemp(prefix="nblib-warm-")
+        atexit.register(shutil.rmtree, folder, True)
         here = str(Path(__file__).resolve())
         env = dict(os.environ)
         repo = str(Path(here).parents[1])
