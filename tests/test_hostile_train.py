@@ -234,6 +234,9 @@ def test_sigterm_with_two_workers_stops_cleanly_releases_the_pipes_and_the_rerun
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+    held = sorted({"stdout", "stderr"} - set(eof))
+    assert not held, (f"{' and '.join(held)} still open 60 s after the main process ended (status {status}): "
+                      f"a process it started holds the caller's pipes")
     stderr = text["stderr"].decode()
     assert status == 128 + signal.SIGTERM, (status, stderr[-3000:])
     assert "Traceback" not in stderr and "terminated (SIGTERM" in stderr, stderr[-3000:]
