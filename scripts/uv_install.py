@@ -82,7 +82,10 @@ def install(python: str, requirements: str) -> int:
         print("uv_install: uv would install CUDA packages (nvidia-*, cuda-*) that the CPU requirements do not "
               "name; pip installs instead", file=sys.stderr)
         return 1
-    done = subprocess.run([*command, "--quiet"], env=env)
+    # --compile-bytecode: the .pyc files pip writes at install and uv does not. Without them, where
+    # PYTHONDONTWRITEBYTECODE=1 (this machine and CI), every process compiled torch from source again:
+    # `import torch, torch._dynamo` took 6.7 CPU-s instead of 3.0, in each of the tests' processes and kernels.
+    done = subprocess.run([*command, "--quiet", "--compile-bytecode"], env=env)
     if done.returncode:
         print(f"uv_install: uv pip install exited {done.returncode}; pip installs instead", file=sys.stderr)
     return done.returncode
