@@ -25,7 +25,12 @@ $(STAMP): requirements.txt pyproject.toml
 	$(BIN)/python -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
+# nblib's own .pyc files, written before the processes start: with PYTHONDONTWRITEBYTECODE=1 (this machine, CI)
+# each process compiled the sources again (0.1-0.3 CPU-s each, in hundreds of test processes); 0.3 s here.
+BYTECODE := $(BIN)/python -m compileall -q nblib
+
 run: $(STAMP)
+	$(BYTECODE)
 	$(BIN)/python -m nblib suite
 
 # Tests and notebooks in JOBS pytest-xdist workers (`make test JOBS=0` runs them in this process).
@@ -40,9 +45,13 @@ run: $(STAMP)
 # The tests' `python -m nblib` runs fork from a warm interpreter with torch imported (tests/warm_cli.py): 16 min 35 s
 # -> 9 min 49 s of pytest, same tests, idle. NBLIB_TEST_WARM_CLI=0 starts every run cold.
 JOBS ?= 3
+# notebooks/ before tests/: --dist loadfile hands out files in the order collected, and the notebooks are among
+# the longest files (05: 2.3 min); collected last, they started last, and the last ~100 s of a fresh-clone run
+# used ~60% of the cores (vmstat).
 test: $(STAMP)
 	$(BIN)/ruff check .
-	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TORCHINDUCTOR_COMPILE_THREADS=1 NBLIB_PROFILE=smoke $(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile --durations=15 tests notebooks $(NBVAL)   # nbval references are recorded on smoke, GPU or not
+	$(BYTECODE)
+	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TORCHINDUCTOR_COMPILE_THREADS=1 NBLIB_PROFILE=smoke $(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile --durations=15 notebooks tests $(NBVAL)   # nbval references are recorded on smoke, GPU or not
 
 # only the browser test: JupyterLab in headless Chromium (`make test` runs it too; both skip it, with the
 # reason, where Debian's chromium or playwright is missing)
