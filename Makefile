@@ -42,8 +42,9 @@ run: $(STAMP)
 # Three workers on two cores: with two, user + sys time was 164-166% of the cores over a fresh-clone run (a
 # worker waits on its subprocesses, fsyncs and servers); with three, 175%, and pytest took 17 min 34 s against
 # 19 min 35 s for the same commit, idle. Every test must pass beside a busy CPU anyway.
-# The tests' `python -m nblib` runs fork from a warm interpreter with torch imported (tests/warm_cli.py): 16 min 35 s
-# -> 9 min 49 s of pytest, same tests, idle. NBLIB_TEST_WARM_CLI=0 starts every run cold.
+# The tests' `python -m nblib` runs fork from a warm interpreter with torch imported (tests/warm_cli.py): in one
+# working tree with bytecode, idle, 1,337 CPU-s and 11 min 44 s of pytest cold (NBLIB_TEST_WARM_CLI=0, which starts
+# every run cold) against 1,124 CPU-s and 9 min 49 s warm.
 JOBS ?= 3
 # notebooks/ before tests/: --dist loadfile hands out files in the order collected, and the notebooks are among
 # the longest files (05: 2.3 min); collected last, they started last, and the last ~100 s of a fresh-clone run
