@@ -9,6 +9,9 @@ For the smoke and t4 encoders + head with AdamW state, side by side, interleaved
                save_state does for every object but the weights; the fastest possible save)
   dcp:         torch.distributed.checkpoint.save to a folder (FileSystemWriter: one file per rank + .metadata)
   dcp-async:   torch.distributed.checkpoint.async_save: the loop blocks for DCP's staging copy
+  accelerate:  Accelerator(cpu=True).save_state of the prepared model and optimizer (model.safetensors,
+               optimizer.bin, RNG states; no fsync, no hash), where accelerate is importable (it is not a
+               requirement: `pip install --no-deps --target DIR accelerate` and PYTHONPATH=DIR); load_state back
 Loads: nblib's `TrainStore.load_latest` (sha256 checked against the record), torch.load of the
 torch.save file (what accelerate's load_state does), dcp.load of the whole state (weights and optimizer;
 it loaded the weights alone before, a third of the bytes) into tensors of the same shapes.
@@ -33,8 +36,6 @@ from pathlib import Path
 import psutil
 import torch
 
-WRITERS = ("nblib-sync", "nblib-async", "torch.save", "dcp", "dcp-async")
-PEERS = ("torch.save", "dcp", "dcp-async")
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -45,16 +46,23 @@ def main() -> None:
     p.add_argument("--json", action="store_true", help="write the results under benchmarks/results/")
     p.add_argument("--label", default="", help="a tag for the JSON file name (e.g. before, after)")
     args = p.parse_args()
-    state = make_state(args.profile)
+    model, optimizer = make_job(args.profile)
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
     folder = Path(tempfile.mkdtemp(prefix="nblib-ckpt-bench-"))
     savers = {"nblib-sync": save_nblib_sync, "nblib-async": save_nblib_async, "torch.save": save_torch,
               "dcp": save_dcp, "dcp-async": save_dcp_async}
     loaders = {"nblib-sync": load_nblib, "torch.save": load_torch, "dcp": load_dcp}
-    rows = {name: [] for name in WRITERS}
+    accelerator = prepared_accelerator(model, optimizer)
+    if accelerator is None:
+        print("accelerate is not importable here: its row is left out")
+    else:
+        savers["accelerate"] = lambda _state, where: save_accelerate(accelerator, where)
+        loaders["accelerate"] = lambda _state, where: load_accelerate(accelerator, where)
+    rows = {name: [] for name in savers}
     loads: dict[str, list[float]] = {name: [] for name in loaders}
     try:
         for r in range(args.repeats):                          # interleaved: load drifts hit all alike
-            for name in WRITERS:
+            for name in savers:
                 where = folder / f"{name}-{r}"
                 rows[name].append(savers[name](state, where))
                 if name in loaders:
@@ -76,8 +84,9 @@ def main() -> None:
 def table(rows: dict, loads: dict) -> str:
     """One line per writer: save s, blocking s, load s (min / median / max), bytes, ratios."""
     base = statistics.median(v[1] for v in rows["nblib-sync"])
-    fastest = min(statistics.median(v[1] for v in rows[p]) for p in ("torch.save", "dcp"))
-    fastest_load = min(statistics.median(loads[p]) for p in ("torch.save", "dcp"))
+    peers = [p for p in ("torch.save", "dcp", "accelerate") if p in rows]
+    fastest = min(statistics.median(v[1] for v in rows[p]) for p in peers)
+    fastest_load = min(statistics.median(loads[p]) for p in peers)
     head = (f"{'writer':<12}{'save s':>22}{'blocking s':>22}{'load s':>22}{'bytes':>13}{'block/sync':>11}"
             f"{'block/peer':>11}{'load/peer':>10}")
     lines = [head]
@@ -102,7 +111,8 @@ def write_json(args, rows: dict, loads: dict, ram: float, load_avg) -> None:
     print(f"wrote {RESULTS / name}")
 
 
-def make_state(profile: str) -> dict:
+def make_job(profile: str):
+    """The profile's classifier and its AdamW after one step (so the optimizer holds its moments)."""
     from nblib.train.loop import model_config
     from nblib.train.model import Classifier
 
@@ -112,7 +122,31 @@ def make_state(profile: str) -> dict:
                            dtype=torch.uint8)
     torch.nn.functional.cross_entropy(model(images), torch.tensor([0, 1])).backward()
     opt.step()
-    return {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    return model, opt
+
+
+def prepared_accelerator(model, optimizer):
+    """An Accelerator (CPU) holding the model and optimizer, as a user of accelerate has; None without accelerate."""
+    try:
+        from accelerate import Accelerator
+    except ImportError:
+        return None
+    accelerator = Accelerator(cpu=True)
+    accelerator.prepare(model, optimizer)
+    return accelerator
+
+
+def save_accelerate(accelerator, folder: Path) -> tuple[float, float, int]:
+    start = time.perf_counter()
+    accelerator.save_state(str(folder))
+    took = time.perf_counter() - start
+    return took, took, sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def load_accelerate(accelerator, folder: Path) -> float:
+    start = time.perf_counter()
+    accelerator.load_state(str(folder))
+    return time.perf_counter() - start
 
 
 def state_bytes(state: dict) -> int:
