@@ -47,8 +47,8 @@ run: $(STAMP)
 # every run cold) against 1,124 CPU-s and 9 min 49 s warm.
 JOBS ?= 3
 # notebooks/ before tests/: --dist loadfile hands out files in the order collected, and the notebooks are among
-# the longest files (05: 2.3 min); collected last, they started last, and the last ~100 s of a fresh-clone run
-# used ~60% of the cores (vmstat).
+# the longest files (05: 2.3 min); collected last, they started last. The low-CPU tail of a fresh-clone run
+# (vmstat, under ~85% of the cores) was ~65 s before and ~50 s after: within the runs' spread.
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BYTECODE)
