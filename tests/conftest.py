@@ -14,7 +14,7 @@ import pytest
 import warm_cli
 
 REPO = Path(__file__).resolve().parents[1]
-WARM_CLI = warm_cli.install()       # `python -m nblib` subprocesses fork from a warm interpreter (see warm_cli)
+warm_cli.install()       # `python -m nblib` subprocesses fork from a warm interpreter (see warm_cli)
 
 
 @pytest.fixture(autouse=True)

@@ -149,8 +149,6 @@ def _seeds(out: Path) -> dict[tuple[int, int], int]:
     return seeds
 
 
-
-
 @pytest.fixture
 def moto():
     from moto.server import ThreadedMotoServer
