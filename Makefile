@@ -46,13 +46,10 @@ run: $(STAMP)
 # working tree with bytecode, idle, 1,337 CPU-s and 11 min 44 s of pytest cold (NBLIB_TEST_WARM_CLI=0, which starts
 # every run cold) against 1,124 CPU-s and 9 min 49 s warm.
 JOBS ?= 3
-# notebooks/ before tests/: --dist loadfile hands out files in the order collected, and the notebooks are among
-# the longest files (05: 2.3 min); collected last, they started last. The low-CPU tail of a fresh-clone run
-# (vmstat, under ~85% of the cores) was ~65 s before and ~50 s after: within the runs' spread.
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BYTECODE)
-	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TORCHINDUCTOR_COMPILE_THREADS=1 NBLIB_PROFILE=smoke $(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile --durations=15 notebooks tests $(NBVAL)   # nbval references are recorded on smoke, GPU or not
+	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TORCHINDUCTOR_COMPILE_THREADS=1 NBLIB_PROFILE=smoke $(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile --durations=15 tests notebooks $(NBVAL)   # nbval references are recorded on smoke, GPU or not
 
 # only the browser test: JupyterLab in headless Chromium (`make test` runs it too; both skip it, with the
 # reason, where Debian's chromium or playwright is missing)
