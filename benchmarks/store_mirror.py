@@ -38,9 +38,9 @@ class ThrottledOps(FileOps):
         time.sleep(self.latency_s)
         return _ThrottledFile(super().open(path, mode), self.rate if "b" in mode and "r" not in mode else 4 * self.rate)
 
-    def write_atomic(self, path, blocks, expect_sha256=None):
+    def write_atomic(self, path, blocks, expect_digest=None, **options):
         time.sleep(self.latency_s)
-        return super().write_atomic(path, self._throttled(blocks), expect_sha256)
+        return super().write_atomic(path, self._throttled(blocks), expect_digest, **options)
 
     def _throttled(self, blocks):
         for block in blocks:

@@ -243,9 +243,9 @@ class FlakyDrive(FileOps):
         self._maybe_fail()
         return super().open(path, mode)
 
-    def write_atomic(self, path, blocks, expect_sha256=None):
+    def write_atomic(self, path, blocks, expect_digest=None, **options):
         self._maybe_fail()
-        written = super().write_atomic(path, blocks, expect_sha256)
+        written = super().write_atomic(path, blocks, expect_digest, **options)
         self._landed(path)
         return written
 

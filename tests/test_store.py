@@ -90,9 +90,9 @@ class FlakyOps(FileOps):
         self.check()
         return _FlakyFile(super().open(path, mode), self)
 
-    def write_atomic(self, path, blocks, expect_sha256=None):
+    def write_atomic(self, path, blocks, expect_digest=None, **options):
         self.check()
-        return super().write_atomic(path, self._checked(blocks), expect_sha256)
+        return super().write_atomic(path, self._checked(blocks), expect_digest, **options)
 
     def _checked(self, blocks):
         for block in blocks:

@@ -141,7 +141,7 @@ def test_the_fsspec_ops_write_list_read_and_delete_whole_objects():
     ops.write_atomic(root / "a.json", [b"{}"])
     assert ops.listdir(root) == ["a.json"] and ops.read_bytes(root / "a.json") == b"{}"
     with pytest.raises(ValueError):
-        ops.write_atomic(root / "b.json", [b"x"], expect_sha256="0" * 64)
+        ops.write_atomic(root / "b.json", [b"x"], expect_digest="0" * 64)
     assert ops.read_bytes(root / "b.json") is None
     ops.unlink(root / "a.json")
     with pytest.raises(FileNotFoundError):

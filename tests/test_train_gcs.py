@@ -111,7 +111,7 @@ def test_gs_objects_round_trip_through_the_mirrors_file_operations(gcs):
                                                                                                    len(data))
     assert ops.listdir(root) == ["a.bin"] and ops.is_dir(root)
     with pytest.raises(ValueError, match="expected"):
-        ops.write_atomic(root / "b.bin", [b"x"], expect_sha256=written.sha256)
+        ops.write_atomic(root / "b.bin", [b"x"], expect_digest=written.sha256)
     assert ops.read_bytes(root / "b.bin") is None                # a refused write leaves no object
     ops.unlink(root / "a.bin")
     with pytest.raises(FileNotFoundError):

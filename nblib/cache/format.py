@@ -237,7 +237,7 @@ def seal_shard(shard, tables: bytes, expect_sha256: str | None, why: str):
     shard._write(TRAILER.pack(len(shard.sizes), xxhash.xxh3_64_intdigest(shard._leading),
                               xxhash.xxh3_64_intdigest(tables), SHARD_MAGIC))
     try:
-        written = shard._writer.commit(expect_sha256=expect_sha256)
+        written = shard._writer.commit(expect_digest=expect_sha256)
     except ValueError:
         raise CacheError(f"re-written {shard.name} does not match its manifest sha256: {why} with "
                          f"overwrite=True (--overwrite)") from None

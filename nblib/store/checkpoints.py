@@ -1,16 +1,19 @@
 """A versioned series of torch checkpoints in one folder: `<name>-000001.pt` and its record.
 
 Each version is the torch.save bytes (written atomically) plus `<name>-000001.json`, an
-`nblib.manifest` record of the file's size and sha256, written last: a version without a valid
-record does not exist. Loading walks versions newest first across the given folders and takes
-the first that verifies and loads, so a torn or corrupt newest checkpoint costs one version,
-not the run. torch is imported only when a checkpoint is written or loaded.
+`nblib.manifest` record of the file's size and xxh3_128 digest (version 3; a version-2 record's
+sha256 still loads), written last: a version without a valid record does not exist. Loading walks
+versions newest first across the given folders and takes the first that verifies and loads, so a
+torn or corrupt newest checkpoint costs one version, not the run. torch is imported only when a
+checkpoint is written or loaded.
 
-Cost: torch writes the file itself (no serialized copy in memory), the sha256 is read back from the
-page cache while the file is fsynced, the record follows, and the folder is fsynced once for both
-(3 fsyncs a version). A load runs torch.load and the sha256 of the file side by side and discards
-the object when the hash differs. Failure mode: a crash before the folder's fsync may keep the
-record without its file; that version then reads as damaged and the one before it loads.
+Cost: torch writes the file itself (no serialized copy in memory, no zip CRCs: the digest covers
+every byte), the digest is read back from the page cache while the file is fsynced, the record
+follows, and the folder is fsynced once for both (3 fsyncs a version). A local load hashes the file
+through a memory map and then maps it (`FileOps.load_torch`); any other reads it and hashes it side by
+side and discards the object when the digest differs. The digest checks what nblib wrote against
+torn writes and bit rot, not against a forger. Failure mode: a crash before the folder's fsync
+may keep the record without its file; that version then reads as damaged and the one before it loads.
 """
 from __future__ import annotations
 
@@ -21,13 +24,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from nblib.atomic import algorithm_of, digest_string
 from nblib.errors import ManifestDamaged, StateError
 from nblib.manifest import manifest_bytes, parse_manifest
 
 from .parts import DamagedCopy, FileOps, check_name
 
 CHECKPOINT_KIND = "nblib.store.checkpoint"
-CHECKPOINT_VERSION = 2
+CHECKPOINT_VERSION = 3
+READABLE_VERSIONS = (2, 3)      # 2: the record holds a sha256
 
 
 @dataclass(frozen=True)
@@ -73,20 +78,20 @@ class CheckpointFolder:
         """
         check_name(name, "checkpoint name")
         written = self.ops.write_torch(self.root / f"{stem(name, version)}.pt", obj, sync_dir=False)
-        self._write_record(name, version, written.path.name, written.bytes, written.sha256)
+        self._write_record(name, version, written.path.name, written.bytes, written.digest)
         return written.path
 
     def record_bytes(self, name: str, version: int) -> bytes | None:
         return self.ops.read_bytes(self.root / f"{stem(name, version)}.json")
 
     def load(self, record: bytes, name: str, version: int, map_location="cpu", weights_only: bool = True):
-        """The checkpoint object a record describes, once the file's size and sha256 matched it."""
+        """The checkpoint object a record describes, once the file's size and digest matched it."""
         body = _record_body(record, name, version)
-        return self.ops.load_torch(self.root / body["file"], body["bytes"], body["sha256"], map_location,
+        return self.ops.load_torch(self.root / body["file"], body["bytes"], body["digest"], map_location,
                                    weights_only)
 
     def copy_from(self, source: CheckpointFolder, name: str, version: int) -> bool:
-        """Copy one version from `source` (sha256 checked), record last; False if it is gone there."""
+        """Copy one version from `source` (its digest checked), record last; False if it is gone there."""
         raw = source.record_bytes(name, version)
         if raw is None:
             return False                          # pruned already: a newer version supersedes it
@@ -98,7 +103,7 @@ class CheckpointFolder:
         if data is None:
             return False
         try:
-            self.ops.write_atomic(self.root / body["file"], [data], expect_sha256=body["sha256"])
+            self.ops.write_atomic(self.root / body["file"], [data], expect_digest=body["digest"])
         except ValueError as exc:
             raise StateError(f"{source.side} checkpoint {body['file']} changed or is corrupt: {exc}") from None
         self.ops.write_atomic(self.root / f"{stem(name, version)}.json", [raw])
@@ -110,9 +115,10 @@ class CheckpointFolder:
             with contextlib.suppress(FileNotFoundError):
                 self.ops.unlink(self.root / f"{stem(name, version)}{suffix}")
 
-    def _write_record(self, name: str, version: int, file: str, nbytes: int, sha256: str) -> None:
-        body = {"name": name, "version": version, "file": file, "bytes": nbytes, "sha256": sha256,
-                "created": time.time()}
+    def _write_record(self, name: str, version: int, file: str, nbytes: int, digest: str) -> None:
+        algorithm = algorithm_of(digest)
+        body = {"name": name, "version": version, "file": file, "bytes": nbytes,
+                algorithm: digest.removeprefix(f"{algorithm}:"), "created": time.time()}
         self.ops.write_atomic(self.root / f"{stem(name, version)}.json",
                               [manifest_bytes(CHECKPOINT_KIND, body, version=CHECKPOINT_VERSION)])
 
@@ -146,9 +152,13 @@ def versions_in(entries: Iterable[str], name: str) -> list[int]:
 
 
 def _record_body(raw: bytes, name: str, version: int) -> dict:
-    body = parse_manifest(raw, CHECKPOINT_KIND, versions=(CHECKPOINT_VERSION,),
-                          where=f"{stem(name, version)}.json").body
+    """The record's body, with `digest` (`atomic.digest_string`) from its xxh3_128 or (version 2) sha256."""
+    where = f"{stem(name, version)}.json"
+    body = parse_manifest(raw, CHECKPOINT_KIND, versions=READABLE_VERSIONS, where=where).body
     if body.get("name") != name or body.get("version") != version or not isinstance(body.get("file"), str) \
             or Path(body["file"]).name != body["file"]:
-        raise ManifestDamaged(f"{stem(name, version)}.json describes another checkpoint")
-    return body
+        raise ManifestDamaged(f"{where} describes another checkpoint")
+    algorithm = "xxh3_128" if "xxh3_128" in body else "sha256"
+    if not isinstance(body.get(algorithm), str):
+        raise ManifestDamaged(f"{where} has no digest of its file")
+    return {**body, "digest": digest_string(algorithm, body[algorithm])}

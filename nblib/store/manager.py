@@ -1,7 +1,7 @@
 """One checkpoint manager for encoding and training: versioned saves local first, a mirror behind them.
 
 `CheckpointManager` owns a folder of checkpoint series (`checkpoints.py`: `<name>-000001.pt` plus its
-sha256 record, written last) and, optionally, a mirror folder (a Drive folder, or a bucket through
+record of size and digest, written last) and, optionally, a mirror folder (a Drive folder, or a bucket through
 the `mirror_ops` the caller passes) that the `mirror.Mirror` thread fills. `DurableStore` (encode)
 and `train.store.TrainStore` are both built on it, so both get, from one place: the claim of the
 mirror folder for the run's `identity` (`identity.py`: a second run on the mirror is refused at
@@ -40,7 +40,7 @@ from .checkpoints import CheckpointFolder, Loaded, load_latest
 from .deadline import DeadlineOps, MirrorStalled, Stall, call_within, mirror_deadline
 from .identity import claim
 from .mirror import CopyCheckpoint, Mirror, MirrorStatus, MirrorWarning, Retention, Sides
-from .parts import FileOps, PartFolder
+from .parts import FileOps, LocalFileOps, PartFolder
 from .retention import checkpoints_to_drop
 from .retry import Retrier, RetryingOps
 from .staging import BackgroundWriter, HostStaging
@@ -96,7 +96,7 @@ class CheckpointManager:
         self.local_dir.mkdir(parents=True, exist_ok=True)
         if writer and clean_temporaries and (removed := remove_temporaries(self.local_dir)):   # a SIGKILL mid-write
             log.info("removed %d half-written temporaries a killed run left in %s", removed, self.local_dir)
-        self.local = CheckpointFolder(self.local_dir, FileOps(), "local")
+        self.local = CheckpointFolder(self.local_dir, LocalFileOps(), "local")
         self.local_parts = PartFolder(self.local_dir, FileOps(), "local")
         self.remote: CheckpointFolder | None = None       # the mirror, read from the caller's thread
         self.reads: FileOps | None = None                 # its ops: retried, each call with the deadline

@@ -3,7 +3,7 @@
 Work items are small frozen dataclasses in a backlog. Each is retried on OSError with
 exponential backoff (and a remount on Errno 107); an item that still fails stays first in the
 backlog, the run continues locally, and the mirror tries again on the next write, on flush(), or
-every `retry_interval_s`. Copies go through AtomicWriter with the expected sha256 and are read
+every `retry_interval_s`. Copies go through AtomicWriter with the expected digest and are read
 back. When the backlog drains, an `Audit` lists the mirror: parts it held before and no longer
 holds (a mirror folder deleted mid-run) are copied again, so "caught up" means "all there".
 The trade-off: the newest parts live only locally until the mirror catches up (`parts_pending`).

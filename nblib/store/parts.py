@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import hashlib
 import io
+import mmap
 import os
 import re
 import secrets
@@ -30,8 +30,11 @@ from nblib.atomic import (
     TMP_PREFIX,
     AtomicWriter,
     WrittenFile,
+    algorithm_of,
     atomic_torch_save,
+    digest_string,
     fsync_dir,
+    new_hash,
     npy_header,
     sha256_file,
     sha256_json,
@@ -40,14 +43,15 @@ from nblib.errors import ConfigError, ManifestDamaged, StateError
 from nblib.manifest import manifest_bytes, parse_manifest
 
 __all__ = [
-    "CHUNK", "PART_FILE", "PART_KIND", "PART_VERSION", "DamagedCopy", "FileEntry", "FileOps", "PartFolder",
-    "PartInfo", "VerifyLevel", "check_name", "is_plain_name",
+    "CHECKPOINT_HASH", "CHUNK", "PART_FILE", "PART_KIND", "PART_VERSION", "DamagedCopy", "FileEntry", "FileOps",
+    "LocalFileOps", "PartFolder", "PartInfo", "VerifyLevel", "check_name", "is_plain_name",
 ]
 
 PART_KIND = "nblib.store.part"
 PART_VERSION = 2
 PART_FILE = "part.json"
 CHUNK = 8 << 20
+CHECKPOINT_HASH = "xxh3_128"     # what a torch checkpoint's record checks (atomic.new_hash says why not sha256)
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -164,27 +168,44 @@ class FileOps:
         with contextlib.suppress(OSError):
             self.fsync_dir(path.parent)
 
-    def write_atomic(self, path: Path, blocks: Iterable, expect_sha256: str | None = None) -> WrittenFile:
-        """Write `blocks` to `path` through AtomicWriter (temporary, fsync, rename, fsync folder)."""
-        with AtomicWriter(path) as writer:
+    def write_atomic(self, path: Path, blocks: Iterable, expect_digest: str | None = None, *,
+                     algorithm: str = "sha256") -> WrittenFile:
+        """Write `blocks` to `path` through AtomicWriter (temporary, fsync, rename, fsync folder).
+
+        Hashed with `algorithm`, or with the algorithm of `expect_digest`, which the bytes must match.
+        """
+        if expect_digest is not None:
+            algorithm = algorithm_of(expect_digest)
+        with AtomicWriter(path, algorithm=algorithm) as writer:
             for block in blocks:
                 writer.write(block)
-            return writer.commit(expect_sha256)
+            return writer.commit(expect_digest)
 
     def write_torch(self, path: Path, obj, *, sync_dir: bool = True) -> WrittenFile:
-        """torch.save `obj` to `path` atomically (atomic.atomic_torch_save: no in-memory copy)."""
-        return atomic_torch_save(obj, path, sync_dir=sync_dir)
+        """torch.save `obj` to `path` atomically (atomic.atomic_torch_save: no in-memory copy), as a checkpoint:
+        hashed with CHECKPOINT_HASH, without torch's zip CRCs (the record's digest covers every byte).
+        """
+        return atomic_torch_save(obj, path, sync_dir=sync_dir, algorithm=CHECKPOINT_HASH, zip_crc32=False)
 
-    def load_torch(self, path: Path, nbytes: int, sha256: str, map_location="cpu", weights_only: bool = True):
-        """torch.load `path` while a thread hashes it (through `open`); StateError unless size and sha256 match.
+    maps_files = False     # LocalFileOps: load checkpoints as copy-on-write maps of their files
 
-        The load and the hash read the file side by side (both release the GIL): a load costs the
-        longer of the two, not their sum. A mismatch discards what was loaded.
+    def load_torch(self, path: Path, nbytes: int, digest: str, map_location="cpu", weights_only: bool = True):
+        """torch.load `path` once its size and digest (`atomic.digest_string`) match; StateError otherwise.
+
+        Where the ops map files (`maps_files`, a local disk filesystem), the file is hashed through a
+        memory map, then loaded as one (`torch.load(mmap=True)`): the checked pages are what the
+        tensors map, copied only where written. Elsewhere torch.load and the hash (through `open`)
+        read the file side by side (both release the GIL), and a mismatch discards what was loaded.
         """
         import torch
 
+        algorithm = algorithm_of(digest)
+        if self.maps_files and maps_safely(path):
+            _check(path, _mapped_digest(path, algorithm), nbytes, digest)
+            return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=True)
         box: dict = {}
-        hasher = threading.Thread(target=_hash_into, args=(self, path, box), name="nblib-load-hash", daemon=True)
+        hasher = threading.Thread(target=_hash_into, args=(self, path, box, algorithm), name="nblib-load-hash",
+                                  daemon=True)
         hasher.start()
         try:
             obj = torch.load(path, map_location=map_location, weights_only=weights_only)
@@ -192,10 +213,7 @@ class FileOps:
             hasher.join()
         if "error" in box:
             raise box["error"]
-        if box["bytes"] != nbytes:
-            raise StateError(f"{path.name} has {box['bytes']} bytes, its record says {nbytes}")
-        if box["sha256"] != sha256:
-            raise StateError("sha256 differs from its record")
+        _check(path, (box["digest"], box["bytes"]), nbytes, digest)
         return obj
 
     def read_bytes(self, path: Path) -> bytes | None:
@@ -349,7 +367,7 @@ class PartFolder:
         for key, entry in src.files.items():
             try:
                 written = self.ops.write_atomic(folder / entry.file, _read_blocks(source.ops, src.path / entry.file),
-                                                expect_sha256=entry.sha256)
+                                                expect_digest=entry.sha256)
             except ValueError as exc:            # the local bytes no longer match their record
                 raise StateError(f"{source.side} copy of {name}/{entry.file} changed or is corrupt: {exc}") from None
             if verify_readback and self.ops.sha256(written.path) != entry.sha256:
@@ -463,14 +481,66 @@ def _created(raw: bytes) -> float:
         return float("-inf")
 
 
-def _hash_into(ops: FileOps, path: Path, box: dict) -> None:
-    """box['sha256'] and box['bytes'] of the file at `path` read through `ops`, or box['error']."""
+def _hash_into(ops: FileOps, path: Path, box: dict, algorithm: str = "sha256") -> None:
+    """box['digest'] and box['bytes'] of the file at `path` read through `ops`, or box['error']."""
     try:
-        digest, nbytes = hashlib.sha256(), 0
+        digest, nbytes = new_hash(algorithm), 0
         with ops.open(path, "rb") as f:
             while block := f.read(CHUNK):
                 digest.update(block)
                 nbytes += len(block)
-        box["sha256"], box["bytes"] = digest.hexdigest(), nbytes
+        box["digest"], box["bytes"] = digest_string(algorithm, digest.hexdigest()), nbytes
     except BaseException as exc:
         box["error"] = exc
+
+
+def _mapped_digest(path: Path, algorithm: str) -> tuple[str, int]:
+    """(digest, bytes) of the file at `path`, hashed through a read-only memory map (no copy)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        h = new_hash(algorithm)
+        if size:
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+                h.update(mapped)
+        return digest_string(algorithm, h.hexdigest()), size
+
+
+def _check(path: Path, found: tuple[str, int], nbytes: int, digest: str) -> None:
+    if found[1] != nbytes:
+        raise StateError(f"{path.name} has {found[1]} bytes, its record says {nbytes}")
+    if found[0] != digest:
+        raise StateError(f"{algorithm_of(digest)} differs from its record")
+
+
+# Filesystems whose files map safely: a read error there is an I/O error of the local disk, not a
+# network mount that drops (a FUSE mount such as Drive's can fail a mapped page with SIGBUS).
+MAPPABLE_FILESYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "tmpfs", "overlay", "zfs"})
+
+
+def maps_safely(path: Path) -> bool:
+    """True when `path` is on a local disk filesystem (Linux /proc/self/mountinfo), so mmap is safe."""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            mounts = [line.split() for line in f]
+    except OSError:
+        return False
+    target, best, fstype = os.path.realpath(path), "", None
+    for fields in mounts:
+        if "-" not in fields:
+            continue
+        point = fields[4].replace("\\040", " ")
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, fstype = point, fields[fields.index("-") + 1]
+    return fstype in MAPPABLE_FILESYSTEMS
+
+
+class LocalFileOps(FileOps):
+    """FileOps of the run's own folder: checkpoints load mapped where the filesystem is a local disk.
+
+    A loaded state's tensors then map the checked file copy-on-write. nblib never writes a committed
+    checkpoint in place (every write is a new file renamed over nothing), so the pages stay what was
+    checked; a process that wrote into the file afterwards would change the state it maps.
+    """
+
+    maps_files = True

@@ -131,16 +131,17 @@ class WrappedOps(FileOps):
     def fsync_dir(self, path):
         return self._call(f"sync {path.name}", lambda: self.inner.fsync_dir(path))
 
-    def load_torch(self, path, nbytes, sha256, map_location="cpu", weights_only=True):
+    def load_torch(self, path, nbytes, digest, map_location="cpu", weights_only=True):
         return self._call(f"read {path.name}",
-                          lambda: self.inner.load_torch(path, nbytes, sha256, map_location, weights_only))
+                          lambda: self.inner.load_torch(path, nbytes, digest, map_location, weights_only))
 
     def create_exclusive(self, path, data):
         return self._call(f"create {path.name}", lambda: self.inner.create_exclusive(path, data))
 
-    def write_atomic(self, path, blocks, expect_sha256=None):
+    def write_atomic(self, path, blocks, expect_digest=None, *, algorithm="sha256"):
         blocks = list(blocks)
-        return self._call(f"write {path.name}", lambda: self.inner.write_atomic(path, blocks, expect_sha256))
+        return self._call(f"write {path.name}",
+                          lambda: self.inner.write_atomic(path, blocks, expect_digest, algorithm=algorithm))
 
 
 class RetryingOps(WrappedOps):

@@ -3,7 +3,7 @@
 `mirror_target(url_or_dir)` gives (root, ops) for the store's `Mirror` thread: a plain folder (a
 Drive mount) keeps the real filesystem calls; a URL gets `FsspecOps` over `fsspec.filesystem`.
 Object stores have no rename: an object appears whole when its PUT completes, so `write_atomic`
-checks the bytes' sha256 first and then PUTs them in one request (what AtomicWriter's temporary
+checks the bytes' digest first and then PUTs them in one request (what AtomicWriter's temporary
 file plus rename gives on a disk). Listings are not cached, so the mirror sees deletions at once.
 `s3://` needs s3fs and `gs://` gcsfs (both pinned; a missing one is named in the error).
 `check_run_folders` refuses, before a run writes, a mirror that would not be a second copy (an
@@ -24,15 +24,14 @@ from __future__ import annotations
 
 import errno
 import functools
-import hashlib
 import logging
 import os
 import re
 from pathlib import Path, PurePosixPath
 
-from nblib.atomic import WrittenFile
+from nblib.atomic import WrittenFile, algorithm_of, digest_bytes, torch_zip_crc32
 from nblib.errors import ConfigError, InputError
-from nblib.store.parts import FileOps
+from nblib.store.parts import CHECKPOINT_HASH, FileOps
 
 URL = re.compile(r"^([a-z][a-z0-9+.-]*)://(.+)$")
 PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
@@ -268,8 +267,8 @@ class FsspecOps(FileOps):
         except FileNotFoundError:
             return None
 
-    def load_torch(self, path, nbytes: int, sha256: str, map_location="cpu", weights_only: bool = True):
-        """One GET of the object, checked against its record (size, sha256), then torch.load from memory."""
+    def load_torch(self, path, nbytes: int, digest: str, map_location="cpu", weights_only: bool = True):
+        """One GET of the object, checked against its record (size, digest), then torch.load from memory."""
         import io
 
         import torch
@@ -280,19 +279,20 @@ class FsspecOps(FileOps):
         if data is None or len(data) != nbytes:
             got = 0 if data is None else len(data)
             raise StateError(f"{Path(path).name} has {got} bytes, its record says {nbytes}")
-        if hashlib.sha256(data).hexdigest() != sha256:
-            raise StateError("sha256 differs from its record")
+        if digest_bytes(data, algorithm_of(digest)) != digest:
+            raise StateError(f"{algorithm_of(digest)} differs from its record")
         return torch.load(io.BytesIO(data), map_location=map_location, weights_only=weights_only)
 
     def write_torch(self, path, obj, *, sync_dir: bool = True) -> WrittenFile:
-        """torch.save into memory, then one PUT."""
+        """torch.save into memory (a checkpoint: no zip CRCs, CHECKPOINT_HASH), then one PUT."""
         import io
 
         import torch
 
         buffer = io.BytesIO()
-        torch.save(obj, buffer)
-        return self.write_atomic(path, [buffer.getbuffer()])
+        with torch_zip_crc32(False):
+            torch.save(obj, buffer)
+        return self.write_atomic(path, [buffer.getbuffer()], algorithm=CHECKPOINT_HASH)
 
     def create_exclusive(self, path, data: bytes) -> None:
         """Create the object `path` unless it exists (FileExistsError): a conditional PUT (If-None-Match)
@@ -309,13 +309,14 @@ class FsspecOps(FileOps):
             raise FileExistsError(17, "object exists", str(path))
         self.fs.pipe_file(str(path), data)
 
-    def write_atomic(self, path, blocks, expect_sha256: str | None = None) -> WrittenFile:
-        """One PUT of the whole object, after its sha256 matched `expect_sha256` (if given)."""
+    def write_atomic(self, path, blocks, expect_digest: str | None = None, *,
+                     algorithm: str = "sha256") -> WrittenFile:
+        """One PUT of the whole object, after its digest matched `expect_digest` (if given; its algorithm)."""
         blocks = list(blocks)
         data = bytes(blocks[0]) if len(blocks) == 1 else b"".join(bytes(b) for b in blocks)
-        digest = hashlib.sha256(data).hexdigest()
-        if expect_sha256 is not None and digest != expect_sha256:
-            raise ValueError(f"{Path(path).name}: the bytes hash to {digest[:12]}..., expected {expect_sha256[:12]}...")
+        digest = digest_bytes(data, algorithm_of(expect_digest) if expect_digest is not None else algorithm)
+        if expect_digest is not None and digest != expect_digest:
+            raise ValueError(f"{Path(path).name}: the bytes hash to {digest[:21]}..., expected {expect_digest[:21]}...")
         self.fs.pipe_file(str(path), data)
         return WrittenFile(Path(path), len(data), digest, 0)
 

@@ -2,7 +2,7 @@
 `nblib.store.CheckpointManager`, the checkpoint manager encode uses too.
 
 Every `save_every` steps the state is written to RUN/checkpoints as `state-<step>.pt` plus its
-manifest record (atomic, sha256, record last); every `backup_every` steps that version is queued for
+manifest record (atomic, xxh3_128 digest, record last); every `backup_every` steps that version is queued for
 the mirror, whose thread copies it with retries, remounts and stall handling: training never waits
 for Drive or the bucket, and `durability()` says which step is only local. The manager claims the
 mirror folder for the run's identity (`mirror.json`: a second run on the same mirror is refused,
