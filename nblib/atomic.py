@@ -228,12 +228,16 @@ def atomic_torch_save(obj, path: str | Path, *, sync_dir: bool = True, algorithm
                 torch.save(obj, tmp)
             start_writeback(f.fileno(), 0, 0)
             box: dict = {}
-            hasher = threading.Thread(target=_hash_fd, args=(f.fileno(), box, algorithm), name="nblib-save-hash")
-            hasher.start()
-            try:
+            if os.fstat(f.fileno()).st_size < WRITEBACK_BYTES:      # a thread would cost more than it overlaps
+                _hash_fd(f.fileno(), box, algorithm)
                 os.fsync(f.fileno())
-            finally:
-                hasher.join()
+            else:
+                hasher = threading.Thread(target=_hash_fd, args=(f.fileno(), box, algorithm), name="nblib-save-hash")
+                hasher.start()
+                try:
+                    os.fsync(f.fileno())
+                finally:
+                    hasher.join()
         if "error" in box:
             raise box["error"]
         os.replace(tmp, path)
@@ -256,13 +260,17 @@ def torch_zip_crc32(compute: bool):
     return config.patch({"save.compute_crc32": False})
 
 
-def _hash_fd(fd: int, box: dict, algorithm: str = "sha256", chunk: int = 8 << 20) -> None:
-    """box['digest'] and box['bytes'] of the open file `fd` (positional reads), or box['error']."""
+def _hash_fd(fd: int, box: dict, algorithm: str = "sha256", chunk: int = 1 << 20) -> None:
+    """box['digest'] and box['bytes'] of the open file `fd` (positional reads into one reused 1 MiB buffer,
+    so the hash holds no copy of the file), or box['error'].
+    """
     try:
         digest, offset = new_hash(algorithm), 0
-        while block := os.pread(fd, chunk, offset):
-            digest.update(block)
-            offset += len(block)
+        buffer = bytearray(chunk)
+        view = memoryview(buffer)
+        while n := os.preadv(fd, [buffer], offset):
+            digest.update(view[:n])
+            offset += n
         box["digest"], box["bytes"] = digest_string(algorithm, digest.hexdigest()), offset
     except BaseException as exc:
         box["error"] = exc

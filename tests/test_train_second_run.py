@@ -218,7 +218,7 @@ def test_the_next_async_save_waits_for_the_write_in_flight_before_it_stages(tmp_
 
     manager = CheckpointManager(tmp_path / "run")
     release, order = threading.Event(), []
-    original_save, original_stage = manager.local.save, manager._staging.stage
+    original_save, original_begin = manager.local.save, manager._staging.begin
 
     def held(obj, name, version):
         if version == 1:
@@ -226,11 +226,11 @@ def test_the_next_async_save_waits_for_the_write_in_flight_before_it_stages(tmp_
         order.append(f"wrote {version}")
         return original_save(obj, name, version)
 
-    def stage(obj):
+    def begin(obj):
         order.append("staged")
-        return original_stage(obj)
+        return original_begin(obj)
 
-    manager.local.save, manager._staging.stage = held, stage
+    manager.local.save, manager._staging.begin = held, begin
     state = {"w": torch.ones(4)}
     manager.save({"state": state}, 1, blocking=False)
     second = threading.Thread(target=lambda: manager.save({"state": state}, 2, blocking=False))

@@ -18,6 +18,7 @@ may keep the record without its file; that version then reads as damaged and the
 from __future__ import annotations
 
 import contextlib
+import pickle
 import re
 import time
 from collections.abc import Iterable
@@ -28,7 +29,7 @@ from nblib.atomic import algorithm_of, digest_string
 from nblib.errors import ManifestDamaged, StateError
 from nblib.manifest import manifest_bytes, parse_manifest
 
-from .parts import DamagedCopy, FileOps, check_name
+from .parts import CHECKPOINT_HASH, DamagedCopy, FileOps, check_name
 
 CHECKPOINT_KIND = "nblib.store.checkpoint"
 CHECKPOINT_VERSION = 3
@@ -120,7 +121,8 @@ class CheckpointFolder:
         body = {"name": name, "version": version, "file": file, "bytes": nbytes,
                 algorithm: digest.removeprefix(f"{algorithm}:"), "created": time.time()}
         self.ops.write_atomic(self.root / f"{stem(name, version)}.json",
-                              [manifest_bytes(CHECKPOINT_KIND, body, version=CHECKPOINT_VERSION)])
+                              [manifest_bytes(CHECKPOINT_KIND, body, version=CHECKPOINT_VERSION)],
+                              algorithm=CHECKPOINT_HASH)
 
 
 def load_latest(folders: list[CheckpointFolder], name: str, map_location="cpu",
@@ -137,7 +139,7 @@ def load_latest(folders: list[CheckpointFolder], name: str, map_location="cpu",
             try:
                 obj = folder.load(record, name, version, map_location, weights_only)
                 return Loaded(obj, damaged, versions[0], version)
-            except (ValueError, KeyError, TypeError, OSError, RuntimeError, EOFError) as exc:
+            except (ValueError, KeyError, TypeError, OSError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
                 damaged.append(DamagedCopy(stem(name, version), folder.side, f"{type(exc).__name__}: {exc}"))
     return Loaded(None, damaged, versions[0] if versions else 0)
 
@@ -152,13 +154,15 @@ def versions_in(entries: Iterable[str], name: str) -> list[int]:
 
 
 def _record_body(raw: bytes, name: str, version: int) -> dict:
-    """The record's body, with `digest` (`atomic.digest_string`) from its xxh3_128 or (version 2) sha256."""
+    """The record's body, with `digest` (`atomic.digest_string`) from its xxh3_128 (version 3) or sha256 (2)."""
     where = f"{stem(name, version)}.json"
-    body = parse_manifest(raw, CHECKPOINT_KIND, versions=READABLE_VERSIONS, where=where).body
+    record = parse_manifest(raw, CHECKPOINT_KIND, versions=READABLE_VERSIONS, where=where)
+    body = record.body
     if body.get("name") != name or body.get("version") != version or not isinstance(body.get("file"), str) \
             or Path(body["file"]).name != body["file"]:
         raise ManifestDamaged(f"{where} describes another checkpoint")
-    algorithm = "xxh3_128" if "xxh3_128" in body else "sha256"
-    if not isinstance(body.get(algorithm), str):
-        raise ManifestDamaged(f"{where} has no digest of its file")
-    return {**body, "digest": digest_string(algorithm, body[algorithm])}
+    algorithm, hex_length = ("xxh3_128", 32) if record.version == 3 else ("sha256", 64)
+    value = body.get(algorithm)
+    if not isinstance(value, str) or not re.fullmatch(f"[0-9a-f]{{{hex_length}}}", value):
+        raise ManifestDamaged(f"{where} has no {algorithm} of its file")
+    return {**body, "digest": digest_string(algorithm, value)}

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -106,6 +107,7 @@ class CheckpointManager:
         self.loaded: dict[str, tuple[int, str]] = {}      # name -> (version, side) load_newest returned
         self._queued: dict[str, int] = {}                 # name -> newest version queued for the mirror
         self._pending: Future | None = None
+        self._ready: threading.Event | None = None        # set once the save in flight holds its snapshot
         self._writer: BackgroundWriter | None = None
         self._staging = HostStaging()
         self.last_wait_s = 0.0                            # what the last save waited for the write before it
@@ -136,12 +138,16 @@ class CheckpointManager:
     # ------------------------------------------------------------------------------ saving
 
     def save(self, objects: dict[str, Any], version: int, *, backup: bool = True, blocking: bool = True,
-             backup_also: tuple[str, ...] = ()) -> Future:
+             backup_also: tuple[str, ...] = (), defer=()) -> Future:
         """Write each object (None: skipped) as version `version` of its name, in order; queue them (and the
         newest version of each `backup_also` name) for the mirror when `backup`; prune. The write's Future.
 
         The write in flight is waited for first (`last_wait_s`), its error raised here. `blocking=False`
-        stages the tensors into host buffers now and writes on the background thread.
+        stages the tensors into host buffers now and writes on the background thread. `defer` (with
+        `blocking=False`): tensors the caller will not change before it calls `fence()` (training: the
+        optimizer's parameters and moments, which only its next step changes, behind a step pre-hook);
+        their copies, and the rebuilding of the containers, then run on the writer's thread too, so the
+        caller must not change any container of `objects` either before `fence()` returns.
         """
         self.last_wait_s = self.wait()
         objects = {name: obj for name, obj in objects.items() if obj is not None}
@@ -150,13 +156,39 @@ class CheckpointManager:
             self._write(self._on_host(objects), version, backup, backup_also)
             future.set_result(None)
             return future
-        staged = self._staging.stage(objects)
+        staged = self._staging.begin(objects)
+        later = deferrable(staged, defer)
+        staged.copy([key for key in staged.storages if key not in later])
+        events = staged.cuda_events() if later else None
+        snapshot = None if later else staged.build()
+        ready = self._ready = threading.Event()
+        if not later:
+            ready.set()
+
+        def write() -> None:
+            obj = snapshot
+            if obj is None:
+                try:
+                    staged.copy_after(events, later)
+                    obj = staged.build()
+                finally:
+                    ready.set()
+            self._write(obj, version, backup, backup_also)
+
         if self._writer is None:
             self._writer = BackgroundWriter()
-        self._pending = self._writer.submit(lambda: self._write(staged, version, backup, backup_also),
-                                            f"(raised by the background write of {'/'.join(objects)} of "
-                                            f"{self.version_label} {version})")
+        self._pending = self._writer.submit(write, f"(raised by the background write of {'/'.join(objects)} of "
+                                                   f"{self.version_label} {version})")
         return self._pending
+
+    def fence(self) -> float:
+        """Block until the save in flight holds its snapshot (its deferred copies done); the seconds waited."""
+        ready = self._ready
+        if ready is None or ready.is_set():
+            return 0.0
+        start = time.perf_counter()
+        ready.wait()
+        return time.perf_counter() - start
 
     def wait(self) -> float:
         """Block until the write in flight ended; raise its error. The seconds waited."""
@@ -197,11 +229,16 @@ class CheckpointManager:
                 self.enqueue_newest(name)
 
     def _on_host(self, objects: dict) -> dict:
-        """`objects` itself when every tensor is on the CPU, else staged (what torch.save writes: host storages)."""
+        """`objects` itself when every tensor is on the CPU, else staged (what torch.save writes: host storages).
+
+        Without an initialized CUDA context no tensor can be on a CUDA device: nothing to walk.
+        """
         import torch
 
         from .staging import _storages_and_tensors
 
+        if not torch.cuda.is_initialized():
+            return objects
         storages, _ = _storages_and_tensors(objects, torch)
         return objects if all(s.device.type == "cpu" for s in storages.values()) else self._staging.stage(objects)
 
@@ -279,6 +316,14 @@ def claim_or_warn(ops: FileOps, mirror_dir: Path, identity: dict, local_dir: Pat
     except MirrorStalled as exc:
         warnings.warn(f"{exc}; the mirror thread claims {mirror_dir} for this run before its first copy",
                       MirrorWarning, stacklevel=3)
+
+
+def deferrable(staged, tensors) -> set:
+    """The keys of `staged`'s storages that `tensors` (what the caller defers) hold (matched by address)."""
+    by_address = {key[2]: key for key in staged.storages if key[0] != "empty"}
+    found = {by_address.get(t.untyped_storage().data_ptr()) for t in tensors}
+    found.discard(None)
+    return found
 
 
 def check_knobs(local: Path, mirror: Path | None, **knobs) -> None:

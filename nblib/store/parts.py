@@ -195,7 +195,8 @@ class FileOps:
         Where the ops map files (`maps_files`, a local disk filesystem), the file is hashed through a
         memory map, then loaded as one (`torch.load(mmap=True)`): the checked pages are what the
         tensors map, copied only where written. Elsewhere torch.load and the hash (through `open`)
-        read the file side by side (both release the GIL), and a mismatch discards what was loaded.
+        read the file side by side (both release the GIL); a mismatch discards what was loaded, and is
+        what is raised when the load itself failed on the damaged bytes.
         """
         import torch
 
@@ -207,13 +208,18 @@ class FileOps:
         hasher = threading.Thread(target=_hash_into, args=(self, path, box, algorithm), name="nblib-load-hash",
                                   daemon=True)
         hasher.start()
+        obj, failed = None, None
         try:
             obj = torch.load(path, map_location=map_location, weights_only=weights_only)
+        except Exception as exc:          # a corrupt file can fail to unpickle: its digest says why
+            failed = exc
         finally:
             hasher.join()
         if "error" in box:
             raise box["error"]
         _check(path, (box["digest"], box["bytes"]), nbytes, digest)
+        if failed is not None:
+            raise failed
         return obj
 
     def read_bytes(self, path: Path) -> bytes | None:

@@ -5,12 +5,15 @@ allocated once and reuses while the storages keep their sizes (pinned memory whe
 on CUDA, copied non-blocking, then one stream sync), and rebuilds the containers around views of
 them (`copy.deepcopy` with the tensors memoized, so state-dict metadata and shared storages stay
 as they were): `torch.save` of the result writes the bytes a synchronous save of host tensors
-writes. `BackgroundWriter.submit(fn)` runs `fn` on one daemon thread, in order, and returns a
+writes. `begin(obj)` splits that up (`Staged`): a deferred save copies on the loop's thread only what
+the next step may change before its optimizer step, and the rest on the writer's thread.
+`BackgroundWriter.submit(fn)` runs `fn` on one daemon thread, in order, and returns a
 `concurrent.futures.Future`; an exception travels in the future (torchtitan's
 `CheckpointManager` pattern) and the job's references are dropped when it ends, failed or not.
 Trade-off: the buffers stay allocated between saves (one snapshot of host RAM, pinned on CUDA)
-to make the loop's block a memcpy; the caller must wait for the previous write before staging
-the next (`CheckpointManager.save` does), since the write reads the same buffers.
+to make the loop's block a memcpy (or, deferred, a walk of the state); the caller must wait for the
+previous write before staging the next (`CheckpointManager.save` does), since the write reads the
+same buffers.
 """
 from __future__ import annotations
 
@@ -31,25 +34,18 @@ class HostStaging:
 
     def stage(self, obj):
         """A copy of `obj` whose tensors are views of this staging's host buffers (see the module docstring)."""
+        staged = self.begin(obj)
+        staged.copy(staged.storages)
+        return staged.build()
+
+    def begin(self, obj) -> Staged:
+        """The buffers of `obj`'s storages, fitted now; the copies and the rebuilt object follow (`Staged`)."""
         import torch
 
         storages, tensors = _storages_and_tensors(obj, torch)
-        buffers = self._fit([(s.nbytes(), s.device.type != "cpu") for s in storages.values()], torch)
-        index = {key: i for i, key in enumerate(storages)}
-        for storage, buffer in zip(storages.values(), buffers):
-            buffer.copy_(storage, non_blocking=storage.device.type == "cuda")
-        if any(s.device.type == "cuda" for s in storages.values()):
-            torch.cuda.synchronize()      # the pinned copies are complete before the writer reads them
-        memo = {}
-        for key, tensor in tensors:
-            staged = torch.empty(0, dtype=tensor.dtype).set_(buffers[index[key]], tensor.storage_offset(),
-                                                              tensor.size(), tensor.stride())
-            if isinstance(tensor, torch.nn.Parameter):      # what torch.save records: the type and the flag
-                staged = torch.nn.Parameter(staged, requires_grad=tensor.requires_grad)
-            elif tensor.requires_grad:
-                staged.requires_grad_(True)
-            memo[id(tensor)] = staged
-        return copy.deepcopy(obj, memo)
+        buffers = self._fit([(key[3], key[0] != "cpu") if key[0] != "empty" else (0, False) for key in storages],
+                            torch)
+        return Staged(obj, storages, tensors, dict(zip(storages, buffers)), torch)
 
     def release(self) -> None:
         """Free the buffers (the next stage allocates them again)."""
@@ -70,6 +66,76 @@ class HostStaging:
             self.allocations += 1
         self._buffers = list(zip(wanted, fitted))
         return fitted
+
+
+class Staged:
+    """One state being staged: its storages, each with its host buffer; `copy` fills buffers, `build` rebuilds.
+
+    A deferred save copies part of the storages on the loop's thread (`copy`, with the keys that the
+    next step may change) and the rest on the writer's thread (`copy_after(events, keys)`), then
+    `build`s there. On CUDA the later copies run on a side stream of each device after the event the
+    loop recorded there at the save (`cuda_events`), so they read the tensors as they were then, while
+    the loop's next kernels run.
+    """
+
+    def __init__(self, obj, storages: dict, tensors: list, buffers: dict, torch):
+        self.obj, self.storages, self.tensors, self.buffers, self.torch = obj, storages, tensors, buffers, torch
+
+    def copy(self, keys) -> None:
+        """Copy these storages into their buffers now (CUDA: non-blocking, then each device synchronized)."""
+        devices = set()
+        for key in keys:
+            storage = self.storages[key]
+            if storage.device.type == "cuda":
+                devices.add(storage.device)
+            self.buffers[key].copy_(storage, non_blocking=storage.device.type == "cuda")
+        for device in devices:
+            self.torch.cuda.synchronize(device)   # the pinned copies are complete before the writer reads them
+
+    def cuda_events(self):
+        """{device: an event recorded now on that device's current stream} of the CUDA storages (None without):
+        what `copy_after` waits for, so it reads the tensors as they are at this call.
+        """
+        torch = self.torch
+        if not torch.cuda.is_initialized():
+            return None
+        devices = {s.device for s in self.storages.values() if s.device.type == "cuda"}
+        events = {}
+        for device in devices:
+            events[device] = torch.cuda.Event()
+            events[device].record(torch.cuda.current_stream(device))
+        return events or None
+
+    def copy_after(self, events, keys) -> None:
+        """Copy these storages on the writer's thread; a CUDA device's on a side stream of that device once its
+        event (`cuda_events`) has passed, synchronized before this returns.
+        """
+        keys = list(keys)
+        torch = self.torch
+        host = [key for key in keys if self.storages[key].device.type != "cuda"]
+        self.copy(host)
+        for device, event in (events or {}).items():
+            with torch.cuda.device(device):
+                side = torch.cuda.Stream()
+                side.wait_event(event)
+                with torch.cuda.stream(side):
+                    for key in keys:
+                        if self.storages[key].device == device:
+                            self.buffers[key].copy_(self.storages[key], non_blocking=True)
+                side.synchronize()
+
+    def build(self):
+        """`obj` rebuilt around views of the buffers (containers deep-copied, tensors memoized)."""
+        torch, memo = self.torch, {}
+        for key, tensor in self.tensors:
+            staged = torch.empty(0, dtype=tensor.dtype).set_(self.buffers[key], tensor.storage_offset(),
+                                                              tensor.size(), tensor.stride())
+            if isinstance(tensor, torch.nn.Parameter):      # what torch.save records: the type and the flag
+                staged = torch.nn.Parameter(staged, requires_grad=tensor.requires_grad)
+            elif tensor.requires_grad:
+                staged.requires_grad_(True)
+            memo[id(tensor)] = staged
+        return copy.deepcopy(self.obj, memo)
 
 
 class BackgroundWriter:
@@ -138,7 +204,12 @@ def _storages_and_tensors(obj, torch) -> tuple[dict, list]:
     def walk(value) -> None:
         if isinstance(value, torch.Tensor):
             storage = value.untyped_storage()
-            key = (_key(storage) if storage.nbytes() else ("empty", id(value)))
+            nbytes = storage.nbytes()
+            if nbytes:
+                device = storage.device
+                key = (device.type, device.index, storage.data_ptr(), nbytes)
+            else:
+                key = ("empty", id(value))
             tensors.append((key, value))
             storages.setdefault(key, storage)
         elif isinstance(value, dict):
@@ -150,10 +221,6 @@ def _storages_and_tensors(obj, torch) -> tuple[dict, list]:
 
     walk(obj)
     return storages, tensors
-
-
-def _key(storage) -> tuple:
-    return storage.device.type, storage.device.index, storage.data_ptr(), storage.nbytes()
 
 
 def _host_buffer(nbytes: int, pinned: bool, torch):

@@ -218,6 +218,8 @@ def _train(cache_dir, out, config: TrainConfig, *, mirror, progress, world, stor
                                               (model, optimizer, scheduler, scaler))
         report.start_step, report.resumed_from, report.history, report.best_step = step, source, history, best
         net, model_group = _wrap(model, world, config.device)
+        if writer:
+            store.guard(optimizer)          # async saves copy the weights and moments before its next step
         if writer and step == 0:
             report.history.append(task.evaluate(model, config, 0, float("nan")))
         stop = config.steps if stop_after is None else min(config.steps, max(step, stop_after))
@@ -228,15 +230,18 @@ def _train(cache_dir, out, config: TrainConfig, *, mirror, progress, world, stor
             seed_everything(config.seed)
         bar = _bar(progress and writer, config.steps, step)
         while step < stop:
-            tick = time.perf_counter()
+            tick, fenced = time.perf_counter(), store.fence_seconds if writer else 0.0
             torch.manual_seed(dropout_seed(config.seed, step, rank))
             loss, seen = train_step(net, optimizer, scheduler, scaler, batches, config, task.loss)
+            fenced = store.fence_seconds - fenced if writer else 0.0
+            if fenced and report.save_seconds:
+                report.save_seconds[-1] += fenced         # the save's deferred copies held this step back
             step += 1
             _check_finite(step, loss, model, config, world, out, saving=step % config.save_every == 0 or step == stop)
             if os.environ.get(SAMPLE_LOG_ENV):
                 _log_samples(out, rank, step, seen)
             report.samples += config.batch_size
-            report.step_seconds.append(time.perf_counter() - tick)
+            report.step_seconds.append(time.perf_counter() - tick - fenced)
             if writer:
                 _after_step(step, loss, model, task, config, optimizer, scheduler, scaler, identity, store, report,
                             stop)

@@ -92,15 +92,34 @@ class TrainStore:
             deadline_s=deadline_s, on_saved=self._saved, version_label="step")
         self.local = self.manager.local
         self.remote = self.manager.remote
+        self._guarded = self._hook = None
+        self.fence_seconds = 0.0          # what optimizer steps waited for a deferred snapshot, in all
 
     def save(self, state: dict, step: int, *, backup: bool, best: dict | None = None) -> float:
         """Write `state` as version `step` locally (atomic), `best` first as the best series' version `step`;
         queue both for the mirror when `backup`. Asynchronous unless `sync_save`: the tensors are staged
-        now, the files written on the writer thread. The seconds waited for the previous write.
+        now, the files written on the writer thread; with a `guard`ed optimizer, its parameters and
+        moments are copied on the writer thread too, before its next step. The seconds waited for the
+        previous write.
         """
+        defer = () if self._guarded is None else optimizer_tensors(self._guarded)
         self.manager.save({BEST: best, STATE: state}, step, backup=backup, blocking=self.sync_save,
-                          backup_also=(BEST,))
+                          backup_also=(BEST,), defer=defer)
         return self.manager.last_wait_s
+
+    def guard(self, optimizer) -> None:
+        """Let asynchronous saves copy `optimizer`'s parameters and moments after `save` returns: its next
+        `step` first waits until the save in flight holds them (a step pre-hook; `fence_seconds` adds up
+        the waits). The caller changes nothing else of a saved state before that step: the loop's forward
+        and backward change gradients and (model buffers, copied before `save` returns) nothing saved.
+        """
+        if self.sync_save or self._guarded is not None:
+            return
+        self._guarded = optimizer
+        self._hook = optimizer.register_step_pre_hook(self._fence)
+
+    def _fence(self, *_args) -> None:
+        self.fence_seconds += self.manager.fence()
 
     def wait_saves(self) -> float:
         """Wait for the write in flight; raise its error if it failed. The seconds waited."""
@@ -160,7 +179,12 @@ class TrainStore:
         where. A write that failed and was not raised yet (the run is ending on another error) is logged;
         the threads stop even when interrupted.
         """
-        self.manager.close(timeout)
+        try:
+            self.manager.close(timeout)
+        finally:
+            if self._hook is not None:
+                self._hook.remove()
+                self._guarded = self._hook = None
         return self.durability(max(self.local.versions(STATE), default=0))
 
     def _saved(self, name: str, path: Path) -> None:
@@ -178,6 +202,16 @@ class TrainStore:
             quota = {} if self.quota_bytes is None or self._mirror_dir is None else {"mirror": self.quota_bytes}
             self.watch = DiskWatch(folders, checkpoint_bytes, headroom=self.keep_last + 1, quota_bytes=quota)
         self.watch.check()
+
+
+def optimizer_tensors(optimizer) -> list:
+    """The tensors only `optimizer.step` changes: its parameters and the tensors of its per-parameter state."""
+    import torch
+
+    tensors = [p for group in optimizer.param_groups for p in group["params"]]
+    for per_param in optimizer.state.values():
+        tensors.extend(v for v in per_param.values() if isinstance(v, torch.Tensor))
+    return tensors
 
 
 def _warn(damaged) -> None:
