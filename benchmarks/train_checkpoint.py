@@ -9,7 +9,9 @@ For the smoke and t4 encoders + head with AdamW state, side by side, interleaved
                The loop then runs its next real step (forward, backward, AdamW step), whose step waits until
                those copies are done: blocking = save's return + that wait. Save time is the writer's job.
   torch.save:  torch.save(state, path) straight to the file, no fsync, no hash (what accelerate's
-               save_state does for every object but the weights; the fastest possible save)
+               save_state does for every object but the weights): the floor of a torch.save-based writer,
+               shown as block/bare; the goals compare with the tools (`peers_of`: DCP and accelerate, with
+               torch.save standing in for accelerate where accelerate is not importable)
   dcp:         torch.distributed.checkpoint.save to a folder (FileSystemWriter: one file per rank + .metadata)
   dcp-async:   torch.distributed.checkpoint.async_save: the loop blocks for DCP's staging copy
   accelerate:  Accelerator(cpu=True).save_state of the prepared model and optimizer (model.safetensors,

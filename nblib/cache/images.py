@@ -512,7 +512,7 @@ def _pass_over_done_shards(out: Path, manifest: dict, spec: CodecSpec, images: I
             with writer:
                 for image in batch:
                     writer.add(coder.encode(image), image)
-                writer.commit(expect_digest=entry["sha256"])
+                writer.commit(expect_sha256=entry["sha256"])
             record_shard_stats(out, {entry["file"]: writer.stat})
             rewritten.append(entry)
         elif state == "touched":

@@ -304,7 +304,7 @@ def rerender_shard(cache_dir: Path, manifest: dict, entry: dict, source: TextSou
     with writer:
         for blob in rendered_blobs(texts, params, spec, workers, entry["start"]):
             writer.add(blob)
-        new = writer.commit(expect_digest=entry["sha256"])
+        new = writer.commit(expect_sha256=entry["sha256"])
     record_shard_stats(cache_dir, {new["file"]: writer.stat})
     return new
 

@@ -314,7 +314,7 @@ class _ShardRun:
         if slot.writer.source_xxh3 != slot.entry["source_xxh3"]:
             slot.writer.discard()
             raise self._other_input(slot.entry, "its records differ")
-        slot.writer.commit(expect_digest=slot.entry["sha256"])
+        slot.writer.commit(expect_sha256=slot.entry["sha256"])
         record_shard_stats(self.out, {slot.entry["file"]: slot.writer.stat})
         self.repaired += 1
         self.written += 1
