@@ -74,6 +74,31 @@ def test_a_resumed_run_ends_with_the_uninterrupted_runs_weights(cache_dir, tmp_p
     assert [h["step"] for h in resumed.history] == [0, 4, 5, 8]
 
 
+def _mapped_checkpoints(run: Path) -> list[str]:
+    return [line for line in Path("/proc/self/maps").read_text().splitlines() if str(run / "checkpoints") in line]
+
+
+def test_a_resumed_run_holds_no_map_of_the_checkpoint_it_resumed_from(cache_dir, tmp_path):
+    """A local load maps its file copy-on-write; the loop gives the optimizer private moments and drops the
+    loaded state, so retention's deletion of that version frees its blocks while the run goes on.
+    """
+    from nblib.store.parts import maps_safely
+    from nblib.train.store import TrainStore
+
+    run = tmp_path / "run"
+    train(cache_dir, run, FAST, stop_after=4)
+    if not Path("/proc/self/maps").exists() or not maps_safely(run):
+        pytest.skip("needs Linux's /proc/self/maps and a local disk filesystem (loads are mapped there only)")
+    reader = TrainStore(run, start_mirror=False)
+    loaded, _ = reader.load_latest()
+    assert _mapped_checkpoints(run)                            # what a load leaves mapped by itself
+    del loaded
+    reader.close()
+    seen = []
+    train(cache_dir, run, FAST, on_step=lambda step, report: seen.append(_mapped_checkpoints(run)))
+    assert len(seen) == 4 and seen == [[]] * 4
+
+
 def test_a_resume_with_another_batch_size_or_precision_is_refused_naming_it(cache_dir, tmp_path):
     train(cache_dir, tmp_path / "run", FAST, stop_after=2)
     with pytest.raises(ResumeMismatch, match=r"batch_size=16.*batch_size=8"):

@@ -142,11 +142,27 @@ def _resume(state: dict | None, source: str, out: Path, identity: dict, plan: Ba
     check_identity(state["identity"], identity, where)
     for obj, key in zip(objects, ("model", "optimizer", "scheduler", "scaler")):
         obj.load_state_dict(state[key])
+    _own_moments(objects[1])
     step = plan.step_of(state["data_order"])
     if step != state["step"]:
         raise ResumeMismatch(f"the state's data order resumes at step {step} but it says step {state['step']}: "
                              f"it was edited; remove {out} or restore the file")
     return step, list(state["history"]), state["best"], source
+
+
+def _own_moments(optimizer) -> None:
+    """Give the optimizer private copies of its host state tensors.
+
+    A local load maps its checkpoint file copy-on-write (`nblib.store.parts.LocalFileOps`) and the optimizer
+    adopts the loaded tensors as they are; the first step would copy each of their pages anyway, and a
+    private copy now lets retention free the file's blocks once it deletes that version.
+    """
+    import torch
+
+    for per_param in optimizer.state.values():
+        for key, value in per_param.items():
+            if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+                per_param[key] = value.clone()
 
 
 def _close_store(store: TrainStore | None, report: TrainReport, mirror_timeout_s: float, lock=None) -> None:
@@ -228,6 +244,7 @@ def _train(cache_dir, out, config: TrainConfig, *, mirror, progress, world, stor
             restore_rng(state["rng"])
         else:
             seed_everything(config.seed)
+        state = None                        # the loaded state maps its checkpoint file: let the mapping go
         bar = _bar(progress and writer, config.steps, step)
         while step < stop:
             tick, fenced = time.perf_counter(), store.fence_seconds if writer else 0.0
