@@ -344,6 +344,7 @@ FAKE_MOUNTINFO = """\
 61 60 0:51 / /content/drive/scratch rw,relatime - tmpfs tmpfs rw
 62 27 0:52 / /content/my\\040disk rw,relatime - fuse.sshfs host:/x rw
 63 27 0:53 / /content/fast rw,relatime - xfs /dev/vdb rw
+64 27 0:54 / /content/tab\\011and\\134slash rw,relatime - fuse.rclone remote: rw
 27 1 254:0 / / rw,relatime shared:1 - ext4 /dev/vda rw,discard
 """   # the root comes last: the longest mount point holding a path decides, whatever the order
 
@@ -372,6 +373,7 @@ def fake_mountinfo(monkeypatch):
     ("/content/my disk/x.pt", False),              # `\040` in mountinfo is a space
     ("/content/my diskette/x.pt", True),
     ("/content/fast/x.pt", True),
+    ("/content/tab\tand\\slash/x.pt", False),     # `\011` (tab) and `\134` (backslash) decoded too
 ])
 def test_maps_safely_maps_only_files_on_local_disk_filesystems(fake_mountinfo, path, safe):
     assert maps_safely(Path(path)) is safe

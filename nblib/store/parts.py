@@ -534,7 +534,7 @@ def maps_safely(path: Path) -> bool:
     for fields in mounts:
         if "-" not in fields:
             continue
-        point = fields[4].replace("\\040", " ")
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])   # \040 is a space
         inside = target == point or target.startswith(point.rstrip("/") + "/")
         if inside and len(point) >= len(best):
             best, fstype = point, fields[fields.index("-") + 1]
