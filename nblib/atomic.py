@@ -250,14 +250,24 @@ def atomic_torch_save(obj, path: str | Path, *, sync_dir: bool = True, algorithm
     return WrittenFile(path, box["bytes"], box["digest"], path.stat().st_mtime_ns)
 
 
+_CRC_SWITCH = threading.Lock()     # one patch of torch's process-wide switch at a time: each restores its prior
+
+
+@contextlib.contextmanager
 def torch_zip_crc32(compute: bool):
-    """torch.save's CRC32 switch set to `compute` for a `with` block (a no-op where torch has no switch)."""
+    """torch.save's CRC32 switch set to `compute` for a `with` block (a no-op where torch has no switch).
+
+    Two overlapping patches on two threads would restore each other's value and leave the switch off
+    for good: nblib's patches take turns.
+    """
     import torch
 
     config = getattr(getattr(torch.utils, "serialization", None), "config", None)
     if compute or config is None:
-        return contextlib.nullcontext()
-    return config.patch({"save.compute_crc32": False})
+        yield
+        return
+    with _CRC_SWITCH, config.patch({"save.compute_crc32": False}):
+        yield
 
 
 def _hash_fd(fd: int, box: dict, algorithm: str = "sha256", chunk: int = 1 << 20) -> None:

@@ -8,6 +8,7 @@ import hashlib
 import io
 import json
 import os
+import threading
 import uuid
 import zipfile
 from pathlib import Path
@@ -25,6 +26,7 @@ from nblib.atomic import (
     digest_string,
     leftover_temporaries,
     new_hash,
+    torch_zip_crc32,
 )
 from nblib.errors import StateError
 from nblib.manifest import manifest_bytes
@@ -494,3 +496,28 @@ def test_a_checkpoint_folder_in_object_storage_skips_a_corrupted_version(tmp_pat
     assert loaded.loaded_version == 1 and loaded.damaged[0].side == "mirror"
     assert_state_equal(loaded.obj, 1)
     assert loaded.damaged[0].reason == "StateError: xxh3_128 differs from its record"
+
+
+def test_two_threads_switching_off_the_zip_crcs_leave_torchs_switch_on_when_both_are_done():
+    """Two overlapping patches would each restore the value they found: the last one out would leave it off."""
+    config = torch.utils.serialization.config
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+
+    def first():
+        with torch_zip_crc32(False):
+            a_in.set()
+            b_in.wait(0.5)                 # with the patches taking turns, the second cannot be inside now
+        a_out.set()
+
+    def second():
+        a_in.wait(5)
+        with torch_zip_crc32(False):
+            b_in.set()
+            a_out.wait(5)                  # out after the first: it would restore the "off" it found
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert config.save.compute_crc32 is True
