@@ -24,9 +24,9 @@ from typing import IO
 
 __all__ = [
     "TMP_PREFIX", "AtomicWriter", "WrittenFile", "algorithm_of", "atomic_open", "atomic_torch_save",
-    "atomic_write_bytes", "atomic_write_json", "digest_bytes", "fsync_dir", "json_bytes", "leftover_temporaries",
-    "new_hash", "npy_header", "remove_temporaries", "sha256_file", "sha256_json", "stat_fingerprint",
-    "torch_zip_crc32",
+    "atomic_write_bytes", "atomic_write_json", "digest_bytes", "file_digest", "fsync_dir", "json_bytes",
+    "leftover_temporaries", "new_hash", "npy_header", "remove_temporaries", "sha256_file", "sha256_json",
+    "stat_fingerprint", "torch_zip_crc32",
 ]
 
 TMP_PREFIX = ".tmp-"
@@ -348,13 +348,20 @@ def fsync_dir(folder: str | Path) -> None:
         os.close(fd)
 
 
-def sha256_file(path: str | Path, chunk: int = 1 << 20, open_file=open) -> str:
-    """sha256 of a file's bytes, read in 1 MiB chunks (through `open_file`, e.g. a FileOps seam)."""
-    h = hashlib.sha256()
+def file_digest(path: str | Path, algorithm: str = "sha256", chunk: int = 1 << 20,
+                open_file=open) -> tuple[str, int]:
+    """(digest string, bytes) of a file, read in `chunk`s through `open_file` (e.g. a FileOps seam)."""
+    h, nbytes = new_hash(algorithm), 0
     with open_file(path, "rb") as f:
         while block := f.read(chunk):
             h.update(block)
-    return h.hexdigest()
+            nbytes += len(block)
+    return digest_string(algorithm, h.hexdigest()), nbytes
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 20, open_file=open) -> str:
+    """sha256 of a file's bytes, read in 1 MiB chunks (through `open_file`, e.g. a FileOps seam)."""
+    return file_digest(path, "sha256", chunk, open_file)[0]
 
 
 def sha256_json(obj) -> str:

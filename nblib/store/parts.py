@@ -33,6 +33,7 @@ from nblib.atomic import (
     algorithm_of,
     atomic_torch_save,
     digest_string,
+    file_digest,
     fsync_dir,
     new_hash,
     npy_header,
@@ -490,12 +491,7 @@ def _created(raw: bytes) -> float:
 def _hash_into(ops: FileOps, path: Path, box: dict, algorithm: str = "sha256") -> None:
     """box['digest'] and box['bytes'] of the file at `path` read through `ops`, or box['error']."""
     try:
-        digest, nbytes = new_hash(algorithm), 0
-        with ops.open(path, "rb") as f:
-            while block := f.read(CHUNK):
-                digest.update(block)
-                nbytes += len(block)
-        box["digest"], box["bytes"] = digest_string(algorithm, digest.hexdigest()), nbytes
+        box["digest"], box["bytes"] = file_digest(path, algorithm, CHUNK, open_file=ops.open)
     except BaseException as exc:
         box["error"] = exc
 
