@@ -247,10 +247,10 @@ def _train(cache_dir, out, config: TrainConfig, *, mirror, progress, world, stor
         state = None                        # the loaded state maps its checkpoint file: let the mapping go
         bar = _bar(progress and writer, config.steps, step)
         while step < stop:
-            tick, fenced = time.perf_counter(), store.fence_seconds if writer else 0.0
+            tick, fenced_before = time.perf_counter(), store.fence_seconds if writer else 0.0
             torch.manual_seed(dropout_seed(config.seed, step, rank))
             loss, seen = train_step(net, optimizer, scheduler, scaler, batches, config, task.loss)
-            fenced = store.fence_seconds - fenced if writer else 0.0
+            fenced = store.fence_seconds - fenced_before if writer else 0.0
             if fenced and report.save_seconds:
                 report.save_seconds[-1] += fenced         # the save's deferred copies held this step back
             step += 1
