@@ -36,19 +36,31 @@ class Device:
         return self.fp16_flops if self.is_gpu else self.fp32_flops
 
 
+# A Colab T4's memory as torch.cuda.get_device_properties(0).total_memory reports it (cudaDeviceProp.
+# totalGlobalMem: 16 GiB of GDDR6 less the ECC reserve and the driver's share): 15,828,320,256 bytes.
+# Sources, read 2026-11-27: a Colab deviceQuery printing "Total Global Memory (bytes): 15828320256" for a
+# "Tesla T4" with ECC on; and github.com/mryab/efficient-dl-systems week01_intro/seminar.ipynb (commit
+# e632aa89, run on Colab 2026-01-19, driver 550.54.15): torch prints "_CudaDeviceProperties(name='Tesla T4',
+# ..., total_memory=15095MB" (total_memory // 2**20: 15,828,320,256 // 2**20 = 15095) and nvidia-smi
+# "15360MiB". Other drivers report a little less (15079-15109 MiB in public Colab outputs).
+T4_TOTAL_MEMORY = 15_828_320_256
+T4_TOTAL_MEMORY_SOURCE = ("torch.cuda.get_device_properties(0).total_memory of a Colab Tesla T4 (driver 550.54.15): "
+                          "15095 MiB as torch prints it, 15828320256 bytes as cudaGetDeviceProperties gives it; "
+                          "public Colab outputs read 2026-11-27")
+
 DEVICES: dict[str, Device] = {
     # GitHub-hosted ubuntu-latest runner (docs.github.com "About GitHub-hosted runners": 4 vCPU,
     # 16 GB RAM, 14 GB SSD); 4 cores x ~2.5 GHz x 32 FP32 FLOP/cycle (AVX2, 2 FMA units) = 0.32
     # TFLOP/s; no fp16 speed-up on CPU.
     "cpu": Device("cpu", vram_bytes=0, ram_bytes=int(14 * GB), disk_bytes=int(14 * GB),
                   fp32_flops=0.32e12, fp16_flops=0.32e12, efficiency=0.3, memory_bandwidth=25e9),
-    # Colab free T4: 15.0 GB VRAM as Colab shows it (16 GB GDDR6 less ECC/reserved), 12.7 GB RAM
+    # Colab free T4: VRAM is the total_memory torch reports (T4_TOTAL_MEMORY, sourced below), 12.7 GB RAM
     # of which ~11 GB usable, ~78 GB free of a 108 GB disk. NVIDIA T4 datasheet: 8.1 TFLOP/s
     # FP32, 65 TFLOP/s FP16 tensor, 320 GB/s GDDR6, Turing sm_75 (no TF32, no bf16 tensor
     # cores). CUDA context 300-500 MB on a T4 (nvidia-smi after init).
     # Speed: nblib.t4_speed, a range drawn from public PyTorch measurements on a T4 with their
     # sources (sourced_speed); `efficiency` is that range's mid over the fp16 peak, derived, not typed.
-    "t4": Device("t4", vram_bytes=int(15.0 * GB), ram_bytes=int(11.0 * GB),
+    "t4": Device("t4", vram_bytes=T4_TOTAL_MEMORY, ram_bytes=int(11.0 * GB),
                  disk_bytes=int(78 * GB), fp32_flops=8.1e12, fp16_flops=65e12,
                  cuda_context_bytes=int(0.4 * GB), efficiency=t4_speed.achieved_range("fp16")[0].mid / 65e12,
                  memory_bandwidth=320e9, compute_capability=75, sourced_speed=True),

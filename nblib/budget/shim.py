@@ -47,6 +47,10 @@ namespace at { C10_REGISTER_TYPED_CLASS(CUDAHooksRegistry, "CUDAHooks", ::NblibF
 """
 
 
+CUBLAS_ENV = "CUBLAS_WORKSPACE_CONFIG"     # read by the trace's workspace (nblib.budget.trace.cublas_workspace_bytes)
+TRAIN_CUBLAS_CONFIG = ":4096:8"           # what importing nblib.train sets unless set (nblib/train/__init__.py)
+
+
 class SimulationUnavailable(NblibError):
     """This machine cannot simulate a backward pass (no C++ compiler, no torch headers, or a CUDA build)."""
 
@@ -101,7 +105,8 @@ def run_child(module: str, payload: dict, timeout_s: float = 600.0) -> dict:
     """`module._child(payload)` with the shim's path in the payload, in a fork of the warm process
     (nblib.budget.warm), else in a fresh `python -m module JSON`; its result.
     """
-    payload = {**payload, "shim": None if cuda_build() else str(shim_path())}   # a CUDA build has its own guard
+    payload = {**payload, "shim": None if cuda_build() else str(shim_path()),   # a CUDA build has its own guard
+               "cublas_config": run_cublas_config(payload.get("train", False))}
     if warm.enabled():
         try:
             return warm.run_warm(module, payload, timeout_s)
@@ -125,12 +130,25 @@ def cuda_build() -> bool:
     return bool(spec and spec.origin and any((Path(spec.origin).parent / "lib").glob("libtorch_cuda*")))
 
 
+def run_cublas_config(train: bool) -> str | None:
+    """The CUBLAS_WORKSPACE_CONFIG the traced job runs with: this process's, and for training the value
+    importing nblib.train sets when none is (nblib/train/__init__.py: os.environ.setdefault).
+    """
+    value = os.environ.get(CUBLAS_ENV)
+    return value or (TRAIN_CUBLAS_CONFIG if train else None)
+
+
 def load_shim(payload: dict) -> None:
-    """In the child, before torch is imported: load the shim (its CUDA hooks are chosen when torch starts)."""
+    """In the child, before torch is imported: load the shim (its CUDA hooks are chosen when torch starts),
+    then tell the trace the run's CUBLAS_WORKSPACE_CONFIG (the child's own environment may differ: a warm fork).
+    """
     import ctypes
 
     if payload.get("shim"):
         ctypes.CDLL(payload["shim"])
+    from nblib.budget.trace import set_run_cublas_config
+
+    set_run_cublas_config(payload.get("cublas_config"))
 
 
 def child_model(payload: dict):

@@ -13,11 +13,17 @@ attention is routed to the kernel the simulated GPU's architecture has (a T4, sm
 memory-efficient kernel and math; flash and cuDNN need sm_80), each new device storage is an
 allocation replayed through `CachingAllocatorModel`, and each kernel's FLOPs (torch.utils.
 flop_counter's formulas) and bytes are kept for the roofline. What it cannot see: the CUDA
-context, kernel-internal scratch other than cuBLAS's workspace, and real timing.
+context, kernel-internal scratch other than cuBLAS's workspaces (cuDNN's convolution workspaces,
+cuBLASLt's 1 MiB, the attention backward's accumulators), and real timing. Checked on an H100
+(torch 2.11, tiny HF ViT / Swin / ResNet, fp16), traced over measured max allocated: ViT encode 0.98,
+training 0.99 (0.97 checkpointed), Swin encode 1.07, training 1.00, ResNet encode 0.91 (cuDNN's
+workspaces), training 1.00; max reserved differs more where transient scratch splits segments.
 """
 from __future__ import annotations
 
 import contextlib
+import math
+import re
 import weakref
 from dataclasses import dataclass
 
@@ -36,23 +42,50 @@ SDPA_KERNELS = {  # backend name (nblib.trm.SDPA_BACKENDS) -> the aten kernel an
 }
 # PyTorch's order of preference when several backends are enabled (sdp_utils.cpp, default order)
 SDPA_PRIORITY = ("flash", "efficient", "math", "cudnn")
-# cuBLAS workspace PyTorch allocates through the caching allocator on a stream's first GEMM
-# (aten/src/ATen/cuda/CublasHandlePool.cpp, default CUBLAS_WORKSPACE_CONFIG): 4096 KiB x 2 +
-# 16 KiB x 8 before sm_90, 4096 KiB x 8 on sm_90.
+# cuBLAS workspace PyTorch allocates through the caching allocator, once per (cuBLAS handle, stream)
+# (aten/src/ATen/cuda/CublasHandlePool.cpp): getCurrentCUDABlasHandle() reserves the calling thread's
+# handle (a thread_local PoolWindow of DeviceThreadHandlePool: one handle per thread and device) and calls
+# setWorkspaceForHandle(handle, stream), which allocates getChosenWorkspaceSize() bytes through
+# c10::cuda::CUDACachingAllocator the first time its key (handle, stream) is seen in
+# cublas_handle_stream_to_workspace(). parseChosenWorkspaceSize() reads CUBLAS_WORKSPACE_CONFIG as
+# ":SIZE_KiB:COUNT" pairs (regex ":([0-9]+):([0-9]+)", summed); unset or unparsable: 4096 KiB x 2 + 16 KiB x 8,
+# or 4096 KiB x 8 on sm_90 exactly. Training's backward runs on the autograd engine's device thread
+# (Engine::thread_init, one per device), so its GEMMs take a second handle and a second workspace: two on
+# a GPU (measured on an H100, torch 2.11: two blocks of the configured size after a Linear's backward, one
+# after its forward). Only cuBLAS GEMMs take it: cuDNN's convolutions and the cutlass attention kernels
+# (memory-efficient, flash) do not (measured: a conv net's training step holds none).
 # Its place in the allocation order: addmm/mm/bmm are structured kernels (aten/src/ATen/native/
 # cuda/Blas.cpp, TORCH_IMPL_FUNC(addmm_out_cuda) and friends), so the generated wrapper allocates
 # the output (the meta function's set_output) before the impl runs; the impl calls
-# at::cuda::blas::gemm, which takes getCurrentCUDABlasHandle() and there (CublasHandlePool.cpp,
-# getCurrentCUDABlasHandle -> cublasSetWorkspace(handle, getCUDABlasWorkspace())) allocates the
-# workspace through c10::cuda::CUDACachingAllocator on the (handle, stream)'s first use. So the
+# at::cuda::blas::gemm, which takes getCurrentCUDABlasHandle() and there the workspace. So the
 # first GEMM's output comes first, its workspace second (WORKSPACE_POSITIONS[0]). (Cited by
 # function name from reading the source; line numbers move between releases.)
+# Not modelled: cuBLASLt's own workspace (getCUDABlasLtWorkspace, CUBLASLT_WORKSPACE_SIZE, default
+# 1 MiB per handle and stream) that addmm with a bias vector takes on the Lt path (measured on the H100).
 WORKSPACE_POSITIONS = ("after the first GEMM's output", "before the first GEMM's output",
                        "first on the device")
-CUBLAS_WORKSPACE = {False: 4096 * 1024 * 2 + 16 * 1024 * 8, True: 4096 * 1024 * 8}
-_GEMMS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_efficient_attention",
-          "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
-          "convolution", "_convolution"}
+_CUBLAS_GEMMS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "vdot", "_addmm_activation",
+                 "addr", "_int_mm"}
+_GEMMS = _CUBLAS_GEMMS | {"_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+                          "_scaled_dot_product_cudnn_attention", "convolution", "_convolution"}   # tensor-core kernels
+
+
+def cublas_workspace_bytes(compute_capability: int, config: str | None = None) -> int:
+    """The bytes of one cuBLAS workspace under CUBLAS_WORKSPACE_CONFIG=`config` (None: unset), as
+    parseChosenWorkspaceSize() reads it.
+    """
+    default = 4096 * 1024 * 8 if compute_capability == 90 else 4096 * 1024 * 2 + 16 * 1024 * 8
+    pairs = re.findall(r":([0-9]+):([0-9]+)", config or "")
+    return sum(int(size) * 1024 * int(count) for size, count in pairs) if pairs else default
+
+
+CUBLAS_WORKSPACE = {False: cublas_workspace_bytes(75), True: cublas_workspace_bytes(90)}   # unset, before / on sm_90
+_run = {"cublas_config": None}     # the traced run's CUBLAS_WORKSPACE_CONFIG (set_run_cublas_config)
+
+
+def set_run_cublas_config(config: str | None) -> None:
+    """The CUBLAS_WORKSPACE_CONFIG of the run a child process traces (nblib.budget.shim.load_shim sets it)."""
+    _run["cublas_config"] = config
 
 
 @dataclass(frozen=True)
@@ -91,9 +124,10 @@ def fake_cuda():
 class DeviceTrace(TorchDispatchMode):
     """Allocations, frees, kernels and the live-bytes peak of what runs on `device` inside it."""
 
-    def __init__(self, compute_capability: int = 75, device: str = "cuda"):
+    def __init__(self, compute_capability: int = 75, device: str = "cuda", cublas_config: str | None = None):
         super().__init__()
         self.cc = compute_capability
+        self.workspace_size = cublas_workspace_bytes(compute_capability, cublas_config)   # one per handle
         self.device_type = device
         self.allocator = CachingAllocatorModel()
         self.kernels: list[Kernel] = []
@@ -103,19 +137,28 @@ class DeviceTrace(TorchDispatchMode):
         self.peak: PeakOp | None = None
         self.sdpa_used: dict[str, int] = {}
         self._seen: weakref.WeakSet = weakref.WeakSet()
-        self._workspace = None
+        self._workspaces: dict[str, int] = {}     # cuBLAS handle ("forward", "autograd") -> allocator handle
         # the allocation stream, for replays with the workspace elsewhere (reserved_by_position):
         # ("m", handle, nbytes), ("f", handle), ("w", handle, nbytes) for the cuBLAS workspace
         self.events: list[tuple] = []
 
     # -------------------------------------------------------------- public
-    def sdpa_backend(self) -> str:
-        """The attention kernel this GPU runs under the backends enabled now (sdpa_kernel)."""
+    @property
+    def workspace_bytes(self) -> int:
+        """The cuBLAS workspaces held: one per handle that ran a GEMM (CUBLAS_WORKSPACE above)."""
+        return self.workspace_size * len(self._workspaces)
+
+    def sdpa_backend(self, masked: bool = False, gqa: bool = False) -> str:
+        """The attention kernel this GPU runs under the backends enabled now (sdpa_kernel). sdp_utils: flash takes
+        no attn_mask (check_for_attn_mask) and grouped heads only on flash and math here (enable_gqa).
+        """
         enabled = {"flash": torch.backends.cuda.flash_sdp_enabled(),
                    "efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
                    "math": torch.backends.cuda.math_sdp_enabled(),
                    "cudnn": torch.backends.cuda.cudnn_sdp_enabled()}
         for name in SDPA_PRIORITY:
+            if (masked and name == "flash") or (gqa and name in ("efficient", "cudnn")):
+                continue
             if enabled[name] and self.cc >= SDPA_KERNELS[name][1]:
                 return name
         forced = [n for n, on in enabled.items() if on]
@@ -140,7 +183,7 @@ class DeviceTrace(TorchDispatchMode):
                 return out
         out = func(*args, **kwargs)
         self._after(func, args, kwargs, out)           # the output first (structured kernel) ...
-        if func.namespace == "aten" and func.__name__.split(".")[0] in _GEMMS:
+        if func.namespace == "aten" and func.__name__.split(".")[0] in _CUBLAS_GEMMS:
             self._cublas_workspace(args)                # ... then cuBLAS's workspace (see CUBLAS_WORKSPACE)
         return out
 
@@ -156,29 +199,18 @@ class DeviceTrace(TorchDispatchMode):
 
     def _attention(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                    enable_gqa=False):
-        backend = self.sdpa_backend()
-        self.sdpa_used[backend] = self.sdpa_used.get(backend, 0) + 1
-        aten = torch.ops.aten
-        if backend == "math":
-            return aten._scaled_dot_product_attention_math(q, k, v, attn_mask, dropout_p, is_causal,
-                                                           scale=scale, enable_gqa=enable_gqa)[0]
-        if backend == "efficient":
-            return aten._scaled_dot_product_efficient_attention(q, k, v, attn_mask, False, dropout_p,
-                                                                is_causal, scale=scale)[0]
-        if backend == "flash":
-            return aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal,
-                                                            scale=scale)[0]
-        return aten._scaled_dot_product_cudnn_attention(q, k, v, attn_mask, False, dropout_p,
-                                                        is_causal, scale=scale)[0]
+        return sdpa_as_on_gpu(self, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
     def _cublas_workspace(self, args) -> None:
+        """The handle's workspace on its first GEMM: autograd's device thread holds its own handle."""
         if self.device_type != "cuda":
             return
-        if self._workspace is None and any(isinstance(a, torch.Tensor) and a.device.type == "cuda"
-                                           for a in args):
-            size = CUBLAS_WORKSPACE[self.cc >= 90]
-            self._workspace = self.allocator.malloc(size)   # held for the stream's life
-            self.events.append(("w", self._workspace, size))
+        handle = "autograd" if torch._C._current_graph_task_id() != -1 else "forward"
+        if handle not in self._workspaces and any(isinstance(a, torch.Tensor) and a.device.type == "cuda"
+                                                  for a in args):
+            size = self.workspace_size
+            self._workspaces[handle] = self.allocator.malloc(size)   # held for the handle's life
+            self.events.append(("w", self._workspaces[handle], size))
             self._add_live(size, PeakOp("cuBLAS workspace", (size,), "uint8", 0), tensor=False)
 
     def _after(self, func, args, kwargs, out) -> None:
@@ -227,49 +259,93 @@ class DeviceTrace(TorchDispatchMode):
         self.tensor_rounded -= round_size(nbytes)
 
 
+def sdpa_as_on_gpu(trace, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """SDPA as aten's scaled_dot_product_attention runs it on the GPU (attention.cpp), after autocast.
+
+    The backend sdp_utils picks on this architecture; for the memory-efficient kernel, the mask as the kernel
+    receives it: a boolean mask made additive in q's dtype (convert_boolean_attn_mask), padded to a multiple
+    of 8 when its strides are not aligned, then expanded to [B, H, L, S] (preprocess_mask, pad_bias); the
+    kernel saves it for backward and, when it requires grad, its backward allocates the gradient at the
+    expanded shape, the last dim rounded up to 16 (_efficient_attention_backward's meta). Dropout, causal
+    and scale reach the kernel as given. Measured on an H100 (torch 2.11), a [32,4,49,49] fp32 bias under
+    fp16 autocast: the fp16 cast and the padded copy in the forward, the [.., 64] fp16 gradient in backward.
+    """
+    aten = torch.ops.aten
+    backend = trace.sdpa_backend(masked=attn_mask is not None, gqa=enable_gqa and q.size(-3) != k.size(-3))
+    trace.sdpa_used[backend] = trace.sdpa_used.get(backend, 0) + 1
+    mask = attn_mask
+    if mask is not None and mask.dtype == torch.bool:
+        mask = torch.where(mask, 0.0, torch.scalar_tensor(-math.inf, dtype=q.dtype, device=mask.device))
+    if backend == "math":
+        return aten._scaled_dot_product_attention_math(q, k, v, mask, dropout_p, is_causal, scale=scale,
+                                                       enable_gqa=enable_gqa)[0]
+    if backend == "flash":
+        return aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, scale=scale)[0]
+    lse = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))   # should_compute_logsumexp
+    if backend == "cudnn":
+        return aten._scaled_dot_product_cudnn_attention(q, k, v, mask, lse, dropout_p, is_causal, scale=scale)[0]
+    if mask is not None:
+        if mask.stride(-1) != 1 or any(st % 8 for st in mask.stride()[:-1]):     # aligned_tensor<8>
+            last = mask.size(-1)
+            mask = torch.nn.functional.pad(mask, (0, 8 - last % 8)).narrow(-1, 0, last)     # pad_bias<8>
+        mask = mask.expand(q.size(0), q.size(1), q.size(2), k.size(2))
+    return aten._scaled_dot_product_efficient_attention(q, k, v, mask, lse, dropout_p, is_causal, scale=scale)[0]
+
+
 def attention_as_on_gpu(trace):
     """A TorchFunctionMode that runs F.scaled_dot_product_attention as the simulated GPU would.
 
     With autograd on, SDPA decomposes before a dispatch mode sees it, and a CPU build's backend
     choice is always math; the GPU picks by architecture (a T4: memory-efficient). This calls that
-    kernel's aten op, whose autograd formula saves what the GPU's saves (output and logsumexp).
+    kernel's aten op (sdpa_as_on_gpu), whose autograd formula saves what the GPU's saves (output and
+    logsumexp). While the mode is on, torch.nn.functional.scaled_dot_product_attention is that routing too:
+    activation checkpointing recomputes inside backward, where no TorchFunctionMode is active, and the
+    recomputation must run the same kernels as the forward (torch.utils.checkpoint counts the saved tensors).
     """
     import torch.nn.functional as F
     from torch.overrides import TorchFunctionMode
 
-    aten = torch.ops.aten
+    original = torch._C._nn.scaled_dot_product_attention
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if query.device.type != "cuda":
+            return original(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+        with torch._C.DisableTorchFunction():
+            if torch.is_autocast_enabled("cuda"):      # SDPA is on autocast's fp16 list: every floating argument
+                dtype = torch.get_autocast_dtype("cuda")
+                query, key, value = (t.to(dtype) for t in (query, key, value))
+                if attn_mask is not None and attn_mask.is_floating_point():
+                    attn_mask = attn_mask.to(dtype)
+            return sdpa_as_on_gpu(trace, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
     class AttentionAsOnGPU(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            if func is not F.scaled_dot_product_attention:
-                return func(*args, **kwargs)
-            q, k, v = args[:3]
-            if q.device.type != "cuda":
-                return func(*args, **kwargs)
-            backend = trace.sdpa_backend()
-            trace.sdpa_used[backend] = trace.sdpa_used.get(backend, 0) + 1
-            if torch.is_autocast_enabled("cuda"):      # SDPA is on autocast's fp16 list
-                dtype = torch.get_autocast_dtype("cuda")
-                q, k, v = (t.to(dtype) for t in (q, k, v))
-            grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-            if backend == "efficient":
-                return aten._scaled_dot_product_efficient_attention(q, k, v, None, grad)[0]
-            if backend == "flash":
-                return aten._scaled_dot_product_flash_attention(q, k, v)[0]
-            if backend == "cudnn":
-                return aten._scaled_dot_product_cudnn_attention(q, k, v, None, grad)[0]
-            return func(q, k, v, *args[3:], **kwargs)
+            if func is original:
+                return sdpa(*args, **(kwargs or {}))
+            return func(*args, **(kwargs or {}))
+
+        def __enter__(self):
+            F.scaled_dot_product_attention = sdpa
+            return super().__enter__()
+
+        def __exit__(self, *exc):
+            F.scaled_dot_product_attention = original
+            return super().__exit__(*exc)
 
     return AttentionAsOnGPU()
 
 
 def step_trace_class():
-    """DeviceTrace that answers a read of a device value (no data on a fake device) with 0."""
+    """DeviceTrace that answers a read of a device value (no data on a fake device) with 0, its cuBLAS
+    workspace sized by the traced run's CUBLAS_WORKSPACE_CONFIG (set_run_cublas_config).
+    """
 
     scalar = torch.ops.aten._local_scalar_dense.default
 
     class StepTrace(DeviceTrace):
+        def __init__(self, compute_capability: int = 75, device: str = "cuda", cublas_config: str | None = None):
+            super().__init__(compute_capability, device, cublas_config or _run["cublas_config"])
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func is scalar and getattr(args[0], "constant", None) is None:
                 t = args[0]
