@@ -141,10 +141,12 @@ def test_budget_and_simulation_against_max_memory_reserved_on_a_gpu(spec, train)
 
 def _measure_on_gpu(loaded, batch: int, train: bool) -> int:
     import torch
-    import torch.nn.functional as F
 
-    from nblib.models.head import _image_size, with_head
+    from nblib.models.head import _image_size
     from nblib.models.outputs import named_outputs
+    from nblib.train.config import TrainConfig
+    from nblib.train.loop import train_step, training_objects
+    from nblib.train.task import loop_module
 
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -156,16 +158,12 @@ def _measure_on_gpu(loaded, batch: int, train: bool) -> int:
             with torch.inference_mode(), torch.autocast("cuda", dtype=torch.float16):
                 outputs = named_outputs(loaded.module(loaded.preprocessing.apply(host.to("cuda"))))
             del outputs
-    else:
-        net = with_head(loaded, 12, image_size=size).to("cuda").train()
-        optimizer = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-4, foreach=False)
-        scaler = torch.amp.GradScaler("cuda")
+    else:       # what `train` runs: the loop's module (the TRM's Classifier), its training_objects and train_step
+        config = TrainConfig(batch_size=batch, precision="fp16", device="cuda", steps=4, warmup_steps=1)
+        net = loop_module(loaded, 12, None, size).to("cuda")
+        optimizer, scheduler, scaler = training_objects(net, config)
+        batches = iter([(host, torch.zeros(batch, dtype=torch.int64), torch.arange(batch))] * 3)
         for _ in range(3):
-            with torch.autocast("cuda", dtype=torch.float16):
-                loss = F.cross_entropy(net(host.to("cuda")), torch.zeros(batch, dtype=torch.int64, device="cuda"))
-                scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
+            train_step(net, optimizer, scheduler, scaler, batches, config)
     torch.cuda.synchronize()
     return torch.cuda.max_memory_reserved()

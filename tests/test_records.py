@@ -14,9 +14,10 @@ import time
 
 import numpy as np
 import pytest
+from cli_runner import run_nblib
 
 from conftest import cache_folder_bytes, subprocess_env
-from nblib.budget.records import batch_for_vram, largest_shapes, record_bytes, shard_size_for_ram
+from nblib.budget.records import shard_size_for_ram
 from nblib.cache import (
     RecordShards,
     RecordShardShuffle,
@@ -199,7 +200,7 @@ def records_cmd(*args):
 
 
 def run_records_cli(*args):
-    return subprocess.run(records_cmd(*args), env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    return run_nblib("cache", *args)
 
 
 def kill_after(args, folder, shards: int) -> None:
@@ -348,19 +349,6 @@ def test_the_shard_budget_fills_the_ram_and_one_byte_more_does_not_fit():
     assert "decoded shard" in str(fit)
     with pytest.raises(BudgetExceeded, match="no shard size fits"):
         shard_size_for_ram(500_000_000, workers=4)
-
-
-def test_the_batch_budget_counts_weights_optimizer_records_and_activations(tmp_path):
-    write_records(trace_records(20, **SMALL), tmp_path / "out", shard_mb=1)
-    shapes = largest_shapes(read_record_manifest(tmp_path / "out"))
-    assert shapes["hidden_states"] == ((40, 64), "<f2") or shapes["hidden_states"][0][0] <= 40
-    per_record = record_bytes(shapes)
-    fit = batch_for_vram(24e9, record_shapes=shapes, activation_bytes_per_record=50e6, params=100_000_000)
-    assert fit.peak <= 24e9 * 0.95
-    assert fit.peak + (per_record + 50e6) * 1.1 > 24e9 * 0.95
-    assert [line.bytes for line in fit.lines[1:4]] == [400_000_000, 400_000_000, 800_000_000]
-    with pytest.raises(BudgetExceeded, match="not one record fits"):
-        batch_for_vram(2e9, record_shapes=shapes, activation_bytes_per_record=1e6, params=500_000_000)
 
 
 def test_the_cli_refuses_records_without_out_in_one_line(tmp_path):

@@ -78,17 +78,37 @@ def test_accumulation_reaches_the_target_batch_with_micro_batches_that_fit():
     assert accumulation_for(64, 64) == (1, 64)
 
 
-def test_one_rule_for_fits_the_training_budget_the_t4_table_and_the_advice_keep_the_same_margin():
+def test_one_rule_for_fits_the_training_budget_and_the_advice_keep_the_same_margin():
+    import inspect
+
     from nblib.budget import advice, knobs, predict, resources
-    from nblib.budget.training import predict_training, t4_training_table, t4_training_vram
 
     assert advice.MARGIN == resources.FIT_MARGIN
-    assert predict.max_batch_size.__defaults__[-1] == resources.FIT_MARGIN
+    assert inspect.signature(predict.max_batch_size).parameters["margin"].default == resources.FIT_MARGIN
     assert knobs.plan_budget.__kwdefaults__["margin"] == resources.FIT_MARGIN
     cap = 300 * 2**20
     best = largest_batch(SMOKE, cap, step_only=True)
     assert predict_training(SMOKE, best).step_bytes <= cap * (1 - resources.FIT_MARGIN)
     assert predict_training(SMOKE, best + 1).step_bytes > cap * (1 - resources.FIT_MARGIN)
-    for row in t4_training_table(SMOKE, (64, 4096, 16384)):
-        vram, limit = t4_training_vram(SMOKE, row["batch"])
-        assert row["fits"] == (vram <= limit * (1 - resources.FIT_MARGIN))
+
+
+def test_the_checkpoint_table_compares_tf_data_with_the_data_orders_row_and_keeps_counters_out_of_bytes():
+    # newcomer P16: the table said 256 bytes for the data order, the ratio used 206 (the JSON), and step 0,
+    # epoch 0, best step 0 stood in the bytes column
+    import json
+    import re
+
+    import torch
+
+    from nblib.budget import shuffle_checkpoint
+    from nblib.lab.training import checkpoint_contents
+
+    state = {"model": {"w": torch.zeros(1000)}, "data_order": json.dumps({"seed": 7, "order": list(range(60))}),
+             "step": 30, "epoch": 2, "best": 25}
+    text = checkpoint_contents(state)
+    row = int(re.search(r"^data order \(nblib shuffle state\)\s+([\d,]+)$", text, re.M).group(1).replace(",", ""))
+    assert f"{len(state['data_order']):,} bytes of JSON, {row:,} in the checkpoint (the row above)" in text
+    tf = shuffle_checkpoint(250_000, 500_000).checkpoint_bytes
+    assert f"ratio: {tf / max(row, len(state['data_order'])):,.0f} x" in text
+    assert not re.search(r"^(step|epoch|best step)\s+\d", text, re.M)
+    assert "counters (a few bytes each): step 30, epoch 2, best step 25" in text

@@ -3,11 +3,12 @@
 `model_vram(spec, batch_size, "t4", precision="fp16", train=False)` loads the model (nblib.models)
 in a fresh process with the fake-CUDA shim (nblib.budget.shim), moves it to a fake cuda:0 and runs
 what the job runs: for encoding, the input copy and the forward under inference_mode and autocast;
-for training, three steps of forward, loss, GradScaler-scaled backward, AdamW (foreach=False) and
-zero_grad(set_to_none=True), as nblib.train's train_step, on a head over a named output or the
-model's own logits (nblib.models.head). Every storage is replayed through the caching-allocator
-model (nblib.budget.allocator), in PyTorch's order (a GEMM's output before cuBLAS's workspace,
-nblib.budget.trace). FakeTensorMode computes nothing, so a ViT-B/16 answers in seconds.
+for training, the module the loop runs (nblib.train.task.loop_module: the TRM's Classifier, gradients
+through its last outer cycle only, or any model with its head) and three calls of the loop's own
+train_step with its training_objects (AdamW, LR schedule, GradScaler): `traced_train_step`, which the
+simulated T4 (nblib.simulate.train, nblib.simulate.model) runs too. Every storage is replayed
+through the caching-allocator model (nblib.budget.allocator), in PyTorch's order (a GEMM's output
+before cuBLAS's workspace, nblib.budget.trace). FakeTensorMode computes nothing, so a ViT-B/16 answers in seconds.
 The lines: the CUDA context (hand-written: no trace sees it), then what the trace holds. Where the
 one cuBLAS workspace block lands moves reserved memory by up to a segment: the other plausible
 positions are replayed from the same allocation stream and stated as a margin, never hidden.
@@ -17,21 +18,20 @@ workspaces, NCCL buffers and fragmentation under memory pressure are outside it.
 """
 from __future__ import annotations
 
-import json
-import sys
 from dataclasses import dataclass, field
 
 from nblib.budget.devices import Device, device_preset
 from nblib.budget.memory import Line
-from nblib.budget.resources import FIT_MARGIN, largest_fitting  # the one rule for "fits"
+from nblib.budget.resources import FIT_MARGIN  # the one rule for "fits"
 from nblib.budget.shim import run_child
 from nblib.errors import BudgetExceeded, ConfigError
 from nblib.units import GB, fmt_bytes
 
 PRECISIONS = ("fp16", "bf16", "fp32")
-TRAIN_STEPS = 3             # AdamW's moments exist from the first step: steps 2 and 3 are the steady state
-ENCODE_BATCHES = 2          # the second batch meets the first one's cached segments
 OUT_DTYPE = "float16"       # the dtype encode stores outputs in (PipelineConfig.run.out_dtype's default)
+# The child that traces the job: in the simulation layer, since it runs the jobs' own code (nblib.train's step);
+# named, not imported, so the budget stays below the jobs it budgets.
+CHILD = "nblib.simulate.job_trace"
 CONTEXT_SOURCE = ("driver + kernel images, outside torch's allocator: an assumption (300-500 MB on a T4, "
                   "budget.DEVICES), no trace sees it")
 
@@ -72,6 +72,12 @@ class ModelVRAM:
 
     def line(self, name: str) -> int:
         return sum(line.bytes for line in self.lines if line.name == name)
+
+    def headline(self) -> str:
+        """'6.86 GB (to 7.00 GB) of 15.00 GB: fits in 90%': every surface that prints one batch's VRAM reads so."""
+        spread = f" (to {fmt_bytes(self.high)})" if self.workspace_margin else ""
+        return (f"{fmt_bytes(self.total)}{spread} of {self.limit / GB:.2f} GB: "
+                f"{'fits' if self.fits else 'does NOT fit'} in {1 - FIT_MARGIN:.0%}")
 
     def table(self) -> str:
         job = "training step" if self.train else "encoding"
@@ -114,29 +120,44 @@ def model_vram(model, batch_size: int, device: str | Device = "t4", *, precision
                train: bool = False, output: str | None = None, n_classes: int = 12,
                find_largest: bool = True, max_batch: int = 4096, timeout_s: float = 600.0,
                out_dtype: str = OUT_DTYPE) -> ModelVRAM:
-    """The traced VRAM budget of `model` (a spec string or a LoadedModel) at `batch_size` on `device`.
+    """The traced VRAM budget of `model` (a spec string, a LoadedModel, or a TRM's ModelConfig) at `batch_size`
+    on `device`.
 
     out_dtype: the dtype encoding casts each output to on the device before its copy out (the run's).
     """
+    return model_vram_table(model, (batch_size,), device, precision=precision, train=train, output=output,
+                            n_classes=n_classes, find_largest=find_largest, max_batch=max_batch,
+                            timeout_s=timeout_s, out_dtype=out_dtype)[0]
+
+
+def model_vram_table(model, batches, device: str | Device = "t4", *, precision: str = "fp16", train: bool = False,
+                     output: str | None = None, n_classes: int = 12, find_largest: bool = True,
+                     max_batch: int = 4096, timeout_s: float = 600.0, out_dtype: str = OUT_DTYPE) -> list[ModelVRAM]:
+    """`model_vram` at each of `batches`, from one trace (a slider's range: every row is the same answer)."""
+    batches = [int(b) for b in batches]
     dev = device_preset(device)
     if not dev.is_gpu:
         raise ConfigError(f"device {dev.name!r} has no VRAM; name a GPU preset such as t4")
     if precision not in PRECISIONS:
         raise ConfigError(f"precision={precision!r} is unknown; choose one of {PRECISIONS}")
-    if batch_size < 1:
-        raise ConfigError(f"batch_size={batch_size} must be >= 1")
+    if not batches or min(batches) < 1:
+        raise ConfigError(f"batch sizes {batches} must be >= 1")
     payload = {**model_payload(model), "precision": precision, "train": train, "output": output,
-               "classes": n_classes, "cc": dev.compute_capability, "batch": batch_size, "out_dtype": out_dtype,
+               "classes": n_classes, "cc": dev.compute_capability, "batches": batches, "out_dtype": out_dtype,
                "cap": reserved_cap(dev),
-               "search": find_largest, "max_batch": max(max_batch, batch_size)}
-    out = run_child("nblib.budget.model_vram", payload, timeout_s=timeout_s)
-    point = out["point"]
+               "search": find_largest, "max_batch": max(max_batch, *batches)}
+    out = run_child(CHILD, payload, timeout_s=timeout_s)
+    return [_budget(payload, dev, b, point, out.get("largest")) for b, point in zip(batches, out["points"])]
+
+
+def _budget(payload: dict, dev: Device, batch_size: int, point: dict, largest: int | None) -> ModelVRAM:
+    train, precision = payload["train"], payload["precision"]
     lines = (Line("CUDA context", dev.cuda_context_bytes, CONTEXT_SOURCE), *_lines(point, train, precision))
     by_pos = point["reserved"]
     base = next(iter(by_pos.values()))
     return ModelVRAM(spec=payload["spec"], device=dev.name, precision=precision, train=train,
                      batch_size=batch_size, lines=lines, workspace_margin=max(by_pos.values()) - base,
-                     limit=dev.vram_bytes, largest_batch=out.get("largest"), reserved_by_position=by_pos,
+                     limit=dev.vram_bytes, largest_batch=largest, reserved_by_position=by_pos,
                      peak_op=point["peak_op"])
 
 
@@ -147,9 +168,13 @@ def reserved_cap(device: str | Device) -> int:
 
 
 def model_payload(model) -> dict:
-    """What a child process needs to rebuild `model` (a spec string or a LoadedModel)."""
+    """What a child process needs to rebuild `model` (a spec string, a LoadedModel, or a TRM's ModelConfig)."""
+    from nblib.config import ModelConfig
+
     if isinstance(model, str):
         return {"spec": model, "weights": None, "trm_model": None}
+    if isinstance(model, ModelConfig):
+        return {"spec": "trm", "weights": None, "trm_model": dict(model.__dict__)}
     trm = model.config["model"] if model.kind == "trm" else None
     return {"spec": model.spec, "weights": model.weights, "trm_model": trm}
 
@@ -165,123 +190,10 @@ def _lines(p: dict, train: bool, precision: str) -> list[Line]:
         Line("input batch and activations at the peak", p["max_allocated"] - p["resident"],
              f"traced: live at the peak ({p['peak_op']}) beyond what stays between "
              f"{'steps' if train else 'batches'}; {precision} autocast"),
-        Line("cuBLAS workspace", ws, "traced: allocated on the first GEMM after its output, kept"
-             if ws else "traced: no GEMM ran"),
+        Line("cuBLAS workspace", ws, "traced: one per cuBLAS handle (forward thread; training: autograd's "
+             "device thread too) on its first GEMM, after its output, kept; sized by CUBLAS_WORKSPACE_CONFIG"
+             if ws else "traced: no cuBLAS GEMM ran (convolutions run in cuDNN, attention in its own kernels)"),
         Line("allocator cache", p["reserved_pytorch"] - p["max_allocated"],
              "traced: segments the caching allocator holds beyond the live bytes (allocator model)"),
     ]
     return out
-
-
-# ---------------------------------------------------------------- the child process
-TRACED_BATCHES = (2, 3)     # two small traces give every batch's allocation stream (events_at_batch)
-
-
-def _child(payload: dict) -> dict:
-    from nblib.budget.shim import child_model
-
-    loaded = child_model(payload)
-    from nblib.budget.trace import WORKSPACE_POSITIONS, events_at_batch, replay_stats
-    b0, b1 = TRACED_BATCHES
-    low, high = trace_job(loaded, b0, payload), trace_job(loaded, b1, payload)
-    traced = {b0: low, b1: high}
-
-    def point(b: int) -> dict:
-        if b not in traced:
-            events = events_at_batch(low["events"], high["events"], b0, b1, b)
-            if events is None:                      # not batch-affine: trace this batch itself
-                traced[b] = trace_job(loaded, b, payload)
-            else:
-                stats = {pos: replay_stats(events, pos) for pos in WORKSPACE_POSITIONS}
-                first = stats[WORKSPACE_POSITIONS[0]]
-                traced[b] = {**high, "events": events, "max_allocated": first["max_allocated"],
-                             "reserved_pytorch": first["max_reserved"], "resident": first["marks"]["resident"],
-                             "weights": first["marks"]["weights"],
-                             "reserved": {pos: st["max_reserved"] for pos, st in stats.items()}}
-        return {k: v for k, v in traced[b].items() if k != "events"}
-
-    out = {"point": point(payload["batch"]), "affine": events_at_batch(
-        low["events"], high["events"], b0, b1, b1 + 1) is not None}
-    if payload["search"]:
-        def fits(b: int) -> bool:
-            return max(point(b)["reserved"].values()) <= payload["cap"]
-        out["largest"] = largest_fitting(fits, payload["max_batch"])
-    return out
-
-
-def trace_job(loaded, b: int, payload: dict) -> dict:
-    """One job (encode batches or training steps) at batch `b` on a fresh fake device: the traced figures."""
-    import copy
-    from unittest import mock
-
-    import torch
-
-    from nblib.budget.trace import CUBLAS_WORKSPACE, attention_as_on_gpu, fake_cuda, step_trace_class
-    from nblib.models.head import _image_size, with_head
-    from nblib.models.outputs import named_outputs
-
-    size = _image_size(loaded)
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(payload["precision"])
-    out_dtype = getattr(torch, payload.get("out_dtype", OUT_DTYPE))
-    # a copy per trace: .to() on a fake device replaces the parameters with fake tensors
-    if payload["train"]:
-        module = copy.deepcopy(with_head(loaded, payload["classes"], payload["output"], image_size=size)).train()
-    else:
-        module = copy.deepcopy(loaded.module).eval()
-    with fake_cuda(), mock.patch("torch.cuda.is_bf16_supported", return_value=True), \
-            torch.autograd.set_multithreading_enabled(False):
-        trace = step_trace_class()(payload["cc"])
-        with trace, attention_as_on_gpu(trace):
-            host = torch.empty((b, size, size, 3), dtype=torch.uint8)
-            module.to("cuda:0")
-            weights = trace.allocator.allocated
-            trace.mark("weights")
-            if payload["train"]:
-                resident = _train_steps(module, host, b, dtype, payload, trace)
-            else:
-                for _ in range(ENCODE_BATCHES):
-                    # as nblib.encode.run's loop: a batch's images stay on the device through its forward,
-                    # until the next batch's copy has landed
-                    images = host.to("cuda:0")
-                    with torch.inference_mode(), torch.autocast("cuda", dtype=dtype or torch.float32,
-                                                                enabled=dtype is not None):
-                        outputs = named_outputs(module(loaded.preprocessing.apply(images)))
-                    # its offload (nblib.encode.offload.HostPart.add, async): each output is cast to the
-                    # run's out_dtype on the device, beside the outputs, before its copy out
-                    cast = {n: t.to(out_dtype) for n, t in outputs.items()}
-                    del outputs, cast
-                del images
-                resident = trace.allocator.allocated
-                trace.mark("resident")
-    ws = CUBLAS_WORKSPACE[trace.cc >= 90] if any(e[0] == "w" for e in trace.events) else 0
-    by_pos = trace.reserved_by_position()
-    return {"weights": weights, "resident": resident, "workspace": ws, "events": trace.events,
-            "max_allocated": trace.allocator.max_allocated, "reserved_pytorch": trace.allocator.max_reserved,
-            "reserved": by_pos, "peak_op": trace.peak.op if trace.peak else ""}
-
-
-def _train_steps(net, host, b: int, dtype, payload: dict, trace) -> int:
-    """TRAIN_STEPS steps as nblib.train's train_step: autocast forward, scaled backward, AdamW, zero_grad."""
-    import torch
-    import torch.nn.functional as F
-
-    trained = [p for p in net.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trained, lr=1e-4, foreach=False)
-    scaler = torch.amp.GradScaler("cuda", enabled=payload["precision"] == "fp16")
-    labels = torch.zeros(b, dtype=torch.int64)
-    for _ in range(TRAIN_STEPS):
-        images, target = host.to("cuda:0"), labels.to("cuda:0")
-        with torch.autocast("cuda", dtype=dtype or torch.float32, enabled=dtype is not None):
-            loss = F.cross_entropy(net(images), target)
-            scaler.scale(loss).backward()
-        float(loss.detach())
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        del images, target, loss
-    trace.mark("resident")                 # the optimizer's state is alive here, not after return
-    return trace.allocator.allocated
-
-
-if __name__ == "__main__":
-    print(json.dumps(_child(json.loads(sys.argv[1]))), flush=True)

@@ -1,4 +1,4 @@
-"""The training-memory budget: what one optimizer step of the TRM encoder + head holds at its peak.
+"""The training-memory budget on a CPU: what one optimizer step of the TRM encoder + head holds at its peak.
 
 Beside the encode budget (inference: weights and the live activations of one pass), a training
 step also holds gradients (one fp32 per trainable parameter), AdamW's two fp32 moments, under AMP
@@ -7,27 +7,20 @@ GradScaler's scale and growth tracker, and the activations saved for backward. T
 H_cycles-1 outer cycles under no_grad, so only the last cycle's L_cycles+1 passes through the block
 stack are saved; the earlier cycles cost time, not memory. Counted per block from its operations
 (LayerNorm, qkv, SDPA, projection, MLP with GELU): 16 tensors of [B, tokens, dim] in fp32; under
-AMP 14 of them are fp16 and the two LayerNorm inputs (the residual stream) stay fp32. On a GPU the
-cuBLAS workspace and the caching allocator's slack are added. Loader buffers and the checkpoint on
-disk and on the mirror complete it. Pure Python; `nblib.lab.training` measures the CPU twins and
-`nblib.simulate.train` simulates the T4 twin. Trade-off: a count, not a trace: right where
-activations dominate, an underestimate by the process's (or the allocator's) fixed cost elsewhere.
+AMP 14 of them are fp16 and the two LayerNorm inputs (the residual stream) stay fp32. Loader
+buffers and the checkpoint on disk and on the mirror complete it. Pure Python; `nblib.lab.training`
+measures its CPU twins (peak RSS, the largest batch under a memory cap). A GPU's VRAM is not
+counted here: it is `nblib.budget.model_vram(..., train=True)`, a trace of the loop's own step.
+Trade-off: a count, not a trace: right where activations dominate, an underestimate by the
+process's fixed cost elsewhere.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from nblib.budget.memory import (
-    CUBLAS_WORKSPACE_BYTES,
-    LOADER_WORKER_RAM,
-    RUNTIME_RAM_CPU,
-    RUNTIME_RAM_CUDA,
-    Line,
-    autocast_weight_count,
-    param_count,
-)
-from nblib.budget.resources import FIT_MARGIN, fits
+from nblib.budget.memory import LOADER_WORKER_RAM, RUNTIME_RAM_CPU, Line, autocast_weight_count, param_count
+from nblib.budget.resources import FIT_MARGIN
 from nblib.config import ModelConfig
 from nblib.units import fmt_bytes
 
@@ -37,13 +30,6 @@ BLOCK_SAVED_BTD = 16        # [B, T, D] tensors one block saves for backward (se
 AMP_FP32_SAVED_BTD = 2
 POOL_SAVED_BTD = 5          # final norm in/out, kv input, k and v for the pooling attention
 TRANSIENT_BTD = 4           # the widest gradient of a block's backward (the MLP's 4 x BTD), before its input frees
-# On a GPU, what the caching allocator keeps reserved above the live tensors at a step's peak, as a share of
-# the saved activations: 5-18% (median ~10%) on the simulated T4 over the t4 preset, fp32 and fp16, batch
-# 8-128 (benchmarks/train_budget_vs_simulated.py). FITTED ON THE SIMULATION (with the workspace before the
-# GEMM's output, the order PyTorch does not use), not measured on a GPU: a test against that simulation cannot
-# fail for a real reason. The GPU answer for any model, the TRM included, is nblib.budget.model_vram: a trace of
-# the step in PyTorch's allocation order, no fitted constant. This closed form stays for the CPU probe only.
-ALLOCATOR_CACHE_SHARE = 0.10        # fitted on the simulation; see above
 STATE_OVERHEAD = 64 * 1024  # torch.save's zip records, the RNG states, history, data order
 BEST_OVERHEAD = 16 * 1024   # the best weights' zip records, config, classes and train settings
 SCALER_BYTES = 16           # GradScaler: scale (fp32) + growth tracker (int32) + found_inf per device
@@ -139,20 +125,16 @@ def saved_activation_bytes(model: ModelConfig, batch_size: int, precision: str =
 
 
 def predict_training(model: ModelConfig, batch_size: int, *, n_classes: int = 12, precision: str = "fp32",
-                     device: str = "cpu", workers: int = 0, prefetch: int = 2, keep_last: int = 3,
-                     with_runtime: bool = True) -> TrainingBudget:
-    """The peak of one training step at micro-batch `batch_size`, line by line, and the disk lines."""
+                     workers: int = 0, prefetch: int = 2, keep_last: int = 3) -> TrainingBudget:
+    """The peak RSS of one training step on a CPU at micro-batch `batch_size`, line by line, and the disk lines."""
     total = param_count(model) + head_count(model, n_classes)
     trained = trainable_count(model, n_classes)
     buffers = model.dim * model.checksum_dim * 4 + 2 * model.dim * 4 + 8
     b, t, d = batch_size, model.tokens, model.dim
     image = model.image_size ** 2 * 3
     amp = precision != "fp32"
-    lines = []
-    if with_runtime:
-        runtime = RUNTIME_RAM_CUDA if device.startswith("cuda") else RUNTIME_RAM_CPU
-        lines.append(Line("python + torch runtime", runtime, "measured on Colab and locally"))
-    lines += [
+    lines = [
+        Line("python + torch runtime", RUNTIME_RAM_CPU, "measured on Colab and locally"),
         Line("parameters (fp32)", total * 4 + buffers, f"{total:,} params x 4 B + buffers; the AMP master copy"),
         Line("gradients (fp32)", trained * 4, f"{trained:,} trained params x 4 B"),
         Line("AdamW moments (fp32)", trained * 8, "exp_avg + exp_avg_sq: 2 x 4 B per trained param"),
@@ -165,13 +147,6 @@ def predict_training(model: ModelConfig, batch_size: int, *, n_classes: int = 12
         Line("backward temporaries", TRANSIENT_BTD * b * t * d * 4, f"{TRANSIENT_BTD} x B x T x D fp32"),
         Line("input batch (uint8)", b * image, "its fp32 patches are among the saved activations"),
     ]
-    if device.startswith("cuda"):
-        saved = saved_activation_bytes(model, b, precision)
-        lines += [
-            Line("cuBLAS workspace", CUBLAS_WORKSPACE_BYTES, "allocated on the first GEMM and kept (before sm_90)"),
-            Line("allocator cache", int(ALLOCATOR_CACHE_SHARE * saved),
-                 f"{ALLOCATOR_CACHE_SHARE:.0%} of saved activations (the simulated T4's caching allocator)"),
-        ]
     lines += [
         Line("loader workers", workers * LOADER_WORKER_RAM, f"{workers} x ~150 MB forked Python"),
         Line("prefetched batches", (workers * prefetch if workers else 0) * b * image, "uint8 batches in flight"),
@@ -197,26 +172,15 @@ def largest_batch(model: ModelConfig, cap_bytes: int, *, step_only: bool = False
     return max(0, int((room - fixed) // per_sample)) if per_sample > 0 else 0
 
 
-def t4_training_vram(model: ModelConfig, batch: int, *, n_classes: int = 12) -> tuple[int, int]:
-    """(VRAM of a fp16-autocast step on a T4 with its CUDA context, the T4's VRAM): a projection.
-
-    The CUDA context (0.4 GB, `budget.DEVICES["t4"]`) is an assumption no simulation sees; it is
-    added here because a real T4 holds it beside the allocator's bytes.
+def t4_training_time(model: ModelConfig, n_samples: int, precision: str = "fp16"):
+    """The T4 rate and hours of training the TRM `model` over `n_samples`: `nblib.t4_speed.project(..., train=True)`
+    on the forward FLOPs the encoding budget counts (`flops_per_image`). A projection, a range, never a CPU time.
     """
-    from nblib.budget.devices import device_preset
+    from nblib import t4_speed
+    from nblib.budget.memory import flops_per_image
 
-    t4 = device_preset("t4")
-    gpu = predict_training(model, batch, n_classes=n_classes, precision="fp16", device="cuda", with_runtime=False)
-    return gpu.total + t4.cuda_context_bytes, t4.vram_bytes
-
-
-def t4_training_table(model: ModelConfig, batches: tuple[int, ...], *, n_classes: int = 12) -> list[dict]:
-    """Projection (closed form, not a measurement): VRAM of a fp16-autocast step on a T4, context included."""
-    rows = []
-    for b in batches:
-        vram, limit = t4_training_vram(model, b, n_classes=n_classes)
-        rows.append({"batch": b, "vram_bytes": vram, "vram_limit": limit, "fits": fits(vram, limit)})
-    return rows
+    return t4_speed.project(flops_per_image(model), precision, train=True, n_samples=n_samples,
+                            counted_by="flops_per_image from the TRM's shapes")
 
 
 def accumulation_for(target_batch: int, micro_batch: int) -> tuple[int, int]:

@@ -67,6 +67,20 @@ def largest_batch_demo(model, cap_bytes: int, progress: bool = True) -> tuple[in
     return predicted, probe_largest_batch(model, cap_bytes, predicted, tries=3, progress=progress)
 
 
+def probed_words(predicted: int, probes: list) -> str:
+    """What the probes say of the largest batch (an interval, not one of the probes), and where the budget's
+    answer falls in it.
+    """
+    from nblib.train.probe import probed_interval
+
+    low, high = probed_interval(probes)
+    where = f"{low}-{high}" if high is not None else f"{low} or more (no larger probe ran out of memory)"
+    inside = low <= predicted and (high is None or predicted <= high)
+    return (f"largest batch under the cap, as the probes bound it: {where}; the budget's {predicted} is "
+            + ("inside that interval" if inside else
+               f"{'below' if predicted < low else 'above'} it ({predicted / max(1, low):.2f} x the largest that ran)"))
+
+
 def train_command(cache: str | Path, out: str | Path, steps: int, *extra: str) -> list[str]:
     return [sys.executable, "-m", "nblib", "train", "--cache", str(cache), "--out", str(out), "--steps", str(steps),
             "--no-progress", *extra]
@@ -125,23 +139,27 @@ def checkpoint_contents(state: dict, *, buffer_size: int = 250_000, sample_bytes
     from nblib.budget import shuffle_checkpoint
     from nblib.train.state import part_bytes
 
-    sizes = part_bytes(state)
+    counters = {k: v for k, v in state.items() if v is None or isinstance(v, (int, float))}
+    sizes = part_bytes({k: v for k, v in state.items() if k not in counters})
     names = {"model": "model weights + BatchNorm stats", "optimizer": "AdamW moments + step counts",
              "scheduler": "LR schedule", "scaler": "GradScaler", "rng": "RNG states (python, numpy, torch)",
              "data_order": "data order (nblib shuffle state)", "history": "metric history",
              "identity": "run identity (settings, cache, labels)", "step": "step", "epoch": "epoch",
              "best": "best step"}
-    lines = [f"{'part':<42}{'bytes':>14}"]
+    lines = [f"{'part':<42}{'bytes in the checkpoint':>24}"]
     for key, value in sorted(sizes.items(), key=lambda kv: -kv[1]):
-        lines.append(f"{names.get(key, key):<42}{value:>14,}")
-    lines.append(f"{'all parts (less torch.save containers)':<42}{sum(sizes.values()):>14,}")
-    order = len(state["data_order"])
+        lines.append(f"{names.get(key, key):<42}{value:>24,}")
+    lines.append(f"{'all parts (less torch.save containers)':<42}{sum(sizes.values()):>24,}")
+    if counters:
+        lines.append("counters (a few bytes each): " + ", ".join(f"{names.get(k, k)} {v}" for k, v in counters.items()))
+    saved, text = sizes["data_order"], len(state["data_order"])
     tf = shuffle_checkpoint(buffer_size, sample_bytes).checkpoint_bytes
     lines.append("")
-    lines.append(f"data order, nblib: {order:,} bytes of JSON at any dataset size")
+    lines.append(f"data order, nblib: {text:,} bytes of JSON, {saved:,} in the checkpoint (the row above), at any "
+                 f"dataset size")
     lines.append(f"data order, tf.data Dataset.shuffle(buffer_size={buffer_size:,}) of {fmt_bytes(sample_bytes)} "
                  f"samples: {fmt_bytes(tf)} (the buffer itself; reference arithmetic, nblib.budget.shuffle_checkpoint)")
-    lines.append(f"ratio: {tf / order:,.0f} x")
+    lines.append(f"ratio: {tf / max(saved, text):,.0f} x")
     return "\n".join(lines)
 
 
@@ -247,33 +265,49 @@ def _newest_step(run: Path) -> int:
 
 
 def simulated_t4_rows(model, batches: tuple[int, ...], precision: str = "fp16", progress: bool = True) -> list[dict]:
-    """Per batch: the training budget's VRAM (no CUDA context) and the simulated T4's for the loop's own step."""
+    """Per batch: the traced VRAM budget (`model_vram(train=True)`, extrapolated from batches 2 and 3) and the
+    simulated T4 running the same traced step at the batch itself (`simulate_train_step`), with its roofline time.
+    """
+    from nblib.budget.model_vram import model_vram_table
     from nblib.simulate.train import simulate_train_step
 
+    budgets = model_vram_table(model, batches, "t4", precision=precision, train=True, find_largest=False)
     rows = []
-    for b in _bar(batches, progress, "simulating T4 steps", "batch"):
+    for b, vram in zip(_bar(batches, progress, "simulating T4 steps", "batch"), budgets):
         sim = simulate_train_step(model, b, "t4", precision=precision)
-        budget = predict_training(model, b, precision=precision, device="cuda", with_runtime=False)
-        rows.append({"batch": b, "precision": precision, "budget": budget.total, "allocated": sim.max_allocated,
-                     "reserved": sim.max_reserved, "ratio": budget.total / sim.max_reserved,
-                     "step_s": sim.step_seconds(), "attention": sim.sdpa_backend, "peak_op": sim.peak_op,
-                     "resident": sim.resident, "lines": budget.lines})
+        rows.append({"batch": b, "precision": precision, "budget": vram.reserved, "allocated": sim.max_allocated,
+                     "reserved": sim.max_reserved, "ratio": vram.reserved / sim.max_reserved,
+                     "step_s": sim.step_seconds(), "attention": sim.sdpa_backend, "peak_op": sim.peak_op})
     return rows
 
 
 def simulated_t4_table(rows: list[dict]) -> str:
     """The rows of `simulated_t4_rows` as a table, each judged against +-10%."""
-    lines = [f"{'batch':>6}{'precision':>10}{'budget VRAM':>13}{'simulated allocated':>21}{'simulated reserved':>20}"
-             f"{'budget/simulated':>18}   verdict"]
+    lines = [f"{'batch':>6}{'precision':>10}{'budget (traced)':>17}{'simulated allocated':>21}"
+             f"{'simulated reserved':>20}{'budget/simulated':>18}   verdict"]
     for r in rows:
         ok = abs(r["ratio"] - 1) <= PEAK_TOLERANCE
-        lines.append(f"{r['batch']:>6}{r['precision']:>10}{fmt_bytes(r['budget']):>13}{fmt_bytes(r['allocated']):>21}"
+        lines.append(f"{r['batch']:>6}{r['precision']:>10}{fmt_bytes(r['budget']):>17}{fmt_bytes(r['allocated']):>21}"
                      f"{fmt_bytes(r['reserved']):>20}{r['ratio']:>18.3f}   "
                      f"{'within' if ok else 'OUTSIDE'} +-{PEAK_TOLERANCE:.0%}")
     for r in rows:
         lines.append(f"batch {r['batch']}: roofline step time (simulated ceiling) {r['step_s'] * 1e3:,.0f} ms = "
                      f"{r['batch'] / r['step_s']:,.0f} samples/s at most; {r['attention']} attention; "
                      f"peak at {r['peak_op']}")
+    return "\n".join(lines)
+
+
+def t4_training_time_lines(model, n_samples: int, rows: list[dict], precision: str = "fp16") -> str:
+    """The T4 training time (`t4_training_time`, a projection) and the simulated roofline of `rows` as its ceiling."""
+    from nblib.budget.training import t4_training_time
+
+    time = t4_training_time(model, n_samples, precision)
+    lines = [f"T4 training time: {time.summary()}", f"  how: {time.method}"]
+    for r in rows:
+        ceiling = r["batch"] / r["step_s"]
+        lines.append(f"  ceiling at batch {r['batch']}: {ceiling:,.0f} samples/s (simulated roofline); the "
+                     f"projection's fast end {time.samples_per_s.high:,.0f} is "
+                     f"{'below it' if time.samples_per_s.high <= ceiling else 'ABOVE it: the projection is too fast'}")
     return "\n".join(lines)
 
 

@@ -3,10 +3,10 @@
 `simulate_model(spec, batch_size, train=False)` runs, in a fresh process with the fake-CUDA shim
 (nblib.budget.shim), what the jobs run: encoding, three batches of input copy, forward under
 inference_mode and autocast, and the encode loop's own `HostPart` (cast, offload, async); training,
-three calls of nblib.train's `train_step` with its `training_objects` (AdamW, LR schedule,
-GradScaler) on the model with a head (nblib.models.head). Every storage goes through the
-caching-allocator model in PyTorch's order. The budget (nblib.budget.model_vram) traces its own
-lighter job and extrapolates between two batches; this twin runs the loop at the batch itself.
+the budget's own traced step (`nblib.simulate.job_trace.traced_train_step`: nblib.train's `train_step`
+with its `training_objects` on the loop's module, `nblib.train.task.loop_module`). Every storage goes
+through the caching-allocator model in PyTorch's order. The budget (nblib.budget.model_vram) traces
+two small batches and extrapolates; this twin runs the job at the batch itself.
 Every figure is simulated.
 """
 from __future__ import annotations
@@ -52,44 +52,18 @@ def _child(payload: dict) -> dict:
     from nblib.budget.shim import child_model
 
     loaded = child_model(payload)
-    from unittest import mock
+    from nblib.simulate.job_trace import fake_device, traced_train_step
+    from nblib.models.head import _image_size
+    from nblib.train.task import loop_module
 
-    import torch
-
-    from nblib.budget.trace import attention_as_on_gpu, fake_cuda, step_trace_class
-    from nblib.models.head import _image_size, with_head
     size, b = _image_size(loaded), payload["batch"]
-    net = with_head(loaded, payload["classes"], payload["output"], image_size=size) if payload["train"] else None
-    with fake_cuda(), mock.patch("torch.cuda.is_bf16_supported", return_value=True), \
-            torch.autograd.set_multithreading_enabled(False):
-        trace = step_trace_class()(payload["cc"])
-        with trace, attention_as_on_gpu(trace):
-            if payload["train"]:
-                _train(net, b, size, payload)
-            else:
-                _encode(loaded, b, size, payload)
+    if payload["train"]:                   # the budget's traced step, at the batch itself
+        net = loop_module(loaded, payload["classes"], payload["output"], size)
+        trace, _, _ = traced_train_step(net, b, size, payload["precision"], payload["cc"], BATCHES)
+    else:
+        with fake_device(payload["cc"]) as trace:
+            _encode(loaded, b, size, payload)
     return {"max_allocated": trace.allocator.max_allocated, "max_reserved": trace.allocator.max_reserved}
-
-
-def _train(net, b: int, size: int, payload: dict) -> None:
-    import torch
-
-    from nblib.train.config import TrainConfig
-    from nblib.train.loop import train_step, training_objects
-
-    config = TrainConfig(batch_size=b, precision=payload["precision"], device="cuda:0", steps=BATCHES + 1,
-                         warmup_steps=1)
-    net.to(config.device).train()
-    optimizer, scheduler, scaler = training_objects(net, config)
-
-    def batches():
-        while True:
-            yield (torch.empty((b, size, size, 3), dtype=torch.uint8), torch.zeros(b, dtype=torch.int64),
-                   torch.arange(b))
-
-    stream = batches()
-    for _ in range(BATCHES):
-        train_step(net, optimizer, scheduler, scaler, stream, config)
 
 
 def _encode(loaded, b: int, size: int, payload: dict) -> None:

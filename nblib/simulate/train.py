@@ -1,10 +1,12 @@
 """One training step of the real loop on a simulated GPU: forward, backward, GradScaler, AdamW.
 
-`simulate_train_step(model, batch_size, gpu="t4", precision="fp16")` builds the model as the loop does and
-AdamW, the LR schedule and the GradScaler with `nblib.train.loop.training_objects` and runs the loop's own
-`train_step` `steps` times (3: AdamW's moments exist from the first step on, so steps 2 and 3
-are the steady state) on a fake `cuda:0` (nblib.simulate.fake_cuda). Every device storage is
-replayed through the caching-allocator model; the last step's kernels are kept for the roofline.
+`simulate_train_step(model, batch_size, gpu="t4", precision="fp16")` builds the model as the loop does
+(`nblib.train.task.loop_module`) and runs the one traced training step, the VRAM budget's own
+(`nblib.simulate.job_trace.traced_train_step`: the loop's `training_objects` and `train_step`, `steps`
+times; 3: AdamW's moments exist from the first step on, so steps 2 and 3 are the steady state) on a
+fake `cuda:0`, at the batch itself where the budget extrapolates from two small batches. Every device
+storage is replayed through the caching-allocator model; the last step's kernels are kept for the
+roofline, the step-time ceiling of `nblib.t4_speed`'s projection.
 
 Stock torch 2.13 (CPU build) runs the forward on fake CUDA tensors but cannot record it for
 backward: each autograd node asks the CUDA device guard for its stream, and a CPU build has no
@@ -91,7 +93,8 @@ def simulate_train_step(model: ModelConfig, batch_size: int, gpu: str | Device =
         raise ConfigError(f"steps={steps}: AdamW's moments exist only after the first step; use >= 2")
     shim_path()                            # SimulationUnavailable here (a CUDA build, no compiler) names why
     payload = {"model": model.__dict__, "batch": batch_size, "gpu": dev.name, "cc": dev.compute_capability,
-               "precision": precision, "classes": n_classes, "steps": steps, "audit": audit}
+               "precision": precision, "classes": n_classes, "steps": steps, "audit": audit,
+               "train": True}         # a training step: the CUBLAS_WORKSPACE_CONFIG training runs with, as the budget's
     out = run_child("nblib.simulate.train", payload, timeout_s=timeout_s)
     kernels = tuple(Kernel(*k) for k in out.pop("kernels"))
     return SimulatedStep(model=model, batch_size=batch_size, gpu=dev.name, precision=precision, steps=steps,
@@ -101,54 +104,32 @@ def simulate_train_step(model: ModelConfig, batch_size: int, gpu: str | Device =
 # ---------------------------------------------------------------- the child process
 def _child(payload: dict) -> dict:
     """In a fresh process: load the shim, then torch, then run the steps. The result as JSON-able data."""
-    import ctypes
+    from nblib.budget.shim import load_shim
 
-    ctypes.CDLL(payload["shim"])           # before torch: its CUDA hooks are chosen when torch starts
-    from unittest import mock
+    load_shim(payload)                     # before torch: its CUDA hooks are chosen when torch starts
+    from nblib.simulate.job_trace import traced_train_step
+    from nblib.train.task import loop_module
 
-    import torch
+    model, b = ModelConfig(**payload["model"]), payload["batch"]
+    net = loop_module(model, payload["classes"])            # as the loop builds it
+    last: dict = {}
 
-    from nblib.budget.trace import attention_as_on_gpu, fake_cuda, step_trace_class
-    from nblib.train.config import TrainConfig
-    from nblib.train.loop import train_step, training_objects
-    from nblib.train.model import Classifier
+    def before_last(trace, optimizer, scaler):           # the last step: its kernels, and the audit around it
+        last["kernels"] = len(trace.kernels)
+        last["audit"] = _Audit(trace, net, optimizer, scaler, b) if payload["audit"] else None
+        return last["audit"] or contextlib.nullcontext()
 
-    model, b, steps = ModelConfig(**payload["model"]), payload["batch"], payload["steps"]
-    config = TrainConfig(batch_size=b, precision=payload["precision"], device="cuda:0", steps=steps + 1,
-                         warmup_steps=1)
-    indices = torch.arange(b)              # real: the loop logs them with .tolist()
-    net = Classifier(model, payload["classes"], seed=config.seed, dropout=config.dropout)   # as the loop builds it
-    with fake_cuda(), mock.patch("torch.cuda.is_bf16_supported", return_value=True), \
-            torch.autograd.set_multithreading_enabled(False):
-        trace = step_trace_class()(payload["cc"])
-        with trace, attention_as_on_gpu(trace):
-            net.to(config.device)
-            weights = trace.allocator.allocated
-            optimizer, scheduler, scaler = training_objects(net, config)
-            batches = _batches(model, b, indices)
-            for _ in range(steps - 1):
-                train_step(net, optimizer, scheduler, scaler, batches, config)
-            kernels_before = len(trace.kernels)
-            audit = _audit(trace, net, optimizer, scaler, b) if payload["audit"] else None
-            with audit if audit is not None else contextlib.nullcontext():
-                train_step(net, optimizer, scheduler, scaler, batches, config)
-            resident = trace.live
+    trace, weights, _ = traced_train_step(net, b, model.image_size, payload["precision"], payload["cc"],
+                                          payload["steps"], before_last)
+    audit = last["audit"]
+    resident = trace.live                  # live at the end of the last step (its optimizer still held)
     backend = max(trace.sdpa_used, key=trace.sdpa_used.get) if trace.sdpa_used else "none"
     return {"sdpa_backend": backend, "max_live": trace.max_live, "max_allocated": trace.allocator.max_allocated,
             "max_reserved": trace.allocator.max_reserved, "weights": weights, "resident": resident,
             "peak_op": trace.peak.op, "peak_shape": list(trace.peak.shape),
             "audit_traced": audit.traced if audit else 0, "audit_counted": audit.counted if audit else 0,
             "audit_saved": audit.saved_bytes if audit else 0,
-            "kernels": [[k.op, k.flops, k.bytes, k.dtype, k.tensor_core] for k in trace.kernels[kernels_before:]]}
-
-
-def _batches(model: ModelConfig, b: int, indices):
-    """What the loop's DataLoader yields: uint8 images [B, H, W, 3], int64 labels, the sample indices."""
-    import torch
-
-    while True:
-        yield (torch.empty((b, model.image_size, model.image_size, 3), dtype=torch.uint8),
-               torch.zeros(b, dtype=torch.int64), indices)
+            "kernels": [[k.op, k.flops, k.bytes, k.dtype, k.tensor_core] for k in trace.kernels[last["kernels"]:]]}
 
 
 class _Audit:
@@ -184,8 +165,6 @@ class _Audit:
         return t
 
     def _at_forward_end(self, module, inputs, output) -> None:
-        from nblib.simulate.fake_cuda import CUBLAS_WORKSPACE
-
         held = dict(self.saved)
         params = {t.untyped_storage()._cdata for t in (*module.parameters(), *module.buffers())}
         self.saved_bytes = sum(n for key, n in held.items() if key not in params)
@@ -197,11 +176,7 @@ class _Audit:
                 held[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
         labels = self.b * 8
         self.traced = self.trace.live
-        self.counted = sum(held.values()) + labels + CUBLAS_WORKSPACE[self.trace.cc >= 90]
-
-
-def _audit(trace, net, optimizer, scaler, batch_size: int) -> _Audit:
-    return _Audit(trace, net, optimizer, scaler, batch_size)
+        self.counted = sum(held.values()) + labels + self.trace.workspace_bytes   # one per cuBLAS handle
 
 
 if __name__ == "__main__":

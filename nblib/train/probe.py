@@ -83,8 +83,13 @@ def probe_largest_batch(model: ModelConfig, cap_bytes: int, start: int, *, tries
     return results
 
 
-def largest_fitting(results: list[StepPeak]) -> int:
-    return max((r.batch_size for r in results if r.fits), default=0)
+def probed_interval(results: list[StepPeak]) -> tuple[int, int | None]:
+    """(low, high): the largest batch that fits lies in low..high, as the probes bound it. low: the largest batch
+    that ran (0: none); high: one below the smallest batch above it that did not (None: no such probe).
+    """
+    low = max((r.batch_size for r in results if r.fits), default=0)
+    fails = [r.batch_size for r in results if not r.fits and r.batch_size > low]
+    return low, (min(fails) - 1 if fails else None)
 
 
 def saved_bytes(model: ModelConfig, batch_size: int, n_classes: int = 12) -> int:

@@ -70,6 +70,29 @@ def freeze_unreached(net, *inputs) -> None:
     net.train()
 
 
+def loop_module(model, n_classes: int, output: str | None = None, image_size: int | None = None,
+                config: TrainConfig | None = None):
+    """The module `train` runs, built as the run builds it (the VRAM trace, nblib.budget.model_vram, builds it
+    here too): for the TRM (a ModelConfig, or a LoadedModel of kind trm) the `Classifier`, gradients through
+    its last outer cycle only; for any other LoadedModel `with_head` on `output` (a seeded head) with the
+    parameters no gradient reaches frozen by one batch-1 forward and backward.
+    """
+    from nblib.config import ModelConfig
+
+    config = config or TrainConfig()
+    if getattr(model, "kind", None) == "trm":
+        model = ModelConfig(**model.config["model"])
+    if isinstance(model, ModelConfig):
+        return Classifier(model, n_classes, seed=config.seed, dropout=config.dropout)
+    from nblib.models.head import with_head
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed ^ HEAD_SEED_SALT)
+        net = with_head(model, n_classes, output, image_size=image_size)
+    freeze_unreached(net, torch.zeros(1, image_size, image_size, 3, dtype=torch.uint8))
+    return net
+
+
 @contextlib.contextmanager
 def runs_on(what: str):
     """A model that fails on its first (batch-1) forward and backward at start: a ConfigError naming `what`."""
@@ -83,19 +106,21 @@ def runs_on(what: str):
 
 
 def vram_preflight(task, config: TrainConfig, world_size: int = 1):
-    """On CUDA, before any work: a --model's traced training budget (`nblib.budget.model_preflight`, the one
-    answer of `nblib.budget.model_vram`) at the run's micro-batch and precision, with its head; BudgetExceeded
-    with the numbers and the largest micro-batch that fits. None (nothing checked) on CPU or for the TRM.
+    """On CUDA, before any work: the traced training budget of the module the loop runs (the TRM's Classifier or
+    a --model with its head; `nblib.budget.model_preflight`, the one answer of `nblib.budget.model_vram`) at the
+    run's micro-batch and precision; BudgetExceeded with the numbers and the largest micro-batch that fits.
+    None (nothing checked) on CPU.
     """
     from nblib.budget.preflight import model_preflight
     from nblib.errors import BudgetExceeded
 
-    if not isinstance(task, ImageTask) or task.loaded is None or not config.device.startswith("cuda"):
+    if not isinstance(task, ImageTask) or not config.device.startswith("cuda"):
         return None
     micro = config.micro_batch(world_size)
+    traced = task.loaded if task.loaded is not None else task.model.encoder.config    # the TRM: its shape
     try:
-        return model_preflight(task.loaded, micro, config.device, precision=config.precision, train=True,
-                               output=task.model.output, n_classes=len(task.classes))
+        return model_preflight(traced, micro, config.device, precision=config.precision, train=True,
+                               output=getattr(task.model, "output", None), n_classes=len(task.classes))
     except BudgetExceeded as exc:
         if micro == config.batch_size:
             raise
@@ -174,7 +199,7 @@ class ImageTask:
             raise ConfigError(f"--output {output} picks one output of a --model to train a head on; the TRM "
                               f"trains its own head on its sketches: drop --output, or pass --model")
         shape = model_config((spec or "trm").partition(":")[2] or self.config.profile).model
-        net = Classifier(shape, len(self.classes), seed=self.config.seed, dropout=self.config.dropout)
+        net = loop_module(shape, len(self.classes), config=self.config)
         identity = dict(shape.__dict__)
         if weights is not None:
             from nblib.models import load_weights, weights_sha256
@@ -185,7 +210,6 @@ class ImageTask:
 
     def _any(self, spec, output, weights):
         from nblib.models import load_model
-        from nblib.models.head import with_head
 
         loaded = load_model(spec, weights, seed=self.config.seed)
         size, pre = self.cache.image_size, loaded.preprocessing
@@ -194,8 +218,5 @@ class ImageTask:
                               f"images and does not resize; re-render the cache at that size, or declare a "
                               f"preprocessing that resizes")
         with runs_on(f"--model {spec} on the cache's [B, {size}, {size}, 3] uint8 images"):
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(self.config.seed ^ HEAD_SEED_SALT)
-                net = with_head(loaded, len(self.classes), output, image_size=size)
-            freeze_unreached(net, torch.zeros(1, size, size, 3, dtype=torch.uint8))
+            net = loop_module(loaded, len(self.classes), output, size, self.config)
         return net, contract_identity(loaded, net.output, head="own logits" if net.own_logits else "linear"), loaded

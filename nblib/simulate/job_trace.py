@@ -1,0 +1,158 @@
+"""The child side of `nblib.budget.model_vram`: one job traced on a fake cuda:0, in a fresh process.
+
+`model_vram` runs this module with `run_child` (the fake-CUDA shim loaded before torch). For
+encoding it runs the encode loop's input copy, forward under inference_mode and autocast, and the
+offload's cast; for training, `traced_train_step`: the loop's own module (`nblib.train.task.
+loop_module`), `training_objects` and `train_step` (nblib.train.loop), so the budget, the simulated
+step (nblib.simulate.train) and the model simulation (nblib.simulate.model) trace one step. Two
+small batches give every batch's allocation stream (`events_at_batch`); a batch that is not affine
+is traced itself. It lives in the simulation layer because it runs the jobs' code.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+
+from nblib.budget.model_vram import OUT_DTYPE
+from nblib.budget.resources import largest_fitting
+
+TRAIN_STEPS = 3             # AdamW's moments exist from the first step: steps 2 and 3 are the steady state
+ENCODE_BATCHES = 2          # the second batch meets the first one's cached segments
+
+
+TRACED_BATCHES = (2, 3)     # two small traces give every batch's allocation stream (events_at_batch)
+
+
+def _child(payload: dict) -> dict:
+    from nblib.budget.shim import child_model
+
+    loaded = child_model(payload)
+    from nblib.budget.trace import WORKSPACE_POSITIONS, events_at_batch, replay_stats
+    b0, b1 = TRACED_BATCHES
+    low, high = trace_job(loaded, b0, payload), trace_job(loaded, b1, payload)
+    traced = {b0: low, b1: high}
+
+    def point(b: int) -> dict:
+        if b not in traced:
+            events = events_at_batch(low["events"], high["events"], b0, b1, b)
+            if events is None:                      # not batch-affine: trace this batch itself
+                traced[b] = trace_job(loaded, b, payload)
+            else:
+                stats = {pos: replay_stats(events, pos) for pos in WORKSPACE_POSITIONS}
+                first = stats[WORKSPACE_POSITIONS[0]]
+                traced[b] = {**high, "events": events, "max_allocated": first["max_allocated"],
+                             "reserved_pytorch": first["max_reserved"], "resident": first["marks"]["resident"],
+                             "weights": first["marks"]["weights"],
+                             "reserved": {pos: st["max_reserved"] for pos, st in stats.items()}}
+        return {k: v for k, v in traced[b].items() if k != "events"}
+
+    out = {"points": [point(b) for b in payload["batches"]], "affine": events_at_batch(
+        low["events"], high["events"], b0, b1, b1 + 1) is not None}
+    if payload["search"]:
+        def fits(b: int) -> bool:
+            return max(point(b)["reserved"].values()) <= payload["cap"]
+        out["largest"] = largest_fitting(fits, payload["max_batch"])
+    return out
+
+
+def trace_job(loaded, b: int, payload: dict) -> dict:
+    """One job (encode batches or training steps) at batch `b` on a fresh fake device: the traced figures."""
+    import copy
+
+    import torch
+
+    from nblib.models.head import _image_size
+    from nblib.models.outputs import named_outputs
+    from nblib.train.task import loop_module
+
+    size = _image_size(loaded)
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(payload["precision"])
+    out_dtype = getattr(torch, payload.get("out_dtype", OUT_DTYPE))
+    # a copy per trace: .to() on a fake device replaces the parameters with fake tensors
+    if payload["train"]:        # the module the loop runs (the TRM's Classifier: its no_grad cycles included)
+        module = copy.deepcopy(loop_module(loaded, payload["classes"], payload["output"], size))
+        trace, weights, resident = traced_train_step(module, b, size, payload["precision"], payload["cc"])
+    else:
+        module = copy.deepcopy(loaded.module).eval()
+        with fake_device(payload["cc"]) as trace:
+            host = torch.empty((b, size, size, 3), dtype=torch.uint8)
+            module.to("cuda:0")
+            weights = trace.allocator.allocated
+            trace.mark("weights")
+            for _ in range(ENCODE_BATCHES):
+                # as nblib.encode.run's loop: a batch's images stay on the device through its forward,
+                # until the next batch's copy has landed
+                images = host.to("cuda:0")
+                with torch.inference_mode(), torch.autocast("cuda", dtype=dtype or torch.float32,
+                                                            enabled=dtype is not None):
+                    outputs = named_outputs(module(loaded.preprocessing.apply(images)))
+                # its offload (nblib.encode.offload.HostPart.add, async): each output is cast to the
+                # run's out_dtype on the device, beside the outputs, before its copy out
+                cast = {n: t.to(out_dtype) for n, t in outputs.items()}
+                del outputs, cast
+            del images
+            resident = trace.allocator.allocated
+            trace.mark("resident")
+    ws = trace.workspace_bytes          # one per cuBLAS handle that ran a GEMM (nblib.budget.trace)
+    by_pos = trace.reserved_by_position()
+    return {"weights": weights, "resident": resident, "workspace": ws, "events": trace.events,
+            "max_allocated": trace.allocator.max_allocated, "reserved_pytorch": trace.allocator.max_reserved,
+            "reserved": by_pos, "peak_op": trace.peak.op if trace.peak else ""}
+
+
+@contextlib.contextmanager
+def fake_device(cc: int):
+    """A fresh fake cuda:0 of compute capability `cc` (in a child process with the shim, `run_child`): the trace
+    of every storage through the allocator model, attention as the GPU's kernel takes it, bf16 autocast allowed.
+    """
+    from unittest import mock
+
+    import torch
+
+    from nblib.budget.trace import attention_as_on_gpu, fake_cuda, step_trace_class
+
+    with fake_cuda(), mock.patch("torch.cuda.is_bf16_supported", return_value=True), \
+            torch.autograd.set_multithreading_enabled(False):
+        trace = step_trace_class()(cc)
+        with trace, attention_as_on_gpu(trace):
+            yield trace
+
+
+def traced_train_step(net, b: int, size: int, precision: str, cc: int, steps: int = TRAIN_STEPS,
+                      before_last=None):
+    """(trace, weights' bytes, bytes held between steps): the one traced training step. `net` (the loop's
+    module, `nblib.train.task.loop_module`) on a fake cuda:0, then `steps` calls of the loop's own `train_step`
+    with its `training_objects` (nblib.train.loop) at batch `b` of uint8 [b, size, size, 3] images.
+    before_last(trace, optimizer, scaler): a context manager entered around the last step (the simulation's
+    audit).
+    """
+    import torch
+
+    from nblib.train.config import TrainConfig
+    from nblib.train.loop import train_step, training_objects
+
+    config = TrainConfig(batch_size=b, precision=precision, device="cuda:0", steps=steps + 1, warmup_steps=1)
+    indices = torch.arange(b)              # real: the loop logs them with .tolist()
+
+    def batches():                         # what the loop's DataLoader yields
+        while True:
+            yield (torch.empty((b, size, size, 3), dtype=torch.uint8), torch.zeros(b, dtype=torch.int64), indices)
+
+    stream = batches()
+    with fake_device(cc) as trace:
+        net.train().to(config.device)
+        weights = trace.allocator.allocated
+        trace.mark("weights")
+        optimizer, scheduler, scaler = training_objects(net, config)
+        for k in range(steps):
+            last = k == steps - 1 and before_last is not None
+            with before_last(trace, optimizer, scaler) if last else contextlib.nullcontext():
+                train_step(net, optimizer, scheduler, scaler, stream, config)
+        trace.mark("resident")             # the optimizer's state is alive here: between steps
+        resident = trace.allocator.allocated
+    return trace, weights, resident
+
+
+if __name__ == "__main__":
+    print(json.dumps(_child(json.loads(sys.argv[1]))), flush=True)
