@@ -87,7 +87,7 @@ def budget_bars(budget, save_to=None, top: int = 4) -> Figure:
             ax.axhline(limit, color="crimson", ls="--", lw=1.5, label=f"limit {limit:.1f} GB")
             ax.set_ylim(0, max(bottom, limit) * 1.15)
         ax.set_title(f"{resource}: {bottom:.2f} GB" + (f"\n{bottom / limit:.0%} of limit" if limit else ""),
-                     fontsize=9, color="crimson" if limit and bottom > limit else "black")
+                     fontsize=9, color="crimson" if resource in budget.over else "black")   # resources.fits
         ax.set_xticks([])
         ax.set_ylabel("GB")
         if not lines:

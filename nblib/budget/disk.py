@@ -1,8 +1,10 @@
 """Disk a job needs: the image cache per codec, the parts of an encode run, shards; and the check.
 
-`cache_bytes` and `choose_codec` size the image cache (the cache module calls them with its
-measured bytes per image), `cache_shards` counts its files; `disk_lines` itemizes local staging
-and the durable (Drive) copy of an encode run, `uploaded_bytes` what a plan sends to Drive;
+`cache_bytes` sizes the image cache (the cache module calls it with its measured bytes per image);
+`choose_codec` is the one codec rule (the fastest-decoding codec whose cache fits; `by_decode_speed` is its
+order, which the plan and the advice share), `cache_shards` counts its files; `run_writes` is what an encode
+run writes, by item (the run's own check, `nblib.encode.disks.disk_needs`, and the plan's `disk_lines` both
+itemize it: a plan and its run agree), `uploaded_bytes` what a plan sends to Drive;
 `plan_shards` splits a big file so one shard at a time fits in RAM; `check_disk` refuses, with
 the numbers, what does not fit a folder's free disk.
 """
@@ -14,7 +16,7 @@ from pathlib import Path
 
 from nblib.budget._checks import require_positive
 from nblib.budget.memory import Line, output_bytes_per_image
-from nblib.budget.resources import FIT_MARGIN
+from nblib.budget.resources import FIT_MARGIN, fits, room, shortfall_words
 from nblib.config import PipelineConfig
 from nblib.errors import BudgetExceeded, ConfigError
 from nblib.units import GB, MB, fmt_bytes
@@ -26,10 +28,16 @@ from nblib.units import GB, MB, fmt_bytes
 # filters); zstd level 3 with a dictionary stored the sample texts 0.56x zlib's bytes at 224 px
 # (0.09 of raw when scaled to the reference's 0.16).
 CODEC_RATIO_ESTIMATE = {"raw": 1.0, "png": 0.14, "zlib": 0.16, "zstd": 0.09}
+# Each codec's decode speed, images/s on one core, assumed until a sample is measured (codec_sizes or
+# measure_codecs carry measured ones): nblib.cache.measure_codecs on 100 of this suite's sample texts at
+# 224 px, on this project's CPU, 2026-11-27 (raw 87,381, zstd 12,090, zlib 4,950, png 1,500). Only their
+# order is used: the one codec rule (`choose_codec`) prefers the fastest-decoding codec whose cache fits.
+CODEC_DECODE_ESTIMATE = {"raw": 87_000, "zstd": 12_000, "zlib": 5_000, "png": 1_500}
 # The codec of no cache at all: images rendered on the fly by the loader's workers
 # (nblib.cache.rendered.RenderedImages), 0 bytes on any disk; plan_budget(cacheless=True) tries it.
 NO_CACHE = "none"
 NPY_HEADER_BYTES = 128
+DISK_BLOCK = 4096          # an encode run's files are counted one 4 KiB block more each (part.json, headers, tails)
 
 
 def cache_bytes(n_images: int, image_size: int, codec: str = "raw",
@@ -64,35 +72,88 @@ def cache_shards(config: PipelineConfig, *, codec: str | None = None,
 
 def uploaded_bytes(config: PipelineConfig, *, codec: str | None = None,
                    bytes_per_image: float | None = None) -> int:
-    """Bytes a plan uploads to Drive: the image cache, every part, and the consolidated outputs."""
+    """Bytes a plan uploads to Drive: the image cache and the mirror's copy of every part (`run_writes`); the
+    consolidated outputs stay in the run folder. The same bytes as the budget's Drive peak: no temporary of a
+    part in flight outlives its rename.
+    """
     r = config.run
-    outputs = r.n_samples * output_bytes_per_image(config)
     cache = cache_bytes(r.n_samples, config.model.image_size, codec or r.codec, bytes_per_image,
                         shard_mb=r.shard_mb)
-    return cache + 2 * outputs
+    return cache + run_writes(config)["mirrored parts"]
 
 
-def choose_codec(n_images: int, free_bytes: int, codec_stats: dict[str, dict],
-                 margin: float = FIT_MARGIN) -> str:
-    """The fastest-decoding codec whose cache fits in free_bytes x (1 - margin)."""
+def by_decode_speed(codecs, decode_rates: dict[str, float] | None = None) -> list[str]:
+    """`codecs`, fastest decoding first: the one codec rule's order (measured rates, else CODEC_DECODE_ESTIMATE).
+
+    `choose_codec`, `plan_budget`, the advice and the refusals all order codecs by this, so the same job
+    and the same sizes get one codec: the first of this order whose cache fits.
+    """
+    rates = {**CODEC_DECODE_ESTIMATE, **(decode_rates or {})}
+    return sorted(codecs, key=lambda c: -float(rates.get(c, 0.0)))
+
+
+def fastest_fitting(cache_sizes: dict[str, float], free_bytes: float, decode_rates: dict[str, float] | None = None,
+                    margin: float = FIT_MARGIN) -> str | None:
+    """The fastest-decoding codec whose cache (`cache_sizes`: codec -> bytes) fits `free_bytes`; None if none does."""
+    return next((c for c in by_decode_speed(cache_sizes, decode_rates)
+                 if fits(cache_sizes[c], free_bytes, margin)), None)
+
+
+def codec_stats(codec_sizes) -> dict[str, dict[str, float]]:
+    """{codec: {"bytes_per_image", "decode_images_per_s"}} of a CodecSizes, of `measure_codecs`' dict, or of
+    a dict of bytes per image; decode rates not measured are CODEC_DECODE_ESTIMATE's.
+    """
+    if isinstance(codec_sizes, dict) and all(isinstance(s, dict) for s in codec_sizes.values()):
+        return {c: {**s, "decode_images_per_s": float(s.get("decode_images_per_s", CODEC_DECODE_ESTIMATE.get(c, 0)))}
+                for c, s in codec_sizes.items()}
+    sizes = getattr(codec_sizes, "bytes_per_image", codec_sizes) or {}
+    rates = {**CODEC_DECODE_ESTIMATE, **(getattr(codec_sizes, "decode_images_per_s", None) or {})}
+    return {c: {"bytes_per_image": float(b), "decode_images_per_s": float(rates.get(c, 0.0))}
+            for c, b in sizes.items()}
+
+
+def choose_codec(n_images: int, free_bytes: int, codec_stats_or_sizes, margin: float = FIT_MARGIN) -> str:
+    """The one codec rule: the fastest-decoding codec whose cache fits in free_bytes (`resources.fits`).
+
+    `codec_stats_or_sizes`: `measure_codecs`' {codec: {"bytes_per_image", "decode_images_per_s"}} or an
+    `nblib.codec_sizes.CodecSizes`. BudgetExceeded naming the smallest cache when none fits.
+    """
     require_positive("n_images", n_images)
-    if not codec_stats:
+    stats = codec_stats(codec_stats_or_sizes)
+    if not stats:
         raise ConfigError("codec_stats is empty; measure at least one codec with nblib.cache")
-    room = free_bytes * (1 - margin)
-    sizes = {name: n_images * float(s["bytes_per_image"]) for name, s in codec_stats.items()}
-    fitting = [name for name in codec_stats if sizes[name] <= room]
-    if not fitting:
+    sizes = {name: n_images * float(s["bytes_per_image"]) for name, s in stats.items()}
+    choice = fastest_fitting(sizes, free_bytes, {c: s["decode_images_per_s"] for c, s in stats.items()}, margin)
+    if choice is None:
         smallest = min(sizes, key=sizes.get)
         raise BudgetExceeded(
             f"no codec fits: the smallest cache ({smallest}) needs {sizes[smallest] / GB:.1f} GB "
             f"for {n_images:,} images, but {free_bytes / GB:.1f} GB is free "
-            f"(room {room / GB:.1f} GB after a {margin:.0%} margin); render fewer images "
+            f"(room {room(free_bytes, margin) / GB:.1f} GB after a {margin:.0%} margin); render fewer images "
             f"(n_samples), a smaller image_size, or free disk")
-    return max(fitting, key=lambda name: float(codec_stats[name]["decode_images_per_s"]))
+    return choice
+
+
+def size_source(codec: str, codec_sizes=None) -> str:
+    """Where `codec`'s cache size comes from, as every plan, advice and refusal line says it.
+
+    "zstd measured on 300 texts" (a CodecSizes measured on the user's texts), "zstd measured" (sizes given
+    as a dict), else "zstd at the estimated ratio 0.09 of raw, not measured" (the borrowed CODEC_RATIO_ESTIMATE).
+    """
+    if codec == NO_CACHE:
+        return "no cache"
+    sizes = getattr(codec_sizes, "bytes_per_image", codec_sizes) or {}
+    if codec in sizes and getattr(codec_sizes, "measured", True):
+        n = getattr(codec_sizes, "n_texts", 0)
+        return f"{codec} measured on {n:,} texts" if n else f"{codec} measured"
+    if codec == "raw":
+        return "raw: exact"
+    return f"{codec} at the estimated ratio {CODEC_RATIO_ESTIMATE[codec]:.2f} of raw, not measured"
 
 
 def check_disk(folder: str | Path, need_bytes: int, *, what: str, knob) -> None:
-    """Raise BudgetExceeded when `need_bytes` exceed the free disk of `folder`'s filesystem.
+    """Raise BudgetExceeded when `need_bytes` do not fit the free disk of `folder`'s filesystem
+    (`resources.fits`: within 90% of it); the refusal says so, and how much more free disk fits it.
 
     `knob` is what to turn: words, or a function of the free bytes that computes the knobs with the
     values that fit (`nblib.budget.advice.closing_knobs`), called only when the check refuses.
@@ -100,40 +161,60 @@ def check_disk(folder: str | Path, need_bytes: int, *, what: str, knob) -> None:
     from nblib.disk import disk_free, existing_parent
 
     path, free = existing_parent(folder), disk_free(folder)
-    if need_bytes > free:
+    if not fits(need_bytes, free):
         turn = knob(free) if callable(knob) else knob
         raise BudgetExceeded(
-            f"{what} needs {need_bytes / GB:.2f} GB but only {free / GB:.2f} GB is free on "
-            f"{path} ({(need_bytes - free) / GB:,.2f} GB short); {turn}")
+            f"{what} needs {need_bytes / GB:.2f} GB but only {free / GB:.2f} GB is free on {path}: "
+            f"{shortfall_words(need_bytes, free, 'free')}; {turn}")
 
 
-def disk_lines(config: PipelineConfig, *, codec: str = "raw", bytes_per_image: float | None = None,
-               keep_local: int = 2) -> tuple[tuple[Line, ...], tuple[Line, ...]]:
-    """(local disk lines, Drive lines) of a cache + encode run, from the output shapes."""
+def run_writes(config: PipelineConfig, *, samples: int | None = None, parts: int | None = None,
+               n_samples: int | None = None, per_image: int | None = None, n_outputs: int | None = None,
+               do_consolidate: bool = True) -> dict[str, int]:
+    """What (the rest of) an encode run writes, by item: "parts still to encode" and "consolidated outputs" in
+    the run folder (--out), "mirrored parts" in the mirror (--mirror), each file one `DISK_BLOCK` more.
+
+    `samples` and `parts`: those still to encode (default: the whole run); `n_samples`: the run's, which the
+    consolidated outputs hold; `per_image`, `n_outputs`: a model's own (default: the config's TRM outputs).
+    The run checks it (`nblib.encode.disks.disk_needs`) and the plan prints it (`disk_lines`).
+    """
+    r = config.run
+    per_image = output_bytes_per_image(config) if per_image is None else per_image
+    outputs = len(r.outputs) if n_outputs is None else n_outputs
+    n_samples = r.n_samples if n_samples is None else n_samples
+    samples = n_samples if samples is None else samples
+    parts = -(-r.n_batches // r.checkpoint_every) if parts is None else parts
+    part_bytes = samples * per_image + parts * (outputs + 1) * DISK_BLOCK
+    writes = {"parts still to encode": part_bytes}
+    if do_consolidate:
+        writes["consolidated outputs"] = n_samples * per_image + (outputs + 1) * DISK_BLOCK
+    writes["mirrored parts"] = part_bytes
+    return writes
+
+
+def disk_lines(config: PipelineConfig, *, codec: str = "raw",
+               bytes_per_image: float | None = None) -> tuple[tuple[Line, ...], tuple[Line, ...]]:
+    """(local disk lines, Drive lines) of a cache + encode run: the image cache, and `run_writes`' items."""
     r = config.run
     per_image = output_bytes_per_image(config)
-    total_outputs = r.n_samples * per_image
-    part = min(r.checkpoint_every * r.batch_size, r.n_samples) * per_image
     n_parts = -(-r.n_batches // r.checkpoint_every)
+    writes = run_writes(config)
     cache = cache_bytes(r.n_samples, config.model.image_size, codec, bytes_per_image,
                         shard_mb=r.shard_mb)
+    parts = (f"{n_parts} parts: {r.n_samples:,} x {fmt_bytes(per_image)} ({'+'.join(r.outputs)}, {r.out_dtype}), "
+             f"{DISK_BLOCK // 1024} KiB more a file")
     local = (
-        Line("staged parts kept locally", min(keep_local, n_parts) * part,
-             f"keep_local={keep_local} parts of {fmt_bytes(part)} after mirroring"),
-        Line("part being written", part, "temporary file of the next part (atomic write)"),
+        Line("parts still to encode", writes["parts still to encode"], f"the run folder keeps every part: {parts}"),
+        Line("consolidated outputs", writes["consolidated outputs"],
+             "one .npy per output in the run folder at the end, while the parts still exist"),
     )
     drive = (
         Line(f"image cache ({codec})", cache,
              "no cache: the loader's workers render each image when it is read" if codec == NO_CACHE else
              f"{r.n_samples:,} images at {config.model.image_size} px"
              + (f", {bytes_per_image:,.0f} B/image measured" if bytes_per_image else
-                f", {CODEC_RATIO_ESTIMATE[codec]:.2f} of raw (estimate)" if codec != "raw" else "")),
-        Line("durable parts", total_outputs,
-             f"{n_parts} parts: {r.n_samples:,} x {fmt_bytes(per_image)} "
-             f"({'+'.join(r.outputs)}, {r.out_dtype})"),
-        Line("mirror copy in flight", part, "temporary of the part being mirrored"),
-        Line("consolidated outputs", total_outputs,
-             "one .npy per output at the end, while the parts still exist"),
+                f", estimated ratio {CODEC_RATIO_ESTIMATE[codec]:.2f} of raw, not measured" if codec != "raw" else "")),
+        Line("mirrored parts", writes["mirrored parts"], f"the mirror's copy of every part: {parts}"),
     )
     return local, drive
 

@@ -44,9 +44,12 @@ class DriveLimitCheck:
 
     @property
     def numbers(self) -> str:
-        """'Drive uploads per day 996.2 GB > 750 GB a day', or '<=' when within the limit."""
+        """'Drive uploads per day 996.2 GB uploaded > 750 GB a day', or '<=' when within the limit.
+
+        The bytes uploaded are the budget's Drive peak (`uploaded_bytes`: the cache and the mirrored parts).
+        """
         op = ">" if self.crossed else "<="
-        numbers = (f"{self.need / GB:,.1f} GB {op} {self.limit / GB:,.0f} GB a day" if self.unit == "B"
+        numbers = (f"{self.need / GB:,.1f} GB uploaded {op} {self.limit / GB:,.0f} GB a day" if self.unit == "B"
                    else f"{self.need:,.0f} {op} {self.limit:,.0f}")
         return f"Drive {self.name} {numbers}"
 
@@ -81,11 +84,18 @@ def cache_folder_check(config: PipelineConfig, *, codec: str | None = None,
     r = config.run
     codec = codec or r.codec
     shards = cache_shards(config, codec=codec, bytes_per_image=bytes_per_image)
-    need = shards + CACHE_FOLDER_EXTRA_ITEMS
     data = cache_bytes(r.n_samples, config.model.image_size, codec, bytes_per_image, shard_mb=r.shard_mb)
-    shard_mb = math.ceil(data / (FOLDER_ITEMS_LIMIT - CACHE_FOLDER_EXTRA_ITEMS) / MB)
-    knob = f"run.shard_mb>={shard_mb} (now {r.shard_mb}; {shards:,} shards of {codec})"
-    return DriveLimitCheck("items in the cache folder", need, FOLDER_ITEMS_LIMIT, "items", knob,
+    return shard_folder_check(shards, data, r.shard_mb, knob="run.shard_mb", of=f" of {codec}")
+
+
+def shard_folder_check(shards: int, data_bytes: float, shard_mb: float, *, knob: str = "shard_mb",
+                       of: str = "") -> DriveLimitCheck:
+    """`shards` files of `data_bytes` in all, plus the manifest, in one folder; the knob: the smallest `knob`
+    (shard size in MB) that fits. The cache writers and readers warn by it (`nblib.cache.format.warn_many_files`).
+    """
+    fits_mb = math.ceil(data_bytes / (FOLDER_ITEMS_LIMIT - CACHE_FOLDER_EXTRA_ITEMS) / MB)
+    return DriveLimitCheck("items in the cache folder", shards + CACHE_FOLDER_EXTRA_ITEMS, FOLDER_ITEMS_LIMIT,
+                           "items", f"{knob}>={fits_mb} (now {shard_mb:g}; {shards:,} shards{of})",
                            DRIVE["items per folder"].source)
 
 

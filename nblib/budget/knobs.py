@@ -1,8 +1,9 @@
 """Pick the knobs that make a job fit a device: batch size, output dtype and subset, cadences, codec.
 
 `plan_budget(config, device)` keeps as much output as it can: the config's own outputs and dtype
-first, then fp16, then fewer outputs (`nblib.config.OUTPUT_CHOICES`) and a compressed cache; for
-each, the largest checkpoint cadence whose RAM fits and the largest consolidation cadence whose
+first, then fp16, then fewer outputs (`nblib.config.OUTPUT_CHOICES`), each with the fastest-decoding
+codec whose cache fits (the one codec rule, `nblib.budget.disk.choose_codec`'s); for each, the
+largest checkpoint cadence whose RAM fits and the largest consolidation cadence whose
 VRAM fits, never so small that the parts cross Drive's items-per-folder limit. It returns a
 `BudgetPlan` that says what changed, or why nothing fits.
 """
@@ -12,10 +13,10 @@ from dataclasses import dataclass
 
 from nblib.budget._checks import validated
 from nblib.budget.devices import Device, device_preset
-from nblib.budget.disk import CODEC_RATIO_ESTIMATE, NO_CACHE
+from nblib.budget.disk import CODEC_RATIO_ESTIMATE, NO_CACHE, by_decode_speed, codec_stats, size_source
 from nblib.budget.drive import smallest_checkpoint_every
 from nblib.budget.predict import Budget, max_batch_size, predict_budget
-from nblib.budget.resources import FIT_MARGIN, RESOURCES
+from nblib.budget.resources import FIT_MARGIN, RESOURCES, fits
 from nblib.config import CODECS, OUTPUT_CHOICES, PipelineConfig
 from nblib.units import fmt_bytes
 
@@ -48,8 +49,9 @@ def plan_budget(config: PipelineConfig, device: str | Device = "t4", *, margin: 
     the largest checkpoint_every (fewest parts) whose RAM fits and the largest consolidate_every
     dividing it whose VRAM fits. `cacheless=True` also tries, after every cached choice, no image
     cache at all (images rendered on the fly, `NO_CACHE`): changes then holds cache="none".
-    Every codec of the cache's registry is tried (`nblib.config.CODECS`), the config's own first,
-    then the smallest cache first.
+    Every codec of the cache's registry is tried (`nblib.config.CODECS`) for each of those, in the one
+    codec rule's order (`nblib.budget.disk.by_decode_speed`, as `choose_codec`): the codec is the
+    fastest-decoding one whose cache fits beside the most output that fits.
 
     Args:
         config: the pipeline config to start from.
@@ -58,7 +60,7 @@ def plan_budget(config: PipelineConfig, device: str | Device = "t4", *, margin: 
         cacheless: also try rendering on the fly instead of an image cache.
         codec_sizes: an `nblib.codec_sizes.CodecSizes` (bytes per image per codec, measured on the
             user's texts); None uses the reference's ratios, and the reason says so.
-        **predict_kwargs: passed to `predict_budget` (codec, keep_local, drive_quota_gb, ...).
+        **predict_kwargs: passed to `predict_budget` (codec, drive_quota_gb, ...).
 
     Returns:
         A `BudgetPlan`: the config that fits, its Budget, what changed, or why nothing fits.
@@ -73,39 +75,48 @@ def plan_budget(config: PipelineConfig, device: str | Device = "t4", *, margin: 
         return BudgetPlan(cfg, b1, {}, False, f"even batch_size=1 does not fit: {b1.verdict}")
     dtypes = [r.out_dtype] + [d for d in ("float16",) if d != r.out_dtype]
     outputs = [r.outputs] + [o for o in OUTPUT_CHOICES if o != r.outputs]
-    sizes = dict(codec_sizes.bytes_per_image) if codec_sizes is not None else {}
-    known = sizes or {c: CODEC_RATIO_ESTIMATE[c] for c in CODECS if c in CODEC_RATIO_ESTIMATE}
-    smallest_first = sorted(known, key=known.get)     # the most room left for outputs first
-    codecs = [r.codec] + [c for c in smallest_first if c != r.codec and "codec" not in predict_kwargs]
+    stats = codec_stats(codec_sizes) if codec_sizes is not None else {}
+    codecs = [r.codec] if "codec" in predict_kwargs else \
+        by_decode_speed(stats or [c for c in CODECS if c in CODEC_RATIO_ESTIMATE],
+                        {c: s["decode_images_per_s"] for c, s in stats.items()})      # the one codec rule's order
+    choices = [(c, o, d) for o in outputs for d in dtypes for c in codecs]
     if cacheless and "codec" not in predict_kwargs:
-        codecs.append(NO_CACHE)
-    source = (f"; cache sizes {codec_sizes.source}" if codec_sizes is not None else
-              "; cache sizes: the reference analysis' ratios (give texts to measure yours)")
-    choices = [(c, o, d) for c in codecs for o in outputs for d in dtypes]
-    last = None
+        choices += [(NO_CACHE, o, d) for o in outputs for d in dtypes]
+    tried = []
     for codec, outs, dtype in choices:
         kwargs = {**predict_kwargs, "codec": NO_CACHE} if codec == NO_CACHE else predict_kwargs
-        if sizes.get(codec) is not None and "bytes_per_image" not in predict_kwargs:
-            kwargs = {**kwargs, "bytes_per_image": sizes[codec]}
+        if codec in stats and "bytes_per_image" not in predict_kwargs:
+            kwargs = {**kwargs, "bytes_per_image": stats[codec]["bytes_per_image"]}
         trial = cfg.replace(batch_size=batch, outputs=outs, out_dtype=dtype,
                             codec=r.codec if codec == NO_CACHE else codec)
         found = _cadence_that_fits(trial, dev, margin, kwargs)
         if found is not None:
-            budget = found
-            changes = {k: v for k, v in _knobs(budget.config).items() if v != _knobs(cfg)[k]}
+            changes = {k: v for k, v in _knobs(found.config).items() if v != _knobs(cfg)[k]}
             if codec == NO_CACHE:
                 changes["cache"] = NO_CACHE
-            return BudgetPlan(budget.config, budget, changes, True,
-                              f"{budget.verdict}" + (f" (margin {margin:.0%} kept)" if margin else "") + source)
+            return BudgetPlan(found.config, found, changes, True, f"{found.verdict}" + (
+                f" (margin {margin:.0%} kept)" if margin else "") + _sizes_source(codec, codec_sizes))
         every = smallest_checkpoint_every(trial.replace(consolidate_every=1)) or 1   # fewest parts Drive takes
-        last = predict_budget(trial.replace(checkpoint_every=every, consolidate_every=1), dev, **kwargs)
-    biggest = max(last.lines[last.binding], key=lambda line: line.bytes)
-    cache = "no" if last.options.get("codec") == NO_CACHE else last.config.run.codec
-    why = (f"even the smallest choice (outputs={last.config.run.outputs}, "
-           f"{last.config.run.out_dtype}, {cache} cache, batch {batch}, cadence {last.config.run.checkpoint_every}) "
-           f"leaves {last.binding} at {last.usage[last.binding]:.1f}x its limit; its largest line, "
-           f"{biggest.name}, is {fmt_bytes(biggest.bytes)} alone. {last.verdict}{source}")
-    return BudgetPlan(last.config, last, {}, False, why)
+        tried.append((codec, predict_budget(trial.replace(checkpoint_every=every, consolidate_every=1), dev,
+                                            **kwargs)))
+    codec, least = min(tried, key=lambda t: (t[1].totals["drive"], max(t[1].usage.values())))
+    biggest = max(least.lines[least.binding], key=lambda line: line.bytes)
+    why = (f"even the smallest choice (outputs={least.config.run.outputs}, {least.config.run.out_dtype}, "
+           f"{'no' if codec == NO_CACHE else codec} cache, batch {batch}, cadence {least.config.run.checkpoint_every}) "
+           f"leaves {least.binding} at {least.usage[least.binding]:.1f}x its limit; its largest line, "
+           f"{biggest.name}, is {fmt_bytes(biggest.bytes)} alone. {least.verdict}{_sizes_source(codec, codec_sizes)}")
+    return BudgetPlan(least.config, least, {}, False, why)
+
+
+def _sizes_source(codec: str, codec_sizes) -> str:
+    """Where the plan's cache size comes from: '; cache sizes measured on 300 of your texts (zstd 2,349 B/image)',
+    or the borrowed ratio, stated ('zstd at the estimated ratio 0.09 of raw, not measured').
+    """
+    if codec_sizes is None or not getattr(codec_sizes, "measured", True) or codec not in codec_sizes.bytes_per_image:
+        source = f"{codec_sizes.source}: " if codec_sizes is not None else \
+            "the reference analysis' ratios (give texts to measure yours): "
+        return f"; cache sizes: {source}{size_source(codec, codec_sizes)}"
+    return f"; cache sizes {codec_sizes.source} ({codec} {codec_sizes.bytes_per_image[codec]:,.0f} B/image)"
 
 
 def _cadence_that_fits(cfg: PipelineConfig, dev: Device, margin: float, kwargs) -> Budget | None:
@@ -120,10 +131,9 @@ def _cadence_that_fits(cfg: PipelineConfig, dev: Device, margin: float, kwargs) 
                 continue
             b = predict_budget(cfg.replace(checkpoint_every=every, consolidate_every=cons), dev,
                                **kwargs)
-            if all(b.totals[r] <= b.limits[r] * (1 - margin) for r in RESOURCES
-                   if b.limits[r] > 0):
+            if all(fits(b.totals[r], b.limits[r], margin) for r in RESOURCES if b.limits[r] > 0):
                 return b
-            if b.totals["drive"] > b.limits["drive"] * (1 - margin):
+            if not fits(b.totals["drive"], b.limits["drive"], margin):
                 return None          # Drive does not depend on the cadence: give up early
     return None
 

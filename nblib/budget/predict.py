@@ -26,7 +26,7 @@ from nblib.budget.memory import (
     host_memory_lines,
     model_memory_lines,
 )
-from nblib.budget.resources import FIT_MARGIN, RESOURCES, largest_fitting
+from nblib.budget.resources import FIT_MARGIN, RESOURCES, fits, largest_fitting, margin_words, room
 from nblib.config import PipelineConfig
 from nblib.errors import ConfigError
 from nblib.units import GB, fmt_bytes
@@ -65,8 +65,15 @@ class Budget:
         return max(self.usage.items(), key=lambda kv: kv[1])[0]
 
     @property
+    def over(self) -> tuple[str, ...]:
+        """The resources that do not fit (`nblib.budget.resources.fits`: the 10% margin), worst first."""
+        t, usage = self.totals, self.usage
+        return tuple(sorted((r for r in usage if not fits(t[r], self.limits[r])), key=lambda r: -usage[r]))
+
+    @property
     def fits(self) -> bool:
-        return all(u <= 1.0 for u in self.usage.values())
+        """Every resource fits its limit with the margin kept free (the one rule, `resources.fits`)."""
+        return not self.over
 
     @property
     def seconds(self) -> float:
@@ -93,15 +100,18 @@ class Budget:
 
     @property
     def headline(self) -> str:
-        """Fits or not, which limit binds and by how much (the chart's title)."""
-        r = self.binding
-        need, limit = self.totals[r], self.limits[r]
-        if need <= limit:
-            return (f"fits on {self.device.name}: {r} binds at {need / GB:.2f} of "
-                    f"{limit / GB:.2f} GB ({need / limit:.0%}); time {self.hours_text()}"
+        """Fits or not (`resources.fits`, with its margin), which limit binds and by how much (the chart's title)."""
+        margin = margin_words()
+        if self.fits:
+            r = self.binding
+            need, limit = self.totals[r], self.limits[r]
+            return (f"fits on {self.device.name} {margin}: {r} binds at {need / GB:.2f} of {limit / GB:.2f} GB "
+                    f"({need / limit:.1%}; the target is {1 - FIT_MARGIN:.0%}); time {self.hours_text()}"
                     + (f" ({self.speed.label})" if self.speed else ""))
-        over = ", ".join(f"{q} {u:.1f}x" for q, u in sorted(self.usage.items(), key=lambda kv: -kv[1]) if u > 1)
-        return f"does NOT fit on {self.device.name}: over the limit: {over}"
+        usage = self.usage
+        over = ", ".join(f"{q} {self.totals[q] / GB:,.2f} of {self.limits[q] / GB:,.2f} GB ({usage[q]:.1%})"
+                         if usage[q] < 10 else f"{q} {usage[q]:.1f}x" for q in self.over)
+        return f"does NOT fit on {self.device.name} {margin} (the target is {1 - FIT_MARGIN:.0%} of each limit): {over}"
 
     @cached_property
     def drive_limits(self) -> tuple[DriveLimitCheck, ...]:
@@ -113,6 +123,10 @@ class Budget:
     def advice(self) -> tuple:
         """One nblib.budget.advice.Advice per resource over its limit and per Drive limit crossed."""
         return advise(self)
+
+    def largest_batch(self, limits: dict[str, float] | None = None) -> int:
+        """`max_batch_size` of this config, device and options; `limits` replaces a limit ("vram", "ram")."""
+        return max_batch_size(self.config, self.device, FIT_MARGIN, limits=limits, **self.options)
 
     def with_changes(self, run: dict | None = None, options: dict | None = None) -> Budget:
         """The budget of this config with run knobs and predict_budget options changed (advice's search)."""
@@ -131,7 +145,9 @@ class Budget:
         """The itemized lines as aligned text, one block per resource."""
         rows = []
         for r in RESOURCES:
-            limit = f"limit {self.limits[r] / GB:.2f} GB" if self.limits[r] else "not used"
+            limit = (f"limit {self.limits[r] / GB:.2f} GB, target {room(self.limits[r]) / GB:.2f} GB"
+                     if self.limits[r] else "not used")
+            limit += "; the quota's peak, every byte of it uploaded" if r == "drive" else ""
             rows.append(f"{r.upper():<12} {self.totals[r] / GB:>10.3f} GB   ({limit})")
             for line in self.lines[r]:
                 rows.append(f"  {line.name:<34} {fmt_bytes(line.bytes):>11}  {line.why}")
@@ -146,7 +162,7 @@ class Budget:
 def predict_budget(config: PipelineConfig, device: str | Device = "t4", *,
                    sdpa_backend: str | None = None, drive_quota_gb: float = FREE_QUOTA_GB,
                    codec: str | None = None, bytes_per_image: float | None = None,
-                   keep_local: int = 2, efficiency: float | None = None, precision: str = "fp16",
+                   efficiency: float | None = None, precision: str = "fp16",
                    offload: str = "async", codec_sizes=None) -> Budget:
     """Predict peak VRAM, RAM, local disk and Drive use and the run time of an encode job.
 
@@ -163,7 +179,6 @@ def predict_budget(config: PipelineConfig, device: str | Device = "t4", *,
         codec_sizes: bytes per image per codec measured on the user's texts (an
             `nblib.codec_sizes.CodecSizes` or a dict): the cache's size, and the codec the advice
             offers, come from them instead of the reference's ratios (bytes_per_image wins if given).
-        keep_local: parts kept on local disk after they are mirrored to Drive.
         efficiency: the share of the device's peak FLOP/s reached (`calibrate`); default the preset's, or on
             a T4 nblib.t4_speed's sourced range (`Budget.speed`, its mid as samples_per_s).
         precision: "fp16" (autocast, the default on CUDA), "bf16" or "fp32"; offload: "async" or
@@ -183,7 +198,6 @@ def predict_budget(config: PipelineConfig, device: str | Device = "t4", *,
     dev = device_preset(device)
     backend = _attention_on(dev, sdpa_backend)
     require_positive("drive_quota_gb", drive_quota_gb, number=True)
-    require_positive("keep_local", keep_local, minimum=0)
     m, r = cfg.model, cfg.run
     codec_arg, codec = codec, codec or r.codec
     if precision not in ("fp16", "fp32", "bf16"):
@@ -204,7 +218,7 @@ def predict_budget(config: PipelineConfig, device: str | Device = "t4", *,
         vram = ()
         ram = (*host_memory_lines(cfg, cuda=False), *model_lines)
     measured = measured_bytes_per_image(codec_sizes, codec) if bytes_per_image is None else bytes_per_image
-    local, drive = disk_lines(cfg, codec=codec, bytes_per_image=measured, keep_local=keep_local)
+    local, drive = disk_lines(cfg, codec=codec, bytes_per_image=measured)
     flops = flops_per_image(m)
     speed = _sourced_speed(dev, flops, precision, given.run.n_samples) if efficiency is None else None
     eff = dev.efficiency if efficiency is None else efficiency
@@ -216,7 +230,7 @@ def predict_budget(config: PipelineConfig, device: str | Device = "t4", *,
                 "drive": int(drive_quota_gb * GB)},
         flops_per_image=flops, samples_per_s=rate, sdpa_backend=backend,
         options={"sdpa_backend": sdpa_backend, "drive_quota_gb": drive_quota_gb, "codec": codec_arg,
-                 "bytes_per_image": bytes_per_image, "keep_local": keep_local, "efficiency": efficiency,
+                 "bytes_per_image": bytes_per_image, "efficiency": efficiency,
                  "precision": precision, "offload": offload, "codec_sizes": codec_sizes},
         speed=speed)
 
@@ -277,18 +291,19 @@ def calibrate(device: str | Device, measured_samples_per_s: float,
 
 
 def max_batch_size(config: PipelineConfig, device: str | Device = "t4", margin: float = FIT_MARGIN,
-                   **predict_kwargs) -> int:
+                   limits: dict[str, float] | None = None, **predict_kwargs) -> int:
     """The largest batch, at most the run's n_samples, whose predicted VRAM (GPU) and RAM fit in
-    (1 - margin) of the device.
+    (1 - margin) of the device (`resources.fits`); `limits` replaces the device's limit of a resource
+    ("vram", "ram"), as a refusal's advice does with what is free on this machine.
     """
+    limits = limits or {}
     cfg, dev = validated(config), device_preset(device)
     if not 0 <= margin < 1:
         raise ConfigError(f"margin={margin} is out of range; allowed: 0 <= margin < 1")
 
-    def fits(b: int) -> bool:
+    def fit(b: int) -> bool:
         budget = predict_budget(cfg.replace(batch_size=b), dev, **predict_kwargs)
-        t = budget.totals
-        return all(t[r] <= budget.limits[r] * (1 - margin) for r in ("vram", "ram")
+        return all(fits(budget.totals[r], limits.get(r, budget.limits[r]), margin) for r in ("vram", "ram")
                    if budget.limits[r] > 0)
 
-    return largest_fitting(fits, min(1 << 20, cfg.run.n_samples))   # a batch never holds more than the run's samples
+    return largest_fitting(fit, min(1 << 20, cfg.run.n_samples))   # a batch never holds more than the run's samples

@@ -6,7 +6,8 @@ these, so they live below both and neither module imports the other for them.
 from __future__ import annotations
 
 __all__ = [
-    "FIT_MARGIN", "KNOBS", "RESOURCES", "fits", "largest_fitting",
+    "FIT_MARGIN", "KNOBS", "RESOURCES", "fits", "largest_fitting", "margin_words", "room", "shortfall",
+    "shortfall_words",
 ]
 
 # The one rule for "fits" in every notebook, panel and preflight: a need fits when it stays within
@@ -17,7 +18,32 @@ FIT_MARGIN = 0.1
 
 def fits(need: float, limit: float, margin: float = FIT_MARGIN) -> bool:
     """`need` fits `limit` with `margin` of it kept free."""
-    return need <= limit * (1 - margin)
+    return need <= room(limit, margin)
+
+
+def room(limit: float, margin: float = FIT_MARGIN) -> float:
+    """What a need may fill of `limit`: (1 - margin) of it, the target every check and advice aims at."""
+    return limit * (1 - margin)
+
+
+def shortfall(need: float, limit: float, margin: float = FIT_MARGIN) -> float:
+    """How much more `limit` would make `need` fit (0 when it fits): the one "short" and "more" of a refusal."""
+    return max(0.0, need / (1 - margin) - limit)
+
+
+def margin_words(margin: float = FIT_MARGIN) -> str:
+    """The rule in words, as every verdict, plan and refusal states it."""
+    return f"with a {margin:.0%} margin"
+
+
+def shortfall_words(need: float, limit: float, unit: str = "free", margin: float = FIT_MARGIN) -> str:
+    """'with a 10% margin it may fill 9.90 of 11.00 GB of RAM, 0.36 GB short' (a refusal's numbers, in GB).
+
+    "short" is `shortfall`: the limit it needs beyond this one, the same figure as the "GB more" a refusal
+    offers (`nblib.budget.advice`), never need - limit.
+    """
+    return (f"{margin_words(margin)} it may fill {room(limit, margin) / 1e9:,.2f} of {limit / 1e9:,.2f} GB "
+            f"{unit}, {shortfall(need, limit, margin) / 1e9:,.2f} GB short")
 
 
 def largest_fitting(fits, cap: int) -> int:
@@ -38,7 +64,7 @@ RESOURCES = ("vram", "ram", "local disk", "drive")
 KNOBS = {
     "vram": "lower run.batch_size (see max_batch_size) or run.consolidate_every",
     "ram": "lower run.checkpoint_every, run.batch_size or run.prefetch/workers",
-    "local disk": "keep fewer parts locally (keep_local) or lower run.checkpoint_every",
+    "local disk": "keep fewer run.outputs, a float16 run.out_dtype, or free disk in the run folder",
     "drive": "keep fewer run.outputs, a float16 run.out_dtype, a compressed run.codec, "
              "or a bigger drive_quota_gb",
 }

@@ -60,7 +60,6 @@ MANIFEST_KIND = "nblib.cache"
 MANIFEST_VERSION = 3    # 3: per-image xxh3 tables in shards, shard xxh3, stats moved to STAT_CACHE
 OLD_VERSIONS = (2,)     # readable manifests of older layouts: refused with "rebuild"
 SHARD_SUFFIX = {name: c.suffix for name, c in CODECS.items()}
-DRIVE_FILES_WARN = 1000  # Google Drive lists and syncs folders with thousands of files badly
 DAMAGED = ("missing", "truncated", "corrupt")
 
 # Packed shard: header, blobs, uint64 offsets [n + 1] (relative to the first blob), uint64 xxh3 [n],
@@ -367,12 +366,15 @@ def check_tables(data, header_xxh3: int, tables_xxh3: int, header_end: int, tabl
 
 
 def warn_many_files(n_files: int, cache_dir: Path, shard_mb: float) -> None:
-    """Warn when a cache folder would hold more files than Google Drive handles well."""
-    if n_files > DRIVE_FILES_WARN:
-        warnings.warn(
-            f"{cache_dir} would hold {n_files:,} files; Google Drive handles folders with more than "
-            f"~{DRIVE_FILES_WARN:,} files badly. Raise shard_mb (now {shard_mb:g}) to about "
-            f"{shard_mb * n_files / (DRIVE_FILES_WARN / 2):,.0f}", stacklevel=3)
+    """Warn when a cache folder of `n_files` (shards + the manifest) crosses Google Drive's items-per-folder limit:
+    the budget's own check (`nblib.budget.drive.shard_folder_check`, `FOLDER_ITEMS_LIMIT`), no second number.
+    """
+    from nblib.budget.drive import shard_folder_check
+
+    shards = n_files - 1
+    check = shard_folder_check(shards, shards * shard_mb * MB, shard_mb)
+    if check.crossed:
+        warnings.warn(f"{cache_dir} would hold {n_files:,} files: {check} (limit: {check.source})", stacklevel=3)
 
 
 # ====================================================================================== stat cache

@@ -11,7 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from nblib import budget
+from nblib.budget.disk import DISK_BLOCK, run_writes
+from nblib.budget.resources import fits, shortfall_words
 from nblib.config import PipelineConfig
 from nblib.disk import disk_free, existing_parent
 from nblib.encode.layout import RunPlan
@@ -22,28 +23,22 @@ from nblib.units import fmt_bytes, fmt_bytes_pair
 
 __all__ = ["DISK_BLOCK", "check_disks", "disk_needs", "disk_of", "on_mirror"]
 
-DISK_BLOCK = 4096                 # the preflight rounds each file up to whole blocks of this size
-
 
 def disk_needs(config: PipelineConfig, run_dir: Path, mirror_dir, plan: RunPlan, missing: list[int],
                do_consolidate: bool = True, *, per_image: int | None = None,
                n_outputs: int | None = None) -> dict[str, tuple[Path, int]]:
     """What the rest of a run writes, by item: name -> (folder it lands in, bytes).
 
-    Each file is rounded up to whole 4 KiB blocks (part.json and headers included), so a disk
-    of many small parts is not under-counted. `per_image` and `n_outputs` are a model's own
-    (default: the config's TRM outputs).
+    The items and bytes are `nblib.budget.disk.run_writes`' (the plan's `disk_lines` prints the same), for the
+    parts still `missing`; each file counts one 4 KiB block more (part.json and headers included), so a disk
+    of many small parts is not under-counted. `per_image` and `n_outputs` are a model's own (default: the
+    config's TRM outputs).
     """
-    per_image = budget.output_bytes_per_image(config) if per_image is None else per_image
-    outputs = len(config.run.outputs) if n_outputs is None else n_outputs
-    left = sum(plan.part_range(k)[1] - plan.part_range(k)[0] for k in missing)
-    parts = left * per_image + len(missing) * (outputs + 1) * DISK_BLOCK
-    needs = {"parts still to encode": (run_dir, parts)}
-    if do_consolidate:
-        needs["consolidated outputs"] = (run_dir, plan.n_samples * per_image + (outputs + 1) * DISK_BLOCK)
-    if mirror_dir is not None:
-        needs["mirrored parts"] = (Path(mirror_dir), parts)
-    return needs
+    writes = run_writes(config, samples=plan.samples_in(missing), parts=len(missing), n_samples=plan.n_samples,
+                        per_image=per_image, n_outputs=n_outputs, do_consolidate=do_consolidate)
+    folders = {"parts still to encode": run_dir, "consolidated outputs": run_dir,
+               "mirrored parts": None if mirror_dir is None else Path(mirror_dir)}
+    return {item: (folders[item], n) for item, n in writes.items() if folders[item] is not None}
 
 
 def disk_of(folder: Path) -> tuple[int, int]:
@@ -66,7 +61,8 @@ def on_mirror(mirror: Path, what: str, fn: Callable[[], Any], default: Any = Non
 
 
 def check_disks(needs: dict[str, tuple[Path, int]], mirror: Path | None = None) -> None:
-    """BudgetExceeded naming the disk, the items on it, needed and free bytes, when one does not fit.
+    """BudgetExceeded naming the disk, the items on it, needed and free bytes, when one does not fit
+    (`resources.fits`, the one rule: within 90% of its free bytes).
 
     Items on one file system (the same st_dev) are added up; a disk nothing lands on is not
     charged at all. The `mirror`'s disk is probed within the mirror's deadline (`on_mirror`): a
@@ -85,10 +81,11 @@ def check_disks(needs: dict[str, tuple[Path, int]], mirror: Path | None = None) 
         by_disk.setdefault(dev, []).append((item, folder, nbytes))
     for dev, items in by_disk.items():
         need, folder, free = sum(n for _, _, n in items), items[0][1], free_of[dev]
-        if need > free:
+        if not fits(need, free):
             need_s, free_s = fmt_bytes_pair(need, free)
             what = " + ".join(f"{item} {fmt_bytes(n)} in {f}" for item, f, n in items)
             raise BudgetExceeded(
                 f"the encode run needs {need_s} ({need:,} bytes) on the disk of {existing_parent(folder)} "
-                f"but only {free_s} ({free:,} bytes) is free there ({what}); free space, put --out or "
-                f"--mirror on a larger disk, keep fewer --outputs or use --dtype float16")
+                f"but only {free_s} ({free:,} bytes) is free there ({what}): {shortfall_words(need, free, 'free')}; "
+                f"free that much more, put --out or --mirror on a larger disk, keep fewer --outputs or use "
+                f"--dtype float16")

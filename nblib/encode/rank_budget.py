@@ -13,6 +13,7 @@ import psutil
 
 from nblib import budget
 from nblib.budget import KNOBS, RUNTIME_RAM_CPU, RUNTIME_RAM_CUDA
+from nblib.budget.resources import fits, shortfall_words
 from nblib.config import PipelineConfig
 from nblib.errors import BudgetExceeded
 from nblib.units import GB, fmt_bytes, fmt_duration
@@ -54,9 +55,9 @@ class RankBudget:
 
     @property
     def fits(self) -> bool:
-        dev, limits = self.single.device, self.single.limits
-        return (self.vram_per_rank <= limits["vram"] or not dev.is_gpu) and self.host_ram <= limits["ram"] \
-            and self.drive_total <= limits["drive"]
+        dev, limits = self.single.device, self.single.limits      # the one rule, resources.fits (a 10% margin)
+        return (fits(self.vram_per_rank, limits["vram"]) or not dev.is_gpu) and fits(self.host_ram, limits["ram"]) \
+            and fits(self.drive_total, limits["drive"])
 
     def __str__(self) -> str:
         dev, limits = self.single.device, self.single.limits
@@ -104,14 +105,18 @@ def rank_budget(config: PipelineConfig, device: str = "t4", world_size: int = 1,
 
 
 def check_host_ram(config: PipelineConfig, ranks_per_host: int, device: str | None = None) -> None:
-    """BudgetExceeded when the ranks of this host together need more RAM than is available."""
+    """BudgetExceeded when the ranks of this host together do not fit the RAM available plus what they hold
+    (`resources.fits`, the preflight's rule).
+    """
     cuda = device is not None and str(device).startswith("cuda")
     plan = rank_budget(config, "t4" if cuda else "cpu", ranks_per_host, ranks_per_host=ranks_per_host)
     runtime = RUNTIME_RAM_CUDA if cuda else RUNTIME_RAM_CPU
     need = (plan.ram_per_rank - runtime) * ranks_per_host      # each rank already holds its runtime
     available = psutil.virtual_memory().available
-    if need > available:
+    held = runtime * ranks_per_host
+    if not fits(need + held, available + held):
         raise BudgetExceeded(
             f"{ranks_per_host} ranks on this host need {need / GB:.2f} GB more RAM "
-            f"({(plan.ram_per_rank - runtime) / GB:.2f} GB each) but {available / GB:.2f} GB is available; "
+            f"({(plan.ram_per_rank - runtime) / GB:.2f} GB each) but {available / GB:.2f} GB is available: "
+            f"{shortfall_words(need + held, available + held, 'of RAM')}; "
             f"start fewer ranks per host (--nproc_per_node) or {KNOBS['ram']}")

@@ -235,7 +235,7 @@ def panel_verdict(b, knobs=PANEL_KNOBS) -> str:
 
 
 def _knobs_of(suggestion) -> list[str]:
-    """Every knob a suggestion turns: its own and those of `also` ("run.codec='zlib' and keep_local=0")."""
+    """Every knob a suggestion turns: its own and those of `also` ("run.codec='zlib' and run.out_dtype='float16'")."""
     return [suggestion.knob, *(part.split("=")[0] for part in filter(None, suggestion.also.split(" and ")))]
 
 
