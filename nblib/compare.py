@@ -7,7 +7,9 @@ measurement that feeds a verdict goes through here. `interleaved` runs each conf
 hits both; `Spread` keeps every value, in run order, with its median and its range (min to max);
 `compare` judges the runs of one round as a pair with `nblib.verdict` (per-pair ratios, a 95%
 interval of their median, a minimum effect of 1.15x), so slow drift in the machine's load cancels
-inside a pair. Trade-off: differences under 15% are never called on this shared CPU.
+inside a pair. Trade-off: differences under 15% are never called on this shared CPU. Runs against a
+fixed figure (a projection, a limit) are judged by `nblib.verdict.verdict_of_runs`, the same method on
+each run's ratio to the figure; a Spread's range is for reading, never for a verdict.
 """
 from __future__ import annotations
 
@@ -132,15 +134,6 @@ def compare(a: Spread, b: Spread, names: tuple[str, str] = ("a", "b")) -> Verdic
     """
     n = min(a.n, b.n)
     return verdict_of_pairs(a.values[:n], b.values[:n], names)
-
-
-def against_value(measured: Spread, value: float) -> str:
-    """'above', 'below' or 'covers' a single figure (a projection, a limit): where the range lies."""
-    if measured.low > value:
-        return "above"
-    if measured.high < value:
-        return "below"
-    return "covers"
 
 
 def _bar(total: int, progress: bool | str):

@@ -21,6 +21,11 @@ and 05 run twice beside two CPU hogs (2026-11-26, twice two runs), real effects 
 near it; calling firm only on the whole interval moved 3 and 5 verdicts between two runs, this rule
 1 and 0 on the same measurements.
 The bootstrap is seeded, so a verdict is a pure function of its measurements.
+
+Runs against a fixed figure (a projection, a limit) are judged the same way (`verdict_of_runs`): the
+median of each run's ratio to the figure, its interval, the minimum effect, and MIN_PAIRS runs for a
+call. What is judged is what is printed: the interval is rounded outward to the DIGITS decimals a
+verdict prints, and the median to them, before the call (an interval printed "1.00-1.40" is never firm).
 """
 from __future__ import annotations
 
@@ -38,6 +43,7 @@ CONFIDENCE = 0.95
 BOOTSTRAP_DRAWS = 2000
 BOOTSTRAP_SEED = 20261125
 NOISE_FACTOR = 1.0        # a memory effect must exceed this many times the RSS noise
+DIGITS = 2                # decimals a ratio and its interval print with, and are judged at
 
 
 def within_tolerance(value: float, expected: float | tuple[float, float], tolerance: float = TOLERANCE) -> bool:
@@ -53,15 +59,16 @@ def verdict(right: bool) -> str:
 
 @dataclass(frozen=True)
 class PairedVerdict:
-    """How `b` compares with `a` over paired runs: the median ratio b/a, its interval and the call."""
+    """How `b` compares with `a` over paired runs (or runs against a fixed figure `a`): median ratio, interval, call."""
 
     a: str
     b: str
-    ratios: tuple[float, ...]     # b/a of each pair, in run order
-    low: float                    # the bootstrap interval of the median ratio
+    ratios: tuple[float, ...]     # b/a of each pair (or each run / the figure), in run order
+    low: float                    # the interval of the median ratio, rounded outward to DIGITS
     high: float
     min_effect: float
     min_pairs: int = 1            # fewer pairs than this: no firm call, whatever the interval says
+    counted: str = "pairs"        # what `n` counts: "pairs", or "runs" against a fixed figure
 
     @property
     def n(self) -> int:
@@ -97,15 +104,34 @@ class PairedVerdict:
         """Too few pairs yet, or the interval straddles the minimum effect: more pairs could change the call."""
         return not self.enough_runs or straddles(self.low, self.high, self.min_effect)
 
+    @property
+    def head(self) -> str:
+        """What the call is made on, as a table prints it: 'x1.32 (95% interval 1.21-1.40, 7 pairs)'."""
+        d = DIGITS
+        return f"x{self.ratio:.{d}f} (95% interval {self.low:.{d}f}-{self.high:.{d}f}, {self.n} {self.counted})"
+
+    @property
+    def reason(self) -> str:
+        """Why the call is not firm, from its numbers ('' when it is firm)."""
+        if self.distinguishable:
+            return ""
+        if not self.enough_runs:
+            return f"{self.n} {self.counted}: a call needs {self.min_pairs}"
+        if self.low <= 1 <= self.high:
+            return f"the 95% interval reaches 1: the noise of the {self.counted} covers the difference"
+        edge = self.min_effect if self.low > 1 else 1 / self.min_effect
+        return (f"the 95% interval is clear of 1, but x{self.ratio:.{DIGITS}f} is short of the minimum effect, "
+                f"x{edge:.{DIGITS}f}, that a call needs on this shared CPU")
+
     def short(self, higher: str = "higher", lower: str = "lower") -> str:
         """'x1.32 (1.21-1.40, 7 pairs): higher' or '..., not distinguishable here (below x1.15 or ...)'."""
-        head = f"x{self.ratio:.2f} (95% interval {self.low:.2f}-{self.high:.2f}, {self.n} pairs)"
+        head = self.head
         if self.direction == "higher":
             return f"{head}: {higher}"
         if self.direction == "lower":
             return f"{head}: {lower}"
         if not self.enough_runs:
-            return f"{head}: too few pairs for a verdict (a call needs {self.min_pairs})"
+            return f"{head}: too few {self.counted} for a verdict (a call needs {self.min_pairs})"
         return (f"{head}: not distinguishable here (a call needs x{self.min_effect:.2f} either way and an "
                 f"interval clear of 1)")
 
@@ -145,12 +171,27 @@ class MemoryVerdict:
     def distinguishable(self) -> bool:
         return self.direction != "same"
 
-    def short(self) -> str:
+    @property
+    def reason(self) -> str:
+        """Why the call is not firm, from its numbers ('' when it is firm)."""
         from nblib.units import fmt_bytes
 
-        sign = "+" if self.difference >= 0 else "-"
-        head = (f"{sign}{fmt_bytes(abs(self.difference))} ({len(self.differences)} pairs, RSS noise "
-                f"{fmt_bytes(self.noise)})")
+        if self.distinguishable:
+            return ""
+        if self.low <= 0 <= self.high:
+            return "the 95% interval of the paired differences reaches 0: the noise of RSS covers the difference"
+        return (f"the difference, {fmt_bytes(abs(self.difference))}, is within the RSS noise of "
+                f"{fmt_bytes(NOISE_FACTOR * self.noise)}")
+
+    def short(self) -> str:
+        """'+12.0 MB (95% interval +8.0 MB to +15.0 MB, 5 pairs, RSS noise 3.0 MB): more': a paired verdict's fields."""
+        from nblib.units import fmt_bytes
+
+        def signed(x: float) -> str:
+            return f"{'+' if x >= 0 else '-'}{fmt_bytes(abs(x))}"
+
+        head = (f"{signed(self.difference)} (95% interval {signed(self.low)} to {signed(self.high)}, "
+                f"{len(self.differences)} pairs, RSS noise {fmt_bytes(self.noise)})")
         if self.direction == "same":
             return f"{head}: too small to see here"
         return f"{head}: {self.direction}"
@@ -250,9 +291,32 @@ def verdict_of_pairs(a_values: Sequence[float], b_values: Sequence[float], names
                          f"and {len(b_values)}")
     if any(v <= 0 for v in (*a_values, *b_values)):
         raise ValueError("a ratio verdict needs positive measurements (rates, seconds, bytes)")
-    ratios = tuple(b / a for a, b in zip(a_values, b_values))
+    return _judged(names, tuple(b / a for a, b in zip(a_values, b_values)), min_effect, min_pairs, "pairs")
+
+
+def verdict_of_runs(values: Sequence[float], figure: float, names: tuple[str, str] = ("the figure", "the runs"),
+                    min_effect: float = MIN_EFFECT, min_runs: int = MIN_PAIRS) -> PairedVerdict:
+    """Runs against a fixed figure (a projection, a limit): the one-sample twin of `verdict_of_pairs`.
+
+    Each run's ratio to `figure` takes the place of a pair's ratio: the median ratio, its 95% interval
+    (`median_interval`), a firm call only with the interval clear of 1 and the median beyond
+    `min_effect`, and `min_runs` runs at least. "higher": the runs are above the figure.
+    """
+    check_effect(min_effect)
+    values = [float(v) for v in values]
+    if not values or not figure > 0 or any(v <= 0 for v in values):
+        raise ValueError(f"runs against a figure need at least one run and positive values (rates, seconds, "
+                         f"bytes): got {len(values)} runs against {figure!r}")
+    return _judged(names, tuple(v / figure for v in values), min_effect, min_runs, "runs")
+
+
+def _judged(names: tuple[str, str], ratios: tuple[float, ...], min_effect: float, min_n: int,
+            counted: str) -> PairedVerdict:
+    """The verdict of `ratios`: their median's interval (on logs), rounded outward to the printed DIGITS."""
     low, high = median_interval([math.log(r) for r in ratios])
-    return PairedVerdict(names[0], names[1], ratios, math.exp(low), math.exp(high), min_effect, min_pairs)
+    scale = 10 ** DIGITS
+    low, high = math.floor(math.exp(low) * scale + 1e-9) / scale, math.ceil(math.exp(high) * scale - 1e-9) / scale
+    return PairedVerdict(names[0], names[1], ratios, low, high, min_effect, min_n, counted)
 
 
 def memory_verdict(a_values: Sequence[float], b_values: Sequence[float],
@@ -272,10 +336,15 @@ def memory_verdict(a_values: Sequence[float], b_values: Sequence[float],
 
 
 def firm_direction(ratio: float, low: float, high: float, min_effect: float) -> str:
-    """'higher' / 'lower' when the interval excludes 1 and the ratio is beyond the minimum effect; else 'same'."""
-    if low > 1 and ratio >= min_effect:
+    """'higher' / 'lower' when the interval excludes 1 and the ratio is beyond the minimum effect; else 'same'.
+
+    Judged at the DIGITS decimals a verdict prints: an interval printed "1.00-1.40" or a ratio printed at
+    the edge reads as it prints.
+    """
+    low, high, ratio = round(low, DIGITS), round(high, DIGITS), round(ratio, DIGITS)
+    if low > 1 and ratio >= round(min_effect, DIGITS):
         return "higher"
-    if high < 1 and ratio <= 1 / min_effect:
+    if high < 1 and ratio <= round(1 / min_effect, DIGITS):
         return "lower"
     return "same"
 

@@ -29,8 +29,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-PAIRED = re.compile(r"x(?P<head>[\d.,]+ \(95% interval [\d.]+-[\d.]+, \d+ pairs\)): (?P<call>.+)$")
-MEMORY = re.compile(r"(?P<head>[+-][\d.,]+ ?[kMGT]?i?B \(\d+ pairs, RSS noise [^)]*\)): "
+PAIRED = re.compile(r"x(?P<head>[\d.,]+ \(95% interval [\d.]+-[\d.]+, \d+ (?:pairs|runs)\)): (?P<call>.+)$")
+MEMORY = re.compile(r"(?P<head>[+-][\d.,]+ ?[kMGT]?i?B \((?:95% interval [^,]*, )?\d+ pairs, RSS noise [^)]*\)): "
                     r"(?P<call>more|less|too small to see here)")
 FINDING = re.compile(r"^(?P<label>\S.*): (?P<call>AGREES|DOES NOT|NOT DISTINGUISHABLE ON THIS MACHINE)$")
 PICK = re.compile(r"^(?P<label>[a-z_]+=.*?): [\d,.]+ ?[kM]? ?samples/s (?P<call>\(the base: no config|= x[\d.]+ "

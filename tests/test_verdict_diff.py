@@ -13,7 +13,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from nblib.verdict import verdict_of_pairs
+from nblib.verdict import memory_verdict, verdict_of_pairs, verdict_of_runs
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "verdict_diff.py"
@@ -60,7 +60,7 @@ def _sweep_cell(batch8: float, batch128: float, cycle: float) -> str:
 def _needle(agrees: str, batch128: float) -> str:
     return "\n".join([f"larger batches helped: {agrees}", "    reference     24->128: x1.6",
                       f"    this machine  32->128: {_paired(batch128)}",
-                      "larger shuffle buffers: more RAM, later start: NOT DISTINGUISHABLE ON THIS MACHINE",
+                      "larger shuffle buffers: more RAM: NOT DISTINGUISHABLE ON THIS MACHINE",
                       "    reference     RSS 9 GB -> 16 GB",
                       "    this machine  peak RSS +1.20 MB (5 pairs, RSS noise 3.00 MB): too small to see here"])
 
@@ -85,7 +85,7 @@ def test_a_restated_verdict_counts_once_and_its_finding_is_not_a_second_move(tmp
     first = vd.extract(one)
     # the head line and the needle's "this machine" line restate the sweep's verdicts: not extracted again
     assert [v.label for v in first] == ["batch_size=8", "batch_size=128", "cycle_length=1", "larger batches helped",
-                                        "larger shuffle buffers: more RAM, later start"]
+                                        "larger shuffle buffers: more RAM"]
     assert first[3].restated and not first[4].restated
     total = vd.summary(vd.compare_runs(first, vd.extract(two)))
     assert total["moves"] == 1 and total["restated moves"] == 1 and total["reversals"] == 0
@@ -110,3 +110,22 @@ def test_the_same_verdicts_pass_and_a_wrong_argument_says_what_to_give(tmp_path)
     assert vd.main([str(a), str(b)]) == 0
     with pytest.raises(SystemExit, match="two executed notebooks or two folders"):
         vd.main([str(a), str(tmp_path)])
+
+
+def test_a_verdict_of_runs_against_a_figure_is_read_like_a_paired_one(tmp_path):
+    runs = verdict_of_runs([500, 520, 480, 510, 490], 345, ("the encoder", "rendering"))
+    slow = verdict_of_runs([340, 350, 345, 342, 348], 345, ("the encoder", "rendering"))
+    line = "the pipeline alone against the encoder's 345: "
+    one = _notebook(tmp_path / "a.ipynb", [line + runs.short("faster", "slower")])
+    two = _notebook(tmp_path / "b.ipynb", [line + slow.short("faster", "slower")])
+    (v, w, state), = vd.compare_runs(vd.extract(one), vd.extract(two))
+    assert (v.call, v.firm, w.firm, state) == ("faster", True, False, "move")
+
+
+def test_a_memory_verdict_with_its_interval_is_read_and_paired(tmp_path):
+    base = [100e6, 104e6, 98e6, 103e6, 101e6]
+    more, same = memory_verdict(base, [b + 50e6 for b in base]), memory_verdict(base, [b + 1e6 for b in base])
+    one = _notebook(tmp_path / "a.ipynb", [f"peak RSS {more.short()}"])
+    two = _notebook(tmp_path / "b.ipynb", [f"peak RSS {same.short()}"])
+    (v, w, state), = vd.compare_runs(vd.extract(one), vd.extract(two))
+    assert "95% interval" in more.short() and (v.call, w.firm, state) == ("more", False, "move")

@@ -16,9 +16,10 @@ from pathlib import Path
 import numpy as np
 
 from nblib.cache import ShardedImageCache, populate, read_cache_manifest
-from nblib.compare import MIN_REPEATS, Spread, against_value, compare, interleaved, interleaved_order
+from nblib.compare import MIN_REPEATS, Spread, compare, interleaved, interleaved_order
 from nblib.errors import CacheError
 from nblib.lab.input_pipeline import encoder_projection  # noqa: F401  the encoder's rate a read must beat (notebook 02)
+from nblib.verdict import verdict_of_runs
 
 
 def texts_sharing_an_image(texts: Sequence[str], image_size: int) -> list[list[str]]:
@@ -53,12 +54,14 @@ class Scaling:
         return scaling_verdict(self.rates, self.n_texts, self.cores, self.load)
 
     def table(self) -> str:
-        one = self.rates[min(self.rates)]
-        lines = [f"{self.n_texts:,} texts per run, {one.n} interleaved runs per worker count; "
-                 f"{self.cores} cores, load average {self.load:.1f}"]
+        """Each worker count's runs, and its speed-up over one worker as its paired verdict prints it."""
+        fewest = min(self.rates)
+        one = self.rates[fewest]
+        lines = [f"{self.n_texts:,} texts per run, {one.n} interleaved rounds; {self.cores} cores, load average "
+                 f"{self.load:.1f}; speed-up: the paired verdict against {fewest} worker(s)"]
         for workers, rate in self.rates.items():
-            lines.append(f"  {workers} worker(s): {rate.text(unit='images/s')}  "
-                         f"speed-up x{rate.median / one.median:.2f}")
+            speed_up = "" if workers == fewest else f"  speed-up {compare(one, rate).head}"
+            lines.append(f"  {workers} worker(s): {rate.text(unit='images/s')}{speed_up}")
         return "\n".join(lines)
 
 
@@ -87,11 +90,12 @@ def worker_scaling(texts, worker_counts: Sequence[int], folder: str | Path, imag
 
 
 def scaling_verdict(rates: dict[int, Spread], n_texts: int, cores: int, load: float) -> str:
-    """Does rendering scale with workers here? Computed from the spreads, never assumed.
+    """Does rendering scale with workers here? Computed from the rounds' pairs (`compare`), never assumed.
 
-    "cannot show it" when one worker's run is shorter than MIN_RUN_SECONDS (pool start-up
-    dominates); "not distinguishable" when the ranges overlap; "scales" only when the most workers
-    beat one worker beyond the spread by at least SCALES_SHARE of linear.
+    "cannot show it" when one worker's run is shorter than MIN_RUN_SECONDS (pool start-up dominates);
+    "no scaling shown" when the paired verdict of the most workers against one is not firm; "scales" when
+    it is faster by at least SCALES_SHARE of linear, "scales weakly" when faster by less, and "slower"
+    when the most workers are slower.
     """
     one, most = min(rates), max(rates)
     if one == most:
@@ -101,14 +105,14 @@ def scaling_verdict(rates: dict[int, Spread], n_texts: int, cores: int, load: fl
         return (f"this profile cannot show scaling: one worker renders the {n_texts:,} texts in "
                 f"{seconds:.2f} s, so a run mostly times the pool's start-up (raise the texts per run)")
     v = compare(rates[one], rates[most], (f"{one} worker", f"{most} workers"))
-    busy = f"{cores} cores, load average {load:.1f}"
+    busy, said = f"{cores} cores, load average {load:.1f}", v.text("faster", "slower")
     if not v.distinguishable:
-        return f"rendering speed-up {v.text()}: no scaling shown ({busy})"
+        return f"rendering speed-up {said}: no scaling shown ({busy})"
     if v.ratio >= 1 + SCALES_SHARE * (most / one - 1):
-        return f"rendering scales: {v.text()} ({busy})"
+        return f"rendering scales: {said} ({busy})"
     if v.ratio > 1:
-        return f"rendering scales weakly: {v.text()}, under half of linear ({busy}: few free cores)"
-    return f"more workers are slower here: {v.text()} (pool overhead on busy cores; {busy})"
+        return f"rendering scales weakly: {said}, under half of linear ({busy}: few free cores)"
+    return f"more workers are slower here: {said} (pool overhead on busy cores; {busy})"
 
 
 def _cores() -> int:
@@ -156,21 +160,24 @@ def read_throughput_runs(caches: dict, repeats: int = MIN_REPEATS) -> dict[str, 
 
 def read_verdict(rates: dict[str, Spread], encoder_samples_per_s: float, encoder_method: str,
                  image_size: int = 224, encoder_image_size: int = 224) -> str:
-    """Does every read pattern feed the encoder? Only when every run of it beats the encoder's rate, at the
-    same image size: a cache of smaller images than the encoder's cannot answer it (like for like).
+    """Does every read pattern feed the encoder? Each pattern's runs against the encoder's rate (`verdict_of_runs`):
+    only when every pattern is faster by the minimum effect, with its interval clear of 1, at the same image
+    size: a cache of smaller images than the encoder's cannot answer it (like for like).
     """
     where = f"the encoder's {encoder_samples_per_s:,.0f} images/s at {encoder_image_size} px ({encoder_method})"
     if image_size != encoder_image_size:
         fewer = encoder_image_size ** 2 / image_size ** 2
         return (f"this profile cannot show it: its cache holds {image_size} px images, {fewer:,.0f}x fewer bytes "
                 f"than the {encoder_image_size} px images {where} is for; run the t4 profile")
-    slow = {name: s for name, s in rates.items() if against_value(s, encoder_samples_per_s) != "above"}
+    verdicts = {name: verdict_of_runs(s.values, encoder_samples_per_s, ("the encoder", name))
+                for name, s in rates.items()}
+    slow = {name: v for name, v in verdicts.items() if v.direction != "higher"}
     if not slow:
-        worst = min(rates, key=lambda k: rates[k].low)
-        return (f"every read pattern beats {where} in every run; the slowest run, {worst}, reads "
-                f"{rates[worst].low:,.0f} images/s (x{rates[worst].low / encoder_samples_per_s:,.1f})")
+        worst = min(verdicts, key=lambda k: verdicts[k].low)
+        return (f"every read pattern beats {where}; the one nearest it, {worst}, reads "
+                f"{verdicts[worst].short('faster', 'slower')}")
     return "not every read pattern keeps up with " + where + ": " + "; ".join(
-        f"{name} {s.text(unit='images/s')}" for name, s in slow.items())
+        f"{name} {v.short('faster', 'slower')}" for name, v in slow.items())
 
 
 def cache_command(texts: str | Path, out: str | Path, **flags) -> list[str]:

@@ -17,12 +17,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nblib import t4_speed
-from nblib.compare import MIN_REPEATS, Spread, against_value, compare, interleaved
+from nblib.compare import MIN_REPEATS, Spread, compare, interleaved
 from nblib.pipeline import ComputeStandIn, measure_pipeline, sweep
 from nblib.pipeline.recommend import knob_effects, knob_verdicts, most_effective_knob, value_verdicts
 from nblib.reference import TUNING_LOG
 from nblib.units import fmt_bytes, fmt_rate
-from nblib.verdict import MIN_EFFECT, MemoryVerdict, memory_verdict, verdict_of_pairs
+from nblib.verdict import (
+    MIN_EFFECT,
+    MemoryVerdict,
+    PairedVerdict,
+    memory_verdict,
+    verdict_of_pairs,
+    verdict_of_runs,
+)
 
 # what "agrees" means for each finding of the tuning log (the reference's own numbers are in TUNING_LOG)
 DOMINATES_SHARE = 0.5        # "the pipeline dominated": data-wait at least half the step
@@ -100,15 +107,21 @@ def where_time_goes(sources, encoder_samples_per_s: float | None = None, batch_s
 
 
 def time_share_verdict(share: dict) -> str:
-    """Who is the wall, computed from every run: the pipeline (data-wait >= DOMINATES_SHARE) or the encoder."""
+    """Who is the wall, computed from every run: the pipeline (data-wait >= DOMINATES_SHARE) or the encoder.
+
+    The encoder is the wall when data-wait stays under DOMINATES_SHARE in every run and the pipeline alone
+    is faster than the encoder by `verdict_of_runs` (its runs against the encoder's rate).
+    """
     waits = Spread(tuple(share.get("data_wait_runs", (share["data_wait"],))))
     alone = Spread(tuple(share.get("pipeline_runs", (share["pipeline_samples_per_s"],))))
     encoder = share["encoder_samples_per_s"]
+    versus = verdict_of_runs(alone.values, encoder, ("the encoder", "the pipeline alone"))
     numbers = (f"data-wait {waits.low:.1%}-{waits.high:.1%} of each step over {waits.n} runs; the pipeline alone "
-               f"{alone.text(unit='samples/s')} against the encoder's {encoder:,.0f}")
+               f"{alone.text(unit='samples/s')} against the encoder's {encoder:,.0f}: "
+               f"{versus.short('faster', 'slower')}")
     if waits.n < MIN_REPEATS:
         return f"too few runs for a verdict: {numbers}"
-    if waits.high < DOMINATES_SHARE and against_value(alone, encoder) == "above":
+    if waits.high < DOMINATES_SHARE and versus.direction == "higher":
         return f"the encoder is the wall, in every run: {numbers}"
     if waits.low >= DOMINATES_SHARE:
         return f"the input pipeline is the wall, in every run: {numbers}"
@@ -160,7 +173,8 @@ def sweep_verdict(table) -> str:
     values = value_verdicts(table)
     verdicts = knob_verdicts(table)
     mattered = most_effective_knob(knob_effects(table), verdicts)
-    pairs = max((v.n for vs in values.values() for v in vs), default=0)
+    counts = sorted({v.n for vs in values.values() for v in vs}) or [0]
+    pairs = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
     lines = [f"  {v.b:<24} {v.short('faster', 'slower')}" for vs in values.values() for v in vs]
     head = (f"{mattered} mattered most: {verdicts[mattered].b} vs the base, "
             f"{verdicts[mattered].short('faster', 'slower')}" if mattered else
@@ -184,41 +198,46 @@ class MixingResult:
     repeats: int
     runs: dict = field(default_factory=dict)   # "single" | "mixed" | "fixed" -> every run's samples/s
 
-    @property
-    def slowdown(self) -> float:
-        """single / mixed - 1, the tuning log's way: 205 vs 148 samples/s is "38% slower"."""
-        return self.single / self.mixed - 1
-
-    @property
-    def recovery(self) -> float:
-        """fixed / single: the share of single-source throughput the fix gives back."""
-        return self.fixed / self.single
-
     def spread(self, which: str) -> Spread:
         """Every run of "single", "mixed" or "fixed" (one value, the median, when runs were not kept)."""
         return Spread(tuple(self.runs.get(which, (getattr(self, which),))))
 
     @property
+    def mixing(self) -> PairedVerdict:
+        """Mixed against one dataset, on the rounds' pairs: its ratio is the share of the speed kept (x0.72)."""
+        return compare(self.spread("single"), self.spread("mixed"), ("one dataset", "mixed"))
+
+    @property
+    def fix(self) -> PairedVerdict:
+        """The fix against one dataset, on the rounds' pairs: the verdict's ratio is the share recovered."""
+        return compare(self.spread("single"), self.spread("fixed"), ("one dataset", "the fix"))
+
+    @property
     def fix_works(self) -> bool:
-        return self.recovery >= FIX_RECOVERS
+        """The fix recovers >= FIX_RECOVERS of one dataset: its verdict's whole 95% interval is at or above it."""
+        return self.fix.enough_runs and self.fix.low >= FIX_RECOVERS
+
+    def recovery_text(self) -> str:
+        """Whether the fix recovers FIX_RECOVERS of one dataset, judged on the interval the fix's line prints."""
+        fix, floor = self.fix, f"x{FIX_RECOVERS:.2f}"
+        if self.fix_works:
+            return f"recovers >= {FIX_RECOVERS:.0%} of one dataset: the whole interval is at or above {floor}"
+        if fix.enough_runs and fix.high < FIX_RECOVERS:
+            return f"recovers < {FIX_RECOVERS:.0%} of one dataset: the whole interval is below {floor}"
+        return (f"recovering {FIX_RECOVERS:.0%} of one dataset is not shown: the interval "
+                f"{fix.low:.2f}-{fix.high:.2f} reaches below {floor}" if fix.enough_runs else fix.reason)
 
     def table(self) -> str:
         mixed, single = TUNING_LOG["rate mixing 4 datasets"].value
-        rows = [("one dataset", self.single, ""),
-                ("4 sources, sample_from_datasets", self.mixed,
-                 f"medians: {self.slowdown:.0%} slower" if self.slowdown >= 0 else f"{-self.slowdown:.0%} faster"),
-                ("4 sources, fix: interleave records, then decode", self.fixed,
-                 f"medians: recovers {self.recovery:.0%} of one dataset ({'>=' if self.fix_works else '<'} "
-                 f"{FIX_RECOVERS:.0%})")]
+        names = ("one dataset", "4 sources, sample_from_datasets", "4 sources, fix: interleave records, then decode")
         lines = [f"parallelism budget {self.budget} (sample_from_datasets: {max(1, self.budget // 4)} per source), "
-                 f"median of {self.repeats} interleaved runs (range min-max)"]
-        for (name, rate, note), key in zip(rows, ("single", "mixed", "fixed")):
-            low, high = self.spread(key).low, self.spread(key).high
-            lines.append(f"  {name:<48} {fmt_rate(rate):>18} ({low:,.0f}-{high:,.0f})  {note}")
-        mixing = compare(self.spread("single"), self.spread("mixed"), ("one dataset", "mixed"))
-        fix = compare(self.spread("single"), self.spread("fixed"), ("one dataset", "the fix"))
-        lines += [f"  mixing: {mixing.text('faster', 'slower')}", f"  fix:    {fix.text('faster', 'slower')}"]
-        lines.append(f"  reference: {mixed} vs {single} samples/s mixing 4 vs one ({single / mixed - 1:.0%} slower)")
+                 f"{self.spread('single').n} interleaved rounds; samples/s, median (min-max):"]
+        for name, key in zip(names, ("single", "mixed", "fixed")):
+            got = self.spread(key)
+            lines.append(f"  {name:<48} {fmt_rate(got.median):>18} ({got.low:,.0f}-{got.high:,.0f})")
+        lines += [f"  mixing: {self.mixing.text('faster', 'slower')}",
+                  f"  fix:    {self.fix.text('faster', 'slower')}; {self.recovery_text()}",
+                  f"  reference: {mixed} vs {single} samples/s mixing 4 vs one: x{mixed / single:.2f}"]
         return "\n".join(lines)
 
 
@@ -404,20 +423,21 @@ def cacheless_verdict(rendered: Spread, encoder_samples_per_s: float, encoder_me
                       workers: int | None = None) -> str:
     """Does rendering in the loader's workers keep up with the encoder? Both at `image_size`.
 
-    "keeps up" only when every run of the rendering loader beats the encoder's rate; "starves"
-    only when every run is below it; otherwise the spread covers it and there is no verdict.
+    `verdict_of_runs`: each run's rate over the encoder's, their median and its 95% interval. "keeps up"
+    only when the interval is clear of 1 and the median beyond the minimum effect (a margin, not a median
+    that touches the rate), "starves" the same way below, otherwise no verdict. The line prints what it judged.
     """
     workers = cores() if workers is None else workers
-    where = against_value(rendered, encoder_samples_per_s)
+    v = verdict_of_runs(rendered.values, encoder_samples_per_s, ("the encoder", "rendering"))
     head = (f"at {image_size} px, {workers} loader workers render {rendered.text(unit='images/s')} on this "
             f"machine; the encoder takes {fmt_rate(encoder_samples_per_s)} ({encoder_method})")
-    ratio = rendered.median / encoder_samples_per_s
-    if where == "above":
-        return head + f": rendering keeps up (x{ratio:.2f} in every run), so the image cache is not needed here"
-    if where == "below":
-        return head + f": rendering would starve the encoder (x{ratio:.2f} in every run): keep the cache"
-    return head + (f": not distinguishable on this machine (the runs' range covers the encoder's rate, "
-                   f"spread {rendered.relative:.0%}): measure on the machine that will run the job")
+    judged = f"rendered / encoder {v.short('faster', 'slower')}"
+    if v.direction == "higher":
+        return f"{head}: rendering keeps up ({judged}), so the image cache is not needed here"
+    if v.direction == "lower":
+        return f"{head}: rendering would starve the encoder ({judged}): keep the cache"
+    return (f"{head}: not distinguishable on this machine: rendered / encoder {v.head}; {v.reason}; measure on the "
+            f"machine that will run the job")
 
 
 def rates_table(rows: list[dict]) -> str:
@@ -444,7 +464,7 @@ def needle_table(time_share: dict, tf_table, mixing: MixingResult, trap_rows: li
     """
     ncores = ncores or cores()
     rows = [_dominates(time_share), _batch_helped(tf_table), _more_parallel_slower(tf_table, ncores),
-            _autotune_slower(tf_table), _buffers_cost_ram(tf_table), _mixing_slower(mixing),
+            _autotune_slower(tf_table), *_buffers_cost(tf_table), _mixing_slower(mixing),
             _worker_trap(trap_rows)]
     return [r for r in rows if r is not None]
 
@@ -465,12 +485,12 @@ NOT_DISTINGUISHABLE = "not distinguishable on this machine"
 
 def _finding(finding: str, reference: str, measured: str, agrees: bool, why: str,
              versus=None) -> dict:
-    """A finding's row; with `versus` (a paired verdict), a difference the noise covers gives no verdict."""
+    """A finding's row; with `versus` (a paired verdict), a verdict that is not firm gives none, and says why."""
     if versus is not None and not versus.distinguishable:
         text = versus.short() if isinstance(versus, MemoryVerdict) else versus.short("faster", "slower")
         return {"finding": finding, "reference": reference,
                 "measured": measured if text in measured else f"{measured} ({text})",
-                "verdict": NOT_DISTINGUISHABLE, "why": "the noise of the paired runs covers the difference"}
+                "verdict": NOT_DISTINGUISHABLE, "why": versus.reason}
     return {"finding": finding, "reference": reference, "measured": measured,
             "verdict": "agrees" if agrees else "does not", "why": why}
 
@@ -485,8 +505,14 @@ def _dominates(time_share: dict) -> dict:
                 "why": "the runs fall on both sides of half the step"}
     return _finding("the pipeline dominated the step", f"{low:.0%}-{high:.0%} of step time",
                     f"{share:.0%} feeding a {encoder:,.0f}/s encoder", share >= DOMINATES_SHARE,
-                    f"rendered-text PNGs decode at {pipeline:,.0f} samples/s, x{pipeline / encoder:,.1f} what "
-                    f"the encoder takes: for this job the encoder is the wall")
+                    f"rendered-text PNGs decode at {pipeline:,.0f} samples/s, against the encoder's rate "
+                    f"{_alone_vs_encoder(time_share).head}: for this job the encoder is the wall")
+
+
+def _alone_vs_encoder(time_share: dict) -> PairedVerdict:
+    """The pipeline alone against the encoder's rate, its runs judged by `verdict_of_runs`."""
+    runs = time_share.get("pipeline_runs", (time_share["pipeline_samples_per_s"],))
+    return verdict_of_runs(runs, time_share["encoder_samples_per_s"], ("the encoder", "the pipeline alone"))
 
 
 def _against_base(table, knob: str, pick) -> tuple[dict, object] | None:
@@ -537,30 +563,32 @@ def _autotune_slower(table) -> dict | None:
                     v.direction == "lower", "with 2 cores AUTOTUNE has little to choose between", v)
 
 
-def _buffers_cost_ram(table) -> dict | None:
+def _buffers_cost(table) -> list[dict]:
+    """Two findings of the largest shuffle buffer against the base: more RAM (the log's), and a later start."""
     got = _against_base(table, "shuffle_buffer", lambda rows: max(rows, key=lambda r: r["shuffle_buffer"]))
     if got is None or got[0]["shuffle_buffer"] <= table.base["shuffle_buffer"] or "base_rss_runs" not in got[0]:
-        return None
+        return []
     row, _ = got
     base = table.base
     low, high = TUNING_LOG["RSS with larger shuffle buffers"].value
     names = (f"shuffle_buffer={base['shuffle_buffer']}", f"shuffle_buffer={row['shuffle_buffer']}")
     memory = memory_verdict(row["base_rss_runs"], row["rss_runs"], names)
     start = verdict_of_pairs(row["base_startup_runs"], row["startup_runs"], names)
-    return _finding("larger shuffle buffers: more RAM, later start", f"RSS {fmt_bytes(low)} -> {fmt_bytes(high)}",
-                    f"peak RSS {memory.short()}; start {start.short('later', 'earlier')}",
-                    memory.direction == "more",
-                    "the buffers swept here are too small next to the process's RSS to stand out", memory)
+    return [_finding("larger shuffle buffers: more RAM", f"RSS {fmt_bytes(low)} -> {fmt_bytes(high)}",
+                     f"peak RSS {memory.short()}", memory.direction == "more",
+                     "the buffers swept here are too small next to the process's RSS to stand out", memory),
+            _finding("larger shuffle buffers: later start", "later start (the log gives no figure)",
+                     f"start {start.short('later', 'earlier')}", start.direction == "higher",
+                     "the buffers swept here fill in less time than the rest of the start-up", start)]
 
 
 def _mixing_slower(mixing: MixingResult) -> dict:
     low, high = TUNING_LOG["rate mixing 4 datasets"].value
-    return _finding("mixing 4 datasets was slower", f"{low} vs {high}: {high / low - 1:.0%} slower",
-                    f"{mixing.mixed:,.0f} vs {mixing.single:,.0f}: {mixing.slowdown:.0%} slower",
-                    compare(mixing.spread("single"), mixing.spread("mixed")).direction == "lower",
+    v = mixing.mixing
+    return _finding("mixing 4 datasets was slower", f"{low} vs {high} samples/s: x{low / high:.2f}",
+                    f"mixed vs one dataset {v.short('faster', 'slower')}", v.direction == "lower",
                     f"with a budget of {mixing.budget}, each source keeps one decode thread, and "
-                    f"{mixing.budget} cores stay busy either way",
-                    compare(mixing.spread("single"), mixing.spread("mixed")))
+                    f"{mixing.budget} cores stay busy either way", v)
 
 
 def _worker_trap(rows: list[dict]) -> dict | None:

@@ -45,7 +45,7 @@ def compare_offload(cache: ImageSource, config: PipelineConfig, folder: str | Pa
 
 
 def offload_verdict(rates: dict[str, Spread], on_gpu: bool) -> str:
-    """Which offload mode is faster here, only when the runs' ranges say so."""
+    """Which offload mode is faster here: the rounds' runs judged as pairs (`compare`), firm only beyond the noise."""
     (a, sa), (b, sb) = list(rates.items())[:2]
     v = compare(sa, sb, (a, b))
     where = "on this GPU" if on_gpu else "on this CPU (both modes are a memory copy here)"

@@ -110,16 +110,21 @@ def comparison_table(tf_rows, resumable_rows, state_rows) -> str:
 
 
 def builtins_table(rows) -> str:
-    """The shuffles side by side: checkpoint bytes, exact resume, samples/s, order in numpy, needs."""
-    lines = [f"{'shuffle':<24} {'plain ckpt':>10} {'symbolic':>9} {'exact':>11} {'samples/s':>10} "
+    """The shuffles side by side: checkpoint bytes, exact resume, samples/s (the median pass), the paired
+    verdict's ratio and interval against Dataset.shuffle (not a ratio of the medians), order in numpy, needs.
+    """
+    versus = "vs Dataset.shuffle (paired)"
+    lines = [f"{'shuffle':<24} {'plain ckpt':>10} {'symbolic':>9} {'exact':>11} {'samples/s':>10} {versus:>42} "
              f"{'numpy order':>11}  needs"]
     for r in rows:
         if r.skipped:
             lines.append(f"{r.method:<24} {r.skipped}")
             continue
         same = "-" if r.same_order_in_numpy is None else str(r.same_order_in_numpy)
+        ratio = "the base" if r.versus_tf is None else r.versus_tf.head
         lines.append(f"{r.method:<24} {_b(r.plain_bytes):>10} {_b(r.symbolic_bytes):>9} "
-                     f"{f'{r.exact_plain}/{r.exact_symbolic}':>11} {r.samples_per_s:>10,.0f} {same:>11}  {r.needs}")
+                     f"{f'{r.exact_plain}/{r.exact_symbolic}':>11} {r.samples_per_s:>10,.0f} {ratio:>42} "
+                     f"{same:>11}  {r.needs}")
     return "\n".join(lines)
 
 
