@@ -146,7 +146,9 @@ def _cell_label(cell, index: int) -> str:
 
 def _watched_client(nb, path: Path, timeout: int, limit_s: float):
     """An nbclient NotebookClient whose run fails with NotebookStalled after `limit_s` s without a message."""
-    class WatchedClient(sliced_poll_client()):
+    from nbclient import NotebookClient
+
+    class WatchedClient(NotebookClient):
         async def async_execute_cell(self, cell, cell_index, execution_count=None, store_history=True):
             if cell.cell_type == "code" and cell.source.strip():
                 watch.begin(_cell_label(cell, cell_index))
@@ -180,49 +182,6 @@ def _watched_client(nb, path: Path, timeout: int, limit_s: float):
     watch = _Watch(path.name, limit_s)
     return WatchedClient(nb, timeout=timeout, kernel_name="python3",
                          resources={"metadata": {"path": str(path.parent)}})
-
-
-SHELL_POLL_S = 0.5
-
-
-def sliced_poll_client():
-    """nbclient's NotebookClient whose kernel client polls for cell replies in slices (`poll_in_slices`)."""
-    from nbclient import NotebookClient
-
-    class SlicedPollClient(NotebookClient):
-        async def async_start_new_kernel_client(self):
-            kc = await super().async_start_new_kernel_client()
-            poll_in_slices(self.kc.shell_channel)
-            return kc
-
-    return SlicedPollClient
-
-
-def poll_in_slices(channel, slice_s: float = SHELL_POLL_S) -> None:
-    """Make `channel.get_msg(timeout=T)` poll in slices of `slice_s`, still giving up after T.
-
-    nbclient waits for a cell's reply with one get_msg(timeout=the cell timeout). After notebook 01's
-    budget panel (a cell that shows widgets), the reply that had arrived was seen only when that
-    timeout ran out: the cell took exactly the timeout, 60 s or 900 s, with the kernel idle
-    (nbclient issue #312). A fresh poll sees the waiting message, so every slice looks again.
-    """
-    from queue import Empty
-
-    from nbclient.util import ensure_async
-
-    get = channel.get_msg
-
-    async def get_msg(timeout=None):
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            left = slice_s if deadline is None else max(0.0, min(slice_s, deadline - time.monotonic()))
-            try:
-                return await ensure_async(get(timeout=left))
-            except Empty:
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise
-
-    channel.get_msg = get_msg
 
 
 def _kill_kernel(km) -> None:

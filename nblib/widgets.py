@@ -7,7 +7,8 @@ panel, `nblib-knob-<key>` on each control (key: the function's argument it sets)
 from __future__ import annotations
 
 import ipywidgets as W  # noqa: N812
-from IPython.display import clear_output, display
+from IPython.display import display
+from IPython.utils.capture import capture_output
 
 
 class Panel(W.VBox):
@@ -18,15 +19,18 @@ class Panel(W.VBox):
     def __repr__(self) -> str:
         return f"<{' '.join(c for c in self._dom_classes if c.startswith('nblib-'))}: interactive in Jupyter or Colab>"
 
+    @property
+    def text(self) -> str:
+        """What the panel's output area prints now (its text, without the figures)."""
+        return "".join(o.get("text", "") for o in self.children[-1].outputs if o.get("output_type") == "stream")
+
 
 def _output_panel(controls: list, render, css_class: str) -> Panel:
     """A Panel of controls over an Output area; `render(**values)` reruns on every change."""
     out = W.Output()
 
     def update(_change=None):
-        with out:
-            clear_output(wait=True)
-            render(**{c.description_key: c.value for c in controls})
+        show(out, render, **{c.description_key: c.value for c in controls})
 
     for control in controls:
         control.observe(update, names="value")
@@ -34,6 +38,21 @@ def _output_panel(controls: list, render, css_class: str) -> Panel:
     panel = Panel([W.HBox(controls[i:i + 3]) for i in range(0, len(controls), 3)] + [out])
     panel.add_class(css_class)
     return panel
+
+
+def show(out: W.Output, render, *args, **kwargs) -> None:
+    """Run `render` and set what it displayed, then printed, as `out`'s outputs in one state update.
+
+    Never `with out:`: that capture gives the Output widget a msg_id, and a headless executor (nbclient,
+    under nbconvert and papermill) then mirrors each captured message back to the kernel on the shell
+    channel while it awaits the cell's reply there; that reply can go unseen until the cell timeout
+    (nbclient issue #312: 60 s or 900 s with the kernel idle). A state update sends nothing back.
+    """
+    with capture_output() as captured:
+        render(*args, **kwargs)
+    shown = [{"output_type": "display_data", "data": o.data, "metadata": o.metadata} for o in captured.outputs]
+    streams = [("stdout", captured.stdout), ("stderr", captured.stderr)]
+    out.outputs = (*shown, *({"output_type": "stream", "name": n, "text": t} for n, t in streams if t))
 
 
 def _keyed(control, key: str):
@@ -143,18 +162,19 @@ def pipeline_sweep_panel(table) -> Panel:
         return [(knob_text(r[name]), r[name]) for r in table.curve(name)]
 
     def render(_change=None):
-        with out:
-            clear_output(wait=True)
-            row = next((r for r in table.curve(knob.value) if r[knob.value] == value.value), None)
-            if row is None:
-                return
-            fig = plots.pipeline_knob_curves(table, highlight=row)
-            display(fig)
-            plots.close(fig)
-            runs = table.spread(row)
-            print(f"{knob.value}={knob_text(row[knob.value])} (other knobs at the base): "
-                  f"{runs.text(unit='samples/s')}, data-wait {row['data_wait']:.0%}, startup "
-                  f"{row['startup_s']:.2f} s, peak RSS {row['peak_rss_bytes'] / 1e6:,.0f} MB")
+        show(out, draw)
+
+    def draw():
+        row = next((r for r in table.curve(knob.value) if r[knob.value] == value.value), None)
+        if row is None:
+            return
+        fig = plots.pipeline_knob_curves(table, highlight=row)
+        display(fig)
+        plots.close(fig)
+        runs = table.spread(row)
+        print(f"{knob.value}={knob_text(row[knob.value])} (other knobs at the base): "
+              f"{runs.text(unit='samples/s')}, data-wait {row['data_wait']:.0%}, startup "
+              f"{row['startup_s']:.2f} s, peak RSS {row['peak_rss_bytes'] / 1e6:,.0f} MB")
 
     switching = [False]
 
@@ -183,45 +203,54 @@ def pipeline_sweep_panel(table) -> Panel:
 # ============================================================ 06 training
 
 
-def training_panel(model, state_bytes: int, best_bytes: int, step_seconds: float, steps: int = 10_000,
-                   provider: str = "s3", step_label: str = "measured here") -> W.VBox:
-    """Batch, accumulation, save and backup intervals and retention; VRAM, RAM, Drive and bucket cost redraw.
+def training_panel(model, state_bytes: int, best_bytes: int, steps: int = 10_000, provider: str = "s3",
+                   ceiling: float | None = None, precision: str = "fp16") -> W.VBox:
+    """Batch, accumulation, save and backup intervals and retention; the T4's VRAM and time, Drive and the bucket.
 
-    `step_seconds` is one step's time and `step_label` says where it comes from (a CPU measurement of
-    another model is not a T4 figure); the Drive and bucket bytes follow the one retention rule
-    (`nblib.budget.training.retained_bytes`).
+    model: the TRM's ModelConfig. The VRAM at every micro-batch of the slider is `model_vram(train=True)`, the one
+    answer (a trace of the loop's own step), all made before the panel shows by one `model_vram_table`; the time
+    is `t4_training_time` (a projection, a range) with `ceiling` (the simulated roofline's samples/s) beside it.
+    The Drive and bucket bytes follow the one retention rule (`nblib.budget.training.retained_bytes`).
     """
-    from nblib.budget.resources import fits
-    from nblib.budget.training import predict_training, retained_bytes, retained_versions, t4_training_vram
+    from nblib.budget.model_vram import model_vram_table
+    from nblib.budget.training import retained_bytes, retained_versions, t4_training_time
     from nblib.train.ops import bucket_cost
     from nblib.units import fmt_bytes
 
     controls = [
-        _slider("micro_batch", "micro-batch", 64, 8, 1024, 8),
+        _slider("micro_batch", "micro-batch", 64, 8, 512, 8),
         _slider("accumulation", "accumulation", 1, 1, 16),
         _slider("save_every", "save every (steps)", 50, 5, 1000, 5),
-        _slider("backup_every", "backup every (x saves)", 4, 1, 20),
+        _slider("backup_every", "backup every (steps)", 200, 5, 5000, 5),
         _slider("keep_last", "keep last N", 3, 1, 10),
     ]
+    batch = controls[0]
+    traced = {v.batch_size: v for v in model_vram_table(model, range(batch.min, batch.max + 1, batch.step), "t4",
+                                                        precision=precision, train=True)}
 
     def render(micro_batch, accumulation, save_every, backup_every, keep_last):
-        vram, vram_limit = t4_training_vram(model, micro_batch)
-        cpu = predict_training(model, micro_batch, keep_last=keep_last)
+        vram = traced[micro_batch]
+        backup = max(1, backup_every // save_every) * save_every   # the multiple of save_every TrainConfig offers
+        samples = steps * micro_batch * accumulation
+        time = t4_training_time(model, samples, precision)
         states, bests = retained_versions(keep_last)
         drive = retained_bytes(state_bytes, best_bytes, keep_last)
-        cost = bucket_cost(state_bytes, best_bytes, steps=steps, backup_every=save_every * backup_every,
-                           keep_last=keep_last, provider=provider)
-        hours = steps * step_seconds * accumulation / 3600
+        cost = bucket_cost(state_bytes, best_bytes, steps=steps, backup_every=backup, keep_last=keep_last,
+                           provider=provider)
         print(f"effective batch {micro_batch * accumulation:,} ({accumulation} x {micro_batch})")
-        print(f"T4 VRAM (projection, fp16 autocast, CUDA context included): {fmt_bytes(vram)} of "
-              f"{fmt_bytes(vram_limit)} {'fits' if fits(vram, vram_limit) else 'DOES NOT FIT'}")
-        print(f"host RAM on CPU (fp32 budget):      {fmt_bytes(cpu.total)}")
+        print(f"T4 VRAM at micro-batch {micro_batch} (traced: model_vram, {precision}, CUDA context included): "
+              f"{vram.headline()}; largest micro-batch that fits: {vram.largest_batch}")
+        print(f"T4 time, {steps:,} steps ({samples:,} samples): {time.hours_text()} at {time.rate_text()} "
+              f"({time.label})" + (f"; ceiling {ceiling:,.0f} samples/s (simulated roofline): at least "
+                                   f"{samples / ceiling / 3600:.2f} h" if ceiling else ""))
         print(f"Drive (last {states} states + {bests} best):   {fmt_bytes(drive)} of the 15 GB free quota")
         local = retained_bytes(state_bytes, best_bytes, keep_last, saving=True)
         print(f"local disk (retention + a save):    {fmt_bytes(local)}")
         print(f"bucket: {cost.line()}")
-        lost = save_every * backup_every
-        print(f"{steps:,} steps at {step_seconds:.2f} s a step ({step_label}) take ~{hours:.1f} h; a lost VM "
-              f"costs at most {lost} steps ({lost * step_seconds * accumulation / 60:.1f} min)")
+        rate, lost = time.samples_per_s, backup * micro_batch * accumulation / 60    # sample-minutes
+        print(f"backup every {backup} steps" + (f" (a multiple of save every {save_every}, as train takes it)"
+                                                if backup != backup_every else "")
+              + f": a lost VM costs at most {backup} steps, {lost / rate.mid:.1f} min ({lost / rate.high:.1f}-"
+                f"{lost / rate.low:.1f} min) on a T4 ({time.label})")
 
     return _output_panel(controls, render, "nblib-training-panel")

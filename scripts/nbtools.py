@@ -126,14 +126,13 @@ def references_path(notebook: str | Path) -> Path:
 
 def refresh(path: str | Path, timeout: int = 900) -> Path:
     """Execute the notebook (smoke profile), write its checked cells' references, strip it."""
-    from nblib.suite import sliced_poll_client
+    from nbclient import NotebookClient
 
     path = Path(path)
     nb = nbformat.read(path, as_version=4)
     os.environ.setdefault("NBLIB_PROFILE", "smoke")
-    # the suite's client: a widget cell's reply is otherwise seen only at the cell timeout (nbclient#312)
-    client = sliced_poll_client()(nb, timeout=timeout, kernel_name="python3",
-                                  resources={"metadata": {"path": str(path.parent)}})
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                            resources={"metadata": {"path": str(path.parent)}})
     client.execute()
     REFERENCES.mkdir(parents=True, exist_ok=True)
     references_path(path).write_text(json.dumps(checked_references(nb), indent=1, sort_keys=True) + "\n")

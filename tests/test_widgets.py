@@ -46,10 +46,12 @@ def test_budget_panel_prints_exactly_predict_budgets_verdict_naming_ram_and_driv
     capsys.readouterr()
     _control(panel, "batch_size").value = 900
     shown = capsys.readouterr().out.strip().splitlines()[-1]
-    expected = budget.predict_budget(seed.replace(batch_size=900), "t4", drive_quota_gb=15).verdict
-    assert shown == expected
-    assert f"run.batch_size={budget.max_batch_size(seed, 't4')}" in shown and "RAM 33.29 > 11.00 GB" in shown
-    assert "Drive 658.46 > 15.00 GB" in shown and "run.out_dtype" not in shown     # float16 already
+    b = budget.predict_budget(seed.replace(batch_size=900), "t4", drive_quota_gb=15)
+    assert shown == b.verdict
+    assert f"run.batch_size={budget.max_batch_size(seed, 't4')}" in shown
+    assert "RAM 33.29 > 9.90 GB (90% of 11.00 GB)" in shown
+    drive = f"Drive {b.totals['drive'] / 1e9:.2f} > 13.50 GB (90% of 15.00 GB)"
+    assert drive in shown and "run.out_dtype" not in shown     # float16 already
 
 
 def test_panels_and_controls_carry_css_classes_for_the_browser():
@@ -103,42 +105,68 @@ def test_pipeline_panel_asks_for_one_knob_and_one_measured_value(capsys):
     assert "prefetch=8 (other knobs at the base): 90 samples/s (89-91, 3 runs)" in capsys.readouterr().out
 
 
-def test_training_panel_redraws_t4_vram_with_the_cuda_context_and_refuses_a_batch_past_15_gb(capsys):
-    from nblib.budget import training as tb
+STATE, BEST = 200_000_000, 70_000_000
+
+
+@pytest.fixture(scope="module")
+def training_panel():
+    """The 06 panel over the t4 model (its slider's VRAM traced once, before it shows)."""
+    from nblib.simulate.train import backward_capability
+    from nblib.train.loop import model_config
+
+    ok, why = backward_capability()
+    if not ok:
+        pytest.skip(f"the panel's VRAM is a trace of a backward pass: {why}")
+    return widgets.training_panel(model_config("t4").model, state_bytes=STATE, best_bytes=BEST, ceiling=330.0)
+
+
+def test_training_panel_prints_the_traced_vram_and_the_t4_time_projection_not_a_cpu_step(training_panel):
+    from nblib.budget.model_vram import model_vram
+    from nblib.budget.training import t4_training_time
     from nblib.train.loop import model_config
 
     model = model_config("t4").model
-    panel = widgets.training_panel(model, state_bytes=200_000_000, best_bytes=70_000_000, step_seconds=0.5,
-                                   step_label="measured on a CPU, the smoke model")
-    first = capsys.readouterr().out
-    vram, limit = tb.t4_training_vram(model, 64)
-    assert vram == tb.predict_training(model, 64, precision="fp16", device="cuda", with_runtime=False).total \
-        + 400_000_000                               # the T4's CUDA context, as the budget assumes it
-    assert "CUDA context included" in first and "fits" in first and "DOES NOT FIT" not in first
-    big = next(b for b in range(64, 1025, 8) if tb.t4_training_vram(model, b)[0] > limit)
-    _control(panel, "micro_batch").value = big
-    assert "DOES NOT FIT" in capsys.readouterr().out
+    for batch in (128, 64):                                          # 64 is where it starts: a change redraws
+        _control(training_panel, "micro_batch").value = batch
+        out = training_panel.text
+        vram = model_vram("trm:t4", batch, train=True)              # the CLI's answer (budget --model trm:t4 --train)
+        assert f"T4 VRAM at micro-batch {batch} (traced" in out and vram.headline() in out
+        time = t4_training_time(model, 10_000 * batch)
+        assert f"{time.hours_text()} at {time.rate_text()} (projection)" in out
+        assert f"ceiling 330 samples/s (simulated roofline): at least {10_000 * batch / 330 / 3600:.2f} h" in out
+    _control(training_panel, "micro_batch").value = vram.largest_batch // 8 * 8 + 8
+    assert "does NOT fit" in training_panel.text
 
 
-def test_training_panel_sizes_drive_and_the_bucket_by_the_one_retention_rule_and_labels_the_step_time(capsys):
-    # issue 30: the panel's "Drive (last 3 states + best)" computed keep_last * state * 2, and its hours put a
-    # CPU smoke-model step time beside T4 figures without saying so
+def test_training_panel_sizes_drive_and_the_bucket_by_the_one_retention_rule(training_panel):
+    # issue 30: the panel's "Drive (last 3 states + best)" computed keep_last * state * 2
     from nblib.budget import training as tb
-    from nblib.train.loop import model_config
     from nblib.train.ops import bucket_cost
     from nblib.units import fmt_bytes
 
-    state, best = 200_000_000, 70_000_000
-    panel = widgets.training_panel(model_config("t4").model, state_bytes=state, best_bytes=best, step_seconds=0.5,
-                                   step_label="measured on a CPU, the smoke model")
-    for keep in (3, 5):
-        if keep != 3:
-            _control(panel, "keep_last").value = keep
-        out = capsys.readouterr().out
-        kept = tb.retained_bytes(state, best, keep)
-        assert kept == keep * state + tb.BEST_KEPT * best
+    for keep in (5, 3):
+        _control(training_panel, "keep_last").value = keep
+        out = training_panel.text
+        kept = tb.retained_bytes(STATE, BEST, keep)
+        assert kept == keep * STATE + tb.BEST_KEPT * BEST
         assert f"Drive (last {keep} states + 1 best):   {fmt_bytes(kept)} " in out
-        assert fmt_bytes(tb.retained_bytes(state, best, keep, saving=True)) in out
-        cost = bucket_cost(state, best, steps=10_000, backup_every=50 * 4, keep_last=keep)
+        assert fmt_bytes(tb.retained_bytes(STATE, BEST, keep, saving=True)) in out
+        backup = _control(training_panel, "backup_every").value
+        cost = bucket_cost(STATE, BEST, steps=10_000, backup_every=backup, keep_last=keep)
         assert cost.stored_bytes == kept and f"{fmt_bytes(kept)} kept" in out
-        assert "0.50 s a step (measured on a CPU, the smoke model)" in out
+
+
+def test_training_panel_backs_up_every_n_steps_as_train_config_takes_it(training_panel):
+    from nblib.errors import ConfigError
+    from nblib.train import TrainConfig
+    from nblib.train.ops import bucket_cost
+
+    _control(training_panel, "save_every").value = 50
+    _control(training_panel, "backup_every").value = 120        # not a multiple of save_every
+    out = training_panel.text
+    with pytest.raises(ConfigError, match="use 100"):          # what TrainConfig says of the same values
+        TrainConfig(save_every=50, backup_every=120)
+    assert "backup every 100 steps (a multiple of save every 50, as train takes it)" in out
+    assert "a lost VM costs at most 100 steps" in out
+    keep = _control(training_panel, "keep_last").value
+    assert bucket_cost(STATE, BEST, steps=10_000, backup_every=100, keep_last=keep).line() in out
