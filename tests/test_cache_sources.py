@@ -11,11 +11,12 @@ import tarfile
 
 import numpy as np
 import pytest
+from cli_runner import run_nblib
 from test_cache_cli import assert_three_kills_resume_to_the_reference, one_error_line, run_cli
 
 from nblib.cache import ShardedImageCache
 from nblib.cache.sources import expand_braces, source_labels
-from nblib.cli import cache_main
+from nblib.cli.cache import cache_main
 
 SIZE = 16
 CLASSES = ["cat", "dog", "eel"]
@@ -194,17 +195,12 @@ def test_cache_wds_sigkilled_three_times_resumes_to_byte_identical_shards(tmp_pa
 
 @pytest.mark.slow
 def test_train_runs_on_a_wds_cache_with_the_labels_of_its_cls_members(tmp_path):
-    import subprocess
-    import sys
-
-    from conftest import subprocess_env
 
     arrays, labels = pixels(24, size=64, seed=500), [k % 4 for k in range(24)]
     pattern = write_wds(tmp_path / "wds", arrays, labels, [""] * 24, per_tar=12)
     assert cache_main(["--wds", pattern, "--out", str(tmp_path / "c"), "--no-progress"]) == 0
-    result = subprocess.run([sys.executable, "-m", "nblib", "train", "--cache", str(tmp_path / "c"), "--out",
-                             str(tmp_path / "run"), "--steps", "1", "--batch-size", "8"],
-                            env=subprocess_env(NBLIB_PROFILE="smoke"), capture_output=True, text=True, timeout=300)
+    result = run_nblib("train", "--cache", tmp_path / "c", "--out", tmp_path / "run", "--steps", 1, "--batch-size", 8,
+                       NBLIB_PROFILE="smoke")
     assert result.returncode == 0, result.stderr
     assert "4 classes" in result.stdout
 

@@ -1,7 +1,7 @@
 """Hostile inputs to `python -m nblib train` (issue 27, item 4): a resume on other labels, mirrors that are
 no second copy, an --out inside its cache, out-of-range seeds and unknown protocols, a mistyped bucket, and
-SIGTERM with loader workers. Each is one `error:` line and exit 2, or works. Real processes, real files,
-a real S3 server (moto) on 127.0.0.1.
+SIGTERM with loader workers. Each is one `error:` line and exit 2, or works. Real files, a real S3 server (moto)
+on 127.0.0.1, a real process for SIGTERM and the environment; the other runs call the CLI in this process.
 """
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ from pathlib import Path
 import psutil
 import pytest
 import test_train_resume
+from cli_runner import run_nblib
 from test_train import assert_same_weights, weights_of
-from train_runs import cache_and_reference, free_port, newest_step, train_cli, train_env
+from train_runs import THREADS, cache_and_reference, free_port, newest_step, train_cli, train_env
 
 from nblib.errors import ConfigError
 from tests.test_hostile import one_error_line
@@ -29,8 +30,9 @@ SHORT = ["--steps", "2", "--save-every", "2", "--backup-every", "2"]
 LONGER = ["--steps", "4", "--save-every", "2", "--backup-every", "2"]
 
 
-def run(cmd, env=None, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, env=env or train_env(), capture_output=True, text=True, timeout=600, cwd=cwd)
+def run(cmd, cwd=None):
+    """A `train_cli` command, in this process (cli_runner)."""
+    return run_nblib(*cmd[3:], cwd=cwd, **THREADS)
 
 
 # ------------------------------------------------------------------------------ a resume on other labels
@@ -39,7 +41,7 @@ def run(cmd, env=None, cwd=None) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("how", ["texts file edited", "--texts a shuffled copy"])
 def test_a_resume_whose_labels_changed_is_refused_naming_the_labels(cache_dir, tmp_path, how):
     """Before: the resume trained on the new labels with exit 0 (the identity held the class names only)."""
-    from nblib.cli import _train_args
+    from nblib.cli.train import _train_args
     from nblib.train import train
     from nblib.train.command import config_from_args
 
@@ -158,8 +160,9 @@ def test_a_mistyped_bucket_is_refused_by_name_and_never_created(cache_dir, tmp_p
     """Before: the mirror's makedirs created `no-such-bucket` silently and the run reported it durable."""
     endpoint, fs = moto
     env = train_env(**test_train_resume._aws(endpoint))
-    line = one_error_line(run(train_cli(cache_dir, tmp_path / "run", *SHORT, "--mirror", "s3://no-such-bucket/run"),
-                              env=env))
+    line = one_error_line(subprocess.run(train_cli(cache_dir, tmp_path / "run", *SHORT, "--mirror",
+                                                   "s3://no-such-bucket/run"), env=env, capture_output=True,
+                                         text=True, timeout=600))      # the environment names the server
     assert "s3://no-such-bucket does not exist" in line and "create it first" in line, line
     assert not fs.exists("no-such-bucket")
     assert not (tmp_path / "run").exists()

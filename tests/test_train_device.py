@@ -8,6 +8,7 @@ GPUs, and per-rank dropout seeds (two real torchrun ranks killed and resumed: te
 """
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_runner import run_nblib
 
 from conftest import subprocess_env
 from nblib.errors import ConfigError, DeterminismError, TrainingDiverged
@@ -41,7 +43,7 @@ def _one_thread(one_torch_thread):
 
 def test_the_default_device_is_cuda_when_a_gpu_is_present_as_encode_picks(monkeypatch):
     from nblib import env
-    from nblib.cli import _train_args
+    from nblib.cli.train import _train_args
 
     monkeypatch.setattr(env, "cuda_available", lambda: True)
     assert TrainConfig().device == "cuda"
@@ -57,9 +59,7 @@ def test_the_default_device_is_cuda_when_a_gpu_is_present_as_encode_picks(monkey
 def test_a_device_this_machine_lacks_is_one_error_line_and_exit_2(flag, tmp_path):
     if flag.startswith("cuda") and torch.cuda.is_available():
         pytest.skip("this machine has a GPU: cuda is a device it has")
-    done = subprocess.run([sys.executable, "-m", "nblib", "train", "--cache", str(tmp_path / "c"), "--out",
-                           str(tmp_path / "run"), "--steps", "2", "--device", flag], env=subprocess_env(),
-                          capture_output=True, text=True, timeout=120)
+    done = run_nblib("train", "--cache", tmp_path / "c", "--out", tmp_path / "run", "--steps", 2, "--device", flag)
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and flag in lines[0], done.stderr
@@ -123,6 +123,42 @@ def test_deterministic_on_cuda_sets_the_workspace_before_it_flips_the_switch(mon
     with pytest.raises(DeterminismError), devices.deterministic("cuda"):
         pass
     assert len(order) == 2                                   # refused before touching the switch
+
+
+# a cold `python -m nblib train ARGS...` that prints, after its own output, every set_deterministic call it made:
+# whether Inductor was loaded, the variable it reads after the call, and Inductor's own flag at the switch-off
+COLD_TRAIN = """
+import atexit, json, os, runpy, sys
+import nblib.train.device as device
+
+calls, real = [], device.set_deterministic
+def recording(torch, mode, warn_only):
+    inductor = sys.modules.get("torch._inductor.config")
+    calls.append({"mode": mode, "inductor loaded": inductor is not None,
+                  "inductor deterministic": None if inductor is None else inductor.deterministic})
+    real(torch, mode, warn_only)
+    calls[-1]["variable"] = os.environ.get(device.INDUCTOR_ENV)
+device.set_deterministic = recording
+atexit.register(lambda: print(json.dumps(calls)))
+sys.argv = ["nblib", *sys.argv[1:]]
+runpy.run_module("nblib", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_a_cold_train_turns_determinism_on_through_the_variable_and_inductor_reads_it(cache_dir, tmp_path):
+    # the in-process CLI tests run where Inductor is loaded already (the other branch); a user's run is cold
+    env = subprocess_env(OMP_NUM_THREADS="1")
+    env.pop(devices.INDUCTOR_ENV, None)
+    done = subprocess.run([sys.executable, "-c", COLD_TRAIN, "train", "--cache", str(cache_dir), "--out",
+                           str(tmp_path / "run"), "--steps", "2", "--batch-size", "16", "--device", "cpu",
+                           "--no-progress"], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    calls = json.loads(done.stdout.strip().splitlines()[-1])
+    assert calls == [
+        {"mode": True, "inductor loaded": False, "inductor deterministic": None, "variable": "1"},
+        # the optimizer imported Inductor inside the block; its config read the variable: a compile was exact
+        {"mode": False, "inductor loaded": True, "inductor deterministic": True, "variable": "1"},
+    ], calls
 
 
 def test_importing_nblib_train_sets_the_workspace_in_a_fresh_process():
@@ -204,10 +240,8 @@ def test_backward_runs_outside_autocast():
 
 def test_a_diverging_run_stops_with_one_error_line_and_saves_nothing_non_finite(cache_dir, tmp_path):
     out = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "nblib", "train", "--cache", str(cache_dir), "--out", str(out),
-                           "--steps", "6", "--batch-size", "16", "--save-every", "1", "--backup-every", "1",
-                           "--lr", "1e30", "--device", "cpu", "--no-progress"],
-                          env=subprocess_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    done = run_nblib("train", "--cache", cache_dir, "--out", out, "--steps", 6, "--batch-size", 16, "--save-every", 1,
+                     "--backup-every", 1, "--lr", "1e30", "--device", "cpu", "--no-progress", OMP_NUM_THREADS="1")
     assert done.returncode == 2, done.stderr[-2000:]
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: step ") and "lower --lr" in lines[0], done.stderr

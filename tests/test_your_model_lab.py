@@ -83,7 +83,7 @@ def test_kill_and_resume_kills_a_real_cli_run_midway_and_compares_bytes(tmp_path
 
 
 def test_the_printed_train_command_asks_for_the_run_train_makes(spec, tmp_path):
-    from nblib.cli import _train_args
+    from nblib.cli.train import _train_args
     from nblib.train import TrainConfig
     from nblib.train.command import config_from_args
 

@@ -1,6 +1,6 @@
 """What `python -m nblib train` does once its flags are parsed: flags -> TrainConfig -> `train`.
 
-The parser lives in `nblib.cli` beside every other verb's (`_train_args`); this module checks the
+The parser lives in `nblib.cli.train` (`_train_args`); this module checks the
 paths, builds the config and runs the loop.
 
 SIGTERM stops a run as Ctrl-C does (`SigtermStop`).

@@ -1,0 +1,78 @@
+"""`python -m nblib budget`: a config's budget, its plan, the reference table, or a model's traced VRAM."""
+from __future__ import annotations
+
+import argparse
+
+from nblib.cli.args import (
+    finite_positive_float,
+    parse_or_refuse,
+)
+
+
+def budget_main(argv: list[str]) -> int:
+    """`python -m nblib budget`: print a config's budget, its plan, or the reference table."""
+    from nblib.budget import DEVICES, max_batch_size, plan_budget, predict_budget
+    from nblib.config import preset
+    from nblib.sdpa import SDPA_BACKENDS
+
+    p = argparse.ArgumentParser(prog="python -m nblib budget", description=budget_main.__doc__, exit_on_error=False)
+    p.add_argument("--preset", default="seed_t4")
+    p.add_argument("--device", default="t4", help=f"one of {', '.join(DEVICES)}")
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--n-samples", type=int)
+    p.add_argument("--dtype", choices=("float16", "float32"))
+    p.add_argument("--outputs", help="comma-separated subset of sketches,checksums,children")
+    p.add_argument("--sdpa", choices=SDPA_BACKENDS)
+    p.add_argument("--drive-quota-gb", type=finite_positive_float, default=15.0)
+    p.add_argument("--plan", action="store_true", help="recommend knobs that fit")
+    p.add_argument("--texts", help="your texts (file or JSONL): the verdict and the plan measure the cache's bytes "
+                                   "per image on a few hundred of them (default: the reference analysis' ratios)")
+    p.add_argument("--reference", action="store_true", help="reference analysis vs this suite")
+    p.add_argument("--model", help="budget this model's VRAM from a trace of its own code (trm, hf:CLASS, "
+                                   "hf:CLASS:config.json, timm:NAME, package.module:factory)")
+    p.add_argument("--weights", help="a state-dict file for --model")
+    p.add_argument("--train", action="store_true", help="with --model: a training step, not encoding")
+    p.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default="fp16")
+    p.add_argument("--json", action="store_true", help="with --model: print the budget as JSON (bytes)")
+    args = parse_or_refuse(p, argv)
+    if args.model:
+        return _model_budget(args)
+    if args.reference:
+        from nblib.lab.memory_budgeting import reference_table
+
+        print(reference_table(args.device))
+        return 0
+    changes = {k: v for k, v in (("batch_size", args.batch_size), ("n_samples", args.n_samples),
+                                 ("out_dtype", args.dtype)) if v is not None}
+    if args.outputs:
+        changes["outputs"] = tuple(o.strip() for o in args.outputs.split(","))
+    cfg = preset(args.preset).replace(**changes)
+    kwargs = {"drive_quota_gb": args.drive_quota_gb, "sdpa_backend": args.sdpa}
+    sizes = None
+    if args.texts:               # the verdict and the plan size the cache by the same measurement
+        from nblib.codec_sizes import codec_sizes
+
+        sizes = codec_sizes(args.texts, cfg.model.image_size)
+        print(sizes)
+    print(predict_budget(cfg, args.device, codec_sizes=sizes, **kwargs).table())
+    print(f"max batch size on {args.device}: {max_batch_size(cfg, args.device, **kwargs)}")
+    if args.plan:
+        print(plan_budget(cfg, args.device, codec_sizes=sizes, **kwargs))
+    return 0
+
+
+def _model_budget(args: argparse.Namespace) -> int:
+    """`budget --model`: the traced VRAM lines and the largest batch that fits (nblib.budget.model_vram)."""
+    import json
+
+    from nblib.budget.model_vram import model_vram
+
+    model = args.model
+    if args.weights:
+        from nblib.models import load_model
+
+        model = load_model(args.model, args.weights)
+    budget = model_vram(model, args.batch_size or 64, args.device, precision=args.precision, train=args.train)
+    print(json.dumps(budget.as_json(), indent=1) if args.json else budget.table())
+    budget.refuse_if_over()
+    return 0

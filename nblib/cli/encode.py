@@ -1,0 +1,109 @@
+"""`python -m nblib encode`: a streaming, resumable encode (torchrun-aware)."""
+from __future__ import annotations
+
+import argparse
+
+from nblib.cli.args import (
+    os_errors_name,
+    parse_or_refuse,
+    positive_int,
+    seed_int,
+)
+
+
+def encode_main(argv: list[str]) -> int:
+    """`python -m nblib encode`: stream the encoder over a cache into durable, resumable parts."""
+    from nblib import env
+    from nblib.cache import ShardedImageCache
+    from nblib.encode import VerifyLevel, encode
+    from nblib.encode.distributed import join
+
+    args = parse_or_refuse(_encode_parser(), argv)
+    config = _encode_config(args, env.profile())
+    world = join(shard=args.shard, consolidate_only=args.consolidate, device=args.device)  # torchrun ranks too
+    try:
+        with os_errors_name(args.out):
+            report = encode(ShardedImageCache(args.cache), args.out, config, device=world.device,
+                            mirror_dir=args.mirror, progress=not args.no_progress, offload=args.offload,
+                            weights=args.weights, model=args.model, outputs=_encode_outputs(args),
+                            preflight=not args.no_preflight, world=world,
+                            verify=VerifyLevel.HASH if args.verify else VerifyLevel.STAT,
+                            precision=args.precision, reencode_numerics=args.reencode_numerics)
+    finally:
+        world.close()
+    if world.reports:   # the other ranks of a launch stay quiet
+        print(report)
+    return 0
+
+
+def _encode_parser() -> argparse.ArgumentParser:
+    from nblib.config import OUTPUT_DTYPES, OUTPUT_NAMES
+    from nblib.encode import OFFLOAD_MODES
+    from nblib.encode.numerics import PRECISIONS
+
+    p = argparse.ArgumentParser(prog="python -m nblib encode", description=encode_main.__doc__,
+                                exit_on_error=False)
+    p.add_argument("--cache", required=True, help="folder of a ShardedImageCache")
+    p.add_argument("--out", required=True, help="run folder: parts, manifest, consolidated .npy")
+    p.add_argument("--profile", help="smoke | t4 | full, or a preset name (default: NBLIB_PROFILE)")
+    p.add_argument("--batch-size", type=positive_int)
+    p.add_argument("--checkpoint-every", type=positive_int, help="batches per durable part")
+    p.add_argument("--outputs", help=f"comma-separated outputs to store: of the TRM {','.join(OUTPUT_NAMES)}; "
+                   f"of another model, the names its forward returns (default: all)")
+    p.add_argument("--dtype", choices=OUTPUT_DTYPES, help="dtype of the stored outputs")
+    p.add_argument("--mirror", help="durable mirror folder (e.g. on Google Drive)")
+    p.add_argument("--model", help="trm (default), trm:PRESET, hf:CLASS, hf:CLASS:config.json, timm:NAME or "
+                   "package.module:factory; built with seeded random weights, nothing downloaded")
+    p.add_argument("--weights", help="a state-dict file (safetensors or torch) loaded strictly over the model")
+    p.add_argument("--seed", type=seed_int, help="seed of the initial weights")
+    p.add_argument("--workers", type=int, help="DataLoader worker processes (0: read in the main one)")
+    p.add_argument("--device", help="cpu | cuda (default: cuda when available)")
+    p.add_argument("--offload", choices=OFFLOAD_MODES, default="async")
+    p.add_argument("--precision", choices=PRECISIONS, default="auto",
+                   help="encoder precision: auto (fp16 autocast on CUDA, fp32 on CPU), fp32, fp16, bf16")
+    p.add_argument("--reencode-numerics", action="store_true",
+                   help="on a resume with another device, precision or torch: encode again the parts made "
+                        "with the other numerics (default: refuse, naming the change)")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-preflight", action="store_true", help="skip the budget check")
+    p.add_argument("--verify", action="store_true", help="hash every durable part before resuming (default: "
+                   "metadata only; consolidation hashes every part it reads anyway)")
+    p.add_argument("--shard", metavar="I/N", help="encode part set I of N (machines sharing only --out); "
+                   "then run --consolidate once")
+    p.add_argument("--consolidate", action="store_true", help="only merge the parts the shards wrote; "
+                   "names the missing parts and shards")
+    return p
+
+
+def _encode_config(args: argparse.Namespace, default_profile: str):
+    """The profile's (or preset's) config with the flags given applied."""
+    import math
+
+    from nblib.config import for_profile, preset
+    from nblib.errors import ConfigError
+
+    name = args.profile or default_profile
+    try:
+        config = for_profile(name)
+    except ConfigError:
+        config = preset(name)
+    changes = {}
+    if args.batch_size is not None:
+        changes["batch_size"] = args.batch_size
+    if args.checkpoint_every is not None:
+        changes["checkpoint_every"] = args.checkpoint_every
+        changes["consolidate_every"] = math.gcd(args.checkpoint_every, config.run.consolidate_every)
+    if args.dtype:
+        changes["out_dtype"] = args.dtype
+    if args.seed is not None:
+        changes["seed"] = args.seed
+    if args.workers is not None:
+        changes["workers"] = args.workers
+    return config.replace(**changes) if changes else config
+
+
+def _encode_outputs(args: argparse.Namespace) -> tuple[str, ...] | None:
+    """The --outputs names (None: the TRM's configured ones, or all another model returns)."""
+    if not args.outputs:
+        return None
+    return tuple(o.strip() for o in args.outputs.split(",") if o.strip())
