@@ -76,7 +76,7 @@ def plan_budget(config: PipelineConfig, device: str | Device = "t4", *, margin: 
     dtypes = [r.out_dtype] + [d for d in ("float16",) if d != r.out_dtype]
     outputs = [r.outputs] + [o for o in OUTPUT_CHOICES if o != r.outputs]
     stats = codec_stats(codec_sizes) if codec_sizes is not None else {}
-    codecs = [r.codec] if "codec" in predict_kwargs else \
+    codecs = [predict_kwargs["codec"] or r.codec] if "codec" in predict_kwargs else \
         by_decode_speed(stats or [c for c in CODECS if c in CODEC_RATIO_ESTIMATE],
                         {c: s["decode_images_per_s"] for c, s in stats.items()})      # the one codec rule's order
     choices = [(c, o, d) for o in outputs for d in dtypes for c in codecs]
@@ -95,7 +95,7 @@ def plan_budget(config: PipelineConfig, device: str | Device = "t4", *, margin: 
             if codec == NO_CACHE:
                 changes["cache"] = NO_CACHE
             return BudgetPlan(found.config, found, changes, True, f"{found.verdict}" + (
-                f" (margin {margin:.0%} kept)" if margin else "") + _sizes_source(codec, codec_sizes))
+                f" (margin {margin:.0%} kept)" if margin != FIT_MARGIN else "") + _sizes_source(codec, codec_sizes))
         every = smallest_checkpoint_every(trial.replace(consolidate_every=1)) or 1   # fewest parts Drive takes
         tried.append((codec, predict_budget(trial.replace(checkpoint_every=every, consolidate_every=1), dev,
                                             **kwargs)))
@@ -112,6 +112,8 @@ def _sizes_source(codec: str, codec_sizes) -> str:
     """Where the plan's cache size comes from: '; cache sizes measured on 300 of your texts (zstd 2,349 B/image)',
     or the borrowed ratio, stated ('zstd at the estimated ratio 0.09 of raw, not measured').
     """
+    if codec == NO_CACHE:
+        return "; no image cache: the loader's workers render each image when it is read"
     if codec_sizes is None or not getattr(codec_sizes, "measured", True) or codec not in codec_sizes.bytes_per_image:
         source = f"{codec_sizes.source}: " if codec_sizes is not None else \
             "the reference analysis' ratios (give texts to measure yours): "
