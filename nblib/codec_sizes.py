@@ -28,7 +28,7 @@ class CodecSizes:
 
     bytes_per_image: dict[str, float]
     image_size: int
-    source: str              # "measured on 300 of your texts" | "the reference analysis' ratio ..."
+    source: str              # "measured on 300 texts of sample_texts.txt" | "the reference analysis' ratio ..."
     measured: bool
     decode_images_per_s: dict[str, float] | None = None   # one core; None: the reference's CODEC_DECODE_ESTIMATE
     n_texts: int = 0                                       # texts measured (0: borrowed)
@@ -84,8 +84,15 @@ def measure_codec_sizes(texts, image_size: int = 224, n: int = SAMPLE_TEXTS,
     stats = measure_codecs(sample, codecs, min_seconds=0.0)
     sizes = {c: stored_bytes_per_image(c, s["bytes_per_image"]) for c, s in stats.items()}
     rates = {c: s["decode_images_per_s"] for c, s in stats.items()}
-    return CodecSizes(sizes, image_size, f"measured on {len(sample):,} of your texts",
+    return CodecSizes(sizes, image_size, f"measured on {len(sample):,} texts of {_texts_name(texts)}",
                       True, rates, len(sample))
+
+
+def _texts_name(texts) -> str:
+    """How a measurement names its texts: the file's name ('sample_texts.txt'), else 'the texts given'."""
+    from pathlib import Path
+
+    return Path(texts).name if isinstance(texts, (str, Path)) else "the texts given"
 
 
 def reference_codec_sizes(image_size: int = 224) -> CodecSizes:

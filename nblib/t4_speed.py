@@ -193,16 +193,25 @@ def achieved_range(precision: str = "fp16") -> tuple[Range, str]:
 
 
 def project(flops_per_sample: float, precision: str = "fp16", train: bool = False,
-            n_samples: int | None = None, counted_by: str = "FlopCounterMode on a CPU forward") -> Projection:
-    """A T4 rate and time range for a model of `flops_per_sample` (forward; x3 when `train`), counted `counted_by`."""
+            n_samples: int | None = None, counted_by: str = "FlopCounterMode on a CPU forward",
+            graded_flops_per_sample: float | None = None) -> Projection:
+    """A T4 rate and time range for a model of `flops_per_sample` (forward), counted `counted_by`.
+
+    train: a step adds its backward, 2 x the forward FLOPs of what takes gradients: `graded_flops_per_sample`
+    (a model that runs part of its forward under no_grad, as the TRM's first H_cycles-1 cycles), else the
+    whole forward (x3 in all).
+    """
     if flops_per_sample <= 0:
         raise ConfigError(f"flops_per_sample={flops_per_sample} must be > 0; count it with flops_per_sample()")
     achieved, how = achieved_range(precision)
-    work = flops_per_sample * (3 if train else 1)
+    graded = flops_per_sample if graded_flops_per_sample is None else graded_flops_per_sample
+    work = flops_per_sample + (2 * graded if train else 0)
     rate = Range(achieved.low / work, achieved.mid / work, achieved.high / work)
     hours = None if not n_samples else Range(n_samples / rate.high / 3600, n_samples / rate.mid / 3600,
                                              n_samples / rate.low / 3600)
-    step = "3 x the forward FLOPs (forward + backward)" if train else "the forward FLOPs"
+    step = "the forward FLOPs" if not train else "3 x the forward FLOPs (forward + backward)" \
+        if graded_flops_per_sample is None else \
+        f"the forward FLOPs + 2 x the {graded / 1e9:.2f} GFLOP that take gradients (backward)"
     method = (f"{step} per sample ({work / 1e9:.2f} GFLOP, {counted_by}) divided by the "
               f"{how}; mid = geometric mean")
     return Projection(rate, hours, n_samples, flops_per_sample, achieved, precision, train, method)

@@ -15,7 +15,7 @@ SEED = config.preset("seed_t4")
 
 def test_sizes_are_measured_on_the_given_texts_and_borrowed_only_without_them():
     measured = codec_sizes(sample_texts_path(), 64, n=40)
-    assert measured.measured and "measured on 40 of your texts" in measured.source
+    assert measured.measured and "measured on 40 texts of sample_texts.jsonl" in measured.source
     assert set(measured.codecs) == set(config.CODECS)
     assert 0 <= measured.bytes_per_image["raw"] - 64 * 64 * 3 <= 16      # the pixels, plus a per-image checksum
     assert measured.bytes_per_image["zlib"] < measured.bytes_per_image["raw"] / 5
@@ -27,7 +27,7 @@ def test_the_plan_for_the_reference_job_fits_a_free_drive_with_measured_sizes():
     # this suite's texts compress ~35x: a zlib cache plus checksums fits 15 GB; the borrowed 0.14 ratio does not
     sizes = codec_sizes(sample_texts_path(), 224, n=60)
     plan = budget.plan_budget(SEED, "t4", drive_quota_gb=15, codec_sizes=sizes)
-    assert plan.fits and plan.config.run.codec != "raw" and "measured on 60 of your texts" in str(plan)
+    assert plan.fits and plan.config.run.codec != "raw" and "measured on 60 texts of sample_texts.jsonl" in str(plan)
     borrowed = budget.plan_budget(SEED, "t4", drive_quota_gb=15)
     assert not borrowed.fits and "reference analysis' ratios" in str(borrowed)
 
@@ -45,4 +45,4 @@ def test_the_planner_tries_every_codec_of_the_registry():
 def test_budget_plan_cli_measures_the_given_texts():
     out = subprocess.run([sys.executable, "-m", "nblib", "budget", "--plan", "--texts", str(sample_texts_path())],
                          capture_output=True, text=True, check=True).stdout
-    assert "measured on 300 of your texts" in out and "FITS with codec=" in out
+    assert "measured on 300 texts of sample_texts.jsonl" in out and "FITS with codec=" in out

@@ -24,7 +24,7 @@ SIZES = {"raw": 150_536, "png": 5_246, "zlib": 4_232, "zstd": 2_349}   # 01's 30
 # zlib decodes fastest of the compressed codecs here, zstd is the smallest, png the largest: "the least
 # compressed that fits" (png), "the smallest first" (zstd) and the one rule (zlib) all differ.
 RATES = {"raw": 87_000, "zlib": 30_000, "zstd": 12_000, "png": 1_500}
-MEASURED = CodecSizes(SIZES, 224, "measured on 300 of your texts", True, RATES, 300)
+MEASURED = CodecSizes(SIZES, 224, "measured on 300 texts of mine.txt", True, RATES, 300)
 CODEC = re.compile(r"codec='(\w+)'")
 
 
@@ -76,7 +76,7 @@ def test_the_encode_refusal_names_the_one_rules_codec(monkeypatch, tmp_path):
 @pytest.mark.parametrize("free_gb", [5.0, 9.5, 11.0, 12.0, 70.0])
 def test_where_png_decodes_slowest_it_is_chosen_only_when_only_png_fits(free_gb):
     sizes = {"raw": 150_536, "zlib": 6_000, "zstd": 5_500, "png": 4_000}    # png the smallest and the slowest
-    measured = CodecSizes(sizes, 224, "measured on 300 of your texts", True,
+    measured = CodecSizes(sizes, 224, "measured on 300 texts of mine.txt", True,
                           {"raw": 87_000, "zstd": 12_000, "zlib": 5_000, "png": 1_500}, 300)
     n, free = SEED.run.n_samples, free_gb * GB
     fits = fitting(n, free, sizes)
@@ -102,7 +102,7 @@ def test_a_borrowed_ratio_is_stated_with_its_value_and_a_measured_one_with_its_t
         or SEED.run.codec == "raw"
     measured = budget.predict_budget(SEED, "t4", drive_quota_gb=15, codec_sizes=MEASURED).verdict
     assert "zlib measured on 300 texts" in measured and "estimated" not in measured, measured
-    assert f"measured on 300 of your texts (zlib {SIZES['zlib']:,} B/image)" in str(
+    assert f"measured on 300 texts of mine.txt (zlib {SIZES['zlib']:,} B/image)" in str(
         budget.plan_budget(SEED, "t4", drive_quota_gb=15, codec_sizes=MEASURED))
     assert "measured on 300 texts" in cache_knobs(SEED, need, 70 * GB, codec_sizes=MEASURED)
 

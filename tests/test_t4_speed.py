@@ -118,3 +118,21 @@ def test_the_pinned_flops_are_what_the_counter_counts():
     trm = TRMVisionEncoder(preset("seed_t4")).eval()
     counted = t4_speed.flops_per_sample(trm, torch.zeros(1, 224, 224, 3, dtype=torch.uint8))
     assert counted == pytest.approx(t4_speed.SEED_T4_FLOPS, rel=1e-3)
+
+
+def test_a_trm_training_projection_backpropagates_through_the_last_outer_cycle_only():
+    """The TRM runs its first H_cycles-1 cycles under no_grad: the step's backward is 2 x the last cycle's
+    FLOPs, not 2 x the whole forward (a 3x projection undercounts its rate by ~1.5x at H_cycles=2)."""
+    import dataclasses
+
+    from nblib.budget.memory import flops_per_image
+    from nblib.budget.training import t4_training_time
+    from nblib.train.loop import model_config
+
+    model = model_config("t4").model
+    forward, last = flops_per_image(model), flops_per_image(dataclasses.replace(model, H_cycles=1))
+    assert model.H_cycles > 1 and last < forward
+    trm = t4_training_time(model, 1000)
+    whole = t4_speed.project(forward, "fp16", train=True, n_samples=1000)
+    assert trm.samples_per_s.mid / whole.samples_per_s.mid == pytest.approx(3 * forward / (forward + 2 * last))
+    assert "take gradients" in trm.method and f"{last / 1e9:.2f} GFLOP" in trm.method

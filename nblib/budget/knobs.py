@@ -109,7 +109,7 @@ def plan_budget(config: PipelineConfig, device: str | Device = "t4", *, margin: 
 
 
 def _sizes_source(codec: str, codec_sizes) -> str:
-    """Where the plan's cache size comes from: '; cache sizes measured on 300 of your texts (zstd 2,349 B/image)',
+    """Where the plan's cache size comes from: '; cache sizes measured on 300 texts of my.txt (zstd 2,349 B/image)',
     or the borrowed ratio, stated ('zstd at the estimated ratio 0.09 of raw, not measured').
     """
     if codec == NO_CACHE:

@@ -174,13 +174,18 @@ def largest_batch(model: ModelConfig, cap_bytes: int, *, step_only: bool = False
 
 def t4_training_time(model: ModelConfig, n_samples: int, precision: str = "fp16"):
     """The T4 rate and hours of training the TRM `model` over `n_samples`: `nblib.t4_speed.project(..., train=True)`
-    on the forward FLOPs the encoding budget counts (`flops_per_image`). A projection, a range, never a CPU time.
+    on the forward FLOPs the encoding budget counts (`flops_per_image`), whose backward covers only the last outer
+    cycle (the first H_cycles-1 run under no_grad): the FLOPs of the same model with one cycle. A projection, a
+    range, never a CPU time.
     """
+    import dataclasses
+
     from nblib import t4_speed
     from nblib.budget.memory import flops_per_image
 
+    graded = flops_per_image(dataclasses.replace(model, H_cycles=1))
     return t4_speed.project(flops_per_image(model), precision, train=True, n_samples=n_samples,
-                            counted_by="flops_per_image from the TRM's shapes")
+                            counted_by="flops_per_image from the TRM's shapes", graded_flops_per_sample=graded)
 
 
 def accumulation_for(target_batch: int, micro_batch: int) -> tuple[int, int]:
