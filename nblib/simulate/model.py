@@ -52,8 +52,8 @@ def _child(payload: dict) -> dict:
     from nblib.budget.shim import child_model
 
     loaded = child_model(payload)
-    from nblib.simulate.job_trace import fake_device, traced_train_step
     from nblib.models.head import _image_size
+    from nblib.simulate.job_trace import fake_device, traced_train_step
     from nblib.train.task import loop_module
 
     size, b = _image_size(loaded), payload["batch"]
