@@ -122,7 +122,8 @@ def test_the_pinned_flops_are_what_the_counter_counts():
 
 def test_a_trm_training_projection_backpropagates_through_the_last_outer_cycle_only():
     """The TRM runs its first H_cycles-1 cycles under no_grad: the step's backward is 2 x the last cycle's
-    FLOPs, not 2 x the whole forward (a 3x projection undercounts its rate by ~1.5x at H_cycles=2)."""
+    FLOPs, not 2 x the whole forward (a 3x projection undercounts its rate by ~1.5x at H_cycles=2).
+    """
     import dataclasses
 
     from nblib.budget.memory import flops_per_image
