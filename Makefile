@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 NBVAL := --nbval-lax --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout=600
 
-.PHONY: install run test test-browser lint lab clean
+.PHONY: install run test test-browser lint lab clean drive-zip
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -42,9 +42,6 @@ run: $(STAMP)
 # Three workers on two cores: with two, user + sys time was 164-166% of the cores over a fresh-clone run (a
 # worker waits on its subprocesses, fsyncs and servers); with three, 175%, and pytest took 17 min 34 s against
 # 19 min 35 s for the same commit, idle. Every test must pass beside a busy CPU anyway.
-# The tests' `python -m nblib` runs fork from a warm interpreter with torch imported (tests/warm_cli.py): in one
-# working tree with bytecode, idle, 1,337 CPU-s and 11 min 44 s of pytest cold (NBLIB_TEST_WARM_CLI=0, which starts
-# every run cold) against 1,124 CPU-s and 9 min 49 s warm.
 JOBS ?= 3
 test: $(STAMP)
 	$(BIN)/ruff check .
@@ -61,3 +58,11 @@ lab: $(STAMP)
 
 clean:
 	rm -rf outputs/notebooks outputs/figures outputs/drive outputs/staging
+
+# A clean copy for Google Drive (docs/colab.md): the tracked files at HEAD under one top folder, nblib-suite/,
+# which the notebooks' setup cell finds as MyDrive/nblib-suite.zip. No .venv, no outputs/ (not even its
+# .gitkeep: a run makes the folder), nothing uncommitted.
+drive-zip:
+	mkdir -p outputs
+	git archive --format=zip --prefix=nblib-suite/ -o outputs/nblib-suite.zip HEAD -- . ':(exclude)outputs'
+	@echo "wrote outputs/nblib-suite.zip: upload it to MyDrive/ (docs/colab.md)"

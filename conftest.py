@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 REFERENCES = Path(__file__).resolve().parent / "tests" / "nbval_references"
-LONGEST_FIRST = (      # files by their time in a `make test` with the warm CLI launcher (idle machine), longest first
+LONGEST_FIRST = (      # files by their time in a `make test` (idle machine), longest first
     "notebooks/05_input_pipeline_tuning.ipynb", "tests/test_model_vram.py", "tests/test_hostile.py",
     "notebooks/02_cache_population.ipynb", "tests/test_browser.py", "tests/test_hostile_train.py",
     "notebooks/06_training.ipynb", "tests/test_distributed.py", "tests/test_train_resume.py", "tests/test_colab.py",

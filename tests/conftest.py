@@ -11,10 +11,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import warm_cli
 
 REPO = Path(__file__).resolve().parents[1]
-warm_cli.install()       # `python -m nblib` subprocesses fork from a warm interpreter (see warm_cli)
 
 
 @pytest.fixture(autouse=True)

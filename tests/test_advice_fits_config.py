@@ -27,7 +27,7 @@ def test_a_local_disk_is_not_helped_by_a_bigger_drive_quota():
     assert "drive_quota_gb" not in knob_words(SEED, "drive", on_drive=False)
     assert "free disk" in knob_words(SEED, "drive", on_drive=False)
     assert "drive_quota_gb" in knob_words(SEED, "drive", on_drive=True)
-    assert "drive_quota_gb" not in knob_words(SEED, "local disk") and "keep_local" in knob_words(SEED, "local disk")
+    assert "drive_quota_gb" not in knob_words(SEED, "local disk") and "run.outputs" in knob_words(SEED, "local disk")
 
 
 def test_the_preflight_refusal_on_a_local_workspace_names_the_local_knobs(tmp_path, monkeypatch):

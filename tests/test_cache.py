@@ -134,9 +134,17 @@ def test_reader_warns_when_the_folder_would_hold_too_many_files_for_drive(tmp_pa
     target = copy_of(reference, tmp_path)
     manifest = read_cache_manifest(target)
     entry = manifest["shards"][0]
-    manifest["shards"] = [dict(entry, start=i, stop=i + 1, count=1) for i in range(1200)]
+    from nblib.budget.drive import FOLDER_ITEMS_LIMIT  # the budget's items-per-folder limit, the one number
+
+    manifest["shards"] = [dict(entry, start=i, stop=i + 1, count=1) for i in range(FOLDER_ITEMS_LIMIT)]
     write_cache_manifest(target, manifest)
-    with pytest.warns(UserWarning, match="1,201 files.*shard_mb"):
+    with pytest.warns(UserWarning, match=f"{FOLDER_ITEMS_LIMIT + 1:,} files: Drive items in the cache folder "
+                                         f"{FOLDER_ITEMS_LIMIT + 1:,} > {FOLDER_ITEMS_LIMIT:,}: shard_mb>="):
+        ShardedImageCache(target)
+    manifest["shards"] = manifest["shards"][:-1]          # shards + the manifest at the limit: no warning
+    write_cache_manifest(target, manifest)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         ShardedImageCache(target)
 
 

@@ -1,4 +1,4 @@
-"""`python -m nblib cache` as a real process: exit codes, one-line errors, damage repaired, SIGKILL resumed."""
+"""`python -m nblib cache`: exit codes, one-line errors, damage repaired, SIGKILL resumed."""
 from __future__ import annotations
 
 import os
@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+from cli_runner import run_nblib
 
 from conftest import cache_folder_bytes, subprocess_env
 from nblib.cache import read_cache_manifest
@@ -21,9 +22,8 @@ def cache_cmd(*args):
     return [sys.executable, "-m", "nblib", "cache", *map(str, args)]
 
 
-def run_cli(*args, timeout=120):
-    return subprocess.run(cache_cmd(*args), env=subprocess_env(), capture_output=True, text=True,
-                          timeout=timeout)
+def run_cli(*args, timeout=None):
+    return run_nblib("cache", *args, timeout=timeout)
 
 
 def write_texts(path, n):

@@ -1,11 +1,10 @@
 """The cache records how much of its texts the font chain can draw, and refuses boxes when asked."""
 from __future__ import annotations
 
-import subprocess
-import sys
 import warnings
 
 import pytest
+from cli_runner import run_nblib
 
 from nblib.cache import populate
 from nblib.cache.format import read_cache_manifest
@@ -41,9 +40,8 @@ def test_cli_strict_fonts_is_one_error_line_and_exit_2(tmp_path):
     texts = tmp_path / "emoji.txt"
     texts.write_text("\n".join(EMOJI_TEXTS) + "\n", encoding="utf-8")
     with warnings.catch_warnings():
-        done = subprocess.run([sys.executable, "-m", "nblib", "cache", "--texts", str(texts), "--out",
-                               str(tmp_path / "c"), "--size", "32", "--shard-mb", "1", "--workers", "0",
-                               "--no-progress", "--strict-fonts"], capture_output=True, text=True, timeout=120)
+        done = run_nblib("cache", "--texts", texts, "--out", tmp_path / "c", "--size", 32, "--shard-mb", 1,
+                         "--workers", 0, "--no-progress", "--strict-fonts")
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith("error: ") and "no glyph" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from cli_runner import run_nblib
 
 from conftest import small_cache, subprocess_env
 from nblib import encode as enc
@@ -129,8 +130,7 @@ def test_two_shards_as_plain_processes_then_consolidate_give_identical_bytes(cac
         _, err = shard.communicate(timeout=300)
         assert shard.returncode == 0, err[-3000:]
     assert not (out / enc.INDEX_NAME).exists()               # shards never consolidate
-    merged = subprocess.run(_cli(cache_dir, out, "--consolidate"), env=_env(), capture_output=True, text=True,
-                            timeout=300)
+    merged = run_nblib(*_cli(cache_dir, out, "--consolidate")[3:], **THREADS)
     assert merged.returncode == 0, merged.stderr[-3000:]
     assert _hashes(out) == reference
     assert dist.part_writes(out) == {f"part-{k:06d}": 1 for k in range(N_PARTS)}

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_runner import run_nblib
 
 from conftest import small_cache, subprocess_env
 from nblib import encode as enc
@@ -107,12 +108,14 @@ def test_cli_killed_three_times_at_random_points_resumes_to_identical_bytes(cach
         deadline = time.monotonic() + 240
         while _durable_parts(killed) < target and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.002)
-        time.sleep(rng.uniform(0, 0.3))        # land anywhere: mid-batch, mid-write, mid-manifest
+        pause_until = time.monotonic() + rng.uniform(0, 0.3)   # land anywhere: mid-batch, mid-write, mid-manifest,
+        while time.monotonic() < pause_until and _durable_parts(killed) < n_parts - 1:   # but before the last part
+            time.sleep(0.002)                  # (an idle machine encoded the rest in 0.3 s: nothing left to resume)
         proc.send_signal(signal.SIGKILL)
         assert proc.wait(30) == -signal.SIGKILL, proc.stderr.read().decode()
         assert not (killed / enc.INDEX_NAME).exists(), "the run finished before the kill"
 
-    resumed = subprocess.run(_cli(cache_dir, killed), env=env, capture_output=True, text=True, timeout=300)
+    resumed = run_nblib(*_cli(cache_dir, killed)[3:], **THREADS)
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed at sample" in resumed.stdout
     for name in ("sketches", "checksums", "children"):
@@ -125,8 +128,7 @@ def test_cli_killed_three_times_at_random_points_resumes_to_identical_bytes(cach
 def test_cli_refuses_to_resume_a_run_made_with_other_settings_and_exits_2(cache_dir, tmp_path):
     _run(cache_dir, tmp_path / "r", config=CLI_CONFIG.replace(outputs=("sketches",)))
     assert sorted(p.name for p in (tmp_path / "r").glob("*.npy")) == ["sketches.npy"]
-    second = subprocess.run(_cli(cache_dir, tmp_path / "r", "--outputs", "sketches,children"),
-                            env=subprocess_env(**THREADS), capture_output=True, text=True, timeout=300)
+    second = run_nblib(*_cli(cache_dir, tmp_path / "r", "--outputs", "sketches,children")[3:], **THREADS)
     assert second.returncode == 2
     assert "outputs: ['sketches'] -> ['sketches', 'children']" in second.stderr
     assert "Traceback" not in second.stderr

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_runner import run_nblib
 
 from conftest import importable_models, small_cache, subprocess_env
 from nblib import encode as enc
@@ -121,7 +122,7 @@ def test_cli_encode_of_any_model_killed_and_resumed_gives_every_byte_of_an_unint
     killed = tmp_path / "killed"
     _kill_after(_cli(cache_dir, killed, spec), killed, 3, env)
 
-    resumed = subprocess.run(_cli(cache_dir, killed, spec), env=env, capture_output=True, text=True, timeout=600)
+    resumed = run_nblib(*_cli(cache_dir, killed, spec)[3:], **THREADS)       # the models are on sys.path here
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed at sample" in resumed.stdout
     expected = _every_output_byte(whole.run_dir)
@@ -161,10 +162,7 @@ def test_resume_with_another_config_class_or_preprocessing_is_refused_naming_wha
 def test_cli_refusal_of_another_model_is_one_error_line_exit_2(cache_dir, models, tmp_path):
     run = tmp_path / "r"
     _run(cache_dir, run, None, do_consolidate=False)          # the TRM, the default
-    env = subprocess_env(**THREADS)
-    env["PYTHONPATH"] = f"{models}:{env['PYTHONPATH']}"
-    second = subprocess.run(_cli(cache_dir, run, "tinyfactory:build"), env=env, capture_output=True,
-                            text=True, timeout=600)
+    second = run_nblib(*_cli(cache_dir, run, "tinyfactory:build")[3:], **THREADS)
     assert second.returncode == 2, second.stderr
     errors = [line for line in second.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "model changed (the TRM (trm) -> tinyfactory:build)" in errors[0], second.stderr

@@ -9,6 +9,7 @@ import types
 from pathlib import Path
 
 import pytest
+from cli_runner import run_nblib
 
 from conftest import REPO, subprocess_env
 from nblib import env
@@ -131,15 +132,13 @@ def test_hardware_report_reads_this_machine(tmp_path):
 
 
 def test_info_cli_prints_the_report(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "nblib", "info"], cwd=REPO, capture_output=True,
-                         text=True, env=subprocess_env(), timeout=120)
+    out = run_nblib("info", cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert "profile  smoke" in out.stdout and "CPU cores" in out.stdout
 
 
 def test_cli_bad_profile_is_one_line_without_traceback():
-    out = subprocess.run([sys.executable, "-m", "nblib", "info"], cwd=REPO, capture_output=True,
-                         text=True, env=subprocess_env(NBLIB_PROFILE="huge"), timeout=120)
+    out = run_nblib("info", cwd=REPO, NBLIB_PROFILE="huge")
     assert out.returncode == 2
     assert out.stderr.strip().startswith("error: NBLIB_PROFILE='huge'")
     assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1

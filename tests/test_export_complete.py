@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 import pytest
+from cli_runner import run_nblib
 from test_cache_cli import one_error_line
 
 from conftest import subprocess_env
@@ -36,8 +37,8 @@ def export_cmd(*args):
     return [sys.executable, "-m", "nblib", "export", *map(str, args)]
 
 
-def run_export(*args, timeout=300):
-    return subprocess.run(export_cmd(*args), env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
+def run_export(*args):
+    return run_nblib("export", *args)
 
 
 def top_files(folder):
@@ -113,8 +114,8 @@ def test_an_export_killed_after_n_of_10_files_reads_as_unfinished_and_its_comman
     assert command.startswith("python -m nblib export --cache ")
     assert f"--out {out}" in command and "--compression-level 19" in command
     listed = len(json.loads((out / "_nblib-export.json").read_text())["body"]["files"])
-    finished = subprocess.run([sys.executable, *shlex.split(command)[1:]], env=subprocess_env(),
-                              capture_output=True, text=True, timeout=300)
+    assert shlex.split(command)[:3] == ["python", "-m", "nblib"]
+    finished = run_nblib(*shlex.split(command)[3:])
     assert finished.returncode == 0, finished.stderr
     assert int(re.search(r"reused (\d+)", finished.stdout).group(1)) == listed  # staged files resume
     assert top_files(out) == top_files(reference)
@@ -260,9 +261,7 @@ def test_an_image_folder_cache_exports_each_file_name_beside_its_image(tmp_path)
     arrays = [np.full((8, 8, 3), k * 20, dtype=np.uint8) for k in range(5)]
     for k, array in enumerate(arrays):
         Image.fromarray(array).save(folder / f"cat-{k}.png")
-    result = subprocess.run([sys.executable, "-m", "nblib", "cache", "--images", str(folder), "--out",
-                             str(tmp_path / "cache"), "--no-progress"], env=subprocess_env(),
-                            capture_output=True, text=True, timeout=120)
+    result = run_nblib("cache", "--images", folder, "--out", tmp_path / "cache", "--no-progress")
     assert result.returncode == 0, result.stderr
     export_cache(tmp_path / "cache", tmp_path / "out")
     table = pq.read_table(tmp_path / "out")

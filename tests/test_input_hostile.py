@@ -6,16 +6,14 @@ from __future__ import annotations
 import os
 import re
 import struct
-import subprocess
-import sys
 import threading
 import zlib
 
 import numpy as np
 import pytest
+from cli_runner import run_nblib
 from test_cache_cli import one_error_line, run_cli
 
-from conftest import subprocess_env
 from nblib.cache import ShardedImageCache, image_source, write_images
 from nblib.errors import InputError
 
@@ -106,8 +104,7 @@ def test_a_decompression_bomb_in_an_hf_dataset_is_named_by_its_row(tmp_path):
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf", "0"])
 def test_budget_refuses_a_drive_quota_that_is_not_a_finite_positive_number_in_one_line(value):
-    result = subprocess.run([sys.executable, "-m", "nblib", "budget", f"--drive-quota-gb={value}"],
-                            env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    result = run_nblib("budget", f"--drive-quota-gb={value}")
     line = one_error_line(result)
     assert "--drive-quota-gb" in line and value in line
 

@@ -16,6 +16,7 @@ import pytest
 
 import nblib
 from nblib import budget, config
+from nblib.codec_sizes import reference_codec_sizes
 
 SEED = config.preset("seed_t4")              # the reference job: 1,907,747 images, every output, float16
 GB = 1e9
@@ -56,11 +57,15 @@ def disks(monkeypatch, tmp_path):
     return workspace, free
 
 
-@pytest.mark.parametrize("cfg,short", [(SEED, 588), (SEED.replace(out_dtype="float32"), 956)])
-def test_the_issue_refusal_drops_keep_local_and_gives_a_combination_that_fits(disks, cfg, short):
+@pytest.mark.parametrize("cfg", [SEED, SEED.replace(out_dtype="float32")])
+def test_the_issue_refusal_drops_keep_local_and_gives_a_combination_that_fits(disks, cfg):
     workspace, _free = disks
     message = refusal(cfg, workspace, job="encode", device="cpu")
-    assert f"({short}." in message and "GB short" in message and "\n" not in message, message
+    found = re.search(r"needs ([\d,.]+) GB but only ([\d,.]+) GB is free", message).groups()
+    need, free = (float(v.replace(",", "")) for v in found)
+    short = f"{need / 0.9 - free:,.2f}"         # one figure for "short" and "more" (P3), with the stated margin
+    assert f"with a 10% margin it may fill {0.9 * free:,.2f} of {free:,.2f} GB free, {short} GB short" in message
+    assert message.endswith(f"or {short} GB more free disk on that folder") and "\n" not in message, message
     assert "keep_local" not in message and "checkpoint_every" not in message, message
     assert "no single knob closes it" in message and "more free disk" in message, message
     offered = alternatives(message)
@@ -83,13 +88,13 @@ def test_a_larger_disk_gets_single_knobs_each_with_a_value_that_fits(disks):
         budget.preflight(fixed, workspace, job="encode", device="cpu", **kwargs)
 
 
-def test_a_small_staging_shortfall_still_offers_keep_local_with_its_value(disks, monkeypatch):
+def test_a_run_folder_shortfall_offers_the_outputs_that_fit_it(disks, monkeypatch):
     workspace, free = disks
     monkeypatch.setattr(PREFLIGHT, "_same_filesystem", lambda a, b: False)
-    free["staging"], free["drive"] = 9 * GB, 2000 * GB  # staging needs 10.7 GB: keep one part fewer
+    free["staging"], free["drive"] = 300 * GB, 2000 * GB  # the run folder keeps every part and the outputs: 355 GB
     message = refusal(SEED, workspace, job="encode", device="cpu")
     offered = alternatives(message)
-    assert {"keep_local": 1} in offered, message
+    assert offered and all("run.outputs" in c for c in offered) and "keep_local" not in message, message
     for changes in offered:
         fixed, kwargs = applied(SEED, changes)
         budget.preflight(fixed, workspace, job="encode", device="cpu", **kwargs)
@@ -99,9 +104,10 @@ def test_a_drive_on_google_drive_offers_the_drive_size_that_holds_it(disks, monk
     workspace, free = disks
     monkeypatch.setattr(PREFLIGHT, "_same_filesystem", lambda a, b: False)
     monkeypatch.setattr(PREFLIGHT, "_on_google_drive", lambda folder: True)
-    free["staging"], free["drive"] = 78 * GB, 15 * GB
+    free["staging"], free["drive"] = 2000 * GB, 15 * GB
     message = refusal(SEED, workspace, job="encode", device="cpu", drive_limits=False)
-    assert "no knob of the run closes it" in message and "a Drive of 718 GB" in message, message
+    holds = -(-budget.predict_budget(SEED, "cpu").totals["drive"] // (0.9 * GB))     # the smallest that fits
+    assert "no knob of the run closes it" in message and f"a Drive of {holds:,.0f} GB" in message, message
     assert "run.outputs=" in message and "still over" not in message, message
 
 
@@ -109,7 +115,8 @@ def test_the_cache_refusal_gives_the_codec_and_the_sample_count_that_fit(disks):
     workspace, _free = disks
     message = refusal(SEED, workspace, job="cache")
     offered = alternatives(message)
-    assert {"run.codec": "zlib"} in offered and any("run.n_samples" in c for c in offered), message
+    rule = budget.choose_codec(SEED.run.n_samples, _free["drive"], reference_codec_sizes(224))   # the one codec rule
+    assert {"run.codec": rule} in offered and any("run.n_samples" in c for c in offered), message
     for changes in offered:
         fixed, kwargs = applied(SEED, changes)
         budget.preflight(fixed, workspace, job="cache", **kwargs)
@@ -158,8 +165,8 @@ def test_the_verdict_offers_no_knob_that_leaves_the_resource_over():
             for s in advice.suggestions:
                 if s.knob == "drive_quota_gb":
                     continue
-                changes = {s.knob: s.value, **dict(p.split("=", 1) for p in s.also.split(" and ") if p)}
-                changes = {k: ast.literal_eval(v) if isinstance(v, str) else v for k, v in changes.items()}
+                also = (p.split("=", 1) for p in s.also.split(" and ") if p)      # a value is a str: a codec
+                changes = {s.knob: s.value, **{k: ast.literal_eval(v) for k, v in also}}
                 fixed, kwargs = applied(cfg, changes)
                 after = budget.predict_budget(fixed, "t4", drive_quota_gb=quota, **kwargs)
                 assert after.totals[advice.resource] <= 0.9 * b.limits[advice.resource], str(s)

@@ -4,15 +4,13 @@ splits over ranks without changing, and the object-store ops work. Real caches, 
 from __future__ import annotations
 
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from cli_runner import run_nblib
 
-from conftest import subprocess_env
 from nblib.errors import ConfigError, ResumeMismatch, StateError
 from nblib.train import TrainConfig, train
 from nblib.train.data import BatchPlan, labels_for_cache, script_of, split
@@ -179,8 +177,7 @@ def test_the_fsspec_ops_write_list_read_and_delete_whole_objects():
     (["--cache", "c", "--out", "x"], "--steps"),
 ])
 def test_bad_command_lines_print_one_error_line_and_exit_2(argv, expected, tmp_path):
-    done = subprocess.run([sys.executable, "-m", "nblib", "train", *argv], capture_output=True, text=True,
-                          cwd=tmp_path, env=subprocess_env(), timeout=120)
+    done = run_nblib("train", *argv, cwd=tmp_path)
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and expected in lines[0], done.stderr

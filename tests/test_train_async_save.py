@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_runner import run_nblib
 from test_train import FAST, assert_same_weights, labelled_cache, weights_of
 
 from conftest import subprocess_env
@@ -173,8 +174,7 @@ def test_the_cli_reports_a_failed_background_write_as_one_error_line(cache_dir, 
 
 def test_sigkill_mid_background_write_keeps_the_previous_state_and_the_rerun_is_exact(cache_dir, tmp_path):
     env = subprocess_env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    whole = subprocess.run([sys.executable, "-m", "nblib", *_cli(cache_dir, tmp_path / "whole")], env=env,
-                           capture_output=True, text=True, timeout=600)
+    whole = run_nblib(*_cli(cache_dir, tmp_path / "whole"), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     assert whole.returncode == 0, whole.stderr[-3000:]
     out, mark = tmp_path / "run", tmp_path / "mark"
     cmd = [sys.executable, "-c", FAIL_IN_SUBPROCESS, "hang", "state-000004.pt", str(mark),
@@ -196,8 +196,7 @@ def test_sigkill_mid_background_write_keeps_the_previous_state_and_the_rerun_is_
     assert folder.versions("state") == [2]               # keep_last=1, yet 2 stays: 4 never completed
     assert list((out / "checkpoints").glob(".tmp-*"))   # the torn temporary, never a state
     assert load_latest([folder], "state").obj["step"] == 2
-    rerun = subprocess.run([sys.executable, "-m", "nblib", *_cli(cache_dir, out, "--keep-last", "1")], env=env,
-                           capture_output=True, text=True, timeout=600)
+    rerun = run_nblib(*_cli(cache_dir, out, "--keep-last", "1"), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert "steps 2 -> 8 (resumed from local)" in rerun.stdout
     assert_same_weights(weights_of(out), weights_of(tmp_path / "whole"))

@@ -10,12 +10,12 @@ import json
 import math
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from cli_runner import run_nblib
 from test_train import labelled_cache
 from train_runs import run_and_kill, train_env
 
@@ -186,8 +186,7 @@ def test_a_resume_with_another_model_or_output_is_refused_naming_what_changed(ca
     wider.write_text(json.dumps({**RESNET, "hidden_sizes": [8, 24]}))
     with pytest.raises(ResumeMismatch, match=r"config\.hidden_sizes: \[8, 16\] -> \[8, 24\]"):
         train(cache_dir, run, CONFIG, model=f"hf:ResNetModel:{wider}")
-    done = subprocess.run(cli("--cache", str(cache_dir), "--out", str(run), "--model", "tinyfactory:build"),
-                          env=env_with(models), capture_output=True, text=True, timeout=300)
+    done = run_nblib(*cli("--cache", str(cache_dir), "--out", str(run), "--model", "tinyfactory:build")[3:])
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), done.stderr
     assert "trained another model" in lines[0] and "tinyfactory.Tiny" in lines[0]
@@ -261,8 +260,7 @@ def test_record_fields_the_records_lack_or_cannot_train_are_refused_naming_them(
 ])
 def test_hostile_model_and_record_flags_print_one_error_line_and_exit_2(argv, expected, cache_dir, tmp_path):
     argv = [a.format(cache=cache_dir, missing=tmp_path / "nope") for a in argv]
-    done = subprocess.run(cli(*argv, "--out", str(tmp_path / "run")), env=train_env(), capture_output=True,
-                          text=True, timeout=300)
+    done = run_nblib(*cli(*argv, "--out", str(tmp_path / "run"))[3:])
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), done.stderr
     assert expected in lines[0], lines[0]

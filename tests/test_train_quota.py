@@ -4,14 +4,12 @@ default, any other mirror none; bad values get one `error:` line and exit 2.
 """
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_runner import run_nblib
 from test_train import labelled_cache
 
-from conftest import subprocess_env
 from nblib.errors import ConfigError
 from nblib.train.command import mirror_quota_bytes
 
@@ -21,11 +19,9 @@ def cache_dir(tmp_path_factory) -> Path:
     return labelled_cache(tmp_path_factory.mktemp("quota"), 120)
 
 
-def _train(cache_dir, out, *extra, timeout=600):
-    cmd = [sys.executable, "-m", "nblib", "train", "--cache", str(cache_dir), "--out", str(out), "--steps", "4",
-           "--batch-size", "16", "--save-every", "2", "--backup-every", "2", "--no-progress", *extra]
-    return subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(OMP_NUM_THREADS="1"),
-                          timeout=timeout)
+def _train(cache_dir, out, *extra):
+    return run_nblib("train", "--cache", cache_dir, "--out", out, "--steps", 4, "--batch-size", 16, "--save-every", 2,
+                     "--backup-every", 2, "--no-progress", *extra, OMP_NUM_THREADS="1")
 
 
 def test_a_mirror_folder_with_a_tiny_quota_warns_with_the_numbers_and_training_goes_on(cache_dir, tmp_path):
@@ -51,7 +47,7 @@ def test_without_a_quota_a_roomy_mirror_folder_does_not_warn(cache_dir, tmp_path
     (["--drive-quota-gb", "1", "--mirror", "s3://bucket/run"], "object storage"),
 ])
 def test_bad_quota_settings_print_one_error_line_and_exit_2(cache_dir, tmp_path, extra, expected):
-    done = _train(cache_dir, tmp_path / "run", *extra, timeout=120)
+    done = _train(cache_dir, tmp_path / "run", *extra)
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and expected in lines[0], done.stderr

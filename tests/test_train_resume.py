@@ -24,6 +24,7 @@ from train_runs import (
     cache_and_reference,
     free_port,
     run_and_kill,
+    run_train,
     train_cli,
     train_env,
 )
@@ -43,7 +44,7 @@ def test_sigkill_at_random_points_then_rerun_gives_the_uninterrupted_weights(cac
     for target in (first, rng.randrange(first + 1, 8)):         # the newest saved step when the kill comes
         run_and_kill(cmd, out, after_step=target, extra_s=rng.uniform(0, 0.05))
     assert not (out / "final.pt").exists()
-    done = subprocess.run(cmd, env=train_env(), capture_output=True, text=True, timeout=600)
+    done = run_train(cmd)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resumed from local" in done.stdout
     assert_same_weights(weights_of(out), reference)
@@ -54,7 +55,7 @@ def test_only_the_mirror_folder_survives_and_the_rerun_gives_the_same_weights(ca
     cmd = train_cli(cache_dir, out, "--mirror", str(mirror))
     run_and_kill(cmd, out, extra_s=0, mirrored=mirror)
     shutil.rmtree(out)                                           # a new VM: the local disk is gone
-    done = subprocess.run(cmd, env=train_env(), capture_output=True, text=True, timeout=600)
+    done = run_train(cmd)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resumed from mirror" in done.stdout
     assert_same_weights(weights_of(out), reference)
@@ -95,11 +96,10 @@ def test_two_ranks_then_one_continue_the_global_order_with_no_sample_skipped_or_
 
     out = tmp_path / "run"
     shutil.copytree(two_rank_runs.killed_snapshot, out)          # 2 ranks, SIGKILLed once step 4 was saved
-    env = train_env(NBLIB_TRAIN_SAMPLE_LOG="1")
     first = {p.name for p in (out / "samples").glob("*.txt")}
     steps = TWO_RANK_STEPS
-    done = subprocess.run(train_cli(two_rank_runs.cache_dir, out, "--steps", str(steps), "--device", "cpu"),
-                          env=env, capture_output=True, text=True, timeout=600)
+    done = run_train(train_cli(two_rank_runs.cache_dir, out, "--steps", str(steps), "--device", "cpu"),
+                     NBLIB_TRAIN_SAMPLE_LOG="1")
     assert done.returncode == 0, done.stderr[-3000:]
     start = read_manifest(out / REPORT, REPORT_KIND).body["start_step"]
     assert 0 < start < steps

@@ -17,7 +17,7 @@ import pytest
 import torch
 from test_train import FAST, labelled_cache
 from test_train_resume import _aws, moto  # noqa: F401  (moto: the S3 server fixture)
-from train_runs import train_cli, train_env
+from train_runs import run_train, train_cli, train_env
 
 from nblib.store.mirror import Mirror
 from nblib.train import train
@@ -31,9 +31,12 @@ def cache_dir(tmp_path_factory) -> Path:
     return labelled_cache(tmp_path_factory.mktemp("second"), 160)
 
 
-def _second_run(cache_dir: Path, out: Path, *extra: str, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run(train_cli(cache_dir, out, *SECOND, *extra), env=env or train_env(), capture_output=True,
-                          text=True, timeout=600)
+def _second_run(cache_dir: Path, out: Path, *extra: str, env=None):
+    """The second run's command: in this process (cli_runner), or a real one where `env` names a server."""
+    cmd = train_cli(cache_dir, out, *SECOND, *extra)
+    if env is None:
+        return run_train(cmd)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
 
 
 def _one_error_line(done: subprocess.CompletedProcess) -> str:

@@ -1,12 +1,17 @@
 """The warm fake-CUDA process (nblib.budget.warm): a fork per trace, clean state each time, same results."""
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import textwrap
+import threading
+import time
 
+import psutil
 import pytest
 
-from nblib.budget.warm import WarmProcess
+from nblib.budget.warm import WarmProcess, WarmUnavailable
 
 PROBE = textwrap.dedent('''
     import os
@@ -17,6 +22,9 @@ PROBE = textwrap.dedent('''
     def _child(payload):
         if payload.get("fail"):
             raise ValueError("the probe failed on purpose")
+        if payload.get("pidfile"):
+            with open(payload["pidfile"], "w") as f:
+                f.write(str(os.getpid()))
         if payload.get("sleep"):
             time.sleep(payload["sleep"])
         seen = getattr(torch, "_nblib_probe_mark", None)
@@ -27,17 +35,26 @@ PROBE = textwrap.dedent('''
 
 
 @pytest.fixture(scope="module")
-def warm(tmp_path_factory):
-    import os
-
+def warm_probe_path(tmp_path_factory):
+    """A folder holding the probe module, for a warm process's PYTHONPATH."""
     folder = tmp_path_factory.mktemp("probe")
     (folder / "nblib_warm_probe.py").write_text(PROBE)
+    return folder
+
+
+def warm_server(folder) -> WarmProcess:
+    """A warm process that can import the modules in `folder`."""
     before = os.environ.get("PYTHONPATH", "")
     os.environ["PYTHONPATH"] = f"{folder}{os.pathsep}{before}"
     try:
-        server = WarmProcess(None)
+        return WarmProcess(None)
     finally:
         os.environ["PYTHONPATH"] = before
+
+
+@pytest.fixture(scope="module")
+def warm(warm_probe_path):
+    server = warm_server(warm_probe_path)
     yield server
     server.close()
 
@@ -60,6 +77,46 @@ def test_a_trace_past_its_time_limit_is_killed_and_a_new_warm_process_starts(tmp
     with pytest.raises(subprocess.TimeoutExpired):
         warm.run("nblib_warm_probe", {"mark": 5, "sleep": 30}, 1.0)
     assert not warm.alive                     # closed: the next request through run_warm starts a fresh one
+
+
+def test_a_warm_process_that_ends_mid_trace_is_an_error_and_the_trace_is_killed(warm_probe_path, tmp_path):
+    server = warm_server(warm_probe_path)
+    pidfile = tmp_path / "trace.pid"
+    try:
+        killer = threading.Thread(target=_kill_once_started, args=(server.proc.pid, pidfile))
+        killer.start()
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="the warm process ended while the trace ran"):
+            server.run("nblib_warm_probe", {"mark": 6, "sleep": 60, "pidfile": str(pidfile)}, 120)
+        killer.join()
+        assert time.monotonic() - started < 30           # at the end, not at the time limit
+        trace = psutil.Process(int(pidfile.read_text()))
+        assert trace.wait(10) is None or not trace.is_running()
+    except psutil.NoSuchProcess:
+        pass                                              # the trace is gone already: killed and reaped
+    finally:
+        server.close()
+
+
+def _kill_once_started(pid: int, pidfile) -> None:
+    deadline = time.monotonic() + 60
+    while not pidfile.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+
+
+def test_a_warm_process_holding_a_second_thread_refuses_to_fork(warm_probe_path, tmp_path):
+    (warm_probe_path / "sitecustomize.py").write_text(
+        "import threading, time\nthreading.Thread(target=time.sleep, args=(3600,), daemon=True).start()\n")
+    server = warm_server(warm_probe_path)
+    pidfile = tmp_path / "trace.pid"
+    try:
+        with pytest.raises(WarmUnavailable, match="2 threads"):
+            server.run("nblib_warm_probe", {"mark": 7, "pidfile": str(pidfile)}, 60)
+        assert not pidfile.exists()                       # nothing was forked
+    finally:
+        server.close()
+        (warm_probe_path / "sitecustomize.py").unlink()
 
 
 @pytest.mark.slow

@@ -88,10 +88,11 @@ def test_the_printed_train_command_asks_for_the_run_train_makes(spec, tmp_path):
     from nblib.train.command import config_from_args
 
     config = TrainConfig(steps=6, batch_size=16, save_every=2, backup_every=2, eval_every=3)
-    line = lab.train_command(tmp_path / "cache", tmp_path / "out", spec, config)
+    line = lab.train_command(tmp_path / "cache", tmp_path / "out", spec, config, mirror=tmp_path / "mirror")
     assert line.startswith("python -m nblib train ") and f"--model {spec}" in line
     args = _train_args(line.split()[4:])
     assert config_from_args(args).computing() == config.computing() and args.model == spec
+    assert args.mirror == str(tmp_path / "mirror") and args.backup_every == config.backup_every
 
 
 def test_the_t4_time_is_the_sourced_range_labelled_a_projection(spec):
@@ -101,4 +102,5 @@ def test_the_t4_time_is_the_sourced_range_labelled_a_projection(spec):
     text = lab.t4_time(spec, SIZE, t4_speed.SEED_T4_IMAGES)
     expected = t4_speed.model_projection(load_model(spec), SIZE, "fp16", n_samples=t4_speed.SEED_T4_IMAGES)
     assert expected.rate_text() in text and "(projection)" in text and "FlopCounterMode" in text
+    assert "if FLOPs bound the run (a floor where" in text      # the time is labelled as the floor it can be
     assert json.dumps(expected.label) == '"projection"'

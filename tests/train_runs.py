@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import psutil
 import pytest
+from cli_runner import run_nblib
 from test_train import assert_same_weights, labelled_cache, weights_of
 
 from conftest import shared_artifact, subprocess_env
@@ -37,9 +38,14 @@ def train_env(**extra: str) -> dict[str, str]:
 
 def uninterrupted_weights(cache_dir: Path, out: Path) -> dict:
     """The final weights of one uninterrupted single-process run (no mirror)."""
-    done = subprocess.run(train_cli(cache_dir, out), env=train_env(), capture_output=True, text=True, timeout=600)
+    done = run_train(train_cli(cache_dir, out))
     assert done.returncode == 0, done.stderr[-3000:]
     return weights_of(out)
+
+
+def run_train(cmd: list[str], **env: str):
+    """A `train_cli` command in this process (cli_runner), with one torch thread as the real runs have."""
+    return run_nblib(*cmd[3:], **THREADS, **env)
 
 
 def newest_step(out: Path) -> int:

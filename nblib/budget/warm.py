@@ -9,7 +9,11 @@ its result to a file and exits, so every trace still starts from the same clean 
 Protocol, one JSON line each way: the caller sends {"module", "payload", "cwd", "result", "log"};
 the warm process forks, answers {"pid"}, waits for the child and answers {"status"}. A trace past
 its time limit is killed by pid (the warm process survives it). Where fork is missing, or the
-warm process cannot start or dies, `run_child` runs a fresh process as before.
+warm process cannot start or dies before it forks, `run_child` runs a fresh process as before.
+It forks only while it holds one thread (a fork copies no other thread, so a lock one held would
+stay locked in the child): with more it refuses, and this process runs fresh ones from then on.
+Fail closed: a warm process that ends while a trace runs (after it answered the trace's pid) is an
+error, and the trace is killed: never a result, a status of 0 or a silent second run.
 Trade-off: the warm process holds ~0.5 GB of RSS for as long as the caller lives; it exits when
 the caller closes its pipe (or dies), and `NBLIB_WARM_TRACES=0` turns it off.
 """
@@ -32,8 +36,19 @@ _LOCK = threading.Lock()
 _SERVERS: dict[str | None, WarmProcess] = {}
 
 
+_REFUSED: set[str | None] = set()         # shims whose warm process would not fork: fresh processes only
+
+
 class WarmUnavailable(RuntimeError):
     """The warm process cannot run this request; the caller runs a fresh process instead."""
+
+
+class WarmRefused(WarmUnavailable):
+    """The warm process would not fork (it held more than one thread); nothing ran."""
+
+
+class _NoAnswerYet(Exception):
+    """The warm process is alive but sent no whole line within the time given."""
 
 
 def enabled() -> bool:
@@ -46,11 +61,18 @@ def run_warm(module: str, payload: dict, timeout_s: float) -> dict:
     WarmUnavailable when the warm process cannot be used (the caller falls back to a fresh one);
     RuntimeError with the child's last error line when the trace itself failed.
     """
+    shim = payload.get("shim")
     with _LOCK:
-        server = _SERVERS.get(payload.get("shim"))
+        if shim in _REFUSED:
+            raise WarmUnavailable("the warm process held more than one thread: it does not fork")
+        server = _SERVERS.get(shim)
         if server is None or not server.alive:
-            server = _SERVERS[payload.get("shim")] = WarmProcess(payload.get("shim"))
-        return server.run(module, payload, timeout_s)
+            server = _SERVERS[shim] = WarmProcess(shim)
+        try:
+            return server.run(module, payload, timeout_s)
+        except WarmRefused:
+            _REFUSED.add(shim)
+            raise
 
 
 class WarmProcess:
@@ -82,34 +104,54 @@ class WarmProcess:
             try:
                 self.proc.stdin.write(json.dumps(request).encode() + b"\n")
                 self.proc.stdin.flush()
-                pid = self._read(30.0)["pid"]
-            except (OSError, KeyError, WarmUnavailable) as exc:
+                answer = self._read(30.0)
+            except (OSError, ValueError, WarmUnavailable, _NoAnswerYet) as exc:
                 self.close()
                 raise WarmUnavailable(f"the warm process is gone: {exc}") from None
+            if type(answer.get("pid")) is not int or answer["pid"] <= 0:   # it did not fork: nothing runs
+                self.close()
+                raise WarmRefused(answer.get("refused") or f"the warm process answered {answer}")
+            pid = answer["pid"]
             try:
                 status = self._read(timeout_s)["status"]
-            except WarmUnavailable:
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGKILL)
-                self.close()
+            except _NoAnswerYet:
+                self._kill(pid)
                 raise subprocess.TimeoutExpired(module, timeout_s) from None
+            except (WarmUnavailable, KeyError, ValueError) as exc:    # it ended (or garbled) mid-trace
+                self._kill(pid)
+                raise RuntimeError(f"the warm process ended while the trace ran (pid {pid}, killed): {exc}") \
+                    from None
+            if type(status) is not int:
+                self._kill(pid)
+                raise RuntimeError(f"the warm process answered {status!r} for the trace's exit status")
             if status == 0 and result.exists():
                 return json.loads(result.read_text())
             lines = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
             raise RuntimeError(lines[-1] if lines else f"exit status {status}")
 
     def _read(self, timeout_s: float) -> dict:
-        """The next answer line, within `timeout_s` (read unbuffered, so select sees every byte)."""
+        """The next answer line, within `timeout_s` (read unbuffered, so select sees every byte).
+
+        _NoAnswerYet past the time; WarmUnavailable when the warm process closed its end (it ended).
+        """
         deadline = time.monotonic() + timeout_s
         fd = self.proc.stdout.fileno()
         while b"\n" not in self._buffer:
             ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
-            chunk = os.read(fd, 65536) if ready else b""
+            if not ready:
+                raise _NoAnswerYet(f"no answer from the warm process in {timeout_s:g} s")
+            chunk = os.read(fd, 65536)
             if not chunk:
-                raise WarmUnavailable("no answer from the warm process")
+                raise WarmUnavailable(f"the warm process ended (exit status {self.proc.poll()})")
             self._buffer += chunk
         line, self._buffer = self._buffer.split(b"\n", 1)
         return json.loads(line)
+
+    def _kill(self, pid: int) -> None:
+        """Kill the trace `pid` and close the warm process (a later request starts a new one)."""
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+        self.close()
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -138,12 +180,24 @@ def serve(shim: str | None) -> None:
     _answer({"ready": True})
     for line in sys.stdin:
         request = json.loads(line)
+        threads = _thread_count()
+        if threads != 1:
+            _answer({"refused": f"the warm process holds {threads} threads, and a fork copies only one"})
+            continue
         pid = os.fork()
         if pid == 0:
             _run_request(request)         # never returns
         _answer({"pid": pid})
         _, status = os.waitpid(pid, 0)
         _answer({"status": os.waitstatus_to_exitcode(status)})
+
+
+def _thread_count() -> int:
+    """This process's threads, native ones included (/proc), else the Python ones."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
 
 
 def _answer(message: dict) -> None:
