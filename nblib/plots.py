@@ -393,24 +393,30 @@ def checksum_hamming(collisions, save_to=None) -> Figure:
     return finish(fig, save_to)
 
 
-def encode_disk_projection(rows, limits: dict, save_to=None) -> Figure:
-    """Disk of a full run per output choice (bars, GB) against the disks it must fit (lines).
+def encode_disk_projection(choices, save_to=None) -> Figure:
+    """Disk of a full run per output choice (`nblib.lab.streaming_encoding.full_run_disk`) against its disks.
 
-    Green: fits every disk named; orange: fits some; red: fits none.
+    Filled bar: the outputs (one copy: the parts, what a Drive holds); outline: what the local disk holds (the
+    parts and the consolidated copy). Colour: the budget's verdict (`DiskChoice.fitting`, within 90% of each
+    disk): green fits every disk, orange some, red none.
     """
     fig, ax = new_figure(width=8.0, height=4.2)
-    labels = [r[0] for r in rows]
-    values = [r[1] / GB for r in rows]
-    fits = [sum(r[1] <= limit for limit in limits.values()) for r in rows]
-    colors = ["C2" if f == len(limits) else "C1" if f else "C3" for f in fits]
+    labels = [c.label for c in choices]
+    disks = list(choices[0].needs)
+    values = [c.outputs_bytes / GB for c in choices]
+    local = [c.needs[disks[0]] / GB for c in choices]
+    colors = ["C2" if len(c.fitting) == len(disks) else "C1" if c.fitting else "C3" for c in choices]
+    ax.barh(labels, local, fill=False, edgecolor=colors, ls=":", label=f"{disks[0]}: parts + consolidated copy")
     bars = ax.barh(labels, values, color=colors)
     for bar, v in zip(bars, values):
         ax.text(bar.get_width() * 1.05, bar.get_y() + bar.get_height() / 2, f"{v:,.1f} GB",
                 va="center", fontsize=8)
-    for i, (name, limit) in enumerate(limits.items()):
-        ax.axvline(limit / GB, color=f"C{i + 4}", ls="--", label=f"{name}: {limit / GB:,.0f} GB")
-    ax.set(xlabel="GB on disk (log scale)", xscale="log", xlim=(min(values) / 2, max(values) * 4),
-           title="full run: outputs on disk per choice\n(green: fits every disk, orange: some, red: none)")
+    for i, disk in enumerate(disks):
+        limit = choices[0].limits[disk] / GB
+        ax.axvline(limit, color=f"C{i + 4}", ls="--", label=f"{disk}: {limit:,.0f} GB")
+    ax.set(xlabel="GB on disk (log scale)", xscale="log", xlim=(min(values) / 2, max(local) * 4),
+           title="full run: outputs on disk per choice\n(the budget's verdict, 10% margin: "
+                 "green fits every disk, orange some, red none)")
     ax.invert_yaxis()
     ax.legend(loc="lower right", fontsize=8, framealpha=0.95)
     return finish(fig, save_to)

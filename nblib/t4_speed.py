@@ -217,15 +217,6 @@ def project(flops_per_sample: float, precision: str = "fp16", train: bool = Fals
     return Projection(rate, hours, n_samples, flops_per_sample, achieved, precision, train, method)
 
 
-def carry_over(measured_samples_per_s: float, to_precision: str = "fp16", n_samples: int | None = None) -> Range:
-    """A measured fp32 T4 rate carried to fp16 by the measured fp16/fp32 ratios (samples/s range, projection)."""
-    _check_precision(to_precision)
-    if to_precision == "fp32":
-        return Range(measured_samples_per_s, measured_samples_per_s, measured_samples_per_s)
-    ratios = fp16_fp32_ratios().values()
-    return Range.of(measured_samples_per_s * min(ratios), measured_samples_per_s * max(ratios))
-
-
 def flops_per_sample(model, example) -> float:
     """Forward FLOPs per sample of `model` on a CPU batch `example` (a tensor, or a LoadedModel's uint8 images).
 

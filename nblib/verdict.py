@@ -119,9 +119,8 @@ class PairedVerdict:
             return f"{self.n} {self.counted}: a call needs {self.min_pairs}"
         if self.low <= 1 <= self.high:
             return f"the 95% interval reaches 1: the noise of the {self.counted} covers the difference"
-        edge = self.min_effect if self.low > 1 else 1 / self.min_effect
         return (f"the 95% interval is clear of 1, but x{self.ratio:.{DIGITS}f} is short of the minimum effect, "
-                f"x{edge:.{DIGITS}f}, that a call needs on this shared CPU")
+                f"x{self.min_effect:.{DIGITS}f} either way, that a call needs on this shared CPU")
 
     def short(self, higher: str = "higher", lower: str = "lower") -> str:
         """'x1.32 (1.21-1.40, 7 pairs): higher' or '..., not distinguishable here (below x1.15 or ...)'."""

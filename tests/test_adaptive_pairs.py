@@ -120,6 +120,35 @@ def test_the_formats_comparison_repeats_while_a_verdict_against_the_reference_is
     assert len(fixed[0]["write_runs"]) == 5                           # no reference, no budget: the 5 repeats
 
 
+def test_the_formats_comparison_shows_the_suites_bar_over_every_run_it_makes(monkeypatch, tmp_path):
+    from nblib import compare
+    from nblib.lab import cache_formats
+
+    rates = {"zlib": 1.0, "raw": 1.15, "zstd": 3.0}
+    rng = np.random.default_rng(7)
+    current, bars = ["zlib"], []
+
+    def fake_functions(fmt, images, target, shard_mb, batch_size):
+        current[0] = fmt
+        target.mkdir(parents=True, exist_ok=True)
+        (target / "x").write_bytes(b"x")
+        return (lambda: None), (lambda: None), (lambda: (lambda i: None))
+
+    def recorded_bar(*args, **kwargs):
+        bars.append(compare.progress_bar(*args, **kwargs))
+        return bars[-1]
+
+    monkeypatch.setattr(cache_formats, "_functions", fake_functions)
+    monkeypatch.setattr(cache_formats, "_seconds",
+                        lambda fn: 1.0 / (rates[current[0]] * (1 + 0.2 * rng.standard_normal())))
+    monkeypatch.setattr(cache_formats, "_until", lambda deadline, picks, read: 10)
+    monkeypatch.setattr(cache_formats, "progress_bar", recorded_bar)
+    rows = cache_formats.compare_formats(np.zeros((4, 8, 8, 3), np.uint8), tmp_path, formats=tuple(rates),
+                                         repeats=5, reference="zlib", budget_s=60.0, random_s=0.0, min_read_s=0.0)
+    runs = len(rates) * len(rows[0]["write_runs"])
+    assert len(bars) == 1 and bars[0].n == bars[0].total == runs and runs > 5 * len(rates)   # repeats were added
+
+
 def test_a_median_far_beyond_the_minimum_effect_stays_firm_though_the_interval_reaches_toward_it():
     # measured beside two CPU hogs: batch 8, mixing and format writes at x0.63-0.75 had intervals ending near
     # x1/1.15; a rule that needs the whole interval beyond it moved them between runs (nblib.verdict's docstring)

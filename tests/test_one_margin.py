@@ -90,6 +90,8 @@ def short_and_more(message: str, need: float, limit: float) -> None:
     short = f"{resources.shortfall(need, limit) / GB:,.2f}"
     assert f"with a 10% margin it may fill {resources.room(limit) / GB:,.2f} of {limit / GB:,.2f} GB" in message
     assert f", {short} GB short" in message, message
+    # "short" reads as the gap to the limit that would hold the need with the margin: need / 0.9, stated
+    assert f"GB short ({need / 0.9 / GB:,.2f} GB " in message and "would hold it with a 10% margin" in message
     for more in re.findall(r"([\d,.]+) GB more", message):
         assert more == short, message
 

@@ -352,3 +352,17 @@ def test_needle_verdicts_follow_the_measurements_not_the_text():
     assert [r["verdict"] for r in differ] == ["does not"] * 4
     noisy = needle_table(share, table([(32, 100), (128, 101)]), MixingResult(2, 200, 140, 190, 1), trap)
     assert [r["verdict"] for r in noisy][1:3] == ["not distinguishable on this machine"] * 2
+
+
+def test_the_worker_trap_finding_states_its_basis_and_both_figures():
+    from nblib.lab.input_pipeline import PER_WORKER_BYTES, _worker_trap, needle_text
+    from nblib.reference import TUNING_LOG
+    from nblib.units import fmt_bytes
+
+    ref = TUNING_LOG["RAM per torch worker"].value
+    small = _worker_trap([{"num_workers": 0, "rss_added_bytes": 0},
+                          {"num_workers": 1, "rss_added_bytes": 4 * PER_WORKER_BYTES}])
+    text = needle_text([small])
+    assert small["verdict"] == "agrees" and "the direction, not the size" in text
+    assert fmt_bytes(ref) in text and fmt_bytes(4 * PER_WORKER_BYTES) in text
+    assert f"x{4 * PER_WORKER_BYTES / ref:.2f} the reference's" in text

@@ -47,6 +47,25 @@ def test_the_fit_recovers_a_known_line_and_extrapolates_it():
     assert reference_row.predicted_rotating_peak == pytest.approx(2 * reference_row.predicted_bytes, rel=1e-6)
 
 
+def test_the_reference_row_has_one_size_in_the_table_and_in_the_widget():
+    rows = [_row(b, True, 700 + 1030 * b) for b in (100, 500, 2000)]
+    fit = lab.fit_bytes_per_element(rows, symbolic=True)
+    table_row = next(e for e in lab.extrapolate(fit, rows) if e.buffer_size == 250_000)
+    widget = lab.checkpoint_and_quality(250_000, REFERENCE_SAMPLE_BYTES / 1e3, 100, fit)
+    assert widget["sample_bytes"] == table_row.sample_bytes == REFERENCE_SAMPLE_BYTES
+    assert widget["tf_checkpoint_bytes"] == table_row.predicted_bytes
+    assert widget["tf_rotating_peak_bytes"] == table_row.predicted_rotating_peak
+    assert widget["tf_buffer_ram_bytes"] == table_row.buffer_ram_bytes
+
+
+def test_the_ram_note_sets_the_buffer_against_the_t4_presets_ram():
+    from nblib import budget
+    rows = [_row(b, True, 700 + 1030 * b) for b in (100, 500, 2000)]
+    ram = budget.device_preset("t4").ram_bytes
+    note = lab.ram_note(rows)
+    assert f"{250_000 * REFERENCE_SAMPLE_BYTES / ram:.1f}x the {ram / 1e9:.1f} GB" in note
+
+
 def test_measured_factors_take_the_worst_row_of_the_largest_buffer():
     rows = [_row(100, True, 1000, peak=1000, rotating=2000), _row(400, True, 4000, peak=4400, rotating=8000),
             _row(400, False, 5000, peak=5000, rotating=11_500)]

@@ -3,6 +3,8 @@ fresh process, and the largest batch confirmed under a real memory cap (an alloc
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from nblib.budget.training import (
@@ -112,3 +114,27 @@ def test_the_checkpoint_table_compares_tf_data_with_the_data_orders_row_and_keep
     assert f"ratio: {tf / max(row, len(state['data_order'])):,.0f} x" in text
     assert not re.search(r"^(step|epoch|best step)\s+\d", text, re.M)
     assert "counters (a few bytes each): step 30, epoch 2, best step 25" in text
+
+
+def test_the_run_report_gives_the_save_cost_as_one_share_of_step_time():
+    from nblib.train.loop import TrainReport
+
+    report = TrainReport(out=Path("run"), steps=30, start_step=0, resumed_from="start", history=[], best_step=None,
+                         final=None, seconds=2.0, step_seconds=[0.06] * 30, save_seconds=[0.002] * 6,
+                         save_waits=[0.0] * 6)
+    line = next(s for s in str(report).splitlines() if s.startswith("saves blocked the loop"))
+    assert line.count("%") == 1 and f"{report.save_share:.1%} of step time" in line
+    assert "6 saves of 2.0 ms each" in line and "30 steps of 60.0 ms on average" in line
+
+
+def test_label_shares_count_the_classes_the_loop_trains_on(tmp_path):
+    import json
+
+    from nblib.lab.training import label_shares
+
+    rows = [{"kind": k, "text": t} for k, t in (("a", "hello"), ("a", "world"), ("a", "again"), ("b", "привет"))]
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    kind, script = label_shares(path).splitlines()
+    assert kind.startswith("kind    2 classes (chance 50.0%): each 25.0%-75.0% of the 4 texts, the largest 'a'")
+    assert script.startswith("script  2 classes") and "the largest 'latin'" in script

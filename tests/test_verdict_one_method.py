@@ -166,6 +166,8 @@ def test_a_findings_why_names_what_kept_it_from_a_call():
     assert short_of_effect["why"].startswith("the 95% interval is clear of 1, but x1.12 is short of the minimum")
     noisy = needle_table(share, table([(32, base), (128, [80, 130, 95, 140, 101])]), mixing, trap)[1]
     assert noisy["why"].startswith("the 95% interval reaches 1")
+    slower_short = needle_table(share, table([(32, base), (128, [v * 0.92 for v in base])]), mixing, trap)[1]
+    assert "x0.92 is short of the minimum effect, x1.15 either way," in slower_short["why"]
 
 
 # ------------------------------------------------------------------------------ prose says what the cells did

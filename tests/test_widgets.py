@@ -15,22 +15,20 @@ def _control(panel, key):
     raise KeyError(key)
 
 
-def test_budget_panel_redraws_the_verdict_when_a_knob_changes(capsys):
+def test_budget_panel_redraws_the_verdict_when_a_knob_changes():
     panel = widgets.budget_panel(config.preset("seed_t4"), "t4", drive_quota_gb=15)
-    first = capsys.readouterr().out
-    assert "does NOT fit on t4" in first
+    assert "does NOT fit on t4" in panel.text
     _control(panel, "device").value = "h200"
-    assert "on h200" in capsys.readouterr().out
+    assert "on h200" in panel.text
     _control(panel, "outputs").value = ("checksums",)
     _control(panel, "n_samples").value = 1000
-    assert "fits on h200" in capsys.readouterr().out
+    assert "fits on h200" in panel.text
 
 
-def test_budget_panel_reports_an_invalid_combination_instead_of_raising(capsys):
+def test_budget_panel_reports_an_invalid_combination_instead_of_raising():
     panel = widgets.budget_panel(config.preset("seed_t4"), "t4")
-    capsys.readouterr()
     _control(panel, "consolidate_every").value = 7   # 200 is not a multiple of 7
-    assert "not a valid config: run.checkpoint_every=200 is not a multiple" in capsys.readouterr().out
+    assert "not a valid config: run.checkpoint_every=200 is not a multiple" in panel.text
 
 
 @pytest.mark.parametrize("key", ["batch_size", "H_cycles", "L_cycles", "workers", "out_dtype"])
@@ -38,14 +36,13 @@ def test_budget_panel_has_the_promised_controls(key):
     assert _control(widgets.budget_panel(config.preset("smoke"), "cpu"), key) is not None
 
 
-def test_budget_panel_prints_exactly_predict_budgets_verdict_naming_ram_and_drive_at_batch_900(capsys):
+def test_budget_panel_prints_exactly_predict_budgets_verdict_naming_ram_and_drive_at_batch_900():
     from nblib import budget
 
     seed = config.preset("seed_t4")
     panel = widgets.budget_panel(seed, "t4", drive_quota_gb=15)
-    capsys.readouterr()
     _control(panel, "batch_size").value = 900
-    shown = capsys.readouterr().out.strip().splitlines()[-1]
+    shown = panel.text.strip().splitlines()[-1]
     b = budget.predict_budget(seed.replace(batch_size=900), "t4", drive_quota_gb=15)
     assert shown == b.verdict
     assert f"run.batch_size={budget.max_batch_size(seed, 't4')}" in shown
@@ -66,11 +63,11 @@ def test_panels_and_controls_carry_css_classes_for_the_browser():
     assert "nblib-knob-buffer_size" in _control(shuffle, "buffer_size")._dom_classes
 
 
-def test_budget_panel_shows_a_time_readout_and_one_short_repr(capsys):
+def test_budget_panel_shows_a_time_readout_and_one_short_repr():
     panel = widgets.budget_panel(config.preset("seed_t4"), "t4", drive_quota_gb=15)
-    before = [line for line in capsys.readouterr().out.splitlines() if line.startswith("time ")]
+    before = [line for line in panel.text.splitlines() if line.startswith("time ")]
     _control(panel, "H_cycles").value = 6            # more recursion: more FLOPs, a longer run; memory unchanged
-    after = [line for line in capsys.readouterr().out.splitlines() if line.startswith("time ")]
+    after = [line for line in panel.text.splitlines() if line.startswith("time ")]
     assert len(before) == len(after) == 1 and before != after and "projection" in after[0]
     assert "\n" not in repr(panel) and "does NOT fit" not in repr(panel)
 
@@ -90,7 +87,7 @@ def test_the_panel_verdict_names_only_knobs_the_panel_has():
     assert "no control of this panel fixes it alone" in panel_verdict(b, knobs=("device",))
 
 
-def test_pipeline_panel_asks_for_one_knob_and_one_measured_value(capsys):
+def test_pipeline_panel_asks_for_one_knob_and_one_measured_value():
     from nblib.pipeline import SweepTable
 
     rows = [{"batch_size": b, "prefetch": p, "varied": v, "samples_per_s": r, "runs": (r - 1, r, r + 1),
@@ -102,7 +99,7 @@ def test_pipeline_panel_asks_for_one_knob_and_one_measured_value(capsys):
     knob.value = "prefetch"
     assert [v for _, v in value.options] == [2, 8]       # only the values measured with the other knobs at base
     value.value = 8
-    assert "prefetch=8 (other knobs at the base): 90 samples/s (89-91, 3 runs)" in capsys.readouterr().out
+    assert "prefetch=8 (other knobs at the base): 90 samples/s (89-91, 3 runs)" in panel.text
 
 
 STATE, BEST = 200_000_000, 70_000_000

@@ -164,7 +164,7 @@ def check_disk(folder: str | Path, need_bytes: int, *, what: str, knob) -> None:
     if not fits(need_bytes, free):
         turn = knob(free) if callable(knob) else knob
         raise BudgetExceeded(
-            f"{what} needs {need_bytes / GB:.2f} GB but only {free / GB:.2f} GB is free on {path}: "
+            f"{what} needs {need_bytes / GB:,.2f} GB but only {free / GB:,.2f} GB is free on {path}: "
             f"{shortfall_words(need_bytes, free, 'free')}; {turn}")
 
 

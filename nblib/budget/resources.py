@@ -37,13 +37,16 @@ def margin_words(margin: float = FIT_MARGIN) -> str:
 
 
 def shortfall_words(need: float, limit: float, unit: str = "free", margin: float = FIT_MARGIN) -> str:
-    """'with a 10% margin it may fill 9.90 of 11.00 GB of RAM, 0.36 GB short' (a refusal's numbers, in GB).
+    """'with a 10% margin it may fill 9.90 of 11.00 GB of RAM, 0.36 GB short (11.36 GB of RAM would hold it with
+    a 10% margin)' (a refusal's numbers, in GB).
 
     "short" is `shortfall`: the limit it needs beyond this one, the same figure as the "GB more" a refusal
     offers (`nblib.budget.advice`), never need - limit.
     """
+    short = shortfall(need, limit, margin)
     return (f"{margin_words(margin)} it may fill {room(limit, margin) / 1e9:,.2f} of {limit / 1e9:,.2f} GB "
-            f"{unit}, {shortfall(need, limit, margin) / 1e9:,.2f} GB short")
+            f"{unit}, {short / 1e9:,.2f} GB short ({(limit + short) / 1e9:,.2f} GB {unit} would hold it "
+            f"{margin_words(margin)})")
 
 
 def largest_fitting(fits, cap: int) -> int:

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from nblib.cache import ShardedImageCache, write_images
+from nblib.compare import progress_bar
 from nblib.verdict import MAX_PAIRS, MIN_PAIRS, verdict_of_pairs
 
 NBLIB_CODECS = ("raw", "zlib", "zstd", "png")
@@ -33,7 +34,7 @@ def compare_formats(images: np.ndarray, folder: str | Path, *, formats: Sequence
                     repeats: int = MIN_PAIRS, shard_mb: float = 8.0, batch_size: int = 64, n_random: int = 200,
                     random_s: float = 0.5, seed: int = 0, reference: str | None = None,
                     budget_s: float | None = None, max_repeats: int = MAX_PAIRS,
-                    min_read_s: float = MIN_READ_S) -> list[dict]:
+                    min_read_s: float = MIN_READ_S, progress: bool = True) -> list[dict]:
     """One row per format: bytes/image, and the median and spread of write, in-order and random images/s.
 
     Random reads stop after `n_random` images or `random_s` seconds, whichever comes first (a
@@ -42,7 +43,8 @@ def compare_formats(images: np.ndarray, folder: str | Path, *, formats: Sequence
     time slice of a busy CPU would be the whole measurement). With `reference` and `budget_s`, more repeats
     run after the first `repeats` while a rate of some format against the reference is undecided
     (`PairedVerdict.undecided`), for at most `budget_s` seconds and `max_repeats` repeats: what the
-    budget cannot decide stays "not distinguishable here".
+    budget cannot decide stays "not distinguishable here". `progress` shows the suite's bar over the formats' runs
+    (each added repeat adds its runs to the total).
     """
     images = np.ascontiguousarray(images, dtype=np.uint8)
     folder = Path(folder)
@@ -51,24 +53,17 @@ def compare_formats(images: np.ndarray, folder: str | Path, *, formats: Sequence
     samples: dict[str, dict[str, list[float]]] = {f: {"write": [], "in_order": [], "random": []} for f in formats}
     sizes: dict[str, int] = {}
     r, deadline, per_repeat = 0, None, 0.0
-    while r < repeats or _more_repeats(samples, reference, r, max_repeats, deadline, per_repeat, budget_s):
-        if r == repeats and deadline is None and budget_s is not None:
-            deadline = time.perf_counter() + budget_s
-        start = time.perf_counter()
-        order = list(formats[r % len(formats):]) + list(formats[:r % len(formats)])
-        for fmt in order:
-            target = folder / f"{fmt}-{r}"
-            shutil.rmtree(target, ignore_errors=True)
-            samples[fmt]["write"].append(_write_rate(fmt, images, target, shard_mb, batch_size, min_read_s))
-            _, read_in_order, read_at = _functions(fmt, images, target, shard_mb, batch_size)
-            sizes[fmt] = sum(p.stat().st_size for p in target.rglob("*") if p.is_file())
-            samples[fmt]["in_order"].append(_rate(read_in_order, len(images), min_read_s))
-            read_one = read_at()  # opened before the clock starts, as a loader opens once
-            start_random = time.perf_counter()
-            done = _until(start_random + random_s, picks, read_one)
-            samples[fmt]["random"].append(done / (time.perf_counter() - start_random))
-            shutil.rmtree(target, ignore_errors=True)
-        per_repeat, r = time.perf_counter() - start, r + 1
+    with progress_bar(repeats * len(formats), "formats", "run", disable=not progress) as bar:
+        while r < repeats or _more_repeats(samples, reference, r, max_repeats, deadline, per_repeat, budget_s):
+            if r == repeats and deadline is None and budget_s is not None:
+                deadline = time.perf_counter() + budget_s
+            if r >= repeats:
+                bar.total += len(formats)
+                bar.refresh()
+            start = time.perf_counter()
+            _one_repeat(samples, sizes, images, folder, formats, r, picks, shard_mb, batch_size, random_s,
+                        min_read_s, bar)
+            per_repeat, r = time.perf_counter() - start, r + 1
     rows = []
     for fmt in formats:
         row = {"format": fmt, "bytes_per_image": sizes[fmt] / len(images)}
@@ -78,6 +73,25 @@ def compare_formats(images: np.ndarray, folder: str | Path, *, formats: Sequence
             row[f"{key}_runs"] = tuple(values)       # in repeat order: the i-th runs of two formats are a pair
         rows.append(row)
     return rows
+
+
+def _one_repeat(samples: dict, sizes: dict, images: np.ndarray, folder: Path, formats: Sequence[str], r: int,
+                picks: np.ndarray, shard_mb: float, batch_size: int, random_s: float, min_read_s: float, bar) -> None:
+    """Repeat `r` of `compare_formats`: every format written, read in order and at random, rotated by `r`."""
+    order = list(formats[r % len(formats):]) + list(formats[:r % len(formats)])
+    for fmt in order:
+        target = folder / f"{fmt}-{r}"
+        shutil.rmtree(target, ignore_errors=True)
+        samples[fmt]["write"].append(_write_rate(fmt, images, target, shard_mb, batch_size, min_read_s))
+        _, read_in_order, read_at = _functions(fmt, images, target, shard_mb, batch_size)
+        sizes[fmt] = sum(p.stat().st_size for p in target.rglob("*") if p.is_file())
+        samples[fmt]["in_order"].append(_rate(read_in_order, len(images), min_read_s))
+        read_one = read_at()  # opened before the clock starts, as a loader opens once
+        start_random = time.perf_counter()
+        done = _until(start_random + random_s, picks, read_one)
+        samples[fmt]["random"].append(done / (time.perf_counter() - start_random))
+        shutil.rmtree(target, ignore_errors=True)
+        bar.update(1)
 
 
 def checked_read_ratio(cache_dir: str | Path, repeats: int = 5, batch_size: int = 64) -> dict:

@@ -54,7 +54,7 @@ def reference_comparison(device: str | budget.Device = "t4",
     heads = m.capsules * m.dim + 3 * m.dim * m.dim + 3 * m.dim + m.children * m.dim * m.dim + m.children * m.dim
     encoder = n_params - heads
     pixels = r.batch_size * m.image_size ** 2 * 3
-    scores = r.batch_size * m.heads * m.tokens ** 2 * 4
+    math_sdpa = {line.name: line for line in budget.predict_budget(cfg, device, sdpa_backend="math").lines["vram"]}
     per_batch16 = budget.output_bytes_per_batch(cfg.replace(out_dtype="float16"))
     per_batch32 = budget.output_bytes_per_batch(cfg.replace(out_dtype="float32"))
     n_parts = -(-r.n_batches // r.checkpoint_every)
@@ -75,9 +75,9 @@ def reference_comparison(device: str | budget.Device = "t4",
               f"uint8 B x {m.image_size}^2 x 3; the same pixels are {f(pixels * 2)} in fp16, "
               f"{f(pixels * 4)} in fp32"),
         check("patches / batch", ["patches per batch"], pixels * 4, "B", "fp32 patches: B x T x 3p^2 x 4 B"),
-        check("attention scores (math)", ["attention scores per batch (math)"], scores, "B",
-              f"B x h x T^2 x 4 B; scores and softmax together: {f(2 * scores)}; math SDPA under fp16 "
-              f"autocast holds scores, softmax and a 1 B mask: {f(scores // 4 * 5)}; flash/efficient: 0"),
+        check("attention scores (math)", ["attention scores per batch (math)"],
+              math_sdpa["attention scores"].bytes, "B",
+              f"the budget's line with sdpa_backend='math': {math_sdpa['attention scores'].why}; flash/efficient: 0"),
         check("activation peak", ["activation peak"], lines["activations at peak"], "B",
               "live buffers in one block's MLP, second H cycle (fp32 residuals, fp16 matmuls)"),
         check("outputs / batch", ["outputs per batch"], per_batch16, "B",

@@ -104,9 +104,3 @@ def full_run_time(config: PipelineConfig | None = None, precision: str = "fp16")
     speed = budget.predict_budget(cfg, "t4", precision=precision).speed
     run = simulate_encode(cfg, "t4", precision=precision, batches=1)
     return T4Time(speed, roofline(run.kernels, cfg.run.batch_size, "t4").samples_per_s)
-
-
-def disk_table(disk) -> str:
-    """The outputs' disk per choice (label, bytes), as printed beside the T4's time."""
-    return "\n".join(["disk of the outputs (parts; the consolidated copy needs as much again):"]
-                     + [f"  {label:<40} {b / 1e9:>8,.1f} GB" for label, b in disk])

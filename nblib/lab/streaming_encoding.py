@@ -2,8 +2,8 @@
 
 What the notebook shows about `nblib.encode` lives here, not in the core package: both offload
 modes timed on the same cache, a CLI encode SIGKILLed mid-run (the resume is the CLI itself), a
-PCA of the sketches, how often checksum codes collide, and the full seed_t4 run's disk and its T4
-time (nblib.t4_speed's sourced range) beside the reference figures of `nblib.reference`.
+PCA of the sketches, how often checksum codes collide, and the full seed_t4 run's disks per choice of
+outputs, judged by the budget's one rule (its T4 time is `nblib.lab.simulated_t4.full_run_time`).
 """
 from __future__ import annotations
 
@@ -16,16 +16,13 @@ from pathlib import Path
 
 import numpy as np
 
-from nblib import budget, reference, t4_speed
+from nblib import budget
+from nblib.budget.resources import fits, margin_words
 from nblib.compare import MIN_REPEATS, Spread, compare, interleaved
 from nblib.config import OUTPUT_CHOICES, PipelineConfig, preset
 from nblib.encode import OFFLOAD_MODES, PARTS_FOLDER, encode, open_store, read_run_manifest
 from nblib.encode.protocols import ImageSource
-from nblib.errors import ConfigError, StateError
-
-REFERENCE_SAMPLES_PER_S = float(reference.ANALYSIS["samples per second"].value)  # seed_t4, Colab T4, fp32
-COLAB_RUNTIME_HOURS = float(reference.COLAB["runtime limit"].value)
-
+from nblib.errors import StateError
 
 # ------------------------------------------------------------------------------ offload modes
 
@@ -176,61 +173,63 @@ def checksum_collisions(checksums: np.ndarray, image_hashes: list[str] | None = 
 # ------------------------------------------------------------------------------ the full run
 
 
+DRIVE_PLANS_GB = {"Drive free tier": 15, "Drive 200 GB plan": 200}   # the Drives the full run is held against
+
+
 @dataclass(frozen=True)
-class FullRunProjection:
-    """Time and disk of the full seed_t4 run on a T4: nblib.t4_speed's sourced range beside a measured rate."""
+class DiskChoice:
+    """One choice of outputs and dtype for the full run: what the budget puts on each disk, and where it fits.
 
-    n_samples: int
-    measured_samples_per_s: float
-    measured_on: str
-    speed: t4_speed.Projection              # the T4's range for the target (fp16), a projection
-    rates: dict[str, float]                 # basis -> T4 samples/s (measured ones only; the range is `speed`)
-    disk: tuple[tuple[str, int], ...]       # (outputs + dtype, bytes of the outputs)
-
-    def hours(self, rate: float) -> float:
-        return self.n_samples / rate / 3600
-
-    def table(self) -> str:
-        """The projection as aligned text: the T4's range, measured rates and hours, then disk per output choice."""
-        rows = [f"full run: {self.n_samples:,} samples (seed_t4 model) on a Colab T4",
-                f"  {'T4 ' + self.speed.precision + ' (' + self.speed.label + ', nblib.t4_speed)':<48} "
-                f"{self.speed.rate_text()}  {self.speed.hours_text()}",
-                f"measured here: {self.measured_samples_per_s:,.1f} samples/s on {self.measured_on}"]
-        for basis, rate in self.rates.items():
-            rows.append(f"  {basis:<48} {rate:>8,.0f} samples/s  {self.hours(rate):>6.1f} h  "
-                        f"({rate / REFERENCE_SAMPLES_PER_S:.1f}x the reference)")
-        needed = self.n_samples / (COLAB_RUNTIME_HOURS * 3600)
-        rows.append(f"  {f'needed to finish in one {COLAB_RUNTIME_HOURS:g} h runtime':<48} {needed:>8,.0f} samples/s")
-        rows.append(f"  {'the goal: 3x the reference':<48} {3 * REFERENCE_SAMPLES_PER_S:>8,.0f} samples/s")
-        rows.append("disk of the outputs (parts; the consolidated copy needs as much again):")
-        rows += [f"  {label:<48} {b / 1e9:>8,.1f} GB" for label, b in self.disk]
-        return "\n".join(rows)
-
-
-def project_full_run(measured_samples_per_s: float, measured_config: PipelineConfig,
-                     measured_on: str | None = None, target: PipelineConfig | None = None,
-                     target_device: str = "t4") -> FullRunProjection:
-    """The full run's time on a T4 (nblib.t4_speed's range, through the budget) and its disk.
-
-    Rates beside the range: the reference's measured 94 samples/s (fp32), and the rate measured here
-    when here is a T4 running the target's model. A CPU's rate is not carried to a T4: its share of
-    its own peak says nothing about a T4's tensor cores. Disk: every output in float32, then each
-    choice of `nblib.config.OUTPUT_CHOICES` in float16.
+    The run's local disk holds the parts and the consolidated copy (the budget's "local disk" total); a
+    Drive holds the mirrored parts (the budget's "mirrored parts" line; the image cache is sized apart).
     """
-    from nblib.env import cuda_available
 
+    label: str
+    outputs_bytes: int              # one copy of the outputs: the parts
+    needs: dict[str, float]         # disk -> bytes the budget puts there
+    limits: dict[str, float]        # disk -> its size
+
+    @property
+    def fitting(self) -> tuple[str, ...]:
+        """The disks it fits by the one rule (`nblib.budget.resources.fits`: within 90% of each)."""
+        return tuple(disk for disk, need in self.needs.items() if fits(need, self.limits[disk]))
+
+
+def full_run_disk(target: PipelineConfig | None = None, device: str = "t4",
+                  drive_plans_gb: dict[str, float] = DRIVE_PLANS_GB) -> tuple[DiskChoice, ...]:
+    """The full run's disks per choice of outputs (every output in float32, then each of
+    `nblib.config.OUTPUT_CHOICES` in float16), each from the budget of that choice on `device`.
+    """
     target = target or preset("seed_t4")
-    measured_on = measured_on or ("t4" if cuda_available() else "cpu")
-    speed = budget.predict_budget(target, target_device).speed
-    if speed is None:
-        raise ConfigError(f"target_device={target_device!r} has no sourced speed range; the full run's time is "
-                          f"projected for a T4 (target_device='t4')")
-    rates = {"reference (T4, fp32, measured)": REFERENCE_SAMPLES_PER_S}
-    if measured_on == target_device and measured_config.model == target.model:
-        rates = {"measured here": measured_samples_per_s, **rates}
-    disk = tuple((f"{'+'.join(outs)} {dtype}", target.run.n_samples *
-                  budget.output_bytes_per_image(target, outs, dtype))
-                 for outs in OUTPUT_CHOICES for dtype in ("float32", "float16")
-                 if dtype == "float16" or len(outs) == 3)
-    return FullRunProjection(n_samples=target.run.n_samples, measured_samples_per_s=measured_samples_per_s,
-                             measured_on=measured_on, speed=speed, rates=rates, disk=disk)
+    choices = []
+    for outs in OUTPUT_CHOICES:
+        for dtype in ("float32", "float16") if len(outs) == 3 else ("float16",):
+            b = budget.predict_budget(target.replace(outputs=outs, out_dtype=dtype), device)
+            mirrored = {line.name: line.bytes for line in b.lines["drive"]}["mirrored parts"]
+            local = f"{device} local disk"
+            choices.append(DiskChoice(f"{'+'.join(outs)} {dtype}", mirrored,
+                                      {local: b.totals["local disk"], **{name: mirrored for name in drive_plans_gb}},
+                                      {local: b.limits["local disk"],
+                                       **{name: gb * 1e9 for name, gb in drive_plans_gb.items()}}))
+    return tuple(choices)
+
+
+def disk_table(choices: tuple[DiskChoice, ...]) -> str:
+    """Each choice: its outputs, what each disk must hold (of its size), and the verdict of the one rule."""
+    disks = list(choices[0].needs)
+    rows = ["full run, per choice of outputs: what each disk holds (the local disk: the parts and the consolidated "
+            "copy; a Drive: the mirrored parts, the image cache apart), GB of its size; * fits " + margin_words(),
+            f"  {'outputs':<36} {'parts':>8}" + "".join(f"  {d:>22}" for d in disks)]
+    for c in choices:
+        rows.append(f"  {c.label:<36} {c.outputs_bytes / 1e9:>8,.1f}" + "".join(
+            f"  {f'{c.needs[d] / 1e9:,.1f} of {c.limits[d] / 1e9:,.0f}' + ('*' if d in c.fitting else ' '):>22}"
+            for d in disks))
+    return "\n".join(rows)
+
+
+def disk_verdict(choices: tuple[DiskChoice, ...]) -> str:
+    """Which choices fit every disk, computed from the choices' budgets (never typed)."""
+    every = [c.label for c in choices if len(c.fitting) == len(c.needs)]
+    some = [c.label for c in choices if c.fitting and len(c.fitting) < len(c.needs)]
+    return (f"fit every disk: {', '.join(every) or 'none'}; fit some: {', '.join(some) or 'none'}; "
+            f"fit none: {', '.join(c.label for c in choices if not c.fitting) or 'none'}")

@@ -28,6 +28,23 @@ def texts_subset(n: int, folder: str | Path) -> Path:
     return path
 
 
+def label_shares(texts_path: str | Path) -> str:
+    """Each label the loop can train on (`read_labels`: the texts' kind, or their script) and its classes' shares:
+    the smallest and the largest, against chance (one over the number of classes).
+    """
+    import numpy as np
+
+    from nblib.train.data import read_labels
+
+    lines = []
+    for labels in ("kind", "script"):
+        ids, classes = read_labels(texts_path, labels)
+        shares = np.bincount(ids, minlength=len(classes)) / len(ids)
+        lines.append(f"{labels:<7} {len(classes)} classes (chance {1 / len(classes):.1%}): each {shares.min():.1%}-"
+                     f"{shares.max():.1%} of the {len(ids):,} texts, the largest '{classes[int(shares.argmax())]}'")
+    return "\n".join(lines)
+
+
 def memory_rows(model, batches: tuple[int, ...], progress: bool = True) -> list[dict]:
     """Per batch: the step's predicted peak RSS (measured fixed cost + predicted step) and the measured one."""
     from nblib.train.probe import step_peak

@@ -194,14 +194,14 @@ def kill_and_resume(cache_dir: str | Path, folder: str | Path, spec: str, profil
     return KillResume(-(-n // batch_size), durable, n, same)
 
 
-def train_command(cache_dir: str | Path, out: str | Path, spec: str, config) -> str:
-    """The `python -m nblib train --model SPEC` line that runs what `train(cache_dir, out, config, model=spec)` runs."""
+def train_command(cache_dir: str | Path, out: str | Path, spec: str, config, mirror: str | Path | None = None) -> str:
+    """The `python -m nblib train` line running what `train(cache_dir, out, config, model=spec, mirror=mirror)` runs."""
     from nblib.proc import cli_command
 
-    return "python " + " ".join(cli_command("train", cache=cache_dir, out=out, model=spec, steps=config.steps,
-                                batch_size=config.batch_size, save_every=config.save_every,
-                                backup_every=config.backup_every, eval_every=config.eval_every,
-                                profile=config.profile)[1:])
+    return "python " + " ".join(cli_command(
+        "train", cache=cache_dir, out=out, model=spec, mirror=mirror, steps=config.steps,
+        batch_size=config.batch_size, save_every=config.save_every, backup_every=config.backup_every,
+        eval_every=config.eval_every, profile=config.profile)[1:])
 
 
 def t4_time(spec: str, image_size: int, n_samples: int, precision: str = "fp16") -> str:
@@ -215,4 +215,5 @@ def t4_time(spec: str, image_size: int, n_samples: int, precision: str = "fp16")
     p = model_projection(load_model(spec), image_size, precision, n_samples=n_samples)
     low, mid, high = (fmt_duration(h * 3600) for h in (p.hours.low, p.hours.mid, p.hours.high))
     return (f"{spec} on a T4, {precision} ({p.label}): {p.flops_per_sample / 1e9:.3f} GFLOP per image, "
-            f"{p.rate_text()}; {n_samples:,} images in {mid} ({low} - {high})\n  method: {p.method}")
+            f"{p.rate_text()}; {n_samples:,} images in {mid} ({low} - {high}) if FLOPs bound the run (a floor "
+            f"where the input pipeline or per-batch overheads bound it instead)\n  method: {p.method}")

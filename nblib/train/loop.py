@@ -96,9 +96,9 @@ class TrainReport:
         if self.save_seconds:
             step = float(np.mean(self.step_seconds)) if self.step_seconds else float("nan")
             lines.append(f"saves blocked the loop {sum(self.save_seconds):.2f} s = {self.save_share:.1%} of step time "
-                         f"({len(self.save_seconds)} saves, {np.mean(self.save_seconds) * 1e3:.1f} ms each = "
-                         f"{np.mean(self.save_seconds) / step:.1%} of a {step * 1e3:.1f} ms step, of which "
-                         f"{np.mean(self.save_waits or [0.0]) * 1e3:.1f} ms waiting for the previous write)")
+                         f"({len(self.save_seconds)} saves of {np.mean(self.save_seconds) * 1e3:.1f} ms each, of "
+                         f"which {np.mean(self.save_waits or [0.0]) * 1e3:.1f} ms waiting for the previous write; "
+                         f"{len(self.step_seconds)} steps of {step * 1e3:.1f} ms on average)")
         if self.write_seconds:
             lines.append(f"background writes {np.mean(self.write_seconds) * 1e3:.1f} ms each; the last one joined "
                          f"in {self.final_wait_seconds * 1e3:.1f} ms at the end")

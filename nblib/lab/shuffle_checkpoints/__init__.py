@@ -44,6 +44,7 @@ from nblib.lab.shuffle_checkpoints.maths import (
     resumable_label,
     smallest_buffer_meeting,
     symbolic_saving,
+    tf_checkpoint,
 )
 from nblib.lab.shuffle_checkpoints.rows import BuiltinRow, OpRow, QualityRow, ResumeProof, StateRow, ThroughputRow
 from nblib.lab.shuffle_checkpoints.tables import (
@@ -69,7 +70,7 @@ __all__ = [
     "quality_vs_buffer", "shuffle_throughput",
     "resumable_label", "symbolic_saving", "compression_ratio", "fit_bytes_per_element", "extrapolate",
     "measured_factors", "disk_model_checks", "reference_checks", "predicted_same_episode_share", "buffer_needed",
-    "smallest_buffer_meeting", "checkpoint_and_quality",
+    "smallest_buffer_meeting", "checkpoint_and_quality", "tf_checkpoint",
     "checkpoint_table", "extrapolation_table", "checks_table", "ram_note", "ops_table", "comparison_table",
     "builtins_table", "builtins_conclusion", "quality_table", "buffer_answer", "describe_setting",
 ]

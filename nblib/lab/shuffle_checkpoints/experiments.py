@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from nblib import shuffle
+from nblib.compare import progress_bar
 from nblib.lab.shuffle_checkpoints.maths import resumable_label
 from nblib.lab.shuffle_checkpoints.rows import BuiltinRow, OpRow, QualityRow, ResumeProof, StateRow, ThroughputRow
 from nblib.tfdata import (
@@ -38,7 +39,7 @@ from nblib.tfdata import (
     shuffle_pipeline,
     tf_shuffle_order,
 )
-from nblib.verdict import MIN_PAIRS, against_base
+from nblib.verdict import MIN_PAIRS, against_base, paired_order
 
 
 def measure_checkpoint(buffer_sizes, sample_kb: float, *, symbolic=(False, True), folder=None,
@@ -127,7 +128,8 @@ def resume_proof(spec: PipelineSpec, folder, *, algorithm: str = "buffer", cut_a
 
 
 def compare_shuffles(spec: PipelineSpec, folder, *, cut_after: int = 5, compared: int = 20,
-                     methods=tuple(SHUFFLE_METHODS), passes: int = MIN_PAIRS) -> list[BuiltinRow]:
+                     methods=tuple(SHUFFLE_METHODS), passes: int = MIN_PAIRS,
+                     progress: bool = False) -> list[BuiltinRow]:
     """Every shuffle method on the same pipeline: checkpoint bytes (plain, symbolic), exact resume, throughput.
 
     For each method and each symbolic flag: iterate `cut_after` batches, write a
@@ -137,11 +139,16 @@ def compare_shuffles(spec: PipelineSpec, folder, *, cut_after: int = 5, compared
     time every method's full pass next to one of Dataset.shuffle's (`nblib.verdict.against_base`):
     samples/s is the median pass, and `versus_tf` the paired verdict against Dataset.shuffle. The
     private global shuffle is skipped, with a note, where this TensorFlow lacks it. `folder` is
-    removed at the end, also on an exception.
+    removed at the end, also on an exception. `progress`: the suite's bar, one step per method measured
+    and per timed pass of the pairs.
     """
     rows = []
-    with _work_folder(folder, "nblib-tfckpt-builtins-", remove_given=True) as root:
+    available = [m for m in methods if not method_unavailable(m)]
+    pairs = len(paired_order(len(available) - 1, passes)) if TF_SHUFFLE in available else 0
+    bar = progress_bar(len(methods) + pairs, "shuffles", "step", disable=not progress)
+    with bar, _work_folder(folder, "nblib-tfckpt-builtins-", remove_given=True) as root:
         for method in methods:
+            bar.update()
             skipped = method_unavailable(method)
             if skipped:
                 rows.append(BuiltinRow(method, spec.buffer_size, spec.n_samples, 0, 0, False, False, float("nan"),
@@ -154,10 +161,11 @@ def compare_shuffles(spec: PipelineSpec, folder, *, cut_after: int = 5, compared
             rows.append(BuiltinRow(method, spec.buffer_size, spec.n_samples, plain.checkpoint_bytes,
                                    symbolic.checkpoint_bytes, plain.identical, symbolic.identical,
                                    spec.n_samples / seconds, _same_order_in_numpy(spec, method, order)))
-    return _paired_with_tf_shuffle(rows, spec, passes)
+        return _paired_with_tf_shuffle(rows, spec, passes, bar.update)
 
 
-def _paired_with_tf_shuffle(rows: list[BuiltinRow], spec: PipelineSpec, passes: int) -> list[BuiltinRow]:
+def _paired_with_tf_shuffle(rows: list[BuiltinRow], spec: PipelineSpec, passes: int,
+                            step=lambda: None) -> list[BuiltinRow]:
     """Each measured row but Dataset.shuffle's, its passes judged against Dataset.shuffle's in pairs.
 
     `verdict.against_base`: T m1 m2 T m3 m4 T ..., each method's pass next to one of Dataset.shuffle's,
@@ -168,6 +176,7 @@ def _paired_with_tf_shuffle(rows: list[BuiltinRow], spec: PipelineSpec, passes: 
     timed = replace(spec, symbolic=True)
 
     def rate(method: str) -> float:
+        step()
         return spec.n_samples / _timed_pass(timed, method)[0]
 
     others = [r.method for r in rows if not r.skipped and r.method != TF_SHUFFLE]

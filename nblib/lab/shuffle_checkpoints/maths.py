@@ -16,7 +16,7 @@ import numpy as np
 from nblib import budget
 from nblib.errors import ConfigError
 from nblib.reference import CHECKPOINT_TABLE
-from nblib.tfdata import TF_SHUFFLE, CheckpointRow, PipelineSpec
+from nblib.tfdata import TF_SHUFFLE, CheckpointRow
 from nblib.verdict import TOLERANCE, within_tolerance
 from nblib.verdict import verdict as verdict_word
 
@@ -94,14 +94,28 @@ def extrapolate(fit: BytesFit, rows, buffers=REFERENCE_BUFFERS,
     restore_factor = measured_factors(rows)["restore_ram_factor"]
     out = []
     for b in buffers:
-        predicted = fit.predict(b, sample_bytes)
+        tf = tf_checkpoint(fit, b, sample_bytes)
         reference = b * REFERENCE_SAMPLE_BYTES
         out.append(ExtrapolationRow(
-            b, sample_bytes, reference, tuple(f * reference for f in REFERENCE_TEMP_FACTOR), predicted,
-            budget.checkpoint_disk_peak(round(predicted), keep_previous=False),
-            budget.checkpoint_disk_peak(round(predicted), keep_previous=True),
-            float(b * sample_bytes), b * sample_bytes * restore_factor))
+            b, sample_bytes, reference, tuple(f * reference for f in REFERENCE_TEMP_FACTOR),
+            tf["tf_checkpoint_bytes"], tf["tf_first_save_peak_bytes"], tf["tf_rotating_peak_bytes"],
+            tf["tf_buffer_ram_bytes"], tf["tf_buffer_ram_bytes"] * restore_factor))
     return out
+
+
+def tf_checkpoint(fit: BytesFit, buffer_size: int, sample_bytes: int) -> dict[str, float]:
+    """The one answer for a tf.data shuffle checkpoint of `buffer_size` samples of `sample_bytes` B each.
+
+    Its bytes from the fit (the measured per-element overhead kept), its peak disk from the budget's model
+    (first save, previous checkpoint kept), and the buffer it holds in RAM. `extrapolate` (the reference
+    table) and `checkpoint_and_quality` (the widget) both ask it, so one setting prints one figure.
+    """
+    predicted = fit.predict(buffer_size, sample_bytes)
+    size = max(0, round(predicted))
+    return {"tf_checkpoint_bytes": predicted,
+            "tf_first_save_peak_bytes": float(budget.checkpoint_disk_peak(size, keep_previous=False)),
+            "tf_rotating_peak_bytes": float(budget.checkpoint_disk_peak(size, keep_previous=True)),
+            "tf_buffer_ram_bytes": float(buffer_size * sample_bytes)}
 
 
 def measured_factors(rows) -> dict[str, float]:
@@ -184,16 +198,17 @@ def smallest_buffer_meeting(rows, target_share: float, algorithm: str = TF_SHUFF
 
 def checkpoint_and_quality(buffer_size: int, sample_kb: float, episode_len: int, fit: BytesFit, *,
                            state_bytes_per_element: float = 5.4, state_fixed_bytes: float = 400) -> dict:
-    """Predicted checkpoint sizes (tf.data vs the resumable JSON state) and shuffle quality for one setting."""
-    sample_bytes = PipelineSpec(sample_kb=sample_kb).sample_bytes
-    tf_bytes = fit.predict(buffer_size, sample_bytes)
+    """Predicted checkpoint sizes (tf.data vs the resumable JSON state) and shuffle quality for one setting.
+
+    `sample_kb` is decimal kB per sample (500 -> 500,000 B, the reference's basis); the tf.data figures are
+    `tf_checkpoint`'s, the same as `extrapolate` prints for the reference table.
+    """
+    sample_bytes = round(sample_kb * 1000)
+    tf = tf_checkpoint(fit, buffer_size, sample_bytes)
     state_bytes = state_fixed_bytes + state_bytes_per_element * buffer_size
     return {
-        "buffer_size": buffer_size, "sample_bytes": sample_bytes, "episode_len": episode_len,
-        "tf_checkpoint_bytes": tf_bytes,
-        "tf_rotating_peak_bytes": budget.checkpoint_disk_peak(max(0, round(tf_bytes)), keep_previous=True),
-        "tf_buffer_ram_bytes": buffer_size * sample_bytes, "state_bytes": state_bytes,
-        "ratio": tf_bytes / state_bytes,
+        "buffer_size": buffer_size, "sample_bytes": sample_bytes, "episode_len": episode_len, **tf,
+        "state_bytes": state_bytes, "ratio": tf["tf_checkpoint_bytes"] / state_bytes,
         "same_episode_share": predicted_same_episode_share(buffer_size, episode_len),
         "buffer_for_1pct": buffer_needed(episode_len, 0.01),
     }

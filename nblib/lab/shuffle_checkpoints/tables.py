@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from nblib import budget
 from nblib.lab.shuffle_checkpoints.maths import (
     REFERENCE_SAMPLE_BYTES,
     REFERENCE_TEMP_FACTOR,
@@ -15,7 +16,6 @@ from nblib.lab.shuffle_checkpoints.maths import (
     resumable_label,
     smallest_buffer_meeting,
 )
-from nblib.reference import COLAB
 from nblib.tfdata import TF_SHUFFLE
 from nblib.units import GB, MB, GiB, fmt_bytes
 from nblib.verdict import TOLERANCE
@@ -65,12 +65,13 @@ def checks_table(checks: list[Check]) -> str:
 
 
 def ram_note(rows, buffer_size: int = 250_000, sample_bytes: int = REFERENCE_SAMPLE_BYTES,
-             ram_bytes: float = COLAB["RAM"].value) -> str:
-    """The RAM a reference-sized buffer holds, against Colab's RAM, and what save and restore add."""
+             device: str = "t4") -> str:
+    """The RAM a reference-sized buffer holds, against the device preset's usable RAM, and what save and restore add."""
     f = measured_factors(rows)
-    held = buffer_size * sample_bytes
+    held, ram_bytes = buffer_size * sample_bytes, budget.device_preset(device).ram_bytes
     return (f"a {buffer_size:,} x {sample_bytes / 1e3:.0f} kB shuffle buffer holds {held / GB:.0f} GB in RAM "
-            f"before any save, {held / ram_bytes:.1f}x Colab's {ram_bytes / GB:.1f} GB; measured, a save adds "
+            f"before any save, {held / ram_bytes:.1f}x the {ram_bytes / GB:.1f} GB of RAM a job may use on a "
+            f"{device} (nblib.budget.device_preset({device!r}).ram_bytes); measured, a save adds "
             f"{f['save_extra_ram_bytes'] / MB:.0f} MB and a restore {f['restore_ram_factor']:.2f}x the buffer")
 
 
