@@ -89,13 +89,15 @@ def run_notebook(nb: NotebookPage) -> None:
 
 def test_budget_panel_follows_the_batch_size_slider(open_notebook):
     from nblib import budget, plots
+    from nblib.codec_sizes import CodecSizes
     from nblib.config import PipelineConfig
 
     nb = open_notebook("01_memory_budgeting.ipynb")
     run_notebook(nb)
     knobs = nb.server.kernel_value(nb.notebook, "{'config': SEED.to_dict(), 'device': DEVICE, 'quota': DRIVE_QUOTA_GB, "
-                                                "'sizes': dict(SIZES.bytes_per_image)}")
+                                                "'sizes': __import__('dataclasses').asdict(SIZES)}")
     config = PipelineConfig.from_dict(knobs["config"])
+    sizes = CodecSizes(**knobs["sizes"])           # the measurement the notebook made: sizes, rates, count
 
     panel = nb.widget_panel("batch size")
     panel.scroll_into_view_if_needed()
@@ -108,7 +110,7 @@ def test_budget_panel_follows_the_batch_size_slider(open_notebook):
     assert batch_size == int(float(handle.get_attribute("aria-valuemax"))) - 6
 
     expected = budget.predict_budget(config.replace(batch_size=batch_size), knobs["device"],
-                                     drive_quota_gb=knobs["quota"], codec_sizes=knobs["sizes"])   # as the panel
+                                     drive_quota_gb=knobs["quota"], codec_sizes=sizes)   # as the panel
     wait_for_text(panel, expected.verdict, lambda: panel_verdict(panel))
     assert expected.verdict != verdict_before
     chart = panel_chart(panel)

@@ -189,7 +189,9 @@ def test_only_shuffle_keeps_its_buffer_under_symbolic_checkpointing(tmp_path):
             assert not row.error and row.bytes_on_disk < 4096, row
     plain = {r.pipeline: r for r in rows if not r.symbolic}
     assert "stateful" in plain["range -> map(numpy_function)"].error
-    assert plain["range -> map -> prefetch(8)"].bytes_on_disk > 4 * sample_bytes  # elements in flight are written
+    # elements in flight are written: how many the prefetch thread had made by the save is timing (3 of 8 seen on
+    # a busy machine), so at least one, against the few bytes of a symbolic checkpoint above
+    assert plain["range -> map -> prefetch(8)"].bytes_on_disk > sample_bytes
 
 
 @pytest.mark.slow
