@@ -40,7 +40,9 @@ def fmt_rate(per_second: float, unit: str = "samples") -> str:
 
 
 def fmt_duration(seconds: float) -> str:
-    """Seconds as '42.0 s', '12.5 min' or '5.6 h'."""
+    """Seconds as '850 ms', '42.0 s', '12.5 min' or '5.6 h' (a short time keeps its digits: never '0.0 s')."""
+    if seconds < 1:
+        return f"{seconds * 1e3:.3g} ms"
     if seconds < 120:
         return f"{seconds:.1f} s"
     if seconds < 7200:
