@@ -4,7 +4,9 @@
 RGBA are turned into RGB; torch tensors in [C, H, W] are turned to [H, W, C]), a torch dataset
 (items, or the first element of tuple items), or an HF `datasets.Dataset` (`column`, default
 "image"). `image_source(path)` opens what `python -m nblib cache --images PATH` takes: a folder of
-image files (sorted by name), a Parquet file, or an HF datasets folder (`save_to_disk`).
+image files (sorted by name) or of class subfolders (`folder_images`; labels: `nblib.cache.sources`),
+a Parquet file, or an HF datasets folder (`save_to_disk`). Images of mixed sizes go in with `size`
+(`--size N`): RESIZE_POLICY, recorded in the manifest; without it a second size is refused.
 
 Shards are written exactly as `populate` writes them (atomic, manifest last, per-image xxh3),
 so a killed run resumes to the same bytes. A resume reads the images again from the start: the
@@ -15,6 +17,7 @@ writes none of them; it never mixes images of two different inputs in one cache.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import os
@@ -53,7 +56,7 @@ from nblib.cache.populate import (
     recorded_spec,
     stream_shards,
 )
-from nblib.errors import CacheError, InputError
+from nblib.errors import CacheError, InputError, NblibError
 
 KEYS_FILE = "source-keys.json"
 SIDE_FILE = "source-labels.json"
@@ -61,17 +64,21 @@ READ_DEADLINE_ENV = "NBLIB_READ_DEADLINE_S"
 DEFAULT_READ_DEADLINE_S = 60.0
 SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
+RESIZE_POLICY = "the shorter side scaled to N (Pillow bicubic, antialiased), then the centre N x N crop"
 
 
 def write_images(images, out: str | Path, *, shard_mb: float = 400, codec: str = "raw",
                  codec_level: int | None = None, column: str | None = None, n_images: int | None = None,
                  seed: int = 0, overwrite: bool = False, progress: bool = True,
-                 keys: Sequence[str] | None = None, side=None) -> PopulateSummary:
+                 keys: Sequence[str] | None = None, side=None, size: int | None = None) -> PopulateSummary:
     """Write `images` into a sharded cache at `out`, resuming whatever is already there.
 
-    Every image must have the shape of the first. Pass the same images in the same order to
-    resume: the shards already written are checked against the images (`source_xxh3`), damaged
-    ones rewritten, other images refused. The folder is locked while written.
+    Every image must have the size of the first, unless `size` resizes them all (RESIZE_POLICY: the
+    shorter side to `size`, then the centre `size` x `size` crop; the manifest's `resize` records it).
+    Pass the same images in the same order to resume: the shards already written are checked against
+    the images (`source_xxh3`), damaged ones rewritten, other images refused. The folder is locked
+    while written. A refused build of a fresh cache leaves nothing behind (not its manifest, nor its
+    folder if it made it), so the retry needs no `overwrite`.
 
     Args:
         images: a list or iterable of images (uint8 [H, W, 3] / [H, W] / [H, W, 4] arrays, PIL
@@ -91,55 +98,79 @@ def write_images(images, out: str | Path, *, shard_mb: float = 400, codec: str =
         keys: one name per image (its file name, say), kept in `source-keys.json` beside the
             manifest; an export carries them in a `key` column (`source_keys` reads them).
         side: a callable giving, once every image has been read, a JSON-able side table (labels
-            or texts, one per image) kept in `source-labels.json` (`nblib.cache.sources`).
+            and class names, or texts, one per image) kept in `source-labels.json`; the class names
+            go into the manifest (`nblib.cache.sources`).
+        size: resize every image to `size` x `size` pixels (RESIZE_POLICY); None keeps their size.
 
     Returns:
         A `PopulateSummary` (images and shards in the cache, written, reused, rewritten, speed).
 
     Raises:
-        InputError (no images, an image of another shape, dtype or layout, named by its index),
-        ConfigError (codec, level), CacheError (another cache there, other images on resume, a
-        count other than announced), BudgetExceeded (the disk cannot hold it), FolderBusyError.
+        InputError (no images, images of two sizes without `size`, another dtype or layout, named by
+        its index or key), ConfigError (codec, level), CacheError (another cache there, other images
+        on resume, a count other than announced), BudgetExceeded (the disk cannot hold it), FolderBusyError.
     """
     started = time.perf_counter()
     check_codec(codec)
     total = n_images if n_images is not None else _length(images)
-    stream = (as_image(item, column, k) for k, item in enumerate(_items(images, column)))
+    stream = (fit_size(as_image(item, column, k), size) for k, item in enumerate(_items(images, column)))
     head = list(itertools.islice(stream, DICT_SAMPLES if codec == "zstd" else 64))  # dictionary / size sample
     if not head:
         raise InputError("write_images got no images; pass a non-empty list, dataset or folder")
     shape = [int(s) for s in head[0].shape]
-    out = _cache_folder(out)
+    resize = {"size": size, "policy": RESIZE_POLICY} if size else None
     layout = {"renderer": None, "codec": codec, "codec_level": check_codec(codec).level(codec_level),
-              "shard_mb": shard_mb, "shard_bytes": shard_bytes(shard_mb), "seed": seed, "image_shape": shape}
-    with cache_lock(out) as lock:
-        old = _resumable(out, layout, total)
-        spec = recorded_spec(old) if old else fresh_spec(codec, layout["codec_level"], lambda: head)
-        coder = codec_for(spec)
-        if total is not None:
-            per_image = float(np.mean([len(coder.encode(im)) for im in head[:64]]))
-            plan = plan_cache(total, out, shape[0], shard_mb, codec, per_image)
-            _preflight(out, plan if old else _nothing_done(plan))
-            warn_many_files(plan.n_shards + 1, out, shard_mb)
-        manifest = old or _fresh_manifest(out, layout, spec, total, overwrite)
-        remove_temporaries(out)
-        checked = _checked(itertools.chain(head, stream), shape)
-        render_started = time.perf_counter()
-        rewritten = _pass_over_done_shards(out, manifest, spec, checked)
-        reused = len(manifest["shards"]) - len(rewritten)
-        start = manifest["shards"][-1]["stop"] if manifest["shards"] else 0
-        with _progress_bar(total, start, progress) as bar:
-            blobs = ((coder.encode(image), image) for image in checked)
-            written = _append_shards(blobs, out, manifest, start, total, layout, spec, bar, lock)
-        done = _close_manifest(out, manifest, total, keys, side)
-        return PopulateSummary(
-            cache_dir=str(out), codec=codec, n_images=done, n_shards=len(manifest["shards"]),
-            shards_written=written + len(rewritten), shards_reused=reused,
-            images_rendered=done - start + sum(s["count"] for s in rewritten),
-            seconds=time.perf_counter() - started, render_seconds=time.perf_counter() - render_started,
-            bytes_on_disk=cache_bytes_on_disk(out), predicted_bytes=plan.predicted_bytes if total else 0,
-            workers=1, shards_repaired=len(rewritten))
+              "shard_mb": shard_mb, "shard_bytes": shard_bytes(shard_mb), "seed": seed, "image_shape": shape,
+              "resize": resize}
+    created = not Path(out).exists()
+    out = _cache_folder(out)
+    try:
+        with cache_lock(out) as lock:
+            fresh = not (out / MANIFEST).exists() and not any(out.glob("shard-*"))
+            try:
+                return _write_locked(itertools.chain(head, stream), head, out, lock, layout, total,
+                                     overwrite, progress, keys, side, started)
+            except NblibError:
+                if fresh:
+                    _clear(out)                 # a refused fresh build leaves no manifest nor shard behind
+                raise
+    except NblibError:
+        if created:
+            with contextlib.suppress(OSError):
+                out.rmdir()                     # only when empty: the folder this call made
+        raise
 
+
+def _write_locked(images: Iterator, head: list, out: Path, lock, layout: dict, total: int | None,
+                  overwrite: bool, progress: bool, keys, side, started: float) -> PopulateSummary:
+    """write_images' work once the folder is locked: preflight, manifest, shards, side table."""
+    shape, codec, shard_mb = layout["image_shape"], layout["codec"], layout["shard_mb"]
+    old = _resumable(out, layout, total)
+    spec = recorded_spec(old) if old else fresh_spec(codec, layout["codec_level"], lambda: head)
+    coder = codec_for(spec)
+    if total is not None:
+        per_image = float(np.mean([len(coder.encode(im)) for im in head[:64]]))
+        plan = plan_cache(total, out, shape[0], shard_mb, codec, per_image)
+        _preflight(out, plan if old else _nothing_done(plan))
+        warn_many_files(plan.n_shards + 1, out, shard_mb)
+    manifest = old or _fresh_manifest(out, layout, spec, total, overwrite)
+    remove_temporaries(out)
+    checked = _checked(images, shape, keys)
+    render_started = time.perf_counter()
+    rewritten = _pass_over_done_shards(out, manifest, spec, checked)
+    reused = len(manifest["shards"]) - len(rewritten)
+    start = manifest["shards"][-1]["stop"] if manifest["shards"] else 0
+    with _progress_bar(total, start, progress, "decoding images") as bar:
+        blobs = ((coder.encode(image), image) for image in checked)
+        written = _append_shards(blobs, out, manifest, start, total, layout, spec, bar, lock)
+    done = _close_manifest(out, manifest, total, keys, side)
+    return PopulateSummary(
+        cache_dir=str(out), codec=codec, n_images=done, n_shards=len(manifest["shards"]),
+        shards_written=written + len(rewritten), shards_reused=reused,
+        images_rendered=done - start + sum(s["count"] for s in rewritten),
+        seconds=time.perf_counter() - started, render_seconds=time.perf_counter() - render_started,
+        bytes_on_disk=cache_bytes_on_disk(out), predicted_bytes=plan.predicted_bytes if total else 0,
+        workers=1, shards_repaired=len(rewritten), verb="decoded")
 
 
 def _cache_folder(out: str | Path) -> Path:
@@ -188,9 +219,12 @@ def _close_manifest(out: Path, manifest: dict, total: int | None, keys: Sequence
         for name in ("labels", "texts"):
             if name in table and len(table[name]) != done:
                 raise InputError(f"{len(table[name]):,} {name} for {done:,} images: one per image, in order")
+        classes = table.pop("classes", None)
         written = atomic_write_bytes(out / SIDE_FILE, json_bytes(table))
         manifest["source"]["side"] = {"file": SIDE_FILE, "sha256": written.sha256,
                                       "kind": "labels" if "labels" in table else "texts"}
+        if classes is not None:
+            manifest["source"]["side"]["classes"] = list(classes)   # the class names, in the manifest
     write_cache_manifest(out, manifest)
     return done
 
@@ -209,21 +243,14 @@ def source_keys(cache_dir: str | Path) -> list[str] | None:
                          f"manifest's); rerun the cache command that built {cache_dir} to rewrite it")
     return json.loads(raw)
 
-def image_keys(path: str | Path) -> list[str] | None:
-    """The keys `cache --images PATH` records: the file names of a folder (in cache order), else None
-    (a Parquet file's or HF folder's rows are known by their index).
-    """
-    path = Path(path)
-    return [p.name for p in image_files(path)] if path.is_dir() and not _is_hf_folder(path) else None
-
-
 def _is_hf_folder(path: Path) -> bool:
     return (path / "dataset_info.json").exists() or (path / "state.json").exists()
 
 
 def image_source(path: str | Path, column: str | None = None) -> tuple[Iterable, int]:
     """(images, count) of what `cache --images PATH` takes: a folder of image files (sorted by
-    name), a Parquet file (`column`, default "image"), or an HF datasets folder (`save_to_disk`).
+    name) or of class subfolders (`folder_images`), a Parquet file (`column`, default "image"), or
+    an HF datasets folder (`save_to_disk`).
     """
     path = Path(path)
     if not path.exists():
@@ -239,21 +266,66 @@ def image_source(path: str | Path, column: str | None = None) -> tuple[Iterable,
 
         dataset = datasets.load_from_disk(str(path))
         return _column(dataset, column or "image"), len(dataset)
-    files = image_files(path)
+    files, _ = folder_images(path)
+    return open_images(files), len(files)
+
+
+def open_images(files: list[Path]) -> Iterator[np.ndarray]:
+    """Each file's image (uint8 [H, W, 3]), read within the read deadline, decoded by `decode_image_bytes`."""
     deadline_s = read_deadline()
-    return (_open_image(p, deadline_s) for p in files), len(files)
+    return (_open_image(p, deadline_s) for p in files)
 
 
-def image_files(folder: Path) -> list[Path]:
-    """The image files of a folder, sorted by name; a name with an image suffix that is not a
-    regular file (a FIFO, a device, a socket, a folder, a broken link) is refused: reading a FIFO
-    would block forever.
+def folder_images(folder: Path) -> tuple[list[Path], list[str] | None]:
+    """(image files in cache order, the class of each or None) of a folder.
+
+    A flat folder: its image files, sorted by name, no classes. A folder of class subfolders (the
+    ImageFolder convention, `folder/cat/*.jpg`): the classes are the subfolders, sorted by name, each
+    one's image files (nested folders too) sorted by path. Names starting with "." or "__" (checkpoints,
+    __MACOSX) are skipped. Image files beside class subfolders, or a class subfolder holding no image,
+    are refused; so is a name with an image suffix that is not a regular file (a FIFO, a device, a
+    socket, a folder, a broken link): reading a FIFO would block forever.
     """
-    files = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+    top = sorted(p for p in folder.iterdir() if _wanted(p) and p.suffix.lower() in IMAGE_SUFFIXES)
+    subs = sorted(p for p in folder.iterdir() if _wanted(p) and p.is_dir() and p not in top)
+    trees = {sub: _tree_files(sub) for sub in subs}
+    if top and any(trees.values()):
+        filled = [s.name for s, files in trees.items() if files]
+        raise InputError(f"--images {folder} holds {len(top):,} image files beside {len(filled):,} subfolders of "
+                         f"images ({', '.join(filled[:3])}): keep every image in a class subfolder (labels "
+                         f"from the folder names) or all at the top (no labels), then rerun")
+    if not top and subs:
+        empty = [s.name for s, files in trees.items() if not files]
+        if empty and len(empty) < len(subs):
+            raise InputError(f"--images {folder}: the class subfolder {empty[0]!r} holds no image files "
+                             f"({', '.join(IMAGE_SUFFIXES)}); add its images or move it out, then rerun")
+        files = [p for sub in subs for p in trees[sub]]
+        classes = [sub.name for sub in subs for _ in trees[sub]]
+        return _regular(folder, files), classes or None
+    return _regular(folder, top), None
+
+
+def image_keys(folder: Path, files: list[Path]) -> list[str]:
+    """The key of each file: its path under `folder` (`a.png`, or `cat/a.png` in a class subfolder)."""
+    return [p.relative_to(folder).as_posix() for p in files]
+
+
+def _wanted(path: Path) -> bool:
+    return not path.name.startswith((".", "__"))
+
+
+def _tree_files(sub: Path) -> list[Path]:
+    found = (p for p in sub.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
+    return sorted((p for p in found if all(_wanted(Path(part)) for part in p.relative_to(sub).parts)),
+                  key=lambda p: p.relative_to(sub).as_posix())
+
+
+def _regular(folder: Path, files: list[Path]) -> list[Path]:
+    """`files` when every one is a regular file; else InputError listing those that are not."""
     odd = [(p, _not_regular(p)) for p in files]
     odd = [(p, kind) for p, kind in odd if kind]
     if odd:
-        named = ", ".join(f"{p.name} ({kind})" for p, kind in odd[:5]) + (" ..." if len(odd) > 5 else "")
+        named = ", ".join(f"{p.relative_to(folder)} ({kind})" for p, kind in odd[:5]) + (" ..." if len(odd) > 5 else "")
         raise InputError(f"--images {folder}: {len(odd)} of its {len(files)} image names are not regular "
                          f"files: {named}; a FIFO or device would block the read. Move them out of the "
                          f"folder (nothing was written) and rerun")
@@ -275,6 +347,8 @@ def as_image(item, column: str | None = None, index: int = 0) -> np.ndarray:
         item = item[column or "image"]
     elif isinstance(item, tuple):
         item = item[0]  # (image, label), as torch datasets give
+    if item is None:
+        raise InputError(f"image {index:,} (row {index:,} of the input) is missing (None): fill it or drop the row")
     if hasattr(item, "convert") and hasattr(item, "mode"):  # a PIL image
         item = pil_rgb(item, f"image {index:,}")
     elif type(item).__module__.startswith("torch"):
@@ -329,6 +403,9 @@ def _dataset_rows(dataset, column: str) -> Iterator:
             return
         except Image.DecompressionBombError as exc:
             raise InputError(_bomb(f"row {k:,} of the dataset (column {column!r})", exc)) from None
+        if row[column] is None:
+            raise InputError(f"row {k:,} of the dataset (column {column!r}) has no image (None): a missing "
+                             f"image; fill it or drop the row")
         yield row[column]
 
 
@@ -368,6 +445,8 @@ def _decode_cell(value, where: str = "a Parquet cell"):
     """A Parquet cell: HF Image struct {bytes, path}, encoded image bytes, or nested lists (Array3D)."""
     if isinstance(value, dict):
         value = value.get("bytes")
+    if value is None:
+        raise InputError(f"{where} has no image (null): a missing image; fill it or drop the row")
     if isinstance(value, (bytes, bytearray)):
         return decode_image_bytes(bytes(value), where)
     return np.asarray(value, dtype=np.uint8)
@@ -450,11 +529,31 @@ def _not_regular(path: Path) -> str | None:
     return next((name for test, name in kinds if test(mode)), "not a regular file")
 
 
-def _checked(images: Iterable[np.ndarray], shape: list[int]) -> Iterator[np.ndarray]:
+def fit_size(image: np.ndarray, size: int | None) -> np.ndarray:
+    """`image` resized by RESIZE_POLICY to N = `size` (None, or N x N already: as it is)."""
+    height, width = image.shape[:2]
+    if size is None or (height, width) == (size, size):
+        return image
+    from PIL import Image
+
+    scale = size / min(height, width)
+    new_h, new_w = max(size, round(height * scale)), max(size, round(width * scale))
+    resized = np.asarray(Image.fromarray(image).resize((new_w, new_h), Image.Resampling.BICUBIC))
+    top, left = (new_h - size) // 2, (new_w - size) // 2
+    return np.ascontiguousarray(resized[top:top + size, left:left + size])
+
+
+def _checked(images: Iterable[np.ndarray], shape: list[int], keys=None) -> Iterator[np.ndarray]:
+    """The images, each of the first one's shape; another size is refused naming both (and --size)."""
+    def named(k: int) -> str:
+        return f"image {k:,}" + (f" ({keys[k]})" if keys is not None and k < len(keys) else "")
+
     for k, image in enumerate(images):
         if list(image.shape) != shape:
-            raise InputError(f"image {k:,} has shape {tuple(image.shape)}, the first has {tuple(shape)}: a "
-                             f"cache holds one shape; resize the images to one size first")
+            (h, w), (h0, w0) = image.shape[:2], shape[:2]
+            raise InputError(f"{named(k)} is {w}x{h} px, {named(0)} is {w0}x{h0} px (width x height): a cache "
+                             f"holds one size; pass --size N (write_images(size=N)) to resize every image "
+                             f"({RESIZE_POLICY})")
         yield image
 
 
@@ -477,8 +576,8 @@ def _resumable(out: Path, layout: dict, total: int | None) -> dict | None:
 def _fresh_manifest(out: Path, layout: dict, spec: CodecSpec, total: int | None, overwrite: bool) -> dict:
     if (out / MANIFEST).exists() or any(out.glob("shard-*")):
         if not overwrite:
-            raise CacheError(f"the folder {out} holds another cache (other images, codec, shard size or "
-                             f"image shape); pass overwrite=True (--overwrite) to rebuild it, or pick "
+            raise CacheError(f"the folder {out} holds another cache (other images, codec, shard size, "
+                             f"image shape or --size); pass overwrite=True (--overwrite) to rebuild it, or pick "
                              f"another --out")
         _clear(out)
     manifest = {"source": {"kind": "images", "n_images": total, "sha256": None}, **layout,

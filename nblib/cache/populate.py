@@ -77,6 +77,7 @@ class PopulateSummary:
     workers: int
     shards_repaired: int = 0  # listed shards found damaged and re-rendered (counted in written)
     coverage: Coverage | None = None  # characters without a glyph in the font chain, per script
+    verb: str = "rendered"            # what the run did to each image: rendered (texts), decoded (images)
 
     @property
     def images_per_s(self) -> float:
@@ -87,7 +88,7 @@ class PopulateSummary:
         repaired = f" (repaired {self.shards_repaired} damaged)" if self.shards_repaired else ""
         return (f"cache {self.cache_dir}: {self.n_images:,} images in {self.n_shards} {self.codec} "
                 f"shards ({fmt_bytes(self.bytes_on_disk)} on disk, predicted "
-                f"{fmt_bytes(self.predicted_bytes)}); this run rendered {self.images_rendered:,} "
+                f"{fmt_bytes(self.predicted_bytes)}); this run {self.verb} {self.images_rendered:,} "
                 f"images into {self.shards_written} shards{repaired} and reused {self.shards_reused}, "
                 f"{self.images_per_s:,.0f} images/s with {self.workers} worker(s)")
 
@@ -570,7 +571,8 @@ def _dict_changes(old: dict, new: dict) -> str:
 def _clear(cache_dir: Path) -> None:
     """Delete a cache's own files (shards, manifest, temporaries); nothing else in the folder."""
     for path in [*cache_dir.glob("shard-*"), *leftover_temporaries(cache_dir), cache_dir / MANIFEST,
-                 cache_dir / STAT_CACHE, cache_dir / LEGACY_STAT_CACHE, cache_dir / "source-keys.json"]:
+                 cache_dir / STAT_CACHE, cache_dir / LEGACY_STAT_CACHE, cache_dir / "source-keys.json",
+                 cache_dir / "source-labels.json"]:
         path.unlink(missing_ok=True)
 
 
@@ -608,8 +610,8 @@ def _auto_codec(n_images: int, cache_dir: Path, sample_images: list[np.ndarray])
     return getattr(choice, "codec", choice)
 
 
-def _progress_bar(total: int, initial: int, enabled: bool):
+def _progress_bar(total: int, initial: int, enabled: bool, what: str = "rendering"):
     from nblib.compare import progress_bar
 
-    return progress_bar(total, "rendering", "img", initial=initial, disable=not enabled, widget=True,
+    return progress_bar(total, what, "img", initial=initial, disable=not enabled, widget=True,
                         smoothing=0.1, dynamic_ncols=True)

@@ -1,16 +1,22 @@
-"""Images in from where people keep them: a saved HF dataset, Parquet or Arrow files, webdataset tars.
+"""Images in from where people keep them: a folder (class subfolders or a labels file), a saved HF
+dataset, Parquet or Arrow files, webdataset tars.
+
+`images_source(path, labels=...)` reads what `cache --images PATH [--labels FILE]` takes: a folder's
+images are labelled by their class subfolder (`root/cat/*.jpg`) or by a CSV or JSON of (file, label).
 
 `hf_source(path, image_column, label_column=..., text_column=...)` reads a `datasets.save_to_disk`
 folder, a Parquet file or folder, or an Arrow file or folder, locally (nothing downloads: a hub
 name is refused). `wds_source("shards-{000..009}.tar")` streams webdataset tars with the standard
 `tarfile` module, member by member (never extracted to disk): a sample is the members that share
 a key (the name up to its first dot); its image is the jpg/jpeg/png/webp member, its label `cls`,
-its text `txt`, or the `label`/`text` field of its `json`.
+its text `txt`, or the `label`/`text` field of its `json`; any other member is skipped unread, and a
+tar cut short (even between two members) is refused.
 
 Every image goes through the one decoder of `nblib.cache.images` (mode conversion, 16-bit
 scaling, decompression-bomb refusal), and into `write_images`, so the cache resumes as
-`--images` does. Labels (with class names) and/or texts travel in a side table, `source-labels.json`,
-hashed in the manifest; `source_labels(cache_dir)` reads it, and `train` takes its labels.
+`--images` does. Every label is checked once, here (`nblib.cache.labels`: no negative, absurd or
+id-like labels). Labels and/or texts travel in a side table, `source-labels.json`, hashed in the
+manifest, which holds the class names; `source_labels(cache_dir)` reads both, and `train` takes them.
 Trade-off: the side table is one JSON list (a few bytes a row; 10 M captions make a big file),
 and a tar stream cannot be counted without reading it, so a wds cache has no disk preflight.
 """
@@ -24,10 +30,21 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nblib.cache.images import _dataset_rows, _decode_cell, decode_image_bytes
+from nblib.cache.images import (
+    _dataset_rows,
+    _decode_cell,
+    _is_hf_folder,
+    decode_image_bytes,
+    folder_images,
+    image_keys,
+    image_source,
+    open_images,
+)
+from nblib.cache.labels import label_index, labels_and_classes, labels_from_file
 from nblib.errors import CacheError, InputError
 
 WDS_IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
+WDS_USED = (*WDS_IMAGE_EXTENSIONS, "cls", "txt", "json")   # members read; any other is skipped, unread
 _BRACE = re.compile(r"\{([^{}]*)\}")
 
 
@@ -45,11 +62,40 @@ class ImageSource:
         """The side table once every image was read: {"labels", "classes"}, {"texts"}, both, or {}."""
         table = {}
         if self.labels:
-            classes = self.classes or [str(k) for k in range(max(self.labels) + 1)]
-            table.update(labels=[int(v) for v in self.labels], classes=list(classes))
+            labels, classes = self.labels, self.classes
+            if classes is None:                     # streamed (wds): checked as a whole once all came
+                labels, classes = labels_and_classes(self.labels, None, "--wds")
+            table.update(labels=[int(v) for v in labels], classes=list(classes))
         if self.texts:
             table["texts"] = [str(t) for t in self.texts]
         return table
+
+
+def images_source(path: str | Path, column: str | None = None, labels: str | Path | None = None) -> ImageSource:
+    """What `cache --images PATH [--labels FILE]` caches: a folder's images keyed by their path under
+    it, labelled by their class subfolder or by `labels` (a CSV or JSON of file,label:
+    `nblib.cache.labels`); a Parquet file's or HF folder's images (no keys, no labels).
+    """
+    folder = Path(path)
+    if not folder.is_dir() or _is_hf_folder(folder):
+        if labels is not None:
+            raise InputError(f"--labels names files of an image folder; {path} is not one: for a dataset's "
+                             f"labels pass --hf {path} --label-column COLUMN")
+        images, count = image_source(path, column)
+        return ImageSource(images=iter(images), count=count)
+    files, classes = folder_images(folder)
+    source = ImageSource(images=open_images(files), count=len(files), keys=image_keys(folder, files))
+    if labels is not None:
+        source.labels, source.classes = labels_from_file(labels, source.keys, str(folder))
+    elif classes is not None:                       # class subfolders, sorted by name as ImageFolder does
+        source.classes = sorted(set(classes))
+        source.labels = _indices(classes, source.classes)
+    return source
+
+
+def _indices(values: list[str], classes: list[str]) -> list[int]:
+    lookup = {c: k for k, c in enumerate(classes)}
+    return [lookup[v] for v in values]
 
 
 def hf_source(path: str | Path, image_column: str = "image", *, label_column: str | None = None,
@@ -111,7 +157,10 @@ def source_labels(cache_dir: str | Path) -> dict | None:
     if hashlib.sha256(raw).hexdigest() != recorded["sha256"]:
         raise CacheError(f"{path} is missing or damaged (its sha256 differs from the manifest's); rerun "
                          f"the cache command that built {cache_dir} to rewrite it")
-    return json.loads(raw)
+    table = json.loads(raw)
+    if "classes" in recorded:
+        table["classes"] = recorded["classes"]      # the class names live in the manifest
+    return table
 
 
 # ====================================================================================== helpers
@@ -130,7 +179,7 @@ def _saved_dataset(folder: Path, image_column: str, label_column, text_column) -
     if label_column:
         feature = dataset.features[label_column]
         names = getattr(feature, "names", None)
-        source.labels, source.classes = _labels(dataset[label_column], names, f"--hf {folder}")
+        source.labels, source.classes = labels_and_classes(dataset[label_column], names, f"--hf {folder}")
     elif text_column:
         source.texts = _texts(dataset[text_column], f"--hf {folder}")
     return source
@@ -156,7 +205,8 @@ def _table_source(files: list[Path], image_column: str, label_column, text_colum
     source = ImageSource(images=_table_images(files, image_column), count=sum(_rows(f) for f in files))
     if label_column:
         values = [v for f in files for v in _read_column(f, label_column)]
-        source.labels, source.classes = _labels(values, _class_names(schemas[0], label_column), str(files[0]))
+        source.labels, source.classes = labels_and_classes(values, _class_names(schemas[0], label_column),
+                                                           f"--hf {files[0]}")
     elif text_column:
         source.texts = _texts([v for f in files for v in _read_column(f, text_column)], str(files[0]))
     return source
@@ -167,20 +217,6 @@ def _check_columns(where: str, wanted: list[str], names: list[str]) -> None:
     if absent:
         raise InputError(f"{where} has no column {absent[0]!r}; its columns are {list(names)}: pass "
                          f"--image-column / --label-column / --text-column one of those")
-
-
-def _labels(values: list, names, where: str) -> tuple[list[int], list[str]]:
-    """(int label per row, class names): ClassLabel names when known, else the sorted distinct values."""
-    if any(v is None for v in values):
-        raise InputError(f"{where}: row {values.index(None):,} has no label; fill it or drop the row")
-    if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-        top = max(values, default=-1)
-        if min(values, default=0) < 0:
-            raise InputError(f"{where}: label {min(values)} is negative; labels are class indices 0..n-1")
-        return list(values), list(names) if names else [str(k) for k in range(top + 1)]
-    classes = sorted({str(v) for v in values})
-    lookup = {c: k for k, c in enumerate(classes)}
-    return [lookup[str(v)] for v in values], classes
 
 
 def _texts(values: list, where: str) -> list[str]:
@@ -257,11 +293,16 @@ def _wds_images(paths: list[Path], source: ImageSource) -> Iterator:
             yield _wds_sample(path, key, members, source)
 
 
-def _wds_samples(path: Path) -> Iterator[tuple[str, dict[str, bytes]]]:
-    """(key, {extension: bytes}) of each sample of one tar, streamed in order (members of a sample are adjacent)."""
+def _wds_samples(path: Path) -> Iterator[tuple[str, dict[str, bytes | None]]]:
+    """(key, {extension: bytes}) of each sample of one tar, in order (members of a sample are adjacent).
+
+    Only the members in WDS_USED are read; any other is skipped by a seek, never read (its value is
+    None). A tar that ends without its end-of-archive blocks (cut between two members, or inside a
+    header) is refused, as a tar cut inside a member is: no short cache from a short copy.
+    """
     key, members, name = None, {}, None
     try:
-        with tarfile.open(path, mode="r|*") as tar:
+        with tarfile.open(path, mode="r:*") as tar:
             for info in tar:
                 if not info.isfile():
                     continue
@@ -274,8 +315,11 @@ def _wds_samples(path: Path) -> Iterator[tuple[str, dict[str, bytes]]]:
                 if this != key and key is not None:
                     yield key, members
                     members = {}
-                key = this
-                members[ext.lower()] = tar.extractfile(info).read()
+                key, ext = this, ext.lower()
+                members[ext] = tar.extractfile(info).read() if ext in WDS_USED else None
+            if tar.fileobj.tell() < tar.offset + tarfile.BLOCKSIZE:  # no end-of-archive block came
+                raise InputError(f"--wds {path} ends after member {name!r} without the tar's end-of-archive "
+                                 f"blocks: it was cut (a short copy or download); re-download or rewrite that tar")
     except (tarfile.TarError, EOFError, OSError) as exc:
         after = f" after member {name!r}" if name else " at its start"
         raise InputError(f"--wds {path} is damaged{after} ({exc}); re-download or rewrite that tar") from None
@@ -284,7 +328,7 @@ def _wds_samples(path: Path) -> Iterator[tuple[str, dict[str, bytes]]]:
 
 
 def _wds_sample(path: Path, key: str, members: dict[str, bytes], source: ImageSource):
-    ext = next((e for e in WDS_IMAGE_EXTENSIONS if e in members), None)
+    ext = next((e for e in WDS_IMAGE_EXTENSIONS if members.get(e) is not None), None)
     if ext is None:
         raise InputError(f"--wds {path}: sample {key!r} has no image member ({', '.join(WDS_IMAGE_EXTENSIONS)}); "
                          f"its members are {sorted(members)}")
@@ -316,8 +360,9 @@ def _wds_annotation(path: Path, key: str, members: dict[str, bytes]) -> tuple[in
     if raw is not None:
         try:
             label = int(raw.decode().strip() if isinstance(raw, bytes) else raw)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, TypeError):
             raise InputError(f"--wds {path} sample {key!r}: its label {raw!r} is not an integer class") from None
+        label_index(label, f"--wds {path} sample {key!r}")  # checked as it comes: 10**12 is no class count
     raw = members.get("txt", extra.get("text", extra.get("caption")))
     if raw is not None:
         text = raw.decode("utf-8", errors="replace") if isinstance(raw, bytes) else str(raw)

@@ -15,10 +15,12 @@ def cache_main(argv: list[str]) -> int:
     """`python -m nblib cache`: build, resume, verify or repair a sharded image cache.
 
     Build or resume: `cache --texts PATH --out DIR [--size --shard-mb --codec --workers ...]`.
-    Your own images: `cache --images PATH --out DIR` (a folder of image files, a Parquet file or an
-    HF datasets folder; `--column` names the image column); a saved HF dataset, Parquet or Arrow
-    files with labels or texts: `cache --hf PATH --image-column C [--label-column L | --text-column T]
-    --out DIR`; webdataset tars: `cache --wds 'shards-{000..009}.tar' --out DIR`.
+    Your own images: `cache --images PATH --out DIR [--size N]` (a folder of image files or of class
+    subfolders, which give the labels, or `--labels FILE`; a Parquet file or an HF datasets folder,
+    `--column` names the image column; `--size N` resizes: shorter side to N, then the centre crop);
+    a saved HF dataset, Parquet or Arrow files with labels or texts: `cache --hf PATH --image-column C
+    [--label-column L | --text-column T] --out DIR`; webdataset tars: `cache --wds 'shards-{000..009}.tar'
+    --out DIR`.
     Records of tensors: `cache --records FILE --out DIR --shard-size-mb 400 [--group-by layer_id]`.
     Check: `cache --verify DIR`, fix: `cache --verify --repair DIR` (exit 0 OK, 1 problems found).
     """
@@ -43,7 +45,7 @@ def cache_main(argv: list[str]) -> int:
         raise ConfigError("building a cache needs --texts PATH (or --images PATH) and --out DIR (or check "
                           "one with --verify DIR)")
     with os_errors_name(args.out):
-        summary = populate(args.texts, args.out, image_size=args.size, shard_mb=args.shard_mb,
+        summary = populate(args.texts, args.out, image_size=args.size or args.profile_size, shard_mb=args.shard_mb,
                            workers=args.workers, seed=args.seed, codec=args.codec,
                            overwrite=args.overwrite, progress=not args.no_progress,
                            field=args.field, errors=args.errors, strict_fonts=args.strict_fonts,
@@ -54,11 +56,11 @@ def cache_main(argv: list[str]) -> int:
 
 def _cache_images(args: argparse.Namespace) -> int:
     """`cache --images PATH | --hf PATH | --wds PATTERN --out DIR`: your own images into a cache
-    (nblib.cache.write_images), with the labels or texts of --hf and --wds in a side table.
+    (nblib.cache.write_images), with the labels (class subfolders, --labels FILE, --hf, --wds) or texts in a
+    side table.
     """
-    from nblib.cache import image_source, write_images
-    from nblib.cache.images import image_keys
-    from nblib.cache.sources import ImageSource, hf_source, wds_source
+    from nblib.cache import write_images
+    from nblib.cache.sources import hf_source, images_source, wds_source
     from nblib.errors import ConfigError
 
     flag = "--images" if args.images else "--hf" if args.hf else "--wds"
@@ -68,9 +70,10 @@ def _cache_images(args: argparse.Namespace) -> int:
         raise ConfigError(f"--codec auto is for --texts; pick one of raw, zlib, zstd, png for {flag}")
     if (args.label_column or args.text_column) and not args.hf:
         raise ConfigError("--label-column and --text-column go with --hf (--wds reads cls/txt/json members)")
+    if args.labels and not args.images:
+        raise ConfigError("--labels FILE goes with --images DIR (--hf takes --label-column, --wds cls members)")
     if args.images:
-        images, count = image_source(args.images, args.column)
-        source = ImageSource(images=iter(images), count=count, keys=image_keys(args.images))
+        source = images_source(args.images, args.column, args.labels)
     elif args.hf:
         source = hf_source(args.hf, args.image_column or args.column or "image",
                            label_column=args.label_column, text_column=args.text_column)
@@ -80,7 +83,7 @@ def _cache_images(args: argparse.Namespace) -> int:
         summary = write_images(source.images, args.out, shard_mb=args.shard_mb, codec=args.codec,
                                codec_level=args.codec_level, n_images=source.count, seed=args.seed,
                                overwrite=args.overwrite, progress=not args.no_progress,
-                               keys=source.keys, side=source.side)
+                               keys=source.keys, side=source.side, size=args.size)
     print(summary)
     return 0
 
@@ -126,6 +129,9 @@ def _cache_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--images", help="your own images instead of texts: a folder of image files, a "
                                     "Parquet file or an HF datasets folder (see --column)")
     p.add_argument("--column", default=None, help="with --images: the image column (default 'image')")
+    p.add_argument("--labels", default=None, metavar="FILE",
+                   help="with --images DIR: a CSV (file,label rows) or JSON ({file: label}) of the images' "
+                        "labels (default: the class subfolders' names, if any)")
     p.add_argument("--hf", help="a local HF dataset (save_to_disk folder) or Parquet/Arrow file or folder")
     p.add_argument("--image-column", default=None, help="with --hf: the image column (default 'image')")
     p.add_argument("--label-column", default=None, help="with --hf: a class column (ClassLabel, ints or strings)")
@@ -138,8 +144,10 @@ def _cache_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--codec-level", type=int, default=None,
                    help="compression level of zlib/png (0-9) or zstd (1-22; default 3)")
     p.add_argument("--out", help="cache folder to create or resume")
-    p.add_argument("--size", type=positive_int, default=defaults.model.image_size,
-                   help="image size in pixels (default: the profile's, %(default)s)")
+    p.add_argument("--size", type=positive_int, default=None,
+                   help=f"image size in pixels: --texts renders at it (default: the profile's, "
+                        f"{defaults.model.image_size}); --images/--hf/--wds resize every image to it, shorter "
+                        f"side to N (bicubic), then the centre N x N crop (default: keep the images' one size)")
     p.add_argument("--shard-mb", "--shard-size-mb", dest="shard_mb", type=finite_positive_float,
                    default=float(defaults.run.shard_mb),
                    help="target stored MB per shard (default %(default)s)")
@@ -168,4 +176,5 @@ def _cache_args(argv: list[str]) -> argparse.Namespace:
         raise ConfigError(f"unexpected argument {args.folder!r}; to check a cache use --verify DIR")
     if args.codec is None and not args.records:
         args.codec = defaults.run.codec
+    args.profile_size = defaults.model.image_size
     return args

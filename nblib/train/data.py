@@ -62,6 +62,15 @@ def labels_for_cache(cache, labels: str = "kind", texts: str | Path | None = Non
     source = cache.manifest["source"]
     if texts is None and source.get("side"):
         return side_table_labels(cache)
+    if source.get("kind") == "images" and source.get("side"):
+        raise ConfigError(f"--texts labels a cache rendered from texts; {cache.cache_dir} holds images with "
+                          f"labels of their own (its side table): drop --texts")
+    if source.get("kind") == "images":
+        texts_too = " (--texts labels only a cache rendered from texts)" if texts is not None else ""
+        raise ConfigError(f"the cache {cache.cache_dir} holds images without labels (a flat folder, a Parquet "
+                          f"file or arrays){texts_too}: rebuild it with cache --images DIR where DIR holds one "
+                          f"subfolder per class (DIR/cat/*.jpg), or with --labels FILE (a CSV of file,label), "
+                          f"or with cache --hf PATH --label-column COLUMN")
     path = texts if texts is not None else source.get("path")
     if path is None:
         raise ConfigError(f"the cache {cache.cache_dir} was built from texts in memory and records no file; "
