@@ -3,8 +3,8 @@
 One module per verb (nblib/cli/<verb>.py, its `<verb>_main(argv)`), imported only when the verb runs: a new
 verb is a new file and a line of VERBS. Shared argparse types and OSError naming: nblib.cli.args.
 
-Verbs: info, budget, cache, encode, train, suite, pipeline, export. A user-facing failure (an NblibError) prints one
-line, `error: ...`, and exits 2; so does an OSError (full disk, read-only folder, a path that is
+Verbs: info, budget, cache, encode, train, suite, pipeline, export, predict. A user-facing failure (an NblibError)
+prints one line, `error: ...`, and exits 2; so does an OSError (full disk, read-only folder, a path that is
 a file), with the path, what the error means and what to do. No traceback.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from nblib.cli.args import describe_os_error
 from nblib.errors import NblibError
 
 VERBS = {verb: f"nblib.cli.{verb}:{verb}_main" for verb in
-         ("info", "budget", "cache", "encode", "train", "suite", "pipeline", "export")}
+         ("info", "budget", "cache", "encode", "train", "suite", "pipeline", "export", "predict")}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,31 +1,40 @@
 """Training from record shards: a model maps one array field of each record to another, one shard at a time.
 
-`python -m nblib train --records DIR --input-key hidden_states --target-key target_routing --loss ce`
-trains the sharding guide's job: a router that predicts each token's routing from its hidden state.
+`python -m nblib train --records DIR --input-key hidden_states --target-key target_routing --loss ce --classes 8`
+trains the sharding guide's job: a router that predicts each token's routing from its hidden state;
+`python -m nblib predict --run RUN --records DIR --out PRED` runs its final weights over records (`predict_records`).
 - **Inputs:** one array field (`--input-key`); float arrays reach the model as float32 (autocast
   applies as usual), integer arrays (token ids) as int64. Records of different lengths are
-  zero-padded along their first dimension to the batch's longest.
-- **Target and loss** (`--target-key`, `--loss`): `ce` takes integer class labels (a scalar per
-  record: output [B, C]; or one per token [T]: output [B, T, C]) or rows of class probabilities
-  (float [..., C], a soft cross-entropy); `mse` takes float targets of the output's shape (a
+  zero-padded along their first dimension to the batch's longest, and the padding is masked: it
+  counts in no loss and no accuracy, and a model whose forward takes `attention_mask` gets one
+  ([B, T] int64, 1 on a record's rows, 0 on padding: the Hugging Face convention) to mask its pooling.
+  A model that takes none is run at start on one record with and without zero rows appended: if its
+  output moves (it mixes rows), a batch of records of different lengths is refused, naming the fix.
+- **Target and loss** (`--target-key`, `--loss`; `target_kind`): `ce` takes integer class labels (a
+  scalar per record: output [B, C]; or one per token [T]: output [B, T, C]), integer top-k class
+  indices ([T, k] against an output [B, T, C], C >= k: the k-hot multi-label binary cross-entropy,
+  its accuracy the share of the k found in the output's top k), or rows of class probabilities (soft
+  targets, float [..., C]: the soft cross-entropy); `mse` takes float targets of the output's shape (a
   trailing output dimension of 1 is dropped). `auto` (the default): ce for integer targets, mse for
-  float ones. Padded tokens (past a record's target length) count in no loss and no accuracy.
+  float ones (pass `--loss ce` for probability rows).
 - **The model** (`--model`): any spec of the model contract that takes the input tensor
   (`package.module:factory`, `hf:...`), its output picked by `--output` (default: `logits`, else
   its first); without one, a seeded `Linear(input features, target features)` applied per token
-  (integer targets need `--classes N` for it).
+  (integer targets need `--classes N` for it: the classes, or the experts of top-k indices).
 - **The order:** the held-out split is a keyed choice of records; the training records are read in
   a `RecordShardShuffle` with a window of one shard (the shard order permuted per epoch, records
   permuted within each shard), cut in global batches, so a reader holds one shard at a time (a
   batch that straddles two reads them one after the other). Its state is the shuffle's position:
   a few hundred bytes, resumed exactly at any step, as the image cache's order is.
-Trade-off: padding is zeros and the model sees it (a per-token model is unaffected; a model that
-mixes tokens should take a length or mask field); the first record is read at start to check the
-fields, the model's output shape and the loss before anything is written.
+Trade-off: the first record is read at start to check the fields, the model's output shape, the
+loss and the padding before anything is written; a model that mixes rows without a mask is refused
+only at the first batch whose records differ in length (a data set of equal lengths never pads).
 """
 from __future__ import annotations
 
+import inspect
 import math
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +45,7 @@ from torch import nn
 
 from nblib.atomic import sha256_json
 from nblib.cache.record_reader import RecordShardShuffle
-from nblib.errors import ConfigError
+from nblib.errors import ConfigError, InputError
 
 from .config import TrainConfig
 from .data import BatchPlan, split
@@ -44,6 +53,7 @@ from .device import autocast
 from .task import EVAL_BATCH, contract_identity, freeze_unreached, host, is_trm, runs_on
 
 LOSSES = ("auto", "ce", "mse")
+TARGET_KINDS = ("labels", "top-k", "probabilities", "values")
 
 
 @dataclass(frozen=True)
@@ -89,29 +99,45 @@ class IndexedRecords(torch.utils.data.Dataset):
         return inputs, torch.as_tensor(target), int(index)
 
 
-def collate_records(items: list):
-    """(inputs, target, target lengths, indices) of a batch: zero-padded along the first dimension."""
+def lengths_of(tensors: list) -> torch.Tensor:
+    """Each tensor's first dimension (1 for a scalar): the rows of a record that padding does not cover."""
+    return torch.tensor([int(t.shape[0]) if t.ndim else 1 for t in tensors])
+
+
+def collate_inputs(inputs: list) -> torch.Tensor:
+    """Input tensors zero-padded along their first dimension; float32 (floats) or int64 (integers)."""
     from nblib.cache.record_torch import pad_collate
 
-    inputs = pad_collate([item[0] for item in items])
-    target = pad_collate([item[1] for item in items])
-    inputs = inputs.float() if inputs.is_floating_point() else inputs.long()
-    target = target.float() if target.is_floating_point() else target.long()
-    lengths = torch.tensor([int(item[1].shape[0]) if item[1].ndim else 1 for item in items])
-    return inputs, target, lengths, torch.tensor([item[2] for item in items])
+    batch = pad_collate(inputs)
+    return batch.float() if batch.is_floating_point() else batch.long()
+
+
+def collate_records(items: list):
+    """(inputs, target, target lengths, input lengths, indices) of a batch: zero-padded along the first dimension."""
+    target = collate_inputs([item[1] for item in items])
+    return (collate_inputs([item[0] for item in items]), target, lengths_of([item[1] for item in items]),
+            lengths_of([item[0] for item in items]), torch.tensor([item[2] for item in items]))
 
 
 class RecordNet(nn.Module):
-    """A model of the contract whose forward gives the one output a run trains (by name)."""
+    """A model of the contract whose forward gives the one output a run trains (by name); a model whose forward
+    takes `attention_mask` gets the padding's ([B, T] int64, 1 on real rows).
+    """
 
     def __init__(self, module, output: str | None):
         super().__init__()
         self.model, self.output = module, output
+        self.takes_mask = "attention_mask" in inspect.signature(module.forward).parameters
 
-    def forward(self, inputs):
+    def forward(self, inputs, lengths=None):
         from nblib.models import named_outputs
 
-        outs = named_outputs(self.model(inputs))
+        if self.takes_mask and lengths is not None and inputs.ndim >= 2:
+            rows = torch.arange(inputs.shape[1], device=inputs.device)
+            outs = named_outputs(self.model(inputs, attention_mask=(rows[None, :] < lengths.to(inputs.device)[:, None])
+                                            .long()))
+        else:
+            outs = named_outputs(self.model(inputs))
         if self.output is None:
             self.output = "logits" if "logits" in outs else next(iter(outs))
         if self.output not in outs:
@@ -119,27 +145,55 @@ class RecordNet(nn.Module):
         return outs[self.output]
 
 
-def loss_terms(output, target, lengths, loss: str):
-    """(loss per element, the elements that count, which are right or None) of a batch; see the module doc."""
-    output = output.float()
-    integer = not target.is_floating_point()
+def target_kind(output_shape, target, loss: str) -> str:
+    """How the loss reads a batch's target against the model's output (one of TARGET_KINDS; see the module doc).
+
+    mse: "values". ce: float targets are "probabilities"; integer targets are "labels" when the output is
+    [*target, C], "top-k" class indices when the target is [*, k] and the output [*, C] with C >= k.
+    """
     if loss == "mse":
+        return "values"
+    if target.is_floating_point():
+        return "probabilities"
+    got, want = tuple(output_shape), tuple(target.shape)
+    if got[:-1] == want:
+        return "labels"
+    if len(got) == len(want) and got[:-1] == want[:-1] and want[-1] <= got[-1]:
+        return "top-k"
+    raise ConfigError(f"the model's output is {list(got)} where integer targets {list(want)} need {[*want, 'C']} "
+                      f"(one class label each, ce over C classes) or {[*want[:-1], 'C']} with C >= {want[-1]} "
+                      f"(top-{want[-1]} class indices, k-hot); pick another --output, --loss or --model")
+
+
+def loss_terms(output, target, lengths, loss: str):
+    """(loss per element, the elements that count, the share right per element or None) of a batch; see the module
+    doc. Padding (rows past a record's target length) is not counted.
+    """
+    output = output.float()
+    kind = target_kind(output.shape, target, loss)
+    if kind == "values":
         if output.shape != target.shape and output.shape[-1:] == (1,) and output.shape[:-1] == target.shape:
             output = output.squeeze(-1)
         _same_shape(output.shape, target.shape, "mse: the output must have the target's shape")
         per, right = (output - target) ** 2, None
-    elif integer:
-        _same_shape(output.shape[:-1], target.shape, "ce with integer targets: the output is [*target, classes]")
+    elif kind == "probabilities":
+        _same_shape(output.shape, target.shape, "ce with probability targets: the output has the target's shape")
+        per = -(target * F.log_softmax(output, dim=-1)).sum(-1)
+        right = (output.argmax(-1) == target.argmax(-1)).float()
+    else:
         classes = output.shape[-1]
         if target.numel() and (int(target.min()) < 0 or int(target.max()) >= classes):
             raise ConfigError(f"a target is {int(target.max())} (or {int(target.min())}) but the model gives "
                               f"{classes} classes: give it one output per class (--classes N for the linear model)")
-        per = F.cross_entropy(output.reshape(-1, classes), target.reshape(-1), reduction="none").view(target.shape)
-        right = output.argmax(-1) == target
-    else:
-        _same_shape(output.shape, target.shape, "ce with probability targets: the output has the target's shape")
-        per = -(target * F.log_softmax(output, dim=-1)).sum(-1)
-        right = output.argmax(-1) == target.argmax(-1)
+        if kind == "labels":
+            per = F.cross_entropy(output.reshape(-1, classes), target.reshape(-1), reduction="none").view(target.shape)
+            right = (output.argmax(-1) == target).float()
+        else:
+            k = target.shape[-1]
+            hot = torch.zeros_like(output).scatter_(-1, target, 1.0)
+            per = F.binary_cross_entropy_with_logits(output, hot, reduction="none").mean(-1)
+            found = torch.zeros_like(output).scatter_(-1, output.topk(k, dim=-1).indices, 1.0)
+            right = (found * hot).sum(-1) / k
     return per, _counted(per, lengths), right
 
 
@@ -155,6 +209,30 @@ def _same_shape(got, want, rule: str) -> None:
     if tuple(got) != tuple(want):
         raise ConfigError(f"the model's output is {list(got)} where the target needs {list(want)} ({rule}); "
                           f"pick another --output, --loss or --model")
+
+
+def padding_shift(net, inputs, lengths) -> float:
+    """How far a model's output for one record moves when zero rows are appended, with the mask it takes (0.0:
+    padding is invisible to it; nan: it cannot take a longer record, so nothing is ever padded for it).
+    """
+    if inputs.ndim < 2:
+        return 0.0
+    padded = torch.cat([inputs, inputs.new_zeros((1, max(1, inputs.shape[1]), *inputs.shape[2:]))], dim=1)
+    training = net.training
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        net.eval()
+        try:
+            out = net(inputs, lengths).float()
+            again = net(padded, lengths).float()
+        except (RuntimeError, ValueError, TypeError, IndexError):
+            return math.nan
+        finally:
+            net.train(training)
+    if again.shape != out.shape and again.ndim >= 2 and again.shape[1] == padded.shape[1]:
+        again = again[:, :inputs.shape[1]]
+    if again.shape != out.shape:
+        return math.inf
+    return float((again - out).abs().max()) / (1.0 + float(out.abs().max()))
 
 
 class RecordTask:
@@ -175,7 +253,7 @@ class RecordTask:
                                 minlength=len(shards.shards))
         self.plan = ShardPlan(self.train_idx, config.batch_size, config.seed,
                               counts=tuple(int(c) for c in per_shard if c))
-        inputs, target, lengths, _ = sample = collate_records([self.dataset[int(self.train_idx[0])]])
+        inputs, target, lengths, in_lengths, _ = sample = collate_records([self.dataset[int(self.train_idx[0])]])
         self.loss_name = fields.loss if fields.loss != "auto" else ("mse" if target.is_floating_point() else "ce")
         if self.loss_name == "mse" and not target.is_floating_point():
             raise ConfigError(f"--target-key {fields.target} holds integers (class labels): use --loss ce")
@@ -185,9 +263,17 @@ class RecordTask:
         with runs_on(f"--model {model or 'linear'} on --input-key {fields.inputs} {list(inputs.shape)} "
                      f"{inputs.dtype} (one record)"):
             with torch.no_grad(), torch.random.fork_rng(devices=[]):
-                out = self.model.eval()(inputs)
-            freeze_unreached(self.model, inputs)
+                out = self.model.eval()(inputs, in_lengths)
+            freeze_unreached(self.model, inputs, in_lengths)
+            self.padding_shift = padding_shift(self.model, inputs, in_lengths)
         loss_terms(out, target, lengths, self.loss_name)            # the shapes and classes agree, before any save
+        self.targets = target_kind(out.shape, target, self.loss_name)
+        self.top_k = int(target.shape[-1]) if self.targets == "top-k" else None
+        self.chance = self.top_k / int(out.shape[-1]) if self.top_k else None   # top-k: k of C found by guessing
+        if self.top_k is not None and bool((target.sort(-1).values.diff(dim=-1) == 0).any()):
+            raise ConfigError(f"--target-key {fields.target} {list(target.shape[1:])} reads as top-{self.top_k} class "
+                              f"indices against the output {list(out.shape[1:])}, but a row repeats an index: if it "
+                              f"holds one label per row, give a model whose output is [..., rows, classes]")
         width = int(out.shape[-1]) if self.loss_name == "ce" else 0
         self.classes = [str(c) for c in range(width)]
         self.model_identity = contract_identity(self.loaded, self.model.output)
@@ -200,35 +286,55 @@ class RecordTask:
         return {"records": sha256_json(data), "inputs": self.fields.inputs, "target": self.fields.target,
                 "loss": self.loss_name, "n_train": int(len(self.train_idx)), "model": self.model_identity}
 
-    def loss(self, net, inputs, target, lengths):
-        per, counted, _ = loss_terms(net(inputs), target, lengths, self.loss_name)
+    def forward(self, net, inputs, in_lengths):
+        """The model's output on a padded batch; ConfigError when the model sees padding and this batch has some."""
+        if self.padding_shift > 1e-4 and int(in_lengths.min()) != int(in_lengths.max()):
+            how = "its output changes" if math.isfinite(self.padding_shift) else "its output's shape changes"
+            raise ConfigError(f"--model {self.spec} mixes a record's rows and takes no attention_mask: records of "
+                              f"{int(in_lengths.min())} and {int(in_lengths.max())} rows share a batch, and {how} "
+                              f"when zero rows are appended to a record (relative shift {self.padding_shift:.3g}); "
+                              f"give its forward an attention_mask argument ([B, T], 1 on real rows) and mask its "
+                              f"pooling with it, or use --batch-size 1")
+        return net(inputs, in_lengths)
+
+    def loss(self, net, inputs, target, lengths, in_lengths):
+        per, counted, _ = loss_terms(self.forward(net, inputs, in_lengths), target, lengths, self.loss_name)
         return (per * counted).sum() / counted.sum().clamp(min=1)
 
     @torch.no_grad()
     def evaluate(self, model, config: TrainConfig, step: int, train_loss: float) -> dict:
         """Held-out loss (and accuracy for ce) over the counted elements, read in index order: shard by shard."""
         model.eval()
-        total, count, correct = 0.0, 0, 0
+        total, count, correct = 0.0, 0, 0.0
         for start in range(0, len(self.held_idx), EVAL_BATCH):
             batch = collate_records([self.dataset[int(i)] for i in self.held_idx[start:start + EVAL_BATCH]])
-            inputs, target, lengths = (t.to(config.device) for t in batch[:3])
+            inputs, target, lengths, in_lengths = (t.to(config.device) for t in batch[:4])
             with autocast(config.device, config.precision):
-                out = model(inputs)
+                out = self.forward(model, inputs, in_lengths)
             per, counted, right = loss_terms(out, target, lengths, self.loss_name)
             total += float((per * counted).sum())
             count += int(counted.sum())
-            correct += int((right & counted).sum()) if right is not None else 0
+            correct += float((right * counted).sum()) if right is not None else 0.0
         model.train()
         accuracy = correct / max(1, count) if self.loss_name == "ce" else math.nan
         return {"step": step, "train_loss": train_loss, "heldout_loss": total / max(1, count),
                 "heldout_accuracy": accuracy}
 
     def final_payload(self, model, config: TrainConfig) -> dict:
-        """final.pt: the model's weights under state_dict (`--weights` of a later run or encode), and what it is."""
+        """final.pt: the model's weights under state_dict (`--weights` of a later run, `predict --run`), and what
+        it is: the spec, the fields, the loss and how it read the targets.
+        """
         return {"spec": self.spec or "linear", "model": self.model_identity, "config": self.loaded.config,
                 "state_dict": host(model.model.state_dict()), "output": model.output,
                 "inputs": self.fields.inputs, "target": self.fields.target, "loss": self.loss_name,
-                "classes": list(self.classes), "train": config.to_dict()}
+                "targets": self.targets, "top_k": self.top_k, "classes": list(self.classes),
+                "train": config.to_dict()}
+
+    def next_step(self, final: Path) -> str:
+        """The command that uses final.pt: predict over these records (or others with the --input-key field)."""
+        run = Path(final).parent
+        return (f"python -m nblib predict --run {shlex.quote(str(run))} --records {shlex.quote(str(self.folder))} "
+                f"--out {shlex.quote(str(run / 'predictions'))}")
 
     def _check_fields(self, schema: dict) -> None:
         for flag, name in (("--input-key", self.fields.inputs), ("--target-key", self.fields.target)):
@@ -252,14 +358,11 @@ class RecordTask:
         if not inputs.is_floating_point() or inputs.ndim < 2:
             raise ConfigError(f"the built-in linear model maps float features (the last dim of --input-key "
                               f"{self.fields.inputs}, here {inputs.dtype} {list(inputs.shape[1:])}); pass --model")
-        width = self._linear_width(target, inputs.ndim)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.config.seed)
-            module = nn.Linear(int(inputs.shape[-1]), width)
+        module = linear_model(int(inputs.shape[-1]), self._linear_width(target, inputs.ndim), self.config.seed)
         if weights is not None:
             load_weights(module, weights)
         loaded = LoadedModel(module, "linear", "builtin", Preprocessing(),
-                             {"in_features": module.in_features, "out_features": width},
+                             {"in_features": module.in_features, "out_features": module.out_features},
                              None if weights is None else str(weights))
         return RecordNet(module, output), loaded
 
@@ -267,6 +370,82 @@ class RecordTask:
         if not target.is_floating_point():
             if self.fields.classes is None:
                 raise ConfigError(f"--target-key {self.fields.target} holds class labels: pass --classes N (how "
-                                  f"many classes) for the built-in linear model, or pass --model")
+                                  f"many classes, or experts for top-k indices) for the built-in linear model, or "
+                                  f"pass --model")
             return self.fields.classes
         return int(target.shape[-1]) if target.ndim == inputs_ndim else 1      # else one value per row: squeezed
+
+
+def linear_model(in_features: int, out_features: int, seed: int) -> nn.Linear:
+    """The built-in model of `train --records`: a seeded Linear applied per row."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Linear(in_features, out_features)
+
+
+def read_final(run) -> dict:
+    """The final.pt of a finished `train --records` run; InputError when it is missing or another run's."""
+    path = Path(run) / "final.pt"
+    if not path.is_file():
+        raise InputError(f"{path} does not exist: --run names the --out of a finished `train --records` run "
+                         f"(rerun its train command to finish it)")
+    payload = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(payload, dict) or "inputs" not in payload or "state_dict" not in payload:
+        raise InputError(f"{path} holds the weights of an image run (train --cache), not of train --records: use "
+                         f"python -m nblib encode --cache CACHE --out DIR --weights {path}")
+    return payload
+
+
+def final_model(payload: dict) -> RecordNet:
+    """The trained module of a final.pt (the built-in linear model, or its --model spec) with its weights."""
+    from nblib.models import load_model
+    from nblib.models.weights import check_state_dict
+
+    if payload["spec"] == "linear":
+        module = linear_model(payload["config"]["in_features"], payload["config"]["out_features"], 0)
+    else:
+        module = load_model(payload["spec"], None, seed=int(payload["train"].get("seed", 0))).module
+    check_state_dict(module, payload["state_dict"], where="final.pt")
+    module.load_state_dict(payload["state_dict"], strict=True)
+    return RecordNet(module, payload["output"]).eval()
+
+
+def predictions(net, payload: dict, dataset, batch_size: int, device: str):
+    """One dict per record, in index order: its index, the model's output (its padding cut off) and, for ce, the
+    prediction: the class (labels), the top k classes (top-k) or the probabilities (probability targets).
+    """
+    for start in range(0, len(dataset), batch_size):
+        items = [dataset[i] for i in range(start, min(len(dataset), start + batch_size))]
+        inputs, lengths = collate_inputs(items), lengths_of(items)
+        with torch.no_grad():
+            out = net(inputs.to(device), lengths).float().cpu()
+        per_row = inputs.ndim >= 2 and out.ndim >= 3 and out.shape[1] == inputs.shape[1]
+        for k in range(len(items)):
+            one = out[k, :int(lengths[k])] if per_row else out[k]
+            record = {"index": start + k, "output": one.numpy()}
+            if payload.get("targets") == "labels":
+                record["prediction"] = one.argmax(-1).numpy()
+            elif payload.get("targets") == "top-k":
+                record["prediction"] = one.topk(int(payload["top_k"]), dim=-1).indices.numpy()
+            elif payload.get("targets") == "probabilities":
+                record["prediction"] = one.softmax(-1).numpy()
+            yield record
+
+
+def predict_records(run, records, out, *, batch_size: int = EVAL_BATCH, device: str | None = None,
+                    shard_mb: float = 400, overwrite: bool = False):
+    """`python -m nblib predict`: run a `train --records` run's final weights over record shards (its --input-key
+    field, padded and masked as in training), writing record shards to `out`: one record per input record, in
+    index order (see `predictions`). A rerun resumes; returns write_records' summary.
+    """
+    from nblib.cache.record_torch import RecordDataset
+    from nblib.cache.records import write_records
+
+    from .device import require_device
+
+    payload, device = read_final(run), require_device(device)
+    dataset = RecordDataset(records, inputs=payload["inputs"], check="first-touch")
+    net = final_model(payload).to(device)
+    with runs_on(f"--run {run}'s model on --input-key {payload['inputs']} of {records}"):
+        return write_records(predictions(net, payload, dataset, batch_size, device), out, shard_mb=shard_mb,
+                             overwrite=overwrite)

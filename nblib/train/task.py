@@ -19,6 +19,7 @@ are found by one batch-1 forward and backward at start and frozen, so DDP waits 
 from __future__ import annotations
 
 import contextlib
+import shlex
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from nblib.config import for_profile, preset
-from nblib.errors import ConfigError, NblibError
+from nblib.errors import ConfigError, InputError, NblibError
 
 from .config import TrainConfig
 from .data import BatchPlan, LabelledImages, label_digest, labels_for_cache, split
@@ -119,7 +120,7 @@ def vram_preflight(task, config: TrainConfig, world_size: int = 1):
     micro = config.micro_batch(world_size)
     traced = task.loaded if task.loaded is not None else task.model.encoder.config    # the TRM: its shape
     try:
-        return model_preflight(traced, micro, config.device, precision=config.precision, train=True,
+        vram = model_preflight(traced, micro, config.device, precision=config.precision, train=True,
                                output=getattr(task.model, "output", None), n_classes=len(task.classes))
     except BudgetExceeded as exc:
         if micro == config.batch_size:
@@ -128,6 +129,11 @@ def vram_preflight(task, config: TrainConfig, world_size: int = 1):
         raise BudgetExceeded(f"{exc} (per forward pass: --batch-size {config.batch_size} is micro-batches of "
                              f"{micro} = batch / (accumulation {config.accumulation} x {world_size} ranks); "
                              f"--batch-size is that micro-batch x {split})") from None
+    if vram is not None:        # the same trace: ops torch documents as nondeterministic on CUDA, named now
+        from .determinism import check_traced
+
+        check_traced(list(vram.nondeterministic), vram.spec, config.device)
+    return vram
 
 
 def host(state: dict) -> dict:
@@ -135,10 +141,48 @@ def host(state: dict) -> dict:
     return {k: v.cpu() for k, v in state.items()}
 
 
+def check_texts_order(cache, texts=None) -> None:
+    """InputError when the texts file whose line k labels image k (`--texts`, else the one the cache records) is not
+    the cache's texts in the cache's order: its fingerprint (sha256 of the texts in order) is not the recorded one.
+    A shuffled copy (the same texts as the recorded file, in another order) is named as such.
+    """
+    from nblib.cache.texts import scan_texts, text_source
+
+    source = cache.manifest["source"]
+    path = texts if texts is not None else source.get("path")
+    if path is None or source.get("side") or not source.get("sha256"):
+        return                                              # labels from a side table, or nothing recorded
+    def read(where):
+        return text_source(where, source.get("field"), source.get("errors", "strict"))
+    scan = scan_texts(read(path), sample_size=0)
+    if scan.sha256 == source["sha256"]:
+        return
+    original = source.get("path")
+    if (original and Path(original).is_file() and Path(original).resolve() != Path(path).resolve()
+            and scan_texts(read(original), 0).sha256 == source["sha256"]
+            and _unordered_digest(read(original)) == _unordered_digest(read(path))):
+        raise InputError(f"--texts {path} holds the cache's {scan.n_texts:,} texts in another order than {original}, "
+                         f"which the cache {cache.cache_dir} was rendered from: line k labels image k, so the labels "
+                         f"would go to other images; pass --texts {original} (or drop --texts)")
+    raise InputError(f"the texts of {path} (fingerprint {scan.sha256[:12]}, {scan.n_texts:,} texts) are not the ones "
+                     f"the cache {cache.cache_dir} was rendered from ({source['sha256'][:12]}): an edited or reordered "
+                     f"copy gives images other labels (line k labels image k); pass the texts file the cache was "
+                     f"rendered from, or rebuild the cache from this one")
+
+
+def _unordered_digest(texts) -> int:
+    """A fingerprint of the texts that ignores their order: the sum of their sha256s (a multiset hash)."""
+    import hashlib
+
+    return sum(int.from_bytes(hashlib.sha256(t.encode("utf-8", "surrogatepass")).digest(), "little")
+               for t in texts) % (1 << 256)
+
+
 class ImageTask:
     """A cache of images and the labels of its texts (or side table), for the TRM or any model with a head."""
 
     flag = "--cache"
+    chance = None                       # accuracy by guessing: 1 / classes
 
     def __init__(self, cache_dir, config: TrainConfig, *, texts=None, model: str | None = None,
                  output: str | None = None, weights=None):
@@ -147,6 +191,7 @@ class ImageTask:
         self.folder, self.config, self.spec = Path(cache_dir), config, model
         self.cache = ShardedImageCache(cache_dir)
         self.labels, self.classes = labels_for_cache(self.cache, config.labels, texts)
+        check_texts_order(self.cache, texts)
         self.train_idx, self.held_idx = split(len(self.cache), config.holdout)
         self.plan = BatchPlan(self.train_idx, config.batch_size, config.seed)
         self.dataset, self.collate = LabelledImages(str(cache_dir), self.labels), None
@@ -193,6 +238,13 @@ class ImageTask:
         return {"spec": self.spec, "model": self.model_identity, "config": self.loaded.config,
                 "state_dict": host(model.model.state_dict()), "head": host(model.head.state_dict()),
                 "output": model.output, "classes": list(self.classes), "train": config.to_dict()}
+
+    def next_step(self, final: Path) -> str:
+        """The command that uses final.pt: encode the cache with the trained weights (the TRM: its shape's profile)."""
+        run, quote = Path(final).parent, shlex.quote
+        model = f"--model {quote(self.spec)}" if self.spec else f"--profile {quote(self.config.profile)}"
+        return (f"python -m nblib encode --cache {quote(str(self.folder))} --out {quote(str(run / 'encoded'))} "
+                f"{model} --weights {quote(str(final))}")
 
     def _trm(self, spec, output, weights):
         if output is not None:
