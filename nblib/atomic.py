@@ -4,7 +4,8 @@
 then flushes, fsyncs, `os.replace`s it onto the final name and fsyncs the folder so the rename
 survives a crash. Every durable file in nblib (cache shards, parts, mirror copies, consolidated
 outputs, manifests) goes through it. Never rename across filesystems (that is a copy, not
-atomic). Temporary names start with `.tmp-`, so `verify` steps can find leftovers.
+atomic). Temporary names start with `.tmp-`, so `verify` steps can find leftovers. A file gets the
+mode `open` would give it (0666 less the umask), as the files of any other tool do.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import io
 import json
 import os
 import queue
-import tempfile
+import secrets
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -103,8 +104,7 @@ class AtomicWriter:
     def __init__(self, path: str | Path, *, background_hash: bool = True, algorithm: str = "sha256"):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{self.path.name}.", dir=self.path.parent)
-        self.temporary = Path(tmp)
+        fd, self.temporary = new_temporary(self.path)
         self._file: IO[bytes] | None = os.fdopen(fd, "wb")
         self.algorithm = algorithm
         self._hash = _BackgroundSha256() if background_hash and algorithm == "sha256" else new_hash(algorithm)
@@ -221,7 +221,7 @@ def atomic_torch_save(obj, path: str | Path, *, sync_dir: bool = True, algorithm
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{path.name}.", dir=path.parent)
+    fd, tmp = new_temporary(path)
     try:
         with os.fdopen(fd, "rb") as f:
             with torch_zip_crc32(zip_crc32):
@@ -250,6 +250,19 @@ def atomic_torch_save(obj, path: str | Path, *, sync_dir: bool = True, algorithm
     return WrittenFile(path, box["bytes"], box["digest"], path.stat().st_mtime_ns)
 
 
+def new_temporary(path: Path) -> tuple[int, Path]:
+    """(fd open for reading and writing, path) of a new `.tmp-` file beside `path`, created as `open` creates a
+    file: 0666 less the process's umask (mkstemp's 0600 would follow the rename onto `path`).
+    """
+    for _ in range(100):
+        tmp = path.parent / f"{TMP_PREFIX}{path.name}.{secrets.token_hex(4)}"
+        try:
+            return os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"100 temporary names beside {path} were all taken")
+
+
 _CRC_SWITCH = threading.Lock()     # one patch of torch's process-wide switch at a time: each restores its prior
 
 
@@ -260,9 +273,10 @@ def torch_zip_crc32(compute: bool):
     Two overlapping patches on two threads would restore each other's value and leave the switch off
     for good: nblib's patches take turns.
     """
-    import torch
-
-    config = getattr(getattr(torch.utils, "serialization", None), "config", None)
+    try:
+        from torch.utils.serialization import config  # a submodule torch imports at its first save, not before
+    except ImportError:
+        config = None
     if compute or config is None:
         yield
         return

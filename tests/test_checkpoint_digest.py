@@ -1,6 +1,6 @@
 """Checkpoint digests (commit 9739b7a): version-3 records hold an xxh3_128 of the file, version-2
-records (sha256) still load, checkpoint files carry no zip CRC32s, and a local load hashes the file
-through a memory map before mapping it. Real files in tmp_path, real (small) torch tensors.
+records (sha256) still load, checkpoint files carry no zip CRC32s (the first a process writes too), and a
+load reads its file (never maps it). Real files in tmp_path, real (small) torch tensors.
 """
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ import hashlib
 import io
 import json
 import os
+import shutil
+import subprocess
+import sys
 import threading
 import uuid
 import zipfile
@@ -17,7 +20,6 @@ import pytest
 import torch
 import xxhash
 
-import nblib.store.parts as parts
 from nblib.atomic import (
     AtomicWriter,
     algorithm_of,
@@ -38,7 +40,7 @@ from nblib.store.checkpoints import (
     load_latest,
     stem,
 )
-from nblib.store.parts import DamagedCopy, FileOps, LocalFileOps, maps_safely
+from nblib.store.parts import DamagedCopy, FileOps
 
 NAME = "ck"
 REAL_TORCH_LOAD = torch.load
@@ -108,15 +110,6 @@ def load_calls(monkeypatch):
     return calls
 
 
-@pytest.fixture
-def mapped(monkeypatch):
-    """LocalFileOps take the mapped path for tmp_path wherever the tests run (mmap works on any local disk)."""
-    monkeypatch.setattr(parts, "maps_safely", lambda path: True)
-
-
-OPS = {"mapped": LocalFileOps, "threaded": FileOps}
-
-
 # ------------------------------------------------------------------------ the digest helpers
 
 
@@ -153,7 +146,7 @@ def test_an_xxh3_writer_refuses_bytes_that_do_not_match_the_expected_digest_and_
 
 
 def test_a_checkpoint_save_writes_a_version_3_record_with_the_xxh3_128_of_the_file_and_no_sha256(tmp_path):
-    folder = CheckpointFolder(tmp_path, LocalFileOps())
+    folder = CheckpointFolder(tmp_path, FileOps())
     path = folder.save(state(1), NAME, 1)
     record = record_of(folder, 1)
     body = record["body"]
@@ -176,7 +169,7 @@ def test_write_torch_reports_the_xxh3_digest_and_size_of_what_it_wrote(tmp_path)
 
 
 def test_a_checkpoint_file_has_no_zip_crc32s_while_a_default_atomic_torch_save_keeps_them(tmp_path):
-    checkpoint = CheckpointFolder(tmp_path / "ck", LocalFileOps()).save(state(1), NAME, 1)
+    checkpoint = CheckpointFolder(tmp_path / "ck", FileOps()).save(state(1), NAME, 1)
     plain = atomic_torch_save(state(1), tmp_path / "plain.pt").path
     with zipfile.ZipFile(checkpoint) as z:
         assert all(info.CRC == 0 for info in z.infolist())
@@ -204,19 +197,18 @@ def test_torch_computes_zip_crc32s_again_after_a_checkpoint_save_fails(tmp_path)
 # ------------------------------------------------------------------------ loading
 
 
-@pytest.mark.parametrize("kind", OPS)
-def test_a_checkpoint_saved_and_loaded_round_trips_its_tensors(tmp_path, kind, mapped, load_calls):
-    folder = CheckpointFolder(tmp_path, OPS[kind]())
+def test_a_checkpoint_saved_and_loaded_round_trips_its_tensors(tmp_path, load_calls):
+    folder = CheckpointFolder(tmp_path, FileOps())
     folder.save(state(1), NAME, 1)
     folder.save(state(2), NAME, 2)
     loaded = load_latest([folder], NAME)
     assert loaded.loaded_version == 2 and loaded.newest_version == 2 and loaded.damaged == []
     assert_state_equal(loaded.obj, 2)
-    assert load_calls == ([True] if kind == "mapped" else [None])
+    assert load_calls == [None]                               # read, not mapped
 
 
 def test_a_version_2_record_with_its_sha256_still_loads(tmp_path, load_calls):
-    folder = CheckpointFolder(tmp_path, LocalFileOps())
+    folder = CheckpointFolder(tmp_path, FileOps())
     assert 2 in READABLE_VERSIONS
     folder.save(state(1), NAME, 1)
     write_v2_record(folder, 2)
@@ -225,9 +217,8 @@ def test_a_version_2_record_with_its_sha256_still_loads(tmp_path, load_calls):
     assert_state_equal(loaded.obj, 2)
 
 
-@pytest.mark.parametrize("kind", OPS)
-def test_a_version_2_record_whose_sha256_is_wrong_is_skipped_as_damaged(tmp_path, kind, mapped):
-    folder = CheckpointFolder(tmp_path, OPS[kind]())
+def test_a_version_2_record_whose_sha256_is_wrong_is_skipped_as_damaged(tmp_path):
+    folder = CheckpointFolder(tmp_path, FileOps())
     folder.save(state(1), NAME, 1)
     path = write_v2_record(folder, 2, sha256="0" * 64)
     assert_state_equal(torch.load(path, weights_only=True), 2)    # the file itself is fine: only its digest is off
@@ -238,10 +229,8 @@ def test_a_version_2_record_whose_sha256_is_wrong_is_skipped_as_damaged(tmp_path
     assert "sha256 differs from its record" in loaded.damaged[0].reason
 
 
-@pytest.mark.parametrize("kind", OPS)
-def test_a_flipped_byte_in_the_newest_checkpoint_is_caught_and_the_version_before_loads(tmp_path, kind, mapped,
-                                                                                         load_calls):
-    folder = CheckpointFolder(tmp_path, OPS[kind]())
+def test_a_flipped_byte_in_the_newest_checkpoint_is_caught_and_the_version_before_loads(tmp_path, load_calls):
+    folder = CheckpointFolder(tmp_path, FileOps())
     folder.save(state(1), NAME, 1)
     path = folder.save(state(2), NAME, 2)
     size = path.stat().st_size
@@ -257,15 +246,11 @@ def test_a_flipped_byte_in_the_newest_checkpoint_is_caught_and_the_version_befor
     damaged = loaded.damaged[0]
     assert isinstance(damaged, DamagedCopy) and damaged.name == stem(NAME, 2) and damaged.side == "local"
     assert damaged.reason == "StateError: xxh3_128 differs from its record"
-    if kind == "mapped":
-        assert load_calls == [True]        # the damaged file was refused before torch mapped it
-    else:
-        assert load_calls == [None, None]  # loaded side by side with its hash, then discarded
+    assert load_calls == [None, None]      # loaded side by side with its hash, then discarded
 
 
-@pytest.mark.parametrize("kind", OPS)
-def test_a_checkpoint_whose_size_differs_from_its_record_is_skipped(tmp_path, kind, mapped):
-    folder = CheckpointFolder(tmp_path, OPS[kind]())
+def test_a_checkpoint_whose_size_differs_from_its_record_is_skipped(tmp_path):
+    folder = CheckpointFolder(tmp_path, FileOps())
     folder.save(state(1), NAME, 1)
     path = folder.save(state(2), NAME, 2)
     with open(path, "ab") as f:
@@ -275,23 +260,13 @@ def test_a_checkpoint_whose_size_differs_from_its_record_is_skipped(tmp_path, ki
     assert "bytes, its record says" in loaded.damaged[0].reason
 
 
-@pytest.mark.parametrize("kind", OPS)
-def test_a_record_without_its_file_is_skipped_as_damaged(tmp_path, kind, mapped):
-    folder = CheckpointFolder(tmp_path, OPS[kind]())
+def test_a_record_without_its_file_is_skipped_as_damaged(tmp_path):
+    folder = CheckpointFolder(tmp_path, FileOps())
     folder.save(state(1), NAME, 1)
     folder.save(state(2), NAME, 2).unlink()
     loaded = load_latest([folder], NAME)
     assert loaded.loaded_version == 1 and loaded.newest_version == 2
     assert loaded.damaged[0].name == stem(NAME, 2) and "FileNotFoundError" in loaded.damaged[0].reason
-
-
-def test_a_mapped_load_refuses_a_corrupt_pickle_before_torch_reads_it(tmp_path, mapped, load_calls):
-    folder = CheckpointFolder(tmp_path, LocalFileOps())
-    folder.save(state(1), NAME, 1)
-    flip_pickle_byte(folder.save(state(2), NAME, 2))
-    loaded = load_latest([folder], NAME)
-    assert loaded.loaded_version == 1 and load_calls == [True]
-    assert loaded.damaged[0].reason == "StateError: xxh3_128 differs from its record"
 
 
 def test_a_threaded_load_skips_a_checkpoint_whose_pickle_is_corrupt_and_names_the_digest(tmp_path):
@@ -303,120 +278,37 @@ def test_a_threaded_load_skips_a_checkpoint_whose_pickle_is_corrupt_and_names_th
     assert loaded.damaged[0].reason == "StateError: xxh3_128 differs from its record"
 
 
-def test_local_file_ops_fall_back_to_a_threaded_load_off_a_mappable_filesystem(tmp_path, monkeypatch, load_calls):
-    monkeypatch.setattr(parts, "maps_safely", lambda path: False)      # e.g. a fuse.drive mount
-    folder = CheckpointFolder(tmp_path, LocalFileOps())
-    folder.save(state(1), NAME, 1)
-    flip_tensor_byte(folder.save(state(2), NAME, 2), state(2)["w"])
-    loaded = load_latest([folder], NAME)
-    assert loaded.loaded_version == 1 and load_calls == [None, None]
-    assert loaded.damaged[0].reason == "StateError: xxh3_128 differs from its record"
-
-
-def test_a_mapped_load_survives_the_file_being_deleted_and_writes_to_it_stay_private(tmp_path, mapped, load_calls):
-    folder = CheckpointFolder(tmp_path, LocalFileOps())
-    path = folder.save(state(3), NAME, 3)
-    before = path.read_bytes()
-    loaded = load_latest([folder], NAME)
-    assert load_calls == [True]
-    loaded.obj["w"].add_(1.0)                                  # copy-on-write: the file must not change
-    assert path.read_bytes() == before
-    assert torch.equal(loaded.obj["w"], state(3)["w"] + 1.0)
-    assert_state_equal(load_latest([folder], NAME).obj, 3)     # a second load maps the untouched file
-    again = load_latest([folder], NAME).obj
-    folder.remove(NAME, 3)
-    assert not path.exists()
-    assert_state_equal(again, 3)                               # Linux keeps the unlinked file's pages mapped
-    assert float(again["w"].sum()) == float(state(3)["w"].sum())
-
-
-def test_the_checkpoint_manager_loads_its_local_folder_through_local_file_ops(tmp_path):
+def test_a_loaded_checkpoint_keeps_its_tensors_when_its_file_is_overwritten_or_deleted(tmp_path):
+    """`cp` over a loaded checkpoint writes into the same file (same inode): a map of it would change."""
     from nblib.store.manager import CheckpointManager
 
-    manager = CheckpointManager(tmp_path / "run")
-    assert isinstance(manager.local.ops, LocalFileOps) and manager.local.ops.maps_files is True
-    assert FileOps.maps_files is False
+    folder = CheckpointManager(tmp_path).local                # the run folder's own checkpoints
+    path = folder.save(state(3), NAME, 3)
+    other = folder.save(state(4), NAME, 4)
+    loaded = folder.load(folder.record_bytes(NAME, 3), NAME, 3)
+    inode = path.stat().st_ino
+    shutil.copyfile(other, path)
+    assert path.stat().st_ino == inode and path.read_bytes() == other.read_bytes()
+    assert_state_equal(loaded, 3)
+    path.unlink()
+    assert_state_equal(loaded, 3)
 
 
-# ------------------------------------------------------------------------ maps_safely
-
-FAKE_MOUNTINFO = """\
-22 27 0:21 / /proc rw,relatime - proc proc rw
-60 27 0:50 / /content/drive rw,nosuid,nodev,relatime shared:30 master:2 - fuse.drive drive rw,user_id=0
-61 60 0:51 / /content/drive/scratch rw,relatime - tmpfs tmpfs rw
-62 27 0:52 / /content/my\\040disk rw,relatime - fuse.sshfs host:/x rw
-63 27 0:53 / /content/fast rw,relatime - xfs /dev/vdb rw
-64 27 0:54 / /content/tab\\011and\\134slash rw,relatime - fuse.rclone remote: rw
-27 1 254:0 / / rw,relatime shared:1 - ext4 /dev/vda rw,discard
-"""   # the root comes last: the longest mount point holding a path decides, whatever the order
-
-
-@pytest.fixture
-def fake_mountinfo(monkeypatch):
-    """maps_safely reads FAKE_MOUNTINFO instead of /proc/self/mountinfo (other files open normally)."""
-    opened = []
-
-    def fake_open(file, *args, **kwargs):
-        if file == "/proc/self/mountinfo":
-            opened.append(file)
-            return io.StringIO(FAKE_MOUNTINFO)
-        return open(file, *args, **kwargs)
-
-    monkeypatch.setattr(parts, "open", fake_open, raising=False)
-    return opened
-
-
-@pytest.mark.parametrize("path, safe", [
-    ("/content/x.pt", True),                       # the ext4 root
-    ("/content/drive", False),                     # the mount point itself
-    ("/content/drive/MyDrive/run/ck-000001.pt", False),
-    ("/content/driveway/x.pt", True),              # a sibling whose name starts like the mount point
-    ("/content/drive/scratch/x.pt", True),         # a tmpfs mounted inside the fuse mount: the longest match wins
-    ("/content/my disk/x.pt", False),              # `\040` in mountinfo is a space
-    ("/content/my diskette/x.pt", True),
-    ("/content/fast/x.pt", True),
-    ("/content/tab\tand\\slash/x.pt", False),     # `\011` (tab) and `\134` (backslash) decoded too
-])
-def test_maps_safely_maps_only_files_on_local_disk_filesystems(fake_mountinfo, path, safe):
-    assert maps_safely(Path(path)) is safe
-    assert fake_mountinfo == ["/proc/self/mountinfo"]
-
-
-def test_maps_safely_resolves_symlinks_before_matching_mount_points(fake_mountinfo, tmp_path):
-    link = tmp_path / "drive-link"
-    link.symlink_to("/content/drive")
-    assert maps_safely(link / "x.pt") is False
-    assert maps_safely(tmp_path / "x.pt") is True      # tmp_path lies under the fake ext4 /
-
-
-def test_maps_safely_is_false_when_mountinfo_cannot_be_read(monkeypatch):
-    def refuse(file, *args, **kwargs):
-        raise PermissionError(13, "denied", file)
-
-    monkeypatch.setattr(parts, "open", refuse, raising=False)
-    assert maps_safely(Path("/content/x.pt")) is False
-
-
-def test_local_file_ops_do_not_map_a_checkpoint_on_a_fuse_mount(tmp_path, monkeypatch, load_calls):
-    """The real maps_safely, fed a mountinfo where tmp_path is a fuse mount: the load is threaded."""
-    real = os.path.realpath(tmp_path)
-    mountinfo = FAKE_MOUNTINFO + f"70 27 0:60 / {real.replace(' ', chr(92) + '040')} rw - fuse.drive drive rw\n"
-
-    def fake_open(file, *args, **kwargs):
-        return io.StringIO(mountinfo) if file == "/proc/self/mountinfo" else open(file, *args, **kwargs)
-
-    monkeypatch.setattr(parts, "open", fake_open, raising=False)
-    folder = CheckpointFolder(tmp_path, LocalFileOps())
-    folder.save(state(1), NAME, 1)
-    assert_state_equal(load_latest([folder], NAME).obj, 1)
-    assert load_calls == [None]
+def test_the_first_checkpoint_a_process_writes_has_no_zip_crc32s(tmp_path):
+    """torch imports its serialization config at its first save: the switch is found before that one too."""
+    code = (f"from nblib.store.checkpoints import CheckpointFolder; import torch; "
+            f"print(CheckpointFolder({str(tmp_path)!r}).save({{'w': torch.ones(4)}}, 'ck', 1))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    with zipfile.ZipFile(done.stdout.strip()) as z:
+        assert all(info.CRC == 0 for info in z.infolist())
 
 
 # ------------------------------------------------------------------------ copying between folders
 
 
 def test_copy_from_copies_a_version_3_checkpoint_byte_for_byte(tmp_path):
-    source = CheckpointFolder(tmp_path / "local", LocalFileOps(), "local")
+    source = CheckpointFolder(tmp_path / "local", FileOps(), "local")
     target = CheckpointFolder(tmp_path / "mirror", FileOps(), "mirror")
     path = source.save(state(1), NAME, 1)
     assert target.copy_from(source, NAME, 1) is True
@@ -482,7 +374,7 @@ def test_fsspec_ops_refuse_a_corrupted_or_resized_object(bucket):
 def test_a_checkpoint_folder_in_object_storage_skips_a_corrupted_version(tmp_path, bucket):
     root, ops = bucket
     remote = CheckpointFolder(root, ops, "mirror")
-    local = CheckpointFolder(tmp_path, LocalFileOps(), "local")
+    local = CheckpointFolder(tmp_path, FileOps(), "local")
     local.save(state(1), NAME, 1)
     local.save(state(2), NAME, 2)
     assert remote.copy_from(local, NAME, 1) and remote.copy_from(local, NAME, 2)

@@ -11,9 +11,37 @@ import time
 
 import pytest
 import torch
+from test_train import FAST, labelled_cache
 
+from conftest import importable_models
 from nblib.store.staging import Staged
+from nblib.train import train
 from nblib.train.store import TrainStore
+
+RENORM_SOURCE = '''
+import torch
+from torch import nn
+
+
+class Renorm(nn.Module):
+    """Codes of a few pixels looked up in an nn.Embedding(max_norm=1): every forward renormalizes the rows it reads
+    in place (the ones an optimizer step pushed past norm 1)."""
+
+    preprocessing = {"size": [16, 16]}
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Embedding(64, 8, max_norm=1.0)
+        self.head = nn.Linear(8, 12)
+
+    def forward(self, x):
+        codes = (x[:, :, ::4, ::4].flatten(1) * 16).long().clamp(0, 63)
+        return {"logits": self.head(self.table(codes).mean(dim=1))}
+
+
+def build():
+    return Renorm()
+'''
 
 
 def job(batch_norm: bool = False):
@@ -148,3 +176,140 @@ def test_closing_the_store_removes_its_step_hook(tmp_path):
 
     store.manager.fence = closed
     step(model, optimizer)                                 # no hook left to call it
+
+
+def ema_pull(model, optimizer) -> None:
+    """An EMA of the weights pulled back into them (Lookahead's slow weights)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.lerp_(torch.zeros_like(p), 0.5)
+
+
+def clamp(model, optimizer) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.clamp_(-0.01, 0.01)
+
+
+def load_other_weights(model, optimizer) -> None:
+    model.load_state_dict({k: torch.full_like(v, 0.25) for k, v in model.state_dict().items()})
+
+
+def second_optimizer_step(model, optimizer) -> None:
+    other = torch.optim.SGD(model.parameters(), lr=0.5)
+    step(model, other)
+
+
+@pytest.mark.parametrize("edit", [ema_pull, clamp, load_other_weights, second_optimizer_step],
+                         ids=lambda f: f.__name__)
+def test_a_weight_edited_in_place_between_the_save_and_the_next_step_is_saved_as_it_was(tmp_path, gate, edit):
+    """A hand-written loop on TrainStore.guard edits the weights in place after `save` (their version counters
+    move) and before the guarded optimizer's step: the state written is the one of the save's call.
+    """
+    model, optimizer = job()
+    store = TrainStore(tmp_path / "run")
+    store.guard(optimizer)
+    state = snapshot(model, optimizer)
+    expected = cloned(state)
+    versions = [p._version for p in model.parameters()]
+    store.save(state, 1, backup=False)
+    edit(model, optimizer)
+    assert [p._version for p in model.parameters()] != versions          # edited in place, not replaced
+    assert not torch.equal(model[0].weight, expected["model"]["0.weight"])
+    gate.set()
+    step(model, optimizer)
+    store.wait_saves()
+    assert_saved_is(store.load_latest()[0], expected)
+    store.close()
+
+
+def test_a_moment_edited_in_place_before_its_deferred_copy_refuses_the_save(tmp_path, gate):
+    from nblib.errors import StateError
+
+    model, optimizer = job()
+    store = TrainStore(tmp_path / "run")
+    store.guard(optimizer)
+    store.save(snapshot(model, optimizer), 1, backup=False)
+    next(iter(optimizer.state.values()))["exp_avg"].zero_()             # before the step: its version moves
+    gate.set()
+    step(model, optimizer)
+    with pytest.raises(StateError, match=r"not written: 1 deferred tensors .* edited in place.*--sync-save"):
+        store.wait_saves()
+    assert store.local_versions() == []
+    store.close()
+
+
+def test_the_history_a_skipped_fp16_step_lets_the_loop_extend_is_saved_as_it_was(tmp_path, gate):
+    """The loop's order with a step the GradScaler skips (inf gradients): no optimizer step, so no fence, and the
+    next evaluation appends to the live history while the save is still in flight.
+    """
+    model, optimizer = job()
+    scaler = torch.amp.GradScaler("cpu")
+    store = TrainStore(tmp_path / "run")
+    store.guard(optimizer)
+    history = [{"step": 0, "heldout_loss": 2.0}, {"step": 1, "heldout_loss": 1.5}]
+    store.save({**snapshot(model, optimizer), "history": history}, 1, backup=False)
+    loss = model(torch.randn(4, 6)).sum() * float("inf")
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)                                              # skipped: inf gradients
+    scaler.update()
+    assert store.fence_seconds == 0 and not store.manager._ready.is_set()
+    history.append({"step": 2, "heldout_loss": 1.4})
+    gate.set()
+    store.wait_saves()
+    assert store.load_latest()[0]["history"] == history[:2]
+    store.close()
+
+
+@pytest.fixture
+def renorm_model(tmp_path):
+    (tmp_path / "specs").mkdir()
+    with importable_models(tmp_path / "specs", {}, RENORM_SOURCE):
+        yield "tinyfactory:build"
+
+
+def test_a_deferred_save_of_a_model_that_renormalizes_its_weights_in_forward_equals_a_sync_save(
+        tmp_path, renorm_model, monkeypatch, one_torch_thread):
+    """`train --model` with nn.Embedding(max_norm=1): the forward after a save edits the table in place. Each
+    deferred copy is held until that forward ran (or 2 s, after the last save), and the async run's files are the
+    --sync-save run's, byte for byte.
+    """
+    cache = labelled_cache(tmp_path / "data", 96)
+    forwarded, renorms = threading.Event(), []
+    original_copy, original_save = Staged.copy_after, TrainStore.save
+
+    def held(self, events, keys):
+        forwarded.wait(2)
+        return original_copy(self, events, keys)
+
+    def save(self, *args, **kwargs):
+        forwarded.clear()
+        return original_save(self, *args, **kwargs)
+
+    def before(module, args):
+        if isinstance(module, torch.nn.Embedding):
+            module.seen = module.weight._version
+
+    def after(module, args, output):
+        if module.training and isinstance(module, torch.nn.Embedding):
+            renorms.append(module.weight._version != module.seen)
+            forwarded.set()
+
+    monkeypatch.setattr(Staged, "copy_after", held)
+    monkeypatch.setattr(TrainStore, "save", save)
+    hooks = [torch.nn.modules.module.register_module_forward_pre_hook(before),
+             torch.nn.modules.module.register_module_forward_hook(after)]
+    config = FAST.replace(keep_last=8, batch_size=8)
+    try:
+        train(cache, tmp_path / "sync", config, model=renorm_model, sync_save=True)
+        renorms.clear()
+        train(cache, tmp_path / "async", config, model=renorm_model)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert sum(renorms) >= config.steps // 2               # most training forwards edited the table in place
+    names = sorted(p.name for p in (tmp_path / "sync/checkpoints").glob("*.pt"))
+    assert len(names) >= 4 and names == sorted(p.name for p in (tmp_path / "async/checkpoints").glob("*.pt"))
+    for name in names + ["../final.pt"]:
+        assert (tmp_path / "async/checkpoints" / name).read_bytes() == \
+            (tmp_path / "sync/checkpoints" / name).read_bytes(), name

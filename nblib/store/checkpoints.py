@@ -9,9 +9,9 @@ checkpoint is written or loaded.
 
 Cost: torch writes the file itself (no serialized copy in memory, no zip CRCs: the digest covers
 every byte), the digest is read back from the page cache while the file is fsynced, the record
-follows, and the folder is fsynced once for both (3 fsyncs a version). A local load hashes the file
-through a memory map and then maps it (`FileOps.load_torch`); any other reads it and hashes it side by
-side and discards the object when the digest differs. The digest checks what nblib wrote against
+follows, and the folder is fsynced once for both (3 fsyncs a version). A load reads the file and hashes
+it side by side (`FileOps.load_torch`) and discards the object when the digest differs; it maps nothing,
+so a loaded state outlives any later change to its file. The digest checks what nblib wrote against
 torn writes and bit rot, not against a forger. Failure mode: a crash before the folder's fsync
 may keep the record without its file; that version then reads as damaged and the one before it loads.
 """

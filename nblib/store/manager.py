@@ -35,13 +35,13 @@ from typing import Any
 
 from nblib import env
 from nblib.atomic import remove_temporaries
-from nblib.errors import ConfigError
+from nblib.errors import ConfigError, StateError
 
 from .checkpoints import CheckpointFolder, Loaded, load_latest
 from .deadline import DeadlineOps, MirrorStalled, Stall, call_within, mirror_deadline
 from .identity import claim
 from .mirror import CopyCheckpoint, Mirror, MirrorStatus, MirrorWarning, Retention, Sides
-from .parts import FileOps, LocalFileOps, PartFolder
+from .parts import FileOps, PartFolder
 from .retention import checkpoints_to_drop
 from .retry import Retrier, RetryingOps
 from .staging import BackgroundWriter, HostStaging
@@ -97,7 +97,7 @@ class CheckpointManager:
         self.local_dir.mkdir(parents=True, exist_ok=True)
         if writer and clean_temporaries and (removed := remove_temporaries(self.local_dir)):   # a SIGKILL mid-write
             log.info("removed %d half-written temporaries a killed run left in %s", removed, self.local_dir)
-        self.local = CheckpointFolder(self.local_dir, LocalFileOps(), "local")
+        self.local = CheckpointFolder(self.local_dir, FileOps(), "local")
         self.local_parts = PartFolder(self.local_dir, FileOps(), "local")
         self.remote: CheckpointFolder | None = None       # the mirror, read from the caller's thread
         self.reads: FileOps | None = None                 # its ops: retried, each call with the deadline
@@ -143,11 +143,13 @@ class CheckpointManager:
         newest version of each `backup_also` name) for the mirror when `backup`; prune. The write's Future.
 
         The write in flight is waited for first (`last_wait_s`), its error raised here. `blocking=False`
-        stages the tensors into host buffers now and writes on the background thread. `defer` (with
-        `blocking=False`): tensors the caller will not change before it calls `fence()` (training: the
-        optimizer's parameters and moments, which only its next step changes, behind a step pre-hook);
-        their copies, and the rebuilding of the containers, then run on the writer's thread too, so the
-        caller must not change any container of `objects` either before `fence()` returns.
+        copies the tensors into host buffers and the containers (lists, dicts, numbers) now, and writes on
+        the background thread: what is written is `objects` as they are at this call, whatever the caller
+        changes next. `defer` (with `blocking=False`): tensors that only a call the caller fences changes
+        (training: the optimizer's moments, which only its next step changes, behind a step pre-hook that
+        calls `fence()`); they are copied on the writer's thread instead, and the write is refused
+        (StateError, at the next save or wait) when one of them was edited in place before its copy (its
+        version counter moved).
         """
         self.last_wait_s = self.wait()
         objects = {name: obj for name, obj in objects.items() if obj is not None}
@@ -157,28 +159,27 @@ class CheckpointManager:
             future.set_result(None)
             return future
         staged = self._staging.begin(objects)
-        later = deferrable(staged, defer)
+        later, watched = deferrable(staged, defer)
         staged.copy([key for key in staged.storages if key not in later])
+        snapshot = staged.build()             # views of the buffers: the deferred ones are filled before the write
         events = staged.cuda_events() if later else None
-        snapshot = None if later else staged.build()
         ready = self._ready = threading.Event()
         if not later:
             ready.set()
+        where = f"{'/'.join(objects)} of {self.version_label} {version}"
 
         def write() -> None:
-            obj = snapshot
-            if obj is None:
+            if later:
                 try:
                     staged.copy_after(events, later)
-                    obj = staged.build()
+                    check_unedited(watched, where)
                 finally:
                     ready.set()
-            self._write(obj, version, backup, backup_also)
+            self._write(snapshot, version, backup, backup_also)
 
         if self._writer is None:
             self._writer = BackgroundWriter()
-        self._pending = self._writer.submit(write, f"(raised by the background write of {'/'.join(objects)} of "
-                                                   f"{self.version_label} {version})")
+        self._pending = self._writer.submit(write, f"(raised by the background write of {where})")
         return self._pending
 
     def fence(self) -> float:
@@ -318,12 +319,29 @@ def claim_or_warn(ops: FileOps, mirror_dir: Path, identity: dict, local_dir: Pat
                       MirrorWarning, stacklevel=3)
 
 
-def deferrable(staged, tensors) -> set:
-    """The keys of `staged`'s storages that `tensors` (what the caller defers) hold (matched by address)."""
+def deferrable(staged, tensors) -> tuple[set, list]:
+    """(the keys of `staged`'s storages that `tensors`, what the caller defers, hold (matched by address),
+    [(tensor, its version counter now)] of those tensors): what `check_unedited` compares after the copy.
+    """
     by_address = {key[2]: key for key in staged.storages if key[0] != "empty"}
-    found = {by_address.get(t.untyped_storage().data_ptr()) for t in tensors}
-    found.discard(None)
-    return found
+    found, watched = set(), []
+    for tensor in tensors:
+        key = by_address.get(tensor.untyped_storage().data_ptr())
+        if key is not None:
+            found.add(key)
+            watched.append((tensor, tensor._version))
+    return found, watched
+
+
+def check_unedited(watched: list, where: str) -> None:
+    """StateError when a deferred tensor was edited in place between the save and its copy (its version moved)."""
+    edited = [tensor for tensor, seen in watched if tensor._version != seen]
+    if edited:
+        shapes = ", ".join(str(tuple(t.shape)) for t in edited[:3])
+        raise StateError(
+            f"the save of {where} was not written: {len(edited)} deferred tensors (shapes {shapes}) were edited in "
+            f"place after the save and before its copy, which the optimizer's next step waits for; edit the "
+            f"optimizer's state only after that step, or save synchronously (sync_save=True, --sync-save)")
 
 
 def check_knobs(local: Path, mirror: Path | None, **knobs) -> None:

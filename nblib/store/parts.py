@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import enum
 import io
-import mmap
 import os
 import re
 import secrets
@@ -32,10 +31,8 @@ from nblib.atomic import (
     WrittenFile,
     algorithm_of,
     atomic_torch_save,
-    digest_string,
     file_digest,
     fsync_dir,
-    new_hash,
     npy_header,
     sha256_file,
     sha256_json,
@@ -45,7 +42,7 @@ from nblib.manifest import manifest_bytes, parse_manifest
 
 __all__ = [
     "CHECKPOINT_HASH", "CHUNK", "PART_FILE", "PART_KIND", "PART_VERSION", "DamagedCopy", "FileEntry", "FileOps",
-    "LocalFileOps", "PartFolder", "PartInfo", "VerifyLevel", "check_name", "is_plain_name",
+    "PartFolder", "PartInfo", "VerifyLevel", "check_name", "is_plain_name",
 ]
 
 PART_KIND = "nblib.store.part"
@@ -188,23 +185,17 @@ class FileOps:
         """
         return atomic_torch_save(obj, path, sync_dir=sync_dir, algorithm=CHECKPOINT_HASH, zip_crc32=False)
 
-    maps_files = False     # LocalFileOps: load checkpoints as copy-on-write maps of their files
-
     def load_torch(self, path: Path, nbytes: int, digest: str, map_location="cpu", weights_only: bool = True):
         """torch.load `path` once its size and digest (`atomic.digest_string`) match; StateError otherwise.
 
-        Where the ops map files (`maps_files`, a local disk filesystem), the file is hashed through a
-        memory map, then loaded as one (`torch.load(mmap=True)`): the checked pages are what the
-        tensors map, copied only where written. Elsewhere torch.load and the hash (through `open`)
-        read the file side by side (both release the GIL); a mismatch discards what was loaded, and is
-        what is raised when the load itself failed on the damaged bytes.
+        torch.load and the hash (through `open`) read the file side by side (both release the GIL); a
+        mismatch discards what was loaded, and is what is raised when the load itself failed on the
+        damaged bytes. The tensors are read, never mapped: a loaded object neither changes nor dies
+        (SIGBUS) when its file is overwritten or truncated afterwards.
         """
         import torch
 
         algorithm = algorithm_of(digest)
-        if self.maps_files and maps_safely(path):
-            _check(path, _mapped_digest(path, algorithm), nbytes, digest)
-            return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=True)
         box: dict = {}
         hasher = threading.Thread(target=_hash_into, args=(self, path, box, algorithm), name="nblib-load-hash",
                                   daemon=True)
@@ -496,53 +487,8 @@ def _hash_into(ops: FileOps, path: Path, box: dict, algorithm: str = "sha256") -
         box["error"] = exc
 
 
-def _mapped_digest(path: Path, algorithm: str) -> tuple[str, int]:
-    """(digest, bytes) of the file at `path`, hashed through a read-only memory map (no copy)."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        h = new_hash(algorithm)
-        if size:
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-                h.update(mapped)
-        return digest_string(algorithm, h.hexdigest()), size
-
-
 def _check(path: Path, found: tuple[str, int], nbytes: int, digest: str) -> None:
     if found[1] != nbytes:
         raise StateError(f"{path.name} has {found[1]} bytes, its record says {nbytes}")
     if found[0] != digest:
         raise StateError(f"{algorithm_of(digest)} differs from its record")
-
-
-# Filesystems whose files map safely: a read error there is an I/O error of the local disk, not a
-# network mount that drops (a FUSE mount such as Drive's can fail a mapped page with SIGBUS).
-MAPPABLE_FILESYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "tmpfs", "overlay", "zfs"})
-
-
-def maps_safely(path: Path) -> bool:
-    """True when `path` is on a local disk filesystem (Linux /proc/self/mountinfo), so mmap is safe."""
-    try:
-        with open("/proc/self/mountinfo") as f:
-            mounts = [line.split() for line in f]
-    except OSError:
-        return False
-    target, best, fstype = os.path.realpath(path), "", None
-    for fields in mounts:
-        if "-" not in fields:
-            continue
-        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])   # \040 is a space
-        inside = target == point or target.startswith(point.rstrip("/") + "/")
-        if inside and len(point) >= len(best):
-            best, fstype = point, fields[fields.index("-") + 1]
-    return fstype in MAPPABLE_FILESYSTEMS
-
-
-class LocalFileOps(FileOps):
-    """FileOps of the run's own folder: checkpoints load mapped where the filesystem is a local disk.
-
-    A loaded state's tensors then map the checked file copy-on-write. nblib never writes a committed
-    checkpoint in place (every write is a new file renamed over nothing), so the pages stay what was
-    checked; a process that wrote into the file afterwards would change the state it maps.
-    """
-
-    maps_files = True

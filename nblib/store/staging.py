@@ -5,8 +5,9 @@ allocated once and reuses while the storages keep their sizes (pinned memory whe
 on CUDA, copied non-blocking, then one stream sync), and rebuilds the containers around views of
 them (`copy.deepcopy` with the tensors memoized, so state-dict metadata and shared storages stay
 as they were): `torch.save` of the result writes the bytes a synchronous save of host tensors
-writes. `begin(obj)` splits that up (`Staged`): a deferred save copies on the loop's thread only what
-the next step may change before its optimizer step, and the rest on the writer's thread.
+writes. `begin(obj)` splits that up (`Staged`): a deferred save copies on the loop's thread everything
+but what only a fenced call changes (the optimizer's moments), builds the containers there too, and copies
+the rest on the writer's thread.
 `BackgroundWriter.submit(fn)` runs `fn` on one daemon thread, in order, and returns a
 `concurrent.futures.Future`; an exception travels in the future (torchtitan's
 `CheckpointManager` pattern) and the job's references are dropped when it ends, failed or not.
@@ -71,11 +72,10 @@ class HostStaging:
 class Staged:
     """One state being staged: its storages, each with its host buffer; `copy` fills buffers, `build` rebuilds.
 
-    A deferred save copies part of the storages on the loop's thread (`copy`, with the keys that the
-    next step may change) and the rest on the writer's thread (`copy_after(events, keys)`), then
-    `build`s there. On CUDA the later copies run on a side stream of each device after the event the
-    loop recorded there at the save (`cuda_events`), so they read the tensors as they were then, while
-    the loop's next kernels run.
+    A deferred save copies part of the storages on the loop's thread (`copy`) and `build`s there (views of
+    the buffers), and copies the rest on the writer's thread (`copy_after(events, keys)`). On CUDA the
+    later copies run on a side stream of each device after the event the loop recorded there at the save
+    (`cuda_events`), so they read the tensors as they were then, while the loop's next kernels run.
     """
 
     def __init__(self, obj, storages: dict, tensors: list, buffers: dict, torch):

@@ -70,6 +70,8 @@ class TrainReport:
     samples: int = 0
     durability: Durability | None = None
     classes: list[str] = field(default_factory=list)
+    next_step: str = ""                                          # the command that uses final.pt
+    chance: float | None = None                                  # accuracy by guessing (None: 1 / classes)
 
     @property
     def first(self) -> dict:
@@ -91,7 +93,7 @@ class TrainReport:
             line = f"held-out loss {self.first['heldout_loss']:.4f} -> {self.last['heldout_loss']:.4f}"
             if self.classes and not math.isnan(self.last["heldout_accuracy"]):
                 line += (f", accuracy {self.first['heldout_accuracy']:.1%} -> {self.last['heldout_accuracy']:.1%} "
-                         f"(chance {1 / len(self.classes):.1%}, {len(self.classes)} classes)")
+                         f"(chance {self.chance or 1 / len(self.classes):.1%}, {len(self.classes)} classes)")
             lines.append(line)
         if self.save_seconds:
             step = float(np.mean(self.step_seconds)) if self.step_seconds else float("nan")
@@ -105,7 +107,7 @@ class TrainReport:
         if self.durability is not None:
             lines.append(self.durability.line())
         if self.final is not None:
-            lines.append(f"final weights: {self.final} (python -m nblib encode [--model SPEC] --weights {self.final})")
+            lines.append(f"final weights: {self.final}; next: {self.next_step}")
         return "\n".join(lines)
 
 
@@ -142,27 +144,11 @@ def _resume(state: dict | None, source: str, out: Path, identity: dict, plan: Ba
     check_identity(state["identity"], identity, where)
     for obj, key in zip(objects, ("model", "optimizer", "scheduler", "scaler")):
         obj.load_state_dict(state[key])
-    _own_moments(objects[1])
     step = plan.step_of(state["data_order"])
     if step != state["step"]:
         raise ResumeMismatch(f"the state's data order resumes at step {step} but it says step {state['step']}: "
                              f"it was edited; remove {out} or restore the file")
     return step, list(state["history"]), state["best"], source
-
-
-def _own_moments(optimizer) -> None:
-    """Give the optimizer private copies of its host state tensors.
-
-    A local load maps its checkpoint file copy-on-write (`nblib.store.parts.LocalFileOps`) and the optimizer
-    adopts the loaded tensors as they are; the first step would copy each of their pages anyway, and a
-    private copy now lets retention free the file's blocks once it deletes that version.
-    """
-    import torch
-
-    for per_param in optimizer.state.values():
-        for key, value in per_param.items():
-            if isinstance(value, torch.Tensor) and value.device.type == "cpu":
-                per_param[key] = value.clone()
 
 
 def _close_store(store: TrainStore | None, report: TrainReport, mirror_timeout_s: float, lock=None) -> None:
@@ -224,7 +210,8 @@ def _train(cache_dir, out, config: TrainConfig, *, mirror, progress, world, stor
     out = Path(out)
     store, lock = _open_store(out, mirror, config, storage_options, sync_save, mirror_quota_bytes,
                               mirror_timeout_s, identity, rank)
-    report = TrainReport(out, config.steps, 0, "start", [], None, None, 0.0, classes=task.classes)
+    report = TrainReport(out, config.steps, 0, "start", [], None, None, 0.0, classes=task.classes,
+                         next_step=task.next_step(out / FINAL), chance=task.chance)
     model_group = None
     try:
         model = task.model.to(config.device)
@@ -244,7 +231,7 @@ def _train(cache_dir, out, config: TrainConfig, *, mirror, progress, world, stor
             restore_rng(state["rng"])
         else:
             seed_everything(config.seed)
-        state = None                        # the loaded state maps its checkpoint file: let the mapping go
+        state = None                        # the loaded weights were copied into the model: free them
         bar = _bar(progress and writer, config.steps, step)
         while step < stop:
             tick, fenced_before = time.perf_counter(), store.fence_seconds if writer else 0.0

@@ -2,8 +2,9 @@
 
 The state is one dict that `torch.save` writes and `torch.load(weights_only=True)` reads back:
 model, optimizer, LR schedule and GradScaler state dicts; the RNG states of Python, numpy and
-torch (CPU, and every CUDA device when there is one; the loop re-seeds torch's generator by
-(seed, step, rank) before each step, so no rank's dropout depends on them); step and epoch; the data order as the
+torch's CPU generator (not the CUDA generators: the loop re-seeds torch's generators on every device by
+(seed, step, rank) before each step, so nothing depends on them, and a state resumes on any number of
+GPUs); step and epoch; the data order as the
 shuffle's state, a few hundred bytes of JSON (not a buffer of samples); the metric history and
 the best step so far; and the run's identity (settings that change the bytes, the cache's
 fingerprint, the classes and a digest of every label). `check_identity` refuses a resume whose
@@ -24,27 +25,24 @@ PARTS = ("model", "optimizer", "scheduler", "scaler", "rng", "data_order", "hist
 
 
 def capture_rng() -> dict:
-    """Every RNG the loop may draw from: Python, numpy, torch CPU, torch CUDA (when present)."""
+    """The RNGs a step may draw from before its re-seed: Python, numpy, torch CPU (see the module docstring)."""
     version, internal, gauss = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {"python": (version, list(internal), gauss),
-             "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                       "has_gauss": int(has_gauss), "cached": float(cached)},
-             "torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+    return {"python": (version, list(internal), gauss),
+            "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                      "has_gauss": int(has_gauss), "cached": float(cached)},
+            "torch": torch.get_rng_state()}
 
 
 def restore_rng(state: dict) -> None:
-    """Put every RNG back where `capture_rng` found it."""
+    """Put every RNG back where `capture_rng` found it. The CUDA states an older state holds are not restored:
+    the loop re-seeds the CUDA generators before each step, and this machine may have fewer GPUs.
+    """
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     n = state["numpy"]
     np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"]))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def seed_everything(seed: int) -> None:
@@ -84,6 +82,8 @@ def check_model(stored: dict, current: dict, where: str) -> None:
     old, new = stored.get("model"), current.get("model")
     if old == new or not any(isinstance(m, dict) and "class" in m for m in (old, new)):
         return                                                  # two TRM shapes: check_identity names the field
+    if (stored.get("config") or {}).get("seed") != (current.get("config") or {}).get("seed"):
+        return          # a model built from scratch draws its weights from the seed: check_identity names the seed
     if isinstance(old, dict) and isinstance(new, dict) and "class" in old and "class" in new:
         changes = identity_changes(old, new) + [f"{key}: {old.get(key)!r} -> {new.get(key)!r}"
                                                 for key in ("output", "head") if old.get(key) != new.get(key)]

@@ -97,21 +97,22 @@ class TrainStore:
 
     def save(self, state: dict, step: int, *, backup: bool, best: dict | None = None) -> float:
         """Write `state` as version `step` locally (atomic), `best` first as the best series' version `step`;
-        queue both for the mirror when `backup`. Asynchronous unless `sync_save`: the tensors are staged
-        now, the files written on the writer thread; with a `guard`ed optimizer, its parameters and
-        moments are copied on the writer thread too, before its next step. The seconds waited for the
-        previous write.
+        queue both for the mirror when `backup`. Asynchronous unless `sync_save`: what is written is `state`
+        as it is at this call (its tensors and containers copied now, the files written on the writer
+        thread); with a `guard`ed optimizer, its moments are copied on the writer thread, before its next
+        step. The seconds waited for the previous write.
         """
-        defer = () if self._guarded is None else optimizer_tensors(self._guarded)
+        defer = () if self._guarded is None else optimizer_moments(self._guarded)
         self.manager.save({BEST: best, STATE: state}, step, backup=backup, blocking=self.sync_save,
                           backup_also=(BEST,), defer=defer)
         return self.manager.last_wait_s
 
     def guard(self, optimizer) -> None:
-        """Let asynchronous saves copy `optimizer`'s parameters and moments after `save` returns: its next
-        `step` first waits until the save in flight holds them (a step pre-hook; `fence_seconds` adds up
-        the waits). The caller changes nothing else of a saved state before that step: the loop's forward
-        and backward change gradients and (model buffers, copied before `save` returns) nothing saved.
+        """Let asynchronous saves copy `optimizer`'s moments after `save` returns: its next `step` first waits
+        until the save in flight holds them (a step pre-hook; `fence_seconds` adds up the waits). Anything
+        else (the weights a forward, an EMA, a clamp_ or a load_state_dict may edit in place) is copied before
+        `save` returns. A moment edited in place before that step is caught by its version counter: that
+        save is refused (StateError at the next save or wait), never written with the edit.
         """
         if self.sync_save or self._guarded is not None:
             return
@@ -204,14 +205,14 @@ class TrainStore:
         self.watch.check()
 
 
-def optimizer_tensors(optimizer) -> list:
-    """The tensors only `optimizer.step` changes: its parameters and the tensors of its per-parameter state."""
+def optimizer_moments(optimizer) -> list:
+    """The tensors of `optimizer`'s per-parameter state (moments, step counts): only its `step` edits them (its
+    `load_state_dict` replaces them). Not its parameters: a forward (nn.Embedding's max_norm), an EMA, a clamp_,
+    the model's load_state_dict or another optimizer edit those in place.
+    """
     import torch
 
-    tensors = [p for group in optimizer.param_groups for p in group["params"]]
-    for per_param in optimizer.state.values():
-        tensors.extend(v for v in per_param.values() if isinstance(v, torch.Tensor))
-    return tensors
+    return [v for per_param in optimizer.state.values() for v in per_param.values() if isinstance(v, torch.Tensor)]
 
 
 def _warn(damaged) -> None:
