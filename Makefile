@@ -22,7 +22,7 @@ $(STAMP): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(if $(filter uv,$(INSTALLER)),$(BIN)/python scripts/uv_install.py $(BIN)/python requirements.txt || )$(BIN)/python -m pip install -q -r requirements.txt
-	$(BIN)/python -m pip install -q --no-deps -e .
+	$(BIN)/python -m pip install -qq --no-deps -e .   # -qq: not setuptools' 11-line "Editable installation" warning
 	touch $(STAMP)
 
 # nblib's own .pyc files, written before the processes start: with PYTHONDONTWRITEBYTECODE=1 (this machine, CI)

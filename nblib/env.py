@@ -102,7 +102,8 @@ def mount_drive(mount_point: str | Path = COLAB_MOUNT_POINT, *, _drive=None) -> 
     else:
         mount_point = Path(mount_point)
         try:
-            drive.mount(str(mount_point))
+            if not os.path.isdir(mount_point / "MyDrive"):  # mounted already (the setup cell): a mount only prints
+                drive.mount(str(mount_point))
             _probe(mount_point)
         except OSError as exc:
             if exc.errno != errno.ENOTCONN and "Transport endpoint is not connected" not in str(exc):

@@ -13,7 +13,6 @@ the smoke profile, writes that file, and strips the notebook.
 """
 from __future__ import annotations
 
-import ast
 import hashlib
 import json
 import os
@@ -21,40 +20,29 @@ import sys
 from pathlib import Path
 
 import nbformat
+from colab_setup import REPO_URL  # the repository's one URL (scripts/ is on sys.path beside this file)
 
-REPO_URL = "https://github.com/nblib-suite/nblib-suite"
-COLAB_URL = "https://colab.research.google.com/github/nblib-suite/nblib-suite/blob/main/notebooks"
+COLAB_URL = REPO_URL.replace("https://github.com/", "https://colab.research.google.com/github/") + "/blob/main"
 CHECK_MARK = "# NBVAL_CHECK_OUTPUT"
 REFERENCES = Path(__file__).resolve().parents[1] / "tests" / "nbval_references"
 KERNELSPEC = {"name": "python3", "display_name": "Python 3", "language": "python"}
 
-# The setup cell: a Colab form (a reader there sees one line, "Setup"; JupyterLab shows it collapsed).
-# Its installer is scripts/colab_setup.py's setup_nblib, copied in whole (it runs before nblib exists).
-SETUP_TITLE = '#@title Setup { display-mode: "form" }'
-SETUP_METADATA = {"cellView": "form", "jupyter": {"source_hidden": True}}
-
-
-def _setup_cell() -> str:
-    source = (Path(__file__).resolve().parent / "colab_setup.py").read_text()
-    fn = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "setup_nblib")
-    body = "\n".join(source.splitlines()[fn.lineno - 1:fn.end_lineno])
-    return f"""\
-{SETUP_TITLE}
-# In Colab: fetch nblib (git clone NBLIB_REPO, else your Drive's MyDrive/nblib-suite*/ or nblib-suite*.zip),
-# pip install it, mount Drive. Rerun after changing NBLIB_REPO to switch. Elsewhere it only imports nblib.
-import sys
-
-
-{body}
-
-
+# The setup cell, the same in every notebook and shown in full everywhere (no Colab form): outside Colab it imports
+# nblib; in Colab it reaches scripts/colab_setup.py (a clone of NBLIB_REPO, else inside MyDrive/nblib-suite.zip) and
+# runs it. Relative paths: Colab runs a notebook in /content (the clone: /content/nblib-suite, Drive: /content/drive).
+SETUP_CELL = f"""\
+# Setup, the same in every notebook. Outside Colab nblib is installed already (README). In Colab this fetches the
+# repository once, a git clone of NBLIB_REPO or else the zip `make drive-zip` writes, uploaded to your Drive as
+# MyDrive/nblib-suite.zip, and its scripts/colab_setup.py installs nblib (docs/colab.md).
+import importlib, os, sys
 if "google.colab" in sys.modules:
-    setup_nblib()
-import nblib
-WORKSPACE = nblib.env.workspace()  # Google Drive in Colab, a local folder elsewhere"""
-
-
-SETUP_CELL = _setup_cell()
+    REPO = os.getenv("NBLIB_REPO", "{REPO_URL}")
+    !test -d nblib-suite || GIT_TERMINAL_PROMPT=0 git clone -q --depth=1 {{REPO}} nblib-suite
+    from google.colab import drive; os.path.isdir("nblib-suite") or drive.mount(os.path.abspath("drive"))
+    sys.path[:0] = ["nblib-suite/scripts", "drive/MyDrive/nblib-suite.zip/nblib-suite/scripts"]
+    # "No module named 'colab_setup'" here: the clone failed (git's reason above) and MyDrive has no nblib-suite.zip
+    importlib.invalidate_caches(); import colab_setup; colab_setup.setup_nblib()
+import nblib; WORKSPACE = nblib.env.workspace()  # Google Drive in Colab, a local folder elsewhere"""
 
 
 def md(text: str) -> nbformat.NotebookNode:
@@ -73,16 +61,14 @@ def code(text: str, tags: tuple[str, ...] = ()) -> nbformat.NotebookNode:
 def header_cells(filename: str, title: str, learn: list[str]) -> list[nbformat.NotebookNode]:
     """The four cells every notebook starts with: title, Colab badge, what you will learn, setup."""
     badge = (f"[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]"
-             f"({COLAB_URL}/{filename})")
+             f"({COLAB_URL}/notebooks/{filename})")
     bullets = "\n".join(f"- {item}" for item in learn)
     return [md(f"# {title}"), md(badge), md(f"## What you will learn\n{bullets}"), setup_cell()]
 
 
 def setup_cell() -> nbformat.NotebookNode:
-    """The setup cell: SETUP_CELL, shown as a form in Colab and collapsed in JupyterLab."""
-    cell = code(SETUP_CELL)
-    cell.metadata.update(json.loads(json.dumps(SETUP_METADATA)))
-    return cell
+    """The setup cell: SETUP_CELL, a plain code cell (it reads the same in Colab, JupyterLab, VS Code, GitHub)."""
+    return code(SETUP_CELL)
 
 
 def write_notebook(path: str | Path, cells: list[nbformat.NotebookNode]) -> Path:
@@ -161,7 +147,7 @@ if __name__ == "__main__":
             nb = nbformat.read(p, as_version=4)
             cell = setup_cell()
             nb.cells[3].source = cell.source
-            nb.cells[3].metadata.update(cell.metadata)
+            nb.cells[3].metadata = cell.metadata
             nbformat.write(strip(nb), p)
             print("setup cell written", p)
     elif verb == "strip":

@@ -3,15 +3,16 @@
 A kernel looks like Colab's: tests/colab_stub is on its PYTHONPATH and an IPython startup file
 imports `google.colab` (so `"google.colab" in sys.modules`). Its Python is a throwaway venv that
 sees .venv's packages as "what Colab ships" (torch, TensorFlow, numpy...) and starts without
-nblib. The setup cell clones NBLIB_REPO (a git snapshot of this working tree) into
-NBLIB_CLONE_DIR and `%pip install -e`s it, then mounts the stand-in's Drive. The test checks:
+nblib; it starts in the test's `content/` (Colab's /content). The setup cell clones NBLIB_REPO (a git snapshot
+of this working tree) into `content/nblib-suite`, runs its scripts/colab_setup.py, which `pip install -e`s it,
+and mounts the stand-in's Drive. The test checks:
 nblib is installed from the clone; no other distribution changes (torch and TensorFlow keep their
 version and files); the workspace lives under the fake MyDrive; rerunning the cell, even after the
 mount dropped with Errno 107, re-clones nothing, reinstalls nothing else and remounts.
 
-Before the repository is public (NBLIB_REPO unreachable), the setup cell installs from a copy of
-the repository on the stand-in's Drive: a folder `MyDrive/nblib-suite/` or GitHub's zip
-`MyDrive/nblib-suite-main.zip` (tests/test_setup_cell.py has the error when there is neither).
+Before the repository is public (NBLIB_REPO unreachable), the setup cell installs from the zip `make drive-zip`
+writes, uploaded to the stand-in's Drive as `MyDrive/nblib-suite.zip` (tests/test_setup_cell.py has the
+errors), and Drive is mounted once: no "Drive already mounted ... call drive.mount(...)" line (issue 41).
 """
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ def colab(tmp_path_factory):
     (ipython / "00-colab.py").write_text("import google.colab  # the stand-in: this kernel is 'in Colab'\n")
     kernel_env = {"PYTHONPATH": str(STUB), "IPYTHONDIR": str(tmp / "ipython"),
                   "COLAB_STUB_HOME": str(env.stub_home), "NBLIB_REPO": f"file://{env.src}",
-                  "NBLIB_CLONE_DIR": str(env.clone), "NBLIB_COLAB_MOUNT_POINT": str(env.mount_point),
+                  "NBLIB_COLAB_MOUNT_POINT": str(env.mount_point),
                   "NBLIB_PROFILE": "smoke", "NBLIB_OUTPUTS": str(content / "outputs"),
                   "PIP_NO_INPUT": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
     env.kernel_env = kernel_env
@@ -132,32 +133,27 @@ def test_notebook_03_runs_on_the_fake_colab_and_mirrors_its_run_to_the_fake_driv
         f"encode did not mirror its parts to the fake Drive ({cloud})"
 
 
-@pytest.mark.parametrize("kind", ["folder", "zip"])
-def test_without_a_reachable_repository_the_setup_cell_installs_from_a_copy_on_drive(colab, kind, tmp_path):
-    """Before the repository is public: the clone fails, and nblib comes from MyDrive/nblib-suite*/ or *.zip."""
-    stub_home, clone = tmp_path / "stub", tmp_path / "content" / "nblib-suite"
-    my_drive = stub_home / "drive" / "MyDrive"
+def test_without_a_reachable_repository_the_setup_cell_installs_from_the_drive_zip_mounting_once(colab, tmp_path):
+    """Before the repository is public: the clone fails, and nblib comes from MyDrive/nblib-suite.zip."""
+    stub_home, content = tmp_path / "stub", tmp_path / "content"
+    clone, my_drive = content / "nblib-suite", stub_home / "drive" / "MyDrive"
     my_drive.mkdir(parents=True)
-    if kind == "folder":
-        copy = my_drive / "nblib-suite"
-        shutil.copytree(colab.src, copy, ignore=shutil.ignore_patterns(".git"))
-    else:                                      # GitHub's "Download ZIP": one top folder, <repo>-<branch>/
-        copy = my_drive / "nblib-suite-main.zip"
-        with zipfile.ZipFile(copy, "w") as z:
-            for path in sorted(colab.src.rglob("*")):
-                if path.is_file() and ".git" not in path.relative_to(colab.src).parts:
-                    z.write(path, Path("nblib-suite-main") / path.relative_to(colab.src))
+    content.mkdir()
+    copy = my_drive / "nblib-suite.zip"                 # as `make drive-zip` writes it: one top folder, nblib-suite/
+    with zipfile.ZipFile(copy, "w") as z:
+        for path in sorted(colab.src.rglob("*")):
+            if path.is_file() and ".git" not in path.relative_to(colab.src).parts:
+                z.write(path, Path("nblib-suite") / path.relative_to(colab.src))
     (my_drive / "nblib-suite-notes.txt").write_text("not a repository: ignored")
-    kernel = _kernel_spec(colab, f"{KERNEL}-{kind}", NBLIB_REPO=f"file://{tmp_path / 'not-published'}",
-                          NBLIB_CLONE_DIR=str(clone), COLAB_STUB_HOME=str(stub_home),
-                          NBLIB_COLAB_MOUNT_POINT=str(tmp_path / "content" / "drive"),
-                          NBLIB_OUTPUTS=str(tmp_path / "content" / "outputs"))
+    kernel = _kernel_spec(colab, f"{KERNEL}-zip", NBLIB_REPO=f"file://{tmp_path / 'not-published'}",
+                          COLAB_STUB_HOME=str(stub_home), NBLIB_COLAB_MOUNT_POINT=str(content / "drive"),
+                          NBLIB_OUTPUTS=str(content / "outputs"))
     venv = _shipped_venv(tmp_path / "venv")
     kernel["argv"][0] = str(venv / "bin" / "python")
-    _write_kernel_spec(colab, f"{KERNEL}-{kind}", kernel)
+    _write_kernel_spec(colab, f"{KERNEL}-zip", kernel)
     nb = _notebook("00_setup.ipynb")
     nb.cells = nb.cells[:4]
-    client = _client(nb, colab, kernel_name=f"{KERNEL}-{kind}")
+    client = _client(nb, colab, kernel_name=f"{KERNEL}-zip", cwd=content)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("COLAB_STUB_HOME", str(stub_home))
         with client.setup_kernel():
@@ -167,14 +163,15 @@ def test_without_a_reachable_repository_the_setup_cell_installs_from_a_copy_on_d
             said = _text(nb.cells[3])
             check = _check(client, nb)
             rerun = _text(_execute(client, nb, nb.cells[3].source))
-    assert f"nblib comes from your Drive copy {tmp_path / 'content' / 'drive' / 'MyDrive' / copy.name}" in said, said
+    assert f"nblib comes from your Drive copy {content / 'drive' / 'MyDrive' / copy.name}" in said, said
     assert "not-published failed (fatal: " in said, "the line says why the clone was not used"
+    assert said.count("Mounted at") == 1 and "already mounted" not in said + rerun, said
     assert Path(check["nblib"]).is_relative_to(clone), "nblib is imported from the local copy, not from Drive"
     assert (clone / "pyproject.toml").is_file() and not (clone / ".git").exists()
     assert json.loads((clone / ".nblib-source").read_text())["source"].endswith(copy.name)
     workspace = Path(check["workspace"])
     assert workspace.resolve() == (my_drive / "nblib").resolve(), workspace
-    assert "Drive copy" not in rerun, "a rerun with the same NBLIB_REPO fetches nothing"
+    assert not rerun.strip(), "a rerun with the same NBLIB_REPO fetches, mounts and prints nothing"
     assert not Path(f"{clone}.new").exists() and not Path(f"{clone}.new.unzip").exists()
 
 
@@ -231,11 +228,11 @@ def _notebook(name: str) -> nbformat.NotebookNode:
     return nbformat.read(ROOT / "notebooks" / name, as_version=4)
 
 
-def _client(nb, colab, kernel_name=KERNEL):
+def _client(nb, colab, kernel_name=KERNEL, cwd=None):
     from nbclient import NotebookClient
 
     return NotebookClient(nb, kernel_name=kernel_name, timeout=600, allow_errors=False,
-                          resources={"metadata": {"path": str(colab.content)}})
+                          resources={"metadata": {"path": str(cwd or colab.content)}})
 
 
 def _kernel_spec(colab, name: str, **env: str) -> dict:

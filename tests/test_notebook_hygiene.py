@@ -69,16 +69,31 @@ def test_every_checked_cell_has_a_current_text_reference(path):
             assert set(out.get("data", {})) <= {"text/plain"}, f"non-text reference in {src[:60]!r}"
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_setup_cell_is_the_one_from_nbtools(path):
-    """Every setup cell is scripts/nbtools.py's SETUP_CELL: the install source lives in one place."""
+def _nbtools():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     try:
         import nbtools
     finally:
         sys.path.pop(0)
-    assert _source(_load(path)["cells"][3]) == nbtools.SETUP_CELL, (
+    return nbtools
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_setup_cell_is_the_one_from_nbtools(path):
+    """Every setup cell is scripts/nbtools.py's SETUP_CELL: the install source lives in one place."""
+    assert _source(_load(path)["cells"][3]) == _nbtools().SETUP_CELL, (
         f"{path.name}: the setup cell differs; run scripts/nbtools.py setup {path}")
+
+
+def test_the_setup_cells_are_identical_short_and_shown_the_same_in_every_viewer():
+    """Issue 41: at most 8 lines of code, the same in all notebooks, and a plain cell (no Colab form, not collapsed)."""
+    cells = [_load(path)["cells"][3] for path in NOTEBOOKS]
+    assert len({_source(c) for c in cells}) == 1, "the setup cells differ between notebooks"
+    lines = [s for s in _source(cells[0]).splitlines() if s.strip() and not s.lstrip().startswith("#")]
+    assert len(lines) <= 8, f"the setup cell has {len(lines)} lines of code: {lines}"
+    for path, cell in zip(NOTEBOOKS, cells):
+        assert cell["metadata"] == {}, f"{path.name}: the setup cell's metadata hides or folds it: {cell['metadata']}"
+    assert "#@title" not in _source(cells[0]), "a Colab form shows one line in Colab and all of it elsewhere"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
@@ -103,8 +118,9 @@ def test_notebook_starts_with_title_badge_learn_and_setup(path):
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_imports_only_nblib_for_its_logic(path):
+    """The setup cell is the exception: in Colab it imports google.colab and the repository's colab_setup."""
     stdlib = set(sys.stdlib_module_names)
-    for cell in _code_cells(_load(path)):
+    for cell in _code_cells(_load(path))[1:]:
         src = _source(cell)
         tree = ast.parse(_python(src))
         for node in ast.walk(tree):
@@ -129,14 +145,8 @@ def test_widget_cells_are_ignored_by_nbval(path):
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_defines_no_functions_or_classes(path):
-    """Reusable code lives in nblib. The setup cell is the exception: it runs before nblib is installed
-    (its one-line SetupFailed and its step runner), and it is scripts/nbtools.py's SETUP_CELL, checked above.
-    """
-    import nbtools
-
+    """Reusable code lives in nblib (the setup cell's installer, which runs before nblib is, in scripts/)."""
     for cell in _code_cells(_load(path)):
-        if _source(cell) == nbtools.SETUP_CELL:
-            continue
         tree = ast.parse(_python(_source(cell)))
         defs = [n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
         assert not defs, f"{path.name} defines {defs}: put reusable code in nblib"
