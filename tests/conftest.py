@@ -29,6 +29,29 @@ def repo() -> Path:
     return REPO
 
 
+def free_between_cases() -> None:
+    """What a finished case left unreferenced goes now: reference cycles collected (a model in one is freed), then
+    CUDA's cached blocks given back, so a gpu case never fails for memory a previous case still held.
+    """
+    import gc
+
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+@pytest.fixture(autouse=True)
+def _gpu_cases_start_clean(request):
+    """Around every `gpu`-marked case: free_between_cases before and after it."""
+    gpu = request.node.get_closest_marker("gpu") is not None
+    if gpu:
+        free_between_cases()
+    yield
+    if gpu:
+        free_between_cases()
+
+
 def fresh_touched_bytes(nbytes: int):
     """`nbytes` of new anonymous pages, every page written: a real RSS rise in any process.
 

@@ -48,7 +48,7 @@ def test_train_runs_on_cuda_when_no_device_is_named(reference):
     assert body["config"]["device"] == "cuda"
     state = torch.load(sorted((reference / "checkpoints").glob("state-*.pt"))[-1], weights_only=True,
                        map_location="cpu")
-    assert "cuda" in state["rng"]                            # the CUDA generators were captured
+    assert "cuda" not in state["rng"]                        # re-seeded every step: a state resumes on any GPU count
     history = body["history"]
     assert history[-1]["heldout_loss"] < history[0]["heldout_loss"]
 

@@ -18,10 +18,11 @@ def train_main(argv: list[str]) -> int:
     args = _train_args(argv)
     checked = check_train_args(args)       # a refusal answers before torch is imported
     from nblib.encode.distributed import join
+    from nblib.train.determinism import allowed
 
     world = join(device=args.device)
     try:
-        with os_errors_name(args.out):
+        with os_errors_name(args.out), allowed(args.nondeterministic):
             report = run_train(args, checked, world if world.size > 1 else None)
         # every rank waits for rank 0's last write before the process group closes: a rank that tore
         # gloo down while another still ran died in std::terminate at exit
@@ -45,8 +46,13 @@ def _train_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--input-key", help="with --records: the array field the model takes")
     p.add_argument("--target-key", help="with --records: the field the loss compares the output with")
     p.add_argument("--loss", choices=("auto", "ce", "mse"), default="auto",
-                   help="with --records: ce (class labels or probability rows), mse; auto: ce for integer targets")
-    p.add_argument("--classes", type=positive_int, help="with --records, integer targets and no --model: classes")
+                   help="with --records: ce takes integer class labels (output [..., C]), integer top-k class "
+                        "indices [T, k] (output [T, C], C >= k: k-hot multi-label binary cross-entropy) or float "
+                        "probability rows [T, C] (soft targets: soft cross-entropy); mse takes float targets of the "
+                        "output's shape; auto (default): ce for integer targets, mse for float ones. Padding never "
+                        "counts; a --model whose forward takes attention_mask gets it")
+    p.add_argument("--classes", type=positive_int, help="with --records, integer targets and no --model: the classes "
+                                                         "(for top-k indices: the experts)")
     p.add_argument("--model", help="trm (default for --cache), trm:PRESET, hf:CLASS[:config.json], timm:NAME or "
                                    "package.module:factory; with --records default: a per-token linear map")
     p.add_argument("--output", help="the model output its head (with --records: its loss) takes (default: logits, "
@@ -77,6 +83,9 @@ def _train_args(argv: list[str]) -> argparse.Namespace:
                         "mirror is under the Colab Drive mount, else none; needs a mirror folder)")
     p.add_argument("--sync-save", action="store_true",
                    help="write each state on the training thread (default: snapshot, then a background write)")
+    p.add_argument("--nondeterministic", action="store_true",
+                   help="let ops torch has no deterministic CUDA kernel for run (warn-only); this run and its resume "
+                        "will NOT be bit-identical (default: such a model is refused before its first step)")
     p.add_argument("--no-progress", action="store_true")
     try:
         args = p.parse_args(argv)

@@ -75,13 +75,30 @@ def memory_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def largest_batch_demo(model, cap_bytes: int, progress: bool = True) -> tuple[int, list]:
-    """(the budget's largest micro-batch under a cap on what a step adds, the probes that confirm it)."""
+def largest_batch_demo(model, cap_bytes: int, progress: bool = True, device: str | None = None) -> tuple[int, list]:
+    """(the budget's largest micro-batch under the cap, the probes on the device training uses that confirm it).
+
+    device: None, the loop's (`nblib.train.device.check_device`: cuda on a T4). On CPU the cap is what a step
+    adds (the closed-form budget, `largest_batch`); on CUDA all the device memory the process may reserve (the
+    traced budget, `nblib.budget.model_vram`, on a T4 whose memory is the cap).
+    """
+    import dataclasses
+
     from nblib.budget.training import largest_batch
+    from nblib.train.device import check_device
     from nblib.train.probe import probe_largest_batch
 
-    predicted = largest_batch(model, cap_bytes, step_only=True)
-    return predicted, probe_largest_batch(model, cap_bytes, predicted, tries=3, progress=progress)
+    device = check_device(device)
+    if device.startswith("cuda"):
+        from nblib.budget.devices import device_preset
+        from nblib.budget.model_vram import model_vram
+
+        capped = dataclasses.replace(device_preset("t4"), name=f"T4 capped at {fmt_bytes(cap_bytes)}",
+                                     vram_bytes=cap_bytes, cuda_context_bytes=0)
+        predicted = model_vram(model, 1, capped, precision="fp32", train=True).largest_batch or 0
+    else:
+        predicted = largest_batch(model, cap_bytes, step_only=True)
+    return predicted, probe_largest_batch(model, cap_bytes, predicted, tries=3, progress=progress, device=device)
 
 
 def probed_words(predicted: int, probes: list) -> str:

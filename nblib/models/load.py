@@ -21,7 +21,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-from nblib.errors import MissingDependency, ModelSpecError, WeightsError
+from nblib.errors import MissingDependency, ModelSpecError, NblibError, WeightsError
 from nblib.models.identity import hf_config_dict, model_identity, module_config
 from nblib.models.preprocessing import (
     Preprocessing,
@@ -149,8 +149,10 @@ def _build_hf(spec: str, rest: str, *, config, seed: int) -> LoadedModel:
     if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module) and getattr(cls, "config_class", None)):
         raise ModelSpecError(f"transformers.{class_name} is not a model class (an nn.Module with a "
                              f"config_class); name one such as ViTModel")
+    _takes_images(cls, transformers)
     hf_config = _hf_config(cls, config_path) if config_path else cls.config_class()
-    module = _seeded(seed, lambda: cls(hf_config))
+    module = _built(seed, lambda: cls(hf_config), f"{spec} (transformers.{class_name}({cls.config_class.__name__}))",
+                    "pass a config it builds from (hf:CLASS:config.json)")
     pre = preprocessing_from_hf(hf_config, hf_processor_defaults(hf_config))
     return LoadedModel(module, spec, "hf", pre, hf_config_dict(hf_config))
 
@@ -174,7 +176,41 @@ def _hf_config(cls, path: str):
         return cls.config_class.from_dict(data)
     except Exception as exc:   # noqa: BLE001 - a config class may refuse a field with any error
         raise ModelSpecError(f"config {file} does not build a {cls.config_class.__name__} "
-                             f"({type(exc).__name__}: {exc})") from None
+                             f"({type(exc).__name__}: {one_line(exc)}); fix that field") from None
+
+
+def _takes_images(cls, transformers) -> None:
+    """Refuse a class whose forward takes something before pixel_values (CLIPModel: input_ids, text and images):
+    nblib calls a model with one batch of images.
+    """
+    import inspect
+
+    names = [n for n in inspect.signature(cls.forward).parameters if n != "self"]
+    if names[:1] != ["pixel_values"]:
+        tower = f"{cls.__name__.removesuffix('Model')}VisionModel"
+        fix = (f"use its image tower, hf:{tower}" if hasattr(transformers, tower) else
+               "name a vision model whose forward takes pixel_values first (ViTModel, ResNetModel, ...)")
+        raise ModelSpecError(f"transformers.{cls.__name__}.forward takes {', '.join(names[:3])}, ... "
+                             f"(not pixel_values first): nblib calls a model with images alone; {fix}")
+
+
+def _built(seed: int, build, what: str, fix: str):
+    """`build()` under the seed; what it raises as one line (MissingDependency for an ImportError)."""
+    try:
+        return _seeded(seed, build)
+    except NblibError:
+        raise
+    except ImportError as exc:
+        raise MissingDependency(f"{what} needs a package that does not import here "
+                                f"({one_line(exc)}); install it, or {fix}") from None
+    except Exception as exc:   # noqa: BLE001 - the user's code may raise anything: one line, not a traceback
+        raise ModelSpecError(f"{what} raised {type(exc).__name__}: {one_line(exc)}; {fix}") from None
+
+
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """An exception's text on one line (whitespace collapsed), cut at `limit` characters."""
+    text = " ".join(str(exc).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _import_transformers():
@@ -217,13 +253,31 @@ def _build_factory(spec: str, rest: str, *, config, seed: int) -> LoadedModel:
         target = getattr(target, part)
     if not callable(target):
         raise ModelSpecError(f"model factory {spec!r} is a {type(target).__name__}, not a callable")
-    module = _seeded(seed, target)
+    _no_arguments(spec, target)
+    module = _built(seed, target, f"model factory {spec!r}", "fix the factory (nblib calls it with no arguments, "
+                    "under a seeded RNG)")
     if not isinstance(module, torch.nn.Module):
         raise ModelSpecError(f"model factory {spec!r} returned a {type(module).__name__}, not a "
                              f"torch.nn.Module; return the module itself")
     pre = getattr(module, "preprocessing", None)
     pre = preprocessing_from(pre) if pre is not None else Preprocessing()
     return LoadedModel(module, spec, "factory", pre, module_config(module))
+
+
+def _no_arguments(spec: str, target) -> None:
+    """Refuse a factory that needs an argument: nblib calls it with none."""
+    import inspect
+
+    try:
+        params = inspect.signature(target).parameters.values()
+    except (TypeError, ValueError):     # a builtin without a signature: call it and see
+        return
+    needed = [p.name for p in params if p.default is p.empty
+              and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if needed:
+        raise ModelSpecError(f"model factory {spec!r} needs {', '.join(needed)}, and nblib calls it with no "
+                             f"arguments: give them defaults, or name a function of none that calls it "
+                             f"(def build(): return {target.__name__}({', '.join(f'{n}=...' for n in needed)}))")
 
 
 def _load_weights(loaded: LoadedModel, weights) -> None:

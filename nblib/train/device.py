@@ -17,7 +17,9 @@
   every rank draws its own dropout masks and a resume at any step, on any rank, draws the same
   ones again without carrying generator states (grain keys its records the same way).
 Trade-off: strict mode refuses a model with an op that has no deterministic CUDA kernel (instead
-of training it irreproducibly); the refusal names the op.
+of training it irreproducibly); `nblib.train.determinism` names such ops from the traced step before the
+first step on CUDA, and with `--nondeterministic` (NBLIB_NONDETERMINISTIC=1) the switch is warn-only: the
+run trains, and its resume is not bit-identical.
 """
 from __future__ import annotations
 
@@ -103,9 +105,11 @@ def deterministic(device: str):
 
     if device.startswith("cuda"):
         ensure_cublas_workspace()
+    from .determinism import opted_out
+
     was = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
            torch.backends.cudnn.benchmark, os.environ.get(INDUCTOR_ENV))
-    set_deterministic(torch, True, False)
+    set_deterministic(torch, True, opted_out())     # warn-only: --nondeterministic (nblib.train.determinism)
     torch.backends.cudnn.benchmark = False
     try:
         yield
@@ -148,7 +152,8 @@ def as_nblib_error(exc: BaseException, device: str) -> DeterminismError | None:
         return DeterminismError(
             f"{match['op']} has no deterministic kernel on {device} in this torch, and training runs with "
             f"torch.use_deterministic_algorithms(True) so that a resume gives the same bytes: replace the layer "
-            f"that calls it in the model (or train on --device cpu, where it may have one)")
+            f"that calls it in the model, or train on --device cpu (where it may have one), or pass "
+            f"--nondeterministic: it trains, and its resume will NOT be bit-identical")
     if CUBLAS_ENV in text and "Deterministic behavior was enabled" in text:
         return DeterminismError(
             f"torch read {CUBLAS_ENV} before training set it (a cuBLAS call ran earlier in this process): set "
