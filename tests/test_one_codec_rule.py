@@ -101,8 +101,8 @@ def test_a_borrowed_ratio_is_stated_with_its_value_and_a_measured_one_with_its_t
     assert f"{CODEC_RATIO_ESTIMATE['zstd']:.2f} of raw, not measured" in borrowed.lines["drive"][0].why \
         or SEED.run.codec == "raw"
     measured = budget.predict_budget(SEED, "t4", drive_quota_gb=15, codec_sizes=MEASURED).verdict
-    assert "zlib measured on 300 texts" in measured and "estimated" not in measured, measured
-    assert f"measured on 300 texts of mine.txt (zlib {SIZES['zlib']:,} B/image)" in str(
+    assert f"zlib {SIZES['zlib']:,} B/image measured on 300 texts" in measured and "estimated" not in measured
+    assert f"cache: zlib {SIZES['zlib']:,} B/image measured on 300 texts of mine.txt" in str(
         budget.plan_budget(SEED, "t4", drive_quota_gb=15, codec_sizes=MEASURED))
     assert "measured on 300 texts" in cache_knobs(SEED, need, 70 * GB, codec_sizes=MEASURED)
 

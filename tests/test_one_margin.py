@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import io
+import math
 import re
 import sys
 
@@ -87,12 +88,12 @@ def refusal(cfg, workspace, **kwargs) -> str:
 
 def short_and_more(message: str, need: float, limit: float) -> None:
     """The refusal states the margin, and its "GB short" is need / 0.9 - limit, as any "GB more" it offers."""
-    short = f"{resources.shortfall(need, limit) / GB:,.2f}"
-    assert f"with a 10% margin it may fill {resources.room(limit) / GB:,.2f} of {limit / GB:,.2f} GB" in message
-    assert f", {short} GB short" in message, message
+    short = resources.fmt_size(math.ceil(resources.shortfall(need, limit)))   # '0.36 GB'; '59.69 MB' under 0.1 GB
+    assert f"with a 10% margin it may fill {resources.room(limit) / GB:,.2f} GB of {limit / GB:,.2f} GB" in message
+    assert f", {short} short" in message, message
     # "short" reads as the gap to the limit that would hold the need with the margin: need / 0.9, stated
-    assert f"GB short ({need / 0.9 / GB:,.2f} GB " in message and "would hold it with a 10% margin" in message
-    for more in re.findall(r"([\d,.]+) GB more", message):
+    assert f"B short ({need / 0.9 / GB:,.2f} GB " in message and "would hold it with a 10% margin" in message
+    for more in re.findall(r"([\d,.]+ [KMGT]?B) more", message):
         assert more == short, message
 
 

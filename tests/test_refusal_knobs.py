@@ -16,7 +16,7 @@ import pytest
 
 import nblib
 from nblib import budget, config
-from nblib.codec_sizes import reference_codec_sizes
+from nblib.codec_sizes import CodecSizes, reference_codec_sizes
 
 SEED = config.preset("seed_t4")              # the reference job: 1,907,747 images, every output, float16
 GB = 1e9
@@ -64,7 +64,7 @@ def test_the_issue_refusal_drops_keep_local_and_gives_a_combination_that_fits(di
     found = re.search(r"needs ([\d,.]+) GB but only ([\d,.]+) GB is free", message).groups()
     need, free = (float(v.replace(",", "")) for v in found)
     short = f"{need / 0.9 - free:,.2f}"         # one figure for "short" and "more" (P3), with the stated margin
-    assert f"with a 10% margin it may fill {0.9 * free:,.2f} of {free:,.2f} GB free, {short} GB short" in message
+    assert f"with a 10% margin it may fill {0.9 * free:,.2f} GB of {free:,.2f} GB free, {short} GB short" in message
     assert message.endswith(f"or {short} GB more free disk on that folder") and "\n" not in message, message
     assert "keep_local" not in message and "checkpoint_every" not in message, message
     assert "no single knob closes it" in message and "more free disk" in message, message
@@ -176,7 +176,7 @@ def test_a_budget_given_measured_codec_sizes_advises_from_them_not_from_the_borr
     # issue 30: 01's verdict sized the zstd cache with the reference's ratio (~26 GB) where its section 2 had
     # measured ~4.5 GB; every figure the verdict quotes must come from the sizes measured on the user's texts
     measured = {"raw": 150_536, "png": 5_246, "zlib": 4_232, "zstd": 2_349}   # 01's sample texts at 224 px
-    b = budget.predict_budget(SEED, "t4", drive_quota_gb=15, codec_sizes=measured)
+    b = budget.predict_budget(SEED, "t4", drive_quota_gb=15, codec_sizes=CodecSizes(measured, 224, "measured", True))
     assert f"{measured['raw']:,} B/image measured" in b.lines["drive"][0].why
     drive = next(a for a in b.advice if a.resource == "drive")
     with_codec = [s for s in drive.suggestions if "codec" in s.knob + s.also]
@@ -192,14 +192,15 @@ def test_a_budget_given_measured_codec_sizes_advises_from_them_not_from_the_borr
 
 def test_a_preflight_given_measured_codec_sizes_refuses_with_codecs_sized_by_them(disks):
     measured = {"raw": 150_536, "png": 5_246, "zlib": 4_232, "zstd": 2_349}   # 01's sample texts at 224 px
+    sizes = CodecSizes(measured, 224, "measured", True)
     workspace, _free = disks
-    message = refusal(SEED, workspace, job="encode", device="cpu", codec_sizes=measured)
+    message = refusal(SEED, workspace, job="encode", device="cpu", codec_sizes=sizes)
     offered = [c for c in alternatives(message) if "run.codec" in c]
     assert offered, message
     for changes in offered:                   # the figure each gives is the measured one, and it really fits
         fixed, kwargs = applied(SEED, changes)
         after = budget.predict_budget(fixed, "cpu", bytes_per_image=measured[changes["run.codec"]], **kwargs)
         assert f"{(after.totals['local disk'] + after.totals['drive']) / GB:,.2f} GB" in message, message
-        budget.preflight(fixed, workspace, job="encode", device="cpu", codec_sizes=measured, **kwargs)
-    cache = refusal(SEED, workspace, job="cache", device="cpu", codec_sizes=measured)
+        budget.preflight(fixed, workspace, job="encode", device="cpu", codec_sizes=sizes, **kwargs)
+    cache = refusal(SEED, workspace, job="cache", device="cpu", codec_sizes=sizes)
     assert "measured)" in cache and "estimated ratio" not in cache, cache

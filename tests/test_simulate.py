@@ -177,9 +177,9 @@ def test_budget_vram_within_10_percent_of_the_simulated_gpu(name, gpu, precision
     ratio = (b.totals["vram"] - b.device.cuda_context_bytes - margin) / sim.max_reserved   # PyTorch's order
     assert 0.9 <= ratio <= 1.1, f"budget / simulated reserved = {ratio:.3f}"
     assert b.totals["vram"] - b.device.cuda_context_bytes >= sim.max_reserved * 0.98   # the high end covers it
-    # the budget replays the loop's allocations op by op (nblib.budget.vram_replay): when nblib.trm or
-    # the offload changes its order of allocations, the replay must follow, and this shows it first
-    assert ratio == pytest.approx(1, abs=0.02), f"the replay drifted from the code: {ratio:.3f}"
+    # the budget is the trace of the encode loop (nblib.budget.encode_trace), the simulation runs the loop
+    # itself: they differ only by the batches run before the steady state
+    assert ratio == pytest.approx(1, abs=0.02), f"the budget's trace drifted from the loop: {ratio:.3f}"
 
 
 def test_the_t4_time_is_the_sourced_range_under_the_simulated_roofline():

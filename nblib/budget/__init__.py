@@ -41,6 +41,7 @@ from nblib.budget.drive import (
     drive_limit_checks,
     smallest_checkpoint_every,
 )
+from nblib.budget.encode_trace import encode_vram
 from nblib.budget.knobs import BudgetPlan, plan_budget
 from nblib.budget.memory import (
     LOADER_WORKER_RAM,
@@ -48,7 +49,6 @@ from nblib.budget.memory import (
     RUNTIME_RAM_CUDA,
     Line,
     autocast_weight_count,
-    device_memory_lines,
     flops_per_image,
     forward_peak_delta,
     model_memory_lines,
@@ -72,7 +72,7 @@ from nblib.budget.shuffle_checkpoint import (
 from nblib.config import OUTPUT_CHOICES
 
 __all__ = [
-    "FIT_MARGIN", "ModelVRAM", "model_vram",
+    "FIT_MARGIN", "ModelVRAM", "encode_vram", "model_vram",
     "FOLDER_ITEMS_LIMIT", "FREE_QUOTA_GB", "UPLOAD_PER_DAY", "Advice", "DriveLimitCheck", "Suggestion",
     "advise", "advise_resource", "cache_knobs", "cache_shards", "closing_knobs", "drive_limit_checks",
     "smallest_checkpoint_every",
@@ -81,7 +81,7 @@ __all__ = [
     "NO_CACHE", "NPY_HEADER_BYTES", "OUTPUT_CHOICES", "RESOURCES", "RESTORE_RAM_FACTOR", "RUNTIME_RAM_CPU",
     "RUNTIME_RAM_CUDA", "Budget", "BudgetPlan", "Device", "Line", "ShardPlan", "ShuffleCheckpoint",
     "autocast_weight_count", "cache_bytes", "calibrate", "check_disk", "checkpoint_disk_peak",
-    "checkpoint_ram_peak", "choose_codec", "device_memory_lines", "device_preset", "device_preset_name",
+    "checkpoint_ram_peak", "choose_codec", "device_preset", "device_preset_name",
     "disk_lines", "flops_per_image",
     "forward_peak_delta", "max_batch_size", "model_memory_lines", "output_bytes_per_batch",
     "output_bytes_per_image", "output_shapes", "param_count", "plan_budget", "plan_shards",

@@ -26,7 +26,7 @@ from nblib.budget.disk import (
     size_source,
 )
 from nblib.budget.drive import smallest_checkpoint_every
-from nblib.budget.resources import FIT_MARGIN, KNOBS, fits, room, shortfall
+from nblib.budget.resources import FIT_MARGIN, KNOBS, fits, room, shortfall_figure
 from nblib.config import OUTPUT_CHOICES
 from nblib.units import GB
 
@@ -115,7 +115,7 @@ def closing_knobs(budget, resources: tuple[str, ...], free: float, *, buy: str =
     if buy == "drive_quota_gb":
         more = f"a Drive of {math.ceil(need / (1 - MARGIN) / GB):,} GB (drive_quota_gb)"
     else:
-        more = f"{shortfall(need, free) / GB:,.2f} GB more {buy} on that folder"
+        more = f"{shortfall_figure(need, free)} more {buy} on that folder"
     if found:
         return "; or ".join(map(str, found)) + f"; or {more}"
     return f"{fallback}; or {more}" if fallback else more
@@ -125,8 +125,8 @@ def cache_knobs(config, need: float, free: float, *, codec_sizes=None) -> str:
     """What brings an image cache of `need` bytes within `free` less the margin: a codec, fewer samples, more disk.
 
     The codec is the one codec rule's (`nblib.budget.choose_codec`: the fastest-decoding codec whose cache
-    fits), sized by `codec_sizes` (bytes per image per codec measured on the user's texts: a CodecSizes or a
-    dict) when given, else by the estimated ratios, and the line says which; n_samples the most that fit.
+    fits), sized by `codec_sizes` (bytes per image per codec measured on the user's texts: a CodecSizes)
+    when given, else by the estimated ratios, and the line says which; n_samples the most that fit.
     A knob whose best value still leaves the cache over is not offered.
     """
     r, size = config.run, config.model.image_size
@@ -146,7 +146,7 @@ def cache_knobs(config, need: float, free: float, *, codec_sizes=None) -> str:
     most = _largest(1, r.n_samples - 1, lambda n: fits(need * n / r.n_samples, free))
     if most is not None:
         turns.append(f"run.n_samples={most:,} (the cache {need * most / r.n_samples / GB:,.2f} GB)")
-    turns.append(f"{shortfall(need, free) / GB:,.2f} GB more free disk on that folder")
+    turns.append(f"{shortfall_figure(need, free)} more free disk on that folder")
     return "; or ".join(turns)
 
 

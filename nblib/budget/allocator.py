@@ -12,6 +12,7 @@ device: what the run needs, not what a full device would squeeze into.
 from __future__ import annotations
 
 import bisect
+import re
 from dataclasses import dataclass
 
 MIN_BLOCK = 512                  # kMinBlockSize
@@ -126,3 +127,109 @@ class CachingAllocatorModel:
         if i >= len(pool) or pool[i][3] is not block:
             raise AssertionError("allocator model: a free block is missing from its pool")
         pool.pop(i)
+
+
+# ------------------------------------------------------------------ a traced allocation stream, replayed
+# A trace (nblib.budget.trace.DeviceTrace) records ("m", handle, bytes), ("f", handle), ("w", handle, bytes) for
+# the cuBLAS workspace, and ("k", name) marks. Replaying it needs no torch: the budget's cached traces use this.
+WORKSPACE_POSITIONS = ("after the first GEMM's output", "before the first GEMM's output",
+                       "first on the device")
+
+
+def cublas_workspace_bytes(compute_capability: int, config: str | None = None) -> int:
+    """The bytes of one cuBLAS workspace under CUBLAS_WORKSPACE_CONFIG=`config` (None: unset), as
+    parseChosenWorkspaceSize() reads it.
+    """
+    default = 4096 * 1024 * 8 if compute_capability == 90 else 4096 * 1024 * 2 + 16 * 1024 * 8
+    pairs = re.findall(r":([0-9]+):([0-9]+)", config or "")
+    return sum(int(size) * 1024 * int(count) for size, count in pairs) if pairs else default
+
+
+def replay_stats(events, position: str = WORKSPACE_POSITIONS[0]) -> dict:
+    """Max allocated, max reserved and the allocated bytes at each mark, with the workspace at `position`."""
+    stream = list(events)
+    at = next((i for i, e in enumerate(stream) if e[0] == "w"), None)
+    if at is not None and position != WORKSPACE_POSITIONS[0]:
+        ws = stream.pop(at)
+        if position == WORKSPACE_POSITIONS[1]:
+            before = max((i for i in range(at) if stream[i][0] == "m"), default=0)
+            stream.insert(before, ws)
+        else:
+            stream.insert(0, ws)
+    allocator, handles, marks = CachingAllocatorModel(), {}, {}
+    for event in stream:
+        if event[0] == "f":
+            allocator.free(handles.pop(event[1]))
+        elif event[0] == "k":
+            marks[event[1]] = allocator.allocated
+        else:
+            handles[event[1]] = allocator.malloc(event[2])
+    return {"max_allocated": allocator.max_allocated, "max_reserved": allocator.max_reserved, "marks": marks}
+
+
+def affine_stream(low: list, high: list, b_low: int, b_high: int) -> list | None:
+    """The allocation stream as a function of the batch, from the streams traced at two batches, or None.
+
+    Every storage of a batch-parallel model holds numel x itemsize bytes, affine in the batch (parameters:
+    constant), so two traces with the same sequence of events give any batch's stream exactly: each allocation
+    becomes (kind, handle, bytes at batch 0, bytes per sample). A model whose operators change with the batch
+    (another event sequence, a size not affine in whole bytes) gets None. Measured for the TRM (seed_t4,
+    fp16): the streams traced at batches 16 and 64 equal this stream's, event for event.
+    """
+    low, high = _frees_sorted(low), _frees_sorted(high)
+    if len(low) != len(high):
+        return None
+    out = []
+    for e0, e1 in zip(low, high):
+        if tuple(e0[:2]) != tuple(e1[:2]):
+            return None
+        if e0[0] in ("m", "w"):
+            slope, rest = divmod(e1[2] - e0[2], b_high - b_low)
+            if rest:
+                return None
+            out.append((e0[0], e0[1], e0[2] - slope * b_low, slope))
+        else:
+            out.append(tuple(e0))
+    return out
+
+
+def events_at(stream: list, b: int) -> list | None:
+    """An affine stream's events at batch `b` (None where a size would be negative: not this model's batch)."""
+    out = []
+    for e in stream:
+        if e[0] in ("m", "w"):
+            size = e[2] + e[3] * b
+            if size < 0:
+                return None
+            out.append((e[0], e[1], size))
+        else:
+            out.append(e)
+    return out
+
+
+def stream_point(stream: list, b: int) -> dict:
+    """What a trace reports at batch `b`, replayed from its affine stream: max allocated, max reserved at each
+    workspace position, the bytes at the "weights" and "resident" marks, and the cuBLAS workspaces held.
+    """
+    events = events_at(stream, b)
+    stats = {pos: replay_stats(events, pos) for pos in WORKSPACE_POSITIONS}
+    first = stats[WORKSPACE_POSITIONS[0]]
+    return {"max_allocated": first["max_allocated"], "reserved_pytorch": first["max_reserved"],
+            "resident": first["marks"]["resident"], "weights": first["marks"]["weights"],
+            "workspace": sum(e[2] for e in events if e[0] == "w"),
+            "reserved": {pos: st["max_reserved"] for pos, st in stats.items()}}
+
+
+def _frees_sorted(events: list) -> list:
+    """Each run of consecutive frees sorted by handle: the order a graph's teardown frees in varies
+    between runs (finalizers), and a run's end state does not depend on it (free blocks coalesce).
+    """
+    out, run = [], []
+    for e in events:
+        if e[0] == "f":
+            run.append(tuple(e))
+            continue
+        out += sorted(run)
+        run = []
+        out.append(e)
+    return out + sorted(run)

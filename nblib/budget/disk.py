@@ -16,7 +16,7 @@ from pathlib import Path
 
 from nblib.budget._checks import require_positive
 from nblib.budget.memory import Line, output_bytes_per_image
-from nblib.budget.resources import FIT_MARGIN, fits, room, shortfall_words
+from nblib.budget.resources import FIT_MARGIN, fits, fmt_size, room, shortfall_words
 from nblib.config import PipelineConfig
 from nblib.errors import BudgetExceeded, ConfigError
 from nblib.units import GB, MB, fmt_bytes
@@ -100,26 +100,23 @@ def fastest_fitting(cache_sizes: dict[str, float], free_bytes: float, decode_rat
 
 
 def codec_stats(codec_sizes) -> dict[str, dict[str, float]]:
-    """{codec: {"bytes_per_image", "decode_images_per_s"}} of a CodecSizes, of `measure_codecs`' dict, or of
-    a dict of bytes per image; decode rates not measured are CODEC_DECODE_ESTIMATE's.
+    """{codec: {"bytes_per_image", "decode_images_per_s"}} of an `nblib.codec_sizes.CodecSizes` (the one shape
+    codec sizes travel in); decode rates not measured are CODEC_DECODE_ESTIMATE's.
     """
-    if isinstance(codec_sizes, dict) and all(isinstance(s, dict) for s in codec_sizes.values()):
-        return {c: {**s, "decode_images_per_s": float(s.get("decode_images_per_s", CODEC_DECODE_ESTIMATE.get(c, 0)))}
-                for c, s in codec_sizes.items()}
-    sizes = getattr(codec_sizes, "bytes_per_image", codec_sizes) or {}
-    rates = {**CODEC_DECODE_ESTIMATE, **(getattr(codec_sizes, "decode_images_per_s", None) or {})}
+    rates = {**CODEC_DECODE_ESTIMATE, **(codec_sizes.decode_images_per_s or {})}
     return {c: {"bytes_per_image": float(b), "decode_images_per_s": float(rates.get(c, 0.0))}
-            for c, b in sizes.items()}
+            for c, b in codec_sizes.bytes_per_image.items()}
 
 
-def choose_codec(n_images: int, free_bytes: int, codec_stats_or_sizes, margin: float = FIT_MARGIN) -> str:
+def choose_codec(n_images: int, free_bytes: int, codec_sizes, margin: float = FIT_MARGIN) -> str:
     """The one codec rule: the fastest-decoding codec whose cache fits in free_bytes (`resources.fits`).
 
-    `codec_stats_or_sizes`: `measure_codecs`' {codec: {"bytes_per_image", "decode_images_per_s"}} or an
-    `nblib.codec_sizes.CodecSizes`. BudgetExceeded naming the smallest cache when none fits.
+    `codec_sizes`: an `nblib.codec_sizes.CodecSizes`, or `nblib.cache.measure_codecs`' {codec: {"bytes_per_image",
+    "decode_images_per_s"}} (what `cache --codec auto` measures: the cache may not import the CodecSizes above it).
+    BudgetExceeded naming the smallest cache when none fits.
     """
     require_positive("n_images", n_images)
-    stats = codec_stats(codec_stats_or_sizes)
+    stats = codec_stats(codec_sizes) if hasattr(codec_sizes, "bytes_per_image") else codec_sizes
     if not stats:
         raise ConfigError("codec_stats is empty; measure at least one codec with nblib.cache")
     sizes = {name: n_images * float(s["bytes_per_image"]) for name, s in stats.items()}
@@ -135,20 +132,18 @@ def choose_codec(n_images: int, free_bytes: int, codec_stats_or_sizes, margin: f
 
 
 def size_source(codec: str, codec_sizes=None) -> str:
-    """Where `codec`'s cache size comes from, as every plan, advice and refusal line says it.
-
-    "zstd measured on 300 texts" (a CodecSizes measured on the user's texts), "zstd measured" (sizes given
-    as a dict), else "zstd at the estimated ratio 0.09 of raw, not measured" (the borrowed CODEC_RATIO_ESTIMATE).
+    """Where `codec`'s cache size comes from, as every plan, advice and refusal line says it (`codec_sizes`: an
+    `nblib.codec_sizes.CodecSizes`, or None): "zstd 2,349 B/image measured on 300 texts of my.txt", "raw:
+    exact", else the borrowed CODEC_RATIO_ESTIMATE, stated ("zstd at the estimated ratio 0.09 of raw, ...").
     """
     if codec == NO_CACHE:
-        return "no cache"
-    sizes = getattr(codec_sizes, "bytes_per_image", codec_sizes) or {}
-    if codec in sizes and getattr(codec_sizes, "measured", True):
-        n = getattr(codec_sizes, "n_texts", 0)
-        return f"{codec} measured on {n:,} texts" if n else f"{codec} measured"
+        return "no image cache: the loader's workers render each image when it is read"
+    if codec_sizes is not None and codec_sizes.measured and codec in codec_sizes.bytes_per_image:
+        return f"{codec} {codec_sizes.bytes_per_image[codec]:,.0f} B/image {codec_sizes.source}"
     if codec == "raw":
         return "raw: exact"
-    return f"{codec} at the estimated ratio {CODEC_RATIO_ESTIMATE[codec]:.2f} of raw, not measured"
+    return (f"{codec} at the estimated ratio {CODEC_RATIO_ESTIMATE[codec]:.2f} of raw, not measured "
+            "(the reference analysis' ratios: give texts to measure yours)")
 
 
 def check_disk(folder: str | Path, need_bytes: int, *, what: str, knob) -> None:
@@ -164,7 +159,7 @@ def check_disk(folder: str | Path, need_bytes: int, *, what: str, knob) -> None:
     if not fits(need_bytes, free):
         turn = knob(free) if callable(knob) else knob
         raise BudgetExceeded(
-            f"{what} needs {need_bytes / GB:,.2f} GB but only {free / GB:,.2f} GB is free on {path}: "
+            f"{what} needs {fmt_size(need_bytes)} but only {fmt_size(free)} is free on {path}: "
             f"{shortfall_words(need_bytes, free, 'free')}; {turn}")
 
 

@@ -94,8 +94,9 @@ def plan_budget(config: PipelineConfig, device: str | Device = "t4", *, margin: 
             changes = {k: v for k, v in _knobs(found.config).items() if v != _knobs(cfg)[k]}
             if codec == NO_CACHE:
                 changes["cache"] = NO_CACHE
-            return BudgetPlan(found.config, found, changes, True, f"{found.verdict}" + (
-                f" (margin {margin:.0%} kept)" if margin != FIT_MARGIN else "") + _sizes_source(codec, codec_sizes))
+            kept = f" (margin {margin:.0%} kept)" if margin != FIT_MARGIN else ""
+            return BudgetPlan(found.config, found, changes, True,
+                              f"{found.verdict}{kept}; cache: {size_source(codec, codec_sizes)}")
         every = smallest_checkpoint_every(trial.replace(consolidate_every=1)) or 1   # fewest parts Drive takes
         tried.append((codec, predict_budget(trial.replace(checkpoint_every=every, consolidate_every=1), dev,
                                             **kwargs)))
@@ -104,21 +105,9 @@ def plan_budget(config: PipelineConfig, device: str | Device = "t4", *, margin: 
     why = (f"even the smallest choice (outputs={least.config.run.outputs}, {least.config.run.out_dtype}, "
            f"{'no' if codec == NO_CACHE else codec} cache, batch {batch}, cadence {least.config.run.checkpoint_every}) "
            f"leaves {least.binding} at {least.usage[least.binding]:.1f}x its limit; its largest line, "
-           f"{biggest.name}, is {fmt_bytes(biggest.bytes)} alone. {least.verdict}{_sizes_source(codec, codec_sizes)}")
+           f"{biggest.name}, is {fmt_bytes(biggest.bytes)} alone. {least.verdict}; "
+           f"cache: {size_source(codec, codec_sizes)}")
     return BudgetPlan(least.config, least, {}, False, why)
-
-
-def _sizes_source(codec: str, codec_sizes) -> str:
-    """Where the plan's cache size comes from: '; cache sizes measured on 300 texts of my.txt (zstd 2,349 B/image)',
-    or the borrowed ratio, stated ('zstd at the estimated ratio 0.09 of raw, not measured').
-    """
-    if codec == NO_CACHE:
-        return "; no image cache: the loader's workers render each image when it is read"
-    if codec_sizes is None or not getattr(codec_sizes, "measured", True) or codec not in codec_sizes.bytes_per_image:
-        source = f"{codec_sizes.source}: " if codec_sizes is not None else \
-            "the reference analysis' ratios (give texts to measure yours): "
-        return f"; cache sizes: {source}{size_source(codec, codec_sizes)}"
-    return f"; cache sizes {codec_sizes.source} ({codec} {codec_sizes.bytes_per_image[codec]:,.0f} B/image)"
 
 
 def _cadence_that_fits(cfg: PipelineConfig, dev: Device, margin: float, kwargs) -> Budget | None:

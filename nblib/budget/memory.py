@@ -11,7 +11,6 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from nblib.budget.vram_replay import replay_reserved
 from nblib.config import ModelConfig, PipelineConfig
 from nblib.units import GB, fmt_bytes
 
@@ -22,14 +21,6 @@ RUNTIME_RAM_CPU = int(0.45 * GB)
 RUNTIME_RAM_CUDA = int(2.0 * GB)
 # Each DataLoader worker is a forked Python holding its own copies of touched pages (~150 MB).
 LOADER_WORKER_RAM = int(0.15 * GB)
-# cuBLAS workspace PyTorch allocates through its caching allocator on a stream's first GEMM
-# (ATen CublasHandlePool.cpp, default CUBLAS_WORKSPACE_CONFIG): 4096 KiB x 2 + 16 KiB x 8 before
-# sm_90, 4096 KiB x 8 on sm_90 (H100, H200).
-CUBLAS_WORKSPACE_BYTES = 4096 * 1024 * 2 + 16 * 1024 * 8
-CUBLAS_WORKSPACE_BYTES_SM90 = 4096 * 1024 * 8
-# Where the cuBLAS workspace may land (nblib.budget.trace.WORKSPACE_POSITIONS): PyTorch's order first
-WORKSPACE_POSITIONS = {"after": "after the first GEMM's output (PyTorch's order)",
-                       "before": "before it", "first": "first on the device"}
 # The last torch whose autocast caches fp16 weight copies under inference_mode (from 2.10 the
 # cache is skipped there, so each Linear casts its weight per call and frees it at once).
 AUTOCAST_CACHE_LAST_TORCH = (2, 9)
@@ -114,7 +105,7 @@ def model_memory_lines(config: PipelineConfig, *, on_gpu: bool, sdpa_backend: st
     copies of the images) or math attention is the peak instead when larger. Math attention on
     CUDA in fp16 runs in fp32 inside (PyTorch upcasts q, k, v): fp32 scores and softmax.
     """
-    return _model_lines(config, on_gpu, sdpa_backend, precision, torch_version)[0]
+    return _model_lines(config, on_gpu, sdpa_backend, precision, torch_version)
 
 
 def forward_peak_delta(config: PipelineConfig, *, on_gpu: bool, sdpa_backend: str = "flash",
@@ -128,62 +119,6 @@ def forward_peak_delta(config: PipelineConfig, *, on_gpu: bool, sdpa_backend: st
         config, on_gpu=on_gpu, sdpa_backend=sdpa_backend, precision=precision, torch_version=torch_version)}
     return (lines["activations at peak"] + lines["attention scores"]
             + lines.get("fp16 weight copies (autocast)", 0))
-
-
-def device_memory_lines(config: PipelineConfig, *, compute_capability: int = 75,
-                        sdpa_backend: str = "efficient", precision: str = "fp16", offload: str = "async",
-                        torch_version: str | None = None) -> tuple[Line, ...]:
-    """VRAM an encode job's torch allocator reserves at its peak (the CUDA context excluded).
-
-    The model lines (weights, input, activations), the cuBLAS workspace, the outputs the offload
-    mode keeps on the GPU ("async": none beyond the batch in hand; "consolidate": up to
-    consolidate_every - 1 batches during a forward pass, and at the copy the pending batches
-    plus their torch.cat), and the allocator cache: the loop's allocations replayed op by op
-    through the caching-allocator model (nblib.budget.vram_replay; checked against
-    nblib.simulate's trace of the real loop).
-    """
-    m, r = config.model, config.run
-    lines, weight_blocks = _model_lines(config, True, sdpa_backend, precision, torch_version)
-    out = list(lines)
-    workspace = CUBLAS_WORKSPACE_BYTES_SM90 if compute_capability >= 90 else CUBLAS_WORKSPACE_BYTES
-    out.append(Line("cuBLAS workspace", workspace,
-                    f"allocated on the first GEMM and kept ({workspace / 2**20:.3g} MiB, sm_{compute_capability})"))
-    out_itemsize = {"float16": 2, "float32": 4}[r.out_dtype]
-    per_batch = [r.batch_size * math.prod(output_shapes(m)[n]) * out_itemsize for n in r.outputs]
-    model_itemsize = 2 if precision in ("fp16", "bf16") else 4
-    forward = sum(line.bytes for line in out if line.name in ("activations at peak", "attention scores"))
-    every = r.consolidate_every if offload == "consolidate" else 1
-    if offload == "consolidate":
-        pending = every - 1
-        flush = (2 * every * sum(per_batch)
-                 + sum(per_batch) * model_itemsize // out_itemsize)   # the pending, their cat, the batch in hand
-        out.append(Line("outputs held on GPU", pending * sum(per_batch),
-                        f"offload=consolidate: up to consolidate_every - 1 = {pending} batches x "
-                        f"{fmt_bytes(sum(per_batch))} wait for the copy during a forward pass"))
-        extra = max(0, flush - forward - pending * sum(per_batch))
-        out.append(Line("consolidation copy", extra,
-                        f"torch.cat of {every} pending batches beside them"
-                        + ("" if extra else "; less than a forward pass's activations")))
-    else:
-        out.append(Line("outputs held on GPU", 0, "offload=async copies each batch's outputs to "
-                        "pinned RAM at once: only the batch in hand is on the GPU"))
-    allocated = sum(line.bytes for line in out)
-    by_position = {pos: replay_reserved(config, weights=weight_blocks, precision=precision,
-                                        sdpa_backend=sdpa_backend, offload=offload, workspace=workspace,
-                                        cache_weight_copies=autocast_caches_weights(torch_version), position=pos)
-                   for pos in WORKSPACE_POSITIONS}
-    reserved = by_position["after"]
-    out.append(Line("allocator cache", max(0, reserved - allocated),
-                    "segments the caching allocator holds beyond the live bytes: the encode loop's "
-                    "allocations replayed op by op through its model (2 MiB / 20 MiB segments, best "
-                    "fit, splitting; nblib.budget.vram_replay, nblib.budget.allocator), the cuBLAS "
-                    "workspace after the first GEMM's output as PyTorch orders it"))
-    margin = max(by_position.values()) - reserved
-    out.append(Line("workspace placement margin", margin,
-                    "where the one cuBLAS workspace block lands moves reserved memory: " + ", ".join(
-                        f"{WORKSPACE_POSITIONS[p]} {fmt_bytes(b)}" for p, b in by_position.items())
-                    + "; the budget counts the worst"))
-    return tuple(out)
 
 
 @lru_cache(maxsize=16)
@@ -210,8 +145,8 @@ def pinned_bytes(nbytes: int) -> int:
 
 
 def _model_lines(config: PipelineConfig, on_gpu: bool, sdpa_backend: str, precision: str,
-                 torch_version: str | None) -> tuple[tuple[Line, ...], list[int]]:
-    """The model's lines, and the bytes of each parameter (the allocator blocks of the weights)."""
+                 torch_version: str | None) -> tuple[Line, ...]:
+    """The model's lines: weights, input, the activations and scores live at the forward pass's peak."""
     m, r = config.model, config.run
     b, t, d = r.batch_size, m.tokens, m.dim
     half = on_gpu and precision in ("fp16", "bf16", "auto")
@@ -256,18 +191,7 @@ def _model_lines(config: PipelineConfig, on_gpu: bool, sdpa_backend: str, precis
                 (", not live at the peak" if sdpa_backend == "math"
                  else f"; {sdpa_backend} SDPA never materializes them"))),
     ]
-    return tuple(lines), _param_sizes(m)
-
-
-def _param_sizes(model: ModelConfig) -> list[int]:
-    """Bytes of each fp32 parameter and buffer of TRMVisionEncoder(model), in module order."""
-    d, p, r = model.dim, model.patch, model.mlp_ratio
-    linear = lambda n_in, n_out: [n_in * n_out * 4, n_out * 4]  # noqa: E731
-    block = ([d * 4, d * 4] + linear(d, 3 * d) + linear(d, d) + [d * 4, d * 4]
-             + linear(d, r * d) + linear(r * d, d))
-    return (linear(3 * p * p, d) + [model.tokens * d * 4, d * 4, d * 4] + block * model.layers
-            + [d * 4, d * 4] + [model.capsules * d * 4] + linear(d, 2 * d) + linear(d, d)
-            + linear(d, model.children * d) + [d * model.checksum_dim * 4])
+    return tuple(lines)
 
 
 def host_memory_lines(config: PipelineConfig, *, cuda: bool) -> tuple[Line, ...]:

@@ -52,6 +52,7 @@ class ModelVRAM:
     reserved_by_position: dict = field(default_factory=dict)
     peak_op: str = ""
     label: str = "traced on the simulated GPU (FakeTensorMode); the CUDA context is an assumption"
+    nondeterministic: tuple = ()    # training: ops torch documents nondeterministic on CUDA (nblib.train.determinism)
 
     @property
     def total(self) -> int:
@@ -147,10 +148,12 @@ def model_vram_table(model, batches, device: str | Device = "t4", *, precision: 
                "cap": reserved_cap(dev),
                "search": find_largest, "max_batch": max(max_batch, *batches)}
     out = run_child(CHILD, payload, timeout_s=timeout_s)
-    return [_budget(payload, dev, b, point, out.get("largest")) for b, point in zip(batches, out["points"])]
+    return [_budget(payload, dev, b, point, out.get("largest"), tuple(out.get("nondeterministic", ())))
+            for b, point in zip(batches, out["points"])]
 
 
-def _budget(payload: dict, dev: Device, batch_size: int, point: dict, largest: int | None) -> ModelVRAM:
+def _budget(payload: dict, dev: Device, batch_size: int, point: dict, largest: int | None,
+            nondeterministic: tuple = ()) -> ModelVRAM:
     train, precision = payload["train"], payload["precision"]
     lines = (Line("CUDA context", dev.cuda_context_bytes, CONTEXT_SOURCE), *_lines(point, train, precision))
     by_pos = point["reserved"]
@@ -158,7 +161,7 @@ def _budget(payload: dict, dev: Device, batch_size: int, point: dict, largest: i
     return ModelVRAM(spec=payload["spec"], device=dev.name, precision=precision, train=train,
                      batch_size=batch_size, lines=lines, workspace_margin=max(by_pos.values()) - base,
                      limit=dev.vram_bytes, largest_batch=largest, reserved_by_position=by_pos,
-                     peak_op=point["peak_op"])
+                     peak_op=point["peak_op"], nondeterministic=nondeterministic)
 
 
 def reserved_cap(device: str | Device) -> int:

@@ -2,8 +2,9 @@
 
 `predict_budget(config, device)` returns a `Budget`: itemized lines (bytes + a one-line reason)
 for VRAM, RAM, local disk and Drive, a time estimate from FLOPs, and a verdict naming the limit
-that binds. Trade-off: a closed-form model is instant and explains itself, but it is only as
-right as its accounting; `benchmarks/budget_accuracy.py` checks it against measured peaks.
+that binds. VRAM on a GPU is the trace of the encode loop, replayed from its cached allocation stream
+(`nblib.budget.encode_trace`); RAM, disk and time are closed forms, instant and itemized, checked against
+measured peaks by `benchmarks/budget_accuracy.py`.
 The verdict names every resource over its limit and every Drive limit crossed, each with the
 knobs that fit (`nblib.budget.advice`); the widget, the CLI and the notebooks print this one text.
 """
@@ -19,17 +20,12 @@ from nblib.budget.advice import advise
 from nblib.budget.devices import Device, device_preset
 from nblib.budget.disk import disk_lines
 from nblib.budget.drive import FREE_QUOTA_GB, DriveLimitCheck, drive_limit_checks
-from nblib.budget.memory import (
-    Line,
-    device_memory_lines,
-    flops_per_image,
-    host_memory_lines,
-    model_memory_lines,
-)
+from nblib.budget.encode_trace import encode_vram, vram_lines
+from nblib.budget.memory import Line, flops_per_image, host_memory_lines, model_memory_lines
 from nblib.budget.resources import FIT_MARGIN, RESOURCES, fits, largest_fitting, margin_words, room
 from nblib.config import PipelineConfig
 from nblib.errors import ConfigError
-from nblib.units import GB, fmt_bytes
+from nblib.units import GB, fmt_bytes, fmt_duration
 
 __all__ = [
     "Budget", "calibrate", "capped_to_samples", "max_batch_size", "predict_budget",
@@ -85,7 +81,7 @@ class Budget:
 
     def hours_text(self) -> str:
         """The run's time as the suite prints it: a sourced range on a T4 (nblib.t4_speed), else one figure."""
-        return self.speed.hours_text() if self.speed else f"{self.seconds / 3600:.2f} h"
+        return self.speed.hours_text() if self.speed else fmt_duration(self.seconds)
 
     @property
     def speed_method(self) -> str:
@@ -177,12 +173,12 @@ def predict_budget(config: PipelineConfig, device: str | Device = "t4", *,
         codec: the image cache's codec (default: the config's); bytes_per_image: a measured size
             per cached image, which replaces the codec's estimate.
         codec_sizes: bytes per image per codec measured on the user's texts (an
-            `nblib.codec_sizes.CodecSizes` or a dict): the cache's size, and the codec the advice
+            `nblib.codec_sizes.CodecSizes`): the cache's size, and the codec the advice
             offers, come from them instead of the reference's ratios (bytes_per_image wins if given).
         efficiency: the share of the device's peak FLOP/s reached (`calibrate`); default the preset's, or on
             a T4 nblib.t4_speed's sourced range (`Budget.speed`, its mid as samples_per_s).
         precision: "fp16" (autocast, the default on CUDA), "bf16" or "fp32"; offload: "async" or
-            "consolidate". Both shape the VRAM lines (`device_memory_lines`, checked against nblib.simulate).
+            "consolidate". Both shape the VRAM lines: the trace of the encode loop (`encode_vram`).
 
     Batch and part sizes are capped at the run's n_samples first, as the run caps them
     (`capped_to_samples`): a batch of 10^9 over 400 images costs what a batch of 400 does.
@@ -204,19 +200,12 @@ def predict_budget(config: PipelineConfig, device: str | Device = "t4", *,
         raise ConfigError(f"precision={precision!r} is unknown; choose fp16, bf16 or fp32")
     if offload not in ("async", "consolidate"):
         raise ConfigError(f"offload={offload!r} is unknown; choose 'async' or 'consolidate'")
-    model_lines = model_memory_lines(cfg, on_gpu=dev.is_gpu, sdpa_backend=backend)
-    if dev.is_gpu:
-        vram = (
-            Line("CUDA context", dev.cuda_context_bytes,
-                 "driver + kernel images, outside torch's allocator: an assumption (300-500 MB "
-                 "on a T4), no simulation sees it"),
-            *device_memory_lines(cfg, compute_capability=dev.compute_capability, sdpa_backend=backend,
-                                 precision=precision, offload=offload),
-        )
+    if dev.is_gpu:            # the one trace of the encode loop (cached: nblib.budget.encode_trace)
+        vram = vram_lines(encode_vram(cfg, dev, precision=precision, sdpa_backend=backend, offload=offload))
         ram = host_memory_lines(cfg, cuda=True)
     else:
         vram = ()
-        ram = (*host_memory_lines(cfg, cuda=False), *model_lines)
+        ram = (*host_memory_lines(cfg, cuda=False), *model_memory_lines(cfg, on_gpu=False, sdpa_backend=backend))
     measured = measured_bytes_per_image(codec_sizes, codec) if bytes_per_image is None else bytes_per_image
     local, drive = disk_lines(cfg, codec=codec, bytes_per_image=measured)
     flops = flops_per_image(m)
@@ -248,9 +237,8 @@ def _sourced_speed(dev: Device, flops: float, precision: str, n_samples: int) ->
 
 
 def measured_bytes_per_image(codec_sizes, codec: str) -> float | None:
-    """The measured bytes per image of `codec` in `codec_sizes` (a CodecSizes or a dict); None if not measured."""
-    sizes = getattr(codec_sizes, "bytes_per_image", codec_sizes) or {}
-    return sizes.get(codec)
+    """The bytes per image of `codec` in `codec_sizes` (a CodecSizes); None if it holds none."""
+    return codec_sizes.bytes_per_image.get(codec) if codec_sizes is not None else None
 
 
 def _attention_on(dev: Device, sdpa_backend: str | None) -> str:

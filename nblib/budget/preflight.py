@@ -60,7 +60,7 @@ def preflight(config: PipelineConfig, workspace, *, job: str = "encode", device:
     if _on_google_drive(workspace.drive) if drive_limits is None else drive_limits:
         _check_drive_limits(cfg, job)
     if job == "cache":
-        r, measured = cfg.run, dict(getattr(codec_sizes, "bytes_per_image", codec_sizes) or {})
+        r, measured = cfg.run, dict(codec_sizes.bytes_per_image if codec_sizes else {})
         sizes = {c: cache_bytes(r.n_samples, cfg.model.image_size, c, b, shard_mb=r.shard_mb)
                  for c, b in measured.items()} or None
         need = disk_bytes if disk_bytes is not None else (sizes or {}).get(r.codec) or cache_bytes(

@@ -5,9 +5,11 @@ these, so they live below both and neither module imports the other for them.
 """
 from __future__ import annotations
 
+import math
+
 __all__ = [
     "FIT_MARGIN", "KNOBS", "RESOURCES", "fits", "largest_fitting", "margin_words", "room", "shortfall",
-    "shortfall_words",
+    "fmt_size", "shortfall_figure", "shortfall_words",
 ]
 
 # The one rule for "fits" in every notebook, panel and preflight: a need fits when it stays within
@@ -31,21 +33,37 @@ def shortfall(need: float, limit: float, margin: float = FIT_MARGIN) -> float:
     return max(0.0, need / (1 - margin) - limit)
 
 
+def shortfall_figure(need: float, limit: float, margin: float = FIT_MARGIN) -> str:
+    """`shortfall` in words ('0.36 GB', '1.92 MB'), whole bytes rounded up: the "short" and "more" every refusal
+    prints.
+    """
+    return fmt_size(math.ceil(shortfall(need, limit, margin)))
+
+
+def fmt_size(n: float) -> str:
+    """A refusal's figure: GB with two decimals from 0.1 GB up, else in the unit that shows it (a small
+    disk's shortfall reads '1.92 MB', never '0.00 GB').
+    """
+    from nblib.units import GB, fmt_bytes
+
+    return f"{n / GB:,.2f} GB" if abs(n) >= 0.1 * GB else fmt_bytes(n)
+
+
 def margin_words(margin: float = FIT_MARGIN) -> str:
     """The rule in words, as every verdict, plan and refusal states it."""
     return f"with a {margin:.0%} margin"
 
 
 def shortfall_words(need: float, limit: float, unit: str = "free", margin: float = FIT_MARGIN) -> str:
-    """'with a 10% margin it may fill 9.90 of 11.00 GB of RAM, 0.36 GB short (11.36 GB of RAM would hold it with
-    a 10% margin)' (a refusal's numbers, in GB).
+    """'with a 10% margin it may fill 9.90 GB of 11.00 GB of RAM, 0.36 GB short (11.36 GB of RAM would hold it
+    with a 10% margin)' (each figure by `fmt_size`: a small disk's shortfall never reads 0.00 GB).
 
     "short" is `shortfall`: the limit it needs beyond this one, the same figure as the "GB more" a refusal
     offers (`nblib.budget.advice`), never need - limit.
     """
-    short = shortfall(need, limit, margin)
-    return (f"{margin_words(margin)} it may fill {room(limit, margin) / 1e9:,.2f} of {limit / 1e9:,.2f} GB "
-            f"{unit}, {short / 1e9:,.2f} GB short ({(limit + short) / 1e9:,.2f} GB {unit} would hold it "
+    short = math.ceil(shortfall(need, limit, margin))
+    return (f"{margin_words(margin)} it may fill {fmt_size(room(limit, margin))} of {fmt_size(limit)} "
+            f"{unit}, {shortfall_figure(need, limit, margin)} short ({fmt_size(limit + short)} {unit} would hold it "
             f"{margin_words(margin)})")
 
 

@@ -113,15 +113,29 @@ def run_child(module: str, payload: dict, timeout_s: float = 600.0) -> dict:
         except warm.WarmUnavailable:
             pass                          # no warm process here: a fresh one, as below
         except RuntimeError as exc:
-            raise SimulationUnavailable(f"the fake-CUDA trace failed in its process ({module}): {exc}") from None
+            raise child_failure(module, str(exc)) from None
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-m", module, json.dumps(payload)], capture_output=True, text=True,
                           timeout=timeout_s, env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode or not lines:
         why = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
-        raise SimulationUnavailable(f"the fake-CUDA trace failed in its process ({module}): {why}")
+        raise child_failure(module, why)
     return json.loads(lines[-1])
+
+
+def child_failure(module: str, why: str) -> NblibError:
+    """The child's last error line as this process's error: an NblibError of the child (a --model that does not
+    build, from nblib.models.load_model) as the same class and line a run in this process prints; else
+    SimulationUnavailable.
+    """
+    from nblib import errors
+
+    name, _, message = why.partition(": ")
+    cls = getattr(errors, name.rsplit(".", 1)[-1], None) if name.startswith("nblib.") else None
+    if isinstance(cls, type) and issubclass(cls, NblibError) and message:
+        return cls(message)
+    return SimulationUnavailable(f"the fake-CUDA trace failed in its process ({module}): {why}")
 
 
 def cuda_build() -> bool:

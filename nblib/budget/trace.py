@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import re
 import weakref
 from dataclasses import dataclass
 
@@ -31,7 +30,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from nblib.budget.allocator import CachingAllocatorModel, round_size
+from nblib.budget.allocator import (
+    WORKSPACE_POSITIONS,
+    CachingAllocatorModel,
+    cublas_workspace_bytes,
+    replay_stats,
+    round_size,
+)
 from nblib.errors import ConfigError
 
 SDPA_KERNELS = {  # backend name (nblib.trm.SDPA_BACKENDS) -> the aten kernel and its min compute capability
@@ -62,21 +67,10 @@ SDPA_PRIORITY = ("flash", "efficient", "math", "cudnn")
 # function name from reading the source; line numbers move between releases.)
 # Not modelled: cuBLASLt's own workspace (getCUDABlasLtWorkspace, CUBLASLT_WORKSPACE_SIZE, default
 # 1 MiB per handle and stream) that addmm with a bias vector takes on the Lt path (measured on the H100).
-WORKSPACE_POSITIONS = ("after the first GEMM's output", "before the first GEMM's output",
-                       "first on the device")
 _CUBLAS_GEMMS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "vdot", "_addmm_activation",
                  "addr", "_int_mm"}
 _GEMMS = _CUBLAS_GEMMS | {"_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
                           "_scaled_dot_product_cudnn_attention", "convolution", "_convolution"}   # tensor-core kernels
-
-
-def cublas_workspace_bytes(compute_capability: int, config: str | None = None) -> int:
-    """The bytes of one cuBLAS workspace under CUBLAS_WORKSPACE_CONFIG=`config` (None: unset), as
-    parseChosenWorkspaceSize() reads it.
-    """
-    default = 4096 * 1024 * 8 if compute_capability == 90 else 4096 * 1024 * 2 + 16 * 1024 * 8
-    pairs = re.findall(r":([0-9]+):([0-9]+)", config or "")
-    return sum(int(size) * 1024 * int(count) for size, count in pairs) if pairs else default
 
 
 CUBLAS_WORKSPACE = {False: cublas_workspace_bytes(75), True: cublas_workspace_bytes(90)}   # unset, before / on sm_90
@@ -358,68 +352,6 @@ def step_trace_class():
 def replay_events(events: list[tuple], position: str = WORKSPACE_POSITIONS[0]) -> int:
     """Max reserved of a trace's allocation stream, with the cuBLAS workspace moved to `position`."""
     return replay_stats(events, position)["max_reserved"]
-
-
-def replay_stats(events: list[tuple], position: str = WORKSPACE_POSITIONS[0]) -> dict:
-    """Max allocated, max reserved and the allocated bytes at each mark, with the workspace at `position`."""
-    stream = list(events)
-    at = next((i for i, e in enumerate(stream) if e[0] == "w"), None)
-    if at is not None and position != WORKSPACE_POSITIONS[0]:
-        ws = stream.pop(at)
-        if position == WORKSPACE_POSITIONS[1]:
-            before = max((i for i in range(at) if stream[i][0] == "m"), default=0)
-            stream.insert(before, ws)
-        else:
-            stream.insert(0, ws)
-    allocator, handles, marks = CachingAllocatorModel(), {}, {}
-    for event in stream:
-        if event[0] == "f":
-            allocator.free(handles.pop(event[1]))
-        elif event[0] == "k":
-            marks[event[1]] = allocator.allocated
-        else:
-            handles[event[1]] = allocator.malloc(event[2])
-    return {"max_allocated": allocator.max_allocated, "max_reserved": allocator.max_reserved, "marks": marks}
-
-
-def events_at_batch(low: list[tuple], high: list[tuple], b_low: int, b_high: int, b: int) -> list[tuple] | None:
-    """The allocation stream at batch `b` from the streams traced at two batches, or None if it is not affine.
-
-    Every storage of a batch-parallel model holds numel x itemsize bytes, affine in the batch (parameters:
-    constant), so two traces with the same sequence of events give any batch's stream exactly. A model
-    whose operators change with the batch (another event sequence, a size not affine) gets None.
-    """
-    low, high = _frees_sorted(low), _frees_sorted(high)
-    if len(low) != len(high):
-        return None
-    out = []
-    for e0, e1 in zip(low, high):
-        if e0[:2] != e1[:2]:
-            return None
-        if e0[0] in ("m", "w"):
-            slope, rest = divmod(e1[2] - e0[2], b_high - b_low)
-            size = e0[2] + slope * (b - b_low)
-            if rest or size < 0:
-                return None
-            out.append((e0[0], e0[1], size))
-        else:
-            out.append(e0)
-    return out
-
-
-def _frees_sorted(events: list[tuple]) -> list[tuple]:
-    """Each run of consecutive frees sorted by handle: the order a graph's teardown frees in varies
-    between runs (finalizers), and a run's end state does not depend on it (free blocks coalesce).
-    """
-    out, run = [], []
-    for e in events:
-        if e[0] == "f":
-            run.append(e)
-            continue
-        out += sorted(run)
-        run = []
-        out.append(e)
-    return out + sorted(run)
 
 
 def _flops(func, args, kwargs, out) -> int:

@@ -49,12 +49,14 @@ def reference_comparison(device: str | budget.Device = "t4",
     cfg = preset("seed_t4")
     m, r = cfg.model, cfg.run
     b = budget.predict_budget(cfg, device)
-    lines = {line.name: line.bytes for res in ("vram", "ram") for line in b.lines[res]}
+    lines = {line.name: line.bytes for line in (*b.lines["ram"], *budget.model_memory_lines(
+        cfg, on_gpu=b.device.is_gpu, sdpa_backend=b.sdpa_backend))}
     n_params = budget.param_count(m)
     heads = m.capsules * m.dim + 3 * m.dim * m.dim + 3 * m.dim + m.children * m.dim * m.dim + m.children * m.dim
     encoder = n_params - heads
     pixels = r.batch_size * m.image_size ** 2 * 3
-    math_sdpa = {line.name: line for line in budget.predict_budget(cfg, device, sdpa_backend="math").lines["vram"]}
+    math_sdpa = {line.name: line
+                 for line in budget.model_memory_lines(cfg, on_gpu=b.device.is_gpu, sdpa_backend="math")}
     per_batch16 = budget.output_bytes_per_batch(cfg.replace(out_dtype="float16"))
     per_batch32 = budget.output_bytes_per_batch(cfg.replace(out_dtype="float32"))
     n_parts = -(-r.n_batches // r.checkpoint_every)

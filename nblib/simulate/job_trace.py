@@ -5,7 +5,7 @@ encoding it runs the encode loop's input copy, forward under inference_mode and 
 offload's cast; for training, `traced_train_step`: the loop's own module (`nblib.train.task.
 loop_module`), `training_objects` and `train_step` (nblib.train.loop), so the budget, the simulated
 step (nblib.simulate.train) and the model simulation (nblib.simulate.model) trace one step. Two
-small batches give every batch's allocation stream (`events_at_batch`); a batch that is not affine
+small batches give every batch's allocation stream (`nblib.budget.allocator.affine_stream`); a batch that is not affine
 is traced itself. It lives in the simulation layer because it runs the jobs' code.
 """
 from __future__ import annotations
@@ -21,39 +21,41 @@ TRAIN_STEPS = 3             # AdamW's moments exist from the first step: steps 2
 ENCODE_BATCHES = 2          # the second batch meets the first one's cached segments
 
 
-TRACED_BATCHES = (2, 3)     # two small traces give every batch's allocation stream (events_at_batch)
+TRACED_BATCHES = (2, 3)     # two small traces give every batch's allocation stream (affine_stream)
 
 
 def _child(payload: dict) -> dict:
     from nblib.budget.shim import child_model
 
     loaded = child_model(payload)
-    from nblib.budget.trace import WORKSPACE_POSITIONS, events_at_batch, replay_stats
-    b0, b1 = TRACED_BATCHES
-    low, high = trace_job(loaded, b0, payload), trace_job(loaded, b1, payload)
-    traced = {b0: low, b1: high}
+    if "variants" in payload:      # the budget's cached traces (nblib.budget.encode_trace): specs of one model
+        return {"entries": [_stream(loaded, {**payload, **variant})[2:] for variant in payload["variants"]]}
+    from nblib.budget.allocator import stream_point
+    low, high, stream, peak_op = _stream(loaded, payload)
+    traced = {}
 
     def point(b: int) -> dict:
-        if b not in traced:
-            events = events_at_batch(low["events"], high["events"], b0, b1, b)
-            if events is None:                      # not batch-affine: trace this batch itself
-                traced[b] = trace_job(loaded, b, payload)
-            else:
-                stats = {pos: replay_stats(events, pos) for pos in WORKSPACE_POSITIONS}
-                first = stats[WORKSPACE_POSITIONS[0]]
-                traced[b] = {**high, "events": events, "max_allocated": first["max_allocated"],
-                             "reserved_pytorch": first["max_reserved"], "resident": first["marks"]["resident"],
-                             "weights": first["marks"]["weights"],
-                             "reserved": {pos: st["max_reserved"] for pos, st in stats.items()}}
-        return {k: v for k, v in traced[b].items() if k != "events"}
+        if b not in traced:                         # not batch-affine: trace this batch itself
+            traced[b] = ({**stream_point(stream, b), "peak_op": peak_op} if stream is not None else
+                         {k: v for k, v in trace_job(loaded, b, payload).items() if k != "events"})
+        return traced[b]
 
-    out = {"points": [point(b) for b in payload["batches"]], "affine": events_at_batch(
-        low["events"], high["events"], b0, b1, b1 + 1) is not None}
+    out = {"points": [point(b) for b in payload["batches"]], "affine": stream is not None,
+           "nondeterministic": high["nondeterministic"]}      # nblib.train.determinism: named before step 1
     if payload["search"]:
         def fits(b: int) -> bool:
             return max(point(b)["reserved"].values()) <= payload["cap"]
         out["largest"] = largest_fitting(fits, payload["max_batch"])
     return out
+
+
+def _stream(loaded, payload: dict) -> tuple:
+    """(low, high, affine stream or None, the op at the peak): the job traced at TRACED_BATCHES."""
+    from nblib.budget.allocator import affine_stream
+
+    b0, b1 = TRACED_BATCHES
+    low, high = trace_job(loaded, b0, payload), trace_job(loaded, b1, payload)
+    return low, high, affine_stream(low["events"], high["events"], b0, b1), high["peak_op"]
 
 
 def trace_job(loaded, b: int, payload: dict) -> dict:
@@ -63,42 +65,64 @@ def trace_job(loaded, b: int, payload: dict) -> dict:
     import torch
 
     from nblib.models.head import _image_size
-    from nblib.models.outputs import named_outputs
+    from nblib.sdpa import sdpa_context
+    from nblib.train.determinism import documented_in
     from nblib.train.task import loop_module
 
     size = _image_size(loaded)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(payload["precision"])
-    out_dtype = getattr(torch, payload.get("out_dtype", OUT_DTYPE))
     # a copy per trace: .to() on a fake device replaces the parameters with fake tensors
     if payload["train"]:        # the module the loop runs (the TRM's Classifier: its no_grad cycles included)
         module = copy.deepcopy(loop_module(loaded, payload["classes"], payload["output"], size))
         trace, weights, resident = traced_train_step(module, b, size, payload["precision"], payload["cc"])
     else:
         module = copy.deepcopy(loaded.module).eval()
-        with fake_device(payload["cc"]) as trace:
-            host = torch.empty((b, size, size, 3), dtype=torch.uint8)
-            module.to("cuda:0")
-            weights = trace.allocator.allocated
-            trace.mark("weights")
-            for _ in range(ENCODE_BATCHES):
-                # as nblib.encode.run's loop: a batch's images stay on the device through its forward,
-                # until the next batch's copy has landed
-                images = host.to("cuda:0")
-                with torch.inference_mode(), torch.autocast("cuda", dtype=dtype or torch.float32,
-                                                            enabled=dtype is not None):
-                    outputs = named_outputs(module(loaded.preprocessing.apply(images)))
-                # its offload (nblib.encode.offload.HostPart.add, async): each output is cast to the
-                # run's out_dtype on the device, beside the outputs, before its copy out
-                cast = {n: t.to(out_dtype) for n, t in outputs.items()}
-                del outputs, cast
-            del images
+        with fake_device(payload["cc"]) as trace, sdpa_context(payload.get("sdpa")):
+            weights = encode_batches(trace, module, loaded, b, size, dtype, payload)
             resident = trace.allocator.allocated
             trace.mark("resident")
     ws = trace.workspace_bytes          # one per cuBLAS handle that ran a GEMM (nblib.budget.trace)
     by_pos = trace.reserved_by_position()
     return {"weights": weights, "resident": resident, "workspace": ws, "events": trace.events,
             "max_allocated": trace.allocator.max_allocated, "reserved_pytorch": trace.allocator.max_reserved,
-            "reserved": by_pos, "peak_op": trace.peak.op if trace.peak else ""}
+            "reserved": by_pos, "peak_op": trace.peak.op if trace.peak else "",
+            "nondeterministic": documented_in(trace.kernels) if payload["train"] else []}
+
+
+def encode_batches(trace, module, loaded, b: int, size: int, dtype, payload: dict, n: int | None = None) -> int:
+    """As nblib.encode.run's loop, `n` batches (default: as many as reach the steady state): the input copy,
+    the forward under inference_mode and autocast, and the run's own HostPart (the kept outputs cast to
+    out_dtype on the device; offload "async", or "consolidate": `every` batches kept, concatenated, copied).
+    Returns the bytes of the module's weights on the device.
+    """
+    import torch
+
+    from nblib.models.outputs import named_outputs
+    from nblib.simulate.encode import _SimulatedHostPart
+
+    offload, every = payload.get("offload", "async"), payload.get("every", 1)
+    batches = n or (every + 2 if offload == "consolidate" else ENCODE_BATCHES)
+    host_images = torch.empty((b, size, size, 3), dtype=torch.uint8)
+    module.to("cuda:0")
+    weights = trace.allocator.allocated
+    trace.mark("weights")
+    host = None
+    for i in range(batches):
+        # a batch's images stay on the device through its forward, until the next batch's copy has landed
+        images = host_images.to("cuda:0")
+        with torch.inference_mode(), torch.autocast("cuda", dtype=dtype or torch.float32, enabled=dtype is not None):
+            named = named_outputs(module(loaded.preprocessing.apply(images)))
+        outputs = {n: named[n] for n in payload.get("outputs") or named}   # EncodeModel keeps the run's outputs
+        del named
+        if host is None:
+            shapes = {n: tuple(t.shape[1:]) for n, t in outputs.items()}
+            host = _SimulatedHostPart(shapes, b * batches, payload.get("out_dtype", OUT_DTYPE), images.device,
+                                      offload, every)
+        host.add(outputs, i * b)
+        del outputs
+    host.finish()
+    del images
+    return weights
 
 
 @contextlib.contextmanager

@@ -52,8 +52,10 @@ def _child(payload: dict) -> dict:
     from nblib.budget.shim import child_model
 
     loaded = child_model(payload)
+    import torch
+
     from nblib.models.head import _image_size
-    from nblib.simulate.job_trace import fake_device, traced_train_step
+    from nblib.simulate.job_trace import encode_batches, fake_device, traced_train_step
     from nblib.train.task import loop_module
 
     size, b = _image_size(loaded), payload["batch"]
@@ -61,31 +63,10 @@ def _child(payload: dict) -> dict:
         net = loop_module(loaded, payload["classes"], payload["output"], size)
         trace, _, _ = traced_train_step(net, b, size, payload["precision"], payload["cc"], BATCHES)
     else:
-        with fake_device(payload["cc"]) as trace:
-            _encode(loaded, b, size, payload)
+        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(payload["precision"])
+        with fake_device(payload["cc"]) as trace:     # the budget's encode loop, run at the batch itself
+            encode_batches(trace, loaded.module, loaded, b, size, dtype, payload, BATCHES)
     return {"max_allocated": trace.allocator.max_allocated, "max_reserved": trace.allocator.max_reserved}
-
-
-def _encode(loaded, b: int, size: int, payload: dict) -> None:
-    import torch
-
-    from nblib.models.outputs import named_outputs
-    from nblib.simulate.encode import _SimulatedHostPart
-
-    device = torch.device("cuda", 0)
-    loaded.module.to(device)
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(payload["precision"])
-    host, shapes, loaded_batch = None, None, torch.empty((b, size, size, 3), dtype=torch.uint8)
-    for i in range(BATCHES):
-        images = loaded_batch.to(device, non_blocking=True)
-        with torch.inference_mode(), torch.autocast("cuda", dtype=dtype or torch.float32, enabled=dtype is not None):
-            outputs = named_outputs(loaded.module(loaded.preprocessing.apply(images)))
-        if host is None:
-            shapes = {name: tuple(t.shape[1:]) for name, t in outputs.items()}
-            host = _SimulatedHostPart(shapes, b * BATCHES, "float16", device, "async", 1)
-        host.add(outputs, i * b)
-        del outputs             # as nblib.encode.run's loop: the images live until the next batch's copy lands
-    host.finish()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,156 @@
+"""The VRAM of a TRM encode job: the one trace (nblib.budget.model_vram's child), cached so a budget is instant.
+
+`encode_vram(config, device, ...)` is what `predict_budget` prints for VRAM on a GPU: the trace of the encode
+loop (nblib.simulate.job_trace: input copy, forward under autocast, the run's HostPart) at the config's batch,
+the same `ModelVRAM` `budget --model` prints. A trace needs torch and takes seconds; the sliders, plans and
+advice ask for dozens of batches. The trace's allocation stream is affine in the batch (every storage is
+numel x itemsize: `nblib.budget.allocator.affine_stream`, measured, not assumed: the traced streams at batches
+16 and 64 equal it), while the VRAM it gives is not (512 B rounding, 2 MiB segments, best fit): so the cache
+keeps the stream, not a formula, and any batch is a replay of it through the allocator model, in pure Python.
+The streams of the suite's own configs ship in `trace_cache/` (JSON, with the torch they were traced under and
+the spec); `tests/test_encode_trace.py` traces them again and compares the files to the byte. A spec not in the
+table, or traced under another torch, is traced once per process.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from functools import lru_cache
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from nblib.budget.allocator import cublas_workspace_bytes, stream_point
+from nblib.budget.devices import Device, device_preset
+from nblib.budget.memory import Line
+from nblib.budget.model_vram import CHILD, ModelVRAM, _budget, model_payload
+from nblib.budget.shim import run_child, run_cublas_config
+from nblib.config import OUTPUT_CHOICES, OUTPUT_DTYPES, PipelineConfig, preset
+from nblib.units import fmt_bytes
+
+TABLE = Path(__file__).parent / "trace_cache"
+# the configs every notebook, panel and plan budgets on a T4: the widget's outputs and dtypes over the presets
+TABLE_CONFIGS = tuple(preset(name).replace(outputs=outputs, out_dtype=dtype) for name in ("seed_t4", "t4", "smoke")
+                      for outputs in OUTPUT_CHOICES for dtype in OUTPUT_DTYPES)
+
+
+def encode_vram(config: PipelineConfig, device: str | Device = "t4", *, precision: str = "fp16",
+                sdpa_backend: str = "efficient", offload: str = "async") -> ModelVRAM:
+    """The traced VRAM of `config`'s encode job at its batch on `device` (from the cached stream, or a trace)."""
+    dev = device_preset(device)
+    spec = encode_spec(config, dev, precision, sdpa_backend, offload)
+    workspace = cublas_workspace_bytes(dev.compute_capability, run_cublas_config(False))
+    return _at_batch(json.dumps(spec, sort_keys=True), config.run.batch_size, dev, workspace)
+
+
+def vram_lines(vram: ModelVRAM) -> tuple[Line, ...]:
+    """The budget's VRAM lines: the trace's, and where the one cuBLAS workspace block may land, as a line."""
+    margin = Line("workspace placement margin", vram.workspace_margin,
+                  "where the cuBLAS workspace block lands moves reserved memory: " + ", ".join(
+                      f"{pos} {fmt_bytes(b)}" for pos, b in vram.reserved_by_position.items())
+                  + "; the budget counts the worst")
+    return (*vram.lines, margin)
+
+
+def encode_spec(config: PipelineConfig, dev: Device, precision: str, sdpa_backend: str, offload: str) -> dict:
+    """Everything but the batch that moves the encode loop's allocations: the child's payload, less the batch."""
+    r = config.run
+    return {**model_payload(config.model), "precision": precision, "train": False, "output": None, "classes": 12,
+            "cc": dev.compute_capability, "out_dtype": r.out_dtype, "outputs": list(r.outputs), "offload": offload,
+            "every": r.consolidate_every if offload == "consolidate" else 1, "sdpa": sdpa_backend}
+
+
+def traced_entries(specs: list[dict]) -> list[dict]:
+    """Fresh traces of `specs` (one model and CUBLAS_WORKSPACE_CONFIG): table entries (torch, spec, stream, op
+    at the peak), traced in one child process (the model built once).
+    """
+    out = run_child(CHILD, {**specs[0], "variants": specs})
+    entries = [{"torch": torch_version(), "spec": spec, "peak_op": peak_op,
+                "stream": stream and [[*e[:2], 0, 0] if e[0] == "w" else e for e in stream]}   # sized at replay
+               for spec, (stream, peak_op) in zip(specs, out["entries"])]
+    for entry in entries:
+        if entry["stream"] is None:
+            raise AssertionError(f"the TRM's encode trace is not affine in the batch: {entry['spec']}")
+    return entries
+
+
+def entry_text(entry: dict) -> str:
+    """A table entry as its file holds it: one event a line, so a changed trace reads as a diff."""
+    head = json.dumps({k: entry[k] for k in ("torch", "spec", "peak_op")}, sort_keys=True)
+    events = ",\n".join(json.dumps(list(e), separators=(",", ":")) for e in entry["stream"])
+    return f'{{"head": {head},\n"stream": [\n{events}\n]}}\n'
+
+
+def entry_path(spec: dict) -> Path:
+    import hashlib
+
+    key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
+    return TABLE / f"trm-encode-{key}.json"
+
+
+def write_table() -> list[Path]:
+    """Trace every config of TABLE_CONFIGS on a T4 and write its entry (`.venv/bin/python -c "from
+    nblib.budget.encode_trace import write_table; write_table()"`).
+    """
+    TABLE.mkdir(exist_ok=True)
+    paths = []
+    for entry in table_entries():
+        paths.append(entry_path(entry["spec"]))
+        paths[-1].write_text(entry_text(entry), encoding="utf-8")
+    return paths
+
+
+def table_entries() -> list[dict]:
+    """The table's entries, traced now: one child process per model."""
+    specs = table_specs()
+    models = {json.dumps(model_payload_of(s), sort_keys=True): [] for s in specs}
+    for spec in specs:
+        models[json.dumps(model_payload_of(spec), sort_keys=True)].append(spec)
+    return [entry for group in models.values() for entry in traced_entries(group)]
+
+
+def model_payload_of(spec: dict) -> dict:
+    """What a child builds once for several specs: the model."""
+    return {k: spec[k] for k in ("spec", "weights", "trm_model")}
+
+
+def table_specs() -> list[dict]:
+    """The distinct specs of TABLE_CONFIGS on a T4 (seed_t4 and t4 share a model: one entry)."""
+    specs = [encode_spec(c, device_preset("t4"), "fp16", "efficient", "async") for c in TABLE_CONFIGS]
+    return [s for i, s in enumerate(specs) if s not in specs[:i]]
+
+
+def torch_version() -> str | None:
+    try:
+        return version("torch")
+    except PackageNotFoundError:
+        return None
+
+
+@lru_cache(maxsize=64)
+def _stream(key: str) -> tuple[list, str, str]:
+    """(stream, peak op, label) of a spec: the shipped table's when it was traced under this torch (or
+    no torch is here to trace with), else a fresh trace.
+    """
+    spec = json.loads(key)
+    path = entry_path(spec)
+    if path.exists():
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        head = saved["head"]
+        if head["spec"] == spec and (head["torch"] == torch_version() or torch_version() is None):
+            return saved["stream"], head["peak_op"], (
+                f"traced on the simulated GPU (FakeTensorMode) under torch {head['torch']}, replayed from "
+                f"nblib/budget/trace_cache; the CUDA context is an assumption")
+    entry = traced_entries([spec])[0]
+    return entry["stream"], entry["peak_op"], ModelVRAM.label
+
+
+@lru_cache(maxsize=4096)
+def _at_batch(key: str, batch_size: int, dev: Device, workspace: int) -> ModelVRAM:
+    """The budget at one batch: the stream replayed, each cuBLAS workspace the size this process's
+    CUBLAS_WORKSPACE_CONFIG gives (where it lands in the stream does not depend on its size).
+    """
+    stream, peak_op, label = _stream(key)
+    stream = [(*e[:2], workspace, 0) if e[0] == "w" else e for e in stream]
+    point = {**stream_point(stream, batch_size), "peak_op": peak_op}
+    return replace(_budget(json.loads(key), dev, batch_size, point, None), label=label)
+
