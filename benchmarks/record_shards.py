@@ -17,6 +17,10 @@
    one shard; Parquet: row groups in a shuffled order, rows shuffled within), and uniform random
    records (ours: any shard; Parquet: the row group holding the row, the last one kept).
 5. Peak RSS of a child reading every record in shuffled order (ours), against its fixed cost.
+6. With `--peers PYTHON` (a separate venv holding webdataset, mosaicml-streaming and litdata, never
+   the project's): the peers' table. Each peer writes the same stream at the smallest shard size
+   (`benchmarks/record_peers_child.py`, a child of that Python: wall time from here, its own VmHWM),
+   then reads --random-reads uniform random records (webdataset has no random access), beside ours.
 Results go to benchmarks/results/record_shards.json.
 """
 from __future__ import annotations
@@ -202,6 +206,41 @@ READ_CHILD = ("import sys; from nblib.cache import RecordShards; r = RecordShard
               "n = sum(1 for x in r.iter_records(r.shuffle(seed=1))) if sys.argv[2] == 'read' else 0" + HWM)
 
 
+PEERS = ("webdataset", "mds", "litdata")
+
+
+def peers_table(args, result: dict, stream: Path, work: Path) -> list[dict]:
+    """Write time, peak RSS and random reads of the peers beside ours, on the same stream and shard size."""
+    shard_mb = min(args.shard_mb)
+    ours = next(row for row in result["sharding"] if row["shard_mb"] == shard_mb)
+    rows = [{"system": "nblib record shards", "write_s": ours["seconds"], "peak_rss": ours["peak_rss"],
+             "random_records_per_s": result["reads"]["nblib uniform random"]["median_records_per_s"]}]
+    child = str(ROOT / "benchmarks" / "record_peers_child.py")
+    for peer in PEERS:
+        out = work / f"peer-{peer}"
+        shutil.rmtree(out, ignore_errors=True)
+        row = {"system": peer}
+        try:
+            started = time.perf_counter()
+            command = [args.peers, child, peer, "write", str(stream), str(out), str(shard_mb)]
+            written = json.loads(subprocess.run(command, capture_output=True, text=True,
+                                                check=True).stdout.splitlines()[-1])
+            row.update(write_s=time.perf_counter() - started, peak_rss=written["peak_rss"])
+            read = json.loads(subprocess.run([args.peers, child, peer, "read", str(out), str(args.random_reads), "1"],
+                                             capture_output=True, text=True, check=True).stdout.splitlines()[-1])
+            row["random_records_per_s"] = read["records"] / read["seconds"] if read["records"] else None
+        except (subprocess.CalledProcessError, ValueError, IndexError) as exc:
+            row["error"] = (getattr(exc, "stderr", "") or str(exc)).strip().splitlines()[-1:]
+        rows.append(row)
+    print(f"peers at --shard-size-mb {shard_mb:g} (write: wall time of the command; peak: its VmHWM):")
+    for row in rows:
+        rate = row.get("random_records_per_s")
+        print(f"  {row['system']:22s} " + (f"error {row['error']}" if "error" in row else
+              f"write {row['write_s']:6.1f} s  peak RSS {row['peak_rss'] / 1e6:7,.0f} MB  random reads "
+              + (f"{rate:8,.0f} records/s" if rate else "    none (no random access)")))
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gb", type=float, default=1.0, help="size of the pickle stream (GB)")
@@ -211,6 +250,8 @@ def main(argv=None) -> int:
     p.add_argument("--work", default=None, help="scratch folder (default: a temporary one)")
     p.add_argument("--reuse", action="store_true", help="keep a trace.pkl already in --work (same --gb)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "record_shards.json"))
+    p.add_argument("--peers", default=None, help="a Python with webdataset, mosaicml-streaming and litdata "
+                                                 "(e.g. /tmp/peers-venv/bin/python): add the peers' table")
     args = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     from nblib.cache import RecordShards, record_source, write_trace_pickle
@@ -260,6 +301,8 @@ def main(argv=None) -> int:
                                "folder_bytes": stored}
     print(f"reading every record, shuffled: peak RSS {read_peak / 1e6:,.0f} MB, fixed {read_fixed / 1e6:,.0f} MB, "
           f"largest shard {largest / 1e6:,.0f} MB, folder {stored / 1e6:,.0f} MB")
+    if args.peers:
+        result["peers"] = peers_table(args, result, stream, work)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0

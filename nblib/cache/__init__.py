@@ -5,7 +5,8 @@ manifest, the local stat cache), `texts` (what is rendered), `populate` (render 
 resumably), `images` (`write_images`: your own arrays in), `sources` (a saved HF dataset, Parquet,
 Arrow, webdataset tars, with labels or texts in a side table), `verify` (check and repair), `reader`
 (`ShardedImageCache`, `CacheDataset`). Record shards (records of tensors, grouped by a key):
-`records` (`write_records`), `record_format`, `record_sources` (pickle stream or list, .npz, .pt),
+`records` (`write_records`), `record_format`, `record_sources` (any pickle, .npz, .pt; pickles read by
+`pickle_stream` one record at a time through the allow-list of `pickle_globals`),
 `record_reader` (`RecordShards`, `RecordShardShuffle`), `record_verify`, `record_traces` (guide-like
 test data) and `record_torch` (torch datasets; imports torch, so it is not re-exported here); their
 budget is `nblib.budget.records`. The measurements and demos of notebook 02 live in

@@ -1,8 +1,8 @@
 """Record shards' bytes: one record (named arrays + scalar fields) as a payload, shards, the manifest.
 
-A record is a dict of numpy arrays (any dtype but object, any shape, which may differ between
-records) and scalar fields (int, float, bool, str, None). Its payload is a uint32 header length,
-a compact key-sorted JSON header (each array's name, dtype, shape and offset; the scalars'
+A record is a dict of numpy arrays (any dtype but object, bfloat16 included, any shape, which may
+differ between records, 0-length too) and scalar fields (int, float, bool, str, None). Its payload is
+a uint32 header length, a compact key-sorted JSON header (each array's name, dtype, shape and offset; the scalars'
 values), then the arrays' bytes, each 8-byte aligned: the same record always gives the same
 bytes. A stored record is its payload compressed with zstd (each record alone, so any record reads
 alone) or the payload itself (codec "raw").
@@ -32,6 +32,7 @@ import xxhash
 
 from nblib.atomic import AtomicWriter
 from nblib.cache.format import HEADER, SHARD_MAGIC, open_packed, read_shards_manifest, seal_shard
+from nblib.cache.pickle_globals import bfloat16, storage_dtype
 from nblib.errors import InputError
 from nblib.manifest import write_manifest
 
@@ -64,14 +65,14 @@ def encode_record(record: dict, index: int = 0) -> bytes:
             offset += _aligned(value.nbytes)
         else:
             scalars[str(name)] = value
-    header = json.dumps({"a": [[n, a.dtype.str, list(a.shape), o] for n, a, o in arrays], "s": scalars},
+    header = json.dumps({"a": [[n, dtype_code(a.dtype), list(a.shape), o] for n, a, o in arrays], "s": scalars},
                         sort_keys=True, separators=(",", ":"), allow_nan=True).encode()
     start = _aligned(LENGTH.size + len(header))
     payload = bytearray(start + offset)
     LENGTH.pack_into(payload, 0, len(header))
     payload[LENGTH.size:LENGTH.size + len(header)] = header
-    for _name, array, at in arrays:
-        payload[start + at:start + at + array.nbytes] = memoryview(np.ascontiguousarray(array)).cast("B")
+    for _name, array, at in arrays:  # as flat bytes: a 0-length array has no memoryview cast
+        payload[start + at:start + at + array.nbytes] = memoryview(np.ascontiguousarray(array).reshape(-1).view("u1"))
     return bytes(payload)
 
 
@@ -84,7 +85,7 @@ def decode_record(payload) -> dict:
         start = _aligned(LENGTH.size + length)
         record = {}
         for name, dtype, shape, at in header["a"]:
-            dtype = np.dtype(dtype)
+            dtype = storage_dtype(dtype)
             count = int(np.prod(shape, dtype=np.int64))
             record[name] = np.frombuffer(buffer, dtype=dtype, count=count, offset=start + at).reshape(shape)
         record.update(header["s"])
@@ -96,7 +97,7 @@ def decode_record(payload) -> dict:
 def as_field(value, name, index: int = 0):
     """A record field as stored: a numpy array, or a JSON scalar; torch tensors become arrays."""
     if type(value).__module__.startswith("torch") and hasattr(value, "detach"):
-        value = value.detach().cpu().numpy()
+        value = _tensor_array(value)
     if isinstance(value, np.ndarray):
         if value.dtype.hasobject or value.dtype.names is not None:
             raise InputError(f"record {index:,} field {name!r} is an array of dtype {value.dtype}; record "
@@ -115,12 +116,27 @@ def as_field(value, name, index: int = 0):
                      f"(lists: np.asarray(value))")
 
 
+def _tensor_array(tensor) -> np.ndarray:
+    """A torch tensor's bytes as a numpy array (bf16 as ml_dtypes' bfloat16: the same bits)."""
+    tensor = tensor.detach().cpu()
+    if str(tensor.dtype) == "torch.bfloat16":
+        import torch
+
+        return tensor.view(torch.int16).numpy().view(bfloat16())
+    return tensor.numpy()
+
+
+def dtype_code(dtype: np.dtype) -> str:
+    """How a payload header and the schema name a dtype: its `str` ('<f2'), or "bfloat16"."""
+    return "bfloat16" if dtype.name == "bfloat16" and dtype.kind == "V" else dtype.str
+
+
 def field_schema(record: dict) -> dict:
     """{field: {"kind": "array", "dtype", "ndim"} or {"kind": "scalar"}}: what every record must match."""
     schema = {}
     for name, value in record.items():
         value = as_field(value, name)
-        schema[str(name)] = ({"kind": "array", "dtype": value.dtype.str, "ndim": value.ndim}
+        schema[str(name)] = ({"kind": "array", "dtype": dtype_code(value.dtype), "ndim": value.ndim}
                              if isinstance(value, np.ndarray) else {"kind": "scalar"})
     return dict(sorted(schema.items()))
 
@@ -138,9 +154,9 @@ def check_schema(record: dict, schema: dict, index: int) -> None:
                              f"record it is {'an array' if want['kind'] == 'array' else 'a scalar'}")
         if is_array:
             value = as_field(value, name, index)
-            if (value.dtype.str, value.ndim) != (want["dtype"], want["ndim"]):
+            if (dtype_code(value.dtype), value.ndim) != (want["dtype"], want["ndim"]):
                 raise InputError(f"record {index:,} field {name!r} is {value.dtype} with {value.ndim} "
-                                 f"dims; the first record's is {np.dtype(want['dtype'])} with "
+                                 f"dims; the first record's is {storage_dtype(want['dtype'])} with "
                                  f"{want['ndim']}: cast it to one dtype (shapes may differ)")
 
 

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.utils.data
 
+from nblib.cache.record_format import dtype_code
 from nblib.cache.record_reader import RecordShards
 from nblib.errors import ConfigError
 from nblib.shuffle.torch_adapters import ShuffledIterableDataset
@@ -83,8 +84,10 @@ class RecordIterableDataset(ShuffledIterableDataset):
 
 
 def as_tensor(value):
-    """A record field as torch gives it: arrays as tensors (sharing memory), numbers as 0-d tensors."""
+    """A record field as torch gives it: arrays as tensors (sharing memory; bf16 too), numbers as 0-d tensors."""
     if isinstance(value, np.ndarray):
+        if dtype_code(value.dtype) == "bfloat16":
+            return torch.from_numpy(value.view(np.int16)).view(torch.bfloat16)
         return torch.from_numpy(value)
     if isinstance(value, (bool, int, float)):
         return torch.tensor(value)

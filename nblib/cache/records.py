@@ -1,9 +1,10 @@
 """Record shards: records of tensors into size-bounded shards, grouped by a key, written resumably.
 
 `write_records(records, out, shard_mb=400, group_by="layer_id")` streams records (an iterable of
-dicts, or a `RecordSource`: pickle stream, pickled list, .npz, .pt) into `shard-NNNNN.rec` files of
-at most `shard_mb` (a record larger than that gets a shard of its own). With `group_by`, a shard
-holds the records of one key only, in input order, and a key larger than a shard spans several
+dicts, dataclasses, namedtuples or objects, or a `RecordSource`: any pickle, .npz, .pt) into
+`shard-NNNNN.rec` files of at most `shard_mb` MB (10^6 bytes) on disk each, header and tables
+included (a record larger than that gets a shard of its own). RAM holds one record, not one shard.
+With `group_by`, a shard holds the records of one key only, in input order, and a key larger than a shard spans several
 shards of its own (the sharding guide's layer-aware grouping).
 
 Grouping a stream without holding it: one open shard writer per key, each streaming its stored
@@ -36,7 +37,9 @@ import xxhash
 from nblib.atomic import leftover_temporaries, remove_temporaries, sha256_json
 from nblib.cache.format import (
     DAMAGED,
+    HEADER,
     STAT_CACHE,
+    TRAILER,
     current_stat,
     read_shard_stats,
     record_shard_stats,
@@ -44,6 +47,7 @@ from nblib.cache.format import (
     shard_state,
     warn_many_files,
 )
+from nblib.cache.pickle_globals import record_fields
 from nblib.cache.populate import cache_bytes_on_disk, cache_lock
 from nblib.cache.record_format import (
     MANIFEST,
@@ -67,6 +71,7 @@ log = logging.getLogger(__name__)
 
 MAX_OPEN_GROUPS = 256    # open shard writers (one file each) while grouping an unsorted stream
 TABLE_BYTES = 16         # a record's offset + xxh3 in its shard's tables
+SHARD_FIXED = HEADER.size + TRAILER.size + 8   # a shard's header, trailer and last offset: on disk = these + records
 
 
 @dataclass(frozen=True)
@@ -103,11 +108,13 @@ def write_records(records, out: str | Path, *, shard_mb: float = 400, group_by: 
     """Write `records` into record shards at `out`, resuming (or repairing) whatever is there.
 
     Args:
-        records: an iterable of dicts (numpy arrays or torch tensors, and int/float/bool/str/None
-            scalars; shapes may differ between records, fields and dtypes may not), or a
+        records: an iterable of dicts, dataclasses, namedtuples or objects (fields: numpy arrays or torch
+            tensors, bf16 included, and int/float/bool/str/None scalars; shapes may differ between
+            records, fields and dtypes may not), or a
             `RecordSource` (`record_source(path)`). A resume or repair reads it again from its start.
         out: the folder (created; a folder of its own).
-        shard_mb: the most MB of stored records per shard (one larger record gets a shard alone).
+        shard_mb: the most MB (10^6 bytes) a shard takes on disk, header and tables included (one
+            larger record gets a shard alone); RAM holds one record, whatever the shard size.
         group_by: a scalar field whose records share shards (e.g. "layer_id"); None: input order.
         codec: "zstd" (each record compressed alone) or "raw".
         codec_level: zstd's level (1-22, default 3).
@@ -137,7 +144,7 @@ def write_records(records, out: str | Path, *, shard_mb: float = 400, group_by: 
         count = 0
         try:
             for count, record in enumerate(records, start=1):
-                run.add(count - 1, record)
+                run.add(count - 1, record_fields(record))
             manifest = run.finish(count)
         except BaseException:
             run.abandon()  # the shards still open leave no temporary file; the listed ones stay
@@ -207,7 +214,7 @@ class _ShardRun:
         if slot is not None and slot.mode == "new":
             stored = self.compress(payload)
             writer = slot.writer
-            if writer.count and writer.stored_bytes + len(stored) + TABLE_BYTES * (writer.count + 1) \
+            if writer.count and SHARD_FIXED + writer.stored_bytes + len(stored) + TABLE_BYTES * (writer.count + 1) \
                     > self.layout["shard_bytes"]:
                 self._commit(slot)
                 slot = None
@@ -281,8 +288,10 @@ class _ShardRun:
             if open_new >= self.max_open:
                 raise ConfigError(f"grouping by {self.layout['group_by']!r} needs more than {self.max_open} "
                                   f"shards open at once ({open_new} keys are filling one); sort the input "
-                                  f"by {self.layout['group_by']!r} first, or raise max_open_groups (each "
-                                  f"open shard is one open file)")
+                                  f"by {self.layout['group_by']!r} first (write each key's records together), "
+                                  f"or build from Python with nblib.cache.write_records(..., "
+                                  f"max_open_groups=N): `cache --records` has no flag for it (each open shard "
+                                  f"is one open file)")
             return _Slot(index, key, "new", None, RecordShardWriter(self.out, index, key, self.layout["codec"]))
         if entry["key"] != key:
             raise self._other_input(entry, f"its key is {entry['key']!r}, the input gives {key!r}")

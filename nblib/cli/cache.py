@@ -137,10 +137,12 @@ def _cache_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--label-column", default=None, help="with --hf: a class column (ClassLabel, ints or strings)")
     p.add_argument("--text-column", default=None, help="with --hf: a text (caption) column")
     p.add_argument("--wds", help="webdataset tars, brace-expanded: 'shards-{000..009}.tar'")
-    p.add_argument("--records", help="records of tensors instead: a pickle stream, a pickled list, .npz or .pt")
+    p.add_argument("--records", help="records of tensors instead: a pickle (a stream of dumps, or one list, tuple or "
+                                     "dict of records, any size, read one record at a time), .npz or .pt")
     p.add_argument("--group-by", default=None, help="with --records: a scalar field whose records share shards")
     p.add_argument("--trust-pickle", action="store_true",
-                   help="with --records: unpickle any class the file names (only for your own files)")
+                   help="with --records: import and run whatever the pickle names (only for your own files; "
+                        "arrays, tensors and objects' fields are read without it)")
     p.add_argument("--codec-level", type=int, default=None,
                    help="compression level of zlib/png (0-9) or zstd (1-22; default 3)")
     p.add_argument("--out", help="cache folder to create or resume")
@@ -150,7 +152,9 @@ def _cache_args(argv: list[str]) -> argparse.Namespace:
                         f"side to N (bicubic), then the centre N x N crop (default: keep the images' one size)")
     p.add_argument("--shard-mb", "--shard-size-mb", dest="shard_mb", type=finite_positive_float,
                    default=float(defaults.run.shard_mb),
-                   help="target stored MB per shard (default %(default)s)")
+                   help="MB (10^6 bytes) per shard on disk; with --records at most this, header and tables "
+                        "included (one larger record gets a shard alone), and RAM holds one record, not a "
+                        "shard (default %(default)s)")
     p.add_argument("--workers", type=int, default=None, help="render processes (default: all cores)")
     p.add_argument("--field", default=None, help="JSONL field holding the text (default 'text' for .jsonl)")
     p.add_argument("--codec", default=None, choices=(*CODECS, "auto"),
