@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 
 from nblib.errors import ConfigError
+from nblib.units import fmt_duration_range
 
 LABEL = "projection"
 ACCESSED = "2026-11-25"
@@ -149,9 +150,9 @@ class Projection:
         return f"{s.mid:,.0f} samples/s ({s.low:,.0f}-{s.high:,.0f})"
 
     def hours_text(self) -> str:
-        """'1.76 h (1.46-2.13 h)' for n_samples ('' without a count)."""
+        """'1.76 h (1.46-2.13 h)' for n_samples, '7.2 s (6.0-8.7 s)' for a few ('' without a count)."""
         h = self.hours
-        return f"{h.mid:.2f} h ({h.low:.2f}-{h.high:.2f} h)" if h else ""
+        return fmt_duration_range(h.low * 3600, h.mid * 3600, h.high * 3600) if h else ""
 
     def summary(self) -> str:
         text = self.rate_text()

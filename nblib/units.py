@@ -35,19 +35,42 @@ def fmt_gb(n: float | None, digits: int = 1) -> str:
 
 
 def fmt_rate(per_second: float, unit: str = "samples") -> str:
-    """A rate such as '345.2 samples/s' (three significant digits at least)."""
+    """A rate such as '345.2 samples/s', '1,234 samples/s', or '0.234 samples/s' (a slow rate keeps three
+    significant digits: never '0 samples/s').
+    """
+    if 0 < abs(per_second) < 1:
+        return f"{per_second:.3g} {unit}/s"
     return f"{per_second:,.1f} {unit}/s" if per_second < 1000 else f"{per_second:,.0f} {unit}/s"
 
 
+_DURATION_UNITS = (("h", 3600.0, 3600.0), ("min", 60.0, 120.0), ("s", 1.0, 1.0), ("ms", 1e-3, 0.0))
+
+
+def _duration_unit(seconds: float) -> tuple[str, float]:
+    """The unit a duration reads in: h from one hour, min from two minutes, s from one second, else ms."""
+    return next(((name, size) for name, size, floor in _DURATION_UNITS if abs(seconds) >= floor), ("ms", 1e-3))
+
+
+def _duration_number(seconds: float, unit: str, size: float) -> str:
+    value = seconds / size
+    if unit == "h":
+        return f"{value:,.2f}"
+    return f"{value:.3g}" if unit == "ms" and abs(value) < 100 else f"{value:,.{0 if unit == 'ms' else 1}f}"
+
+
 def fmt_duration(seconds: float) -> str:
-    """Seconds as '850 ms', '42.0 s', '12.5 min' or '5.6 h' (a short time keeps its digits: never '0.0 s')."""
-    if seconds < 1:
-        return f"{seconds * 1e3:.3g} ms"
-    if seconds < 120:
-        return f"{seconds:.1f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.1f} min"
-    return f"{seconds / 3600:.1f} h"
+    """Seconds as '850 ms', '42.0 s', '12.5 min' or '5.63 h' (a short time keeps its digits: never '0.0 s')."""
+    unit, size = _duration_unit(seconds)
+    return f"{_duration_number(seconds, unit, size)} {unit}"
+
+
+def fmt_duration_range(low: float, mid: float, high: float) -> str:
+    """A duration and its range, in seconds, in the unit `fmt_duration` picks for the mid: '1.76 h (1.46-2.13 h)',
+    '7.2 s (6.0-8.7 s)' (a small run is never '0.00 h').
+    """
+    unit, size = _duration_unit(mid)
+    low_text, mid_text, high_text = (_duration_number(v, unit, size) for v in (low, mid, high))
+    return f"{mid_text} {unit} ({low_text}-{high_text} {unit})"
 
 
 def fmt_exception(exc: BaseException, limit: int = 300, *, with_type: bool = False) -> str:

@@ -23,6 +23,7 @@ from nblib.config import preset
 from nblib.encode import distributed as dist
 from nblib.errors import ConfigError, StateError
 from nblib.manifest import read_manifest
+from nblib.units import fmt_duration_range
 
 N_TEXTS = 128                    # 16 parts of 8 samples: enough parts to kill a launch mid-run
 CONFIG = preset("smoke").replace(batch_size=8, checkpoint_every=1, consolidate_every=1)
@@ -303,3 +304,13 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_rank_budget_time_reads_in_the_unit_of_a_small_run_not_zero():
+    """A smoke run over 2 ranks takes well under a second per rank: its range keeps its digits (P10)."""
+    config = preset("smoke")
+    two = dist.rank_budget(config, "t4", 2)
+    speed = two.single.speed
+    assert speed is not None
+    expected = fmt_duration_range(speed.hours.low * 1800, two.seconds, speed.hours.high * 1800)
+    assert f"time              {expected} = " in str(two) and "0.0 s" not in str(two), str(two)

@@ -374,3 +374,16 @@ def test_sketch_projection_keeps_the_main_direction():
     sketches = (rng.standard_normal((200, 2, 1)) * 10 * direction + rng.standard_normal((200, 2, 16)) * 0.1)
     coords, explained = lab.sketch_projection(sketches)
     assert coords.shape == (200, 2, 2) and explained[0] > 0.95
+
+
+def test_the_encode_bar_counts_a_small_run_in_whole_images():
+    """60 images read '12/60', not tqdm's scaled '12.0/60.0' (newcomer P27)."""
+    from types import SimpleNamespace
+
+    from nblib.encode.run import _progress_bar
+
+    bar = _progress_bar(SimpleNamespace(n_samples=60), {"samples_done": 12}, True)
+    try:
+        assert "| 12/60 [" in str(bar), str(bar)
+    finally:
+        bar.close()

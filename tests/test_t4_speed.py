@@ -6,6 +6,8 @@ seed_t4); those recounts take a few seconds each and carry the `slow` marker.
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -135,3 +137,13 @@ def test_a_trm_training_projection_backpropagates_through_the_last_outer_cycle_o
     whole = t4_speed.project(forward, "fp16", train=True, n_samples=1000)
     assert trm.samples_per_s.mid / whole.samples_per_s.mid == pytest.approx(3 * forward / (forward + 2 * last))
     assert "take gradients" in trm.method and f"{last / 1e9:.2f} GFLOP" in trm.method
+
+
+def test_a_small_runs_time_reads_in_seconds_not_zero_hours():
+    """A run of a few thousand samples takes seconds on a T4: '0.00 h' hid them (newcomer P10)."""
+    p = t4_speed.project(t4_speed.SEED_T4_FLOPS, "fp16", n_samples=3000)
+    text = p.hours_text()
+    match = re.fullmatch(r"([\d.]+) s \(([\d.]+)-([\d.]+) s\)", text)
+    assert match, text
+    for said, hours in zip(map(float, match.groups()), (p.hours.mid, p.hours.low, p.hours.high)):
+        assert said == pytest.approx(hours * 3600, abs=0.05), text

@@ -169,7 +169,15 @@ def test_after_a_resume_from_the_mirror_at_the_last_step_the_report_says_the_mir
     assert again.resumed_from == "mirror" and again.start_step == FAST.steps
     line = again.durability.line()
     assert line.startswith(f"mirror holds step {FAST.steps}"), line
-    assert "locally only" not in line
+    assert "locally only" not in line and "local only" not in line and "the newest" in line   # P17
+
+
+def test_the_durability_line_names_the_local_only_steps_only_when_there_are_some():
+    from nblib.train.store import Durability
+
+    assert "local only" not in Durability(30, 30, True, False, None).line()       # the last step is mirrored
+    behind = Durability(35, 30, True, False, None).line()
+    assert "after it (to 35) are local only" in behind and "the newest" not in behind
 
 
 def test_ctrl_c_during_close_leaves_no_writer_or_mirror_thread_running(tmp_path, monkeypatch):

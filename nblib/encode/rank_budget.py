@@ -16,7 +16,7 @@ from nblib.budget import KNOBS, RUNTIME_RAM_CPU, RUNTIME_RAM_CUDA
 from nblib.budget.resources import fits, shortfall_words
 from nblib.config import PipelineConfig
 from nblib.errors import BudgetExceeded
-from nblib.units import GB, fmt_bytes, fmt_duration
+from nblib.units import GB, fmt_bytes, fmt_duration, fmt_duration_range
 
 __all__ = [
     "RankBudget", "check_host_ram", "rank_budget",
@@ -80,8 +80,7 @@ class RankBudget:
         speed, n = self.single.speed, self.world_size
         if not speed:
             return fmt_duration(self.seconds)
-        return f"{fmt_duration(self.seconds)} ({fmt_duration(speed.hours.low * 3600 / n)}-" \
-               f"{fmt_duration(speed.hours.high * 3600 / n)})"
+        return fmt_duration_range(speed.hours.low * 3600 / n, self.seconds, speed.hours.high * 3600 / n)
 
     def _source(self) -> str:
         return f"; {self.single.speed.label}, nblib.t4_speed's range" if self.single.speed else ""

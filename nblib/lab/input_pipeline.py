@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nblib import t4_speed
-from nblib.compare import MIN_REPEATS, Spread, compare, interleaved
+from nblib.compare import MIN_REPEATS, Spread, compare, interleaved, progress_bar
 from nblib.pipeline import ComputeStandIn, measure_pipeline, sweep
 from nblib.pipeline.recommend import knob_effects, knob_verdicts, most_effective_knob, value_verdicts
 from nblib.reference import TUNING_LOG
@@ -267,30 +267,40 @@ def mixing_experiment(sources, budget: int | None = None, repeats: int = MIN_REP
 # ------------------------------------------------------------------------------ the per-worker TF trap
 
 
-def tf_worker_trap(sources, worker_counts=(0, 1, 2), batch_size: int = 32, batches: int = 12) -> list[dict]:
-    """Peak RAM when every torch worker builds its own tf.data pipeline, per num_workers."""
+def tf_worker_trap(sources, worker_counts=(0, 1, 2), batch_size: int = 32, batches: int = 12,
+                   progress: bool = False) -> list[dict]:
+    """Peak RAM when every torch worker builds its own tf.data pipeline, per num_workers (`progress`: the
+    suite's bar, one step per worker count).
+    """
     from nblib.pipeline.tf_pipelines import tf_pipeline
     from nblib.pipeline.torch_loaders import repeated, tf_in_workers_loader
 
     build = functools.partial(tf_pipeline, sources, batch_size=batch_size)
     rows = []
-    for workers in worker_counts:
-        per_worker = batches if workers == 0 else -(-batches // workers)
-        make = functools.partial(lambda w, n: repeated(tf_in_workers_loader(build, w, n), 1), workers, per_worker)
-        report = measure_pipeline(make, steps=max(1, batches - 2), warmup=2)
-        rows.append({"setup": f"TF in each of {workers} workers" if workers else "TF in the main process",
-                     "num_workers": workers, **report.as_dict()})
+    with progress_bar(len(worker_counts), "TF in workers", "setup", disable=not progress) as bar:
+        for workers in worker_counts:
+            per_worker = batches if workers == 0 else -(-batches // workers)
+            make = functools.partial(lambda w, n: repeated(tf_in_workers_loader(build, w, n), 1), workers, per_worker)
+            report = measure_pipeline(make, steps=max(1, batches - 2), warmup=2)
+            rows.append({"setup": f"TF in each of {workers} workers" if workers else "TF in the main process",
+                         "num_workers": workers, **report.as_dict()})
+            bar.update(1)
     return rows
 
 
-def trap_remedies(sources, cache, num_workers: int = 2, batch_size: int = 32, steps: int = 20) -> list[dict]:
+def trap_remedies(sources, cache, num_workers: int = 2, batch_size: int = 32, steps: int = 20,
+                  progress: bool = False) -> list[dict]:
     """The two ways out, measured: one TF pipeline feeding torch, or torch-native workers over the cache."""
     from nblib.pipeline.tf_pipelines import tf_pipeline
     from nblib.pipeline.torch_loaders import cache_loader, repeated, tf_feeding_torch
 
-    one_tf = measure_pipeline(lambda: tf_feeding_torch(tf_pipeline(sources, batch_size=batch_size)),
-                              steps=steps, warmup=3)
-    native = measure_pipeline(lambda: repeated(cache_loader(cache, batch_size, num_workers)), steps=steps, warmup=3)
+    with progress_bar(2, "remedies", "setup", disable=not progress) as bar:
+        one_tf = measure_pipeline(lambda: tf_feeding_torch(tf_pipeline(sources, batch_size=batch_size)),
+                                  steps=steps, warmup=3)
+        bar.update(1)
+        native = measure_pipeline(lambda: repeated(cache_loader(cache, batch_size, num_workers)), steps=steps,
+                                  warmup=3)
+        bar.update(1)
     return [{"setup": "one TF pipeline feeding torch", "num_workers": 0, **one_tf.as_dict()},
             {"setup": f"torch workers over the sharded cache ({num_workers})", "num_workers": num_workers,
              **native.as_dict()}]

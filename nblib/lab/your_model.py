@@ -210,10 +210,8 @@ def t4_time(spec: str, image_size: int, n_samples: int, precision: str = "fp16")
     """
     from nblib.models import load_model
     from nblib.t4_speed import model_projection
-    from nblib.units import fmt_duration
 
     p = model_projection(load_model(spec), image_size, precision, n_samples=n_samples)
-    low, mid, high = (fmt_duration(h * 3600) for h in (p.hours.low, p.hours.mid, p.hours.high))
     return (f"{spec} on a T4, {precision} ({p.label}): {p.flops_per_sample / 1e9:.3f} GFLOP per image, "
-            f"{p.rate_text()}; {n_samples:,} images in {mid} ({low} - {high}) if FLOPs bound the run (a floor "
+            f"{p.rate_text()}; {n_samples:,} images in {p.hours_text()} if FLOPs bound the run (a floor "
             f"where the input pipeline or per-batch overheads bound it instead)\n  method: {p.method}")

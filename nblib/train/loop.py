@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from nblib.atomic import atomic_torch_save
 from nblib.errors import ConfigError, ResumeMismatch, TrainingDiverged
 from nblib.manifest import write_manifest
+from nblib.units import fmt_rate
 
 from .config import TrainConfig
 from .data import BatchPlan, LabelledImages, StepBatches
@@ -100,7 +101,8 @@ class TrainReport:
             lines.append(f"saves blocked the loop {sum(self.save_seconds):.2f} s = {self.save_share:.1%} of step time "
                          f"({len(self.save_seconds)} saves of {np.mean(self.save_seconds) * 1e3:.1f} ms each, of "
                          f"which {np.mean(self.save_waits or [0.0]) * 1e3:.1f} ms waiting for the previous write; "
-                         f"{len(self.step_seconds)} steps of {step * 1e3:.1f} ms on average)")
+                         f"{len(self.step_seconds)} steps of {step * 1e3:.1f} ms on average over all steps, "
+                         f"{fmt_rate(self.samples / max(sum(self.step_seconds), 1e-9))})")
         if self.write_seconds:
             lines.append(f"background writes {np.mean(self.write_seconds) * 1e3:.1f} ms each; the last one joined "
                          f"in {self.final_wait_seconds * 1e3:.1f} ms at the end")
@@ -498,5 +500,6 @@ def _show(bar, report: TrainReport, store, loss: float) -> None:
     rate = len(recent) * per_step / max(sum(recent), 1e-9)
     status = store.mirror_status() if store is not None else None
     lag = "-" if status is None or store.mirror_label is None else f"{status.items_pending} pending"
-    bar.set_postfix_str(f"loss {loss:.3f}  {rate:,.0f} samples/s  mirror {lag}", refresh=False)
+    bar.set_postfix_str(f"loss {loss:.3f}  {fmt_rate(rate)} (last {len(recent)} steps)  mirror {lag}",
+                        refresh=False)
     bar.update(1)

@@ -52,7 +52,9 @@ class Durability:
         if self.queued_step is None:
             return f"step {self.local_step} is saved locally only (no mirror)"
         if self.mirror_caught_up:
-            return f"mirror holds step {self.queued_step}; steps after it are local only"
+            if self.queued_step >= self.local_step:
+                return f"mirror holds step {self.queued_step}, the newest"
+            return f"mirror holds step {self.queued_step}; steps after it (to {self.local_step}) are local only"
         why = f" ({self.last_error})" if self.mirror_failing and self.last_error else ""
         return (f"NOT YET DURABLE: the mirror has not confirmed step {self.queued_step}{why}; "
                 f"the newest state (step {self.local_step}) is on local disk only; rerun to retry the copy")

@@ -1,0 +1,28 @@
+"""nblib.units: the one home of the suite's duration and rate formats; a small figure keeps its digits."""
+from __future__ import annotations
+
+import pytest
+
+from nblib.units import fmt_duration, fmt_duration_range, fmt_rate
+
+
+@pytest.mark.parametrize("seconds", [0.0004, 0.85, 0.9996, 7.2, 119.0, 3000.0, 6336.0, 20000.0])
+def test_a_duration_reads_back_to_its_value_in_the_unit_it_names(seconds):
+    number, unit = fmt_duration(seconds).split()
+    size = {"ms": 1e-3, "s": 1.0, "min": 60.0, "h": 3600.0}[unit]
+    assert float(number.replace(",", "")) * size == pytest.approx(seconds, rel=0.01)
+    assert float(number.replace(",", "")) >= (1 if unit != "ms" else 0.1)      # never '0.00 h' or '0.0 s'
+
+
+def test_a_duration_range_shares_the_mids_unit_and_keeps_each_figure():
+    low, mid, high = 6.0, 7.2, 8.7
+    text = fmt_duration_range(low, mid, high)
+    assert text.startswith(fmt_duration(mid) + " (") and text.endswith(" s)")
+    said = [float(v) for v in text.replace("(", " ").replace(")", " ").replace("-", " ").split() if v != "s"]
+    assert said == pytest.approx([mid, low, high], abs=0.05)
+
+
+@pytest.mark.parametrize("per_second", [0.23, 0.0412, 5.25, 345.2, 12_345.0])
+def test_a_rate_reads_back_to_its_value_slow_ones_included(per_second):
+    number, unit = fmt_rate(per_second).split()
+    assert unit == "samples/s" and float(number.replace(",", "")) == pytest.approx(per_second, rel=0.02)
