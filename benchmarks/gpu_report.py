@@ -437,28 +437,34 @@ def step_budget_accuracy(ctx: Context, inputs: dict) -> dict:
 def measure_budget_lines(ctx: Context, device, batch: int) -> dict:
     cfg = ctx.config.replace(batch_size=batch, consolidate_every=1, checkpoint_every=1)
     predicted = budget.predict_budget(cfg, device)
-    lines = {ln.name: ln.bytes for r in ("vram", "ram") for ln in predicted.lines[r]}
     measured = _measure_forward_memory(ctx, batch)
     forward = budget.forward_peak_delta(cfg, on_gpu=ctx.cuda)
     pairs = [("forward peak over weights + input", forward, measured["forward"])]
     if ctx.cuda:   # RSS cannot resolve a few MB of weights or input; the CUDA allocator counts them exactly
-        pairs += [("weights (fp32)", lines["weights (fp32)"], measured["weights"]),
-                  ("input batch (uint8)", lines["input batch (uint8)"], measured["input"])]
-        allocated = sum(v for k, v in lines.items() if k in _ALLOCATED_LINES)
-        pairs += [("outputs held on GPU (1 batch)", lines["outputs held on GPU"], measured["outputs"]),
-                  ("allocated at peak (max_memory_allocated)", allocated, measured["max_allocated"]),
-                  ("reserved at peak (+ allocator cache)", allocated + lines["allocator cache"],
-                   measured["max_reserved"]),
-                  ("CUDA context (driver - reserved)", lines["CUDA context"], measured["context"]),
-                  ("VRAM total (mem_get_info)", predicted.totals["vram"], measured["driver_used"]),
-                  ("VRAM total (nvidia-smi)", predicted.totals["vram"], measured["nvidia_smi_used"])]
+        pairs += vram_pairs(predicted, measured)
     return {"batch": batch, "fits": predicted.fits, "lines": [
         {"name": n, "predicted": p, "measured": m, "ratio": (m / p if m is not None and p else None)}
         for n, p, m in pairs]}
 
 
-_ALLOCATED_LINES = ("weights (fp32)", "fp16 weight copies (autocast)", "input batch (uint8)",
-                    "activations at peak", "attention scores", "outputs held on GPU")
+# the traced VRAM lines (nblib.budget.model_vram.ModelVRAM, through predict_budget) held by the allocator at the peak
+_ALLOCATED_LINES = ("parameters and buffers", "gradients, AdamW moments, GradScaler",
+                    "input batch and activations at the peak", "cuBLAS workspace")
+
+
+def vram_pairs(predicted, measured: dict) -> list[tuple[str, int, int | None]]:
+    """(name, predicted, measured) of a budget's traced VRAM lines against `_measure_forward_memory` on CUDA."""
+    lines = {ln.name: ln.bytes for ln in predicted.lines["vram"]}
+    allocated = sum(v for k, v in lines.items() if k in _ALLOCATED_LINES)
+    return [("parameters and buffers", lines["parameters and buffers"], measured["weights"]),
+            ("input, activations and cuBLAS workspace at the peak",
+             lines["input batch and activations at the peak"] + lines["cuBLAS workspace"],
+             measured["max_allocated"] - measured["weights"]),
+            ("allocated at peak (max_memory_allocated)", allocated, measured["max_allocated"]),
+            ("reserved at peak (+ allocator cache)", allocated + lines["allocator cache"], measured["max_reserved"]),
+            ("CUDA context (driver - reserved)", lines["CUDA context"], measured["context"]),
+            ("VRAM total (mem_get_info)", predicted.totals["vram"], measured["driver_used"]),
+            ("VRAM total (nvidia-smi)", predicted.totals["vram"], measured["nvidia_smi_used"])]
 
 
 def _measure_forward_memory(ctx: Context, batch: int) -> dict:

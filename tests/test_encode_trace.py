@@ -75,3 +75,21 @@ def test_the_widget_path_replays_the_table_without_torch():
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["torch"] is False and "replayed from nblib/budget/trace_cache" in out["label"]
     assert out["largest"] > 0
+
+
+def test_the_trace_table_ships_in_the_package():
+    """Every data file under nblib/ (the trace table the budget replays without torch) matches pyproject.toml's
+    package-data, so a wheel carries it: without it an installed nblib would trace where the repo replays.
+    """
+    import fnmatch
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")           # Python 3.11+
+    root = Path(encode_trace.__file__).resolve().parents[2]
+    package_data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    data = [p for p in (root / "nblib").rglob("*") if p.is_file() and p.suffix not in (".py", ".pyc")]
+    assert any(p.parent == encode_trace.TABLE for p in data)
+    for path in data:
+        shipped = [fnmatch.fnmatch(str(path.relative_to(folder)), pattern) for pkg, patterns in package_data.items()
+                   if path.is_relative_to(folder := root / pkg.replace(".", "/")) for pattern in patterns]
+        assert any(shipped), f"{path} is not in pyproject.toml's package-data"

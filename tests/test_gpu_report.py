@@ -156,3 +156,21 @@ def test_a_bad_flag_exits_2_with_one_line(args):
     proc = _run(*args, timeout=120)
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1 and "error" in proc.stderr
+
+
+def test_a_cuda_run_compares_the_traced_vram_lines_of_the_budget():
+    """On CUDA, budget_accuracy reads predict_budget's VRAM lines (the trace's ModelVRAM lines), not older names."""
+    from nblib.budget import predict_budget
+    from nblib.budget.encode_trace import encode_vram
+    from nblib.config import preset
+
+    cfg = preset("smoke").replace(consolidate_every=1, checkpoint_every=1)
+    predicted = predict_budget(cfg, "t4")
+    measured = {"weights": 1, "max_allocated": 3, "max_reserved": 4, "context": 5, "driver_used": 6,
+                "nvidia_smi_used": None}
+    pairs = {name: (p, m) for name, p, m in gpu_report.vram_pairs(predicted, measured)}
+    traced = encode_vram(cfg, "t4")
+    assert pairs["reserved at peak (+ allocator cache)"] == (traced.reserved, 4)
+    assert pairs["parameters and buffers"] == (traced.line("parameters and buffers"), 1)
+    assert pairs["CUDA context (driver - reserved)"] == (traced.line("CUDA context"), 5)
+    assert pairs["VRAM total (mem_get_info)"] == (predicted.totals["vram"], 6)

@@ -86,6 +86,63 @@ def test_the_encode_budget_holds_what_the_encode_loop_holds(specs, tmp_path):
     assert 0.99 <= budget.reserved / sim.max_reserved <= 1.01, (budget.reserved, sim.max_reserved)
 
 
+@pytest.mark.parametrize("train", [False, True], ids=["encode", "train"])
+def test_a_jobs_next_batch_is_a_replay_in_this_process_equal_to_a_fresh_trace_to_the_byte(specs, train,
+                                                                                          monkeypatch):
+    """model_vram keeps a batch-affine job's allocation stream: another batch, and the largest batch's search,
+    run no child, and the replayed batch equals the child's own trace of that batch (no replay) to the byte.
+    """
+    from dataclasses import replace
+    from importlib import import_module
+
+    from nblib.budget.devices import device_preset
+
+    mv = import_module("nblib.budget.model_vram")          # the module (nblib.budget's model_vram is the function)
+
+    spec = specs["vit"]
+    mv.model_vram(spec, 4, train=train, find_largest=False)                # traced: the job's stream is kept
+    child = mv.run_child
+
+    def no_child(*args, **kwargs):
+        raise AssertionError("a kept job ran a child")
+
+    monkeypatch.setattr(mv, "run_child", no_child)
+    replayed = mv.model_vram(spec, 11, train=train)
+    assert replayed.largest_batch > 11
+    payload = {**mv.model_payload(spec), "precision": "fp16", "train": train, "output": None, "classes": 12,
+               "cc": device_preset("t4").compute_capability, "out_dtype": mv.OUT_DTYPE, "batches": [11],
+               "cap": mv.reserved_cap("t4"), "search": False, "max_batch": 11, "replay": False}
+    traced = child(mv.CHILD, payload)
+    assert traced["stream"] is None
+    fresh = mv._budget(payload, device_preset("t4"), 11, traced["points"][0], None, tuple(traced["nondeterministic"]))
+    bytes_of = lambda v: ([(ln.name, ln.bytes) for ln in v.lines], v.reserved_by_position, v.workspace_margin)
+    assert bytes_of(replayed) == bytes_of(fresh)
+    # the op named at the peak is the traced batch's (3); at batch 11 a tie may name another: all else is equal
+    assert replace(replayed, largest_batch=None, lines=fresh.lines, peak_op=fresh.peak_op) == fresh
+
+
+def test_a_job_that_is_not_batch_affine_is_traced_by_its_child_every_time(monkeypatch):
+    """The child answers points, not a stream, for a job whose allocations are not affine in the batch: nothing
+    is kept, and the next call asks the child again (which traces that batch itself).
+    """
+    from importlib import import_module
+
+    mv = import_module("nblib.budget.model_vram")
+    asked = []
+    point = {"weights": 1, "resident": 1, "workspace": 0, "max_allocated": 2, "reserved_pytorch": 2 << 20,
+             "reserved": {"after the first GEMM's output": 2 << 20}, "peak_op": "aten.mm"}
+
+    def child(module, payload, timeout_s=600.0):
+        asked.append(payload["batches"])
+        return {"stream": None, "points": [point for _ in payload["batches"]], "nondeterministic": [],
+                "largest": 7}
+
+    monkeypatch.setattr(mv, "run_child", child)
+    first = mv.model_vram("hf:NotAffine:none", 3)
+    second = mv.model_vram("hf:NotAffine:none", 5)
+    assert asked == [[3], [5]] and first.largest_batch == second.largest_batch == 7
+
+
 @pytest.mark.slow
 def test_budget_cli_prints_json_lines_in_bytes_and_refuses_what_does_not_fit(specs):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -37,7 +37,7 @@ def segment_size(block: int) -> int:
     return -(-block // ROUND_LARGE) * ROUND_LARGE
 
 
-@dataclass
+@dataclass(eq=False)            # a block is itself: list.index/remove find it by identity, not by its fields (fast)
 class _Block:
     segment: int
     offset: int

@@ -19,10 +19,10 @@ from functools import lru_cache
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from nblib.budget.allocator import cublas_workspace_bytes, stream_point
+from nblib.budget.allocator import cublas_workspace_bytes
 from nblib.budget.devices import Device, device_preset
 from nblib.budget.memory import Line
-from nblib.budget.model_vram import CHILD, ModelVRAM, _budget, model_payload
+from nblib.budget.model_vram import CHILD, ModelVRAM, _budget, model_payload, replayed_point
 from nblib.budget.shim import run_child, run_cublas_config
 from nblib.config import OUTPUT_CHOICES, OUTPUT_DTYPES, PipelineConfig, preset
 from nblib.units import fmt_bytes
@@ -151,6 +151,6 @@ def _at_batch(key: str, batch_size: int, dev: Device, workspace: int) -> ModelVR
     """
     stream, peak_op, label = _stream(key)
     stream = [(*e[:2], workspace, 0) if e[0] == "w" else e for e in stream]
-    point = {**stream_point(stream, batch_size), "peak_op": peak_op}
+    point = replayed_point(stream, batch_size, peak_op)
     return replace(_budget(json.loads(key), dev, batch_size, point, None), label=label)
 

@@ -13,18 +13,23 @@ The lines: the CUDA context (hand-written: no trace sees it), then what the trac
 one cuBLAS workspace block lands moves reserved memory by up to a segment: the other plausible
 positions are replayed from the same allocation stream and stated as a margin, never hidden.
 The largest batch that fits is found by bisection with `FIT_MARGIN`, the rule max_batch_size uses.
+A batch-affine job's stream is kept per process (`job_key`: all but the batch): its next batch, a slider's
+move, or the search, is a replay here (`replayed_point`, what the child reports), no new trace.
 Trade-off: a trace sees only what runs through the caching allocator; cuDNN's transient
 workspaces, NCCL buffers and fragmentation under memory pressure are outside it.
 """
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
 
+from nblib.budget.allocator import stream_point
 from nblib.budget.devices import Device, device_preset
 from nblib.budget.memory import Line
-from nblib.budget.resources import FIT_MARGIN  # the one rule for "fits"
-from nblib.budget.shim import run_child
-from nblib.errors import BudgetExceeded, ConfigError
+from nblib.budget.resources import FIT_MARGIN, largest_fitting  # the one rule for "fits"
+from nblib.budget.shim import run_child, run_cublas_config
+from nblib.errors import BudgetExceeded, ConfigError, NblibError
 from nblib.units import GB, fmt_bytes
 
 PRECISIONS = ("fp16", "bf16", "fp32")
@@ -143,13 +148,85 @@ def model_vram_table(model, batches, device: str | Device = "t4", *, precision: 
         raise ConfigError(f"precision={precision!r} is unknown; choose one of {PRECISIONS}")
     if not batches or min(batches) < 1:
         raise ConfigError(f"batch sizes {batches} must be >= 1")
-    payload = {**model_payload(model), "precision": precision, "train": train, "output": output,
-               "classes": n_classes, "cc": dev.compute_capability, "batches": batches, "out_dtype": out_dtype,
-               "cap": reserved_cap(dev),
-               "search": find_largest, "max_batch": max(max_batch, *batches)}
-    out = run_child(CHILD, payload, timeout_s=timeout_s)
-    return [_budget(payload, dev, b, point, out.get("largest"), tuple(out.get("nondeterministic", ())))
-            for b, point in zip(batches, out["points"])]
+    job = {**model_payload(model), "precision": precision, "train": train, "output": output, "classes": n_classes,
+           "cc": dev.compute_capability, "out_dtype": out_dtype}
+    payload = {**job, "batches": batches, "cap": reserved_cap(dev), "search": find_largest,
+               "max_batch": max(max_batch, *batches)}
+    key = job_key(job)
+    if key not in _STREAMS:
+        out = run_child(CHILD, payload, timeout_s=timeout_s)
+        if out.get("stream") is None:           # not batch-affine: the child traced each batch itself
+            return [_budget(payload, dev, b, point, out.get("largest"), tuple(out["nondeterministic"]))
+                    for b, point in zip(batches, out["points"])]
+        if len(_STREAMS) >= KEPT_JOBS:
+            _STREAMS.pop(next(iter(_STREAMS)))  # the oldest job
+        _STREAMS[key] = _Stream(out["stream"], out["peak_op"], tuple(out["nondeterministic"]))
+    job_stream = _STREAMS[key]
+    largest = largest_batch(job_stream.point, payload["cap"], payload["max_batch"]) if find_largest else None
+    return [_budget(payload, dev, b, job_stream.point(b), largest, job_stream.nondeterministic) for b in batches]
+
+
+@dataclass
+class _Stream:
+    """A traced job's affine allocation stream (nblib.budget.allocator.affine_stream), replayed at any batch."""
+
+    stream: list
+    peak_op: str
+    nondeterministic: tuple
+    points: dict = field(default_factory=dict)
+
+    def point(self, b: int) -> dict:
+        if b not in self.points:
+            self.points[b] = replayed_point(self.stream, b, self.peak_op)
+        return self.points[b]
+
+
+# this process's traced jobs (job_key -> _Stream): a job's second batch, a slider's move, the largest batch's
+# search, is a replay of its stream here, no new child. A job that is not batch-affine is never kept.
+_STREAMS: dict[str, _Stream] = {}
+KEPT_JOBS = 32                                  # a training stream of a large model is some MB
+
+
+def job_key(job: dict) -> str:
+    """Everything that shapes a job's trace but the batch: the payload less the batch, the run's
+    CUBLAS_WORKSPACE_CONFIG, this process's NBLIB_/PYTORCH_ environment and PYTHONPATH, and the files a spec
+    names (their size and mtime: an edited config is traced again).
+    """
+    env = {k: v for k, v in os.environ.items() if k.startswith(("NBLIB_", "PYTORCH_")) or k == "PYTHONPATH"}
+    files = {part: (os.stat(part).st_size, os.stat(part).st_mtime_ns)
+             for part in [*str(job["spec"]).split(":"), job["weights"] or ""] if part and os.path.isfile(part)}
+    return json.dumps({**_trm_shape(job), "cublas_config": run_cublas_config(job["train"]), "env": env,
+                       "files": files}, sort_keys=True, default=str)
+
+
+def _trm_shape(job: dict) -> dict:
+    """A TRM spec ("trm", "trm:t4") as the ModelConfig it builds: the module reads only that (TRMVisionEncoder), so
+    `budget --model trm:t4` and notebook 06's t4 ModelConfig are one job.
+    """
+    from nblib.config import PipelineConfig, preset
+
+    spec = str(job["spec"])
+    if job["trm_model"] is not None or job["weights"] is not None or spec.partition(":")[0] != "trm":
+        return job
+    try:
+        model = (preset(spec.partition(":")[2]) if ":" in spec else PipelineConfig()).model
+    except NblibError:                          # not a preset: the child says so
+        return job
+    return {**job, "spec": "trm", "trm_model": dict(model.__dict__)}
+
+
+def replayed_point(stream: list, b: int, peak_op: str) -> dict:
+    """What a trace of batch `b` reports, replayed from the job's affine stream: the one replay, of `model_vram`
+    and of the TRM's encode table (nblib.budget.encode_trace).
+    """
+    return {**stream_point(stream, b), "peak_op": peak_op}
+
+
+def largest_batch(point, cap: int, max_batch: int) -> int:
+    """The largest batch whose reserved VRAM, at the worst workspace position, stays within `cap`
+    (`reserved_cap`), by `largest_fitting`; `point(b)`: a traced or replayed point.
+    """
+    return largest_fitting(lambda b: max(point(b)["reserved"].values()) <= cap, max_batch)
 
 
 def _budget(payload: dict, dev: Device, batch_size: int, point: dict, largest: int | None,

@@ -1,10 +1,11 @@
 """A warm fake-CUDA process: the shim, torch and transformers loaded once; each trace runs in a fork of it.
 
-A fresh `python -m` child per trace spends ~5 s importing torch and transformers before a second
-or two of tracing, and a model's budget, its simulation and the budget widget ask for many
-traces. The warm process loads them once (the shim first, as a fresh child does), then forks one
-child per request. The child changes global torch state (fake CUDA, patched functions), writes
-its result to a file and exits, so every trace still starts from the same clean state.
+A fresh `python -m` child per trace spends ~5 s importing torch and transformers before a second or two
+of tracing, and a model's budget and its simulation ask for many traces (one per job and process:
+model_vram replays a traced job's further batches itself). The warm process loads them once (the shim
+first, as a fresh child does), then forks one child per request. The child changes global torch state
+(fake CUDA, patched functions), writes its result to a file and exits, so every trace still starts from
+the same clean state.
 
 Protocol, one JSON line each way: the caller sends {"module", "payload", "cwd", "result", "log"};
 the warm process forks, answers {"pid"}, waits for the child and answers {"status"}. A trace past

@@ -78,8 +78,9 @@ def measure_codecs(sample_images: Sequence[np.ndarray], codecs: Sequence[str] = 
                    min_seconds: float = 0.2, rounds: int = 3) -> dict[str, dict[str, float]]:
     """{codec: {"bytes_per_image", "decode_images_per_s"}} over sample images (one core).
 
-    This is the `codec_stats` that `nblib.budget.choose_codec` takes. Decode speed is the time
-    to turn stored bytes back into an array, repeated over the sample for at least `min_seconds`,
+    `nblib.budget.choose_codec` takes this dict as its codec_sizes (what `cache --codec auto` measures; elsewhere
+    codec sizes travel as an `nblib.codec_sizes.CodecSizes`, which `nblib.budget.codec_stats` reads). Decode
+    speed is the time to turn stored bytes back into an array, repeated over the sample for at least `min_seconds`,
     in `rounds` interleaved rounds (every codec once a round), of which each codec's fastest counts:
     a busy moment slows one round, not one codec's only figure, so the codecs' order holds on a
     shared machine. zstd is measured with a dictionary trained on the sample when that pays (as a

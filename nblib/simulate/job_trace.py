@@ -5,8 +5,9 @@ encoding it runs the encode loop's input copy, forward under inference_mode and 
 offload's cast; for training, `traced_train_step`: the loop's own module (`nblib.train.task.
 loop_module`), `training_objects` and `train_step` (nblib.train.loop), so the budget, the simulated
 step (nblib.simulate.train) and the model simulation (nblib.simulate.model) trace one step. Two
-small batches give every batch's allocation stream (`nblib.budget.allocator.affine_stream`); a batch that is not affine
-is traced itself. It lives in the simulation layer because it runs the jobs' code.
+small batches give every batch's allocation stream (`nblib.budget.allocator.affine_stream`), which the child
+returns and `model_vram` replays at any batch and keeps; a job that is not affine has each batch traced here
+itself. It lives in the simulation layer because it runs the jobs' code.
 """
 from __future__ import annotations
 
@@ -14,8 +15,7 @@ import contextlib
 import json
 import sys
 
-from nblib.budget.model_vram import OUT_DTYPE
-from nblib.budget.resources import largest_fitting
+from nblib.budget.model_vram import OUT_DTYPE, largest_batch
 
 TRAIN_STEPS = 3             # AdamW's moments exist from the first step: steps 2 and 3 are the steady state
 ENCODE_BATCHES = 2          # the second batch meets the first one's cached segments
@@ -30,22 +30,21 @@ def _child(payload: dict) -> dict:
     loaded = child_model(payload)
     if "variants" in payload:      # the budget's cached traces (nblib.budget.encode_trace): specs of one model
         return {"entries": [_stream(loaded, {**payload, **variant})[2:] for variant in payload["variants"]]}
-    from nblib.budget.allocator import stream_point
-    low, high, stream, peak_op = _stream(loaded, payload)
+    if payload.get("replay", True):             # False: trace each batch itself (the test of the replay)
+        _, high, stream, peak_op = _stream(loaded, payload)
+        if stream is not None:                  # model_vram replays it at every batch (replayed_point)
+            return {"stream": stream, "peak_op": peak_op, "nondeterministic": high["nondeterministic"]}
     traced = {}
 
-    def point(b: int) -> dict:
-        if b not in traced:                         # not batch-affine: trace this batch itself
-            traced[b] = ({**stream_point(stream, b), "peak_op": peak_op} if stream is not None else
-                         {k: v for k, v in trace_job(loaded, b, payload).items() if k != "events"})
+    def point(b: int) -> dict:                  # not batch-affine: trace this batch itself
+        if b not in traced:
+            traced[b] = {k: v for k, v in trace_job(loaded, b, payload).items() if k != "events"}
         return traced[b]
 
-    out = {"points": [point(b) for b in payload["batches"]], "affine": stream is not None,
-           "nondeterministic": high["nondeterministic"]}      # nblib.train.determinism: named before step 1
+    out = {"points": [point(b) for b in payload["batches"]], "stream": None,
+           "nondeterministic": point(payload["batches"][-1])["nondeterministic"]}   # named before step 1
     if payload["search"]:
-        def fits(b: int) -> bool:
-            return max(point(b)["reserved"].values()) <= payload["cap"]
-        out["largest"] = largest_fitting(fits, payload["max_batch"])
+        out["largest"] = largest_batch(point, payload["cap"], payload["max_batch"])
     return out
 
 
