@@ -29,6 +29,13 @@ glob, directory scan or `state.json`. The window left: a kill during the final r
 `rename` per file, microseconds each) leaves some files in place and no completion record;
 `read_export` refuses it and the same command finishes it.
 
+One export writes a folder at a time: it holds the folder's lock (`nblib.lock`, `.lock-rank-0`)
+from its first look at the folder to its completion record, and a second export into the same
+`--out` is refused in one line naming the first (two at once would remove each other's staged
+files and mix their files). Each data file carries its export's digest (sha256 of the identity
+the manifest records) in its schema metadata, and `read_export` refuses a folder whose files
+are not all of its manifest's export (files copied in from another export).
+
 The folder is the user's: an export refuses a folder that holds files it did not write unless
 `overwrite`, and even then deletes only the files its own manifest lists; files that a reader of
 the folder would take for part of the export (`*.parquet`, `*.arrow`, `state.json`,
@@ -49,6 +56,7 @@ import numpy as np
 
 from nblib.atomic import atomic_write_bytes, fsync_dir, json_bytes, remove_temporaries, sha256_json
 from nblib.errors import ConfigError, InputError, ManifestDamaged, StateError
+from nblib.lock import LOCK_PREFIX, FolderLock, run_identity
 from nblib.manifest import manifest_bytes, read_manifest
 from nblib.units import fmt_bytes
 
@@ -56,7 +64,8 @@ FORMATS = ("parquet", "hf")
 MANIFEST = "_nblib-export.json"  # "_": pyarrow and datasets skip it when reading the folder
 STAGING = ".nblib-staging"       # files not yet in place: hidden, and named *.part
 KIND = "nblib.export"
-VERSION = 2                      # 2: staging folder, completion record, text/key columns, HWC blobs
+VERSION = 3                      # 3: each file carries its export's digest; 2: staging, completion record
+STAMP = b"nblib.export"          # schema metadata key of every data file: sha256 of its export's identity
 HF_METADATA = ("dataset_info.json", "state.json")
 READABLE = re.compile(r".*\.(parquet|arrow)$|^state\.json$|^dataset_info\.json$")
 OURS = re.compile(r"^data-\d{5}-of-\d{5}\.(parquet|arrow)$")
@@ -259,30 +268,40 @@ def _export(out: Path, fmt: str, identity: dict, features: dict, n_files: int, t
     """Stage files 0..n_files-1 that the manifest lacks, move them in place, record completion; the summary."""
     if out.exists() and not out.is_dir():
         raise InputError(f"{out} is a file, not a folder: an export needs a folder; pass another --out")
-    out.mkdir(parents=True, exist_ok=True)
+    with FolderLock(out, identity=run_identity(f"nblib.export:{sha256_json(identity)[:16]}"),
+                    what="export folder", hint="pass another --out") as lock:
+        return _export_locked(out, fmt, identity, features, n_files, table, overwrite, command, level, lock)
+
+
+def _export_locked(out: Path, fmt: str, identity: dict, features: dict, n_files: int, table: Callable[[int], dict],
+                   overwrite: bool, command: list[str], level: int | None, lock: FolderLock) -> ExportSummary:
+    """The export, under the folder's lock: one export writes a folder at a time, or two would mix their files."""
     names = [_file_name(fmt, k, n_files) for k in range(n_files)]
     body = _open_manifest(out, identity, overwrite, names, command)
     body["command"] = command  # how to finish it, as last run (the inputs may have moved)
     remove_temporaries(out)
     hf = _hf_features(features)
-    written = 0
+    written, digest = 0, sha256_json(identity).encode()
     for k, name in enumerate(names):
         listed = body["files"].get(name)
-        if listed and (_intact(out / name, listed) or _intact(_staged(out, name), listed)):
-            continue
+        if listed and any(_intact(path, listed) and _read_stamp(path, fmt) == digest
+                          for path in (out / name, _staged(out, name))):
+            continue                # in place or staged, of this export: a file of another one is rewritten
         if body.get("complete"):
             body["complete"] = False  # a file is redone: not complete until it is in place again
             _write_manifest(out, body, seq=len(body["files"]))
         columns = table(k)
-        data = _encode(fmt, _arrow_table(columns, hf) if fmt == "hf" else _parquet_table(columns, features), level)
+        stamped = _arrow_table(columns, hf) if fmt == "hf" else _parquet_table(columns, features)
+        data = _encode(fmt, _stamp(stamped, identity), level)
         result = _write_user_file(_staged(out, name), data)
         body["files"][name] = {"bytes": result.bytes, "sha256": result.sha256}
         _write_manifest(out, body, seq=len(body["files"]))
         written += 1
     if not body.get("complete"):
+        lock.check()
         _finish(out, body, fmt, hf, names, identity)
     n_rows = sum(stop - start for start, stop in identity["rows"])
-    on_disk = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+    on_disk = sum(p.stat().st_size for p in out.iterdir() if p.is_file() and not p.name.startswith(LOCK_PREFIX))
     return ExportSummary(str(out), fmt, n_rows, n_files, written, n_files - written, on_disk)
 
 
@@ -310,7 +329,7 @@ def _open_manifest(out: Path, identity: dict, overwrite: bool, names: list[str],
     ours listed (overwrite); a folder of someone else's files is refused (see the module docstring).
     """
     try:
-        record = read_manifest(out / MANIFEST, KIND, versions=(1, VERSION))
+        record = read_manifest(out / MANIFEST, KIND, versions=(1, 2, VERSION))
         damaged = None
     except ManifestDamaged as exc:
         record, damaged = None, exc
@@ -341,7 +360,8 @@ def _refuse_foreign(out: Path, ours: set[str], has_manifest: bool, overwrite: bo
     """Refuse a folder holding files no export manifest of ours lists: always when a reader of the
     folder would take them for part of the export, else unless overwrite (they are then left alone).
     """
-    foreign = sorted(p.name for p in out.iterdir() if p.name not in ours and not p.name.startswith(".tmp-"))
+    foreign = sorted(p.name for p in out.iterdir()
+                     if p.name not in ours and not p.name.startswith((".tmp-", LOCK_PREFIX)))
     readable = [name for name in foreign if READABLE.match(name)]
     if readable:
         shown = ", ".join(readable[:5]) + (" ..." if len(readable) > 5 else "")
@@ -376,10 +396,49 @@ def _complete_body(folder: Path) -> dict:
         missing = [name for name in body["names"]
                    if not (name in body["files"] and _intact(folder / name, body["files"][name]))]
         shown = ", ".join(missing[:4]) + (" ..." if len(missing) > 4 else "")
-        command = " ".join(["python -m nblib export", *map(_quote, body.get("command", [])), "--out", _quote(folder)])
         raise StateError(f"{folder} holds an unfinished export: {len(missing)} of {len(body['names'])} files are "
-                         f"not in place ({shown}) and it has no completion record; finish it with: {command}")
+                         f"not in place ({shown}) and it has no completion record; finish it with: "
+                         f"{_command(folder, body)}")
+    _refuse_mixed(folder, body)
     return body
+
+
+def _refuse_mixed(folder: Path, body: dict) -> None:
+    """StateError unless every file of the export carries the digest of the export its manifest records."""
+    digest, fmt = sha256_json(body["identity"]).encode(), body["identity"]["fmt"]
+    missing = [name for name in body["names"] if not (folder / name).is_file()]
+    others = [name for name in body["names"] if name not in missing and _read_stamp(folder / name, fmt) != digest]
+    for bad, what in ((missing, "are missing"), (others, "were written by another export than its manifest's")):
+        if bad:
+            shown = ", ".join(bad[:4]) + (" ..." if len(bad) > 4 else "")
+            raise StateError(f"{folder} is not one whole export: {len(bad)} of {len(body['names'])} files ({shown}) "
+                             f"{what}; its own command rewrites them: {_command(folder, body)}")
+
+
+def _read_stamp(path: Path, fmt: str) -> bytes | None:
+    """The export digest in a data file's schema metadata (None: no stamp, or not a file we can read)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        if fmt == "parquet":
+            schema = pq.read_schema(path)
+        else:
+            with pa.OSFile(str(path)) as f:
+                schema = pa.ipc.open_stream(f).schema
+    except (OSError, pa.ArrowInvalid):
+        return None
+    return (schema.metadata or {}).get(STAMP)
+
+
+def _stamp(table, identity: dict):
+    """The table with its export's digest in the schema metadata (pyarrow, polars and datasets ignore it)."""
+    return table.replace_schema_metadata({**(table.schema.metadata or {}), STAMP: sha256_json(identity).encode()})
+
+
+def _command(folder: Path, body: dict) -> str:
+    """The command that (re)runs the export recorded in `body` into `folder`."""
+    return " ".join(["python -m nblib export", *map(_quote, body.get("command", [])), "--out", _quote(folder)])
 
 
 def _quote(text) -> str:

@@ -144,12 +144,13 @@ def test_an_export_stopped_by_a_damaged_cache_shard_reads_as_unfinished(noise_ca
 
 
 def test_a_kill_between_the_hf_metadata_and_the_completion_record_resumes(text_cache, tmp_path):
+    from nblib.export import VERSION
     from nblib.manifest import manifest_bytes, read_manifest
 
     export_cache(text_cache, tmp_path, "hf")
-    record = read_manifest(tmp_path / "_nblib-export.json", "nblib.export", versions=(2,))
+    record = read_manifest(tmp_path / "_nblib-export.json", "nblib.export", versions=(VERSION,))
     (tmp_path / "_nblib-export.json").write_bytes(manifest_bytes("nblib.export", {**record.body, "complete": False},
-                                                                 version=2, seq=record.seq))
+                                                                 version=VERSION, seq=record.seq))
     with pytest.raises(StateError, match="unfinished export"):
         read_export(tmp_path)
     again = export_cache(text_cache, tmp_path, "hf")  # state.json is ours: not refused as someone else's

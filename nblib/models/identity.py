@@ -53,7 +53,7 @@ def identity_changes(old: dict, new: dict) -> list[str]:
     changes = []
     if old.get("class") != new.get("class"):
         changes.append(f"class: {old.get('class')} -> {new.get('class')}")
-    changes += _dict_changes("config", old.get("config"), new.get("config"))
+    changes += dict_changes("config", old.get("config"), new.get("config"))
     if old.get("weights_sha256") != new.get("weights_sha256"):
         changes.append(f"weights: sha256 {str(old.get('weights_sha256'))[:12]}... -> "
                        f"{str(new.get('weights_sha256'))[:12]}...")
@@ -61,7 +61,7 @@ def identity_changes(old: dict, new: dict) -> list[str]:
     if old_pre.get("fingerprint") != new_pre.get("fingerprint"):
         fields = {k: v for k, v in old_pre.items() if k != "fingerprint"}
         new_fields = {k: v for k, v in new_pre.items() if k != "fingerprint"}
-        changes += _dict_changes("preprocessing", fields, new_fields) or [
+        changes += dict_changes("preprocessing", fields, new_fields) or [
             f"preprocessing: fingerprint {old_pre.get('fingerprint')} -> {new_pre.get('fingerprint')}"]
     return changes
 
@@ -76,7 +76,8 @@ def describe_changes(old: dict, new: dict) -> str:
             f"{'; '.join(changes[:_SHOWN])}{more}")
 
 
-def _dict_changes(prefix: str, old, new) -> list[str]:
+def dict_changes(prefix: str, old, new) -> list[str]:
+    """Each leaf that differs between two (nested) dicts, as 'prefix.key: old -> new' (values clipped)."""
     if old == new:
         return []
     if not (isinstance(old, dict) and isinstance(new, dict)):
@@ -88,7 +89,7 @@ def _dict_changes(prefix: str, old, new) -> list[str]:
         elif key not in old:
             changes.append(f"{prefix}.{key}: added ({_short(new[key])})")
         elif isinstance(old[key], dict) and isinstance(new[key], dict):
-            changes += _dict_changes(f"{prefix}.{key}", old[key], new[key])
+            changes += dict_changes(f"{prefix}.{key}", old[key], new[key])
         elif old[key] != new[key]:
             changes.append(f"{prefix}.{key}: {_short(old[key])} -> {_short(new[key])}")
     return changes

@@ -26,6 +26,7 @@ IDENTITY_FILE = "mirror.json"
 KIND = "nblib.store.mirror-identity"
 READ_TRIES = 20          # a claim being written by another process reads as empty: wait for it
 READ_PAUSE_S = 0.05
+SHOWN = 4                # differences a refusal names (then "and N more")
 
 
 class ForeignMirror(ResumeMismatch):
@@ -73,11 +74,14 @@ def require_same(record: dict | None, identity: dict, root: Path) -> None:
     """ForeignMirror naming the mirror folder and what differs, unless `record` claims it for `identity`."""
     if record is None or record["identity"] == identity:
         return
+    from nblib.models.identity import dict_changes
+
     theirs = record["identity"]
-    changed = [f"{k}: {str(theirs.get(k))[:12]} -> {str(identity.get(k))[:12]}"
-               for k in sorted(set(theirs) | set(identity)) if theirs.get(k) != identity.get(k)]
+    changed = [change for k in sorted(set(theirs) | set(identity), key=str)
+               for change in dict_changes(k, theirs.get(k), identity.get(k))]
+    changed = changed[:SHOWN] + ([f"and {len(changed) - SHOWN} more"] if len(changed) > SHOWN else [])
     raise ForeignMirror(
         f"the mirror folder {root} belongs to another run (first used from {record.get('local_dir')} on host "
-        f"{record.get('host')}; {', '.join(changed)}): two runs in one mirror folder would overwrite each "
-        f"other's parts; pass another --mirror (one folder per run), or delete {root} if that run is no "
+        f"{record.get('host')}; it differs in {'; '.join(changed)}): two runs in one mirror folder would "
+        f"overwrite each other's parts; pass another --mirror (one folder per run), or delete {root} if that run is no "
         f"longer needed")
