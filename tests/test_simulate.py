@@ -182,6 +182,21 @@ def test_budget_vram_within_10_percent_of_the_simulated_gpu(name, gpu, precision
     assert ratio == pytest.approx(1, abs=0.02), f"the budget's trace drifted from the loop: {ratio:.3f}"
 
 
+@pytest.mark.parametrize("name,offload,batch", [("seed_t4", "async", 8), ("t4", "consolidate", 32)])
+def test_the_budget_and_the_simulation_size_the_cublas_workspace_by_the_same_run_config(monkeypatch, name, offload,
+                                                                                         batch):
+    # a process that imported nblib.train has CUBLAS_WORKSPACE_CONFIG=:4096:8: the budget sized its workspace by it,
+    # the simulation did not, and they parted by 1.03x and 0.925x (a test worker that ran a training test first)
+    from nblib.simulate import simulate_encode
+
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    cfg = preset(name).replace(batch_size=batch)
+    sim = simulate_encode(cfg, "t4", precision="fp32", offload=offload)
+    b = budget.predict_budget(cfg, "t4", precision="fp32", offload=offload)
+    margin = sum(line.bytes for line in b.lines["vram"] if line.name == "workspace placement margin")
+    assert b.totals["vram"] - b.device.cuda_context_bytes - margin == sim.max_reserved
+
+
 def test_the_t4_time_is_the_sourced_range_under_the_simulated_roofline():
     """One T4 speed: the full run's time is the budget's nblib.t4_speed range, under the simulated ceiling."""
     from nblib import t4_speed

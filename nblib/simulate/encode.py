@@ -60,6 +60,7 @@ def simulate_encode(config: PipelineConfig, gpu: str | Device = "t4", *, precisi
                     offload: str = "async", sdpa_backend: str | None = None,
                     batches: int | None = None) -> SimulatedRun:
     """Run the encode loop's device-side steps for `batches` batches on a simulated `gpu`."""
+    from nblib.budget.shim import run_cublas_config
     from nblib.simulate.fake_cuda import DeviceTrace, fake_cuda
     from nblib.trm import TRMVisionEncoder
 
@@ -75,7 +76,8 @@ def simulate_encode(config: PipelineConfig, gpu: str | Device = "t4", *, precisi
     encoder.set_inference(precision=precision, sdpa_backend=sdpa_backend)
     pixels = (r.batch_size, m.image_size, m.image_size, 3)
     with fake_cuda():
-        trace = DeviceTrace(dev.compute_capability)
+        # the run's cuBLAS workspace size: this process's CUBLAS_WORKSPACE_CONFIG, as the budget (encode_trace) reads it
+        trace = DeviceTrace(dev.compute_capability, cublas_config=run_cublas_config(False))
         with trace:
             device = torch.device("cuda", 0)
             encoder.to(device)
