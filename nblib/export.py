@@ -293,7 +293,7 @@ def _export_locked(out: Path, fmt: str, identity: dict, features: dict, n_files:
         columns = table(k)
         stamped = _arrow_table(columns, hf) if fmt == "hf" else _parquet_table(columns, features)
         data = _encode(fmt, _stamp(stamped, identity), level)
-        result = _write_user_file(_staged(out, name), data)
+        result = atomic_write_bytes(_staged(out, name), data)
         body["files"][name] = {"bytes": result.bytes, "sha256": result.sha256}
         _write_manifest(out, body, seq=len(body["files"]))
         written += 1
@@ -456,20 +456,7 @@ def _staged(out: Path, name: str) -> Path:
 
 
 def _write_manifest(out: Path, body: dict, seq: int) -> None:
-    _write_user_file(out / MANIFEST, manifest_bytes(KIND, body, version=VERSION, seq=seq))
-
-
-def _write_user_file(path: Path, data: bytes):
-    """atomic_write_bytes, then the mode a plain open() would give (0666 less the umask), not mkstemp's 0600."""
-    result = atomic_write_bytes(path, data)
-    os.chmod(path, 0o666 & ~_umask())
-    return result
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
+    atomic_write_bytes(out / MANIFEST, manifest_bytes(KIND, body, version=VERSION, seq=seq))
 
 
 def _cache_labels(cache, texts, field: str | None) -> dict[str, list[str]]:
@@ -613,11 +600,11 @@ def _write_hf_metadata(out: Path, features, files: list[str], identity: dict) ->
 
     info = io.BytesIO()
     datasets.DatasetInfo(features=features)._dump_info(info, pretty_print=True)
-    _write_user_file(out / "dataset_info.json", info.getvalue())
+    atomic_write_bytes(out / "dataset_info.json", info.getvalue())
     state = {"_data_files": [{"filename": name} for name in files],
              "_fingerprint": sha256_json(identity)[:16], "_format_columns": None, "_format_kwargs": {},
              "_format_type": None, "_output_all_columns": False, "_split": None}
-    _write_user_file(out / "state.json", json_bytes(state))
+    atomic_write_bytes(out / "state.json", json_bytes(state))
 
 
 def _texts(texts, field: str | None, n: int) -> list[str]:
