@@ -29,6 +29,13 @@ def fmt_bytes_pair(a: float, b: float) -> tuple[str, str]:
     return f"{a:.0f} B", f"{b:.0f} B"
 
 
+def fmt_size(n: float) -> str:
+    """A refusal's figure: GB with two decimals from 0.1 GB up, else in the unit that shows it (a small
+    disk's shortfall reads '1.92 MB', never '0.00 GB').
+    """
+    return f"{n / GB:,.2f} GB" if abs(n) >= 0.1 * GB else fmt_bytes(n)
+
+
 def fmt_gb(n: float | None, digits: int = 1) -> str:
     """`n` bytes in GB with `digits` decimals; '-' for None."""
     return "-" if n is None else f"{n / GB:.{digits}f} GB"

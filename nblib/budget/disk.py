@@ -16,10 +16,10 @@ from pathlib import Path
 
 from nblib.budget._checks import require_positive
 from nblib.budget.memory import Line, output_bytes_per_image
-from nblib.budget.resources import FIT_MARGIN, fits, fmt_size, room, shortfall_words
+from nblib.budget.resources import FIT_MARGIN, fits, room, shortfall_words
 from nblib.config import PipelineConfig
 from nblib.errors import BudgetExceeded, ConfigError
-from nblib.units import GB, MB, fmt_bytes
+from nblib.units import GB, MB, fmt_bytes, fmt_size
 
 # Each codec of the cache's registry (nblib.cache.codecs.CODECS, nblib.config.CODECS: the same
 # names) as stored bytes per image over raw, assumed until the cache measures a sample (measure

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import math
 
+from nblib.units import fmt_size
+
 __all__ = [
     "FIT_MARGIN", "KNOBS", "RESOURCES", "fits", "largest_fitting", "margin_words", "room", "shortfall",
-    "fmt_size", "shortfall_figure", "shortfall_words",
+    "shortfall_figure", "shortfall_words",
 ]
 
 # The one rule for "fits" in every notebook, panel and preflight: a need fits when it stays within
@@ -38,15 +40,6 @@ def shortfall_figure(need: float, limit: float, margin: float = FIT_MARGIN) -> s
     prints.
     """
     return fmt_size(math.ceil(shortfall(need, limit, margin)))
-
-
-def fmt_size(n: float) -> str:
-    """A refusal's figure: GB with two decimals from 0.1 GB up, else in the unit that shows it (a small
-    disk's shortfall reads '1.92 MB', never '0.00 GB').
-    """
-    from nblib.units import GB, fmt_bytes
-
-    return f"{n / GB:,.2f} GB" if abs(n) >= 0.1 * GB else fmt_bytes(n)
 
 
 def margin_words(margin: float = FIT_MARGIN) -> str:
