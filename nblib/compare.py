@@ -45,11 +45,6 @@ class Spread:
     def high(self) -> float:
         return float(max(self.values))
 
-    @property
-    def relative(self) -> float:
-        """(high - low) / median: the spread as a share of the typical value."""
-        return (self.high - self.low) / abs(self.median) if self.median else float("inf")
-
     def text(self, fmt: str = ",.0f", unit: str = "") -> str:
         """'1,234/s (1,100-1,300, 3 runs)': the median, the range and the count."""
         u = f" {unit}" if unit else ""

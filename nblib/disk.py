@@ -44,23 +44,22 @@ def disk_free(folder: str | Path) -> int:
 
 
 class DiskDelta:
-    """Context manager: bytes a folder grew by (files under it) and free-disk change."""
+    """Context manager: bytes a folder grew by (files under it)."""
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
         self.before = self.after = 0
-        self.free_before = self.free_after = 0
 
     @property
     def delta(self) -> int:
         return self.after - self.before
 
     def __enter__(self) -> DiskDelta:
-        self.before, self.free_before = disk_usage(self.folder), disk_free(self.folder)
+        self.before = disk_usage(self.folder)
         return self
 
     def __exit__(self, *exc) -> None:
-        self.after, self.free_after = disk_usage(self.folder), disk_free(self.folder)
+        self.after = disk_usage(self.folder)
 
 
 class DiskPeak:

@@ -20,8 +20,6 @@ from nblib.errors import ConfigError, DriveError
 from nblib.units import fmt_gb
 
 COLAB_MOUNT_POINT = Path(os.environ.get("NBLIB_COLAB_MOUNT_POINT", "/content/drive"))  # tests point it elsewhere
-COLAB_WORKSPACE = COLAB_MOUNT_POINT / "MyDrive" / "nblib"
-WORKSPACE_FOLDERS = ("cache", "runs", "checkpoints")
 
 
 def runtime() -> str:

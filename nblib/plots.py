@@ -277,37 +277,6 @@ def cache_worker_scaling(rates, save_to=None) -> Figure:
     return finish(fig, save_to)
 
 
-def coverage_by_script(coverage, save_to=None) -> Figure:
-    """Share of each script's characters the font chain draws (render.Coverage or its as_dict())."""
-    counts = coverage.as_dict() if hasattr(coverage, "as_dict") else coverage
-    scripts = list(counts["characters"])
-    drawn = [1 - counts["missing"][s] / counts["characters"][s] for s in scripts]
-    fig, ax = new_figure(width=6.0, height=0.35 * len(scripts) + 1.4)
-    ax.barh(scripts, [100 * d for d in drawn], color=["tab:blue" if d >= 0.99 else "tab:red" for d in drawn])
-    for y, s in enumerate(scripts):
-        ax.annotate(f"{counts['characters'][s]:,} chars, {counts['missing'][s]:,} without glyph", (1, y),
-                    va="center", fontsize=7, color="white")
-    ax.invert_yaxis()
-    ax.set_xlim(0, 100)
-    ax.set_xlabel("characters with a glyph in the font chain (%)")
-    ax.set_title(f"Font coverage: {100 * (1 - counts['total_missing_share']):.2f}% of "
-                 f"{counts['total_characters']:,} characters")
-    return finish(fig, save_to)
-
-
-def cache_bytes_predicted_vs_used(predicted_bytes: float, used_bytes: float, save_to=None) -> Figure:
-    """Two bars: the disk a cache was predicted to take and what it takes; the ratio on top."""
-    fig, ax = new_figure(width=4.5, height=3.4)
-    values = [predicted_bytes / MB, used_bytes / MB]
-    ax.bar(["predicted", "on disk"], values, color=["tab:blue", "tab:orange"])
-    for k, v in enumerate(values):
-        ax.text(k, v, f"{v:,.2f} MB", ha="center", va="bottom", fontsize=8)
-    ax.set_ylabel("MB")
-    ax.set_ylim(0, max(values) * 1.2)
-    ax.set_title(f"cache disk: on disk / predicted = {used_bytes / predicted_bytes:.3f}")
-    return finish(fig, save_to)
-
-
 def cache_read_throughput(rates: dict, consumer_images_per_s: float | None = None,
                           save_to=None) -> Figure:
     """Read images/s per access pattern (log scale), optionally against what a consumer needs."""

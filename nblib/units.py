@@ -80,6 +80,12 @@ def fmt_duration_range(low: float, mid: float, high: float) -> str:
     return f"{mid_text} {unit} ({low_text}-{high_text} {unit})"
 
 
+def fmt_repr(value, limit: int = 60) -> str:
+    """`repr(value)`, clipped to `limit` characters with "..." (a value quoted in an error message)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def fmt_exception(exc: BaseException, limit: int = 300, *, with_type: bool = False) -> str:
     """The first non-empty line of `exc`'s message, clipped to `limit` characters (its type's name if empty).
 

@@ -1,14 +1,14 @@
 """Verdicts: a figure against what was expected, and configuration A against B measured on a busy machine.
 
 Two kinds, one home. `within_tolerance` judges a value against an expected value or range with a
-fixed relative band (default 10%). `paired_verdict` judges two configurations timed (or sized) on
-this machine: it runs them in pairs, alternating the order (A B, B A, ...), and judges the ratio
+fixed relative band (default 10%). `verdict_of_pairs` judges two configurations timed (or sized) on
+this machine, run in pairs with the order alternating (A B, B A, ...: `nblib.compare.interleaved`), by the ratio
 b/a of each pair, so slow drift in the machine's load cancels inside a pair instead of landing on
 one configuration. The verdict is firm ("higher", "lower") only when a 95% interval of the
 median pair ratio (a seeded bootstrap, never narrower than the sign test's) excludes 1 *and* the
 median lies beyond a minimum effect (MIN_EFFECT, 1.15x on a shared CPU); anything less is "not
 distinguishable here". While the interval straddles the minimum effect and the time budget
-allows, more pairs are run. Memory works the same way on pair
+allows, `interleaved` runs more pairs. Memory works the same way on pair
 differences, against the noise of RSS itself (the spread of repeated identical measurements):
 an effect smaller than that noise is "too small to see here".
 
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -200,32 +199,6 @@ class MemoryVerdict:
 
     def __str__(self) -> str:
         return self.text()
-
-
-def paired_verdict(run_a: Callable[[], float], run_b: Callable[[], float], names: tuple[str, str] = ("a", "b"), *,
-                   min_effect: float = MIN_EFFECT, min_pairs: int = MIN_PAIRS, max_pairs: int = MAX_PAIRS,
-                   budget_s: float | None = None) -> PairedVerdict:
-    """Run a and b in alternating pairs (A B, B A, ...), adding pairs while the call is undecided.
-
-    Each callable returns one measurement (a rate, a time, bytes: anything whose ratio means something).
-    Pairs stop at `max_pairs`, or once the interval is clear of the minimum effect, or once
-    `budget_s` seconds have passed (at least `min_pairs` pairs always run).
-    """
-    check_effect(min_effect)
-    started = time.perf_counter()
-    a_values: list[float] = []
-    b_values: list[float] = []
-    while True:
-        first, second = (run_a, run_b) if len(a_values) % 2 == 0 else (run_b, run_a)
-        x, y = float(first()), float(second())
-        a_values.append(x if first is run_a else y)
-        b_values.append(y if first is run_a else x)
-        if len(a_values) < min_pairs:
-            continue
-        got = verdict_of_pairs(a_values, b_values, names, min_effect, min(min_pairs, max_pairs))
-        spent = time.perf_counter() - started
-        if not got.undecided or len(a_values) >= max_pairs or (budget_s is not None and spent >= budget_s):
-            return got
 
 
 def paired_order(n_others: int, passes: int) -> list[tuple[int, int]]:

@@ -250,7 +250,6 @@ def test_preprocessing_scales_normalizes_resizes_and_puts_channels_first():
     out = pre.apply(white)
     assert out.shape == (1, 3, 4, 6) and out.dtype == torch.float32
     assert torch.allclose(out, torch.ones_like(out))
-    assert pre.input_shape(8) == (3, 4, 6)
 
 
 def test_the_fingerprint_covers_what_changes_the_input_and_not_where_it_came_from():

@@ -257,10 +257,14 @@ def test_a_diverging_run_stops_with_one_error_line_and_saves_nothing_non_finite(
 def test_the_loader_pins_batches_for_cuda_and_never_forks_beside_a_live_thread(cache_dir):
     import numpy as np
 
-    from nblib.train.data import BatchPlan
-    from nblib.train.loop import _loader, worker_start_method
+    from nblib.train.data import BatchPlan, LabelledImages
+    from nblib.train.loop import step_loader, worker_start_method
 
     labels, plan = np.zeros(80, dtype=np.int64), BatchPlan(np.arange(64), 16, 0)
+
+    def _loader(cache_dir, labels, plan, start, stop, rank, world_size, config):       # the loop's: task.dataset
+        return step_loader(LabelledImages(str(cache_dir), labels), None, plan, start, stop, rank, world_size, config)
+
     assert _loader(cache_dir, labels, plan, 0, 2, 0, 1, TINY.replace(device="cuda")).pin_memory
     assert not _loader(cache_dir, labels, plan, 0, 2, 0, 1, TINY).pin_memory
     stop = threading.Event()

@@ -57,20 +57,6 @@ def test_the_interval_is_a_pure_function_of_the_measurements():
     assert verdict.verdict_of_pairs(a, b) == verdict.verdict_of_pairs(list(a), list(b))
 
 
-def test_undecided_verdicts_take_more_pairs_up_to_the_cap():
-    values = iter(np.random.default_rng(3).lognormal(0, 0.4, 200))
-    got = verdict.paired_verdict(lambda: next(values), lambda: 1.15 * next(values), max_pairs=9)
-    assert got.n == 9 or not got.undecided
-    clear = verdict.paired_verdict(lambda: 1.0, lambda: 2.0)
-    assert clear.n == verdict.MIN_PAIRS and clear.direction == "higher"
-
-
-def test_pairs_alternate_their_order_so_drift_lands_on_both():
-    order = []
-    verdict.paired_verdict(lambda: order.append("a") or 1.0, lambda: order.append("b") or 3.0)
-    assert order[:4] == ["a", "b", "b", "a"]
-
-
 def test_bad_inputs_are_refused_with_the_reason():
     with pytest.raises(ValueError, match="above 1"):
         verdict.verdict_of_pairs([1.0], [1.0], min_effect=0.9)
@@ -103,6 +89,14 @@ def _work(n: int) -> float:
     return time.perf_counter() - start
 
 
+def _paired(a: int, b: int):
+    """The notebooks' paired measurement of two work sizes: interleaved pairs, more while undecided (20 s)."""
+    from nblib.compare import compare, interleaved
+
+    got = interleaved({"a": lambda: _work(a), "b": lambda: _work(b)}, decide=(("a", "b"),), budget_s=20)
+    return compare(got["a"], got["b"])
+
+
 @pytest.mark.slow
 def test_two_runs_beside_cpu_hogs_never_reach_opposite_verdicts():
     """Two independent measurement sets of the same comparisons, with two CPU hogs running: no reversal."""
@@ -113,8 +107,7 @@ def test_two_runs_beside_cpu_hogs_never_reach_opposite_verdicts():
         hog.start()
     try:
         comparisons = {"same work": (200_000, 200_000), "1.6x the work": (200_000, 320_000)}
-        calls = {name: [verdict.paired_verdict(lambda n=a: _work(n), lambda n=b: _work(n), budget_s=20).direction
-                        for _ in range(2)] for name, (a, b) in comparisons.items()}
+        calls = {name: [_paired(a, b).direction for _ in range(2)] for name, (a, b) in comparisons.items()}
     finally:
         stop.set()
         for hog in hogs:

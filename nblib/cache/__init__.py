@@ -14,7 +14,7 @@ budget is `nblib.budget.records`. The measurements and demos of notebook 02 live
 """
 from __future__ import annotations
 
-from nblib.cache.codecs import CODECS, Codec, CodecSpec, decode_image, encode_image
+from nblib.cache.codecs import CODECS, Codec, CodecSpec, encode_image
 from nblib.cache.format import (
     MANIFEST,
     SHARD_SUFFIX,
@@ -46,7 +46,7 @@ __all__ = [
     "CODECS", "MANIFEST", "SHARD_SUFFIX", "STAT_CACHE", "CacheDataset", "CachePlan", "Codec", "CodecSpec",
     "PopulateSummary",
     "ShardWriter", "ShardedImageCache", "TextSource", "VerifyReport", "cache_bytes_on_disk",
-    "decode_image", "encode_image", "measure_codecs", "plan_cache", "populate",
+    "encode_image", "measure_codecs", "plan_cache", "populate",
     "read_cache_manifest", "read_texts", "sample_texts", "sample_texts_path", "source_fingerprint",
     "text_source", "verify", "write_images", "write_shard", "image_source",
     "RecordShardShuffle", "RecordShards", "RecordSource", "RecordSummary", "RecordVerifyReport", "record_source",

@@ -182,11 +182,6 @@ def encode_image(image: np.ndarray, codec: str | CodecSpec) -> bytes:
     return codec_for(codec_spec(codec)).encode(image)
 
 
-def decode_image(blob, codec: str | CodecSpec, shape: tuple[int, int, int]) -> np.ndarray:
-    """One uint8 [H, W, 3] image from its stored bytes; ValueError when the bytes do not decode."""
-    return codec_for(codec_spec(codec)).decode(blob, shape)
-
-
 def train_dictionary(images: Sequence[np.ndarray], level: int | None = None) -> tuple[bytes | None, float]:
     """A zstd dictionary trained on the first 3/4 of `images`, and its measured gain.
 

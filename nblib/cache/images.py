@@ -231,16 +231,19 @@ def _close_manifest(out: Path, manifest: dict, total: int | None, keys: Sequence
 
 def source_keys(cache_dir: str | Path) -> list[str] | None:
     """The per-image keys `write_images(keys=...)` recorded (file names for `cache --images DIR`), or None."""
+    recorded = read_cache_manifest(cache_dir)["source"].get("keys")
+    return recorded_json(cache_dir, recorded) if recorded else None
+
+
+def recorded_json(cache_dir: str | Path, recorded: dict):
+    """The JSON file a cache's manifest records ({"file", "sha256"}: its keys, its side table), checked by its hash."""
     import json
 
-    cache_dir = Path(cache_dir)
-    recorded = read_cache_manifest(cache_dir)["source"].get("keys")
-    if not recorded:
-        return None
-    raw = (cache_dir / recorded["file"]).read_bytes() if (cache_dir / recorded["file"]).exists() else b""
+    path = Path(cache_dir) / recorded["file"]
+    raw = path.read_bytes() if path.exists() else b""
     if hashlib.sha256(raw).hexdigest() != recorded["sha256"]:
-        raise CacheError(f"{cache_dir / recorded['file']} is missing or damaged (its sha256 differs from the "
-                         f"manifest's); rerun the cache command that built {cache_dir} to rewrite it")
+        raise CacheError(f"{path} is missing or damaged (its sha256 differs from the manifest's); rerun "
+                         f"the cache command that built {cache_dir} to rewrite it")
     return json.loads(raw)
 
 def _is_hf_folder(path: Path) -> bool:

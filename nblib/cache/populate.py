@@ -239,7 +239,6 @@ class CachePlan:
     shard_mb: float
     bytes_per_image: float
     predicted_bytes: int
-    images_per_shard: float
     n_shards: int
     free_bytes: int
     done_bytes: int = 0
@@ -279,7 +278,7 @@ def plan_cache(n_images: int, cache_dir: str | Path, image_size: int = 224, shar
     predicted = budget.cache_bytes(n_images, image_size, codec, stored, shard_mb=max(1, math.ceil(shard_mb)))
     return CachePlan(n_images=n_images, image_size=image_size, codec=codec, shard_mb=shard_mb,
                      bytes_per_image=float(bytes_per_image), predicted_bytes=int(predicted),
-                     images_per_shard=per_shard, n_shards=math.ceil(n_images / per_shard),
+                     n_shards=math.ceil(n_images / per_shard),
                      free_bytes=disk_free(cache_dir), done_bytes=cache_bytes_on_disk(cache_dir))
 
 

@@ -72,10 +72,6 @@ class RecordShards:
         """The group key of each shard (None everywhere without grouping)."""
         return [s["key"] for s in self.shards]
 
-    def shards_of(self, key) -> list[int]:
-        """The shard numbers holding `key`'s records."""
-        return [k for k, s in enumerate(self.shards) if s["key"] == key]
-
     def locate(self, index: int) -> tuple[int, int]:
         """(shard number, record number inside it) of record `index`."""
         index = int(index)

@@ -22,7 +22,6 @@ and a tar stream cannot be counted without reading it, so a wds cache has no dis
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import tarfile
@@ -39,9 +38,10 @@ from nblib.cache.images import (
     image_keys,
     image_source,
     open_images,
+    recorded_json,
 )
 from nblib.cache.labels import label_index, labels_and_classes, labels_from_file
-from nblib.errors import CacheError, InputError
+from nblib.errors import InputError
 
 WDS_IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
 WDS_USED = (*WDS_IMAGE_EXTENSIONS, "cls", "txt", "json")   # members read; any other is skipped, unread
@@ -148,16 +148,10 @@ def source_labels(cache_dir: str | Path) -> dict | None:
     """The side table a cache carries ({"labels", "classes"} or {"texts"}), checked by its hash, or None."""
     from nblib.cache.format import read_cache_manifest
 
-    cache_dir = Path(cache_dir)
     recorded = read_cache_manifest(cache_dir)["source"].get("side")
     if not recorded:
         return None
-    path = cache_dir / recorded["file"]
-    raw = path.read_bytes() if path.exists() else b""
-    if hashlib.sha256(raw).hexdigest() != recorded["sha256"]:
-        raise CacheError(f"{path} is missing or damaged (its sha256 differs from the manifest's); rerun "
-                         f"the cache command that built {cache_dir} to rewrite it")
-    table = json.loads(raw)
+    table = recorded_json(cache_dir, recorded)
     if "classes" in recorded:
         table["classes"] = recorded["classes"]      # the class names live in the manifest
     return table

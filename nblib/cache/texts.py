@@ -53,12 +53,11 @@ class TextSource:
             return f"text {index} of the list"
         if self.field is None:
             return f"{self.path}: line {index + 1}"
-        with open(self.path, "rb") as f:
-            seen = -1
-            for number, raw in enumerate(f, start=1):
-                seen += bool(_decode_line(raw, self.path, number, "replace").strip())
-                if seen == index:
-                    return f"{self.path}: line {number}"
+        seen = -1
+        for number, line in _lines(self.path, "replace"):        # as read_texts counts them
+            seen += bool(line.strip())
+            if seen == index:
+                return f"{self.path}: line {number}"
         return f"{self.path}: text {index}"
 
     def describe(self) -> dict:
@@ -144,16 +143,30 @@ def sample_texts(n: int | None = None) -> list[str]:
 # ====================================================================================== helpers
 
 
-def _read_lines(path: Path, field: str | None, errors: str) -> Iterator[str]:
+def read_records(path: str | Path, field: str | None = None, errors: str = "strict") -> Iterator[tuple[int, dict]]:
+    """(line number, record) of each non-blank line of a JSONL file whose text is record[field] ("text" by
+    default), read and checked as `read_texts` reads it.
+    """
+    path, field = _check_text_file(path, field or "text", errors)
+    for number, line in _lines(path, errors):
+        if line.strip():
+            yield number, _json_record(line, field, path, number)
+
+
+def _lines(path: Path, errors: str) -> Iterator[tuple[int, str]]:
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
             if number == 1 and raw.startswith(BOM):
                 raw = raw[len(BOM):]  # a byte order mark (Windows editors write one) is not text
-            line = _decode_line(raw, path, number, errors)
-            if field is None:
-                yield line
-            elif line.strip():
-                yield _json_field(line, field, path, number)
+            yield number, _decode_line(raw, path, number, errors)
+
+
+def _read_lines(path: Path, field: str | None, errors: str) -> Iterator[str]:
+    for number, line in _lines(path, errors):
+        if field is None:
+            yield line
+        elif line.strip():
+            yield _json_record(line, field, path, number)[field]
 
 
 def _check_text_file(path, field: str | None, errors: str) -> tuple[Path, str | None]:
@@ -186,7 +199,7 @@ def _decode_line(raw: bytes, path: Path, number: int, errors: str) -> str:
             f"(--errors replace) to substitute U+FFFD") from None
 
 
-def _json_field(line: str, field_name: str, path: Path, number: int) -> str:
+def _json_record(line: str, field_name: str, path: Path, number: int) -> dict:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -203,8 +216,7 @@ def _json_field(line: str, field_name: str, path: Path, number: int) -> str:
         keys = sorted(record) if isinstance(record, dict) else type(record).__name__
         raise InputError(f"{path}: line {number} has no field {field_name!r} (has: {keys}); "
                          f"pick the field with --field")
-    value = record[field_name]
-    if not isinstance(value, str):
+    if not isinstance(record[field_name], str):
         raise InputError(f"{path}: line {number}: field {field_name!r} is a "
-                         f"{type(value).__name__}, not a string")
-    return value
+                         f"{type(record[field_name]).__name__}, not a string")
+    return record

@@ -14,7 +14,6 @@ from nblib.models.identity import (
     identity_changes,
     model_identity,
     module_config,
-    preprocessing_of,
 )
 from nblib.models.load import DEFAULT_SPEC, SPEC_FORMS, LoadedModel, load_model, parse_spec
 from nblib.models.outputs import named_outputs
@@ -39,6 +38,6 @@ __all__ = [
     "DEFAULT_SPEC", "SPEC_FORMS", "LoadedModel", "Preprocessing", "check_state_dict", "describe_changes",
     "hf_config_dict", "hf_processor_defaults", "identity_changes", "load_model", "load_weights", "model_identity",
     "module_config", "named_outputs", "parse_spec", "preprocessing_from", "preprocessing_from_hf",
-    "preprocessing_from_timm", "preprocessing_of", "read_state_dict", "read_weights", "save_weights",
+    "preprocessing_from_timm", "read_state_dict", "read_weights", "save_weights",
     "trm_preprocessing", "weights_sha256",
 ]

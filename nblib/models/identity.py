@@ -12,9 +12,9 @@ import json
 
 from nblib.models.preprocessing import Preprocessing
 from nblib.models.weights import weights_sha256
+from nblib.units import fmt_repr
 
 _VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path")
-COMPARED = ("class", "config", "weights_sha256", "preprocessing")
 _SHOWN = 6
 
 
@@ -81,27 +81,15 @@ def dict_changes(prefix: str, old, new) -> list[str]:
     if old == new:
         return []
     if not (isinstance(old, dict) and isinstance(new, dict)):
-        return [f"{prefix}: {_short(old)} -> {_short(new)}"]
+        return [f"{prefix}: {fmt_repr(old)} -> {fmt_repr(new)}"]
     changes = []
     for key in sorted(set(old) | set(new), key=str):
         if key not in new:
-            changes.append(f"{prefix}.{key}: removed (was {_short(old[key])})")
+            changes.append(f"{prefix}.{key}: removed (was {fmt_repr(old[key])})")
         elif key not in old:
-            changes.append(f"{prefix}.{key}: added ({_short(new[key])})")
+            changes.append(f"{prefix}.{key}: added ({fmt_repr(new[key])})")
         elif isinstance(old[key], dict) and isinstance(new[key], dict):
             changes += dict_changes(f"{prefix}.{key}", old[key], new[key])
         elif old[key] != new[key]:
-            changes.append(f"{prefix}.{key}: {_short(old[key])} -> {_short(new[key])}")
+            changes.append(f"{prefix}.{key}: {fmt_repr(old[key])} -> {fmt_repr(new[key])}")
     return changes
-
-
-def _short(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def preprocessing_of(identity: dict) -> Preprocessing:
-    """The Preprocessing an identity records (to rebuild the input exactly on a resume)."""
-    fields = {k: v for k, v in (identity.get("preprocessing") or {}).items()
-              if k in {f.name for f in dataclasses.fields(Preprocessing)}}
-    return Preprocessing(**fields)

@@ -12,8 +12,6 @@ resize to the crop size, which matches it only for images already at the process
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from dataclasses import dataclass
 
 from nblib.errors import ConfigError
@@ -70,14 +68,9 @@ class Preprocessing:
 
     def fingerprint(self) -> str:
         """sha256 of the fields (key-sorted JSON): equal for equal preprocessing, whatever its source."""
-        return hashlib.sha256(json.dumps(self.fields(), sort_keys=True).encode()).hexdigest()
+        from nblib.atomic import sha256_json
 
-    def input_shape(self, image_size: int | tuple[int, int]) -> tuple[int, ...]:
-        """One sample's model input shape for a cache image of `image_size` (square int or (H, W))."""
-        hw = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
-        if self.layout == "uint8_nhwc":
-            return (*hw, 3)
-        return (3, *(self.size or hw))
+        return sha256_json(self.fields())
 
     def apply(self, images):
         """uint8 [B, H, W, 3] tensor -> the model's input tensor (on the images' device)."""

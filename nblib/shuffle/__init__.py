@@ -30,7 +30,7 @@ from nblib.shuffle.global_shuffle import GlobalShuffle
 from nblib.shuffle.iterate import full_order, iter_samples
 from nblib.shuffle.keyed_random import FEISTEL_ROUNDS, MAX_N
 from nblib.shuffle.positional import PositionalShuffle
-from nblib.shuffle.quality import buffer_quality_sweep, displacements, same_episode_share, shuffle_quality, spearman
+from nblib.shuffle.quality import displacements, same_episode_share, shuffle_quality, spearman
 from nblib.shuffle.shard_aware import ShardAwareShuffle
 from nblib.shuffle.state import STATE_VERSION, load_state, load_state_json, save_state, state_bytes, state_to_json
 
@@ -42,7 +42,7 @@ __all__ = [
     "ResumableShuffleBuffer", "GlobalShuffle", "ShardAwareShuffle", "FeistelPermutation", "PositionalShuffle",
     "iter_samples", "full_order",
     "state_to_json", "load_state_json", "state_bytes", "save_state", "load_state",
-    "displacements", "spearman", "same_episode_share", "shuffle_quality", "buffer_quality_sweep",
+    "displacements", "spearman", "same_episode_share", "shuffle_quality",
 ]
 
 

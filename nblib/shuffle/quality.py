@@ -6,12 +6,7 @@ Trade-off: these see position and episode structure only, not every statistical 
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
-
-from nblib.shuffle.buffer import ResumableShuffleBuffer
-from nblib.shuffle.iterate import full_order
 
 
 def shuffle_quality(order, episode_len: int | None = None) -> dict:
@@ -39,16 +34,6 @@ def shuffle_quality(order, episode_len: int | None = None) -> dict:
         quality["same_episode_share"] = same_episode_share(order, episode_len)
         quality["same_episode_share_random"] = (episode_len - 1) / (n - 1) if n > 1 else float("nan")
     return quality
-
-
-def buffer_quality_sweep(n: int, buffer_sizes: Sequence[int], *, seed: int = 0,
-                         episode_len: int | None = None) -> list[dict]:
-    """`shuffle_quality` of ResumableShuffleBuffer's order for each buffer size (one row each)."""
-    rows = []
-    for buffer_size in buffer_sizes:
-        order = full_order(ResumableShuffleBuffer(n=n, buffer_size=int(buffer_size), seed=seed))
-        rows.append({"buffer_size": int(buffer_size), **shuffle_quality(order, episode_len)})
-    return rows
 
 
 def displacements(order) -> np.ndarray:

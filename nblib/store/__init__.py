@@ -33,7 +33,6 @@ import contextlib
 import errno
 import json
 import logging
-import shutil
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -42,11 +41,11 @@ from typing import Any
 import numpy as np
 
 from nblib import env
-from nblib.atomic import TMP_PREFIX, atomic_write_bytes
+from nblib.atomic import atomic_write_bytes
 from nblib.errors import DriveError, StateError
 
 from .checkpoints import CheckpointFolder, load_latest, stem
-from .deadline import MirrorStalled, Stall
+from .deadline import MirrorStalled
 from .identity import ForeignMirror
 from .manager import CheckpointManager, default_remount
 from .mirror import CopyManifest, CopyPart, Mirror, MirrorStatus, MirrorWarning
@@ -102,7 +101,6 @@ class DurableStore:
         self._mirror: Mirror | None = self.checkpoints.mirror
         self._versions: dict[str, int] = {}
         self._manifest_seq: int | None = None
-        self._stall: Stall | None = self.checkpoints.stall
         self._stall_warned = False
         self._one_try: list = []                # the mirror's folders read once, without retries
         if self.mirror_dir is not None:
@@ -148,21 +146,6 @@ class DurableStore:
             self._unless_stalled(lambda folder=folder: folder.delete(name), folder)
         if self._mirror is not None:
             self._mirror.forget(name)
-
-    def leftover_temporaries(self) -> list[Path]:
-        """Temporaries that interrupted writes or deletions left on both sides (never parts)."""
-        return sorted(p for folder in self._folders for p in folder.root.rglob(f"{TMP_PREFIX}*"))
-
-    def remove_leftovers(self) -> int:
-        """Delete leftover temporaries; call it only while no other process writes to this store."""
-        leftovers = self.leftover_temporaries()
-        for path in leftovers:
-            if path.is_dir():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()
-        return len(leftovers)
 
     # ---------------------------------------------------------------------------- manifest
 

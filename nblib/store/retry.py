@@ -41,10 +41,10 @@ class Retrier:
     """Call a function, retrying OSError with exponential backoff; remount on Errno 107."""
 
     def __init__(self, retries: int, backoff_s: float, remount: Callable[[], Any] | None,
-                 stop: threading.Event | None = None, remount_timeout_s: float | None = None):
+                 stop: threading.Event | None = None):
         self.retries, self.backoff_s, self.remount = retries, backoff_s, remount
         self.stop = stop if stop is not None else threading.Event()
-        self.remount_timeout_s = remount_timeout_s if remount_timeout_s is not None else remount_timeout()
+        self.remount_timeout_s = remount_timeout()
         self._remounting: threading.Thread | None = None
 
     def call(self, fn: Callable[[], Any], what: str, passes: tuple = ()):

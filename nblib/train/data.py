@@ -35,30 +35,40 @@ def script_of(text: str) -> str:
 
 def read_labels(texts_path: str | Path, labels: str = "kind") -> tuple[np.ndarray, list[str]]:
     """(label of each line as int64, class names) from a JSONL texts file."""
+    return scan_labels(texts_path, labels)[:2]
+
+
+def scan_labels(texts_path: str | Path, labels: str = "kind", field: str | None = None,
+                errors: str = "strict") -> tuple[np.ndarray, list[str], str]:
+    """One pass over a JSONL texts file: (label of each record as int64, class names, fingerprint of the texts
+    in the file's order: `nblib.cache.texts.scan_texts` over the records' `field`, "text" by default).
+    Records are read as a cache reads them (`read_records`: blank lines skipped, `errors` for bad UTF-8).
+    """
+    from nblib.cache.texts import read_records, scan_texts
+
     path = Path(texts_path)
     if path.suffix != ".jsonl":
         raise InputError(f"{path} is not a .jsonl file: labels come from its 'kind' field or its texts' "
                          f"script; build the cache from data/sample_texts.jsonl (or pass --texts such a file)")
-    names = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            try:
-                row = json.loads(line)
-            except ValueError as exc:
-                raise InputError(f"{path} line {number} is not JSON ({exc})") from None
-            if labels == "kind":
-                if not isinstance(row.get("kind"), str):
-                    raise InputError(f"{path} line {number} has no 'kind' field; use --labels script")
-                names.append(row["kind"])
-            else:
-                names.append(script_of(str(row.get("text", ""))))
+    names, field = [], field or "text"
+
+    def texts():
+        for number, row in read_records(path, field, errors):
+            if labels == "kind" and not isinstance(row.get("kind"), str):
+                raise InputError(f"{path} line {number} has no 'kind' field; use --labels script")
+            names.append(row["kind"] if labels == "kind" else script_of(str(row.get("text", ""))))
+            yield row[field]
+
+    sha256 = scan_texts(texts(), sample_size=0).sha256
     classes = sorted(set(names))
     lookup = {name: i for i, name in enumerate(classes)}
-    return np.array([lookup[n] for n in names], dtype=np.int64), classes
+    return np.array([lookup[n] for n in names], dtype=np.int64), classes, sha256
 
 
 def labels_for_cache(cache, labels: str = "kind", texts: str | Path | None = None) -> tuple[np.ndarray, list[str]]:
-    """Labels of every image of a cache, from the texts file its manifest records (or `texts`)."""
+    """Labels of every image of a cache, from the texts file its manifest records (or `texts`), in one pass that
+    also checks the file holds the cache's texts in the cache's order (`check_texts_order`).
+    """
     source = cache.manifest["source"]
     if texts is None and source.get("side"):
         return side_table_labels(cache)
@@ -78,11 +88,47 @@ def labels_for_cache(cache, labels: str = "kind", texts: str | Path | None = Non
     if not Path(path).is_file():
         raise InputError(f"the texts file {path} (recorded by the cache {cache.cache_dir}) is missing; "
                          f"pass --texts PATH.jsonl")
-    values, classes = read_labels(path, labels)
+    values, classes, sha256 = scan_labels(path, labels, source.get("field"), source.get("errors", "strict"))
     if len(values) != source["n_texts"]:
         raise InputError(f"{path} has {len(values):,} lines but the cache {cache.cache_dir} was rendered from "
                          f"{source['n_texts']:,} texts: they are not its texts; pass the right --texts")
+    if source.get("sha256") and not source.get("side"):
+        check_texts_order(cache, path, sha256)
     return values[: len(cache)], classes
+
+
+def check_texts_order(cache, path, sha256: str) -> None:
+    """InputError when the texts file whose line k labels image k (`path`, fingerprint `sha256`) is not the cache's
+    texts in the cache's order: its fingerprint is not the recorded one. A shuffled copy (the same texts as the
+    recorded file, in another order) is named as such.
+    """
+    from nblib.cache.texts import scan_texts, text_source
+
+    source = cache.manifest["source"]
+    if sha256 == source["sha256"]:
+        return
+
+    def read(where):
+        return text_source(where, source.get("field"), source.get("errors", "strict"))
+    n_texts, original = source["n_texts"], source.get("path")
+    if (original and Path(original).is_file() and Path(original).resolve() != Path(path).resolve()
+            and scan_texts(read(original), 0).sha256 == source["sha256"]
+            and _unordered_digest(read(original)) == _unordered_digest(read(path))):
+        raise InputError(f"--texts {path} holds the cache's {n_texts:,} texts in another order than {original}, "
+                         f"which the cache {cache.cache_dir} was rendered from: line k labels image k, so the labels "
+                         f"would go to other images; pass --texts {original} (or drop --texts)")
+    raise InputError(f"the texts of {path} (fingerprint {sha256[:12]}, {n_texts:,} texts) are not the ones "
+                     f"the cache {cache.cache_dir} was rendered from ({source['sha256'][:12]}): an edited or reordered "
+                     f"copy gives images other labels (line k labels image k); pass the texts file the cache was "
+                     f"rendered from, or rebuild the cache from this one")
+
+
+def _unordered_digest(texts) -> int:
+    """A fingerprint of the texts that ignores their order: the sum of their sha256s (a multiset hash)."""
+    import hashlib
+
+    return sum(int.from_bytes(hashlib.sha256(t.encode("utf-8", "surrogatepass")).digest(), "little")
+               for t in texts) % (1 << 256)
 
 
 def side_table_labels(cache) -> tuple[np.ndarray, list[str]]:

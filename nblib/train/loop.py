@@ -34,7 +34,7 @@ from nblib.manifest import write_manifest
 from nblib.units import fmt_rate
 
 from .config import TrainConfig
-from .data import BatchPlan, LabelledImages, StepBatches
+from .data import BatchPlan, StepBatches
 from .device import as_nblib_error, autocast, deterministic, dropout_seed, require_device
 from .objstore import check_run_folders
 from .records import RecordTask
@@ -440,11 +440,6 @@ def _close_group(group) -> None:
         import torch.distributed as dist
 
         dist.destroy_process_group(group)
-
-
-def _loader(cache_dir, labels, plan, start, stop, rank, world_size, config):
-    """The DataLoader of an image cache's labelled micro-batches (see `step_loader`)."""
-    return step_loader(LabelledImages(str(cache_dir), labels), None, plan, start, stop, rank, world_size, config)
 
 
 def step_loader(dataset, collate, plan, start, stop, rank, world_size, config):

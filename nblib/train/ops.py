@@ -13,12 +13,12 @@ Trade-off: list prices, no free tier, no egress (a resume on a VM in the bucket'
 from __future__ import annotations
 
 import logging
-import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 from nblib.budget.training import retained_bytes
+from nblib.disk import disk_free, disk_usage
 from nblib.units import GB, fmt_bytes
 
 log = logging.getLogger("nblib.train")
@@ -116,17 +116,11 @@ class DiskWatch:
 
 def free_bytes(folder: Path, quota: int | None = None) -> int | None:
     """Free bytes where `folder` lives (or under a quota: quota minus what the folder holds); None if unknown."""
-    probe = folder
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
     try:
-        free = shutil.disk_usage(probe).free
+        free = disk_free(folder)
     except OSError:
         return None
-    if quota is not None:
-        used = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.exists() else 0
-        free = min(free, quota - used)
-    return int(free)
+    return int(free if quota is None else min(free, quota - disk_usage(folder)))
 
 
 def drive_quota_bytes(gb: float = 15.0) -> int:

@@ -120,18 +120,12 @@ def _env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
 
 
-def _rss() -> int:
+def _statm(field: int) -> int:
+    """Bytes of this process from /proc/self/statm: field 0 its virtual size, 1 its resident set."""
+    import os
+
     with open("/proc/self/statm") as f:
-        import os
-
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _vm() -> int:
-    with open("/proc/self/statm") as f:
-        import os
-
-        return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        return int(f.read().split()[field]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _worker(payload: dict) -> dict:
@@ -154,9 +148,9 @@ def _worker(payload: dict) -> dict:
             torch.cuda.set_per_process_memory_fraction(min(1.0, float(cap) / total), index)
     step = _steps(payload)
     step(2)
-    rss_before = _rss()
+    rss_before = _statm(1)
     if cap and not cuda:
-        limit = _vm() + int(cap)
+        limit = _statm(0) + int(cap)
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     reset_peak_rss()
     if cuda:

@@ -19,9 +19,9 @@ import numpy as np
 import torch
 
 from nblib.errors import ResumeMismatch
+from nblib.units import fmt_repr
 
 STATE_FORMAT = 1
-PARTS = ("model", "optimizer", "scheduler", "scaler", "rng", "data_order", "history", "identity")
 
 
 def capture_rng() -> dict:
@@ -69,7 +69,7 @@ def check_identity(stored: dict, current: dict, where: str) -> None:
                 f"to train a new run on these labels")
         if old != new:
             raise ResumeMismatch(
-                f"{where} holds a run with {key}={_short(old)}, this command asks for {key}={_short(new)}; "
+                f"{where} holds a run with {key}={fmt_repr(old, 80)}, this command asks for {key}={fmt_repr(new, 80)}; "
                 f"rerun with the original setting to resume, or pass another --out to start a new run")
 
 
@@ -113,6 +113,3 @@ def _saved_size(value) -> int:
     return len(buffer.getvalue())
 
 
-def _short(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."

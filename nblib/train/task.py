@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from nblib.config import for_profile, preset
-from nblib.errors import ConfigError, InputError, NblibError
+from nblib.errors import ConfigError, NblibError
 
 from .config import TrainConfig
 from .data import BatchPlan, LabelledImages, label_digest, labels_for_cache, split
@@ -141,43 +141,6 @@ def host(state: dict) -> dict:
     return {k: v.cpu() for k, v in state.items()}
 
 
-def check_texts_order(cache, texts=None) -> None:
-    """InputError when the texts file whose line k labels image k (`--texts`, else the one the cache records) is not
-    the cache's texts in the cache's order: its fingerprint (sha256 of the texts in order) is not the recorded one.
-    A shuffled copy (the same texts as the recorded file, in another order) is named as such.
-    """
-    from nblib.cache.texts import scan_texts, text_source
-
-    source = cache.manifest["source"]
-    path = texts if texts is not None else source.get("path")
-    if path is None or source.get("side") or not source.get("sha256"):
-        return                                              # labels from a side table, or nothing recorded
-    def read(where):
-        return text_source(where, source.get("field"), source.get("errors", "strict"))
-    scan = scan_texts(read(path), sample_size=0)
-    if scan.sha256 == source["sha256"]:
-        return
-    original = source.get("path")
-    if (original and Path(original).is_file() and Path(original).resolve() != Path(path).resolve()
-            and scan_texts(read(original), 0).sha256 == source["sha256"]
-            and _unordered_digest(read(original)) == _unordered_digest(read(path))):
-        raise InputError(f"--texts {path} holds the cache's {scan.n_texts:,} texts in another order than {original}, "
-                         f"which the cache {cache.cache_dir} was rendered from: line k labels image k, so the labels "
-                         f"would go to other images; pass --texts {original} (or drop --texts)")
-    raise InputError(f"the texts of {path} (fingerprint {scan.sha256[:12]}, {scan.n_texts:,} texts) are not the ones "
-                     f"the cache {cache.cache_dir} was rendered from ({source['sha256'][:12]}): an edited or reordered "
-                     f"copy gives images other labels (line k labels image k); pass the texts file the cache was "
-                     f"rendered from, or rebuild the cache from this one")
-
-
-def _unordered_digest(texts) -> int:
-    """A fingerprint of the texts that ignores their order: the sum of their sha256s (a multiset hash)."""
-    import hashlib
-
-    return sum(int.from_bytes(hashlib.sha256(t.encode("utf-8", "surrogatepass")).digest(), "little")
-               for t in texts) % (1 << 256)
-
-
 class ImageTask:
     """A cache of images and the labels of its texts (or side table), for the TRM or any model with a head."""
 
@@ -191,7 +154,6 @@ class ImageTask:
         self.folder, self.config, self.spec = Path(cache_dir), config, model
         self.cache = ShardedImageCache(cache_dir)
         self.labels, self.classes = labels_for_cache(self.cache, config.labels, texts)
-        check_texts_order(self.cache, texts)
         self.train_idx, self.held_idx = split(len(self.cache), config.holdout)
         self.plan = BatchPlan(self.train_idx, config.batch_size, config.seed)
         self.dataset, self.collate = LabelledImages(str(cache_dir), self.labels), None
