@@ -156,10 +156,11 @@ def test_roofline_of_a_t4_fp16_beats_fp32_and_sums_its_kernels():
 # ------------------------------------------------------------------ the budget against the simulation
 GRID = [  # (preset, gpu, precision, offload, batch, sdpa): each precision x offload once, batches spread over
     # 8..384; benchmarks/budget_vs_simulated.py runs the whole T4 grid (64 points). t4/fp32/consolidate/128
-    # was 1.19 while the budget replayed a synthetic block pattern instead of the loop's op order.
-    ("seed_t4", "t4", "fp16", "async", 384, None), ("seed_t4", "t4", "fp32", "async", 8, None),
-    ("t4", "t4", "fp16", "consolidate", 192, None), ("t4", "t4", "fp32", "consolidate", 32, None),
-    ("t4", "t4", "fp32", "consolidate", 128, None),
+    # was 1.19 while the budget replayed a synthetic block pattern instead of the loop's op order. seed_t4/fp32/
+    # async/8 and t4/fp32/consolidate/32 are held to the byte by the workspace test below (its jobs, a 32 MiB
+    # workspace where this grid has the default 8 MiB: one code path, one number apart).
+    ("seed_t4", "t4", "fp16", "async", 384, None),
+    ("t4", "t4", "fp16", "consolidate", 192, None), ("t4", "t4", "fp32", "consolidate", 128, None),
     ("seed_t4", "t4", "fp16", "async", 192, None),     # issue 28: 1.63 GB with the workspace first, 1.87 in order
     ("t4", "t4", "fp16", "async", 32, "math"), ("t4", "h100", "fp16", "async", 64, None),
 ]

@@ -31,6 +31,19 @@ def _vit(folder, name: str, checkpointing: bool = False) -> str:
     return f"hf:ViTModel:{path}"
 
 
+@pytest.fixture(scope="module")
+def vit_training(shim, tmp_path_factory):
+    """The plain ViT's training budget at batches 8 and 64 with CUBLAS_WORKSPACE_CONFIG unset: one trace (the second
+    batch replays its stream), read by the workspace test and the checkpointing test.
+    """
+    from nblib.budget.model_vram import model_vram
+
+    spec = _vit(tmp_path_factory.mktemp("vit"), "vit")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+        return {b: model_vram(spec, b, train=True, find_largest=False) for b in (8, 64)}
+
+
 def _attention_peak(with_mask: bool) -> int:
     """Peak live bytes beyond q, k, v and an fp32 bias [B, H, L, L] of SDPA under fp16 autocast, inference."""
     import torch
@@ -116,24 +129,21 @@ def test_a_model_with_linear_gets_one_workspace_per_cublas_handle(shim, tmp_path
     assert train.line("cuBLAS workspace") == 2 * cublas_workspace_bytes(75, ":16:8")
 
 
-def test_training_charges_the_32_mib_workspace_nblib_train_sets_per_handle(shim, tmp_path, monkeypatch):
+def test_training_charges_the_32_mib_workspace_nblib_train_sets_per_handle(vit_training, monkeypatch):
     import subprocess
     import sys
-
-    from nblib.budget.model_vram import model_vram
 
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     code = "import os, nblib.train; print(os.environ['CUBLAS_WORKSPACE_CONFIG'])"
     run_sets = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert run_sets == ":4096:8"
-    budget = model_vram(_vit(tmp_path, "vit"), 8, train=True, find_largest=False)
-    assert budget.line("cuBLAS workspace") == 2 * 4096 * 1024 * 8
+    assert vit_training[8].line("cuBLAS workspace") == 2 * 4096 * 1024 * 8     # budgeted with the variable unset
 
 
-def test_a_checkpointed_vit_is_budgeted_and_lower_than_without(shim, tmp_path):
+def test_a_checkpointed_vit_is_budgeted_and_lower_than_without(vit_training, tmp_path):
     from nblib.budget.model_vram import model_vram
 
-    plain = model_vram(_vit(tmp_path, "vit"), 64, train=True, find_largest=False)
+    plain = vit_training[64]
     checkpointed = model_vram(_vit(tmp_path, "vit_ckpt", checkpointing=True), 64, train=True, find_largest=False)
     assert checkpointed.line("parameters and buffers") == plain.line("parameters and buffers")
     assert checkpointed.line("input batch and activations at the peak") < plain.line(

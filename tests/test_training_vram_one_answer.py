@@ -23,13 +23,36 @@ T4 = preset("t4").model
 
 
 @pytest.fixture(scope="module")
-def at_128():
+def workspace(tmp_path_factory) -> dict[str, str]:
+    """One private workspace for this module: model_vram keys a traced job by the environment its child sees
+    (model_vram.job_key: NBLIB_* included), so the tests here budget trm:t4's training in one session, as a user's
+    notebook does, and replay one trace where each test's own workspace traced it again.
+    """
+    root = tmp_path_factory.mktemp("workspace")
+    return {"NBLIB_DRIVE_DIR": str(root / "drive"), "NBLIB_OUTPUTS": str(root / "outputs")}
+
+
+def _enter(mp: pytest.MonkeyPatch, workspace: dict[str, str]) -> None:
+    for name, value in workspace.items():
+        mp.setenv(name, value)
+    mp.delenv("NBLIB_PROFILE", raising=False)           # as conftest's private workspace
+
+
+@pytest.fixture(autouse=True)
+def _in_the_workspace(workspace, monkeypatch):
+    _enter(monkeypatch, workspace)
+
+
+@pytest.fixture(scope="module")
+def at_128(workspace):
     from nblib.budget.model_vram import model_vram
 
-    return model_vram("trm:t4", 128, train=True)
+    with pytest.MonkeyPatch.context() as mp:
+        _enter(mp, workspace)
+        return model_vram("trm:t4", 128, train=True)
 
 
-def test_the_trm_training_budget_is_the_loops_own_step_the_simulation_runs_at_the_batch_itself():
+def test_the_trm_training_budget_is_the_loops_own_step_the_simulation_runs_at_the_batch_itself(monkeypatch):
     from nblib.budget.model_vram import model_vram
     from nblib.simulate.model import simulate_model
     from nblib.simulate.train import simulate_train_step
@@ -40,7 +63,7 @@ def test_the_trm_training_budget_is_the_loops_own_step_the_simulation_runs_at_th
     assert budget.reserved == simulate_model("trm:t4", 64, train=True).max_reserved
     # a ModelConfig is the same job (model_vram keeps one stream for both), and traced afresh the same answer
     assert model_vram(T4, 64, train=True, find_largest=False).lines == budget.lines
-    importlib.import_module("nblib.budget.model_vram")._STREAMS.clear()
+    monkeypatch.setattr(importlib.import_module("nblib.budget.model_vram"), "_STREAMS", {})   # none kept: a new trace
     assert model_vram(T4, 64, train=True, find_largest=False).lines == budget.lines
 
 
