@@ -112,11 +112,31 @@ def test_01_a_gap_within_the_rss_noise_is_too_small_to_see_not_a_miss():
     assert peaks.noise == pytest.approx(1.7 * mb)
     said = peaks.verdict()
     assert "misses" not in said and "too small to see here" in said and "batch 32" in said
+    # the span it calls within tolerance holds only the ratios it judged; the unseen one is named apart
+    assert "0.99-1.00 over batch sizes 64, 128, 256," in said and "batch 32 (x0.80)" in said
     # the same gap with quiet RSS is a real miss
     assert accuracy_verdict((32, 64), (4.7 * mb, 9.4 * mb), (2.9 * mb, 9.3 * mb), noise=0.1 * mb).startswith(
         "the prediction misses at 1 of 2")
     # a gap far beyond the noise is a miss whatever the noise
     assert "misses" in accuracy_verdict((32,), (4.7 * mb,), (9.9 * mb,), noise=1.0 * mb)
+
+
+def test_03_the_flat_rate_prediction_is_judged_from_the_timeline_not_assumed():
+    from nblib.lab.streaming_encoding import rate_drift
+
+    def timeline(seconds_per_batch):
+        t, out = 0.0, []
+        for i, s in enumerate(seconds_per_batch):
+            t += s
+            out.append((t, 32 * (i + 1)))
+        return out
+
+    warm = [0.5]                                         # the first batch is left out
+    steady = timeline(warm + [0.06, 0.066, 0.072] * 5)
+    falling = timeline(warm + [0.05 * (1 + 0.2 * i) for i in range(15)])
+    assert rate_drift(steady).startswith("no drift this machine can tell")
+    assert rate_drift(falling).startswith("the rate falls over the run") and "7 pairs" in rate_drift(falling)
+    assert "too few to judge" in rate_drift(timeline(warm + [0.06] * 6))
 
 
 def _buffer_table(base_rss, large_rss):
@@ -182,3 +202,21 @@ def test_03_the_projected_rate_is_printed_beside_the_measured_one():
     said = rate_check(prediction, prediction.samples_per_s / 200)
     assert f"{prediction.samples_per_s:,.1f} samples/s" in said and "x0.005 the projection" in said
     assert "trust the measured rate" in said
+
+
+def test_the_recommendation_does_not_pick_between_configs_the_pairs_cannot_tell_apart():
+    drift = [100, 140, 90, 160, 120]
+    # both beat the base about twice over; 128's median is a little higher, but the intervals overlap: two runs
+    # could put either on top, so the pick is the first in the sweep's order, and the other is named beside it
+    table = _table({"runs": tuple(drift)}, {64: ([2.0 * x * f for x, f in zip(drift, (1.0, 1.1, 0.9, 1.05, 0.95))],
+                                                 drift),
+                                            128: ([2.1 * x * f for x, f in zip(drift, (0.95, 1.0, 1.1, 0.9, 1.05))],
+                                                  drift)})
+    rec = recommend(table, rss_cap_bytes=1e9)
+    assert rec.row["batch_size"] == 64 and rec.against_base.direction == "higher"
+    assert "not told apart from it" in rec.reason and "batch_size=128 x2.10" in rec.reason
+    # a config clear of the other's interval is picked on its own
+    clear = _table({"runs": tuple(drift)}, {64: ([1.3 * x for x in drift], drift),
+                                            128: ([3.0 * x for x in drift], drift)})
+    rec = recommend(clear, rss_cap_bytes=1e9)
+    assert rec.row["batch_size"] == 128 and "not told apart" not in rec.reason

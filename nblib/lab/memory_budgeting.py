@@ -169,12 +169,15 @@ def accuracy_verdict(batch_sizes, predicted, measured, tolerance: float = TOLERA
     few MB on a busy machine cannot confirm or refute a prediction.
     """
     ratios = [m / p for p, m in zip(predicted, measured)]
-    span = f"measured/predicted {min(ratios):.2f}-{max(ratios):.2f} over batch sizes {', '.join(map(str, batch_sizes))}"
     unseen = [b for b, p, m, r in zip(batch_sizes, predicted, measured, ratios)
               if p <= noise or (abs(r - 1) > tolerance and abs(m - p) <= noise)]
+    seen = [(b, r) for b, r in zip(batch_sizes, ratios) if b not in unseen] or list(zip(batch_sizes, ratios))
+    span = (f"measured/predicted {min(r for _, r in seen):.2f}-{max(r for _, r in seen):.2f} over batch sizes "
+            f"{', '.join(str(b) for b, _ in seen)}")      # the ratios judged; an unseen batch's ratio is named apart
     outside = [(b, r) for b, r in zip(batch_sizes, ratios) if abs(r - 1) > tolerance and b not in unseen]
-    noted = (f"; at batch {', '.join(map(str, unseen))} the gap or the figure is within this machine's RSS noise "
-             f"({fmt_bytes(noise)}): too small to see here" if unseen else "")
+    noted = ("; at batch " + ", ".join(f"{b} (x{r:.2f})" for b, r in zip(batch_sizes, ratios) if b in unseen)
+             + f" the gap or the figure is within this machine's RSS noise ({fmt_bytes(noise)}): too small to see "
+             "here" if unseen else "")
     if len(unseen) == len(ratios):
         return f"too small to see here: every figure or gap is within the RSS noise ({fmt_bytes(noise)}); {span}"
     if not outside:

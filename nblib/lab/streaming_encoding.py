@@ -23,6 +23,7 @@ from nblib.config import OUTPUT_CHOICES, PipelineConfig, preset
 from nblib.encode import OFFLOAD_MODES, PARTS_FOLDER, encode, open_store, read_run_manifest
 from nblib.encode.protocols import ImageSource
 from nblib.errors import StateError
+from nblib.verdict import verdict_of_pairs
 
 # ------------------------------------------------------------------------------ offload modes
 
@@ -47,6 +48,26 @@ def offload_verdict(rates: dict[str, Spread], on_gpu: bool) -> str:
     v = compare(sa, sb, (a, b))
     where = "on this GPU" if on_gpu else "on this CPU (both modes are a memory copy here)"
     return f"{v.text('faster', 'slower')} {where}"
+
+
+def rate_drift(timeline) -> str:
+    """Section 3's prediction, judged: does the per-batch rate drift over the run? An EncodeReport's timeline,
+    the first batch left out (warm-up); batch i of the earlier half paired with batch i of the later half
+    (`verdict_of_pairs`, firm only beyond its minimum effect).
+    """
+    t, done = [0.0] + [p[0] for p in timeline], [0] + [p[1] for p in timeline]
+    rates = [(done[i + 1] - done[i]) / max(t[i + 1] - t[i], 1e-9) for i in range(len(timeline))][1:]
+    half = len(rates) // 2
+    if half < MIN_REPEATS:
+        return (f"{len(timeline)} batches: too few to judge whether the rate stays flat "
+                f"(a call needs {MIN_REPEATS} pairs)")
+    v = verdict_of_pairs(rates[:half], rates[half:2 * half], ("the earlier half", "the later half"))
+    said = f"per-batch samples/s, {v.text('higher', 'lower')}"
+    if v.direction == "lower":
+        return f"the rate falls over the run: {said}"
+    if v.direction == "higher":
+        return f"the rate rises over the run (a warm-up longer than one batch): {said}"
+    return f"no drift this machine can tell, as predicted: {said}"
 
 
 def rate_check(prediction, measured_samples_per_s: float) -> str:

@@ -134,18 +134,18 @@ def compare_shuffles(spec: PipelineSpec, folder, *, cut_after: int = 5, compared
 
     For each method and each symbolic flag: iterate `cut_after` batches, write a
     `tf.train.Checkpoint` of the iterator, restore it into a freshly built pipeline and compare
-    the next `compared` batches (indices and pixels) with an uninterrupted run's. Then one timed
-    pass over the whole pipeline (warm: after the round trips) gives the order; then `passes` rounds
-    time every method's full pass next to one of Dataset.shuffle's (`nblib.verdict.against_base`):
-    samples/s is the median pass, and `versus_tf` the paired verdict against Dataset.shuffle. The
-    private global shuffle is skipped, with a note, where this TensorFlow lacks it. `folder` is
-    removed at the end, also on an exception. `progress`: the suite's bar, one step per method measured
-    and per timed pass of the pairs.
+    the next `compared` batches (indices and pixels) with an uninterrupted run's. Then (warm: after the
+    round trips) `passes` rounds time every method's full pass next to one of Dataset.shuffle's
+    (`nblib.verdict.against_base`): samples/s is the median pass, `versus_tf` the paired verdict against
+    Dataset.shuffle, and a method's first timed pass gives the order checked against numpy (one pass
+    each where Dataset.shuffle is not measured). The private global shuffle is skipped, with a note,
+    where this TensorFlow lacks it. `folder` is removed at the end, also on an exception. `progress`:
+    the suite's bar, one step per method measured and per timed pass.
     """
     rows = []
     available = [m for m in methods if not method_unavailable(m)]
-    pairs = len(paired_order(len(available) - 1, passes)) if TF_SHUFFLE in available else 0
-    bar = progress_bar(len(methods) + pairs, "shuffles", "step", disable=not progress)
+    timed = len(paired_order(len(available) - 1, passes)) if TF_SHUFFLE in available else len(available)
+    bar = progress_bar(len(methods) + timed, "shuffles", "step", disable=not progress)
     with bar, _work_folder(folder, "nblib-tfckpt-builtins-", remove_given=True) as root:
         for method in methods:
             bar.update()
@@ -157,33 +157,38 @@ def compare_shuffles(spec: PipelineSpec, folder, *, cut_after: int = 5, compared
             uninterrupted = [e for _, e in zip(range(cut_after + compared), iter(shuffle_pipeline(spec, method)))]
             plain, symbolic = (_round_trip(replace(spec, symbolic=flag), method, root, cut_after,
                                            uninterrupted[cut_after:]) for flag in (False, True))
-            seconds, order = _timed_pass(replace(spec, symbolic=True), method)
             rows.append(BuiltinRow(method, spec.buffer_size, spec.n_samples, plain.checkpoint_bytes,
                                    symbolic.checkpoint_bytes, plain.identical, symbolic.identical,
-                                   spec.n_samples / seconds, _same_order_in_numpy(spec, method, order)))
-        return _paired_with_tf_shuffle(rows, spec, passes, bar.update)
+                                   float("nan"), None))
+        return _timed_passes(rows, spec, passes, bar.update)
 
 
-def _paired_with_tf_shuffle(rows: list[BuiltinRow], spec: PipelineSpec, passes: int,
-                            step=lambda: None) -> list[BuiltinRow]:
-    """Each measured row but Dataset.shuffle's, its passes judged against Dataset.shuffle's in pairs.
+def _timed_passes(rows: list[BuiltinRow], spec: PipelineSpec, passes: int,
+                  step=lambda: None) -> list[BuiltinRow]:
+    """Each measured row's full passes: samples/s (the median pass) and the order of its first pass.
 
-    `verdict.against_base`: T m1 m2 T m3 m4 T ..., each method's pass next to one of Dataset.shuffle's,
-    mirrored every other round; a row's samples/s becomes the median of its passes.
+    With Dataset.shuffle measured, `verdict.against_base`: T m1 m2 T m3 m4 T ..., each method's pass
+    next to one of Dataset.shuffle's, mirrored every other round, `passes` rounds; else one pass each.
     """
-    if not any(r.method == TF_SHUFFLE and not r.skipped for r in rows):
-        return rows
-    timed = replace(spec, symbolic=True)
+    timed, orders = replace(spec, symbolic=True), {}
 
     def rate(method: str) -> float:
         step()
-        return spec.n_samples / _timed_pass(timed, method)[0]
+        seconds, order = _timed_pass(timed, method)
+        orders.setdefault(method, order)
+        return spec.n_samples / seconds
 
-    others = [r.method for r in rows if not r.skipped and r.method != TF_SHUFFLE]
-    verdicts, values = against_base(lambda: rate(TF_SHUFFLE), {m: functools.partial(rate, m) for m in others},
-                                    TF_SHUFFLE, passes)
+    measured = [r.method for r in rows if not r.skipped]
+    if TF_SHUFFLE in measured:
+        others = [m for m in measured if m != TF_SHUFFLE]
+        verdicts, values = against_base(lambda: rate(TF_SHUFFLE), {m: functools.partial(rate, m) for m in others},
+                                        TF_SHUFFLE, passes)
+    else:
+        verdicts, values = {}, {m: [rate(m)] for m in measured}
     return [r if r.skipped else replace(r, samples_per_s=statistics.median(values[r.method]),
-                                        versus_tf=verdicts.get(r.method)) for r in rows]
+                                        versus_tf=verdicts.get(r.method),
+                                        same_order_in_numpy=_same_order_in_numpy(spec, r.method, orders[r.method]))
+            for r in rows]
 
 
 def quality_vs_buffer(n: int, buffer_sizes, episode_len: int, seed: int = 0) -> list[QualityRow]:

@@ -64,7 +64,7 @@ class BuiltinRow:
     symbolic_bytes: int            # the same with options.experimental_symbolic_checkpoint = True
     exact_plain: bool              # the next batches after a restore equal the uninterrupted run's
     exact_symbolic: bool
-    samples_per_s: float           # one full pass over the pipeline (symbolic), samples and pixels
+    samples_per_s: float           # the median full pass over the pipeline (symbolic), samples and pixels
     same_order_in_numpy: bool | None  # TF's order == nblib.shuffle.full_order (None: no numpy twin)
     skipped: str = ""              # why the method was not measured (e.g. missing in this TensorFlow)
     versus_tf: object = None       # nblib.verdict.PairedVerdict: passes paired with Dataset.shuffle's (None for it)
