@@ -3,8 +3,10 @@
 Every knob value is judged against the base on interleaved pairs (`SweepTable.versus_base`,
 `nblib.verdict`: a 95% interval of the median pair ratio and a minimum effect of 1.15x). The pick
 is, among the rows that fit the cap and are faster than the base by that verdict, the one with
-the largest median ratio; when none is, the base stays the pick (picking the fastest of a dozen
-noisy medians would crown noise). A knob "mattered" when one of its values is firmly faster or
+the largest median ratio, unless others are not told apart from it (their intervals reach its): then the
+first of those in the sweep's order, the others named beside it, so that two runs do not pick
+different rows on the noise of two medians; when none is faster, the base stays the pick (picking the
+fastest of a dozen noisy medians would crown noise). A knob "mattered" when one of its values is firmly faster or
 slower than the base; the one that mattered most has the largest such effect. Trade-off: the pick
 is a measured row, not a model's optimum between rows, so it is only as good as the grid.
 """
@@ -59,8 +61,11 @@ def recommend(table: SweepTable, rss_cap_bytes: float) -> Recommendation:
     mattered = most_effective_knob(effects, verdicts)
     faster = [(r, table.versus_base(r)) for r in fitting if r is not base]
     faster = [(r, v) for r, v in faster if v.direction == "higher"]
+    tied: list = []
     if faster:
-        best, versus = max(faster, key=lambda rv: rv[1].ratio)
+        fastest = max(faster, key=lambda rv: rv[1].ratio)[1]
+        tied = [(r, v) for r, v in faster if v.high >= fastest.low]     # not told apart from the fastest
+        (best, versus), tied = tied[0], tied[1:]
     elif base in fitting:
         best, versus = base, None
     else:
@@ -71,9 +76,11 @@ def recommend(table: SweepTable, rss_cap_bytes: float) -> Recommendation:
     head = (f"{_knobs_text(best, table.knobs)}: {fmt_rate(best['samples_per_s'])}"
             + (" (the base: no config under the cap was faster than the base beyond the noise)" if versus is None
                else f" = x{speedup:.2f} the base over {versus.n} pairs ({_versus_text(versus)})"))
+    ties = ("" if not tied else "not told apart from it (their 95% intervals overlap; the first in the sweep's "
+            "order is picked): " + ", ".join(f"{v.b} x{v.ratio:.2f}" for _, v in tied) + "; ")
     reason = (head + f", data-wait {best['data_wait']:.0%}, peak RSS {fmt_bytes(best['peak_rss_bytes'])} under the "
               f"{fmt_bytes(rss_cap_bytes)} cap{f' ({over} configs over the cap left out)' if over else ''}; "
-              + _mattered_text(mattered, verdicts))
+              + ties + _mattered_text(mattered, verdicts))
     return Recommendation(row=best, base=base, speedup=speedup, rss_cap_bytes=rss_cap_bytes,
                           effects=effects, knob_that_mattered=mattered, reason=reason, against_base=versus)
 
@@ -145,3 +152,4 @@ def _sort_value(value):
 
 def _knobs_text(row: dict, knobs) -> str:
     return ", ".join(f"{k}={knob_text(row[k])}" for k in knobs)
+

@@ -77,9 +77,3 @@ def tf_in_workers_loader(build, num_workers: int, batches_per_worker: int = 8, p
     if num_workers > 0:
         kwargs.update(prefetch_factor=prefetch_factor, multiprocessing_context="spawn")
     return torch.utils.data.DataLoader(TFPipelineInWorker(build, batches_per_worker), **kwargs)
-
-
-def tf_feeding_torch(dataset):
-    """One tf.data pipeline in this process feeding torch: its batches as tensors (the trap's remedy)."""
-    for batch in dataset:
-        yield torch.from_numpy(batch.numpy())
