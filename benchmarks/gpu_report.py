@@ -47,7 +47,7 @@ import numpy as np
 import psutil
 import torch
 
-from nblib import budget, env, reference
+from nblib import budget, env, reference, t4_speed
 from nblib.atomic import atomic_write_json, sha256_json
 from nblib.config import preset
 from nblib.measure import synchronize as _sync
@@ -740,8 +740,12 @@ PROJECTION_METHOD = (
 
 
 def _t4_range(config, precision: str) -> dict:
-    """The budget's T4 speed range (nblib.t4_speed) for `config` in `precision`: low, mid, high and the method."""
-    speed = budget.predict_budget(config, "t4", precision=precision).speed
+    """The budget's T4 speed range (nblib.t4_speed) for `config` in `precision`: low, mid, high and the method.
+
+    nblib.t4_speed from the budget's FLOPs per image, as predict_budget quotes it, without its VRAM trace.
+    """
+    speed = t4_speed.project(budget.flops_per_image(config.model), precision, n_samples=config.run.n_samples,
+                             counted_by="flops_per_image from the TRM's shapes, FlopCounterMode's count to 0.1%")
     r = speed.samples_per_s
     return {"low": r.low, "mid": r.mid, "high": r.high, "label": speed.label, "method": speed.method}
 

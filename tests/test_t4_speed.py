@@ -108,13 +108,14 @@ def test_the_pinned_flops_are_what_the_counter_counts():
     from nblib.config import preset
     from nblib.trm import TRMVisionEncoder
 
-    bert = transformers.BertModel(transformers.BertConfig(), add_pooling_layer=False).eval()
+    # BERT and ViT count by shape on the meta device (no 110M random weights to draw: FLOPs read shapes
+    # only); the TRM runs on the CPU, through the CPU attention kernel's formula (_cpu_formulas)
+    with torch.device("meta"):
+        bert = transformers.BertModel(transformers.BertConfig(), add_pooling_layer=False).eval()
+        vit = transformers.ViTForImageClassification(transformers.ViTConfig(num_labels=1000)).eval()
     for seq, flops in t4_speed.BERT_BASE_FLOPS.items():
-        assert t4_speed.flops_per_sample(bert, torch.zeros(1, seq, dtype=torch.long)) == flops
-    del bert
-    vit = transformers.ViTForImageClassification(transformers.ViTConfig(num_labels=1000)).eval()
-    assert t4_speed.flops_per_sample(vit, torch.zeros(1, 3, 224, 224)) == t4_speed.VIT_B16_FLOPS
-    del vit
+        assert t4_speed.flops_per_sample(bert, torch.zeros(1, seq, dtype=torch.long, device="meta")) == flops
+    assert t4_speed.flops_per_sample(vit, torch.zeros(1, 3, 224, 224, device="meta")) == t4_speed.VIT_B16_FLOPS
     trm = TRMVisionEncoder(preset("seed_t4")).eval()
     counted = t4_speed.flops_per_sample(trm, torch.zeros(1, 224, 224, 3, dtype=torch.uint8))
     assert counted == pytest.approx(t4_speed.SEED_T4_FLOPS, rel=1e-3)

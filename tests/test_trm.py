@@ -114,53 +114,63 @@ def test_other_kernels_agree_with_the_default_within_rounding():
     assert (low.float() - ref).norm() / ref.norm() < 0.05
 
 
-def _compiled(backend: str, images):
+def _compiled(backend: str, images, config=SMOKE):
     """A fresh seed-1 encoder compiled with `backend`; (encoder, its outputs, graphs dynamo captured)."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
-    enc = TRMVisionEncoder(SMOKE, seed=1).set_inference(compile_mode="default", compile_backend=backend)
+    enc = TRMVisionEncoder(config, seed=1).set_inference(compile_mode="default", compile_backend=backend)
     out = enc.encode(images)
     return enc, out, counters["stats"]["unique_graphs"]
 
 
-def test_compiled_encoder_matches_eager_exactly():
+@pytest.fixture(scope="module")
+def aot_eager():
+    """The smoke encoder compiled once with aot_eager (a real dynamo + AOTAutograd compile, no C compiler):
+    (encoder, its outputs, graphs captured, the images), for the tests that read it.
+    """
+    images = _images(2)
+    return (*_compiled("aot_eager", images), images)
+
+
+def test_compiled_encoder_matches_eager_exactly(aot_eager):
     # aot_eager really captures the graph (dynamo) and traces it through AOTAutograd, then runs the
     # traced aten ops: a real compile that needs no C compiler, and bit-exact against eager here
-    images = _images(2)
+    enc, compiled, graphs, images = aot_eager
     eager = TRMVisionEncoder(SMOKE, seed=1).encode(images)
-    enc, compiled, graphs = _compiled("aot_eager", images)
     assert graphs >= 1                                  # dynamo traced the forward: not a silent eager run
     assert all(torch.equal(eager[k], compiled[k]) for k in eager)
     again = enc.encode(images)                          # the compiled twin is reused, same bytes
     assert all(torch.equal(eager[k], again[k]) for k in eager)
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="inductor needs a C compiler")
-def test_inductor_compiled_encoder_matches_eager_to_float_rounding():
-    # inductor generates and compiles C++ kernels (the T4 path uses its Triton side): fused loops
-    # reorder float sums, so agreement is to rounding (measured here: max abs diff < 2e-7), not bitwise
-    images = _images(2)
-    eager = TRMVisionEncoder(SMOKE, seed=1).encode(images)
-    _enc, compiled, graphs = _compiled("inductor", images)
-    assert graphs >= 1
-    for k in eager:
-        torch.testing.assert_close(compiled[k], eager[k], rtol=1e-4, atol=1e-5)
-
-
-def test_a_compiled_encoder_is_still_a_usable_module():
+def test_a_compiled_encoder_is_still_a_usable_module(aot_eager):
     # issue 18 bug 1: torch.compile kept the compiled twin as a submodule, so .eval(), state_dict()
     # and weights_fingerprint() recursed forever
-    images = _images(2)
     fresh = TRMVisionEncoder(SMOKE, seed=1)
     keys, fingerprint = list(fresh.state_dict()), fresh.weights_fingerprint()
-    enc, compiled, _ = _compiled("aot_eager", images)
+    enc, compiled, _, images = aot_eager
     assert enc.eval() is enc and not enc.training
     assert list(enc.state_dict()) == keys               # no second copy of the weights under the twin
     assert enc.weights_fingerprint() == fingerprint
     assert all(torch.equal(compiled[k], v) for k, v in enc.encode(images).items())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="inductor needs a C compiler")
+def test_inductor_compiled_encoder_matches_eager_to_float_rounding():
+    # inductor generates and compiles C++ kernels (the T4 path uses its Triton side): fused loops
+    # reorder float sums, so agreement is to rounding (measured here: max abs diff < 2e-7), not bitwise.
+    # One block and one cycle of each kind: every kind of kernel (patch embedding, attention, MLP, the z_L and
+    # z_H updates, pooling, both heads) in an eighth of the smoke encoder's graph (a cold compile is minutes)
+    tiny = SMOKE.replace(layers=1, H_cycles=1, L_cycles=1)
+    images = _images(2)
+    eager = TRMVisionEncoder(tiny, seed=1).encode(images)
+    _enc, compiled, graphs = _compiled("inductor", images, tiny)
+    assert graphs >= 1
+    for k in eager:
+        torch.testing.assert_close(compiled[k], eager[k], rtol=1e-4, atol=1e-5)
 
 
 def test_unknown_inference_options_are_refused_with_the_choices():

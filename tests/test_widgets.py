@@ -18,11 +18,11 @@ def _control(panel, key):
 def test_budget_panel_redraws_the_verdict_when_a_knob_changes():
     panel = widgets.budget_panel(config.preset("seed_t4"), "t4", drive_quota_gb=15)
     assert "does NOT fit on t4" in panel.text
-    _control(panel, "device").value = "h200"
-    assert "on h200" in panel.text
+    _control(panel, "device").value = "cpu"            # no VRAM: no new trace (another GPU's is ~10 CPU-s)
+    assert "on cpu" in panel.text and "on t4" not in panel.text
     _control(panel, "outputs").value = ("checksums",)
     _control(panel, "n_samples").value = 1000
-    assert "fits on h200" in panel.text
+    assert "fits on cpu" in panel.text
 
 
 def test_budget_panel_reports_an_invalid_combination_instead_of_raising():
@@ -66,7 +66,7 @@ def test_panels_and_controls_carry_css_classes_for_the_browser():
 def test_budget_panel_shows_a_time_readout_and_one_short_repr():
     panel = widgets.budget_panel(config.preset("seed_t4"), "t4", drive_quota_gb=15)
     before = [line for line in panel.text.splitlines() if line.startswith("time ")]
-    _control(panel, "H_cycles").value = 6            # more recursion: more FLOPs, a longer run; memory unchanged
+    _control(panel, "n_samples").value = 1000        # a shorter run, the same trace (H_cycles would trace again)
     after = [line for line in panel.text.splitlines() if line.startswith("time ")]
     assert len(before) == len(after) == 1 and before != after and "projection" in after[0]
     assert "\n" not in repr(panel) and "does NOT fit" not in repr(panel)
@@ -117,8 +117,18 @@ def training_panel():
     return widgets.training_panel(model_config("t4").model, state_bytes=STATE, best_bytes=BEST, ceiling=330.0)
 
 
-def test_training_panel_prints_the_traced_vram_and_the_t4_time_projection_not_a_cpu_step(training_panel):
+@pytest.fixture(scope="module")
+def cli_training_vram(training_panel):
+    """The CLI's answer (budget --model trm:t4 --train) at the batches the panel test moves to, asked in the
+    environment the panel was made in: a test's own NBLIB_OUTPUTS is part of a trace's key, and would trace again.
+    """
     from nblib.budget.model_vram import model_vram
+
+    return {batch: model_vram("trm:t4", batch, train=True) for batch in (128, 64)}
+
+
+def test_training_panel_prints_the_traced_vram_and_the_t4_time_projection_not_a_cpu_step(training_panel,
+                                                                                         cli_training_vram):
     from nblib.budget.training import t4_training_time
     from nblib.train.loop import model_config
 
@@ -126,7 +136,7 @@ def test_training_panel_prints_the_traced_vram_and_the_t4_time_projection_not_a_
     for batch in (128, 64):                                          # 64 is where it starts: a change redraws
         _control(training_panel, "micro_batch").value = batch
         out = training_panel.text
-        vram = model_vram("trm:t4", batch, train=True)              # the CLI's answer (budget --model trm:t4 --train)
+        vram = cli_training_vram[batch]                             # the CLI's answer (budget --model trm:t4 --train)
         assert f"T4 VRAM at micro-batch {batch} (traced" in out and vram.headline() in out
         time = t4_training_time(model, 10_000 * batch)
         assert f"{time.hours_text()} at {time.rate_text()} (projection)" in out
