@@ -2,11 +2,14 @@
 
 A save's cost to the loop is not the time its call blocks: an asynchronous writer takes cores, the GIL
 and memory bandwidth from the steps that follow, and a step may wait for a copy the save deferred. So
-each writer runs inside a loop of timed steps, and its cost is the loop's time (every step, the save
-calls within them, and the wait for the last write at the end) less the loop's time without saves,
-measured in the same repetition, per save:
+each writer runs inside a loop of timed steps, and a save's cost is paired within that run (a slow drift
+of the machine's load, on a shared machine wider than a save, cancels; `added_per_save`):
 
-    added per save = (loop time with saves - loop time without saves) / saves
+    added by a save = the steps from its call until its write ended, plus one, less as many of the run's own
+                      steps with no write in flight (their median); plus the final wait for a write
+
+A sync save's window is the step that called it and the next. Each repetition's figure is the median over
+its saves; the report gives the median and range over repetitions, and each run's median clean step.
 
 Two loops over the t4 profile's classifier and its AdamW moments (~210 MB of state, as a T4 run holds):
   cpu: CPU-bound: each step multiplies matrices (a fixed amount of work, calibrated once at start to
@@ -15,12 +18,13 @@ Two loops over the t4 profile's classifier and its AdamW moments (~210 MB of sta
   gpu: GPU-like: each step waits (sleeps --step-s), as a loop whose step runs on a GPU waits for it, then
        calls the optimizer's step with no gradients (its pre-hooks run: nblib's fence; no CPU work).
 Writers, each saving every --every steps, with --every steps after the last save for its write to end:
-  nblib-async:  TrainStore.save with the optimizer guarded, as `train` runs it
+  nblib-async:  TrainStore.save with the optimizer guarded, as `train` runs it (serialized on the loop's thread
+                when the loop leaves no core spare: the JSON's runs count those saves, `inline_saves`)
   nblib-sync:   TrainStore(sync_save=True).save (atomic, digest, fsync, record last) on the loop's thread
   accelerate:   Accelerator(cpu=True).save_state (safetensors weights, torch.save'd optimizer, RNG; no fsync)
   acc+fsync:    the durable peer: save_state, then fsync of each file it wrote and of the folders
 Every writer saves once before the measured loop (buffers allocated, as in a run's steady state).
-Repetitions are interleaved (loop, then writers in a rotating order), so a load drift hits all alike.
+Repetitions are interleaved (loop, then writers in a rotating order).
 Goals (issue 39): gpu loop: nblib-async adds <= 0.25x of nblib-sync; cpu loop: nblib-async adds <=
 accelerate's sync save; nblib-sync <= 1.2x acc+fsync.
 
@@ -28,7 +32,7 @@ Run (accelerate is not a requirement of nblib: a venv of its own that shares thi
   python -m venv /tmp/acc-venv && echo "$(.venv/bin/python -c 'import site; print(site.getsitepackages()[0])')" \\
     > "$(/tmp/acc-venv/bin/python -c 'import site; print(site.getsitepackages()[0])')/project.pth" && \\
     /tmp/acc-venv/bin/pip install accelerate
-  PYTHONPATH=. /tmp/acc-venv/bin/python benchmarks/save_loop_cost.py [--repeats 3] [--json]
+  PYTHONPATH=. /tmp/acc-venv/bin/python benchmarks/save_loop_cost.py [--repeats 4] [--saves 3] [--json]
 Without accelerate importable the accelerate rows are left out (and said so).
 """
 from __future__ import annotations
@@ -39,6 +43,7 @@ import os
 import resource
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -52,24 +57,24 @@ LOOPS = ("gpu", "cpu")
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--profile", default="t4", help="the classifier whose state is saved (t4: ~210 MB)")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--saves", type=int, default=2, help="saves per loop")
+    p.add_argument("--repeats", type=int, default=4)
+    p.add_argument("--saves", type=int, default=3, help="saves per loop")
     p.add_argument("--every", type=int, default=8, help="steps between saves (their time: longer than a write)")
     p.add_argument("--step-s", type=float, default=0.5, help="a step's time without saves (about)")
     p.add_argument("--loops", default=",".join(LOOPS))
     p.add_argument("--json", action="store_true", help="write benchmarks/results/save_loop_cost.json")
     args = p.parse_args()
+    args.load_start, args.command = list(os.getloadavg()), " ".join(["python", *sys.argv])
     job = Job(args.profile, args.step_s)
     writers = available_writers()
     folder = Path(tempfile.mkdtemp(prefix="nblib-loop-cost-"))
-    runs: dict = {loop: {name: [] for name in ("none", *writers)} for loop in args.loops.split(",")}
+    runs: dict = {loop: {name: [] for name in writers} for loop in args.loops.split(",")}
     try:
         for r in range(args.repeats):
             for loop in runs:
                 names = list(writers)
-                names = names[r % len(names):] + names[:r % len(names)]      # rotate: no writer always first
-                for name in ("none", *names):
-                    runs[loop][name].append(run_loop(job, loop, name, writers.get(name), folder / f"{loop}-{name}-{r}",
+                for name in names[r % len(names):] + names[:r % len(names)]:    # rotate: no writer always first
+                    runs[loop][name].append(run_loop(job, loop, writers[name], folder / f"{loop}-{name}-{r}",
                                                      args.saves, args.every))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -164,6 +169,13 @@ class NblibWriter:
     def finish(self) -> None:
         self.store.wait_saves()
 
+    def in_flight(self) -> bool:
+        return self.store.manager.writing
+
+    def inline_saves(self) -> int:
+        """Saves the store serialized on the loop's thread (no spare core), the unmeasured first one included."""
+        return self.store.manager.inline_saves
+
     def close(self) -> None:
         self.store.close()
 
@@ -201,35 +213,67 @@ class AccelerateWriter:
     def finish(self) -> None:
         pass
 
+    def in_flight(self) -> bool:
+        return False
+
+    def inline_saves(self) -> int:
+        return 0
+
     def close(self) -> None:
         pass
 
 
-def run_loop(job: Job, loop: str, name: str, factory, folder: Path, saves: int, every: int) -> dict:
-    """One loop of (saves + 1) * every timed steps, saving every `every` steps; its times in seconds."""
+def run_loop(job: Job, loop: str, factory, folder: Path, saves: int, every: int) -> dict:
+    """One loop of (saves + 1) * every timed steps, saving every `every` steps: each step's seconds and process
+    CPU seconds, the steps that called a save, and the steps at whose end a write was still in flight.
+    """
     job.set_grads(loop == "cpu")
-    writer = None
-    if factory is not None:
-        folder.mkdir(parents=True)
-        writer = factory(job, folder)
-        writer.save(0)                                       # buffers allocated, files created once: steady state
-        writer.finish()
-    steps, cpu = [], _cpu_s()
+    folder.mkdir(parents=True)
+    writer = factory(job, folder)
+    writer.save(0)                                           # buffers allocated, files created once: steady state
+    writer.finish()
+    steps, cpu, saved, busy = [], [], [], []
     for step in range(1, (saves + 1) * every + 1):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), _cpu_s()
         job.step(loop)
-        if writer is not None and step % every == 0 and step <= saves * every:
+        if step % every == 0 and step <= saves * every:
             writer.save(step)
+            saved.append(step - 1)
+        if writer.in_flight():
+            busy.append(step - 1)
         steps.append(time.perf_counter() - start)
-    start = time.perf_counter()
-    if writer is not None:
-        writer.finish()                                       # the last write, if still running, is the loop's
-    tail = time.perf_counter() - start
-    cpu = _cpu_s() - cpu
-    if writer is not None:
-        writer.close()
+        cpu.append(_cpu_s() - start_cpu)
+    start, start_cpu = time.perf_counter(), _cpu_s()
+    writer.finish()                                          # a write still running at the end is the loop's
+    tail, tail_cpu = time.perf_counter() - start, _cpu_s() - start_cpu
+    inline = writer.inline_saves()
+    writer.close()
     shutil.rmtree(folder, ignore_errors=True)
-    return {"steps_s": steps, "tail_s": tail, "loop_s": sum(steps) + tail, "cpu_s": cpu}
+    return {"steps_s": steps, "cpu_s": cpu, "saved": saved, "busy": busy, "tail_s": tail, "tail_cpu_s": tail_cpu,
+            "inline_saves": inline}
+
+
+def added_per_save(run: dict, key: str = "steps_s") -> tuple[list[float], float]:
+    """([seconds each save added to the loop], the run's median step without a write), paired within the run.
+
+    A save's window: the step that called it, every step at whose end its write was in flight, and one
+    step more (a slowdown that outlasts the write: writeback, evicted caches). What the window took beyond
+    as many of the run's own steps outside every window (their median) is what the save added, plus the
+    wait at the end for a write still in flight. A slow drift of the machine's load cancels: both sides
+    are steps of the same run, seconds apart.
+    """
+    values, tail = run[key], run["tail_s" if key == "steps_s" else "tail_cpu_s"]
+    windows = []
+    for i in run["saved"]:
+        j = i
+        while j in run["busy"]:
+            j += 1
+        windows.append(range(i, min(j + 1, len(values) - 1) + 1))
+    inside = {i for w in windows for i in w}
+    clean = statistics.median(v for i, v in enumerate(values) if i not in inside)
+    added = [sum(values[i] - clean for i in w) for w in windows]
+    added[-1] += tail
+    return added, clean
 
 
 def _cpu_s() -> float:
@@ -239,25 +283,25 @@ def _cpu_s() -> float:
 
 
 def summarize(runs: dict, args, job: Job) -> dict:
-    """Per loop and writer: the added seconds per save of each repetition (against that repetition's loop
-    without saves), their median, and the goals' ratios of medians.
+    """Per loop and writer: each repetition's added seconds per save (the median of its saves, paired within
+    the run: `added_per_save`), their median over repetitions, and the goals' ratios of medians.
     """
     loops = {}
     for loop, by_writer in runs.items():
-        base = [run["loop_s"] for run in by_writer["none"]]
-        added = {name: [(run["loop_s"] - b) / args.saves for run, b in zip(values, base)]
-                 for name, values in by_writer.items() if name != "none"}
-        cpu = {name: [(run["cpu_s"] - none["cpu_s"]) / args.saves for run, none in zip(values, by_writer["none"])]
-               for name, values in by_writer.items() if name != "none"}
-        loops[loop] = {"loop_without_saves_s": base, "added_per_save_s": added,
+        added, cpu, clean = {}, {}, {}
+        for name, reps in by_writer.items():
+            added[name] = [statistics.median(added_per_save(run)[0]) for run in reps]
+            clean[name] = [added_per_save(run)[1] for run in reps]
+            cpu[name] = statistics.median(statistics.median(added_per_save(run, "cpu_s")[0]) for run in reps)
+        loops[loop] = {"added_per_save_s": added, "step_without_write_s": clean,
                        "median_added_s": {name: statistics.median(v) for name, v in added.items()},
-                       "cpu_per_save_s": {name: statistics.median(v) for name, v in cpu.items()},
-                       "runs": by_writer}
-    return {"kind": "nblib.bench.save_loop_cost/1", "profile": args.profile, "state_bytes": job.state_bytes,
+                       "cpu_per_save_s": cpu, "runs": by_writer}
+    return {"kind": "nblib.bench.save_loop_cost/2", "profile": args.profile, "state_bytes": job.state_bytes,
             "repeats": args.repeats, "saves_per_loop": args.saves, "every": args.every, "step_s": args.step_s,
             "cpu_step": {"matmuls": job.mms, "adamw_s": job.adamw_s}, "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
-            "load_average": list(os.getloadavg()), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "load_average": {"start": args.load_start, "end": list(os.getloadavg())},
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": args.command,
             "loops": loops, "goals": goals(loops)}
 
 
@@ -267,11 +311,10 @@ def goals(loops: dict) -> list[dict]:
 
     def ratio(loop, a, b, limit, what):
         med = loops.get(loop, {}).get("median_added_s", {})
-        if a in med and b in med:           # a cost at or below 0: the loop's own noise exceeded the saves' cost
-            measured = med[a] > 0 and med[b] > 0
-            value = med[a] / med[b] if measured else None
+        if a in med and b in med:
+            value = max(med[a], 0.0) / med[b] if med[b] > 0 else None     # a reference at or below 0: noise
             out.append({"goal": what, "loop": loop, "ratio": value, "limit": limit,
-                        "met": value <= limit if measured else None})
+                        "met": None if value is None else value <= limit})
 
     ratio("gpu", "nblib-async", "nblib-sync", 0.25, "gpu loop: nblib-async / nblib-sync")
     ratio("cpu", "nblib-async", "accelerate", 1.0, "cpu loop: nblib-async / accelerate")
@@ -281,22 +324,25 @@ def goals(loops: dict) -> list[dict]:
 
 
 def report(result: dict) -> str:
+    load = result["load_average"]
     lines = [f"loop time added per save, profile {result['profile']} ({result['state_bytes'] / 1e6:.0f} MB of state), "
              f"{result['saves_per_loop']} saves every {result['every']} steps of ~{result['step_s']} s, "
              f"{result['repeats']} interleaved repeats, {result['cpu_count']} CPUs, torch threads "
-             f"{result['torch_threads']}, load average {' '.join(f'{v:.2f}' for v in result['load_average'])}"]
+             f"{result['torch_threads']}, load average {' '.join(f'{v:.2f}' for v in load['start'])} at start, "
+             f"{' '.join(f'{v:.2f}' for v in load['end'])} at end"]
     for loop, data in result["loops"].items():
-        base = data["loop_without_saves_s"]
-        lines.append(f"{loop} loop (without saves: {statistics.median(base):.2f} s per loop, "
-                     f"{min(base):.2f}-{max(base):.2f}); added per save, median [min-max] s; process CPU s per save:")
+        clean = [v for values in data["step_without_write_s"].values() for v in values]
+        lines.append(f"{loop} loop (a step without a write: median {statistics.median(clean):.3f} s, "
+                     f"{min(clean):.3f}-{max(clean):.3f} over runs); added per save, median [min-max] over repeats; "
+                     f"process CPU s per save:")
         sync = data["median_added_s"].get("nblib-sync")
         for name, values in data["added_per_save_s"].items():
-            vs = f"{statistics.median(values) / sync:6.2f}x nblib-sync" if sync else ""
+            vs = f"{statistics.median(values) / sync:6.2f}x nblib-sync" if sync and sync > 0 else ""
             lines.append(f"  {name:<12}{statistics.median(values):8.3f} [{min(values):.3f}-{max(values):.3f}]  {vs}"
                          f"   CPU {data['cpu_per_save_s'][name]:.3f}")
     for g in result["goals"]:
         if g["ratio"] is None:
-            lines.append(f"goal {g['goal']} (<= {g['limit']}): not measured, a cost <= 0 (noise larger than the save)")
+            lines.append(f"goal {g['goal']} (<= {g['limit']}): not measured, the reference's cost <= 0 (noise)")
         else:
             lines.append(f"goal {g['goal']} = {g['ratio']:.2f} (<= {g['limit']}): {'met' if g['met'] else 'MISSED'}")
     return "\n".join(lines)

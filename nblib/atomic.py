@@ -217,37 +217,74 @@ def atomic_torch_save(obj, path: str | Path, *, sync_dir: bool = True, algorithm
     `torch.utils.serialization.config`, patched for the call's length: a torch.save on another
     thread at that moment writes without CRCs too, and loads as well.
     """
+    return torch_save_temporary(obj, path, algorithm=algorithm, zip_crc32=zip_crc32).commit(sync_dir=sync_dir)
+
+
+def torch_save_temporary(obj, path: str | Path, *, algorithm: str = "sha256", zip_crc32: bool = True) -> TorchTemporary:
+    """`torch.save` into a temporary beside `path`, its writeback started: the first half of `atomic_torch_save`."""
     import torch
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = new_temporary(path)
+    pending = TorchTemporary(path, fd, tmp, algorithm)
     try:
-        with os.fdopen(fd, "rb") as f:
-            with torch_zip_crc32(zip_crc32):
-                torch.save(obj, tmp)
-            start_writeback(f.fileno(), 0, 0)
-            box: dict = {}
-            if os.fstat(f.fileno()).st_size < WRITEBACK_BYTES:      # a thread would cost more than it overlaps
-                _hash_fd(f.fileno(), box, algorithm)
-                os.fsync(f.fileno())
+        with torch_zip_crc32(zip_crc32):
+            torch.save(obj, tmp)
+        start_writeback(fd, 0, 0)
+    except BaseException:
+        pending.discard()
+        raise
+    return pending
+
+
+class TorchTemporary:
+    """A torch.save in its temporary, not yet durable: `hash` reads it back from the page cache now, `commit` fsyncs
+    it (hashing it on a thread meanwhile, unless `hash` ran), renames it onto `path` and fsyncs the folder;
+    `discard` deletes it. A caller whose threads keep every core busy serializes and hashes on its own thread
+    (the CPU work) and leaves `commit` (the wait for the disk) to another.
+    """
+
+    def __init__(self, path: Path, fd: int, tmp: Path, algorithm: str):
+        self.path, self.fd, self.tmp, self.algorithm, self.box = path, fd, tmp, algorithm, {}
+
+    def hash(self) -> None:
+        _hash_fd(self.fd, self.box, self.algorithm)
+
+    def commit(self, *, sync_dir: bool = True) -> WrittenFile:
+        try:
+            if self.box or os.fstat(self.fd).st_size < WRITEBACK_BYTES:   # a thread would cost more than it overlaps
+                if not self.box:
+                    self.hash()
+                os.fsync(self.fd)
             else:
-                hasher = threading.Thread(target=_hash_fd, args=(f.fileno(), box, algorithm), name="nblib-save-hash")
+                hasher = threading.Thread(target=_hash_fd, args=(self.fd, self.box, self.algorithm),
+                                          name="nblib-save-hash")
                 hasher.start()
                 try:
-                    os.fsync(f.fileno())
+                    os.fsync(self.fd)
                 finally:
                     hasher.join()
-        if "error" in box:
-            raise box["error"]
-        os.replace(tmp, path)
-    except BaseException:
+            if "error" in self.box:
+                raise self.box["error"]
+            os.close(self.fd)
+            self.fd = None
+            os.replace(self.tmp, self.path)
+        except BaseException:
+            self.discard()
+            raise
+        if sync_dir:
+            fsync_dir(self.path.parent)
+        return WrittenFile(self.path, self.box["bytes"], self.box["digest"], self.path.stat().st_mtime_ns)
+
+    def discard(self) -> None:
+        """Close and delete the temporary (nothing is renamed)."""
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = None
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    if sync_dir:
-        fsync_dir(path.parent)
-    return WrittenFile(path, box["bytes"], box["digest"], path.stat().st_mtime_ns)
+            os.unlink(self.tmp)
 
 
 def new_temporary(path: Path) -> tuple[int, Path]:

@@ -6,6 +6,7 @@ state in place (retention prunes only after the new state is complete) and the r
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import subprocess
 import sys
@@ -216,3 +217,104 @@ def test_a_resumed_store_removes_the_half_written_temporaries_a_killed_writer_le
         assert store.load_latest() == (None, "none")
     finally:
         store.close(0)
+
+
+@contextlib.contextmanager
+def _busy_threads(count: int):
+    """`count` threads that each want a core for the block's length (sha256 releases the GIL), as torch's
+    intra-op threads of a CPU-bound loop do.
+    """
+    import hashlib
+
+    block, stop = bytes(1 << 20), threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            hashlib.sha256(block).digest()
+
+    threads = [threading.Thread(target=spin) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+
+
+def test_an_async_save_after_steps_that_kept_every_core_busy_is_serialized_on_the_loops_thread(tmp_path,
+                                                                                              monkeypatch):
+    import os
+
+    model, optimizer = _model_and_optimizer()
+    synced = TrainStore(tmp_path / "sync", sync_save=True)
+    synced.save(_state(model, optimizer), 1, backup=False)
+    store = TrainStore(tmp_path / "async")
+    store.guard(optimizer)
+    savers = []
+    original = torch.save
+    monkeypatch.setattr(torch, "save", lambda *a, **k: (savers.append(threading.current_thread()),
+                                                         original(*a, **k))[1])
+    with _busy_threads(len(os.sched_getaffinity(0))):     # a CPU-bound loop: no core left for a writer thread
+        time.sleep(0.5)
+        store.save(_state(model, optimizer), 1, backup=False)
+    assert store.manager.inline_saves == 1 and savers == [threading.current_thread()]
+    _step(model, optimizer)                               # no wait: nothing was deferred
+    assert store.fence_seconds == 0.0
+    store.wait_saves()
+    time.sleep(0.5)                                       # a GPU-like loop: its thread waits
+    store.save(_state(model, optimizer), 2, backup=False)
+    store.close()
+    assert store.manager.inline_saves == 1 and savers[-1] is not threading.current_thread()
+    written = (tmp_path / "async/checkpoints/state-000001.pt").read_bytes()
+    assert written == (tmp_path / "sync/checkpoints/state-000001.pt").read_bytes()
+    assert not list((tmp_path / "async/checkpoints").glob(".tmp-*"))
+
+
+def test_an_inline_serialized_save_becomes_a_version_only_once_the_writer_committed_it(tmp_path, monkeypatch):
+    from nblib.store import manager
+
+    model, optimizer = _model_and_optimizer()
+    monkeypatch.setattr(manager.SpareCore, "none_spare", lambda self: True)
+    store = TrainStore(tmp_path / "run")
+    release = threading.Event()
+    original = store.local.commit
+    store.local.commit = lambda *args: (release.wait(300), original(*args))[1]
+    store.save(_state(model, optimizer), 1, backup=False)
+    folder = tmp_path / "run/checkpoints"
+    assert store.local_versions() == [] and list(folder.glob(".tmp-state-000001.pt*"))   # serialized, not a version
+    release.set()
+    store.wait_saves()
+    assert store.local_versions() == [1] and not list(folder.glob(".tmp-*"))
+    store.close()
+
+
+def test_a_failed_commit_of_an_inline_save_is_raised_at_the_next_save_and_leaves_no_temporary(tmp_path, monkeypatch):
+    from nblib.store import manager
+
+    model, optimizer = _model_and_optimizer()
+    monkeypatch.setattr(manager.SpareCore, "none_spare", lambda self: True)
+    monkeypatch.setattr("nblib.atomic.os.fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error")))
+    store = TrainStore(tmp_path / "run")
+    store.save(_state(model, optimizer), 1, backup=False)
+    with pytest.raises(OSError, match="I/O error") as caught:
+        store.save(_state(model, optimizer), 2, backup=False)
+    assert any("step 1" in note for note in getattr(caught.value, "__notes__", []))
+    assert store.local_versions() == [] and not list((tmp_path / "run/checkpoints").glob(".tmp-*"))
+    store.close()
+
+
+def test_a_loop_leaves_no_spare_core_when_its_threads_wanted_a_quarter_core_more_than_all_cores_but_one():
+    from nblib.store.manager import no_spare_core, thread_demand
+
+    assert no_spare_core(1.4, 1.0, cores=2) and not no_spare_core(1.0, 1.0, cores=2)
+    assert no_spare_core(0.6, 1.0, cores=1) and not no_spare_core(0.2, 1.0, cores=1)
+    with _busy_threads(1):
+        before = thread_demand()
+        time.sleep(0.3)
+        after = thread_demand()
+    time.sleep(0.3)
+    assert sum(ns - after.get(tid, 0) for tid, ns in thread_demand().items() if tid in after) / 1e9 < 0.3
+    gained = sum(ns - before.get(tid, 0) for tid, ns in after.items()) / 1e9
+    assert gained >= 0.25                                 # the busy thread wanted a core all along (0.3 s)

@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from nblib.atomic import algorithm_of, digest_string
+from nblib.atomic import algorithm_of, digest_string, torch_save_temporary
 from nblib.errors import ManifestDamaged, StateError
 from nblib.manifest import manifest_bytes, parse_manifest
 
@@ -79,6 +79,22 @@ class CheckpointFolder:
         """
         check_name(name, "checkpoint name")
         written = self.ops.write_torch(self.root / f"{stem(name, version)}.pt", obj, sync_dir=False)
+        self._write_record(name, version, written.path.name, written.bytes, written.digest)
+        return written.path
+
+    def serialize(self, obj, name: str, version: int):
+        """The CPU half of `save`, now: torch.save `obj` into a temporary (`atomic.TorchTemporary`) and hash it;
+        `commit` does the rest (fsync, rename, record), the wait for the disk, on any thread. A local folder only.
+        """
+        check_name(name, "checkpoint name")
+        pending = torch_save_temporary(obj, self.root / f"{stem(name, version)}.pt", algorithm=CHECKPOINT_HASH,
+                                       zip_crc32=False)
+        pending.hash()
+        return pending
+
+    def commit(self, pending, name: str, version: int) -> Path:
+        """Make a `serialize`d version durable: the file fsynced and renamed, then its record (as `save`)."""
+        written = pending.commit(sync_dir=False)
         self._write_record(name, version, written.path.name, written.bytes, written.digest)
         return written.path
 

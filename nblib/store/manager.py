@@ -11,7 +11,10 @@ queued for the mirror stays locally until copied), and an optional background wr
 `save(..., blocking=False)` first waits for the write in flight (raising its error), then stages
 the tensors into reused host buffers (`staging.py`; pinned on CUDA) and returns the write's
 `concurrent.futures.Future` (torchtitan's `CheckpointManager._async_wait` pattern; the error travels
-in the future). A synchronous save of CUDA tensors stages into the same host buffers, so both
+in the future). When the caller's loop leaves no core spare (`SpareCore`: its threads compute side by side,
+as a CPU-bound loop's torch threads do), a writer thread would stall them, so the save serializes and hashes
+on the caller's thread instead (no staging copy) and leaves only the fsyncs, renames and records to the
+writer. A synchronous save of CUDA tensors stages into the same host buffers, so both
 write the same bytes. Only a writer that holds the folder alone (`clean_temporaries`, training's rank
 0 under the run folder's lock) removes the `.tmp-` temporaries a killed writer left; a reader opened
 to load deletes nothing.
@@ -23,8 +26,10 @@ when interrupted (KeyboardInterrupt).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import threading
 import time
 import warnings
@@ -111,6 +116,8 @@ class CheckpointManager:
         self._writer: BackgroundWriter | None = None
         self._staging = HostStaging()
         self.last_wait_s = 0.0                            # what the last save waited for the write before it
+        self.inline_saves = 0                             # asynchronous saves serialized on the caller's thread
+        self._cores = SpareCore()                         # whether the caller's loop leaves the writer a core
         if self.mirror_dir is not None:
             self._open_mirror(mirror_ops, identity is not None, keep_local, keep_every, retries, backoff_s,
                               retry_interval_s, verify_mirror, remount, deadline_s)
@@ -158,6 +165,9 @@ class CheckpointManager:
             self._write(self._on_host(objects), version, backup, backup_also)
             future.set_result(None)
             return future
+        where = f"{'/'.join(objects)} of {self.version_label} {version}"
+        if self._cores.none_spare():
+            return self._save_inline(objects, version, backup, backup_also, where)
         staged = self._staging.begin(objects)
         later, watched = deferrable(staged, defer)
         staged.copy([key for key in staged.storages if key not in later])
@@ -166,7 +176,6 @@ class CheckpointManager:
         ready = self._ready = threading.Event()
         if not later:
             ready.set()
-        where = f"{'/'.join(objects)} of {self.version_label} {version}"
 
         def write() -> None:
             if later:
@@ -177,9 +186,38 @@ class CheckpointManager:
                     ready.set()
             self._write(snapshot, version, backup, backup_also)
 
+        return self._submit(write, where)
+
+    def _save_inline(self, objects: dict, version: int, backup: bool, backup_also, where: str) -> Future:
+        """An asynchronous save when the caller leaves no core spare: serialize and hash on this thread (a sync
+        save's CPU work, without the staging copy), and leave the fsyncs, renames and records, the wait for the
+        disk, to the writer thread. The bytes are those of a sync save, the state the one of this call.
+        """
+        pending: dict = {}
+        try:
+            for name, obj in self._on_host(objects).items():
+                pending[name] = self.local.serialize(obj, name, version)
+        except BaseException:
+            for temporary in pending.values():
+                temporary.discard()
+            raise
+        self.inline_saves += 1
+        self._ready = None
+
+        def write() -> None:
+            try:
+                self._write(dict.fromkeys(pending), version, backup, backup_also, pending)
+            finally:
+                for temporary in pending.values():
+                    temporary.discard()           # a no-op once committed; a failed write leaves no temporary
+
+        return self._submit(write, where)
+
+    def _submit(self, write, where: str) -> Future:
+        """Run `write` on the writer thread; its Future."""
         if self._writer is None:
             self._writer = BackgroundWriter()
-        self._pending = self._writer.submit(write, f"(raised by the background write of {where})")
+        self._pending = self._writer.submit(self._cores.watch(write), f"(raised by the background write of {where})")
         return self._pending
 
     def fence(self) -> float:
@@ -205,6 +243,11 @@ class CheckpointManager:
         """What each background write took."""
         return [] if self._writer is None else list(self._writer.writes)
 
+    @property
+    def writing(self) -> bool:
+        """A background write is in flight (submitted and not ended)."""
+        return self._pending is not None and not self._pending.done()
+
     def queued(self, name: str) -> int | None:
         """The newest version of `name` queued for the mirror by this process."""
         return self._queued.get(name)
@@ -216,9 +259,11 @@ class CheckpointManager:
             self._queued[name] = versions[-1]
             self.mirror.enqueue(CopyCheckpoint(name, versions[-1]))
 
-    def _write(self, objects: dict, version: int, backup: bool, backup_also) -> None:
+    def _write(self, objects: dict, version: int, backup: bool, backup_also, pending: dict | None = None) -> None:
+        """Write each object (or commit its `pending` serialization), then queue, watch and prune."""
         for name, obj in objects.items():
-            path = self.local.save(obj, name, version)
+            path = self.local.save(obj, name, version) if pending is None else self.local.commit(pending[name], name,
+                                                                                                version)
             if self.on_saved is not None:
                 self.on_saved(name, path)
             if backup and self.mirror is not None:
@@ -308,6 +353,71 @@ class CheckpointManager:
                 self.mirror.stop()
             self._staging.release()
         return caught_up
+
+
+class SpareCore:
+    """Whether a loop leaves a core spare for the writer thread: `none_spare` (at a save) looks at what the
+    process's threads but the writer wanted (`thread_demand`, `no_spare_core`) since the last write ended, the
+    loop unimpeded by a write (one that impedes it lowers its demand: a thread blocked on the GIL or the fence
+    wants no core). A save that waited for the write before it keeps the last answer.
+    """
+
+    def __init__(self):
+        self.writer: int | None = None                 # the writer thread's native id
+        self.answer = False
+        self.write_ended()
+
+    def write_ended(self) -> None:
+        self.clock = (time.perf_counter(), thread_demand())
+
+    def watch(self, write):
+        """`write` as the writer thread runs it: that thread left out of the demand, the clock restarted at its end."""
+        def job() -> None:
+            self.writer = threading.get_native_id()
+            try:
+                write()
+            finally:
+                self.write_ended()
+
+        return job
+
+    def none_spare(self) -> bool:
+        now = (time.perf_counter(), thread_demand())
+        (wall, before), self.clock = self.clock, now
+        if now[0] - wall >= 0.1:
+            demand = sum(ns - before.get(tid, 0) for tid, ns in now[1].items() if tid != self.writer) / 1e9
+            self.answer = no_spare_core(demand, now[0] - wall)
+        return self.answer
+
+
+def no_spare_core(demand_s: float, wall_s: float, cores: int | None = None) -> bool:
+    """Whether threads that wanted a core for `demand_s` seconds (running or waiting to run) in `wall_s` wanted
+    more than `cores` - 1 by a quarter core (default: the cores this process may run on): a loop whose threads
+    compute side by side (torch's intra-op threads), not one thread and its bookkeeping. A writer thread then
+    takes a core from them, and such a loop pays more than the write's CPU: its threads wait for each other at
+    every op, so one descheduled thread stalls them all (on this 2-core machine, a loop of matmuls on 2 threads
+    ran 1.6-1.8x slower beside one busy thread; the benchmark's CPU-bound loop wanted 1.45-1.9 cores, its
+    GPU-like loop none, a loop on one torch thread at most 1).
+    """
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return demand_s > (cores - 0.75) * wall_s
+
+
+def thread_demand() -> dict[int, int]:
+    """{native thread id: nanoseconds it ran or waited to run} of this process's threads (Linux
+    /proc/self/task/*/schedstat: a thread's demand, whatever other processes took of the cores). Elsewhere, the
+    process's CPU time under one id (what it ran, not what it waited).
+    """
+    found = {}
+    try:
+        for task in os.scandir("/proc/self/task"):
+            with contextlib.suppress(OSError, ValueError), open(f"{task.path}/schedstat") as f:
+                ran, waited = f.read().split()[:2]
+                found[int(task.name)] = int(ran) + int(waited)
+    except OSError:
+        return {0: time.process_time_ns()}
+    return found
 
 
 def claim_or_warn(ops: FileOps, mirror_dir: Path, identity: dict, local_dir: Path) -> None:

@@ -15,7 +15,8 @@ newest is the best): `nblib.budget.training.retained_versions`, the rule the bud
 the mirror is read only when the run folder holds no state that loads (a new VM). Only a writer
 (the holder of the run folder's lock) removes half-written temporaries; a reader deletes nothing.
 Trade-off: between backups the newest states exist on one disk only; the backup interval bounds
-what a lost VM costs; a save costs the loop a copy of the state into host buffers, not its write.
+what a lost VM costs; a save costs the loop a copy of the state into host buffers, not its write (a loop
+that leaves no core spare: the serialization, not the wait for the disk; `nblib.store.manager.SpareCore`).
 """
 from __future__ import annotations
 
