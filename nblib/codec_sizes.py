@@ -16,7 +16,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nblib.budget.disk import CODEC_DECODE_ESTIMATE, CODEC_RATIO_ESTIMATE, by_decode_speed, codec_stats
+from nblib.budget.disk import (
+    CODEC_DECODE_ESTIMATE,
+    CODEC_RATIO_ESTIMATE,
+    by_decode_speed,
+    codec_stats,
+    estimated_bytes_per_image,
+    stored_bytes_per_image,
+)
 from nblib.config import CODECS
 
 SAMPLE_TEXTS = 300     # texts rendered and compressed per measurement: a few seconds at 224 px
@@ -45,7 +52,6 @@ class CodecSizes:
     def cache_plans(self, n_images: int, cache_dir, shard_mb: float = 400) -> dict:
         """{codec: `nblib.cache.plan_cache`} of a cache of `n_images` at these sizes: bytes, shards, free disk."""
         from nblib.cache import plan_cache
-        from nblib.cache.format import stored_bytes_per_image
 
         return {c: plan_cache(n_images, cache_dir, self.image_size, shard_mb, c, b - stored_bytes_per_image(c, 0))
                 for c, b in self.bytes_per_image.items()}      # plan_cache adds the checksum and index back
@@ -71,7 +77,6 @@ def measure_codec_sizes(texts, image_size: int = 224, n: int = SAMPLE_TEXTS,
                         codecs: tuple[str, ...] = CODECS) -> CodecSizes:
     """Render the first `n` texts at `image_size`, encode each with every codec; mean stored bytes."""
     from nblib.cache import measure_codecs
-    from nblib.cache.format import stored_bytes_per_image
     from nblib.cache.texts import text_source
     from nblib.render import render_params, render_with
 
@@ -97,8 +102,7 @@ def _texts_name(texts) -> str:
 
 def reference_codec_sizes(image_size: int = 224) -> CodecSizes:
     """The reference analysis' ratios of raw (no texts given): the fallback, labelled as borrowed."""
-    raw = image_size ** 2 * 3
-    sizes = {c: raw * CODEC_RATIO_ESTIMATE[c] for c in CODECS if c in CODEC_RATIO_ESTIMATE}
+    sizes = {c: estimated_bytes_per_image(image_size, c) for c in CODECS if c in CODEC_RATIO_ESTIMATE}
     return CodecSizes(sizes, image_size, "no texts given: the reference analysis' ratios of raw "
                       "(nblib/budget/disk.py CODEC_RATIO_ESTIMATE), not measured on your data", False,
                       {c: float(CODEC_DECODE_ESTIMATE[c]) for c in sizes})

@@ -45,3 +45,35 @@ def test_advice_fallback_words_fit_the_config():
     b = budget.predict_budget(SEED, "t4", drive_quota_gb=15)
     drive = next(a for a in b.advice if a.resource == "drive")
     assert "float16" not in drive.fallback
+
+
+def test_the_disk_advice_asks_for_no_vram_of_the_choices_it_weighs(monkeypatch):
+    """Drive and local-disk advice weighs every output choice and dtype by its disk totals alone: no VRAM is
+    traced for a choice the advice never prints VRAM of (on a GPU without a table entry, one trace each).
+    """
+    from nblib.budget import predict
+
+    asked = []
+    real = predict.encode_vram
+    monkeypatch.setattr(predict, "encode_vram",
+                        lambda cfg, *a, **k: asked.append(cfg.run.outputs) or real(cfg, *a, **k))
+    b = budget.predict_budget(SEED.replace(out_dtype="float32"), "t4", drive_quota_gb=15)
+    assert {"drive", "local disk"} <= {a.resource for a in b.advice} and "run.outputs" in b.verdict, b.verdict
+    assert set(asked) == {SEED.run.outputs}, set(asked)
+
+
+@pytest.mark.parametrize("changes", [dict(outputs=("checksums",)), dict(out_dtype="float32"), dict(codec="png"),
+                                     dict(batch_size=10 ** 9, checkpoint_every=7, consolidate_every=7),
+                                     dict(outputs=("sketches",), codec="zstd", n_samples=1000)])
+def test_the_disk_totals_advice_weighs_are_the_full_budgets(changes):
+    """Budget.disk_totals_with (what the disk advice compares) is the full budget's local disk and Drive, for the
+    measured sizes, a given bytes_per_image and the estimates alike.
+    """
+    from nblib.codec_sizes import CodecSizes
+
+    measured = CodecSizes({"raw": 150_536, "png": 20_000, "zstd": 9_000}, 224, "synthetic", True,
+                          {"raw": 9e3, "png": 300.0, "zstd": 2e3}, 300)
+    for options in ({}, {"codec_sizes": measured}, {"bytes_per_image": 12_345.0}, {"codec": "zlib"}):
+        b = budget.predict_budget(SEED, "t4", **options)
+        full = b.with_changes(changes).totals
+        assert b.disk_totals_with(changes, b.options) == {r: full[r] for r in ("local disk", "drive")}, options

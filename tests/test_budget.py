@@ -132,7 +132,9 @@ def test_unknown_device_raises_config_error():
 
 
 def test_cache_bytes_raw_and_measured():
-    assert budget.cache_bytes(10, 224) == 10 * 224 * 224 * 3 + budget.NPY_HEADER_BYTES
+    from nblib.cache.format import CHECKSUM_BYTES  # a raw image is its pixels and the checksum written beside it
+
+    assert budget.cache_bytes(10, 224) == 10 * (224 * 224 * 3 + CHECKSUM_BYTES) + budget.NPY_HEADER_BYTES
     assert budget.cache_bytes(1000, 224, "png", bytes_per_image=20_000) == 20_000_000 + 128
     with pytest.raises(ConfigError, match="n_images"):
         budget.cache_bytes(0, 224)
@@ -442,3 +444,22 @@ def test_the_full_runs_disk_choices_are_judged_by_the_budgets_local_disk_and_the
     verdict = streaming_encoding.disk_verdict(choices)
     every = [c.label for c in choices if len(c.fitting) == len(c.needs)]
     assert verdict.startswith(f"fit every disk: {', '.join(every)};"), verdict
+
+
+def test_the_raw_cache_has_one_size_per_image_estimated_or_measured():
+    """The raw cache's bytes per image (pixels and the checksum the cache writes beside each image) is one
+    answer: budget.cache_bytes without a measurement, the measured CodecSizes, its no-texts fallback and the
+    budget's image-cache line with either all give the same bytes (01 printed 287.17 and 287.18 GB).
+    """
+    from nblib import cache
+    from nblib.codec_sizes import measure_codec_sizes, reference_codec_sizes
+
+    size, n = 32, 1_907_747
+    measured = measure_codec_sizes(cache.sample_texts_path(), size, n=2, codecs=("raw",))
+    per_image = measured.bytes_per_image["raw"]
+    assert per_image == reference_codec_sizes(size).bytes_per_image["raw"] == budget.raw_bytes_per_image(size)
+    assert budget.cache_bytes(n, size, "raw") == budget.cache_bytes(n, size, "raw", per_image)
+    seed = preset("seed_t4")
+    lines = [budget.predict_budget(seed, "t4", **kw).lines["drive"][0].bytes
+             for kw in ({}, {"codec_sizes": measure_codec_sizes(cache.sample_texts_path(), 224, n=2, codecs=("raw",))})]
+    assert lines[0] == lines[1], lines

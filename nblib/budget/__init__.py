@@ -31,6 +31,7 @@ from nblib.budget.disk import (
     choose_codec,
     disk_lines,
     plan_shards,
+    raw_bytes_per_image,
     uploaded_bytes,
 )
 from nblib.budget.drive import (
@@ -86,5 +87,5 @@ __all__ = [
     "forward_peak_delta", "max_batch_size", "model_memory_lines", "output_bytes_per_batch",
     "output_bytes_per_image", "output_shapes", "param_count", "plan_budget", "plan_shards",
     "model_preflight", "model_vram_check", "predict_budget", "preflight", "require_positive", "shuffle_checkpoint",
-    "shuffle_checkpoint_table",
+    "raw_bytes_per_image", "shuffle_checkpoint_table",
 ]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from nblib.config import PipelineConfig
 from nblib.errors import ConfigError
-from nblib.sdpa import SDPA_BACKENDS
+from nblib.sdpa import SDPA_BACKENDS, runs_on
 
 
 def validated(config: PipelineConfig) -> PipelineConfig:
@@ -30,3 +30,14 @@ def require_positive(name: str, value, *, minimum: int = 1, number: bool = False
     if (value <= 0) if number else (value < minimum):
         raise ConfigError(f"{name}={value} is out of range; allowed: "
                           f"{'> 0' if number else f'>= {minimum}'}")
+
+
+def attention_on(dev, sdpa_backend: str | None) -> str:
+    """The attention backend the device runs: the one forced, else flash, or efficient before sm_80."""
+    if sdpa_backend is None and dev.is_gpu and not runs_on("flash", dev.compute_capability):
+        return "efficient"
+    backend = checked_sdpa_backend(sdpa_backend)
+    if dev.is_gpu and not runs_on(backend, dev.compute_capability):
+        raise ConfigError(f"sdpa_backend={backend!r} needs sm_80 or newer and a {dev.name} is "
+                          f"sm_{dev.compute_capability}; use 'efficient' or 'math'")
+    return backend

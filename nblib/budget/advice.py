@@ -40,6 +40,7 @@ RUN_KNOBS = ("batch_size", "checkpoint_every", "consolidate_every", "prefetch", 
              "out_dtype", "codec")
 OPTION_KNOBS = ("drive_quota_gb",)
 NAMES = {"vram": "VRAM", "ram": "RAM", "local disk": "local disk", "drive": "Drive"}
+DISK = {"local disk", "drive"}     # the resources whose totals need no VRAM trace (Budget.disk_totals_with)
 
 
 @dataclass(frozen=True)
@@ -218,7 +219,10 @@ class _Search:
         options = {**self.budget.options, **{k: v for k, v in changes.items() if k in OPTION_KNOBS}}
         if "codec" in run and options.get("codec"):
             options["codec"] = run["codec"]
-        totals = (self.budget.with_changes(run, options) if changes else self.budget).totals
+        if changes and set(self.resources) <= DISK and (resource is None or resource in DISK):
+            totals = self.budget.disk_totals_with(run, options)       # no VRAM traced for a line not printed
+        else:
+            totals = (self.budget.with_changes(run, options) if changes else self.budget).totals
         return totals[resource] if resource else sum(totals[r] for r in self.resources)
 
     def fits(self, **changes) -> bool:

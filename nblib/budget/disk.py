@@ -37,6 +37,9 @@ CODEC_DECODE_ESTIMATE = {"raw": 87_000, "zstd": 12_000, "zlib": 5_000, "png": 1_
 # (nblib.cache.rendered.RenderedImages), 0 bytes on any disk; plan_budget(cacheless=True) tries it.
 NO_CACHE = "none"
 NPY_HEADER_BYTES = 128
+# The cache's record per image (nblib.cache.format writes these; it imports them from here)
+OFFSET_BYTES = 8                    # one index entry per image (packed shards)
+CHECKSUM_BYTES = 8                  # one xxh3-64 per image (every shard)
 DISK_BLOCK = 4096          # an encode run's files are counted one 4 KiB block more each (part.json, headers, tails)
 
 
@@ -50,15 +53,35 @@ def cache_bytes(n_images: int, image_size: int, codec: str = "raw",
     require_positive("shard_mb", shard_mb)
     if codec not in CODEC_RATIO_ESTIMATE:
         raise ConfigError(f"codec={codec!r} is unknown; choose one of {tuple(CODEC_RATIO_ESTIMATE)}")
-    raw = image_size * image_size * 3
     if bytes_per_image is not None:
         require_positive("bytes_per_image", bytes_per_image, number=True)
         per_image = float(bytes_per_image)
     else:
-        per_image = raw * CODEC_RATIO_ESTIMATE[codec]
+        per_image = estimated_bytes_per_image(image_size, codec)
     data = n_images * per_image
     shards = max(1, math.ceil(data / (shard_mb * MB)))
     return int(math.ceil(data)) + shards * NPY_HEADER_BYTES
+
+
+def estimated_bytes_per_image(image_size: int, codec: str) -> float:
+    """Bytes per cached image when none was measured: raw's as the cache writes it, else the reference's ratio."""
+    if codec == "raw":
+        return raw_bytes_per_image(image_size)
+    return image_size * image_size * 3 * CODEC_RATIO_ESTIMATE[codec]
+
+
+def raw_bytes_per_image(image_size: int) -> float:
+    """Bytes one image takes in a raw cache, as the cache writes it: H x W x 3 and its checksum
+    (`stored_bytes_per_image`); what a measured raw size (CodecSizes) gives too.
+    """
+    return stored_bytes_per_image("raw", image_size * image_size * 3)
+
+
+def stored_bytes_per_image(codec: str, blob_bytes: float) -> float:
+    """Bytes one image takes in a cache shard (nblib.cache.format): its blob and checksum, plus an offsets entry
+    when packed.
+    """
+    return float(blob_bytes) + CHECKSUM_BYTES + (0 if codec == "raw" else OFFSET_BYTES)
 
 
 def cache_shards(config: PipelineConfig, *, codec: str | None = None,

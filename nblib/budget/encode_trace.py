@@ -7,9 +7,9 @@ advice ask for dozens of batches. The trace's allocation stream is affine in the
 numel x itemsize: `nblib.budget.allocator.affine_stream`, measured, not assumed: the traced streams at batches
 16 and 64 equal it), while the VRAM it gives is not (512 B rounding, 2 MiB segments, best fit): so the cache
 keeps the stream, not a formula, and any batch is a replay of it through the allocator model, in pure Python.
-The streams of the suite's own configs ship in `trace_cache/` (JSON, with the torch they were traced under and
-the spec); `tests/test_encode_trace.py` traces them again and compares the files to the byte. A spec not in the
-table, or traced under another torch, is traced once per process.
+The streams of the suite's own configs (and 01's largest batch on the other GPUs) ship in `trace_cache/`
+(JSON, with the torch they were traced under and the spec); `tests/test_encode_trace.py` traces them again and
+compares the files to the byte. A spec not in the table, or traced under another torch, is traced once per process.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from functools import lru_cache
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from nblib.budget._checks import attention_on
 from nblib.budget.allocator import cublas_workspace_bytes
 from nblib.budget.devices import Device, device_preset
 from nblib.budget.memory import Line
@@ -28,9 +29,11 @@ from nblib.config import OUTPUT_CHOICES, OUTPUT_DTYPES, PipelineConfig, preset
 from nblib.units import fmt_bytes
 
 TABLE = Path(__file__).parent / "trace_cache"
-# the configs every notebook, panel and plan budgets on a T4: the widget's outputs and dtypes over the presets
-TABLE_CONFIGS = tuple(preset(name).replace(outputs=outputs, out_dtype=dtype) for name in ("seed_t4", "t4", "smoke")
-                      for outputs in OUTPUT_CHOICES for dtype in OUTPUT_DTYPES)
+# (config, device) of every budget the notebooks, panels and plans make: on a T4 the widget's outputs and dtypes
+# over the presets; on the other GPUs seed_t4 as it is (01's largest batch per device; h200 shares h100's sm_90)
+TABLE_CONFIGS = (*((preset(name).replace(outputs=outputs, out_dtype=dtype), "t4") for name in ("seed_t4", "t4", "smoke")
+                   for outputs in OUTPUT_CHOICES for dtype in OUTPUT_DTYPES),
+                 *((preset("seed_t4"), gpu) for gpu in ("l4", "a100-40gb", "h100")))
 
 
 def encode_vram(config: PipelineConfig, device: str | Device = "t4", *, precision: str = "fp16",
@@ -88,7 +91,7 @@ def entry_path(spec: dict) -> Path:
 
 
 def write_table() -> list[Path]:
-    """Trace every config of TABLE_CONFIGS on a T4 and write its entry (`.venv/bin/python -c "from
+    """Trace every (config, device) of TABLE_CONFIGS and write its entry (`.venv/bin/python -c "from
     nblib.budget.encode_trace import write_table; write_table()"`).
     """
     TABLE.mkdir(exist_ok=True)
@@ -114,8 +117,9 @@ def model_payload_of(spec: dict) -> dict:
 
 
 def table_specs() -> list[dict]:
-    """The distinct specs of TABLE_CONFIGS on a T4 (seed_t4 and t4 share a model: one entry)."""
-    specs = [encode_spec(c, device_preset("t4"), "fp16", "efficient", "async") for c in TABLE_CONFIGS]
+    """The distinct specs of TABLE_CONFIGS, each with the attention its device runs (seed_t4 and t4 share a model)."""
+    specs = [encode_spec(c, dev := device_preset(d), "fp16", attention_on(dev, None), "async")
+             for c, d in TABLE_CONFIGS]
     return [s for i, s in enumerate(specs) if s not in specs[:i]]
 
 

@@ -15,7 +15,7 @@ from dataclasses import replace as dataclass_replace
 from functools import cached_property
 
 from nblib import t4_speed
-from nblib.budget._checks import checked_sdpa_backend, require_positive, validated
+from nblib.budget._checks import attention_on, require_positive, validated
 from nblib.budget.advice import advise
 from nblib.budget.devices import Device, device_preset
 from nblib.budget.disk import disk_lines
@@ -129,6 +129,15 @@ class Budget:
         config = self.config.replace(**run) if run else self.config
         return predict_budget(config, self.device, **{**self.options, **(options or {})})
 
+    def disk_totals_with(self, run: dict, options: dict) -> dict[str, int]:
+        """The local disk and Drive totals of `with_changes(run, options)`, without its VRAM trace or RAM lines
+        (the advice's disk searches print only these): the same lines predict_budget sums.
+        """
+        cfg = capped_to_samples(validated(self.config.replace(**run) if run else self.config))
+        lines = _disk_lines(cfg, options.get("codec") or cfg.run.codec, options.get("bytes_per_image"),
+                            options.get("codec_sizes"))
+        return {r: sum(line.bytes for line in group) for r, group in zip(("local disk", "drive"), lines)}
+
     @cached_property
     def verdict(self) -> str:
         """One line: the headline, then for every resource over its limit the knobs with values that fit."""
@@ -192,7 +201,7 @@ def predict_budget(config: PipelineConfig, device: str | Device = "t4", *,
     given = validated(config)
     cfg = capped_to_samples(given)                   # what the run really holds; the Budget keeps `given`
     dev = device_preset(device)
-    backend = _attention_on(dev, sdpa_backend)
+    backend = attention_on(dev, sdpa_backend)
     require_positive("drive_quota_gb", drive_quota_gb, number=True)
     m, r = cfg.model, cfg.run
     codec_arg, codec = codec, codec or r.codec
@@ -206,8 +215,7 @@ def predict_budget(config: PipelineConfig, device: str | Device = "t4", *,
     else:
         vram = ()
         ram = (*host_memory_lines(cfg, cuda=False), *model_memory_lines(cfg, on_gpu=False, sdpa_backend=backend))
-    measured = measured_bytes_per_image(codec_sizes, codec) if bytes_per_image is None else bytes_per_image
-    local, drive = disk_lines(cfg, codec=codec, bytes_per_image=measured)
+    local, drive = _disk_lines(cfg, codec, bytes_per_image, codec_sizes)
     flops = flops_per_image(m)
     speed = _sourced_speed(dev, flops, precision, given.run.n_samples) if efficiency is None else None
     eff = dev.efficiency if efficiency is None else efficiency
@@ -236,22 +244,15 @@ def _sourced_speed(dev: Device, flops: float, precision: str, n_samples: int) ->
     return speed
 
 
+def _disk_lines(cfg: PipelineConfig, codec: str, bytes_per_image: float | None, codec_sizes) -> tuple:
+    """The local disk and Drive lines of a capped config: the cache sized as given, measured, else estimated."""
+    measured = measured_bytes_per_image(codec_sizes, codec) if bytes_per_image is None else bytes_per_image
+    return disk_lines(cfg, codec=codec, bytes_per_image=measured)
+
+
 def measured_bytes_per_image(codec_sizes, codec: str) -> float | None:
     """The bytes per image of `codec` in `codec_sizes` (a CodecSizes); None if it holds none."""
     return codec_sizes.bytes_per_image.get(codec) if codec_sizes is not None else None
-
-
-def _attention_on(dev: Device, sdpa_backend: str | None) -> str:
-    """The attention backend the device runs: the one forced, else flash, or efficient before sm_80."""
-    from nblib.sdpa import runs_on
-
-    if sdpa_backend is None and dev.is_gpu and not runs_on("flash", dev.compute_capability):
-        return "efficient"
-    backend = checked_sdpa_backend(sdpa_backend)
-    if dev.is_gpu and not runs_on(backend, dev.compute_capability):
-        raise ConfigError(f"sdpa_backend={backend!r} needs sm_80 or newer and a {dev.name} is "
-                          f"sm_{dev.compute_capability}; use 'efficient' or 'math'")
-    return backend
 
 
 def capped_to_samples(config: PipelineConfig) -> PipelineConfig:

@@ -35,6 +35,7 @@ import numpy as np
 import xxhash
 
 from nblib.atomic import AtomicWriter, npy_header, sha256_file
+from nblib.budget.disk import CHECKSUM_BYTES, OFFSET_BYTES  # the record per image: the budget sizes it there
 from nblib.cache.codecs import (
     CODECS,
     CodecSpec,
@@ -67,8 +68,6 @@ DAMAGED = ("missing", "truncated", "corrupt")
 SHARD_MAGIC = b"NBLSHRD3"
 HEADER = struct.Struct("<8s4sIII")  # magic, codec, height, width, channels
 TRAILER = struct.Struct("<QQQ8s")   # n images, xxh3 of the header, xxh3 of the tables, magic
-OFFSET_BYTES = 8                    # one index entry per image (packed shards)
-CHECKSUM_BYTES = 8                  # one xxh3-64 per image (every shard)
 
 
 # ====================================================================================== codecs
@@ -109,11 +108,6 @@ def measure_codecs(sample_images: Sequence[np.ndarray], codecs: Sequence[str] = 
             rates[codec] = max(rates[codec], decoded / elapsed)
     return {codec: {"bytes_per_image": float(np.mean([len(b) for b in blobs[codec]])),
                     "decode_images_per_s": rates[codec]} for codec in codecs}
-
-
-def stored_bytes_per_image(codec: str, blob_bytes: float) -> float:
-    """Bytes one image takes in a shard: its blob and checksum, plus an offsets entry when packed."""
-    return float(blob_bytes) + CHECKSUM_BYTES + (0 if codec == "raw" else OFFSET_BYTES)
 
 
 def shard_bytes(shard_mb: float) -> int:

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from nblib.atomic import leftover_temporaries, remove_temporaries
+from nblib.budget.disk import stored_bytes_per_image
 from nblib.cache.codecs import CodecSpec, check_codec, codec_for, train_dictionary
 from nblib.cache.format import (
     DAMAGED,
@@ -41,7 +42,6 @@ from nblib.cache.format import (
     shard_bytes,
     shard_index,
     shard_state,
-    stored_bytes_per_image,
     warn_many_files,
     write_cache_manifest,
 )
