@@ -30,22 +30,6 @@ def specs(tmp_path_factory):
     return _tiny_configs(tmp_path_factory.mktemp("configs"))
 
 
-@pytest.fixture(scope="module")
-def _workspace(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("workspace")
-    return {"NBLIB_DRIVE_DIR": str(root / "drive"), "NBLIB_OUTPUTS": str(root / "outputs")}
-
-
-@pytest.fixture(autouse=True)
-def _in_one_workspace(_workspace, monkeypatch):
-    """One private workspace for this module: model_vram keys a traced job by the environment its child sees
-    (job_key: NBLIB_* included), so a job another test traced here (the CLI's ViT training) is replayed, as in a
-    user's session, where each test's own workspace traced it again.
-    """
-    for name, value in _workspace.items():
-        monkeypatch.setenv(name, value)
-
-
 def test_the_cublas_workspace_comes_after_the_first_gemms_output():
     """PyTorch's order (Blas.cpp structured addmm, CublasHandlePool.cpp): output first, workspace second."""
     import torch
@@ -140,6 +124,31 @@ def test_a_jobs_next_batch_is_a_replay_in_this_process_equal_to_a_fresh_trace_to
     assert bytes_of(replayed) == bytes_of(fresh)
     # the op named at the peak is the traced batch's (3); at batch 11 a tie may name another: all else is equal
     assert replace(replayed, largest_batch=None, lines=fresh.lines, peak_op=fresh.peak_op) == fresh
+
+
+def test_where_files_go_does_not_trace_a_job_again_but_the_allocator_config_does(specs, monkeypatch, tmp_path):
+    """A trace reads no output or Drive folder: a notebook (or a test) that moves them replays the job kept here;
+    PYTORCH_CUDA_ALLOC_CONF shapes the allocator, so it is a new job.
+    """
+    from importlib import import_module
+
+    mv = import_module("nblib.budget.model_vram")
+    mv.model_vram(specs["vit"], 4, find_largest=False)                     # kept (traced now or by a test above)
+    asked = []
+
+    def child(module, payload, timeout_s=600.0):
+        asked.append(payload["batches"])
+        raise LookupError("a child was asked")
+
+    monkeypatch.setattr(mv, "run_child", child)
+    monkeypatch.setenv("NBLIB_OUTPUTS", str(tmp_path / "elsewhere"))
+    monkeypatch.setenv("NBLIB_DRIVE_DIR", str(tmp_path / "other-drive"))
+    assert mv.model_vram(specs["vit"], 5, find_largest=False).reserved > 0
+    assert asked == []
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    with pytest.raises(LookupError):
+        mv.model_vram(specs["vit"], 5, find_largest=False)
+    assert asked == [[5]]
 
 
 def test_a_job_that_is_not_batch_affine_is_traced_by_its_child_every_time(monkeypatch):

@@ -23,32 +23,11 @@ T4 = preset("t4").model
 
 
 @pytest.fixture(scope="module")
-def workspace(tmp_path_factory) -> dict[str, str]:
-    """One private workspace for this module: model_vram keys a traced job by the environment its child sees
-    (model_vram.job_key: NBLIB_* included), so the tests here budget trm:t4's training in one session, as a user's
-    notebook does, and replay one trace where each test's own workspace traced it again.
-    """
-    root = tmp_path_factory.mktemp("workspace")
-    return {"NBLIB_DRIVE_DIR": str(root / "drive"), "NBLIB_OUTPUTS": str(root / "outputs")}
-
-
-def _enter(mp: pytest.MonkeyPatch, workspace: dict[str, str]) -> None:
-    for name, value in workspace.items():
-        mp.setenv(name, value)
-    mp.delenv("NBLIB_PROFILE", raising=False)           # as conftest's private workspace
-
-
-@pytest.fixture(autouse=True)
-def _in_the_workspace(workspace, monkeypatch):
-    _enter(monkeypatch, workspace)
-
-
-@pytest.fixture(scope="module")
-def at_128(workspace):
+def at_128():
     from nblib.budget.model_vram import model_vram
 
     with pytest.MonkeyPatch.context() as mp:
-        _enter(mp, workspace)
+        mp.delenv("NBLIB_PROFILE", raising=False)       # as conftest does for each test: one job, one trace
         return model_vram("trm:t4", 128, train=True)
 
 
