@@ -39,10 +39,11 @@ run: $(STAMP)
 # slower (notebook 03's offload comparison: 129 s, 10 s with one thread). The CLI subprocesses run so already.
 # --dist loadfile keeps each file in one worker: a notebook's cells share one kernel, in order, and a
 # module's fixtures are built once. pytest's exit status is make's (and .ci/run's).
-# Three workers on two cores: with two, user + sys time was 164-166% of the cores over a fresh-clone run (a
+# More workers than cores: with two, user + sys time was 164-166% of the cores over a fresh-clone run (a
 # worker waits on its subprocesses, fsyncs and servers); with three, 175%, and pytest took 17 min 34 s against
-# 19 min 35 s for the same commit, idle. Every test must pass beside a busy CPU anyway.
-JOBS ?= 3
+# 19 min 35 s for the same commit, idle. Four (2026-11-27, fresh clones of nearly one commit): 88% of the cores
+# and 11 min 51 s, against 79% and 12 min 41 s with three. Every test must pass beside a busy CPU anyway.
+JOBS ?= 4
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BYTECODE)

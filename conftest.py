@@ -15,15 +15,19 @@ import json
 from pathlib import Path
 
 REFERENCES = Path(__file__).resolve().parent / "tests" / "nbval_references"
-LONGEST_FIRST = (      # files by their summed test time in a `make test` --durations=0 run (2026-11-27), longest first
-    "tests/test_model_vram.py", "notebooks/06_training.ipynb", "tests/test_widgets.py", "tests/test_hostile.py",
-    "tests/test_gpu_report.py", "tests/test_train_resume.py", "tests/test_distributed.py",
-    "notebooks/05_input_pipeline_tuning.ipynb", "tests/test_trm.py", "tests/test_measure.py",
-    "tests/test_trace_follows_gpu.py", "notebooks/07_your_model.ipynb", "tests/test_train_budget.py",
-    "notebooks/02_cache_population.ipynb", "notebooks/01_memory_budgeting.ipynb", "tests/test_browser.py",
-    "tests/test_simulate.py", "notebooks/04_shuffle_buffer_checkpoints.ipynb",
-    "tests/test_training_vram_one_answer.py", "tests/test_warm_traces.py", "tests/test_encode.py",
-    "tests/test_hostile_train.py", "tests/test_encode_models.py", "tests/test_train_models.py",
+LONGEST_FIRST = (      # files by their estimated test time, longest first: the 2026-11-27 --durations=0 profile
+    # less each file's measured cut since, and the fresh-clone runs' slowest tests (a long file started last runs alone)
+    "notebooks/06_training.ipynb", "tests/test_model_vram.py", "tests/test_train_resume.py",
+    "tests/test_distributed.py", "tests/test_hostile.py", "notebooks/07_your_model.ipynb",
+    "tests/test_trace_follows_gpu.py", "tests/test_gpu_report.py", "notebooks/05_input_pipeline_tuning.ipynb",
+    "tests/test_train_budget.py", "notebooks/02_cache_population.ipynb", "tests/test_measure.py",
+    "tests/test_encode_trace.py", "tests/test_trm.py", "tests/test_browser.py", "tests/test_widgets.py",
+    "tests/test_budget.py", "tests/test_simulate.py", "tests/test_warm_traces.py", "tests/test_encode.py",
+    "notebooks/01_memory_budgeting.ipynb", "tests/test_hostile_train.py", "tests/test_encode_models.py",
+    "tests/test_train_determinism.py", "tests/test_train_models.py", "notebooks/04_shuffle_buffer_checkpoints.ipynb",
+    "tests/test_colab.py", "tests/test_train_gcs.py", "tests/test_train_second_run.py",
+    "tests/test_training_vram_one_answer.py", "tests/test_train_async_save.py",
+    "notebooks/03_streaming_trm_encoding.ipynb",
 )
 
 

@@ -13,6 +13,7 @@ import torch
 from conftest import free_between_cases
 
 LEFT = {}
+NO_GPU = "needs a CUDA GPU: conftest collects around a gpu case only where one is (without one the case skips)"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -39,6 +40,7 @@ def test_free_between_cases_frees_a_model_held_only_by_a_cycle():
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)
 def test_a_gpu_case_that_leaves_a_model_in_a_cycle():
     gc.disable()                                # on until the next case: only the fixture may collect
     LEFT["model"] = _model_in_a_cycle()
@@ -46,6 +48,7 @@ def test_a_gpu_case_that_leaves_a_model_in_a_cycle():
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)
 def test_the_next_gpu_case_starts_without_it():
     if "model" not in LEFT:
         pytest.skip("runs after test_a_gpu_case_that_leaves_a_model_in_a_cycle")
