@@ -27,7 +27,7 @@ __all__ = [
     "TMP_PREFIX", "AtomicWriter", "WrittenFile", "algorithm_of", "atomic_open", "atomic_torch_save",
     "atomic_write_bytes", "atomic_write_json", "digest_bytes", "file_digest", "fsync_dir", "json_bytes",
     "leftover_temporaries", "new_hash", "npy_header", "remove_temporaries", "sha256_file", "sha256_json",
-    "stat_fingerprint", "torch_zip_crc32",
+    "torch_zip_crc32",
 ]
 
 TMP_PREFIX = ".tmp-"
@@ -418,12 +418,6 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20, open_file=open) -> str:
 def sha256_json(obj) -> str:
     """sha256 of `obj` as key-sorted JSON: the fingerprint of a config, manifest or settings."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
-
-
-def stat_fingerprint(path: str | Path) -> dict:
-    """A file's quick-check fingerprint: size and mtime_ns (what a manifest records on write)."""
-    st = Path(path).stat()
-    return {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
 def leftover_temporaries(folder: str | Path) -> list[Path]:
