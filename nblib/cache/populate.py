@@ -371,10 +371,9 @@ def rendered_blobs(texts: Iterable[str], params: RenderParams, codec: CodecSpec,
 def resolve_workers(workers: int | None) -> int:
     """Render processes: all cores for None, at least 1; ConfigError for anything else."""
     if workers is None:
-        try:
-            return max(1, len(os.sched_getaffinity(0)))
-        except AttributeError:
-            return max(1, os.cpu_count() or 1)
+        from nblib.env import usable_cores
+
+        return usable_cores()
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
         raise ConfigError(f"workers={workers!r} must be an integer >= 0 (0 or 1: render in this process)")
     return max(1, workers)

@@ -17,6 +17,7 @@ import numpy as np
 
 from nblib.cache import ShardedImageCache, populate, read_cache_manifest
 from nblib.compare import MIN_REPEATS, Spread, compare, interleaved, interleaved_order
+from nblib.env import usable_cores
 from nblib.errors import CacheError
 from nblib.lab.input_pipeline import encoder_projection  # noqa: F401  the encoder's rate a read must beat (notebook 02)
 from nblib.verdict import verdict_of_runs
@@ -86,7 +87,7 @@ def worker_scaling(texts, worker_counts: Sequence[int], folder: str | Path, imag
     rates = interleaved({w: functools.partial(run, w) for w in worker_counts}, repeats,
                         progress="render scaling" if progress else False, budget_s=budget_s,
                         decide=((min(worker_counts), max(worker_counts)),))
-    return Scaling(rates=rates, n_texts=len(texts), cores=_cores(), load=os.getloadavg()[0])
+    return Scaling(rates=rates, n_texts=len(texts), cores=usable_cores(), load=os.getloadavg()[0])
 
 
 def scaling_verdict(rates: dict[int, Spread], n_texts: int, cores: int, load: float) -> str:
@@ -113,10 +114,6 @@ def scaling_verdict(rates: dict[int, Spread], n_texts: int, cores: int, load: fl
     if v.ratio > 1:
         return f"rendering scales weakly: {said}, under half of linear ({busy}: few free cores)"
     return f"more workers are slower here: {said} (pool overhead on busy cores; {busy})"
-
-
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def read_throughput(images: ShardedImageCache, n_random: int = 500, batch_size: int = 64,

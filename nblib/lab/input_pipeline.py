@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ from pathlib import Path
 
 from nblib import t4_speed
 from nblib.compare import MIN_REPEATS, Spread, compare, interleaved, progress_bar
+from nblib.env import usable_cores
 from nblib.pipeline import ComputeStandIn, measure_pipeline, sweep
 from nblib.pipeline.recommend import knob_effects, knob_verdicts, most_effective_knob, value_verdicts
 from nblib.reference import TUNING_LOG
@@ -53,8 +53,8 @@ TORCH_GRID_SMALL = {"num_workers": [2, 0], "batch_size": [32, 128], "prefetch_fa
 
 
 def cores() -> int:
-    """CPU cores this process may use: the parallelism budget of this machine."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """CPU cores this process may use: the parallelism budget of this machine (`env.usable_cores`)."""
+    return usable_cores()
 
 
 def device_step(per_sample_ms: float, launch_ms: float = 1.0) -> ComputeStandIn:

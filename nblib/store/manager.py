@@ -400,7 +400,7 @@ def no_spare_core(demand_s: float, wall_s: float, cores: int | None = None) -> b
     GPU-like loop none, a loop on one torch thread at most 1).
     """
     if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        cores = env.usable_cores()
     return demand_s > (cores - 0.75) * wall_s
 
 
