@@ -3,6 +3,8 @@ resource that ran out (a full local disk is not helped by a bigger Drive quota).
 """
 from __future__ import annotations
 
+import collections
+
 import pytest
 
 import nblib
@@ -11,6 +13,7 @@ from nblib.budget.advice import knob_words
 from nblib.budget.disk import CODEC_RATIO_ESTIMATE
 
 SEED = config.preset("seed_t4")      # float16, raw cache, every output
+GB = 1e9
 
 
 def test_drive_words_never_suggest_a_value_already_set():
@@ -33,7 +36,9 @@ def test_a_local_disk_is_not_helped_by_a_bigger_drive_quota():
 def test_the_preflight_refusal_on_a_local_workspace_names_the_local_knobs(tmp_path, monkeypatch):
     monkeypatch.setenv("NBLIB_OUTPUTS", str(tmp_path / "outputs"))
     workspace = nblib.env.workspace(tmp_path / "drive")     # staging and "Drive" on one local disk
-    with pytest.raises(nblib.BudgetExceeded) as info:      # 656 GB for the reference job: more than this disk
+    monkeypatch.setattr("nblib.disk.disk_free", lambda folder: 68 * GB)        # a Colab disk, not this one's
+    monkeypatch.setattr("psutil.virtual_memory", lambda: collections.namedtuple("memory", "available")(64 * GB))
+    with pytest.raises(nblib.BudgetExceeded) as info:      # 656 GB for the reference job: more than the disk
         budget.preflight(SEED, workspace, job="encode")
     message = str(info.value)
     assert "float16 run.out_dtype" not in message and "drive_quota_gb" not in message, message

@@ -5,6 +5,7 @@ decode rates travel together (`CodecSizes`), and every line says whether its rat
 """
 from __future__ import annotations
 
+import collections
 import json
 import re
 import sys
@@ -68,6 +69,7 @@ def test_plan_verdict_refusals_and_the_cli_name_the_one_rules_codec(monkeypatch,
 def test_the_encode_refusal_names_the_one_rules_codec(monkeypatch, tmp_path):
     workspace = nblib.env.workspace(tmp_path / "drive")          # staging and "Drive" on one 40 GB disk
     monkeypatch.setattr("nblib.disk.disk_free", lambda folder: 40 * GB)
+    monkeypatch.setattr("psutil.virtual_memory", lambda: collections.namedtuple("memory", "available")(64 * GB))
     with pytest.raises(nblib.BudgetExceeded) as refused:
         budget.preflight(SEED, workspace, job="encode", device="cpu", codec_sizes=MEASURED)
     assert named_codecs(str(refused.value)) == {"zlib"}, refused.value

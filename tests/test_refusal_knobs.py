@@ -49,11 +49,18 @@ def applied(config_, changes: dict) -> tuple:
 
 @pytest.fixture
 def disks(monkeypatch, tmp_path):
-    """A workspace whose staging and "Drive" have the free bytes the test sets (one disk by default)."""
-    free = {"staging": 68 * GB, "drive": 68 * GB}
+    """A workspace whose staging and "Drive" have the free bytes the test sets (one disk by default), on a
+    machine with the available RAM it sets (64 GB by default: float32 seed_t4 needs 15.7 GB of RAM, more
+    than a loaded 24 GB machine may have free, and a RAM refusal would come first).
+    """
+    import psutil
+
+    free = {"staging": 68 * GB, "drive": 68 * GB, "ram": 64 * GB}
     workspace = nblib.env.workspace(tmp_path / "drive")
     monkeypatch.setattr("nblib.disk.disk_free",
                         lambda folder: free["staging" if str(folder).startswith(str(workspace.staging)) else "drive"])
+    memory = collections.namedtuple("memory", "available")
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: memory(free["ram"]))
     return workspace, free
 
 
@@ -124,13 +131,10 @@ def test_the_cache_refusal_gives_the_codec_and_the_sample_count_that_fit(disks):
 
 
 @pytest.mark.parametrize("available,knobs", [(1.0 * GB, 1), (0.2 * GB, 2)])
-def test_a_ram_refusal_gives_the_batch_size_that_fits(disks, monkeypatch, available, knobs):
-    import psutil
-
+def test_a_ram_refusal_gives_the_batch_size_that_fits(disks, available, knobs):
     workspace, free = disks
     free["staging"] = free["drive"] = 2000 * GB
-    memory = collections.namedtuple("memory", "available")
-    monkeypatch.setattr(psutil, "virtual_memory", lambda: memory(available))
+    free["ram"] = available
     cfg = SEED.replace(n_samples=1000)
     message = refusal(cfg, workspace, job="encode", device="cpu")
     offered = alternatives(message)
@@ -141,13 +145,10 @@ def test_a_ram_refusal_gives_the_batch_size_that_fits(disks, monkeypatch, availa
 
 
 def test_a_vram_refusal_gives_the_batch_size_that_fits(disks, monkeypatch):
-    import psutil
     import torch
 
     workspace, free = disks
     free["staging"] = free["drive"] = 2000 * GB
-    memory = collections.namedtuple("memory", "available")
-    monkeypatch.setattr(psutil, "virtual_memory", lambda: memory(100 * GB))
     monkeypatch.setattr(PREFLIGHT, "_cuda_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index: (int(0.7 * GB), int(15 * GB)))
