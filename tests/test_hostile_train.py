@@ -198,6 +198,27 @@ def test_an_unreachable_or_stalled_endpoint_lets_the_run_start(monkeypatch):
 # ------------------------------------------------------------------------------ SIGTERM
 
 
+@pytest.mark.parametrize("pending", [False, True])
+def test_a_worker_that_exited_unexpectedly_is_the_sigterm_only_once_this_process_got_one(pending):
+    """A SIGTERM to the group ends the workers; torch says so in two ways: its SIGCHLD handler's "killed by
+    signal: Terminated", or, when its queue poll sees the dead workers first, "exited unexpectedly" (one
+    fresh-clone run exited 1 with that traceback). The second is the SIGTERM only if this process got one.
+    """
+    from nblib.train.command import SigtermStop, Terminated
+
+    stop = SigtermStop()
+    stop.pending = pending
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGCHLD)}   # the stop ignores SIGTERM
+    try:
+        with pytest.raises(Terminated if pending else RuntimeError), stop.workers_terminated():
+            raise RuntimeError("DataLoader worker (pid(s) 1955, 1956) exited unexpectedly")
+    finally:
+        for number, handler in handlers.items():
+            signal.signal(number, handler)
+    with pytest.raises(RuntimeError, match="out of memory"), stop.workers_terminated():
+        raise RuntimeError("CUDA out of memory")
+
+
 @pytest.mark.parametrize("target", ["the main process", "the process group"])
 def test_sigterm_with_two_workers_stops_cleanly_releases_the_pipes_and_the_rerun_is_exact(cache_dir, reference,
                                                                                           tmp_path, target):

@@ -64,10 +64,17 @@ class SigtermStop:
         try:
             yield
         except RuntimeError as exc:
-            if "killed by signal: Terminated" not in str(exc):
+            if not self.worker_gone_by_sigterm(str(exc)):
                 raise
             _stopping()
             raise Terminated("terminated (SIGTERM, to the loader's workers too)") from None
+
+    def worker_gone_by_sigterm(self, error: str) -> bool:
+        """Whether torch's loader error is a worker ended by the SIGTERM: its SIGCHLD handler names the signal;
+        its poll of the worker queue says only "exited unexpectedly", so that counts once this process got one.
+        """
+        return "killed by signal: Terminated" in error or (
+            self.pending and "DataLoader worker" in error and "exited unexpectedly" in error)
 
     def on_step(self, step: int, report) -> None:
         """train()'s per-step callback: stop here when a SIGTERM came during the step."""
