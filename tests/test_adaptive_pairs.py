@@ -160,17 +160,19 @@ def test_a_median_far_beyond_the_minimum_effect_stays_firm_though_the_interval_r
     assert near.ratio > 1 / 1.15 and near.direction == "same"        # the median inside the band: no call
 
 
-def test_a_read_of_a_few_milliseconds_is_timed_over_passes_that_last_the_minimum():
-    import time
+def test_a_read_of_a_few_milliseconds_is_timed_over_passes_that_last_the_minimum(monkeypatch):
+    import types
 
     from nblib.lab import cache_formats
 
+    clock = [0.0]                          # a clock each pass moves by 1 ms: a loaded machine's sleeps vary
+    monkeypatch.setattr(cache_formats, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     calls = []
 
     def read():                            # one pass over a small cache: 1 ms, a fraction of one time slice
         calls.append(1)
-        time.sleep(0.001)
+        clock[0] += 0.001
 
     rate = cache_formats._rate(read, 256, min_s=0.03)
-    assert len(calls) >= 10                # timed over many passes, not one
-    assert 0 < rate <= 256 * len(calls) / 0.03           # images per second over all the passes (>= 0.03 s)
+    assert len(calls) == 30                # timed over as many passes as last 0.03 s, not one
+    assert rate == pytest.approx(256 / 0.001)           # images per second over all the passes
