@@ -18,7 +18,7 @@ import os
 import queue
 import secrets
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -143,16 +143,12 @@ class AtomicWriter:
             if expect_digest is not None and digest != expect_digest:
                 raise ValueError(f"{self.path.name}: the bytes written hash to {digest[:21]}..., "
                                  f"expected {expect_digest[:21]}...")
-            self._file.close()
-            os.replace(self.temporary, self.path)
         except BaseException:
             self.discard()
             raise
-        if sync_dir:
-            fsync_dir(self.path.parent)
+        self.result = _publish(self._file.close, self.temporary, self.path, self.discard, sync_dir=sync_dir,
+                               nbytes=self.bytes, digest=digest)
         self._file = None
-        st = self.path.stat()
-        self.result = WrittenFile(self.path, self.bytes, digest, st.st_mtime_ns)
         return self.result
 
     def discard(self) -> None:
@@ -267,15 +263,15 @@ class TorchTemporary:
                     hasher.join()
             if "error" in self.box:
                 raise self.box["error"]
-            os.close(self.fd)
-            self.fd = None
-            os.replace(self.tmp, self.path)
         except BaseException:
             self.discard()
             raise
-        if sync_dir:
-            fsync_dir(self.path.parent)
-        return WrittenFile(self.path, self.box["bytes"], self.box["digest"], self.path.stat().st_mtime_ns)
+        return _publish(self._close, self.tmp, self.path, self.discard, sync_dir=sync_dir,
+                        nbytes=self.box["bytes"], digest=self.box["digest"])
+
+    def _close(self) -> None:
+        fd, self.fd = self.fd, None
+        os.close(fd)
 
     def discard(self) -> None:
         """Close and delete the temporary (nothing is renamed)."""
@@ -285,6 +281,22 @@ class TorchTemporary:
             self.fd = None
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.tmp)
+
+
+def _publish(close: Callable[[], None], temporary: Path, path: Path, discard: Callable[[], None], *,
+             sync_dir: bool, nbytes: int, digest: str) -> WrittenFile:
+    """The end of a commit, its temporary fsynced: close it, rename it onto `path` (discarded if either fails),
+    fsync the folder unless the caller does (`sync_dir=False`); what was written.
+    """
+    try:
+        close()
+        os.replace(temporary, path)
+    except BaseException:
+        discard()
+        raise
+    if sync_dir:
+        fsync_dir(path.parent)
+    return WrittenFile(path, nbytes, digest, path.stat().st_mtime_ns)
 
 
 def new_temporary(path: Path) -> tuple[int, Path]:
