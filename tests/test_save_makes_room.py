@@ -103,3 +103,21 @@ def test_a_sigkill_at_any_moment_of_the_saves_leaves_a_complete_newest_version(t
         assert found.loaded_version >= started[-2], (found.loaded_version, started)
         assert found.obj["weights"].eq(found.loaded_version).all()
         assert len(store.local.versions("state")) <= keep_last
+
+
+@pytest.mark.parametrize("keep_last", [1, 3])
+def test_the_budgets_local_peak_is_the_largest_a_save_leaves_on_disk(tmp_path, monkeypatch, keep_last):
+    """`retained_bytes(saving=True)`, the training budget's local disk, is the most the checkpoint files take
+    at any moment of the saves: measured just after each new file is written, before the prune.
+    """
+    from nblib.budget.training import BEST_KEPT, retained_bytes
+
+    store = CheckpointManager(tmp_path, keep_last=keep_last, keep_per_name={"best": BEST_KEPT})
+    peaks, original = [], store.local.save
+    monkeypatch.setattr(store.local, "save", lambda obj, name, version: (
+        original(obj, name, version), peaks.append(sum(f.stat().st_size for f in tmp_path.glob("*.pt"))))[0])
+    for version in range(1, 7):
+        store.save({"best": {"w": torch.zeros(1000)}, "state": {"w": torch.zeros(4000)}}, version)
+    store.close()
+    sizes = {name: (tmp_path / f"{name}-000006.pt").stat().st_size for name in ("state", "best")}
+    assert max(peaks) == retained_bytes(sizes["state"], sizes["best"], keep_last, saving=True)

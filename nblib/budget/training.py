@@ -51,18 +51,21 @@ def retained_versions(keep_last: int) -> tuple[int, int]:
 
 def retained_bytes(state_bytes: int, best_bytes: int, keep_last: int, *, saving: bool = False) -> int:
     """Bytes retention keeps on one side: the newest `keep_last` states and the best weights; with `saving`,
-    the local peak: a new state and best are written before the oldest are pruned.
+    the local peak while a save writes its series one after the other, each pruned before the next is written:
+    a series that keeps more than one version loses its oldest first, one that keeps one (the best) keeps it
+    until the new one is complete (`CheckpointManager._make_room`): one version more of that series at most.
     """
     states, bests = retained_versions(keep_last)
-    return (states + saving) * state_bytes + (bests + saving) * best_bytes
+    extra = max(state_bytes if states < 2 else 0, best_bytes if bests < 2 else 0) if saving else 0
+    return states * state_bytes + bests * best_bytes + extra
 
 
 @dataclass(frozen=True)
 class TrainingBudget:
     """Memory lines of one training step, and the checkpoint's bytes on disk and the mirror.
 
-    `mirror` is what retention keeps on a side (`retained_bytes`); `local_disk` adds the save in flight
-    (a new state and best are written before the oldest is pruned).
+    `mirror` is what retention keeps on a side (`retained_bytes`); `local_disk` is its peak while a save
+    writes (`retained_bytes(saving=True)`).
     """
 
     lines: tuple[Line, ...]
