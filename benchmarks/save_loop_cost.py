@@ -24,7 +24,9 @@ Writers, each saving every --every steps, with --every steps after the last save
   accelerate:   Accelerator(cpu=True).save_state (safetensors weights, torch.save'd optimizer, RNG; no fsync),
                 keeping as many saves as nblib (total_limit = TrainStore's keep_last): each deletes its oldest
   acc+fsync:    the durable peer: save_state, then fsync of each file it wrote and of the folders
-Every writer saves once before the measured loop (buffers allocated); from the keep_last-th save on, every
+Every writer saves once before the measured loop, after --every unmeasured steps of it, as a run's first save comes
+after its first steps (buffers allocated; the async save's choice between a writer thread and the loop's own
+thread made on the loop's demand, not on an idle start); from the keep_last-th save on, every
 writer deletes one old save per save (a run's steady state: --saves 6 measures it).
 Repetitions are interleaved (loop, then writers in a rotating order).
 Goals (issue 39): gpu loop: nblib-async adds <= 0.25x of nblib-sync; cpu loop: nblib-async adds <=
@@ -240,6 +242,8 @@ def run_loop(job: Job, loop: str, factory, folder: Path, saves: int, every: int)
     job.set_grads(loop == "cpu")
     folder.mkdir(parents=True)
     writer = factory(job, folder)
+    for _ in range(every):                                   # the loop runs before its first save, as a run does:
+        job.step(loop)                                       # nblib's async save sees the loop's demand (SpareCore)
     writer.save(0)                                           # buffers allocated, files created once: steady state
     writer.finish()
     steps, cpu, saved, busy = [], [], [], []

@@ -53,7 +53,8 @@ def retained_bytes(state_bytes: int, best_bytes: int, keep_last: int, *, saving:
     """Bytes retention keeps on one side: the newest `keep_last` states and the best weights; with `saving`,
     the local peak while a save writes its series one after the other, each pruned before the next is written:
     a series that keeps more than one version loses its oldest first, one that keeps one (the best) keeps it
-    until the new one is complete (`CheckpointManager._make_room`): one version more of that series at most.
+    until the new one is complete (`nblib.store.retention.local_versions_to_drop`): one version more of that
+    series at most.
     """
     states, bests = retained_versions(keep_last)
     extra = max(state_bytes if states < 2 else 0, best_bytes if bests < 2 else 0) if saving else 0

@@ -165,13 +165,18 @@ def encode(cache: ImageSource, run_dir: str | Path, config: PipelineConfig, devi
         merged = consolidate_run(run, parts_store, done.manifest, lock, world, VerifyLevel.of(verify)) \
             if do_consolidate and world.consolidates else Consolidated({}, ())
         mirrored = parts_store.close() if store is None else None   # waits for the mirror; warns if failing
-    resumed_at = run.plan.part_range(pending[0])[0] if pending else 0
+    encoded = (len(pending) if world.role == "rank" else len(mine)) + len(merged.recomputed)   # a launch's
+    return encode_report(run, done, merged, encoded, pending, mirrored)
+
+
+def encode_report(run: RunInputs, done, merged: Consolidated, encoded: int, pending: list[int],
+                  mirrored: bool | None) -> EncodeReport:
+    """What `encode` returns: the run's sizes, where it resumed, its speed, outputs and mirror."""
     return EncodeReport(
-        run_dir=run.run_dir, n_samples=run.plan.n_samples, parts_total=run.plan.n_parts,
-        parts_encoded=(len(pending) if world.role == "rank" else len(mine)) + len(merged.recomputed),  # a launch's
-        resumed_at=resumed_at, seconds=done.seconds,
+        run_dir=run.run_dir, n_samples=run.plan.n_samples, parts_total=run.plan.n_parts, parts_encoded=encoded,
+        resumed_at=run.plan.part_range(pending[0])[0] if pending else 0, seconds=done.seconds,
         samples_per_s=done.samples / done.seconds if done.samples and done.seconds else 0.0,
-        offload=offload, device=str(run.torch_device), timeline=done.timeline, outputs=merged.outputs,
+        offload=run.offload, device=str(run.torch_device), timeline=done.timeline, outputs=merged.outputs,
         mirror_caught_up=mirrored if run.mirror_dir is not None else None, write_seconds=done.write_seconds)
 
 

@@ -47,7 +47,7 @@ from .deadline import DeadlineOps, MirrorStalled, Stall, call_within, mirror_dea
 from .identity import claim
 from .mirror import CopyCheckpoint, Mirror, MirrorStatus, MirrorWarning, Retention, Sides
 from .parts import FileOps, PartFolder
-from .retention import checkpoints_to_drop
+from .retention import local_versions_to_drop
 from .retry import Retrier, RetryingOps
 from .staging import BackgroundWriter, HostStaging
 
@@ -62,7 +62,7 @@ class CheckpointManager:
         mirror_dir: the mirror folder (a path; for a bucket, its 'bucket/prefix' with `mirror_ops`); None: none.
         mirror_ops: the FileOps of the mirror (default: the local file system, a Drive mount).
         keep_last: versions kept per name on each side (locally, one fewer while a new one is written, where
-            more than one is kept: `_make_room`).
+            more than one is kept: `local_versions_to_drop`).
         keep_per_name: versions kept on each side for the names given, instead of keep_last (training keeps
             one best: `nblib.budget.training.retained_versions`).
         keep_local, keep_every: the part retention of a DurableStore sharing this mirror (None: all).
@@ -163,7 +163,7 @@ class CheckpointManager:
         objects = {name: obj for name, obj in objects.items() if obj is not None}
         if blocking:
             future: Future = Future()
-            self._write(self._on_host(objects), version, backup, backup_also)
+            self._write(on_host(objects, self._staging), version, backup, backup_also)
             future.set_result(None)
             return future
         where = f"{'/'.join(objects)} of {self.version_label} {version}"
@@ -196,8 +196,8 @@ class CheckpointManager:
         """
         pending: dict = {}
         try:
-            for name, obj in self._on_host(objects).items():
-                self._make_room(name, version)
+            for name, obj in on_host(objects, self._staging).items():
+                self._prune_local(name, coming=version)
                 pending[name] = self.local.serialize(obj, name, version)
         except BaseException:
             for temporary in pending.values():
@@ -264,7 +264,7 @@ class CheckpointManager:
     def _write(self, objects: dict, version: int, backup: bool, backup_also, pending: dict | None = None) -> None:
         """Write each object (or commit its `pending` serialization), then queue, watch and prune."""
         for name, obj in objects.items():
-            self._make_room(name, version)
+            self._prune_local(name, coming=version)
             path = self.local.save(obj, name, version) if pending is None else self.local.commit(pending[name], name,
                                                                                                 version)
             if self.on_saved is not None:
@@ -277,41 +277,17 @@ class CheckpointManager:
             if name not in objects:
                 self.enqueue_newest(name)
 
-    def _on_host(self, objects: dict) -> dict:
-        """`objects` itself when every tensor is on the CPU, else staged (what torch.save writes: host storages).
-
-        Without an initialized CUDA context no tensor can be on a CUDA device: nothing to walk.
-        """
-        import torch
-
-        from .staging import _storages_and_tensors
-
-        if not torch.cuda.is_initialized():
-            return objects
-        storages, _ = _storages_and_tensors(objects, torch)
-        return objects if all(s.device.type == "cpu" for s in storages.values()) else self._staging.stage(objects)
-
     def versions_kept(self, name: str) -> int:
         """Versions of `name` retention keeps on each side."""
         return self.keep_per_name.get(name, self.keep_last)
 
-    def _make_room(self, name: str, version: int) -> None:
-        """Before `version` of `name` is written: remove what its prune removes anyway, so that its pages take
-        the memory the old file's free (as accelerate's `total_limit` does; writing into memory nothing freed
-        cost 0.3-0.5 s more a 210 MB save here). Never the last complete version: with one kept, the old
-        version goes only once the new one is complete; with more, one fewer is complete while it is written.
-        """
-        if self.versions_kept(name) >= 2:
-            self._prune_local(name, coming=version)
-
     def _prune_local(self, name: str, coming: int | None = None) -> None:
+        """Remove the local versions retention drops (`local_versions_to_drop`; with `coming`, before it is written)."""
         if self.mirror is not None and not self.prune_unmirrored:
             return                                # the mirror thread prunes once a newer version is copied
-        keep = self._queued.get(name)
-        versions = self.local.versions(name) + ([] if coming is None else [coming])
-        for version in checkpoints_to_drop(versions, self.versions_kept(name)):
-            if version not in (keep, coming):
-                self.local.remove(name, version)
+        for version in local_versions_to_drop(self.local.versions(name), self.versions_kept(name),
+                                              self._queued.get(name), coming):
+            self.local.remove(name, version)
 
     # ----------------------------------------------------------------------------- loading
 
@@ -366,6 +342,21 @@ class CheckpointManager:
                 self.mirror.stop()
             self._staging.release()
         return caught_up
+
+
+def on_host(objects: dict, staging: HostStaging) -> dict:
+    """`objects` itself when every tensor is on the CPU, else staged (what torch.save writes: host storages).
+
+    Without an initialized CUDA context no tensor can be on a CUDA device: nothing to walk.
+    """
+    import torch
+
+    from .staging import _storages_and_tensors
+
+    if not torch.cuda.is_initialized():
+        return objects
+    storages, _ = _storages_and_tensors(objects, torch)
+    return objects if all(s.device.type == "cpu" for s in storages.values()) else staging.stage(objects)
 
 
 class SpareCore:
