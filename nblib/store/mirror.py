@@ -340,20 +340,9 @@ class Mirror:
         self._apply_retention()
 
     def _copy_manifest(self) -> None:
-        local = read_run_manifest(FileOps(), self.sides.local.root, "local")
-        if local is None:
-            return
-        if isinstance(local, DamagedCopy):
-            raise StateError(f"the local manifest no longer verifies: {local.reason}")
-        theirs = read_run_manifest(self.sides.remote.ops, self.sides.remote.root, "mirror")
-        if isinstance(theirs, Manifest) and theirs.seq > local.seq:
-            log.warning("mirror manifest seq %d is newer than local seq %d: not overwritten",
-                        theirs.seq, local.seq)
-            return
         with self._cond:
             present = sorted(self._present)
-        self.sides.remote.ops.write_atomic(self.sides.remote.root / MANIFEST_FILE,
-                                           [run_manifest_bytes(local.body["run"], local.seq, present)])
+        copy_manifest(self.sides, present)
 
     def _copy_checkpoint(self, name: str, version: int) -> None:
         remote = self.sides.remote_checkpoints
@@ -381,9 +370,7 @@ class Mirror:
             self._present -= set(vanished)
             for name in vanished:
                 self._verified.pop(name, None)
-        refill = [n for n in vanished if isinstance(local.check(n, verify=VerifyLevel.SIZES), PartInfo)]
-        lost = sorted(set(vanished) - set(refill))
-        _log_vanished(remote.root, vanished, refill, lost)
+        refill, lost = refillable(local, remote.root, vanished)
         with self._cond:
             self._refilled += len(refill)
             self._lost += len(lost)
@@ -429,6 +416,31 @@ class Mirror:
         with self._cond:
             self._verified[name] = content_id
         return True
+
+
+def copy_manifest(sides: Sides, present: list[str]) -> None:
+    """Write the local run manifest to the mirror, listing the parts `present` there; not over a newer one."""
+    local = read_run_manifest(FileOps(), sides.local.root, "local")
+    if local is None:
+        return
+    if isinstance(local, DamagedCopy):
+        raise StateError(f"the local manifest no longer verifies: {local.reason}")
+    theirs = read_run_manifest(sides.remote.ops, sides.remote.root, "mirror")
+    if isinstance(theirs, Manifest) and theirs.seq > local.seq:
+        log.warning("mirror manifest seq %d is newer than local seq %d: not overwritten", theirs.seq, local.seq)
+        return
+    sides.remote.ops.write_atomic(sides.remote.root / MANIFEST_FILE,
+                                  [run_manifest_bytes(local.body["run"], local.seq, present)])
+
+
+def refillable(local, mirror_root, vanished: list[str]) -> tuple[list[str], list[str]]:
+    """(the parts that vanished from the mirror and the local side still holds whole: to copy again, those
+    lost on both sides); logged.
+    """
+    refill = [n for n in vanished if isinstance(local.check(n, verify=VerifyLevel.SIZES), PartInfo)]
+    lost = sorted(set(vanished) - set(refill))
+    _log_vanished(mirror_root, vanished, refill, lost)
+    return refill, lost
 
 
 def unmirrored_items(sides, check_remote) -> tuple[set[str], list]:
