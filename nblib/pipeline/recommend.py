@@ -1,14 +1,15 @@
 """Pick the config that beats the base by the most under a RAM cap, and say which knob mattered most.
 
-Every knob value is judged against the base on interleaved pairs (`SweepTable.versus_base`,
-`nblib.verdict`: a 95% interval of the median pair ratio and a minimum effect of 1.15x). The pick
-is, among the rows that fit the cap and are faster than the base by that verdict, the one with
-the largest median ratio, unless others are not told apart from it (their intervals reach its): then the
-first of those in the sweep's order, the others named beside it, so that two runs do not pick
-different rows on the noise of two medians; when none is faster, the base stays the pick (picking the
-fastest of a dozen noisy medians would crown noise). A knob "mattered" when one of its values is firmly faster or
-slower than the base; the one that mattered most has the largest such effect. Trade-off: the pick
-is a measured row, not a model's optimum between rows, so it is only as good as the grid.
+Every knob value is judged against the base on interleaved pairs (`SweepTable.versus_base`, `nblib.verdict`: a 95%
+interval of the median pair ratio and a minimum effect of 1.15x). The pick is, among the rows that fit the cap and
+are faster than the base by that verdict, the one with the largest median ratio, unless others are not told apart
+from it (their intervals reach its and their medians are within the minimum effect of its): then the first of those
+in the sweep's order, the others named beside it, so that two runs do not pick different rows on the noise of two
+medians (a row whose one noisy pair widened its interval up to the fastest's, its median far below, is not one of
+them); when none is faster, the base stays the pick (picking the fastest of a dozen noisy medians would crown
+noise). A knob "mattered" when one of its values is firmly faster or slower than the base; the one that mattered
+most has the largest such effect. Trade-off: the pick is a measured row, not a model's optimum between rows, so it
+is only as good as the grid.
 """
 from __future__ import annotations
 
@@ -64,7 +65,8 @@ def recommend(table: SweepTable, rss_cap_bytes: float) -> Recommendation:
     tied: list = []
     if faster:
         fastest = max(faster, key=lambda rv: rv[1].ratio)[1]
-        tied = [(r, v) for r, v in faster if v.high >= fastest.low]     # not told apart from the fastest
+        tied = [(r, v) for r, v in faster                              # not told apart from the fastest:
+                if v.high >= fastest.low and fastest.ratio < v.ratio * MIN_EFFECT]   # reached, and within 1.15x
         (best, versus), tied = tied[0], tied[1:]
     elif base in fitting:
         best, versus = base, None
