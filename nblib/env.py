@@ -22,12 +22,12 @@ from nblib.units import fmt_gb
 COLAB_MOUNT_POINT = Path(os.environ.get("NBLIB_COLAB_MOUNT_POINT", "/content/drive"))  # tests point it elsewhere
 
 
-
 def usable_cores() -> int:
     """CPU cores this process may run on (its affinity, else the machine's count): the parallelism budget of
     a render pool, a loader's workers, a sweep, the writer thread's spare core.
     """
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
 
 def runtime() -> str:
     """'colab' inside Google Colab, 'ci' when the CI variable is set, else 'local'."""

@@ -264,7 +264,8 @@ class CheckpointManager:
     def _write(self, objects: dict, version: int, backup: bool, backup_also, pending: dict | None = None) -> None:
         """Write each object (or commit its `pending` serialization), then queue, watch and prune."""
         for name, obj in objects.items():
-            self._prune_local(name, coming=version)
+            if pending is None:                   # a pending serialization made its room before it was written
+                self._prune_local(name, coming=version)
             path = self.local.save(obj, name, version) if pending is None else self.local.commit(pending[name], name,
                                                                                                 version)
             if self.on_saved is not None:
