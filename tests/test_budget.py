@@ -349,7 +349,11 @@ GRID = [dict(batch_size=b, out_dtype=d, outputs=o, codec=c, checkpoint_every=ck,
 def test_no_suggestion_equals_the_value_already_set_and_each_fitting_one_fits(device, quota):
     seed = preset("seed_t4")
     advised = 0
-    for knobs in GRID:
+    # off the T4, seed_t4's outputs and dtype (the shipped trace table's: the T4 cases run every other one's trace,
+    # and the advice reads a device only through its limits); every batch, codec and cadence
+    grid = GRID if device in ("t4", "cpu") else [
+        k for k in GRID if (k["outputs"], k["out_dtype"]) == (seed.run.outputs, seed.run.out_dtype)]
+    for knobs in grid:
         cfg = seed.replace(**knobs)
         b = budget.predict_budget(cfg, device, drive_quota_gb=quota)
         over = {r for r, u in b.usage.items() if u > 1}
@@ -367,7 +371,7 @@ def test_no_suggestion_equals_the_value_already_set_and_each_fitting_one_fits(de
                         changes[name] = int(value)
                     after = budget.predict_budget(cfg.replace(**changes), device, drive_quota_gb=quota)
                     assert after.totals[advice.resource] <= 0.9 * b.limits[advice.resource], (knobs, str(s))
-    assert advised > 100
+    assert advised > 2 * len(grid) // 3, advised     # most configs are advised something
 
 
 def test_drive_items_per_folder_gives_the_checkpoint_cadence_and_the_shard_size_that_fit():

@@ -56,8 +56,7 @@ def test_train_and_budget_answer_a_model_that_does_not_build_in_the_same_one_lin
         pytest.skip("timm imports here: DetrModel builds")
     words, spec = CASES[spec], spec.format(folder=folder)
     monkeypatch.syspath_prepend(str(folder))
-    # a fresh trace process, which sees this PYTHONPATH (a warm one started earlier by another test would not)
-    env = {"PYTHONPATH": str(folder), "OMP_NUM_THREADS": "1", "NBLIB_WARM_TRACES": "0"}
+    env = {"PYTHONPATH": str(folder), "OMP_NUM_THREADS": "1"}    # the trace's process imports the spec's module
     train = one_error_line(run_nblib("train", "--cache", folder / "data" / "cache", "--out", tmp_path / "run",
                                      "--steps", "1", "--batch-size", "4", "--model", spec, "--no-progress", **env))
     budget = one_error_line(run_nblib("budget", "--model", spec, "--train", "--batch-size", "2", **env))

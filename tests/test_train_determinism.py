@@ -133,7 +133,6 @@ def test_the_traced_step_names_a_two_by_two_pool_and_interpolate_and_nothing_for
     from nblib.budget.model_vram import model_vram
 
     monkeypatch.setenv("PYTHONPATH", str(specs))
-    monkeypatch.setenv("NBLIB_WARM_TRACES", "0")      # fresh trace processes see this PYTHONPATH; a warm one may not
     monkeypatch.syspath_prepend(str(specs))
     found = {spec: model_vram(spec, 2, "t4", train=True, find_largest=False).nondeterministic
              for spec in ("ndfactories:pool", "ndfactories:up", f"hf:ResNetModel:{specs / 'resnet.json'}")}
@@ -193,7 +192,6 @@ def test_a_cuda_run_of_such_a_model_is_refused_by_its_preflight_before_the_first
     from nblib.train.task import ImageTask, vram_preflight
 
     monkeypatch.setenv("PYTHONPATH", str(specs))
-    monkeypatch.setenv("NBLIB_WARM_TRACES", "0")      # fresh trace processes see this PYTHONPATH; a warm one may not
     monkeypatch.syspath_prepend(str(specs))
     monkeypatch.delenv("NBLIB_NONDETERMINISTIC", raising=False)
     preflight = sys.modules["nblib.budget.preflight"]

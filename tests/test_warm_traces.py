@@ -137,3 +137,28 @@ def test_a_warm_budget_equals_a_fresh_process_budget(tmp_path, monkeypatch):
     monkeypatch.setenv("NBLIB_WARM_TRACES", "0")
     fresh = model_vram(spec, 8, precision="fp16", train=True, find_largest=False)
     assert warm == fresh
+
+
+def test_a_pythonpath_set_after_the_warm_process_started_reaches_the_next_trace(warm_probe_path, monkeypatch):
+    """A fork inherits the warm process's environment: a caller whose traced variables changed since it started
+    (a --model's folder put on PYTHONPATH) gets a warm process started under them, as a fresh child would.
+    """
+    from nblib.budget import shim, warm
+
+    ok, why = shim.backward_capability()
+    if not ok:
+        pytest.skip(why)
+    monkeypatch.setenv("NBLIB_WARM_TRACES", "1")
+    monkeypatch.setattr(warm, "_SERVERS", {})
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    try:
+        with pytest.raises(Exception, match="No module named 'nblib_warm_probe'"):
+            shim.run_child("nblib_warm_probe", {"mark": 1}, 120)
+        first = next(iter(warm._SERVERS.values())).proc.pid
+        monkeypatch.setenv("PYTHONPATH", str(warm_probe_path))
+        assert shim.run_child("nblib_warm_probe", {"mark": 2}, 120)["seen"] is None
+        server = next(iter(warm._SERVERS.values()))
+        assert server.proc.pid != first and server.alive and server.traced_env["PYTHONPATH"] == str(warm_probe_path)
+    finally:
+        for server in warm._SERVERS.values():
+            server.close()

@@ -28,7 +28,7 @@ from nblib.budget.allocator import stream_point
 from nblib.budget.devices import Device, device_preset
 from nblib.budget.memory import Line
 from nblib.budget.resources import FIT_MARGIN, largest_fitting  # the one rule for "fits"
-from nblib.budget.shim import run_child, run_cublas_config
+from nblib.budget.shim import run_child, run_cublas_config, traced_environment
 from nblib.errors import BudgetExceeded, ConfigError, NblibError
 from nblib.units import GB, fmt_bytes
 
@@ -187,20 +187,12 @@ _STREAMS: dict[str, _Stream] = {}
 KEPT_JOBS = 32                                  # a training stream of a large model is some MB
 
 
-# nblib's variables that name where files go or how long to wait: a trace reads none of them, so a notebook that
-# moves its outputs (or a test's own NBLIB_OUTPUTS) replays a job traced before instead of tracing it again
-NOT_TRACED_ENV = frozenset(f"NBLIB_{name}" for name in (
-    "OUTPUTS", "DRIVE_DIR", "COLAB_MOUNT_POINT", "CJK_FONT", "TRAIN_SAMPLE_LOG", "WARM_TRACES",
-    "SUITE_INACTIVITY_S", "MIRROR_DEADLINE_S", "REMOUNT_TIMEOUT_S", "READ_DEADLINE_S", "DIST_TIMEOUT_S"))
-
-
 def job_key(job: dict) -> str:
     """Everything that shapes a job's trace but the batch: the payload less the batch, the run's
-    CUBLAS_WORKSPACE_CONFIG, this process's NBLIB_/PYTORCH_ environment (less `NOT_TRACED_ENV`) and PYTHONPATH, and
+    CUBLAS_WORKSPACE_CONFIG, this process's `traced_environment` (NBLIB_/PYTORCH_ variables and PYTHONPATH), and
     the files a spec names (their size and mtime: an edited config is traced again).
     """
-    env = {k: v for k, v in os.environ.items()
-           if (k.startswith(("NBLIB_", "PYTORCH_")) or k == "PYTHONPATH") and k not in NOT_TRACED_ENV}
+    env = traced_environment()
     files = {part: (os.stat(part).st_size, os.stat(part).st_mtime_ns)
              for part in [*str(job["spec"]).split(":"), job["weights"] or ""] if part and os.path.isfile(part)}
     return json.dumps({**_trm_shape(job), "cublas_config": run_cublas_config(job["train"]), "env": env,

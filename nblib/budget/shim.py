@@ -101,6 +101,22 @@ def shim_path() -> Path:
     return out
 
 
+# nblib's variables that name where files go or how long to wait: a trace reads none of them, so a notebook that
+# moves its outputs (or a test's own NBLIB_OUTPUTS) replays a job traced before instead of tracing it again
+NOT_TRACED_ENV = frozenset(f"NBLIB_{name}" for name in (
+    "OUTPUTS", "DRIVE_DIR", "COLAB_MOUNT_POINT", "CJK_FONT", "TRAIN_SAMPLE_LOG", "WARM_TRACES",
+    "SUITE_INACTIVITY_S", "MIRROR_DEADLINE_S", "REMOUNT_TIMEOUT_S", "READ_DEADLINE_S", "DIST_TIMEOUT_S"))
+
+
+def traced_environment() -> dict[str, str]:
+    """This process's variables that shape a trace: NBLIB_ and PYTORCH_ ones (less `NOT_TRACED_ENV`) and PYTHONPATH
+    (where a --model's module is found). A traced job is kept under them (model_vram.job_key), and a warm process
+    traces only for the ones it started with.
+    """
+    return {k: v for k, v in os.environ.items()
+            if (k.startswith(("NBLIB_", "PYTORCH_")) or k == "PYTHONPATH") and k not in NOT_TRACED_ENV}
+
+
 def run_child(module: str, payload: dict, timeout_s: float = 600.0) -> dict:
     """`module._child(payload)` with the shim's path in the payload, in a fork of the warm process
     (nblib.budget.warm), else in a fresh `python -m module JSON`; its result.
@@ -109,7 +125,7 @@ def run_child(module: str, payload: dict, timeout_s: float = 600.0) -> dict:
                "cublas_config": run_cublas_config(payload.get("train", False))}
     if warm.enabled():
         try:
-            return warm.run_warm(module, payload, timeout_s)
+            return warm.run_warm(module, payload, timeout_s, traced_environment())
         except warm.WarmUnavailable:
             pass                          # no warm process here: a fresh one, as below
         except RuntimeError as exc:

@@ -15,6 +15,9 @@ It forks only while it holds one thread (a fork copies no other thread, so a loc
 stay locked in the child): with more it refuses, and this process runs fresh ones from then on.
 Fail closed: a warm process that ends while a trace runs (after it answered the trace's pid) is an
 error, and the trace is killed: never a result, a status of 0 or a silent second run.
+A fork sees the environment the warm process started with: a caller whose variables that shape a trace
+(shim.traced_environment: a PYTHONPATH set since, an NBLIB_ variable) differ gets a new warm process started under
+its own, so a warm trace is the trace a fresh process would make.
 Trade-off: the warm process holds ~0.5 GB of RSS for as long as the caller lives; it exits when
 the caller closes its pipe (or dies), and `NBLIB_WARM_TRACES=0` turns it off.
 """
@@ -56,8 +59,11 @@ def enabled() -> bool:
     return hasattr(os, "fork") and os.environ.get("NBLIB_WARM_TRACES", "1") != "0"
 
 
-def run_warm(module: str, payload: dict, timeout_s: float) -> dict:
+def run_warm(module: str, payload: dict, timeout_s: float, traced_env: dict | None = None) -> dict:
     """`module._child(payload)` in a fork of the warm process for `payload["shim"]`: its result.
+
+    `traced_env`: the caller's variables that shape a trace (shim.traced_environment); a fork inherits the warm
+    process's, so one started under others (a PYTHONPATH or NBLIB_ variable set since) is replaced by a new one.
 
     WarmUnavailable when the warm process cannot be used (the caller falls back to a fresh one);
     RuntimeError with the child's last error line when the trace itself failed.
@@ -67,8 +73,11 @@ def run_warm(module: str, payload: dict, timeout_s: float) -> dict:
         if shim in _REFUSED:
             raise WarmUnavailable("the warm process held more than one thread: it does not fork")
         server = _SERVERS.get(shim)
-        if server is None or not server.alive:
-            server = _SERVERS[shim] = WarmProcess(shim)
+        if server is not None and (not server.alive or server.traced_env != traced_env):
+            server.close()
+            server = None
+        if server is None:
+            server = _SERVERS[shim] = WarmProcess(shim, traced_env)
         try:
             return server.run(module, payload, timeout_s)
         except WarmRefused:
@@ -79,8 +88,9 @@ def run_warm(module: str, payload: dict, timeout_s: float) -> dict:
 class WarmProcess:
     """One warm process (a `python -c` child of this one) that forks a child per request."""
 
-    def __init__(self, shim: str | None, start_timeout_s: float = 120.0):
+    def __init__(self, shim: str | None, traced_env: dict | None = None, start_timeout_s: float = 120.0):
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.traced_env = traced_env          # the caller's traced variables at start: what every fork sees
         code = f"from nblib.budget.warm import serve; serve({shim!r})"
         try:
             self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
