@@ -38,7 +38,8 @@ run: $(STAMP)
 # a thread per core each oversubscribe the cores, and torch's spinning threads then ran a smoke encode 10-18x
 # slower (notebook 03's offload comparison: 129 s, 10 s with one thread). The CLI subprocesses run so already.
 # --dist loadfile keeps each file in one worker: a notebook's cells share one kernel, in order, and a
-# module's fixtures are built once. pytest's exit status is make's (and .ci/run's).
+# module's fixtures are built once; --no-loadscope-reorder hands the files out in conftest.py's order (longest
+# first), not xdist's (most tests first). pytest's exit status is make's (and .ci/run's).
 # More workers than cores: with two, user + sys time was 164-166% of the cores over a fresh-clone run (a
 # worker waits on its subprocesses, fsyncs and servers); with three, 175%, and pytest took 17 min 34 s against
 # 19 min 35 s for the same commit, idle. Four (2026-11-27, fresh clones of nearly one commit): 88% of the cores
@@ -47,7 +48,7 @@ JOBS ?= 4
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BYTECODE)
-	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TORCHINDUCTOR_COMPILE_THREADS=1 NBLIB_PROFILE=smoke $(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile --durations=15 tests notebooks $(NBVAL)   # nbval references are recorded on smoke, GPU or not
+	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TORCHINDUCTOR_COMPILE_THREADS=1 NBLIB_PROFILE=smoke $(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile --no-loadscope-reorder --durations=15 tests notebooks $(NBVAL)   # nbval references are recorded on smoke, GPU or not
 
 # only the browser test: JupyterLab in headless Chromium (`make test` runs it too; both skip it, with the
 # reason, where Debian's chromium or playwright is missing)

@@ -6,8 +6,9 @@ id). nbval compares a checked cell only against a stored output that has an exec
 this hook puts both on the collected cell before it runs.
 
 It also runs the longest files first: `make test` hands whole files to its xdist workers
-(--dist loadfile) in collection order, and a long file collected last ran alone at the end while
-the other worker idled (the browser tests: about 4 of the suite's minutes on one worker).
+(--dist loadfile) in collection order (with --no-loadscope-reorder: xdist's default orders files by their
+number of tests, so a long file of three tests, the browser's, started last and ran alone at the end while
+the other workers idled).
 """
 from __future__ import annotations
 
@@ -15,19 +16,20 @@ import json
 from pathlib import Path
 
 REFERENCES = Path(__file__).resolve().parent / "tests" / "nbval_references"
-LONGEST_FIRST = (      # files by their estimated test time, longest first: the 2026-11-27 --durations=0 profile
-    # less each file's measured cut since, and the fresh-clone runs' slowest tests (a long file started last runs alone)
-    "notebooks/06_training.ipynb", "tests/test_model_vram.py", "tests/test_train_resume.py",
-    "tests/test_distributed.py", "tests/test_hostile.py", "notebooks/07_your_model.ipynb",
-    "tests/test_trace_follows_gpu.py", "tests/test_gpu_report.py", "notebooks/05_input_pipeline_tuning.ipynb",
-    "tests/test_train_budget.py", "notebooks/02_cache_population.ipynb", "tests/test_measure.py",
-    "tests/test_encode_trace.py", "tests/test_trm.py", "tests/test_browser.py", "tests/test_widgets.py",
-    "tests/test_budget.py", "tests/test_simulate.py", "tests/test_warm_traces.py", "tests/test_encode.py",
-    "notebooks/01_memory_budgeting.ipynb", "tests/test_hostile_train.py", "tests/test_encode_models.py",
-    "tests/test_train_determinism.py", "tests/test_train_models.py", "notebooks/04_shuffle_buffer_checkpoints.ipynb",
-    "tests/test_colab.py", "tests/test_train_gcs.py", "tests/test_train_second_run.py",
-    "tests/test_training_vram_one_answer.py", "tests/test_train_async_save.py",
-    "notebooks/03_streaming_trm_encoding.ipynb",
+LONGEST_FIRST = (      # files by their test time, longest first: a --durations=0 profile of 2026-11-27 on 4 workers,
+    # less each file's measured cut since (a long file started last runs alone while the other workers idle)
+    "notebooks/05_input_pipeline_tuning.ipynb", "tests/test_hostile.py", "tests/test_train_resume.py",
+    "tests/test_simulate.py", "notebooks/06_training.ipynb", "tests/test_gpu_report.py",
+    "notebooks/02_cache_population.ipynb", "tests/test_distributed.py", "tests/test_encode_trace.py",
+    "tests/test_model_vram.py", "tests/test_records.py", "notebooks/01_memory_budgeting.ipynb",
+    "tests/test_hostile_round2.py", "tests/test_browser.py", "tests/test_colab.py", "tests/test_hostile_train.py",
+    "tests/test_train_determinism.py", "tests/test_train_gcs.py", "notebooks/07_your_model.ipynb",
+    "tests/test_measure.py", "notebooks/04_shuffle_buffer_checkpoints.ipynb", "tests/test_tfdata.py",
+    "tests/test_budget.py", "tests/test_warm_traces.py", "tests/test_train_budget.py",
+    "tests/test_trace_follows_gpu.py", "tests/test_training_vram_one_answer.py", "tests/test_cache_checks.py",
+    "tests/test_encode_models.py", "tests/test_import_graph.py", "tests/test_save_makes_room.py",
+    "tests/test_widgets.py", "notebooks/03_streaming_trm_encoding.ipynb", "tests/test_resume_io.py",
+    "tests/test_train_models.py", "tests/test_encode.py",
 )
 
 

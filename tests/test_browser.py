@@ -34,10 +34,11 @@ LEFT_OUT = {
     "01_memory_budgeting.ipynb": ("measure_forward_peaks(", "simulated_vram(", "predicted_vs_measured("),
     "02_cache_population.ipynb": ("worker_scaling(", "lab.run_and_kill(", "resumed = subprocess.run(",
                                   "reference_dir = ", "lab.flip_a_byte(", "compare_formats(", "export.layout_bytes("),
-    "04_shuffle_buffer_checkpoints.ipynb": ("lab.measure_ops(", "resumable_rows = ", "vs_buffer(tf_rows + resumable_rows",
-                                            "lab.resume_proof(", "compare_shuffles(", "for r in builtins",
-                                            "builtins_conclusion(", "lab.quality_vs_buffer(",
-                                            "shuffle_quality_vs_buffer(", "lab.buffer_answer("),
+    "04_shuffle_buffer_checkpoints.ipynb": ("lab.measure_ops(", "resumable_rows = ",
+                                            "vs_buffer(tf_rows + resumable_rows", "lab.resume_proof(",
+                                            "compare_shuffles(", "for r in builtins", "builtins_conclusion(",
+                                            "lab.quality_vs_buffer(", "shuffle_quality_vs_buffer(",
+                                            "lab.buffer_answer("),
 }
 
 
