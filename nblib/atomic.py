@@ -203,21 +203,26 @@ def atomic_torch_save(obj, path: str | Path, *, sync_dir: bool = True, algorithm
                       zip_crc32: bool = True) -> WrittenFile:
     """`torch.save` to `path` atomically (torch imported here, not at nblib import).
 
-    torch writes the temporary file itself (its C++ writer, no copy of the state in memory); the
-    disk's writeback of it starts at once, a thread hashes it back from the page cache while the file
-    is fsynced (the hash costs CPU, the fsync waits on the disk: they overlap), then it is renamed onto
-    `path` and (with `sync_dir`) the folder fsynced. `zip_crc32=False` skips torch's CRC32 of each zip
-    record (torch.load never checks it; `unzip -t` would report bad CRCs): where the caller keeps the
-    file's digest and checks it on every load, as checkpoints do, the CRC only costs time (it was
-    two thirds of a 200 MiB save here, 0.19 s against 0.07 s). The switch is torch's process-wide
-    `torch.utils.serialization.config`, patched for the call's length: a torch.save on another
-    thread at that moment writes without CRCs too, and loads as well.
+    torch's C++ writer writes the temporary file through its descriptor (no copy of the state in
+    memory), each block hashed as it passes; the disk's writeback of it starts at once, the file is
+    fsynced, renamed onto `path` and (with `sync_dir`) the folder fsynced. `zip_crc32=False` skips
+    torch's CRC32 of each zip record (torch.load never checks it; `unzip -t` would report bad CRCs):
+    where the caller keeps the file's digest and checks it on every load, as checkpoints do, the CRC
+    only costs time (it was two thirds of a 200 MiB save here, 0.19 s against 0.07 s). The switch is
+    torch's process-wide `torch.utils.serialization.config`, patched for the call's length: a
+    torch.save on another thread at that moment writes without CRCs too, and loads as well.
     """
     return torch_save_temporary(obj, path, algorithm=algorithm, zip_crc32=zip_crc32).commit(sync_dir=sync_dir)
 
 
 def torch_save_temporary(obj, path: str | Path, *, algorithm: str = "sha256", zip_crc32: bool = True) -> TorchTemporary:
-    """`torch.save` into a temporary beside `path`, its writeback started: the first half of `atomic_torch_save`."""
+    """`torch.save` into a temporary beside `path`, hashed as written, its writeback started: the first half of
+    `atomic_torch_save`.
+
+    torch writes through the temporary's own descriptor: given the path, it opened the file `new_temporary` made
+    again with O_TRUNC, and ext4 then allocates a truncated file's blocks as it is closed (auto_da_alloc, its guard
+    for the replace-by-truncate pattern): 0.12 s against 0.065 s for a 210 MB state on this machine.
+    """
     import torch
 
     path = Path(path)
@@ -225,8 +230,10 @@ def torch_save_temporary(obj, path: str | Path, *, algorithm: str = "sha256", zi
     fd, tmp = new_temporary(path)
     pending = TorchTemporary(path, fd, tmp, algorithm)
     try:
-        with torch_zip_crc32(zip_crc32):
-            torch.save(obj, tmp)
+        with torch_zip_crc32(zip_crc32), open(fd, "wb", closefd=False) as file:
+            hashed = _HashedWrites(file, new_hash(algorithm))
+            torch.save(obj, hashed)
+        pending.box.update(digest=digest_string(algorithm, hashed.digest.hexdigest()), bytes=hashed.bytes)
         start_writeback(fd, 0, 0)
     except BaseException:
         pending.discard()
@@ -234,35 +241,33 @@ def torch_save_temporary(obj, path: str | Path, *, algorithm: str = "sha256", zi
     return pending
 
 
+class _HashedWrites:
+    """A binary file's write and flush, each block hashed as it is written (no reading back)."""
+
+    def __init__(self, file: IO, digest):
+        self.file, self.digest, self.bytes = file, digest, 0
+
+    def write(self, data) -> int:
+        self.digest.update(data)
+        self.bytes += memoryview(data).nbytes
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
 class TorchTemporary:
-    """A torch.save in its temporary, not yet durable: `hash` reads it back from the page cache now, `commit` fsyncs
-    it (hashing it on a thread meanwhile, unless `hash` ran), renames it onto `path` and fsyncs the folder;
-    `discard` deletes it. A caller whose threads keep every core busy serializes and hashes on its own thread
-    (the CPU work) and leaves `commit` (the wait for the disk) to another.
+    """A torch.save in its temporary, hashed as written, not yet durable: `commit` fsyncs it, renames it onto `path`
+    and fsyncs the folder; `discard` deletes it. A caller whose threads keep every core busy serializes on its own
+    thread (the CPU work) and leaves `commit` (the wait for the disk) to another.
     """
 
     def __init__(self, path: Path, fd: int, tmp: Path, algorithm: str):
         self.path, self.fd, self.tmp, self.algorithm, self.box = path, fd, tmp, algorithm, {}
 
-    def hash(self) -> None:
-        _hash_fd(self.fd, self.box, self.algorithm)
-
     def commit(self, *, sync_dir: bool = True) -> WrittenFile:
         try:
-            if self.box or os.fstat(self.fd).st_size < WRITEBACK_BYTES:   # a thread would cost more than it overlaps
-                if not self.box:
-                    self.hash()
-                os.fsync(self.fd)
-            else:
-                hasher = threading.Thread(target=_hash_fd, args=(self.fd, self.box, self.algorithm),
-                                          name="nblib-save-hash")
-                hasher.start()
-                try:
-                    os.fsync(self.fd)
-                finally:
-                    hasher.join()
-            if "error" in self.box:
-                raise self.box["error"]
+            os.fsync(self.fd)
         except BaseException:
             self.discard()
             raise
@@ -331,22 +336,6 @@ def torch_zip_crc32(compute: bool):
         return
     with _CRC_SWITCH, config.patch({"save.compute_crc32": False}):
         yield
-
-
-def _hash_fd(fd: int, box: dict, algorithm: str = "sha256", chunk: int = 1 << 20) -> None:
-    """box['digest'] and box['bytes'] of the open file `fd` (positional reads into one reused 1 MiB buffer,
-    so the hash holds no copy of the file), or box['error'].
-    """
-    try:
-        digest, offset = new_hash(algorithm), 0
-        buffer = bytearray(chunk)
-        view = memoryview(buffer)
-        while n := os.preadv(fd, [buffer], offset):
-            digest.update(view[:n])
-            offset += n
-        box["digest"], box["bytes"] = digest_string(algorithm, digest.hexdigest()), offset
-    except BaseException as exc:
-        box["error"] = exc
 
 
 def json_bytes(obj) -> bytes:

@@ -83,14 +83,13 @@ class CheckpointFolder:
         return written.path
 
     def serialize(self, obj, name: str, version: int):
-        """The CPU half of `save`, now: torch.save `obj` into a temporary (`atomic.TorchTemporary`) and hash it;
-        `commit` does the rest (fsync, rename, record), the wait for the disk, on any thread. A local folder only.
+        """The CPU half of `save`, now: torch.save `obj` into a temporary (`atomic.TorchTemporary`), hashed as
+        written; `commit` does the rest (fsync, rename, record), the wait for the disk, on any thread. A local
+        folder only.
         """
         check_name(name, "checkpoint name")
-        pending = torch_save_temporary(obj, self.root / f"{stem(name, version)}.pt", algorithm=CHECKPOINT_HASH,
-                                       zip_crc32=False)
-        pending.hash()
-        return pending
+        return torch_save_temporary(obj, self.root / f"{stem(name, version)}.pt", algorithm=CHECKPOINT_HASH,
+                                    zip_crc32=False)
 
     def commit(self, pending, name: str, version: int) -> Path:
         """Make a `serialize`d version durable: the file fsynced and renamed, then its record (as `save`)."""
