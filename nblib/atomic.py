@@ -204,24 +204,25 @@ def atomic_torch_save(obj, path: str | Path, *, sync_dir: bool = True, algorithm
     """`torch.save` to `path` atomically (torch imported here, not at nblib import).
 
     torch's C++ writer writes the temporary file through its descriptor (no copy of the state in
-    memory), each block hashed as it passes; the disk's writeback of it starts at once, the file is
-    fsynced, renamed onto `path` and (with `sync_dir`) the folder fsynced. `zip_crc32=False` skips
-    torch's CRC32 of each zip record (torch.load never checks it; `unzip -t` would report bad CRCs):
-    where the caller keeps the file's digest and checks it on every load, as checkpoints do, the CRC
-    only costs time (it was two thirds of a 200 MiB save here, 0.19 s against 0.07 s). The switch is
-    torch's process-wide `torch.utils.serialization.config`, patched for the call's length: a
-    torch.save on another thread at that moment writes without CRCs too, and loads as well.
+    memory), each block hashed as it passes; the file is fsynced (the kernel allocates and writes its
+    blocks then, on the thread that commits), renamed onto `path` and (with `sync_dir`) the folder
+    fsynced. `zip_crc32=False` skips torch's CRC32 of each zip record (torch.load never checks it;
+    `unzip -t` would report bad CRCs): where the caller keeps the file's digest and checks it on every
+    load, as checkpoints do, the CRC only costs time (it was two thirds of a 200 MiB save here, 0.19 s
+    against 0.07 s). The switch is torch's process-wide `torch.utils.serialization.config`, patched
+    for the call's length: a torch.save on another thread at that moment writes without CRCs too, and
+    loads as well.
     """
     return torch_save_temporary(obj, path, algorithm=algorithm, zip_crc32=zip_crc32).commit(sync_dir=sync_dir)
 
 
 def torch_save_temporary(obj, path: str | Path, *, algorithm: str = "sha256", zip_crc32: bool = True) -> TorchTemporary:
-    """`torch.save` into a temporary beside `path`, hashed as written, its writeback started: the first half of
-    `atomic_torch_save`.
+    """`torch.save` into a temporary beside `path`, hashed as written: the first half of `atomic_torch_save`.
 
     torch writes through the temporary's own descriptor: given the path, it opened the file `new_temporary` made
-    again with O_TRUNC, and ext4 then allocates a truncated file's blocks as it is closed (auto_da_alloc, its guard
-    for the replace-by-truncate pattern): 0.12 s against 0.065 s for a 210 MB state on this machine.
+    again with O_TRUNC, and ext4 allocates a truncated file's blocks as it is closed (auto_da_alloc, its guard for
+    the replace-by-truncate pattern), inside torch.save on the saving thread (0.12 s against 0.065 s for a 210 MB
+    state here); now the fsync allocates them, on the thread that commits (the writer's, for an inline save).
     """
     import torch
 
@@ -234,7 +235,6 @@ def torch_save_temporary(obj, path: str | Path, *, algorithm: str = "sha256", zi
             hashed = _HashedWrites(file, new_hash(algorithm))
             torch.save(obj, hashed)
         pending.box.update(digest=digest_string(algorithm, hashed.digest.hexdigest()), bytes=hashed.bytes)
-        start_writeback(fd, 0, 0)
     except BaseException:
         pending.discard()
         raise
@@ -242,15 +242,24 @@ def torch_save_temporary(obj, path: str | Path, *, algorithm: str = "sha256", zi
 
 
 class _HashedWrites:
-    """A binary file's write and flush, each block hashed as it is written (no reading back)."""
+    """A binary file's write and flush, each block hashed as it is written (no reading back): in 1 MiB pieces, each
+    hashed right after its copy into the file, while it is still in the CPU's cache (a 210 MB state hashed from
+    memory took 0.08 s, its pieces 0.01 s).
+    """
+
+    PIECE = 1 << 20
 
     def __init__(self, file: IO, digest):
         self.file, self.digest, self.bytes = file, digest, 0
 
     def write(self, data) -> int:
-        self.digest.update(data)
-        self.bytes += memoryview(data).nbytes
-        return self.file.write(data)
+        view = memoryview(data).cast("B")
+        for start in range(0, view.nbytes, self.PIECE):
+            piece = view[start:start + self.PIECE]
+            self.file.write(piece)
+            self.digest.update(piece)
+        self.bytes += view.nbytes
+        return view.nbytes
 
     def flush(self) -> None:
         self.file.flush()
