@@ -69,6 +69,12 @@ def _deadline(argv, timeout: float | None):
         signal.signal(signal.SIGALRM, previous)
 
 
+# what `python -m nblib` starts with (CPython's default filters, no -W, no -X dev); anything else prints once per place
+PROCESS_WARNING_FILTERS = (("default", DeprecationWarning, "__main__"), ("ignore", DeprecationWarning, ""),
+                           ("ignore", PendingDeprecationWarning, ""), ("ignore", ImportWarning, ""),
+                           ("ignore", ResourceWarning, ""))
+
+
 @contextlib.contextmanager
 def _as_a_process(cwd, env: dict[str, str], err: io.StringIO):
     """Within: the run's environment, cwd, torch threads and last-resort printing; after: the test's again."""
@@ -85,7 +91,9 @@ def _as_a_process(cwd, env: dict[str, str], err: io.StringIO):
         if cwd is not None:
             os.chdir(cwd)
         with warnings.catch_warnings():
-            warnings.simplefilter("default")
+            warnings.resetwarnings()               # a process's own filters: a ResourceWarning of a file an earlier
+            for action, category, module in PROCESS_WARNING_FILTERS:     # test left open is not the run's output
+                warnings.filterwarnings(action, category=category, module=module, append=True)
             warnings.showwarning = lambda *a, **k: print(warnings.formatwarning(*a[:4]), end="", file=sys.stderr)
             yield
     finally:

@@ -28,3 +28,27 @@ def test_a_run_gets_its_own_environment_and_cwd_and_the_test_gets_its_own_back(t
     assert refused.returncode == 2 and refused.stderr.startswith("error: NBLIB_PROFILE='huge'"), refused
     assert os.environ["NBLIB_PROFILE"] == "smoke" and os.getcwd() == here
     assert logging.getLogger().handlers == handlers
+
+
+def test_a_file_left_open_by_an_earlier_test_is_not_the_runs_output(tmp_path, monkeypatch):
+    """A process starts with CPython's default filters (ResourceWarning ignored): a file another test left open,
+    collected while the run is in progress, printed a ResourceWarning into the run's one error line.
+    """
+    import gc
+
+    import nblib.cli
+
+    real_main = nblib.cli.main
+
+    def main_collecting_a_leak(argv):
+        leaked = open(tmp_path / "left-open.txt", "w")     # noqa: SIM115 - left open on purpose
+        del leaked
+        gc.collect()
+        warnings_seen.append(True)
+        return real_main(argv)
+
+    warnings_seen = []
+    monkeypatch.setattr(nblib.cli, "main", main_collecting_a_leak)
+    refused = run_nblib("info", NBLIB_PROFILE="huge")
+    assert warnings_seen and refused.returncode == 2
+    assert refused.stderr.splitlines() == [refused.stderr.strip()] and refused.stderr.startswith("error: "), refused
