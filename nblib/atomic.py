@@ -229,12 +229,12 @@ def torch_save_temporary(obj, path: str | Path, *, algorithm: str = "sha256", zi
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = new_temporary(path)
-    pending = TorchTemporary(path, fd, tmp, algorithm)
+    pending = TorchTemporary(path, fd, tmp)
     try:
         with torch_zip_crc32(zip_crc32), open(fd, "wb", closefd=False) as file:
             hashed = _HashedWrites(file, new_hash(algorithm))
             torch.save(obj, hashed)
-        pending.box.update(digest=digest_string(algorithm, hashed.digest.hexdigest()), bytes=hashed.bytes)
+        pending.digest, pending.bytes = digest_string(algorithm, hashed.digest.hexdigest()), hashed.bytes
     except BaseException:
         pending.discard()
         raise
@@ -271,8 +271,9 @@ class TorchTemporary:
     thread (the CPU work) and leaves `commit` (the wait for the disk) to another.
     """
 
-    def __init__(self, path: Path, fd: int, tmp: Path, algorithm: str):
-        self.path, self.fd, self.tmp, self.algorithm, self.box = path, fd, tmp, algorithm, {}
+    def __init__(self, path: Path, fd: int, tmp: Path):
+        self.path, self.fd, self.tmp = path, fd, tmp
+        self.digest, self.bytes = "", 0              # what torch wrote, set once it has
 
     def commit(self, *, sync_dir: bool = True) -> WrittenFile:
         try:
@@ -281,7 +282,7 @@ class TorchTemporary:
             self.discard()
             raise
         return _publish(self._close, self.tmp, self.path, self.discard, sync_dir=sync_dir,
-                        nbytes=self.box["bytes"], digest=self.box["digest"])
+                        nbytes=self.bytes, digest=self.digest)
 
     def _close(self) -> None:
         fd, self.fd = self.fd, None
