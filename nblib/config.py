@@ -15,7 +15,7 @@ from nblib.errors import ConfigError
 
 __all__ = [
     "CODECS", "OUTPUT_CHOICES", "OUTPUT_DTYPES", "OUTPUT_NAMES", "PROFILES", "ModelConfig", "PipelineConfig",
-    "RunConfig", "for_profile", "preset", "preset_names", "table", "validate",
+    "RunConfig", "for_profile", "named_config", "preset", "preset_names", "table", "validate",
 ]
 
 OUTPUT_NAMES = ("sketches", "checksums", "children")
@@ -140,6 +140,14 @@ def preset(name: str) -> PipelineConfig:
         raise ConfigError(
             f"unknown preset {name!r}; choose one of: {', '.join(_PRESETS)}") from None
     return make().validate()
+
+
+def named_config(name: str) -> PipelineConfig:
+    """The config a profile (smoke | t4 | full) or a preset name runs: what every verb's --profile means."""
+    try:
+        return for_profile(name)
+    except ConfigError:
+        return preset(name)
 
 
 def for_profile(profile: str) -> PipelineConfig:

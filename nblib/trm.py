@@ -213,8 +213,8 @@ class TRMVisionEncoder(nn.Module):
         if hgt != self.config.image_size or wid != self.config.image_size or ch != 3:
             raise ConfigError(
                 f"images are {hgt}x{wid}x{ch}, the encoder expects "
-                f"{self.config.image_size}x{self.config.image_size}x3; re-render the cache at "
-                f"image_size={self.config.image_size}")
+                f"{self.config.image_size}x{self.config.image_size}x3 and does not resize; build a cache at "
+                f"that size: python -m nblib cache --images DIR --size {self.config.image_size} --out NEW")
         return b, hgt, wid, ch
 
     def _autocast(self, device: torch.device):

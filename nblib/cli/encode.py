@@ -79,14 +79,9 @@ def _encode_config(args: argparse.Namespace, default_profile: str):
     """The profile's (or preset's) config with the flags given applied."""
     import math
 
-    from nblib.config import for_profile, preset
-    from nblib.errors import ConfigError
+    from nblib.config import named_config
 
-    name = args.profile or default_profile
-    try:
-        config = for_profile(name)
-    except ConfigError:
-        config = preset(name)
+    config = named_config(args.profile or default_profile)
     changes = {}
     if args.batch_size is not None:
         changes["batch_size"] = args.batch_size

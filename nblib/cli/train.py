@@ -35,6 +35,7 @@ def train_main(argv: list[str]) -> int:
 
 
 def _train_args(argv: list[str]) -> argparse.Namespace:
+    from nblib.env import profile
     from nblib.errors import ConfigError
     from nblib.train.config import LABELS, METRICS, PRECISIONS
     from nblib.train.device import require_device
@@ -65,7 +66,8 @@ def _train_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument("--lr", type=finite_positive_float, default=2e-3)
     p.add_argument("--mirror", help="durable copy: a folder (Google Drive) or an fsspec URL (s3://bucket/prefix)")
-    p.add_argument("--profile", default="smoke", help="encoder shape: smoke | t4 | full or a preset (default smoke)")
+    p.add_argument("--profile", help="encoder shape: smoke | t4 | full or a preset (default: the profile every verb "
+                                     "uses, nblib.env.profile: NBLIB_PROFILE, else t4 with CUDA, smoke without)")
     p.add_argument("--labels", choices=LABELS, default="kind")
     p.add_argument("--texts", help="the .jsonl the cache was rendered from (default: the path its manifest records)")
     p.add_argument("--precision", choices=PRECISIONS, default="fp32")
@@ -98,5 +100,6 @@ def _train_args(argv: list[str]) -> argparse.Namespace:
         raise ConfigError(f"train needs {', '.join(missing) or 'one of --cache and --records'}: python -m nblib "
                           f"train --cache CACHE (or --records DIR --input-key X --target-key Y) --out RUN --steps N "
                           f"[--model SPEC] [--batch-size B] [--seed S] [--mirror DIR_OR_URL]")
+    args.profile = args.profile or profile()     # the one default rule, as encode and cache
     args.device = require_device(args.device)    # before any rank joins: one error line, not a CUDA traceback
     return args

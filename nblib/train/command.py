@@ -123,6 +123,8 @@ def check_train_args(args):
     if fields is not None and not (cache / "manifest.json").is_file():
         raise InputError(f"--records {cache} is not a folder of record shards (no manifest.json); build one with "
                          f"python -m nblib cache --records FILE.pkl --out {cache} --shard-size-mb 400")
+    if fields is None:
+        check_image_size(cache, args.model, args.profile)
     if args.workers < 0:
         raise ConfigError(f"--workers {args.workers} is negative; use 0 (read in the main process) or more")
     out = Path(args.out)
@@ -130,6 +132,29 @@ def check_train_args(args):
         raise InputError(f"--out {out} is a file; pass a folder for the run")
     config_from_args(args)
     return fields, mirror_quota_bytes(args.mirror, args.drive_quota_gb)
+
+
+def check_image_size(cache: Path, spec: str | None, profile: str) -> None:
+    """The TRM takes images of its own size and does not resize: a cache of another size is refused here,
+    before torch is imported, naming the cache command that builds one of the right size.
+    """
+    from nblib.cache.format import read_cache_manifest
+    from nblib.config import named_config
+
+    head, _, preset_name = (spec or "trm").partition(":")
+    if head != "trm":
+        return                              # another model: its preprocessing is checked when it loads
+    size = named_config(preset_name or profile).model.image_size
+    cached = int(read_cache_manifest(cache)["image_shape"][0])
+    if cached != size:
+        from nblib.config import preset, preset_names
+
+        model = f"--model {spec}" if preset_name else f"--profile {profile}"
+        fits = [name for name in preset_names() if preset(name).model.image_size == cached]
+        other = f", or train with --profile {fits[0]} (a {cached} px TRM)" if fits else ""
+        raise ConfigError(f"--cache {cache} holds {cached}x{cached} images, the TRM of {model} takes {size}x{size} "
+                          f"and does not resize; build a cache at that size: python -m nblib cache --images DIR "
+                          f"--size {size} --out NEW (or --texts FILE.jsonl --size {size}){other}")
 
 
 def run_train(args, checked, world=None) -> TrainReport:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from nblib.config import for_profile, preset
+from nblib.config import named_config as model_config  # the encoder shape a profile or preset trains
 from nblib.errors import ConfigError, NblibError
 
 from .config import TrainConfig
@@ -35,14 +35,6 @@ from .device import autocast
 from .model import HEAD_SEED_SALT, Classifier
 
 EVAL_BATCH = 64
-
-
-def model_config(profile: str):
-    """The encoder shape a profile (or preset name) trains."""
-    try:
-        return for_profile(profile)
-    except ConfigError:
-        return preset(profile)
 
 
 def is_trm(spec: str | None) -> bool:
@@ -229,8 +221,8 @@ class ImageTask:
         size, pre = self.cache.image_size, loaded.preprocessing
         if pre.layout == "uint8_nhwc" and pre.size is not None and pre.size != (size, size):
             raise ConfigError(f"the cache holds {size}x{size} images, {spec} takes {pre.size[0]}x{pre.size[1]} uint8 "
-                              f"images and does not resize; re-render the cache at that size, or declare a "
-                              f"preprocessing that resizes")
+                              f"images and does not resize; build a cache at that size: python -m nblib cache "
+                              f"--images DIR --size {pre.size[0]} --out NEW")
         with runs_on(f"--model {spec} on the cache's [B, {size}, {size}, 3] uint8 images"):
             net = loop_module(loaded, len(self.classes), output, size, self.config)
         return net, contract_identity(loaded, net.output, head="own logits" if net.own_logits else "linear"), loaded
