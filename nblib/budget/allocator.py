@@ -167,15 +167,17 @@ def replay_stats(events, position: str = WORKSPACE_POSITIONS[0]) -> dict:
     return {"max_allocated": allocator.max_allocated, "max_reserved": allocator.max_reserved, "marks": marks}
 
 
-def affine_stream(low: list, high: list, b_low: int, b_high: int) -> list | None:
-    """The allocation stream as a function of the batch, from the streams traced at two batches, or None.
+def affine_stream(traced: dict[int, list]) -> list | None:
+    """The allocation stream as a function of the batch, from the streams traced at three or more batches, or None.
 
     Every storage of a batch-parallel model holds numel x itemsize bytes, affine in the batch (parameters:
-    constant), so two traces with the same sequence of events give any batch's stream exactly: each allocation
-    becomes (kind, handle, bytes at batch 0, bytes per sample). A model whose operators change with the batch
-    (another event sequence, a size not affine in whole bytes) gets None. Measured for the TRM (seed_t4,
-    fp16): the streams traced at batches 16 and 64 equal this stream's, event for event.
+    constant): the line through the first two traces (each allocation as (kind, handle, bytes at batch 0, bytes
+    per sample)) is kept only when every further trace equals it event for event, to the byte. A model whose
+    operators change with the batch (another event sequence, a [B, B] tensor, a branch on the batch size, a size
+    not affine in whole bytes) gets None: its batches are traced, never extrapolated. Measured for the TRM
+    (seed_t4, fp16): the streams traced at batches 16 and 64 equal this stream's, event for event.
     """
+    (b_low, low), (b_high, high), *checks = sorted(traced.items())
     low, high = _frees_sorted(low), _frees_sorted(high)
     if len(low) != len(high):
         return None
@@ -190,6 +192,8 @@ def affine_stream(low: list, high: list, b_low: int, b_high: int) -> list | None
             out.append((e0[0], e0[1], e0[2] - slope * b_low, slope))
         else:
             out.append(tuple(e0))
+    if any(events_at(out, b) != [tuple(e) for e in _frees_sorted(events)] for b, events in checks):
+        return None
     return out
 
 
@@ -207,11 +211,14 @@ def events_at(stream: list, b: int) -> list | None:
     return out
 
 
-def stream_point(stream: list, b: int) -> dict:
+def stream_point(stream: list, b: int) -> dict | None:
     """What a trace reports at batch `b`, replayed from its affine stream: max allocated, max reserved at each
-    workspace position, the bytes at the "weights" and "resident" marks, and the cuBLAS workspaces held.
+    workspace position, the bytes at the "weights" and "resident" marks, and the cuBLAS workspaces held. None
+    where the stream's line gives a negative size (that batch must be traced itself).
     """
     events = events_at(stream, b)
+    if events is None:
+        return None
     stats = {pos: replay_stats(events, pos) for pos in WORKSPACE_POSITIONS}
     first = stats[WORKSPACE_POSITIONS[0]]
     return {"max_allocated": first["max_allocated"], "reserved_pytorch": first["max_reserved"],

@@ -162,22 +162,32 @@ def model_vram_table(model, batches, device: str | Device = "t4", *, precision: 
             _STREAMS.pop(next(iter(_STREAMS)))  # the oldest job
         _STREAMS[key] = _Stream(out["stream"], out["peak_op"], tuple(out["nondeterministic"]))
     job_stream = _STREAMS[key]
+    job_stream.trace = lambda b: traced_point(payload, b, timeout_s)
     largest = largest_batch(job_stream.point, payload["cap"], payload["max_batch"]) if find_largest else None
     return [_budget(payload, dev, b, job_stream.point(b), largest, job_stream.nondeterministic) for b in batches]
 
 
+def traced_point(payload: dict, b: int, timeout_s: float = 600.0) -> dict:
+    """The child's own trace of batch `b` (no replay): where a kept stream's line leaves the model's batches."""
+    one = {**payload, "batches": [b], "search": False, "max_batch": b, "replay": False}
+    return run_child(CHILD, one, timeout_s=timeout_s)["points"][0]
+
+
 @dataclass
 class _Stream:
-    """A traced job's affine allocation stream (nblib.budget.allocator.affine_stream), replayed at any batch."""
+    """A traced job's affine allocation stream (nblib.budget.allocator.affine_stream), replayed at any batch; a
+    batch where its line gives a negative size (outside the traced model's batches) is traced (`trace`).
+    """
 
     stream: list
     peak_op: str
     nondeterministic: tuple
     points: dict = field(default_factory=dict)
+    trace: object = None
 
     def point(self, b: int) -> dict:
         if b not in self.points:
-            self.points[b] = replayed_point(self.stream, b, self.peak_op)
+            self.points[b] = replayed_point(self.stream, b, self.peak_op) or self.trace(b)
         return self.points[b]
 
 
@@ -217,9 +227,10 @@ def _trm_shape(job: dict) -> dict:
 
 def replayed_point(stream: list, b: int, peak_op: str) -> dict:
     """What a trace of batch `b` reports, replayed from the job's affine stream: the one replay, of `model_vram`
-    and of the TRM's encode table (nblib.budget.encode_trace).
+    and of the TRM's encode table (nblib.budget.encode_trace). None where the line gives a negative size.
     """
-    return {**stream_point(stream, b), "peak_op": peak_op}
+    point = stream_point(stream, b)
+    return point and {**point, "peak_op": peak_op}
 
 
 def largest_batch(point, cap: int, max_batch: int) -> int:

@@ -5,8 +5,9 @@ encoding it runs the encode loop's input copy, forward under inference_mode and 
 offload's cast; for training, `traced_train_step`: the loop's own module (`nblib.train.task.
 loop_module`), `training_objects` and `train_step` (nblib.train.loop), so the budget, the simulated
 step (nblib.simulate.train) and the model simulation (nblib.simulate.model) trace one step. Two
-small batches give every batch's allocation stream (`nblib.budget.allocator.affine_stream`), which the child
-returns and `model_vram` replays at any batch and keeps; a job that is not affine has each batch traced here
+small batches give a line through every batch's allocation stream, checked against a third to the byte
+(`nblib.budget.allocator.affine_stream`), which the child returns and `model_vram` replays at any batch and keeps;
+a job that is not affine has each batch it is asked for, and each probe of the largest-batch search, traced here
 itself. It lives in the simulation layer because it runs the jobs' code.
 """
 from __future__ import annotations
@@ -21,7 +22,9 @@ TRAIN_STEPS = 3             # AdamW's moments exist from the first step: steps 2
 ENCODE_BATCHES = 2          # the second batch meets the first one's cached segments
 
 
-TRACED_BATCHES = (2, 3)     # two small traces give every batch's allocation stream (affine_stream)
+# the line through the first two traces is kept only where the third is on it to the byte (affine_stream): a
+# [B, B] tensor or a branch on the batch size below 16 shows there, and then every batch asked is traced itself
+TRACED_BATCHES = (2, 3, 16)
 
 
 def _child(payload: dict) -> dict:
@@ -29,17 +32,18 @@ def _child(payload: dict) -> dict:
 
     loaded = child_model(payload)
     if "variants" in payload:      # the budget's cached traces (nblib.budget.encode_trace): specs of one model
-        return {"entries": [_stream(loaded, {**payload, **variant})[2:] for variant in payload["variants"]]}
-    if payload.get("replay", True):             # False: trace each batch itself (the test of the replay)
-        _, high, stream, peak_op = _stream(loaded, payload)
-        if stream is not None:                  # model_vram replays it at every batch (replayed_point)
-            return {"stream": stream, "peak_op": peak_op, "nondeterministic": high["nondeterministic"]}
+        return {"entries": [_stream(loaded, {**payload, **variant})[:2] for variant in payload["variants"]]}
     traced = {}
+    if payload.get("replay", True):             # False: trace each batch itself (the test of the replay)
+        stream, peak_op, traced = _stream(loaded, payload)
+        if stream is not None:                  # model_vram replays it at every batch (replayed_point)
+            return {"stream": stream, "peak_op": peak_op,
+                    "nondeterministic": traced[TRACED_BATCHES[1]]["nondeterministic"]}
 
     def point(b: int) -> dict:                  # not batch-affine: trace this batch itself
         if b not in traced:
-            traced[b] = {k: v for k, v in trace_job(loaded, b, payload).items() if k != "events"}
-        return traced[b]
+            traced[b] = trace_job(loaded, b, payload)
+        return {k: v for k, v in traced[b].items() if k != "events"}
 
     out = {"points": [point(b) for b in payload["batches"]], "stream": None,
            "nondeterministic": point(payload["batches"][-1])["nondeterministic"]}   # named before step 1
@@ -49,12 +53,12 @@ def _child(payload: dict) -> dict:
 
 
 def _stream(loaded, payload: dict) -> tuple:
-    """(low, high, affine stream or None, the op at the peak): the job traced at TRACED_BATCHES."""
+    """(affine stream or None, the op at the peak, {batch: trace}): the job traced at TRACED_BATCHES."""
     from nblib.budget.allocator import affine_stream
 
-    b0, b1 = TRACED_BATCHES
-    low, high = trace_job(loaded, b0, payload), trace_job(loaded, b1, payload)
-    return low, high, affine_stream(low["events"], high["events"], b0, b1), high["peak_op"]
+    traced = {b: trace_job(loaded, b, payload) for b in TRACED_BATCHES}
+    stream = affine_stream({b: t["events"] for b, t in traced.items()})
+    return stream, traced[TRACED_BATCHES[1]]["peak_op"], traced
 
 
 def trace_job(loaded, b: int, payload: dict) -> dict:
