@@ -29,6 +29,8 @@ $(STAMP): requirements.txt pyproject.toml
 # each process compiled the sources again (0.1-0.3 CPU-s each, in hundreds of test processes); 0.3 s here.
 BYTECODE := $(BIN)/python -m compileall -q nblib
 
+# the notebooks' kernels run one torch thread, as `make test` runs them: `nblib suite` sets OMP_NUM_THREADS=1
+# MKL_NUM_THREADS=1 (nblib.suite.KERNEL_THREADS) where they are unset, and its first line prints them
 run: $(STAMP)
 	$(BYTECODE)
 	$(BIN)/python -m nblib suite

@@ -26,6 +26,10 @@ from nblib import env
 from nblib.errors import ConfigError, NotebookStalled
 
 INACTIVITY_S = 300.0    # seconds without any message from the kernel before a notebook is failed
+# The kernels' threads, as `make test` runs the notebooks: one torch (OpenMP, MKL) thread. Several threads per
+# core on a busy machine ran notebook 03's offload comparison 10-18x slower (docs/testing.md). A variable the
+# user set is kept.
+KERNEL_THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
 
 
 @dataclass(frozen=True)
@@ -70,7 +74,7 @@ def run_notebook(path: str | Path, out_dir: str | Path, timeout: int = 900,
     start = time.perf_counter()
     status, error = "ok", ""
     try:
-        run_sync(client.async_execute)()
+        run_sync(client.async_execute)(env=kernel_environment())
     except CellExecutionError as exc:
         status = "FAILED"
         lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
@@ -80,6 +84,11 @@ def run_notebook(path: str | Path, out_dir: str | Path, timeout: int = 900,
     seconds = time.perf_counter() - start
     nbformat.write(nb, out_dir / path.name)
     return NotebookResult(path.name, status, seconds, error)
+
+
+def kernel_environment() -> dict[str, str]:
+    """The environment a notebook's kernel starts with: this process's, with `KERNEL_THREADS` where unset."""
+    return {**KERNEL_THREADS, **os.environ}
 
 
 def run_suite(notebooks_dir: str | Path | None = None, out_dir: str | Path | None = None,

@@ -122,3 +122,17 @@ def test_a_kernel_that_will_not_shut_down_after_its_last_cell_fails_naming_that_
     while alive(kernel) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not alive(kernel)
+
+
+def test_the_notebooks_kernels_run_one_torch_thread_as_make_test_runs_them(tmp_path, monkeypatch):
+    """`make run` (nblib suite) pins the kernels' threads as `make test` does: OMP/MKL_NUM_THREADS=1 where unset."""
+    for name in suite.KERNEL_THREADS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MKL_NUM_THREADS", "3")         # a value the user set is kept
+    out = tmp_path / "threads.txt"
+    path = notebook(tmp_path, "00_threads.ipynb", "import os\n"
+                    f"open({str(out)!r}, 'w').write(os.environ.get('OMP_NUM_THREADS', '') + ' ' + "
+                    "os.environ.get('MKL_NUM_THREADS', ''))")
+    result = suite.run_notebook(path, tmp_path / "out")
+    assert result.status == "ok", result.error
+    assert out.read_text() == "1 3"

@@ -7,7 +7,7 @@ import argparse
 def suite_main(argv: list[str]) -> int:
     """`python -m nblib suite`: run every notebook headless and print the summary table."""
     from nblib import env
-    from nblib.suite import format_table, run_suite
+    from nblib.suite import KERNEL_THREADS, format_table, kernel_environment, run_suite
 
     parser = argparse.ArgumentParser(prog="python -m nblib suite", description=suite_main.__doc__)
     parser.add_argument("--notebooks", default=None, help="folder of NN_*.ipynb (default notebooks/)")
@@ -16,7 +16,8 @@ def suite_main(argv: list[str]) -> int:
                         help="fail a notebook whose kernel sends nothing for this long (default "
                              "NBLIB_SUITE_INACTIVITY_S, else 300)")
     args = parser.parse_args(argv)
-    print(f"profile: {env.profile()}   outputs: {env.outputs_dir()}", flush=True)
+    threads = " ".join(f"{k}={v}" for k, v in kernel_environment().items() if k in KERNEL_THREADS)
+    print(f"profile: {env.profile()}   outputs: {env.outputs_dir()}   kernels: {threads}", flush=True)
     results = run_suite(args.notebooks, args.out, inactivity_s=args.inactivity_s)
     print(format_table(results))
     failed = [r for r in results if r.status != "ok"]
