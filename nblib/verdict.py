@@ -5,12 +5,14 @@ fixed relative band (default 10%). `verdict_of_pairs` judges two configurations 
 this machine, run in pairs with the order alternating (A B, B A, ...: `nblib.compare.interleaved`), by the ratio
 b/a of each pair, so slow drift in the machine's load cancels inside a pair instead of landing on
 one configuration. The verdict is firm ("higher", "lower") only when a 95% interval of the
-median pair ratio (a seeded bootstrap, never narrower than the sign test's) excludes 1 *and* the
-median lies beyond a minimum effect (MIN_EFFECT, 1.15x on a shared CPU); anything less is "not
-distinguishable here". While the interval straddles the minimum effect and the time budget
-allows, `interleaved` runs more pairs. Memory works the same way on pair
-differences, against the noise of RSS itself (the spread of repeated identical measurements):
-an effect smaller than that noise is "too small to see here".
+median pair ratio (a seeded bootstrap, never narrower than the sign test's) excludes 1, the
+median lies beyond a minimum effect (MIN_EFFECT, 1.15x on a shared CPU) *and* the interval reaches past
+it (x1.13-1.15 at x1.15 is not firm); anything less is "not distinguishable here", and where the
+interval reaches past the minimum effect either way ("0.42-8.75") it adds "cannot tell": a difference
+of that size could hide in it, so no prediction of "no difference" is confirmed by it. While the
+interval straddles the minimum effect and the time budget allows, `interleaved` runs more pairs.
+Memory works the same way on pair differences, against the noise of RSS itself (the spread of
+repeated identical measurements): an effect smaller than that noise is "too small to see here".
 
 Trade-off: the minimum effect hides real differences smaller than 15%, and a borderline effect
 may read firm in one run and "not distinguishable" in the next; but two runs cannot reach
@@ -99,6 +101,14 @@ class PairedVerdict:
         return self.direction != "same"
 
     @property
+    def within_effect(self) -> bool:
+        """The whole interval lies inside the minimum effect, x1/min_effect to x min_effect: "no difference of
+        that size" is earned. An interval reaching past it (0.42-8.75) cannot tell, and says so.
+        """
+        low, high, edge = round(self.low, DIGITS), round(self.high, DIGITS), round(self.min_effect, DIGITS)
+        return self.enough_runs and round(1 / self.min_effect, DIGITS) <= low and high <= edge
+
+    @property
     def undecided(self) -> bool:
         """Too few pairs yet, or the interval straddles the minimum effect: more pairs could change the call."""
         return not self.enough_runs or straddles(self.low, self.high, self.min_effect)
@@ -118,8 +128,10 @@ class PairedVerdict:
             return f"{self.n} {self.counted}: a call needs {self.min_pairs}"
         if self.low <= 1 <= self.high:
             return f"the 95% interval reaches 1: the noise of the {self.counted} covers the difference"
-        return (f"the 95% interval is clear of 1, but x{self.ratio:.{DIGITS}f} is short of the minimum effect, "
-                f"x{self.min_effect:.{DIGITS}f} either way, that a call needs on this shared CPU")
+        effect = f"the minimum effect, x{self.min_effect:.{DIGITS}f} either way, that a call needs on this shared CPU"
+        if round(1 / self.min_effect, DIGITS) < round(self.ratio, DIGITS) < round(self.min_effect, DIGITS):
+            return f"the 95% interval is clear of 1, but x{self.ratio:.{DIGITS}f} is short of {effect}"
+        return f"the 95% interval is clear of 1, but it does not reach past {effect}"
 
     def short(self, higher: str = "higher", lower: str = "lower") -> str:
         """'x1.32 (1.21-1.40, 7 pairs): higher' or '..., not distinguishable here (below x1.15 or ...)'."""
@@ -130,8 +142,10 @@ class PairedVerdict:
             return f"{head}: {lower}"
         if not self.enough_runs:
             return f"{head}: too few {self.counted} for a verdict (a call needs {self.min_pairs})"
-        return (f"{head}: not distinguishable here (a call needs x{self.min_effect:.2f} either way and an "
-                f"interval clear of 1)")
+        if self.within_effect:
+            return f"{head}: not distinguishable here (within x{self.min_effect:.2f} either way)"
+        return (f"{head}: not distinguishable here, cannot tell (the interval reaches past x{self.min_effect:.2f}: "
+                f"a difference that size could hide in it)")
 
     def text(self, higher: str = "higher", lower: str = "lower") -> str:
         return f"{self.b} vs {self.a}: {self.short(higher, lower)}"
@@ -308,15 +322,18 @@ def memory_verdict(a_values: Sequence[float], b_values: Sequence[float],
 
 
 def firm_direction(ratio: float, low: float, high: float, min_effect: float) -> str:
-    """'higher' / 'lower' when the interval excludes 1 and the ratio is beyond the minimum effect; else 'same'.
+    """'higher' / 'lower' when the interval excludes 1, the ratio is beyond the minimum effect and the interval
+    reaches past it; else 'same'. An interval that only reaches the minimum effect (x1.13-1.15 at x1.15) is
+    not firm: the measurements say the effect is at most the size a call needs.
 
     Judged at the DIGITS decimals a verdict prints: an interval printed "1.00-1.40" or a ratio printed at
     the edge reads as it prints.
     """
     low, high, ratio = round(low, DIGITS), round(high, DIGITS), round(ratio, DIGITS)
-    if low > 1 and ratio >= round(min_effect, DIGITS):
+    up, down = round(min_effect, DIGITS), round(1 / min_effect, DIGITS)
+    if low > 1 and ratio >= up and high > up:
         return "higher"
-    if high < 1 and ratio <= round(1 / min_effect, DIGITS):
+    if high < 1 and ratio <= down and low < down:
         return "lower"
     return "same"
 

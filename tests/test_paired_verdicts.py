@@ -132,9 +132,12 @@ def test_03_the_flat_rate_prediction_is_judged_from_the_timeline_not_assumed():
         return out
 
     warm = [0.5]                                         # the first batch is left out
-    steady = timeline(warm + [0.06, 0.066, 0.072] * 5)
+    steady = timeline(warm + [0.06, 0.062, 0.064] * 5)
+    noisy = timeline(warm + [0.06, 0.03, 0.12, 0.02, 0.2] * 3)   # 03's 8 to >75 samples/s: 0.42-8.75 there
     falling = timeline(warm + [0.05 * (1 + 0.2 * i) for i in range(15)])
-    assert rate_drift(steady).startswith("no drift this machine can tell")
+    assert rate_drift(steady).startswith("no drift beyond x1.15 either way, as predicted")
+    assert rate_drift(noisy).startswith("cannot tell whether the rate drifts"), rate_drift(noisy)
+    assert "as predicted" not in rate_drift(noisy)
     assert rate_drift(falling).startswith("the rate falls over the run") and "7 pairs" in rate_drift(falling)
     assert "too few to judge" in rate_drift(timeline(warm + [0.06] * 6))
 
@@ -227,3 +230,18 @@ def test_the_recommendation_does_not_pick_between_configs_the_pairs_cannot_tell_
     assert noisy.versus_base(noisy.rows[1]).high >= noisy.versus_base(noisy.rows[2]).low     # the intervals meet
     rec = recommend(noisy, rss_cap_bytes=1e9)
     assert rec.row["batch_size"] == 128 and "not told apart" not in rec.reason, rec.reason
+
+
+def test_an_interval_that_only_reaches_the_minimum_effect_is_not_called_firm():
+    """05's batch_size=128, "x1.15 the base, 95% interval x1.13-1.15", was called firm: at most the minimum
+    effect is not an effect. An interval reaching past it either way says "cannot tell", never "as predicted".
+    """
+    from nblib.verdict import verdict_of_pairs
+
+    edge = verdict_of_pairs([100.0] * 7, [113, 114, 115, 115, 115, 115, 115])
+    assert (edge.low, edge.high, round(edge.ratio, 2)) == (1.13, 1.15, 1.15)
+    assert edge.direction == "same" and "does not reach past the minimum effect" in edge.reason
+    past = verdict_of_pairs([100.0] * 7, [113, 114, 115, 116, 117, 118, 119])
+    assert past.direction == "higher", past
+    wide = verdict_of_pairs([10.0] * 7, [4.2, 30, 9, 80, 6, 12, 87.5])
+    assert not wide.within_effect and "cannot tell" in wide.short()

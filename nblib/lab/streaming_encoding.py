@@ -67,7 +67,9 @@ def rate_drift(timeline) -> str:
         return f"the rate falls over the run: {said}"
     if v.direction == "higher":
         return f"the rate rises over the run (a warm-up longer than one batch): {said}"
-    return f"no drift this machine can tell, as predicted: {said}"
+    if v.within_effect:
+        return f"no drift beyond x{v.min_effect:.2f} either way, as predicted: {said}"
+    return f"cannot tell whether the rate drifts: the flat-rate prediction is neither confirmed nor refuted: {said}"
 
 
 def rate_check(prediction, measured_samples_per_s: float) -> str:
