@@ -75,13 +75,31 @@ class Budget:
     def seconds(self) -> float:
         return self.config.run.n_samples / self.samples_per_s
 
+    @property
+    def time_predicted(self) -> bool:
+        """Whether the suite stands behind a time here: a sourced range (the T4), a rate calibrated on a measured
+        run (`calibrate`), or a GPU's share of peak. A CPU's assumed share is not one (notebook 03: a projected
+        3,408 samples/s against 15 measured), so its time is not printed.
+        """
+        return self.speed is not None or self.options.get("efficiency") is not None or self.device.is_gpu
+
+    @property
+    def time_unknown(self) -> str:
+        """Why no time is printed ('' when one is): the words a TIME line or a panel shows instead."""
+        if self.time_predicted:
+            return ""
+        return (f"not predicted on {self.device.name} (a CPU's share of its peak moves with its load and threads: "
+                f"measure the rate, or pass efficiency=nblib.budget.calibrate(...) of a measured run)")
+
     def rate_text(self) -> str:
         """The rate as the suite prints it: a sourced range on a T4 (nblib.t4_speed), else one projected figure."""
         return self.speed.rate_text() if self.speed else f"{self.samples_per_s:,.0f} samples/s"
 
     def hours_text(self) -> str:
         """The run's time as the suite prints it: a sourced range on a T4 (nblib.t4_speed), else one figure."""
-        return self.speed.hours_text() if self.speed else fmt_duration(self.seconds)
+        if self.speed:
+            return self.speed.hours_text()
+        return fmt_duration(self.seconds) if self.time_predicted else f"not predicted on {self.device.name}"
 
     @property
     def speed_method(self) -> str:
@@ -156,7 +174,8 @@ class Budget:
             rows.append(f"{r.upper():<12} {self.totals[r] / GB:>10.3f} GB   ({limit})")
             for line in self.lines[r]:
                 rows.append(f"  {line.name:<34} {fmt_bytes(line.bytes):>11}  {line.why}")
-        rows.append(f"TIME         {self.hours_text()}    ({self.flops_per_image / 1e9:.2f} GFLOP/image, "
+        rows.append(f"TIME         {self.time_unknown}" if self.time_unknown else
+                    f"TIME         {self.hours_text()}    ({self.flops_per_image / 1e9:.2f} GFLOP/image, "
                     f"{self.rate_text()}{', ' + self.speed.label if self.speed else ''})")
         rows.append("DRIVE LIMITS (besides the quota)")
         rows.extend(f"  {check.numbers}" + ("" if check.crossed else " (ok)") for check in self.drive_limits)

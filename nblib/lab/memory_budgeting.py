@@ -245,7 +245,9 @@ def _knobs_of(suggestion) -> list[str]:
 
 
 def time_readout(b) -> str:
-    """The run time a panel shows beside the chart, with how it is projected."""
+    """The run time a panel shows beside the chart, with how it is projected (or why it is not)."""
+    if b.time_unknown:
+        return f"time {b.time_unknown}"
     return (f"time {b.hours_text()}: {b.config.run.n_samples:,} images at {b.rate_text()} "
             f"({b.speed_method})")
 
