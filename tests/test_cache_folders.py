@@ -19,6 +19,7 @@ from test_cache_cli import one_error_line, run_cli
 from conftest import importable_models
 from nblib.cache import ShardedImageCache, read_cache_manifest
 from nblib.cache.images import RESIZE_POLICY, source_keys
+from nblib.cache.pixels import DECODE_POLICY
 from nblib.cache.sources import images_source, source_labels, wds_source
 from nblib.errors import ConfigError, InputError
 
@@ -87,7 +88,8 @@ def test_class_folders_of_mixed_sizes_cache_at_size_64_and_train_a_users_model_o
     assert built.returncode == 0, built.stderr
     assert "decoding images" in built.stderr and "rendering" not in built.stderr
     manifest = read_cache_manifest(tmp_path / "c")
-    assert manifest["image_shape"] == [64, 64, 3] and manifest["resize"] == {"size": 64, "policy": RESIZE_POLICY}
+    assert manifest["image_shape"] == [64, 64, 3] and manifest["resize"] == {"size": 64, "policy": RESIZE_POLICY,
+                                                                         "decode": DECODE_POLICY}
     assert manifest["source"]["side"]["classes"] == CLASSES
 
     cache = ShardedImageCache(tmp_path / "c")

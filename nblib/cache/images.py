@@ -23,6 +23,7 @@ import itertools
 import os
 import stat as stat_mode
 import time
+import unicodedata
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
@@ -44,6 +45,15 @@ from nblib.cache.format import (
     warn_many_files,
     write_cache_manifest,
 )
+from nblib.cache.pixels import (
+    DECODE_POLICY,
+    RESIZE_POLICY,
+    EncodedImage,
+    check_size,
+    decode_image_bytes,
+    fit_size,
+    pil_pixels,
+)
 from nblib.cache.populate import (
     PopulateSummary,
     _clear,
@@ -62,9 +72,7 @@ KEYS_FILE = "source-keys.json"
 SIDE_FILE = "source-labels.json"
 READ_DEADLINE_ENV = "NBLIB_READ_DEADLINE_S"
 DEFAULT_READ_DEADLINE_S = 60.0
-SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
-RESIZE_POLICY = "the shorter side scaled to N (Pillow bicubic, antialiased), then the centre N x N crop"
 
 
 def write_images(images, out: str | Path, *, shard_mb: float = 400, codec: str = "raw",
@@ -112,13 +120,14 @@ def write_images(images, out: str | Path, *, shard_mb: float = 400, codec: str =
     """
     started = time.perf_counter()
     check_codec(codec)
+    check_size(size)
     total = n_images if n_images is not None else _length(images)
-    stream = (fit_size(as_image(item, column, k), size) for k, item in enumerate(_items(images, column)))
+    stream = (_fitted(item, column, k, size) for k, item in enumerate(_items(images, column)))
     head = list(itertools.islice(stream, DICT_SAMPLES if codec == "zstd" else 64))  # dictionary / size sample
     if not head:
         raise InputError("write_images got no images; pass a non-empty list, dataset or folder")
     shape = [int(s) for s in head[0].shape]
-    resize = {"size": size, "policy": RESIZE_POLICY} if size else None
+    resize = {"size": size, "policy": RESIZE_POLICY, "decode": DECODE_POLICY} if size else None
     layout = {"renderer": None, "codec": codec, "codec_level": check_codec(codec).level(codec_level),
               "shard_mb": shard_mb, "shard_bytes": shard_bytes(shard_mb), "seed": seed, "image_shape": shape,
               "resize": resize}
@@ -250,10 +259,19 @@ def _is_hf_folder(path: Path) -> bool:
     return (path / "dataset_info.json").exists() or (path / "state.json").exists()
 
 
-def image_source(path: str | Path, column: str | None = None) -> tuple[Iterable, int]:
+def image_source(path: str | Path, column: str | None = None, size: int | None = None) -> tuple[Iterable, int]:
     """(images, count) of what `cache --images PATH` takes: a folder of image files (sorted by
     name) or of class subfolders (`folder_images`), a Parquet file (`column`, default "image"), or
-    an HF datasets folder (`save_to_disk`).
+    an HF datasets folder (`save_to_disk`); each image decoded by the one pixel policy
+    (`nblib.cache.pixels`: EXIF orientation applied; a JPEG drafted for `size`, not resized).
+    """
+    items, count = image_items(path, column)
+    return (as_image(item, None, k, size) for k, item in enumerate(items)), count
+
+
+def image_items(path: str | Path, column: str | None = None) -> tuple[Iterable, int]:
+    """`image_source`'s (items, count), image files not yet decoded (`EncodedImage`): `write_images`
+    decodes them, knowing its `size`.
     """
     path = Path(path)
     if not path.exists():
@@ -270,13 +288,13 @@ def image_source(path: str | Path, column: str | None = None) -> tuple[Iterable,
         dataset = datasets.load_from_disk(str(path))
         return _column(dataset, column or "image"), len(dataset)
     files, _ = folder_images(path)
-    return open_images(files), len(files)
+    return encoded_files(files), len(files)
 
 
-def open_images(files: list[Path]) -> Iterator[np.ndarray]:
-    """Each file's image (uint8 [H, W, 3]), read within the read deadline, decoded by `decode_image_bytes`."""
+def encoded_files(files: list[Path]) -> Iterator[EncodedImage]:
+    """Each file's bytes, read within the read deadline (a FIFO refused), as an `EncodedImage`."""
     deadline_s = read_deadline()
-    return (_open_image(p, deadline_s) for p in files)
+    return (EncodedImage(read_file_within(p, deadline_s), str(p)) for p in files)
 
 
 def folder_images(folder: Path) -> tuple[list[Path], list[str] | None]:
@@ -284,13 +302,17 @@ def folder_images(folder: Path) -> tuple[list[Path], list[str] | None]:
 
     A flat folder: its image files, sorted by name, no classes. A folder of class subfolders (the
     ImageFolder convention, `folder/cat/*.jpg`): the classes are the subfolders, sorted by name, each
-    one's image files (nested folders too) sorted by path. Names starting with "." or "__" (checkpoints,
-    __MACOSX) are skipped. Image files beside class subfolders, or a class subfolder holding no image,
-    are refused; so is a name with an image suffix that is not a regular file (a FIFO, a device, a
-    socket, a folder, a broken link): reading a FIFO would block forever.
+    one's image files (nested folders too) sorted by path. A class is its folder's name in Unicode NFC
+    (`class_name`): the NFC and NFD spellings of one name (a folder copied from a Mac) are one class.
+    Names starting with "." or "__" (checkpoints, __MACOSX) are skipped. Refused, in one line: image
+    files beside class subfolders, a class subfolder holding no image, two class folders that are one
+    folder (a symlink: its images would be cached twice, as two classes), a name that is not UTF-8
+    (no export could write it), and a name with an image suffix that is not a regular file (a FIFO, a
+    device, a socket, a folder, a broken link): reading a FIFO would block forever.
     """
     top = sorted(p for p in folder.iterdir() if _wanted(p) and p.suffix.lower() in IMAGE_SUFFIXES)
-    subs = sorted(p for p in folder.iterdir() if _wanted(p) and p.is_dir() and p not in top)
+    subs = sorted((p for p in folder.iterdir() if _wanted(p) and p.is_dir() and p not in top),
+                  key=lambda p: (class_name(p.name), p.name))
     trees = {sub: _tree_files(sub) for sub in subs}
     if top and any(trees.values()):
         filled = [s.name for s, files in trees.items() if files]
@@ -302,10 +324,33 @@ def folder_images(folder: Path) -> tuple[list[Path], list[str] | None]:
         if empty and len(empty) < len(subs):
             raise InputError(f"--images {folder}: the class subfolder {empty[0]!r} holds no image files "
                              f"({', '.join(IMAGE_SUFFIXES)}); add its images or move it out, then rerun")
+        _one_folder_per_class(folder, [sub for sub in subs if trees[sub]])
         files = [p for sub in subs for p in trees[sub]]
-        classes = [sub.name for sub in subs for _ in trees[sub]]
+        classes = [class_name(sub.name) for sub in subs for _ in trees[sub]]
         return _regular(folder, files), classes or None
     return _regular(folder, top), None
+
+
+def class_name(folder_name: str) -> str:
+    """The class a subfolder names: its name in Unicode NFC (macOS writes NFD, Linux keeps either)."""
+    return unicodedata.normalize("NFC", folder_name)
+
+
+def _one_folder_per_class(folder: Path, subs: list[Path]) -> None:
+    """Refuse two class folders that are one folder, or one inside the other (a symlink), naming both."""
+    real = {sub: Path(os.path.realpath(sub)) for sub in subs}
+    owner = {}
+    for sub in sorted(subs, key=Path.is_symlink):                   # a real folder owns its path
+        owner.setdefault(real[sub], sub)
+    for sub in sorted(subs, key=lambda s: not s.is_symlink()):     # links first: each named as one
+        for place in (real[sub], *real[sub].parents):
+            other = owner.get(place)
+            if other is not None and other != sub:
+                how = "is" if place == real[sub] else "is inside"
+                raise InputError(f"--images {folder}: the class folders {sub.name!r} and {other.name!r} hold the "
+                                 f"same images ({sub.name!r} {how} {place}{', a link' if sub.is_symlink() else ''}): "
+                                 f"they would be cached twice, as two classes; remove the link (or copy the "
+                                 f"images, if both classes are meant) and rerun")
 
 
 def image_keys(folder: Path, files: list[Path]) -> list[str]:
@@ -324,7 +369,14 @@ def _tree_files(sub: Path) -> list[Path]:
 
 
 def _regular(folder: Path, files: list[Path]) -> list[Path]:
-    """`files` when every one is a regular file; else InputError listing those that are not."""
+    """`files` when every one is a regular file named in UTF-8; else InputError naming those that are not."""
+    for path in files:
+        try:
+            path.relative_to(folder).as_posix().encode("utf-8")
+        except UnicodeEncodeError:
+            raise InputError(f"--images {folder}: the file name {os.fsencode(path.relative_to(folder))!r} is "
+                             f"not UTF-8 (no export could write it as a key); rename it to UTF-8 (e.g. convmv "
+                             f"-f latin1 -t utf-8 --notest), then rerun") from None
     odd = [(p, _not_regular(p)) for p in files]
     odd = [(p, kind) for p, kind in odd if kind]
     if odd:
@@ -344,16 +396,20 @@ def read_deadline() -> float:
     return seconds_from_env(READ_DEADLINE_ENV, DEFAULT_READ_DEADLINE_S, example=120, finite=True)
 
 
-def as_image(item, column: str | None = None, index: int = 0) -> np.ndarray:
-    """One item as a uint8 [H, W, 3] array: arrays, PIL images, torch tensors, dicts, tuples."""
+def as_image(item, column: str | None = None, index: int = 0, size: int | None = None) -> np.ndarray:
+    """One item as a uint8 [H, W, 3] array: arrays, PIL images and image files' bytes (`EncodedImage`)
+    by the one pixel policy (`nblib.cache.pixels`; a JPEG drafted for `size`), torch tensors, dicts, tuples.
+    """
     if isinstance(item, dict):
         item = item[column or "image"]
     elif isinstance(item, tuple):
         item = item[0]  # (image, label), as torch datasets give
     if item is None:
         raise InputError(f"image {index:,} (row {index:,} of the input) is missing (None): fill it or drop the row")
+    if isinstance(item, EncodedImage):
+        return decode_image_bytes(item.data, item.where, size)
     if hasattr(item, "convert") and hasattr(item, "mode"):  # a PIL image
-        item = pil_rgb(item, f"image {index:,}")
+        item = pil_pixels(item, f"image {index:,}", size)
     elif type(item).__module__.startswith("torch"):
         item = item.detach().cpu().numpy()
         if item.ndim == 3 and item.shape[0] in (1, 3, 4) and item.shape[-1] not in (1, 3, 4):
@@ -395,29 +451,20 @@ def _column(dataset, column: str):
 
 
 def _dataset_rows(dataset, column: str) -> Iterator:
-    """The column's cells; `datasets` decodes Image cells with Pillow, so a bomb is named by its row."""
-    from PIL import Image
+    """The column's cells. A `datasets.Image` column is read undecoded ({bytes, path}) and decoded by
+    the one pixel policy: `datasets` would apply EXIF orientation itself, and draft no JPEG.
+    """
+    import datasets
 
-    rows = iter(dataset)
-    for k in itertools.count():
-        try:
-            row = next(rows)
-        except StopIteration:
-            return
-        except Image.DecompressionBombError as exc:
-            raise InputError(_bomb(f"row {k:,} of the dataset (column {column!r})", exc)) from None
+    dataset = dataset.select_columns([column])      # no other column decoded, nor read
+    feature = (dataset.features or {}).get(column)
+    if isinstance(feature, datasets.Image) and feature.decode:
+        dataset = dataset.cast_column(column, datasets.Image(decode=False))
+    for k, row in enumerate(dataset):
+        where = f"row {k:,} of the dataset (column {column!r})"
         if row[column] is None:
-            raise InputError(f"row {k:,} of the dataset (column {column!r}) has no image (None): a missing "
-                             f"image; fill it or drop the row")
-        yield row[column]
-
-
-def _bomb(where: str, exc: BaseException) -> str:
-    from PIL import Image
-
-    return (f"{where} is refused as a decompression bomb: over Pillow's limit of "
-            f"{2 * (Image.MAX_IMAGE_PIXELS or 0):,} pixels ({exc}); shrink it, or raise "
-            f"PIL.Image.MAX_IMAGE_PIXELS if you trust the file")
+            raise InputError(f"{where} has no image (None): a missing image; fill it or drop the row")
+        yield image_cell(row[column], where)
 
 
 def _length(images) -> int | None:
@@ -439,58 +486,25 @@ def _parquet_images(path: Path, column: str) -> tuple[Iterable, int]:
         for group in range(meta.num_row_groups):
             rows_before = sum(meta.metadata.row_group(g).num_rows for g in range(group))
             for k, value in enumerate(meta.read_row_group(group, columns=[column]).column(0).to_pylist()):
-                yield _decode_cell(value, f"{path} row {rows_before + k:,}")
+                yield image_cell(value, f"{path} row {rows_before + k:,}")
 
     return rows(), meta.metadata.num_rows
 
 
-def _decode_cell(value, where: str = "a Parquet cell"):
-    """A Parquet cell: HF Image struct {bytes, path}, encoded image bytes, or nested lists (Array3D)."""
+def image_cell(value, where: str = "a Parquet cell"):
+    """A table cell as `as_image` takes it: an HF Image struct {bytes, path} (a local path read within the
+    read deadline) or encoded bytes as an `EncodedImage`; nested lists (Array3D) or arrays as an array.
+    """
     if isinstance(value, dict):
-        value = value.get("bytes")
+        data, path = value.get("bytes"), value.get("path")
+        value = data if data is not None or not path else read_file_within(Path(path), read_deadline())
     if value is None:
         raise InputError(f"{where} has no image (null): a missing image; fill it or drop the row")
     if isinstance(value, (bytes, bytearray)):
-        return decode_image_bytes(bytes(value), where)
+        return EncodedImage(bytes(value), where)
+    if hasattr(value, "convert") and hasattr(value, "mode"):    # a PIL image, as a decoded column gives
+        return value
     return np.asarray(value, dtype=np.uint8)
-
-
-def decode_image_bytes(data: bytes, where: str) -> np.ndarray:
-    """Encoded image bytes as uint8 [H, W, 3]; InputError naming `where` for a file Pillow cannot
-    read or one over Pillow's decompression-bomb limit (`DecompressionBombError` is no OSError).
-    """
-    import io
-
-    from PIL import Image
-
-    try:
-        with Image.open(io.BytesIO(data)) as image:
-            return pil_rgb(image, where)
-    except Image.DecompressionBombError as exc:
-        raise InputError(_bomb(where, exc)) from None
-    except OSError as exc:
-        raise InputError(f"{where} is not an image Pillow can read ({exc}); remove it or fix it") from None
-
-
-def pil_rgb(image, where: str) -> np.ndarray:
-    """A PIL image as uint8 [H, W, 3]. 16-bit grey (I;16, and I holding 0..65535) is scaled to 8 bit
-    (v * 255 / 65535, rounded), not clipped as `convert("RGB")` clips it; float images are refused.
-    """
-    if image.mode in SIXTEEN_BIT_MODES:
-        array = np.asarray(image).astype(np.int64)
-        if array.size and (array.min() < 0 or array.max() > 65535):
-            raise InputError(f"{where} is a 32-bit integer image (mode {image.mode}) with values "
-                             f"{array.min()}..{array.max()}, outside 16 bits; convert it to 8 bit first")
-        grey = ((array * 255 + 32767) // 65535).astype(np.uint8)
-        return np.repeat(grey[:, :, None], 3, axis=2)
-    if image.mode == "F":
-        raise InputError(f"{where} is a floating-point image (mode F): its range is unknown; convert it "
-                         f"to 8 bit first (e.g. scale to 0..255 and save as PNG)")
-    return np.asarray(image.convert("RGB"))
-
-
-def _open_image(path: Path, deadline_s: float) -> np.ndarray:
-    return decode_image_bytes(read_file_within(path, deadline_s), str(path))
 
 
 def read_file_within(path: Path, deadline_s: float) -> bytes:
@@ -532,18 +546,10 @@ def _not_regular(path: Path) -> str | None:
     return next((name for test, name in kinds if test(mode)), "not a regular file")
 
 
-def fit_size(image: np.ndarray, size: int | None) -> np.ndarray:
-    """`image` resized by RESIZE_POLICY to N = `size` (None, or N x N already: as it is)."""
-    height, width = image.shape[:2]
-    if size is None or (height, width) == (size, size):
-        return image
-    from PIL import Image
-
-    scale = size / min(height, width)
-    new_h, new_w = max(size, round(height * scale)), max(size, round(width * scale))
-    resized = np.asarray(Image.fromarray(image).resize((new_w, new_h), Image.Resampling.BICUBIC))
-    top, left = (new_h - size) // 2, (new_w - size) // 2
-    return np.ascontiguousarray(resized[top:top + size, left:left + size])
+def _fitted(item, column: str | None, index: int, size: int | None) -> np.ndarray:
+    """One item decoded by the pixel policy (a JPEG drafted for `size`), then resized by RESIZE_POLICY."""
+    image = as_image(item, column, index, size)
+    return fit_size(image, size, getattr(item, "where", f"image {index:,}"))
 
 
 def _checked(images: Iterable[np.ndarray], shape: list[int], keys=None) -> Iterator[np.ndarray]:

@@ -7,11 +7,18 @@ members. Whatever their origin they go through `labels_and_classes`: integers ar
 is missing, negative, not below MAX_CLASSES, or a column that gives more than MAX_CLASSES classes (or
 a class per row: ids or captions, not classes) is refused in one line naming the row and the fix, before
 training ever sees it. `train` then reads the labels as they were recorded, unchecked.
+
+A label is one scalar: a list, tuple or dict (`[0]`, a one-hot row) is refused. A float that is a whole
+number (`1.0`, as pandas writes an int column holding a NaN) is the class index it names, in JSON, in an
+HF column and in a CSV cell ("1.0") alike; any other float (0.5, NaN) is refused. A labels file is read
+as UTF-8, its byte-order mark (Excel's "CSV UTF-8") dropped; other bytes are refused naming the line.
 """
 from __future__ import annotations
 
 import csv
+import io
 import json
+import unicodedata
 from pathlib import Path
 
 from nblib.errors import InputError
@@ -37,10 +44,12 @@ def label_index(value, where: str) -> int:
 
 def labels_and_classes(values: list, names: list[str] | None, where: str) -> tuple[list[int], list[str]]:
     """(class index per row, class names): `names` (a ClassLabel's) when known, else 0..max for integer
-    labels, else the sorted distinct values. Every refusal is one InputError line naming the row.
+    labels (whole floats count as integers), else the sorted distinct values. Every refusal is one
+    InputError line naming the row.
     """
     if any(v is None for v in values):
         raise InputError(f"{where}: row {values.index(None):,} has no label; fill it or drop the row")
+    values = [scalar_label(v, f"{where} row {k:,}") for k, v in enumerate(values)]
     if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
         checked = [label_index(v, f"{where} row {k:,}") for k, v in enumerate(values)]
         top = max(checked, default=-1)
@@ -57,6 +66,22 @@ def labels_and_classes(values: list, names: list[str] | None, where: str) -> tup
     return [lookup[str(v)] for v in values], classes
 
 
+def scalar_label(value, where: str):
+    """One label as a class index or name: a whole float is its int; a list, dict, tuple, or another
+    float (0.5, NaN, inf) is refused in one line naming `where`.
+    """
+    if isinstance(value, (list, tuple, dict, set)):
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise InputError(f"{where}: label {shown} is a {type(value).__name__}, not one class; write each label "
+                         f"as one class index (0) or name (\"cat\"), not a list or a one-hot row")
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise InputError(f"{where}: label {value!r} is not a whole number, so no class index; write class "
+                             f"indices as integers (0, 1, ...) or classes as names (\"cat\")")
+        return int(value)
+    return value
+
+
 def labels_from_file(path: str | Path, keys: list[str], folder: str) -> tuple[list[int], list[str]]:
     """(label per key, class names) from a CSV (rows `file,label`; a first row naming no image is its
     header) or a JSON file ({file: label}, or a list of [file, label] or {"file", "label"}).
@@ -70,12 +95,12 @@ def labels_from_file(path: str | Path, keys: list[str], folder: str) -> tuple[li
         raise InputError(f"--labels {path} is not a file; pass a CSV or JSON file of (file, label)")
     lookup = _names(keys)
     rows = _rows(path)
-    if path.suffix.lower() == ".csv" and rows and rows[0][0] not in lookup:
+    if path.suffix.lower() == ".csv" and rows and _key(lookup, rows[0][0]) is None:
         rows = rows[1:]                             # a header ("file,label", "id,class", ...)
     found: dict[str, object] = {}
     strays = []
     for name, label in rows:
-        key = lookup.get(name)
+        key = _key(lookup, name)
         if key is None:
             strays.append(name)
         elif found.setdefault(key, label) != label:
@@ -87,16 +112,31 @@ def labels_from_file(path: str | Path, keys: list[str], folder: str) -> tuple[li
     if missing:
         raise InputError(f"--labels {path}: {len(missing):,} of the {len(keys):,} images have no label (first: "
                          f"{missing[0]!r}); add a row for each, or move those images out")
-    values = [found[k] for k in keys]
-    if all(isinstance(v, str) and v.strip().isdigit() for v in values):
-        values = [int(v) for v in values]           # "0", "1": class indices, as in a CSV
+    values = [scalar_label(found[k], f"--labels {path}: {k!r}") for k in keys]
+    numbers = [_whole_number(v) for v in values]
+    if all(n is not None for n in numbers):
+        values = numbers                            # "0", "1", "1.0": class indices, as in a CSV
     return labels_and_classes(values, None, f"--labels {path}")
+
+
+def _whole_number(value) -> int | None:
+    """A CSV cell or JSON value that is a whole number ("3", "3.0", 3) as an int, else None."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    text = value.strip() if isinstance(value, str) else ""
+    if text.isdigit():
+        return int(text)
+    try:
+        number = float(text)
+    except ValueError:
+        return None
+    return int(number) if number.is_integer() and number >= 0 and "." in text else None
 
 
 def _rows(path: Path) -> list[tuple[str, object]]:
     if path.suffix.lower() == ".json":
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = json.loads(_utf8_text(path))
         except ValueError as exc:
             raise InputError(f"--labels {path} is not JSON ({exc})") from None
         if isinstance(data, dict):
@@ -110,19 +150,42 @@ def _rows(path: Path) -> list[tuple[str, object]]:
     if path.suffix.lower() != ".csv":
         raise InputError(f"--labels {path} is a {path.suffix or 'suffix-less'} file; pass a .csv (file,label "
                          f"rows) or a .json file")
-    with path.open(newline="", encoding="utf-8") as f:
-        rows = [r for r in csv.reader(f) if r]
+    rows = [r for r in csv.reader(io.StringIO(_utf8_text(path), newline="")) if r]
     short = next((k for k, r in enumerate(rows) if len(r) < 2), None)
     if short is not None:
         raise InputError(f"--labels {path} line {short + 1} has {len(rows[short])} column; each row is file,label")
     return [(r[0].strip(), r[1].strip()) for r in rows]
 
 
+def _utf8_text(path: Path) -> str:
+    """A labels file's text: UTF-8, a leading byte-order mark dropped (Excel's "CSV UTF-8"); other
+    bytes are refused in one line naming the line and its bytes.
+    """
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        bad = data[exc.start:exc.start + 4]
+        raise InputError(f"--labels {path} line {line:,} is not UTF-8 (bytes {bad!r} at byte {exc.start:,}); save "
+                         f"the file as UTF-8 (Excel: \"CSV UTF-8\"; or iconv -f latin1 -t utf-8) and rerun") from None
+
+
 def _names(keys: list[str]) -> dict[str, str]:
-    """Every name a labels file may use for a key: the key, and the key without its suffix when unique."""
+    """Every name a labels file may use for a key: the key, and the key without its suffix when unique,
+    each also in Unicode NFC (a file written on a Mac spells "café" in NFD).
+    """
     lookup = {k: k for k in keys}
     stems: dict[str, list[str]] = {}
     for k in keys:
         stems.setdefault(k.rsplit(".", 1)[0], []).append(k)
     lookup.update({stem: found[0] for stem, found in stems.items() if len(found) == 1 and stem not in lookup})
-    return lookup
+    return {**{_nfc(name): key for name, key in lookup.items()}, **lookup}
+
+
+def _key(lookup: dict[str, str], name: str) -> str | None:
+    return lookup.get(name, lookup.get(_nfc(name)))
+
+
+def _nfc(name: str) -> str:
+    return unicodedata.normalize("NFC", name)

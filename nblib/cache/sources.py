@@ -25,26 +25,34 @@ from __future__ import annotations
 import json
 import re
 import tarfile
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from nblib.cache.images import (
     _dataset_rows,
-    _decode_cell,
     _is_hf_folder,
-    decode_image_bytes,
+    encoded_files,
     folder_images,
+    image_cell,
+    image_items,
     image_keys,
-    image_source,
-    open_images,
     recorded_json,
 )
 from nblib.cache.labels import label_index, labels_and_classes, labels_from_file
+from nblib.cache.pixels import EncodedImage
 from nblib.errors import InputError
 
 WDS_IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
 WDS_USED = (*WDS_IMAGE_EXTENSIONS, "cls", "txt", "json")   # members read; any other is skipped, unread
+SHOWN_CLASSES = 6                                           # class names a labels line shows
+_UNLABELLED = {                                             # how each source gets labels, as advised
+    "--images": "put each class's images in a subfolder (DIR/cat/*.jpg) and cache into a new --out, or "
+                "pass --labels FILE (file,label rows) and rerun this command",
+    "--hf": "pass --hf PATH --label-column COLUMN (a class column) instead",
+    "--wds": "give each sample a .cls member (or a json 'label'), then cache into a new --out",
+}
 _BRACE = re.compile(r"\{([^{}]*)\}")
 
 
@@ -57,6 +65,8 @@ class ImageSource:
     labels: list = field(default_factory=list)
     texts: list = field(default_factory=list)
     classes: list[str] | None = None
+    origin: str = ""            # where the labels came from: "subfolders", "--labels FILE", "column 'label'"
+    unlabelled: str = ""        # without labels: how to add them
 
     def side(self) -> dict | None:
         """The side table once every image was read: {"labels", "classes"}, {"texts"}, both, or {}."""
@@ -81,15 +91,18 @@ def images_source(path: str | Path, column: str | None = None, labels: str | Pat
         if labels is not None:
             raise InputError(f"--labels names files of an image folder; {path} is not one: for a dataset's "
                              f"labels pass --hf {path} --label-column COLUMN")
-        images, count = image_source(path, column)
-        return ImageSource(images=iter(images), count=count)
+        images, count = image_items(path, column)
+        return ImageSource(images=iter(images), count=count, unlabelled=_UNLABELLED["--hf"])
     files, classes = folder_images(folder)
-    source = ImageSource(images=open_images(files), count=len(files), keys=image_keys(folder, files))
+    source = ImageSource(images=encoded_files(files), count=len(files), keys=image_keys(folder, files),
+                         unlabelled=_UNLABELLED["--images"])
     if labels is not None:
         source.labels, source.classes = labels_from_file(labels, source.keys, str(folder))
+        source.origin = f"--labels {Path(labels).name}"
     elif classes is not None:                       # class subfolders, sorted by name as ImageFolder does
         source.classes = sorted(set(classes))
         source.labels = _indices(classes, source.classes)
+        source.origin = "subfolders"
     return source
 
 
@@ -122,7 +135,8 @@ def wds_source(pattern: str) -> ImageSource:
     if missing:
         raise InputError(f"--wds {pattern}: {len(missing)} of its {len(paths)} tars are missing or not files "
                          f"({', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}); fix the pattern")
-    source = ImageSource(images=iter(()), count=None, keys=[])
+    source = ImageSource(images=iter(()), count=None, keys=[], origin="the samples' cls labels",
+                         unlabelled=_UNLABELLED["--wds"])
     source.images = _wds_images(paths, source)
     return source
 
@@ -142,6 +156,29 @@ def expand_braces(pattern: str) -> list[str]:
     else:
         parts = body.split(",")
     return [name for part in parts for name in expand_braces(head + part + tail)]
+
+
+def labels_line(source: ImageSource, cache_dir: str | Path) -> str:
+    """What `cache --images/--hf/--wds` prints of the labels its cache holds: the classes, where they came
+    from and the images of each ("labels: 10 classes from subfolders (cat, dog, ...), 135-146 images
+    each"), or, without labels, that `train` needs them and how this source gets them.
+    """
+    table = source_labels(cache_dir) or {}
+    if "labels" not in table:
+        texts = f" ({len(table['texts']):,} texts)" if "texts" in table else ""
+        return f"labels: none{texts}; train needs labels: {source.unlabelled}"
+    classes = table["classes"]
+    counts = Counter(table["labels"])
+    per_class = [counts.get(k, 0) for k in range(len(classes))]
+    low, high = min(per_class), max(per_class)
+    each = f"{low:,}" if low == high else f"{low:,}-{high:,}"
+    shown = ", ".join(_shown(c) for c in classes[:SHOWN_CLASSES]) + (", ..." if len(classes) > SHOWN_CLASSES else "")
+    return f"labels: {len(classes):,} classes from {source.origin} ({shown}), {each} images each"
+
+
+def _shown(name: str, width: int = 24) -> str:
+    name = name if name.isprintable() else repr(name)
+    return name if len(name) <= width else name[: width - 3] + "..."
 
 
 def source_labels(cache_dir: str | Path) -> dict | None:
@@ -169,7 +206,8 @@ def _saved_dataset(folder: Path, image_column: str, label_column, text_column) -
                          f"folder (e.g. --hf {folder / next(iter(dataset))})")
     wanted = [c for c in (image_column, label_column, text_column) if c]
     _check_columns(f"--hf {folder}", wanted, dataset.column_names)
-    source = ImageSource(images=_dataset_rows(dataset, image_column), count=len(dataset))
+    source = ImageSource(images=_dataset_rows(dataset, image_column), count=len(dataset),
+                         origin=f"column {label_column!r}", unlabelled=_UNLABELLED["--hf"])
     if label_column:
         feature = dataset.features[label_column]
         names = getattr(feature, "names", None)
@@ -196,7 +234,8 @@ def _table_source(files: list[Path], image_column: str, label_column, text_colum
     wanted = [c for c in (image_column, label_column, text_column) if c]
     for f, schema in zip(files, schemas):
         _check_columns(f"--hf {f}", wanted, schema.names)
-    source = ImageSource(images=_table_images(files, image_column), count=sum(_rows(f) for f in files))
+    source = ImageSource(images=_table_images(files, image_column), count=sum(_rows(f) for f in files),
+                         origin=f"column {label_column!r}", unlabelled=_UNLABELLED["--hf"])
     if label_column:
         values = [v for f in files for v in _read_column(f, label_column)]
         source.labels, source.classes = labels_and_classes(values, _class_names(schemas[0], label_column),
@@ -267,7 +306,7 @@ def _table_images(files: list[Path], column: str) -> Iterator:
         row = 0
         for batch in _batches(path, column):
             for value in batch.column(0).to_pylist():
-                yield _decode_cell(value, f"{path} row {row:,} (column {column!r})")
+                yield image_cell(value, f"{path} row {row:,} (column {column!r})")
                 row += 1
 
 
@@ -326,7 +365,7 @@ def _wds_sample(path: Path, key: str, members: dict[str, bytes], source: ImageSo
     if ext is None:
         raise InputError(f"--wds {path}: sample {key!r} has no image member ({', '.join(WDS_IMAGE_EXTENSIONS)}); "
                          f"its members are {sorted(members)}")
-    image = decode_image_bytes(members[ext], f"--wds {path} member {key}.{ext}")
+    image = EncodedImage(members[ext], f"--wds {path} member {key}.{ext}")    # decoded by write_images
     label, text = _wds_annotation(path, key, members)
     n = len(source.keys)
     if n and ((label is not None) != (len(source.labels) == n) or (text is not None) != (len(source.texts) == n)):

@@ -60,7 +60,7 @@ def _cache_images(args: argparse.Namespace) -> int:
     side table.
     """
     from nblib.cache import write_images
-    from nblib.cache.sources import hf_source, images_source, wds_source
+    from nblib.cache.sources import hf_source, images_source, labels_line, wds_source
     from nblib.errors import ConfigError
 
     flag = "--images" if args.images else "--hf" if args.hf else "--wds"
@@ -85,6 +85,7 @@ def _cache_images(args: argparse.Namespace) -> int:
                                overwrite=args.overwrite, progress=not args.no_progress,
                                keys=source.keys, side=source.side, size=args.size)
     print(summary)
+    print(labels_line(source, args.out))
     return 0
 
 
@@ -119,6 +120,7 @@ def _cache_records(args: argparse.Namespace, verify_folder=None) -> int:
 def _cache_args(argv: list[str]) -> argparse.Namespace:
     """Parse `cache` flags; a bad value raises ConfigError (one `error:` line, exit 2)."""
     from nblib import config, env
+    from nblib.cache.pixels import check_size
     from nblib.config import CODECS
     from nblib.errors import ConfigError
 
@@ -178,6 +180,7 @@ def _cache_args(argv: list[str]) -> argparse.Namespace:
         raise ConfigError(f"{exc}; see python -m nblib cache --help") from None
     if args.folder and args.verify is None and not args.repair:
         raise ConfigError(f"unexpected argument {args.folder!r}; to check a cache use --verify DIR")
+    check_size(args.size)                   # before any image or render buffer is allocated
     if args.codec is None and not args.records:
         args.codec = defaults.run.codec
     args.profile_size = defaults.model.image_size
