@@ -8,17 +8,18 @@ numel x itemsize: `nblib.budget.allocator.affine_stream`, measured, not assumed:
 16 and 64 equal it), while the VRAM it gives is not (512 B rounding, 2 MiB segments, best fit): so the cache
 keeps the stream, not a formula, and any batch is a replay of it through the allocator model, in pure Python.
 The streams of the suite's own configs (and 01's largest batch on the other GPUs) ship in `trace_cache/`
-(JSON, with the torch they were traced under and the spec); `tests/test_encode_trace.py` traces them again and
-compares the files to the byte. A spec not in the table, or traced under another torch, is traced once per process.
+(JSON, keyed by the spec, torch's major.minor, the trace format and the variables that shape a trace:
+nblib.budget.trace_store); `tests/test_encode_trace.py` traces them again and compares the files to the byte. A spec
+not in the table, or traced under another torch, is traced once and kept in the user's trace cache (trace_store).
 """
 from __future__ import annotations
 
 import json
 from dataclasses import replace
 from functools import lru_cache
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from nblib.budget import trace_store
 from nblib.budget._checks import attention_on
 from nblib.budget.allocator import cublas_workspace_bytes
 from nblib.budget.devices import Device, device_preset
@@ -28,7 +29,7 @@ from nblib.budget.shim import run_child, run_cublas_config
 from nblib.config import OUTPUT_CHOICES, OUTPUT_DTYPES, PipelineConfig, preset
 from nblib.units import fmt_bytes
 
-TABLE = Path(__file__).parent / "trace_cache"
+TABLE = trace_store.SHIPPED
 # (config, device) of every budget the notebooks, panels and plans make: on a T4 the widget's outputs and dtypes
 # over the presets; on the other GPUs seed_t4 as it is (01's largest batch per device; h200 shares h100's sm_90)
 TABLE_CONFIGS = (*((preset(name).replace(outputs=outputs, out_dtype=dtype), "t4") for name in ("seed_t4", "t4", "smoke")
@@ -67,7 +68,7 @@ def traced_entries(specs: list[dict]) -> list[dict]:
     at the peak), traced in one child process (the model built once).
     """
     out = run_child(CHILD, {**specs[0], "variants": specs})
-    entries = [{"torch": torch_version(), "spec": spec, "peak_op": peak_op,
+    entries = [{**trace_store.entry_key(spec, trace_store.torch_release()), "peak_op": peak_op,
                 "stream": stream and [[*e[:2], 0, 0] if e[0] == "w" else e for e in stream]}   # sized at replay
                for spec, (stream, peak_op) in zip(specs, out["entries"])]
     for entry in entries:
@@ -78,16 +79,14 @@ def traced_entries(specs: list[dict]) -> list[dict]:
 
 def entry_text(entry: dict) -> str:
     """A table entry as its file holds it: one event a line, so a changed trace reads as a diff."""
-    head = json.dumps({k: entry[k] for k in ("torch", "spec", "peak_op")}, sort_keys=True)
+    head = json.dumps({k: entry[k] for k in ("torch", "spec", "format", "env", "peak_op")}, sort_keys=True)
     events = ",\n".join(json.dumps(list(e), separators=(",", ":")) for e in entry["stream"])
     return f'{{"head": {head},\n"stream": [\n{events}\n]}}\n'
 
 
 def entry_path(spec: dict) -> Path:
-    import hashlib
-
-    key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
-    return TABLE / f"trm-encode-{key}.json"
+    """The shipped table's file for `spec` under this torch and environment (trace_store.entry_key)."""
+    return TABLE / trace_store.entry_name(trace_store.entry_key(spec, trace_store.torch_release()))
 
 
 def write_table() -> list[Path]:
@@ -123,28 +122,21 @@ def table_specs() -> list[dict]:
     return [s for i, s in enumerate(specs) if s not in specs[:i]]
 
 
-def torch_version() -> str | None:
-    try:
-        return version("torch")
-    except PackageNotFoundError:
-        return None
-
-
 @lru_cache(maxsize=64)
 def _stream(key: str) -> tuple[list, str, str]:
-    """(stream, peak op, label) of a spec: the shipped table's when it was traced under this torch (or
-    no torch is here to trace with), else a fresh trace.
+    """(stream, peak op, label) of a spec: the trace cache's (trace_store.find: the shipped table, then the user's
+    folder), else a fresh trace, kept in the user's folder.
     """
     spec = json.loads(key)
-    path = entry_path(spec)
-    if path.exists():
-        saved = json.loads(path.read_text(encoding="utf-8"))
-        head = saved["head"]
-        if head["spec"] == spec and (head["torch"] == torch_version() or torch_version() is None):
-            return saved["stream"], head["peak_op"], (
-                f"traced on the simulated GPU (FakeTensorMode) under torch {head['torch']}, replayed from "
-                f"nblib/budget/trace_cache; the CUDA context is an assumption")
+    found = trace_store.find(spec)
+    if found is not None:
+        (entry, path), shipped = found, found[1].parent == TABLE
+        where = "nblib/budget/trace_cache" if shipped else f"the trace cache {path.parent}"
+        return entry["stream"], entry["head"]["peak_op"], (
+            f"traced on the simulated GPU (FakeTensorMode) under torch {entry['head']['torch']}, replayed from "
+            f"{where}; the CUDA context is an assumption")
     entry = traced_entries([spec])[0]
+    trace_store.save(entry_text(entry), trace_store.entry_key(spec, entry["torch"], entry["env"]))
     return entry["stream"], entry["peak_op"], ModelVRAM.label
 
 

@@ -65,7 +65,10 @@ def backward_capability() -> tuple[bool, str]:
 
 
 def shim_path() -> Path:
-    """The compiled shim for this torch (built once into the temp folder, keyed by source and torch)."""
+    """The compiled shim for this torch: built once into the per-user folder (mode 0700, refused when another user
+    owns it: nblib.budget.trace_store.user_folder), keyed by source and torch; never a fixed name in the shared
+    temp folder, where another local user could plant a library of that name for this process to load.
+    """
     spec = importlib.util.find_spec("torch")
     if spec is None or spec.origin is None:
         raise SimulationUnavailable("torch is not installed: no training step to simulate")
@@ -83,10 +86,13 @@ def shim_path() -> Path:
                                     "here; install one (apt-get install g++) or read the closed-form budget")
     version = (root / "version.py").read_text(encoding="utf-8") if (root / "version.py").exists() else ""
     key = hashlib.sha256((SHIM_SOURCE + version + str(root)).encode()).hexdigest()[:16]
-    out = Path(tempfile.gettempdir()) / f"nblib-fake-cuda-{key}.so"
+    from nblib.budget.trace_store import user_folder
+
+    folder = user_folder("shim")
+    out = folder / f"nblib-fake-cuda-{key}.so"
     if out.exists():
         return out
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
         src, built = Path(tmp) / "shim.cpp", Path(tmp) / "shim.so"
         src.write_text(SHIM_SOURCE, encoding="utf-8")
         done = subprocess.run([cxx, "-O1", "-std=c++17", "-shared", "-fPIC", f"-I{include}", str(src), f"-L{lib}",
@@ -95,9 +101,7 @@ def shim_path() -> Path:
         if done.returncode:
             why = (done.stderr.strip().splitlines() or ["no output"])[-1]
             raise SimulationUnavailable(f"the fake-CUDA shim did not compile with {cxx}: {why}")
-        staged = out.with_name(f"{out.name}.{os.getpid()}.tmp")
-        shutil.copyfile(built, staged)
-        os.replace(staged, out)            # same folder: atomic; a concurrent build writes the same bytes
+        os.replace(built, out)             # same filesystem: atomic; a concurrent build writes the same bytes
     return out
 
 

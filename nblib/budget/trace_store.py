@@ -1,0 +1,134 @@
+"""The one trace cache: traced allocation streams keyed by what shapes a trace, in a per-user folder.
+
+A traced stream (nblib.budget.encode_trace) depends on the spec it traced (model, precision, outputs, offload,
+attention, GPU), on the torch that ran it (its operators and decompositions: major.minor, so Colab's
+`2.13.0+cu126` and the CI's `2.13.0+cpu` are one torch), on `TRACE_FORMAT` (the stream's layout and the trace's
+rules: raise it when nblib's trace changes what it records), and on this process's variables that shape a trace
+(`nblib.budget.shim.traced_environment`, less those the spec already names). `entry_key` is their digest and an
+entry's file name. An entry is read from the table shipped in the package (`SHIPPED`, tested live against a fresh
+trace), else from the user's folder, else traced and written there (`save`): filled on first use.
+
+`user_folder()` is that per-user folder, mode 0700, refused when another user owns it: platformdirs'
+user_cache_dir("nblib") where platformdirs is installed, else $XDG_CACHE_HOME/nblib or ~/.cache/nblib. The
+fake-CUDA shim's compiled library lives there too (nblib.budget.shim.shim_path), never at a fixed name in the
+shared temp folder, where another local user could plant a library of that name.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+import sys
+import tempfile
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from nblib.errors import ConfigError
+
+SHIPPED = Path(__file__).parent / "trace_cache"
+TRACE_FORMAT = 2            # 1: keyed by the spec and the full torch version; 2: this key
+# named by the spec (the TRM's shape is in it, the preset that chose it is not needed; PYTHONPATH finds a user's
+# module, and the TRM is nblib's own)
+SPEC_NAMED_ENV = frozenset({"NBLIB_PROFILE", "PYTHONPATH"})
+
+
+def user_folder(*parts: str) -> Path:
+    """The per-user folder (and `parts` below it), made mode 0700; ConfigError where another user owns it or it
+    is a link.
+    """
+    try:
+        from platformdirs import user_cache_dir
+        root = Path(user_cache_dir("nblib", appauthor=False))
+    except ImportError:
+        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nblib"
+    folder = root.joinpath(*parts)
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for path in (root, *(root.joinpath(*parts[:i + 1]) for i in range(len(parts)))):
+        st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode) or st.st_uid != os.getuid():
+            raise ConfigError(f"nblib's per-user folder {path} is a link or belongs to uid {st.st_uid}, not to "
+                              f"this user (uid {os.getuid()}): nothing is read from it; remove it, or set "
+                              f"XDG_CACHE_HOME to a folder of your own")
+        if stat.S_IMODE(st.st_mode) != 0o700:
+            os.chmod(path, 0o700)
+    return folder
+
+
+def torch_release() -> str | None:
+    """torch's major.minor ("2.13"): the imported torch's __version__, else the installed one's; None without it."""
+    module = sys.modules.get("torch")
+    full = getattr(module, "__version__", None) if module is not None else None
+    if full is None:
+        try:
+            full = version("torch")
+        except PackageNotFoundError:
+            return None
+    return ".".join(str(full).split("+")[0].split(".")[:2])
+
+
+def shaping_environment() -> dict[str, str]:
+    """The variables of this process that shape a TRM trace: `traced_environment` less `SPEC_NAMED_ENV`."""
+    from nblib.budget.shim import traced_environment
+
+    return {k: v for k, v in sorted(traced_environment().items()) if k not in SPEC_NAMED_ENV}
+
+
+def entry_key(spec: dict, torch: str | None, env: dict | None = None) -> dict:
+    """What an entry is keyed by: the spec, torch's major.minor, the trace format, the shaping variables."""
+    return {"spec": spec, "torch": torch, "format": TRACE_FORMAT,
+            "env": shaping_environment() if env is None else env}
+
+
+def entry_name(key: dict) -> str:
+    """An entry's file name: the key's digest (a TRM encode trace)."""
+    return f"trm-encode-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]}.json"
+
+
+def find(spec: dict) -> tuple[dict, Path] | None:
+    """(entry, its file) for `spec` under this torch and environment: the shipped table's, else the user
+    folder's; None where neither holds it. Without torch, the shipped table's entry under any torch.
+    """
+    torch = torch_release()
+    key = entry_key(spec, torch)
+    folders = [SHIPPED]
+    if torch is not None:
+        folders.append(user_folder("traces"))
+    for folder in folders:
+        candidates = [folder / entry_name(key)] if torch is not None else sorted(SHIPPED.glob("trm-encode-*.json"))
+        for path in candidates:
+            entry = _read(path)
+            if entry is not None and _matches(entry["head"], key, torch is None):
+                return entry, path
+    return None
+
+
+def _matches(head: dict, key: dict, any_torch: bool) -> bool:
+    return all(head.get(k) == v for k, v in key.items() if not (any_torch and k == "torch"))
+
+
+def _read(path: Path) -> dict | None:
+    """An entry file, or None where it is absent or not one (a half-written or foreign file is never used)."""
+    try:
+        entry = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    ok = isinstance(entry, dict) and isinstance(entry.get("head"), dict) and isinstance(entry.get("stream"), list)
+    return entry if ok else None
+
+
+def save(entry_text: str, key: dict) -> Path:
+    """Write an entry into the user folder atomically (a temporary file beside it, then os.replace)."""
+    folder = user_folder("traces")
+    path = folder / entry_name(key)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".entry-")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(entry_text)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
