@@ -5,7 +5,9 @@ that a resume gives the same bytes; on CUDA an op with no deterministic kernel t
 RuntimeError at its first call, which nothing on a CPU shows. The table is torch's own: `documented()`
 reads the docstring of `torch.use_deterministic_algorithms` in the installed torch (torch/__init__.py; in
 2.13 the list "The following normally-nondeterministic operations will throw a RuntimeError when
-mode=True"), never a copy. Each entry's aten kernels are its name in snake case (AdaptiveAvgPool2d ->
+mode=True"); where it cannot (python -OO, a reworded docstring) it fails closed: it warns, naming torch's
+version, and uses the copy shipped as data (`nblib.train.determinism_table`, tested against the docstring).
+Each entry's aten kernels are its name in snake case (AdaptiveAvgPool2d ->
 adaptive_avg_pool2d), with "when attempting to differentiate" meaning its backward kernel; `KERNELS` holds the
 three names that are not so derived, each checked against torch's dispatch in the tests. `documented_in`
 reads the kernels of the traced step (`nblib.simulate.job_trace`, the same trace as the VRAM budget), and
@@ -22,6 +24,7 @@ whose backward is deterministic; the trace shows `mean`, so transformers' ResNet
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import re
@@ -54,27 +57,57 @@ FIXES = {  # what replaces a documented layer deterministically (offered in the 
 
 
 def documented() -> list[dict]:
-    """torch's list, from its docstring: {name, when (the condition), backward, stems (aten kernel prefixes)}."""
+    """torch's list: {name, when (the condition), backward, stems (aten kernel prefixes)}. Read from its docstring;
+    where that yields fewer than half the rows of the shipped copy (`nblib.train.determinism_table`: python -OO
+    strips docstrings, a reworded one parses to few), the shipped copy, with a warning naming torch's version.
+    """
+    rows = _table()
+    entries = [{"name": name, "role": role, "condition": condition, "modes": list(modes),
+                "when": f"{condition} {', '.join(modes)}".strip(), "backward": "differentiate" in condition}
+               for name, role, condition, modes in rows]
+    for e in entries:
+        e["stems"] = _stems(e)
+    return entries
+
+
+@functools.lru_cache(maxsize=1)
+def _table() -> tuple:
+    """The rows (name, role, condition, modes) of torch's list: its docstring's, else the shipped copy's (fail
+    closed: never an empty list because a docstring could not be read).
+    """
     import torch
 
-    text = torch.use_deterministic_algorithms.__doc__ or ""
+    from nblib.train.determinism_table import DOCUMENTED
+
+    read = read_docstring(torch.use_deterministic_algorithms.__doc__)
+    release = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    known = sorted(DOCUMENTED, key=lambda r: tuple(int(p) for p in r.split(".")))
+    copy = release if release in DOCUMENTED else known[-1]
+    if len(read) * 2 >= len(DOCUMENTED[copy]):
+        return read
+    log.warning("torch %s: its use_deterministic_algorithms docstring gave %d of the %d ops it documents "
+                "(python -OO strips docstrings, or it was reworded); the determinism check uses nblib's copy of "
+                "torch %s's list", torch.__version__, len(read), len(DOCUMENTED[copy]), copy)
+    return DOCUMENTED[copy]
+
+
+def read_docstring(text: str | None) -> tuple:
+    """The rows (name, role, condition, modes) of the list in torch.use_deterministic_algorithms' docstring (in
+    2.13 "The following normally-nondeterministic operations will throw a RuntimeError when mode=True").
+    """
+    text = text or ""
     start = SECTION[0].search(text)
     body = text[start.end():text.find(SECTION[1], start.end())] if start else ""
-    entries: list[dict] = []
+    rows: list[list] = []
     for line in body.splitlines():
         bullet, mode = BULLET.match(line), MODE.match(line)
         if bullet:
-            entries.append({"name": bullet["name"], "role": bullet["role"], "when": bullet["when"].strip(),
-                            "modes": []})
-        elif mode and entries:
-            entries[-1]["modes"].append(mode["mode"])
-        elif line.strip() and entries:
-            entries[-1]["when"] = f"{entries[-1]['when']} {line.strip()}".strip()
-    for e in entries:
-        e["condition"], e["when"] = e["when"], f"{e['when']} {', '.join(e['modes'])}".strip()
-        e["backward"] = "differentiate" in e["when"]
-        e["stems"] = _stems(e)
-    return entries
+            rows.append([bullet["name"], bullet["role"], bullet["when"].strip(), []])
+        elif mode and rows:
+            rows[-1][3].append(mode["mode"])
+        elif line.strip() and rows:
+            rows[-1][2] = f"{rows[-1][2]} {line.strip()}".strip()
+    return tuple((name, role, condition, tuple(modes)) for name, role, condition, modes in rows)
 
 
 def _stems(entry: dict) -> list[str]:
