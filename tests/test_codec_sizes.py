@@ -46,3 +46,28 @@ def test_budget_plan_cli_measures_the_given_texts():
     out = subprocess.run([sys.executable, "-m", "nblib", "budget", "--plan", "--texts", str(sample_texts_path())],
                          capture_output=True, text=True, check=True).stdout
     assert "measured on 300 texts of sample_texts.jsonl" in out and "FITS with codec=" in out
+
+
+def test_the_readmes_budget_line_gives_notebook_01s_answer():
+    """Issue 53: the README's `budget --preset seed_t4 --device t4 --plan` said NOTHING FITS on a borrowed ratio
+    while notebook 01 measured the shipped texts and said FITS. The line, as typed, now gives 01's answer, says
+    in its first line what sized the cache, and advises one Drive quota at most.
+    """
+    import re
+    import shlex
+    from pathlib import Path
+
+    from cli_runner import run_nblib
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    line = next(ln for ln in readme.splitlines() if "nblib budget --preset seed_t4" in ln)
+    argv = shlex.split(line.split("#")[0])
+    run = run_nblib(*argv[argv.index("budget"):])
+    assert run.returncode == 0, run.stderr
+    sizes = codec_sizes(sample_texts_path(), SEED.model.image_size)       # notebook 01 [9]: TEXTS None
+    plan = budget.plan_budget(SEED, "t4", drive_quota_gb=15, codec_sizes=sizes)           # 01 [13]
+    verdict = budget.predict_budget(SEED, "t4", drive_quota_gb=15, codec_sizes=sizes).verdict   # 01 [24]
+    assert str(plan) in run.stdout and verdict in run.stdout, run.stdout
+    first = run.stdout.splitlines()[0]
+    assert first.startswith(str(sizes)) and "sample texts" in first, first
+    assert len(set(re.findall(r"drive_quota_gb=(\d+)", run.stdout))) <= 1, run.stdout

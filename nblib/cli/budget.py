@@ -26,7 +26,8 @@ def budget_main(argv: list[str]) -> int:
     p.add_argument("--drive-quota-gb", type=finite_positive_float, default=15.0)
     p.add_argument("--plan", action="store_true", help="recommend knobs that fit")
     p.add_argument("--texts", help="your texts (file or JSONL): the verdict and the plan measure the cache's bytes "
-                                   "per image on a few hundred of them (default: the reference analysis' ratios)")
+                                   "per image on a few hundred of them (default: the suite's sample texts, "
+                                   "data/sample_texts.jsonl, as notebook 01)")
     p.add_argument("--reference", action="store_true", help="reference analysis vs this suite")
     p.add_argument("--model", help="budget this model's VRAM from a trace of its own code (trm, hf:CLASS, "
                                    "hf:CLASS:config.json, timm:NAME, package.module:factory)")
@@ -48,12 +49,12 @@ def budget_main(argv: list[str]) -> int:
         changes["outputs"] = tuple(o.strip() for o in args.outputs.split(","))
     cfg = preset(args.preset).replace(**changes)
     kwargs = {"drive_quota_gb": args.drive_quota_gb, "sdpa_backend": args.sdpa}
-    sizes = None
-    if args.texts:               # the verdict and the plan size the cache by the same measurement
-        from nblib.codec_sizes import codec_sizes
+    from nblib.cache.texts import sample_texts_path
+    from nblib.codec_sizes import codec_sizes
 
-        sizes = codec_sizes(args.texts, cfg.model.image_size)
-        print(sizes)
+    # the verdict and the plan size the cache by one measurement: the user's texts, else notebook 01's sample texts
+    sizes = codec_sizes(args.texts or sample_texts_path(), cfg.model.image_size)
+    print(sizes if args.texts else f"{sizes}; the suite's sample texts, as notebook 01 (--texts FILE: yours)")
     print(predict_budget(cfg, args.device, codec_sizes=sizes, **kwargs).table())
     print(f"max batch size on {args.device}: {max_batch_size(cfg, args.device, **kwargs)}")
     if args.plan:
