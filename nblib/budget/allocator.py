@@ -1,6 +1,7 @@
 """A model of PyTorch's CUDA caching allocator (default policy) over a stream of allocations and frees.
 
-The rules, from c10/cuda/CUDACachingAllocator.cpp (native allocator, no PYTORCH_CUDA_ALLOC_CONF):
+The rules, from c10/cuda/CUDACachingAllocator.cpp (native allocator, no PYTORCH_CUDA_ALLOC_CONF: where one asks
+for other settings, the budget says so in one warning line, `warn_if_not_native`):
 sizes round up to 512 B; requests up to 1 MiB come from a small pool of 2 MiB segments, larger
 ones from a large pool, where requests under 10 MiB get a 20 MiB segment and larger ones a segment
 rounded up to 2 MiB; a request takes the smallest free block that fits (best fit, then the lowest
@@ -12,6 +13,9 @@ device: what the run needs, not what a full device would squeeze into.
 from __future__ import annotations
 
 import bisect
+import functools
+import logging
+import os
 import re
 from dataclasses import dataclass
 
@@ -21,6 +25,12 @@ SMALL_SEGMENT = 2 << 20          # kSmallBuffer
 LARGE_SEGMENT = 20 << 20         # kLargeBuffer: segment for requests between 1 MiB and 10 MiB
 MIN_LARGE_ALLOC = 10 << 20       # kMinLargeAlloc
 ROUND_LARGE = 2 << 20            # kRoundLarge
+# the variables that configure the allocator (torch reads PYTORCH_ALLOC_CONF too since 2.9), and the settings of
+# theirs this model replays: the defaults, which name the native allocator
+ALLOC_CONF_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+NATIVE_SETTINGS = {"backend": "native", "expandable_segments": "false"}
+
+log = logging.getLogger("nblib.budget")
 
 
 def round_size(nbytes: int) -> int:
@@ -127,6 +137,37 @@ class CachingAllocatorModel:
         if i >= len(pool) or pool[i][3] is not block:
             raise AssertionError("allocator model: a free block is missing from its pool")
         pool.pop(i)
+
+
+def unmodelled_settings(environ=None) -> list[str]:
+    """The allocator settings of PYTORCH_CUDA_ALLOC_CONF (or PYTORCH_ALLOC_CONF) this model does not replay:
+    every "key:value" but the native allocator's defaults (expandable_segments:True, max_split_size_mb,
+    roundup_power2_divisions, garbage_collection_threshold, backend:cudaMallocAsync, ...).
+    """
+    environ = os.environ if environ is None else environ
+    out = []
+    for name in ALLOC_CONF_ENV:
+        for item in filter(None, (part.strip() for part in environ.get(name, "").split(","))):
+            key, _, value = item.partition(":")
+            if NATIVE_SETTINGS.get(key.strip()) != value.strip().lower():
+                out.append(f"{name}={item}")
+    return out
+
+
+def warn_if_not_native() -> None:
+    """One warning line (logging, once per process and setting) where this process asks the allocator for settings
+    the budget does not replay: the budget models PyTorch's native caching allocator.
+    """
+    settings = unmodelled_settings()
+    if settings:
+        _warn_once(", ".join(settings))
+
+
+@functools.lru_cache(maxsize=16)
+def _warn_once(settings: str) -> None:
+    log.warning("%s: the VRAM budget models PyTorch's native caching allocator (its default settings), not these; "
+                "reserved memory on the GPU will differ (expandable segments grow one mapping instead of caching "
+                "segments); unset it to run as budgeted, or measure with torch.cuda.max_memory_reserved()", settings)
 
 
 # ------------------------------------------------------------------ a traced allocation stream, replayed

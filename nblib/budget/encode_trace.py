@@ -21,7 +21,7 @@ from pathlib import Path
 
 from nblib.budget import trace_store
 from nblib.budget._checks import attention_on
-from nblib.budget.allocator import cublas_workspace_bytes
+from nblib.budget.allocator import cublas_workspace_bytes, warn_if_not_native
 from nblib.budget.devices import Device, device_preset
 from nblib.budget.memory import Line
 from nblib.budget.model_vram import CHILD, ModelVRAM, _budget, model_payload, replayed_point
@@ -41,6 +41,7 @@ def encode_vram(config: PipelineConfig, device: str | Device = "t4", *, precisio
                 sdpa_backend: str = "efficient", offload: str = "async") -> ModelVRAM:
     """The traced VRAM of `config`'s encode job at its batch on `device` (from the cached stream, or a trace)."""
     dev = device_preset(device)
+    warn_if_not_native()
     spec = encode_spec(config, dev, precision, sdpa_backend, offload)
     workspace = cublas_workspace_bytes(dev.compute_capability, run_cublas_config(False))
     return _at_batch(json.dumps(spec, sort_keys=True), config.run.batch_size, dev, workspace)

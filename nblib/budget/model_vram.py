@@ -24,7 +24,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from nblib.budget.allocator import stream_point
+from nblib.budget.allocator import stream_point, warn_if_not_native
 from nblib.budget.devices import Device, device_preset
 from nblib.budget.memory import Line
 from nblib.budget.resources import FIT_MARGIN, largest_fitting  # the one rule for "fits"
@@ -148,6 +148,7 @@ def model_vram_table(model, batches, device: str | Device = "t4", *, precision: 
         raise ConfigError(f"precision={precision!r} is unknown; choose one of {PRECISIONS}")
     if not batches or min(batches) < 1:
         raise ConfigError(f"batch sizes {batches} must be >= 1")
+    warn_if_not_native()
     job = {**model_payload(model), "precision": precision, "train": train, "output": output, "classes": n_classes,
            "cc": dev.compute_capability, "out_dtype": out_dtype}
     payload = {**job, "batches": batches, "cap": reserved_cap(dev), "search": find_largest,
