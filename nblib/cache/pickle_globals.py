@@ -32,11 +32,14 @@ import dataclasses
 import functools
 import io
 import pickle
+import reprlib
 
 import numpy as np
 
 from nblib.errors import InputError
 
+_REPR = reprlib.Repr()   # Python 3.11's takes no arguments
+_REPR.maxlevel, _REPR.maxtuple, _REPR.maxlist, _REPR.maxdict, _REPR.maxstring, _REPR.maxother = 2, 4, 4, 4, 60, 60
 TORCH_MAGIC = 0x1950A86A20F9469CFC6C   # torch.serialization.MAGIC_NUMBER (the legacy format's first pickle)
 TORCH_STORAGES = {"HalfStorage": "<f2", "FloatStorage": "<f4", "DoubleStorage": "<f8", "BFloat16Storage": "bfloat16",
                   "LongStorage": "<i8", "IntStorage": "<i4", "ShortStorage": "<i2", "CharStorage": "i1",
@@ -45,11 +48,17 @@ TORCH_STORAGES = {"HalfStorage": "<f2", "FloatStorage": "<f4", "DoubleStorage": 
 
 
 def refusal(what: str) -> InputError:
-    """The one-line refusal of a global outside the allow-list."""
-    return InputError(f"the pickle calls {what}, which nblib does not run: a pickle runs every function it names, "
-                      f"so records rebuild only numpy arrays and torch tensors (an exact allow-list) and read "
-                      f"other objects from their pickled state; pass --trust-pickle (trust=True) only for a "
+    """The one-line refusal of a global outside the allow-list (`what` cut to about 100 characters)."""
+    return InputError(f"the pickle calls {short(what)}, which nblib does not run: a pickle runs every function it "
+                      f"names, so records rebuild only numpy arrays and torch tensors (an exact allow-list) and "
+                      f"read other objects from their pickled state; pass --trust-pickle (trust=True) only for a "
                       f"file you made yourself")
+
+
+def short(text, limit: int = 100) -> str:
+    """`text` (or its repr) cut to `limit` characters: a refusal never prints a whole record."""
+    text = " ".join((text if isinstance(text, str) else _REPR.repr(text)).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def bfloat16() -> np.dtype:
@@ -153,11 +162,34 @@ def is_record(obj) -> bool:
 
 # ====================================================================================== numpy
 
+EXPANDED_SLACK = 64 * 2**20   # a tensor view may hold this many bytes more than its storage (a small broadcast)
+
 
 def _np_reconstruct(subtype, shape, dtype):
-    if subtype is not np.ndarray:
-        raise refusal(f"numpy's _reconstruct of {getattr(subtype, '__qualname__', subtype)!r} (only plain ndarrays)")
-    return np.ndarray.__new__(np.ndarray, shape, dtype)
+    """numpy's `_reconstruct(ndarray, (0,), b'b')`: the empty array a BUILD then fills (`array_from_state`)."""
+    if subtype is not _NDARRAY or tuple(shape) != (0,):
+        raise refusal(f"numpy's _reconstruct of {short(subtype)} with shape {short(shape)} (only numpy's own "
+                      f"_reconstruct(ndarray, (0,), ...))")
+    return Pending(array_from_state)
+
+
+def array_from_state(state) -> np.ndarray:
+    """numpy's ndarray BUILD state `(1, shape, dtype, is_fortran, bytes)`, checked, as an array (no setstate)."""
+    if isinstance(state, tuple) and len(state) == 4:
+        state = (1, *state)
+    if not (isinstance(state, tuple) and len(state) == 5 and state[0] == 1 and isinstance(state[1], tuple)
+            and all(type(n) is int and n >= 0 for n in state[1]) and isinstance(state[2], np.dtype)
+            and isinstance(state[3], bool) and isinstance(state[4], (bytes, bytearray))):
+        raise refusal(f"numpy's ndarray state {short(state)}")
+    _, shape, dtype, fortran, data = state
+    if dtype.hasobject:
+        raise refusal(f"an object array ({dtype})")
+    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    if count * dtype.itemsize != len(data):
+        raise InputError(f"an array in the pickle has shape {short(shape)} of {dtype} ({count * dtype.itemsize:,} "
+                         f"bytes) and {len(data):,} bytes of data; the file is damaged")
+    flat = np.frombuffer(data, dtype=dtype, count=count) if dtype.itemsize else np.zeros(count, dtype)
+    return flat.reshape(shape, order="F" if fortran else "C").copy(order="K")
 
 
 def _np_frombuffer(buffer, dtype, shape, order):
@@ -169,30 +201,123 @@ def _np_frombuffer(buffer, dtype, shape, order):
 def _np_scalar(dtype, data=None):
     if not isinstance(dtype, np.dtype) or dtype.hasobject or not isinstance(data, bytes):
         raise refusal("numpy's scalar of an object dtype")
+    if dtype.itemsize == 0:                     # an empty string: np.array(['']) holds '<U1' elements, not '<U0'
+        if data:
+            raise InputError(f"a numpy scalar of {dtype} holds {len(data)} bytes; the file is damaged")
+        return dtype.type()
+    if len(data) != dtype.itemsize:
+        raise InputError(f"a numpy scalar of {dtype} holds {len(data)} bytes, not {dtype.itemsize}; the file is "
+                         f"damaged")
     return np.frombuffer(data, dtype=dtype, count=1)[0]
 
 
 def _np_dtype(obj, align=False, copy=False):
+    """numpy.dtype(code) as numpy's pickles call it: a code string or a numpy scalar type; BUILD comes next."""
     if not isinstance(obj, (str, type)) or (isinstance(obj, type) and not issubclass(obj, np.generic)):
-        raise refusal(f"numpy.dtype({obj!r})")
-    return np.dtype(obj, align=align, copy=copy)
+        raise refusal(f"numpy.dtype({short(obj)})")
+    if not isinstance(align, bool) or not isinstance(copy, bool):
+        raise refusal(f"numpy.dtype({short(obj)}, {short(align)}, {short(copy)})")
+    try:
+        return Pending(dtype_from_state, np.dtype(obj, align=align))
+    except TypeError as exc:
+        raise InputError(f"numpy.dtype({short(obj)}) in the pickle: {exc}") from None
+
+
+def dtype_from_state(base: np.dtype, state) -> np.dtype:
+    """numpy's dtype BUILD state, checked, as a new dtype built by numpy's public constructors.
+
+    numpy writes `(version, byteorder, subarray, names, fields, elsize, alignment, flags[, metadata])`;
+    handing a malformed one to `dtype.__setstate__` can crash the process, so the dtype is rebuilt from
+    the descriptor and must come out with the elsize, alignment and flags the state claims.
+    """
+    if not (isinstance(state, tuple) and len(state) in (8, 9) and state[0] in (3, 4) and state[1] in "<>|="
+            and len(state[1]) == 1 and all(type(v) is int for v in state[5:8])):
+        raise refusal(f"numpy's dtype state {short(state)}")
+    _, order, subarray, names, fields, elsize, alignment, flags = state[:8]
+    try:
+        if subarray is not None:
+            sub, shape = subarray
+            if not isinstance(sub, np.dtype) or not isinstance(shape, tuple):
+                raise TypeError("a subarray is (dtype, shape)")
+            dtype = np.dtype((sub, shape))
+        elif names is not None or fields is not None:
+            dtype = _structured(names, fields, elsize, bool(flags & 0x80))
+        else:
+            dtype = _with_unit(base, state[8] if len(state) == 9 else None)
+            if order in "<>" and dtype.byteorder != "|":
+                dtype = dtype.newbyteorder(order)
+    except (TypeError, ValueError, KeyError) as exc:
+        raise refusal(f"numpy's dtype state {short(state)} ({short(str(exc))})") from None
+    if (elsize not in (-1, dtype.itemsize) or alignment not in (-1, dtype.alignment) or flags != dtype.flags):
+        raise refusal(f"numpy's dtype state {short(state)} (it does not describe {dtype})")
+    return dtype
+
+
+def _structured(names, fields, elsize: int, aligned: bool) -> np.dtype:
+    if not (isinstance(names, tuple) and isinstance(fields, dict) and all(isinstance(n, str) for n in names)):
+        raise TypeError("names are a tuple of str and fields a dict")
+    spec = [fields[n] for n in names]
+    if not all(isinstance(f, tuple) and len(f) in (2, 3) and isinstance(f[0], np.dtype) and type(f[1]) is int
+               for f in spec):
+        raise TypeError("each field is (dtype, offset[, title])")
+    return np.dtype({"names": list(names), "formats": [f[0] for f in spec], "offsets": [f[1] for f in spec],
+                     "titles": [f[2] if len(f) == 3 else None for f in spec], "itemsize": elsize}, align=aligned)
+
+
+def _with_unit(base: np.dtype, metadata) -> np.dtype:
+    """A datetime64 / timedelta64 dtype's unit from its state's metadata `(None, (unit, count, 1, 1))`."""
+    if metadata is None:
+        return base
+    if base.kind not in "Mm" or not (isinstance(metadata, tuple) and len(metadata) == 2
+                                     and isinstance(metadata[1], tuple) and len(metadata[1]) == 4):
+        raise TypeError("only datetime64 and timedelta64 carry metadata")
+    unit, count = metadata[1][:2]
+    if not isinstance(unit, bytes) or type(count) is not int or count < 1:
+        raise TypeError("a unit is (bytes, count)")
+    unit = unit.decode("ascii")
+    return np.dtype(f"{base.char}8[{count if count != 1 else ''}{unit}]")
 
 
 def _ml_bfloat16():
     return bfloat16().type
 
 
+class Pending:
+    """An array or dtype that numpy's pickles make in two steps: REDUCE, then BUILD with its state.
+
+    The unpickler builds the real value from the checked state (`array_from_state`,
+    `dtype_from_state`) and puts it where the stand-in was (the stack, and the memo slots in `keys`).
+    """
+
+    __slots__ = ("make", "base", "keys")
+
+    def __init__(self, make, base=None):
+        self.make, self.base, self.keys = make, base, []
+
+    def build(self, state):
+        return self.make(state) if self.base is None else self.make(self.base, state)
+
+
 # ====================================================================================== torch, without torch
 
 
 class _Marker:
-    """A torch name the allow-list knows (a storage type, Tensor, Parameter): a value to check, never to call."""
+    """A name the allow-list knows (a storage type, Tensor, Parameter, numpy.ndarray): a value, never called."""
+
+    __slots__ = ("name", "dtype")
 
     def __init__(self, name: str, dtype: str | None = None):
         self.name, self.dtype = name, dtype
 
     def __call__(self, *args, **kwargs):
-        raise refusal(f"torch.{self.name}(...)")
+        raise refusal(f"{self.name}(...)")
+
+    def __setstate__(self, state):     # BUILD on a shared marker would change it for every later file
+        raise refusal(f"a BUILD of {self.name}")
+
+
+_NDARRAY = _Marker("numpy.ndarray")
+_STORAGES = {name: _Marker(f"torch.{name}", dtype) for name, dtype in TORCH_STORAGES.items()}
 
 
 class _StorageUnpickler(pickle.Unpickler):
@@ -200,7 +325,7 @@ class _StorageUnpickler(pickle.Unpickler):
 
     def find_class(self, module, name):
         if module == "torch" and name in TORCH_STORAGES:
-            return _Marker(name, TORCH_STORAGES[name])
+            return _STORAGES[name]
         raise refusal(f"{module}.{name} inside a torch storage")
 
     def persistent_load(self, pid):
@@ -209,6 +334,8 @@ class _StorageUnpickler(pickle.Unpickler):
 
 def _load_from_bytes(data: bytes) -> np.ndarray:
     """A torch storage written by plain pickle (torch.save's legacy format), as a 1-d numpy array (a view)."""
+    if not isinstance(data, bytes):
+        raise refusal(f"torch.storage._load_from_bytes({short(data)})")
     f = io.BytesIO(data)
     try:
         magic, _version, info = (_StorageUnpickler(f).load() for _ in range(3))
@@ -222,22 +349,34 @@ def _load_from_bytes(data: bytes) -> np.ndarray:
         if count != numel or f.tell() + count * dtype.itemsize > len(data):
             raise ValueError(f"{count} elements of {numel}")
         return np.frombuffer(data, dtype=dtype, count=count, offset=f.tell())
-    except (ValueError, TypeError, AttributeError, EOFError, pickle.UnpicklingError) as exc:
-        raise InputError(f"a torch tensor's storage in the pickle is damaged ({exc}); rewrite the file") from None
+    except (ValueError, TypeError, AttributeError, EOFError, IndexError, KeyError, pickle.UnpicklingError) as exc:
+        raise InputError(f"a torch tensor's storage in the pickle is damaged ({short(str(exc))}); rewrite the "
+                         f"file") from None
 
 
 def _rebuild_tensor(storage, offset, size, stride, *_rest):
-    """torch._utils._rebuild_tensor_v2: the tensor's elements of its storage, as a numpy array (bounds checked)."""
-    if not isinstance(storage, np.ndarray) or storage.ndim != 1:
+    """torch._utils._rebuild_tensor_v2: the tensor's elements of its storage, as a numpy array (bounds checked).
+
+    A view whose values take more bytes than its storage (a broadcast: `x.expand(...)`, stride 0)
+    is refused past `EXPANDED_SLACK`: `pickle.load` keeps torch's view, a numpy copy would not.
+    """
+    if not isinstance(storage, np.ndarray) or storage.ndim != 1 or type(offset) is not int \
+            or not isinstance(size, tuple) or not isinstance(stride, tuple) \
+            or not all(type(s) is int for s in size + stride):
         raise refusal("torch._utils._rebuild_tensor_v2 on something other than a storage")
-    size, stride = tuple(int(s) for s in size), tuple(int(s) for s in stride)
     if offset < 0 or any(s < 0 for s in size + stride) or len(size) != len(stride):
-        raise InputError(f"a torch tensor in the pickle has size {size}, stride {stride}, offset {offset}; rewrite it")
+        raise InputError(f"a torch tensor in the pickle has size {short(size)}, stride {short(stride)}, offset "
+                         f"{offset}; rewrite it")
     if 0 in size:
         return np.zeros(size, dtype=storage.dtype)
     last = offset + sum((n - 1) * s for n, s in zip(size, stride))
     if last >= storage.size:
-        raise InputError(f"a torch tensor in the pickle reaches element {last} of a storage of {storage.size}")
+        raise InputError(f"a torch tensor in the pickle reaches element {last:,} of a storage of {storage.size:,}")
+    values = int(np.prod(size, dtype=np.int64)) * storage.itemsize
+    if values > storage.nbytes + EXPANDED_SLACK:
+        raise InputError(f"a torch tensor in the pickle is a view of {values:,} bytes over a storage of "
+                         f"{storage.nbytes:,} (a broadcast such as expand(), stride {short(stride)}); save "
+                         f"x.contiguous() (or x.clone()) instead of the view")
     view = np.lib.stride_tricks.as_strided(storage[offset:], size, [s * storage.itemsize for s in stride],
                                            writeable=False)
     return view if view.flags.c_contiguous else np.ascontiguousarray(view)
@@ -248,7 +387,8 @@ def _rebuild_parameter(data, _requires_grad=False, _hooks=None, _state=None):
 
 
 def _rebuild_from_type(func, new_type, args, state):
-    if func is not _rebuild_tensor or not (isinstance(new_type, _Marker) and new_type.name in ("Tensor", "Parameter")):
+    if func is not _rebuild_tensor or not (isinstance(new_type, _Marker)
+                                           and new_type.name in ("torch.Tensor", "torch.nn.Parameter")):
         raise refusal("torch._tensor._rebuild_from_type_v2 of a tensor subclass")
     return func(*args)
 
@@ -256,14 +396,16 @@ def _rebuild_from_type(func, new_type, args, state):
 def _reconstructor(cls, base, state):
     """copyreg._reconstructor (protocols 0-1): an unknown class becomes a `PickledObject` holding `state`."""
     if not (isinstance(cls, type) and issubclass(cls, PickledObject)):
-        return copyreg._reconstructor(cls, base, state)
+        if any(cls is value for value in ALLOWED.values()):
+            raise refusal(f"copyreg._reconstructor of {short(cls)}")
+        return copyreg._reconstructor(cls, _REAL.get(base, base), state)   # trust=True: the file's own class
     obj = cls.__new__(cls)
-    if base in (tuple, list):
+    if base in (_BUILTIN[tuple], _BUILTIN[list]):
         obj._args = tuple(state)
-    elif base is dict:
+    elif base is _BUILTIN[dict]:
         obj._items.update(state)
-    elif base is not object or state is not None:
-        raise refusal(f"copyreg._reconstructor of {cls.__qualname__} on {getattr(base, '__name__', base)}")
+    elif base is not _BUILTIN[object] or state is not None:
+        raise refusal(f"copyreg._reconstructor of {cls.__qualname__} on {short(getattr(base, '__name__', base))}")
     return obj
 
 
@@ -273,28 +415,47 @@ def _device(kind, index=None):
 
 def _codecs_encode(text, encoding="utf-8"):
     if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
-        raise refusal(f"_codecs.encode(..., {encoding!r})")
+        raise refusal(f"_codecs.encode(..., {short(encoding)})")
     return codecs.encode(text, encoding)
 
 
+def _built_from_data(make):
+    """`make` (a builtin type, OrderedDict, Counter) over values the file holds, never a lazy `range` nor a
+    count of bytes to allocate (`bytes(10**12)`): what a pickle's own REDUCE of such values passes.
+    """
+
+    def built(*args):
+        if any(isinstance(a, range) or (make in (bytes, bytearray) and type(a) is int) for a in args):
+            raise refusal(f"{make.__name__}({short(args)[1:-1]}) (a value the file would only ask for)")
+        return make(*args)
+
+    built.__name__ = built.__qualname__ = make.__name__
+    return built
+
+
+_BUILTIN = {t: _built_from_data(t) for t in (set, frozenset, complex, bytes, bytearray, slice, range, object,
+                                               tuple, list, dict, collections.OrderedDict, collections.Counter)}
+_REAL = {built: t for t, built in _BUILTIN.items()}
 ALLOWED = {
     **{(module, "_reconstruct"): _np_reconstruct for module in ("numpy.core.multiarray", "numpy._core.multiarray")},
     **{(module, "scalar"): _np_scalar for module in ("numpy.core.multiarray", "numpy._core.multiarray")},
     **{(module, "_frombuffer"): _np_frombuffer for module in ("numpy.core.numeric", "numpy._core.numeric")},
-    ("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): _np_dtype,
+    ("numpy", "ndarray"): _NDARRAY, ("numpy", "dtype"): _np_dtype,
     ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor, ("torch._utils", "_rebuild_tensor"): _rebuild_tensor,
     ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
     ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
     ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type,
     ("torch.storage", "_load_from_bytes"): _load_from_bytes,
-    ("torch", "Size"): tuple, ("torch", "device"): _device, ("torch", "Tensor"): _Marker("Tensor"),
-    ("torch.nn.parameter", "Parameter"): _Marker("Parameter"),
-    **{("torch", name): _Marker(name, dtype) for name, dtype in TORCH_STORAGES.items()},
-    ("collections", "OrderedDict"): collections.OrderedDict, ("collections", "Counter"): collections.Counter,
-    **{("builtins", t.__name__): t for t in (set, frozenset, complex, bytes, bytearray, slice, range, object, tuple,
-                                                                 list, dict)},
+    ("torch", "Size"): _BUILTIN[tuple], ("torch", "device"): _device, ("torch", "Tensor"): _Marker("torch.Tensor"),
+    ("torch.nn.parameter", "Parameter"): _Marker("torch.nn.Parameter"),
+    **{("torch", name): marker for name, marker in _STORAGES.items()},
+    ("collections", "OrderedDict"): _BUILTIN[collections.OrderedDict],
+    ("collections", "Counter"): _BUILTIN[collections.Counter],
+    **{("builtins", t.__name__): built for t, built in _BUILTIN.items() if t.__module__ == "builtins"},
     ("_codecs", "encode"): _codecs_encode, ("copyreg", "_reconstructor"): _reconstructor,
 }
+_RECORD_MAKERS = {("collections", "OrderedDict"), ("collections", "Counter"), ("copyreg", "_reconstructor"),
+                  ("builtins", "dict")}
 
 
 def allowed_global(module: str, name: str):
@@ -302,3 +463,18 @@ def allowed_global(module: str, name: str):
     if (module, name) == ("ml_dtypes", "bfloat16"):
         return _ml_bfloat16()
     return ALLOWED.get((module, name))
+
+
+def global_kind(dotted: str | None) -> str:
+    """"record" when an object made by the global `dotted` is a record (a class outside the allow-list, a
+    dict-like), "value" for what the allow-list rebuilds (arrays, tensors, scalars, sets).
+    """
+    if dotted is None:
+        return "value"
+    module, _, name = dotted.rpartition(".")
+    from _compat_pickle import IMPORT_MAPPING, NAME_MAPPING
+
+    module, name = NAME_MAPPING.get((module, name), (IMPORT_MAPPING.get(module, module), name))
+    if (module, name) in _RECORD_MAKERS:
+        return "record"
+    return "value" if allowed_global(module, name) is not None else "record"

@@ -1,192 +1,224 @@
 """Any pickle of records, one record at a time: a stream of dumps, or one list, tuple or dict of any size.
 
-`pickle_records(path)` yields the records of a file holding one or more pickles (`pickle.dump` in a
-loop, or one `pickle.dump(all_records)`, or both). A pickle whose top object is a list, tuple or dict
-is not unpickled whole: its elements are served one at a time, RAM about one record whatever the
-file's size. How:
+`pickle_records(path)` yields the records of a file holding one or more pickles, read as
+`pickle.Unpickler(f).load()` in a loop reads them, through the allow-list of
+`nblib.cache.pickle_globals`. Each pickle is first scanned (`nblib.cache.pickle_scan`): its top
+object, as STOP returns it, decides what its records are:
 
-1. `scan_pickle` walks the pickle's opcodes once without building anything (big byte strings are
-   skipped with a seek), simulating the unpickler's stack. It finds where each element of the top
-   container ends (the op after it), and for each memo slot the last op that reads it.
-2. A pure-Python unpickler (`pickle._Unpickler`, globals resolved through
-   `nblib.cache.pickle_globals`) runs the pickle; at each element's end it takes the element off the
-   stack and hands it out instead of adding it to the container, and drops the memo slots no later
-   op reads. Memo slots the elements share (a class, field names, a dtype) live as long as needed;
-   a record's own arrays leave with it.
+- a list: each element is a record (a tuple or list of records gives each; a tuple of values
+  `(x, y)` is one record with fields x, y; more values: fields "0", "1", ...);
+- a dict whose values are all records: each value, its key kept in the field `key`;
+- a tuple of records, or of lists of records: each record, in order;
+- a file of one pickle whose top object is a tuple of equal-length lists or arrays `(X, y)`: record i
+  is `{x: X[i], y: y[i]}` (three or more: fields "0", "1", ...);
+- anything else (a dict of fields, an object): one record.
 
-A pickle whose top object is a record (a dict, an object) is unpickled as one record; a dict whose
-values are records is a dict of records (its values are served), else it is one record.
+Lists, dicts of records and tuples are not built whole: at each element's end the pure-Python
+unpickler hands the element out and leaves None in its place, and memo slots no later op reads are
+dropped, so RAM is about one record whatever the file's size. `(X, y)` files and single records are
+built whole. What the file held is said in one line (`shape`).
 """
 from __future__ import annotations
 
-import dataclasses
 import pickle
-import pickletools
-from array import array
+import struct
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-from nblib.cache.pickle_globals import allowed_global, is_record, record_fields, stub_class
+import numpy as np
+
+from nblib.cache.pickle_globals import (
+    Pending,
+    PickledObject,
+    allowed_global,
+    is_record,
+    record_fields,
+    refusal,
+    short,
+    stub_class,
+)
+from nblib.cache.pickle_scan import LIST, OPS, RECORD, NotFresh, PicklePlan, PickleScanner
 from nblib.errors import InputError
 
-_OPS = {op.code.encode("latin-1")[0]: op for op in pickletools.opcodes}
-_EFFECT = {}   # opcode -> (items below the mark popped, or None: no mark; items popped; items pushed)
-for _code, _op in _OPS.items():
-    _before, _after = _op.stack_before, _op.stack_after
-    if pickletools.markobject in _before:
-        _EFFECT[_code] = (_before.index(pickletools.markobject), 0, len(_after))
-    else:
-        _EFFECT[_code] = (None, len(_before), len(_after))
-_CONTAINERS = {"EMPTY_LIST": 1, "EMPTY_DICT": 2}
-_GETS = {"GET", "BINGET", "LONG_BINGET"}
-_PUTS = {"PUT", "BINPUT", "LONG_BINPUT"}
+KEY_FIELD = "key"
+DATA_ERRORS = (EOFError, pickle.UnpicklingError, ValueError, IndexError, KeyError, TypeError, AttributeError,
+               MemoryError, RecursionError, OverflowError, struct.error, UnicodeDecodeError)
 
 
-@dataclasses.dataclass
-class Plan:
-    """The shape of one pickle whose top object is a container, read by `scan_pickle` without unpickling."""
+def pickle_records(path: Path, trust: bool = False, report: dict | None = None) -> Iterator[dict]:
+    """The records of a file of pickles, one at a time (see the module's docstring); dicts of fields.
 
-    per: int                 # stack items per element: 1 (list, tuple) or 2 (dict: key, value)
-    ends: array              # the op index at which each element is complete; -1 - index where the element is
-                             # added alone (APPEND / SETITEM: protocol 0, or a last batch of one)
-    last_get: array          # per memo slot, the last op index reading it (-1: never read)
-
-
-def first_op(f, start: int) -> str | None:
-    """The name of the first opcode of the pickle at `start` past PROTO and FRAME (None at the end of the file)."""
-    f.seek(start)
-    while True:
-        code = f.read(1)
-        if not code:
-            return None
-        op = _OPS.get(code[0])
-        if op is None:
-            raise InputError(f"byte {start:,} starts no pickle opcode ({code!r})")
-        if op.name not in ("PROTO", "FRAME"):
-            return op.name
-        f.read(op.arg.n)
+    `report`, when given, gets "shape": one line saying what the file held and how it was read.
+    """
+    served = 0
+    for continued in (False, True):
+        reading = _FileReading(Path(path), trust, continued)
+        try:
+            for index, record in enumerate(reading.records()):
+                if index >= served:       # a one-Pickler stream found late: read again, the served ones skipped
+                    served += 1
+                    yield record
+        except NotFresh:
+            continue
+        if report is not None:
+            report["shape"] = reading.shape(served)
+        return
 
 
-def scan_pickle(f, start: int) -> Plan | None:
-    """The `Plan` of the pickle at byte `start` of `f` when its top object is a list, tuple or dict; else None."""
-    name = first_op(f, start)
-    if name not in ("EMPTY_LIST", "EMPTY_DICT", "MARK"):
-        return None
-    f.seek(start)
-    stack = _Stack()
-    ends, last_get = array("q"), array("q")
-    per, ready, batch, keys, index = _CONTAINERS.get(name, 1), name != "MARK", False, 0, 0
-    tuple_mode = False
-    while True:
-        code = f.read(1)
-        if not code:
-            raise EOFError("the file ends inside a pickle")
-        op = _OPS.get(code[0])
-        if op is None:
-            raise pickle.UnpicklingError(f"byte {f.tell() - 1:,} is no pickle opcode ({code!r})")
-        key, name = _read_arg(f, op), op.name
-        if name in _GETS:
-            if key >= len(last_get):
-                raise pickle.UnpicklingError(f"memo slot {key} is read before it is written")
-            last_get[key] = index
-        elif name in _PUTS or name == "MEMOIZE":
-            keys = max(keys, (keys if name == "MEMOIZE" else key) + 1)
-            last_get.extend([-1] * (keys - len(last_get)))
-        elif name == "STOP":
-            return Plan(per, ends, last_get)
-        if batch and len(stack.levels) == 2 and _EFFECT[code[0]][0] is not None:   # the op closing a batch
-            starts, batch = stack.levels[1], False
-            if name in (("TUPLE",) if tuple_mode else ("APPENDS", "SETITEMS")) and not len(starts) % per:
-                ends.extend(starts[per::per])
-                ends.extend([index] if starts else [])
-            elif tuple_mode:
-                raise InputError(f"the pickle's top object is built by {name} over {len(starts)} items; records "
-                                 f"come one per pickle, or in a list, tuple or dict")
-            # else: that MARK began an element of a container filled one APPEND / SETITEM at a time
-        elif ready and name in ("APPEND", "SETITEM") and len(stack.levels) == 1 and len(stack.levels[0]) == 1 + per:
-            ends.append(-1 - index)
-        if not ready and name != "FRAME" and stack.marks and index > stack.marks[0]:
-            ready = True
-            if name in ("LIST", "DICT"):
-                per = 1 if name == "LIST" else 2     # protocols 0-1: MARK LIST (empty), then APPENDs
-            else:
-                batch = tuple_mode = True            # MARK elements TUPLE: a tuple of records
-        stack.apply(code[0], index, name)
-        if ready and name == "MARK" and len(stack.levels) == 2 and len(stack.levels[0]) == 1:
-            batch = True                             # [container] MARK elements APPENDS, or an element's MARK
-        index += 1
+class _FileReading:
+    """One pass over a file's pickles: scan one, read it, hand out its records, then the next."""
 
+    def __init__(self, path: Path, trust: bool, continued: bool):
+        self.path, self.trust, self.continued = path, trust, continued
+        self.shapes: Counter = Counter()
+        self.pickles = 0
 
-class _Stack:
-    """The unpickler's stack as the op index each item started at (a mark's own index included)."""
+    def records(self) -> Iterator[dict]:
+        path, size, count = self.path, self.path.stat().st_size, 0
+        with open(path, "rb") as f, open(path, "rb") as scan:
+            scanner, reader = PickleScanner(scan, size, self.continued), _Reader(f, self.trust)
+            at = 0
+            while at < size:
+                try:
+                    plan = scanner.scan(at)
+                    for record in self.pickle(reader, plan, size):
+                        yield record
+                        count += 1
+                except (InputError, NotFresh):
+                    raise
+                except DATA_ERRORS as exc:
+                    raise _damaged(path, count, at, size, exc) from None
+                at = plan.end
+                self.pickles += 1
 
-    def __init__(self):
-        self.levels: list[list[int]] = [[]]
-        self.marks: list[int] = []
-
-    def apply(self, code: int, index: int, name: str) -> None:
-        below, pops, pushes = _EFFECT[code]
-        levels = self.levels
-        if name == "MARK":
-            levels.append([])
-            self.marks.append(index)
+    def pickle(self, reader: _Reader, plan: PicklePlan, size: int) -> Iterator[dict]:
+        """The records of one pickle, by its top object."""
+        how, handouts = _serving(plan.top)
+        if how is None:
+            value = reader.whole(plan, self.continued)
+            alone = plan.start == 0 and plan.end == size
+            records, shape = top_records(value, alone)
+            self.shapes[shape] += 1
+            yield from records
             return
-        if name == "POP" and not levels[-1]:
-            levels.pop()
-            self.marks.pop()
-            return
-        if below is not None:
-            popped = levels.pop() + [self.marks.pop()]
-            pops = below
-        else:
-            popped = []
-        if pops:
-            if len(levels[-1]) < pops:
-                raise pickle.UnpicklingError(f"{name} at op {index} pops an empty stack")
-            popped += levels[-1][-pops:]
-            del levels[-1][-pops:]
-        levels[-1].extend([min(popped) if popped else index] * pushes)
+        self.shapes[how if how != "dict" else f"a dict of records (their keys in field '{KEY_FIELD}')"] += 1
+        elements = reader.elements(plan, handouts, self.continued, keyed=how == "dict")
+        key_field = None
+        for element in elements:
+            if how != "dict":
+                yield from element_records(element)
+                continue
+            key, value = element
+            fields = dict(record_fields(value))
+            key_field = key_field or (KEY_FIELD if KEY_FIELD not in fields else f"dict_{KEY_FIELD}")
+            fields[key_field] = key
+            yield fields
+
+    def shape(self, records: int) -> str:
+        """One line: what the file held and how many records it gave."""
+        kinds = ", ".join(f"{n:,} x {what}" if self.pickles > 1 else what for what, n in self.shapes.most_common(3))
+        more = "" if len(self.shapes) <= 3 else f" and {len(self.shapes) - 3} other shapes"
+        holds = f"{self.pickles:,} pickles ({kinds}{more})" if self.pickles != 1 else kinds
+        return f"{holds}: {records:,} records"
 
 
-def _read_arg(f, op) -> int:
-    """Read (or seek past) an opcode's argument; the memo slot of GET/PUT ops, else 0."""
-    arg = op.arg
-    if arg is None:
-        return 0
-    n = arg.n
-    if n >= 0:
-        data = f.read(n)
-        if len(data) != n:
-            raise EOFError
-        return int.from_bytes(data, "little") if op.name in ("BINGET", "LONG_BINGET", "BINPUT", "LONG_BINPUT") else 0
-    if n == pickletools.UP_TO_NEWLINE:
-        line = f.readline()
-        if op.name in ("GLOBAL", "INST"):
-            line = f.readline()
-        if not line.endswith(b"\n"):
-            raise EOFError
-        return int(line) if op.name in ("GET", "PUT") else 0
-    width, signed = {pickletools.TAKEN_FROM_ARGUMENT1: (1, False), pickletools.TAKEN_FROM_ARGUMENT4: (4, True),
-                     pickletools.TAKEN_FROM_ARGUMENT4U: (4, False), pickletools.TAKEN_FROM_ARGUMENT8U: (8, False)}[n]
-    size = int.from_bytes(f.read(width), "little", signed=signed)
-    if size < 0:
-        raise pickle.UnpicklingError(f"{op.name} of negative length {size}")
-    f.seek(size, 1)
-    return 0
+def _serving(top) -> tuple[str | None, list | None]:
+    """How a pickle's top object is served: its elements' end ops, or (None, None) to build it whole."""
+    if top.self_read:
+        return None, None
+    if top.kind == "list" and top.ends is not None:
+        return "a list of records", list(top.ends)
+    if top.kind == "dict" and top.ends is not None and all(k == RECORD for k in top.kinds):
+        return "dict", list(top.ends)
+    children = top.children if top.kind == "tuple" else None
+    if not children:
+        return None, None
+    items = [item for _, item in children]
+    if all(item.code() == RECORD for item in items):
+        return "a tuple of records", [end for end, _ in children]
+    if all(item.kind == "list" and not item.self_read and item.ends is not None and all(k == RECORD for k in item.kinds)
+           for item in items):
+        return f"a tuple of {len(items)} lists of records", sorted(end for item in items for end in item.ends)
+    return None, None
 
 
-# ====================================================================================== reading
+def element_records(element) -> list[dict]:
+    """An element of a list: a record; a tuple or list of records, each; a tuple of values, one record."""
+    if is_record(element):
+        return [record_fields(element)]
+    if isinstance(element, (list, tuple)) and element and all(is_record(e) for e in element):
+        return [record_fields(e) for e in element]
+    if isinstance(element, tuple) and not hasattr(element, "_fields"):
+        return [dict(zip(positional_names(len(element)), element))]
+    return [record_fields(element)]
 
 
-class _Unpickler(pickle._Unpickler):
-    """pickle's pure-Python unpickler: globals through the allow-list; a container's elements handed out."""
+def top_records(value, alone: bool) -> tuple[list, str]:
+    """The records of a top object built whole, and its shape; `alone`: the file's only pickle."""
+    if isinstance(value, list):
+        return [r for e in value for r in element_records(e)], "a list of records"
+    if isinstance(value, dict) and value and all(is_record(v) for v in value.values()):
+        return [{**record_fields(v), KEY_FIELD: k} for k, v in value.items()], "a dict of records"
+    if isinstance(value, tuple) and not hasattr(value, "_fields") and value:
+        if all(is_record(e) for e in value):
+            return [record_fields(e) for e in value], "a tuple of records"
+        if all(isinstance(e, (list, tuple)) and all(is_record(x) for x in e) for e in value):
+            return [record_fields(x) for e in value for x in e], f"a tuple of {len(value)} lists of records"
+        lengths = {_length(e) for e in value}
+        if alone and len(value) >= 2 and len(lengths) == 1 and None not in lengths:
+            names = positional_names(len(value))
+            return [{name: _row(e, i) for name, e in zip(names, value)} for i in range(lengths.pop())], \
+                f"a tuple of {len(value)} sequences of {_length(value[0]):,} ({', '.join(names)}): one record per row"
+        return [dict(zip(positional_names(len(value)), value))], f"one tuple of {len(value)} values: one record"
+    return [record_fields(value)], "one record"
+
+
+def positional_names(n: int) -> tuple[str, ...]:
+    """Field names for the values of a tuple: x, y for two; "0", "1", ... otherwise."""
+    return ("x", "y") if n == 2 else tuple(str(i) for i in range(n))
+
+
+def _length(value) -> int | None:
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return len(value)
+    if isinstance(value, np.ndarray) and value.ndim >= 1:
+        return value.shape[0]
+    return None
+
+
+def _row(value, i: int):
+    row = value[i]
+    return row.item() if isinstance(row, np.ndarray) and row.ndim == 0 else row
+
+
+def _damaged(path: Path, count: int, at: int, size: int, exc: BaseException) -> InputError:
+    """The one line for a pickle that does not read: cut short (truncate to keep the records before), or damaged."""
+    where = f"--records {path}: record {count:,} (at byte {at:,} of {size:,})"
+    if isinstance(exc, EOFError):
+        return InputError(f"{where} is cut short ({short(str(exc))}); rewrite the file, or, for a stream, truncate "
+                          f"it to {at:,} bytes to keep the {count:,} records before")
+    if isinstance(exc, (MemoryError, RecursionError)):
+        return InputError(f"{where} asks for more than this machine holds ({type(exc).__name__}: "
+                          f"{short(str(exc))}); the file is damaged or hostile: rewrite it")
+    return InputError(f"{where} does not read as a pickle ({type(exc).__name__}: {short(str(exc))}); the file is "
+                      f"damaged: rewrite it")
+
+
+# ====================================================================================== the unpickler
+
+
+class _Reader(pickle._Unpickler):
+    """pickle's pure-Python unpickler: globals through the allow-list, BUILD only on what it made itself,
+    and a container's elements handed out at the ops where the scan found them complete.
+    """
 
     dispatch = dict(pickle._Unpickler.dispatch)
 
     def __init__(self, file, trust: bool):
         super().__init__(file)
-        self.trust = trust
-        self.last_get: array | None = None
+        self.source, self.trust = file, trust
+        self.last_get = None
         self.op = 0
         self.keys = 0
 
@@ -205,10 +237,33 @@ class _Unpickler(pickle._Unpickler):
                 pass
         return stub_class(module, name)
 
+    def persistent_load(self, pid):
+        raise refusal(f"a persistent id {short(pid)}")
+
+    def load_build(self):
+        state, inst = self.stack.pop(), self.stack[-1]
+        if isinstance(inst, Pending):
+            value = inst.build(state)
+            self.stack[-1] = value
+            for key in inst.keys:
+                if self.memo.get(key) is inst:
+                    self.memo[key] = value
+        elif isinstance(inst, PickledObject):
+            inst.__setstate__(state)
+        elif self.trust:
+            self.stack.append(state)
+            pickle._Unpickler.load_build(self)
+        else:
+            raise refusal(f"a BUILD (setting the state) of {short(getattr(inst, '__qualname__', type(inst).__name__))}"
+                          f" (only objects the file made are given their state)")
+
     def _put(self, key: int) -> None:
         self.keys = max(self.keys, key + 1)
-        if self.last_get is None or self.last_get[key] > self.op:  # a slot no later op reads is not kept
-            self.memo[key] = self.stack[-1]
+        value = self.stack[-1]
+        if self.last_get is None or (key < len(self.last_get) and self.last_get[key] > self.op):
+            self.memo[key] = value      # a slot no later op reads is not kept
+            if isinstance(value, Pending):
+                value.keys.append(key)
 
     def load_memoize(self):
         self._put(self.keys)
@@ -226,102 +281,76 @@ class _Unpickler(pickle._Unpickler):
     dispatch[pickle.BINPUT[0]] = load_binput
     dispatch[pickle.LONG_BINPUT[0]] = load_long_binput
     dispatch[pickle.PUT[0]] = load_put
+    dispatch[pickle.BUILD[0]] = load_build
 
-    def items(self, plan: Plan | None) -> Iterator:
-        """The top object of the next pickle (plan None), or its container's elements one by one."""
+    def start(self, plan: PicklePlan, continued: bool) -> None:
+        """Ready to read the pickle of `plan`: a fresh stack, and a fresh memo unless one Pickler wrote the file."""
+        self.source.seek(plan.start)
         self._unframer = pickle._Unframer(self._file_read, self._file_readline)
         self.read, self.readinto, self.readline = self._unframer.read, self._unframer.readinto, self._unframer.readline
-        self.metastack, self.stack, self.memo = [], [], {}
-        self.append, self.proto, self.keys, self.op = self.stack.append, 0, 0, 0
-        self.last_get = plan.last_get if plan else None
-        ends = plan.ends if plan else array("q")
-        read, dispatch, done, skip = self.read, self.dispatch, 0, (pickle.APPEND[0], pickle.SETITEM[0])
-        following, single = _end(ends, 0)
+        self.metastack, self.stack = [], []
+        self.append, self.proto, self.op = self.stack.append, 0, 0
+        if not continued:
+            self.memo, self.keys = {}, 0
+        self.last_get = plan.last_get
+
+    def whole(self, plan: PicklePlan, continued: bool):
+        """The pickle's top object, built whole."""
+        for value in self.elements(plan, [], continued, keyed=False, top=True):
+            return value
+        raise pickle.UnpicklingError("no STOP")
+
+    def elements(self, plan: PicklePlan, handouts: list, continued: bool, keyed: bool, top: bool = False):
+        """The elements completed at the ops `handouts` (sorted), each replaced by None on the stack; with
+        `top`, the object STOP returns.
+        """
+        self.start(plan, continued)
+        read, dispatch, ops = self.read, self.dispatch, iter(handouts)
+        following = next(ops, -1)
         while True:
             code = read(1)
             if not code:
                 raise EOFError("the file ends inside a pickle")
             if self.op == following:
-                element = self.stack[-plan.per:]
-                if len(element) != plan.per or len(self.metastack) != (0 if single else 1):
-                    raise pickle.UnpicklingError(f"element {done} does not end where the scan found it")
-                del self.stack[-plan.per:]
-                yield element[0] if plan.per == 1 else tuple(element)
+                element = (self.stack[-2], self.stack[-1]) if keyed else self.stack[-1]
+                self.stack[-1] = None
+                yield element
                 del element
-                for key in [k for k in self.memo if self.last_get[k] < self.op]:
-                    del self.memo[key]
-                done += 1
-                if single and code[0] in skip:
-                    following, single = _end(ends, done)
-                    self.op += 1
-                    continue
-                following, single = _end(ends, done)
+                if self.last_get is not None:
+                    for key in [k for k in self.memo if self.last_get[k] < self.op]:
+                        del self.memo[key]
+                following = next(ops, -1)
             try:
                 dispatch[code[0]](self)
             except pickle._Stop as stop:
-                if plan is None:
+                if top:
                     yield stop.value
                 return
             self.op += 1
 
 
-def _end(ends: array, k: int) -> tuple[int, bool]:
-    """(op index, added alone) of element k's end; (-1, False) past the last."""
-    if k >= len(ends):
-        return -1, False
-    return (ends[k], False) if ends[k] >= 0 else (-1 - ends[k], True)
-
-
-def pickle_records(path: Path, trust: bool = False) -> Iterator:
-    """The records of a file of pickles, one at a time (see the module's docstring); dicts of fields."""
-    size = path.stat().st_size
-    with open(path, "rb") as f, open(path, "rb") as scan:
-        unpickler, index = _Unpickler(f, trust), 0
-        while f.tell() < size:
-            at = f.tell()
-            try:
-                plan = scan_pickle(scan, at)
-                fields = None   # a dict whose values are not records: one record, its items the fields
-                for n, item in enumerate(unpickler.items(plan)):
-                    if plan is not None and plan.per == 2:
-                        if n == 0 and not is_record(item[1]):
-                            fields = {}
-                        if fields is not None:
-                            fields[item[0]] = item[1]
-                            continue
-                        item = item[1]
-                    for record in _records_of(item, plan is None):
-                        yield record
-                        index += 1
-                if fields is not None:
-                    yield fields
-                    index += 1
-            except InputError:
-                raise
-            except (EOFError, pickle.UnpicklingError, ValueError, IndexError, KeyError) as exc:
-                raise InputError(f"--records {path}: record {index:,} (at byte {at:,} of {size:,}) is cut short or "
-                                 f"damaged ({type(exc).__name__}: {exc}); rewrite the file, or, for a stream, "
-                                 f"truncate it to {at:,} bytes to keep the {index:,} records before") from None
-
-
-def _records_of(item, top: bool):
-    """A top object that is a short tuple or list (TUPLE1-3) is records; anything else is one record."""
-    if top and isinstance(item, (list, tuple)) and not hasattr(item, "_fields"):
-        return [record_fields(x) for x in item]
-    return [record_fields(item)]
-
-
 def pickle_kind(path: Path) -> str:
-    """"pickle-list" when the file's first pickle is a list or tuple, else "pickle-stream"; InputError if no pickle."""
+    """"pickle-list" when the file's first pickle starts with a list or tuple, else "pickle-stream" (the
+    manifest's label); InputError if the file is no pickle.
+    """
     with open(path, "rb") as f:
-        try:
-            name = first_op(f, 0)
-            if name == "MARK":  # protocols 0-1: MARK DICT is a dict, MARK LIST a list, MARK ... TUPLE a tuple
-                following = _OPS.get((f.read(1) or b"\0")[0])
-                name = "EMPTY_DICT" if following is not None and following.name == "DICT" else name
-        except InputError:
-            raise InputError(f"--records {path} is not a pickle (its first byte is no pickle opcode); pass a "
-                             f"pickle, an .npz or a .pt file of records") from None
+        name = None
+        while True:
+            code = f.read(1)
+            op = OPS.get(code[0]) if code else None
+            if code and op is None:
+                raise InputError(f"--records {path} is not a pickle (its first byte is no pickle opcode); pass a "
+                                 f"pickle, an .npz or a .pt file of records")
+            if op is None or op.name not in ("PROTO", "FRAME"):
+                name = op.name if op else None
+                break
+            f.read(op.arg.n)
+        if name == "MARK":  # protocols 0-1: MARK DICT is a dict, MARK LIST a list, MARK ... TUPLE a tuple
+            following = OPS.get((f.read(1) or b"\0")[0])
+            name = "EMPTY_DICT" if following is not None and following.name == "DICT" else name
     if name is None:
         raise InputError(f"--records {path} is empty: it holds no records")
     return "pickle-list" if name in ("EMPTY_LIST", "MARK", "LIST") else "pickle-stream"
+
+
+__all__ = ["pickle_records", "pickle_kind", "element_records", "top_records", "positional_names", "LIST"]

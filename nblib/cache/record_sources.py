@@ -47,7 +47,7 @@ class RecordSource:
 
     def __iter__(self) -> Iterator[dict]:
         if self.kind.startswith("pickle"):
-            return pickle_records(Path(self.path), self.trust)
+            return pickle_records(Path(self.path), self.trust, report=self.extra)
         return {"npz": _npz_records, "pt": _pt_records}[self.kind](Path(self.path), self.trust)
 
     def describe(self) -> dict:

@@ -26,8 +26,11 @@ def cache_main(argv: list[str]) -> int:
     """
     from nblib.cache import populate, verify
     from nblib.errors import ConfigError
+    from nblib.folders import refuse_overlap
 
     args = _cache_args(argv)
+    refuse_overlap("cache", args.out, {"--texts": args.texts, "--images": args.images, "--labels": args.labels,
+                                       "--hf": args.hf, "--records": args.records}, suffix="cache")
     folder = args.verify or args.folder
     if args.verify is not None or args.repair or args.folder:
         if not folder:
@@ -113,6 +116,8 @@ def _cache_records(args: argparse.Namespace, verify_folder=None) -> int:
     with os_errors_name(args.out):
         summary = write_records(source, args.out, shard_mb=args.shard_mb, group_by=args.group_by,
                                 codec=args.codec or "zstd", codec_level=args.codec_level, overwrite=args.overwrite)
+    if "shape" in source.extra:
+        print(f"--records {args.records}: {source.extra['shape']}")
     print(summary)
     return 0
 
