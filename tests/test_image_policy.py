@@ -300,3 +300,15 @@ def test_pillows_bomb_warning_is_one_log_line_naming_the_file(tmp_path, monkeypa
     lines = [x for x in run.stderr.splitlines() if x.strip()]
     assert len(lines) == 2 and all("decoded anyway" in x for x in lines), run.stderr
     assert "0.png" in lines[0] and "warnings.warn" not in run.stderr
+
+
+def test_a_jpeg_whose_exif_pillow_calls_corrupt_is_cached_with_one_log_line(tmp_path):
+    from PIL import Image
+
+    (tmp_path / "dir").mkdir()
+    corrupt = b"Exif\x00\x00II*\x00\x08\x00\x00\x00\x01\x00\x12\x01\x03\x00\x01\x00\x00\x00\x06\x00"  # cut short
+    Image.fromarray(photo(8, 8)).save(tmp_path / "dir" / "odd.jpg", "JPEG", exif=corrupt)
+    run = built("--images", tmp_path / "dir", "--out", tmp_path / "c")
+    lines = [x for x in run.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "odd.jpg" in lines[0] and "Corrupt EXIF" in lines[0], run.stderr
+    assert len(ShardedImageCache(tmp_path / "c")) == 1

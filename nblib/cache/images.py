@@ -5,8 +5,11 @@ RGBA are turned into RGB; torch tensors in [C, H, W] are turned to [H, W, C]), a
 (items, or the first element of tuple items), or an HF `datasets.Dataset` (`column`, default
 "image"). `image_source(path)` opens what `python -m nblib cache --images PATH` takes: a folder of
 image files (sorted by name) or of class subfolders (`folder_images`; labels: `nblib.cache.sources`),
-a Parquet file, or an HF datasets folder (`save_to_disk`). Images of mixed sizes go in with `size`
-(`--size N`): RESIZE_POLICY, recorded in the manifest; without it a second size is refused.
+a Parquet file, or an HF datasets folder (`save_to_disk`). Every image is decoded by the one pixel
+policy of `nblib.cache.pixels` (EXIF orientation as `ImageOps.exif_transpose`; a JPEG drafted for
+`size`): sources hand image files' bytes over undecoded (`EncodedImage`) and `write_images` decodes
+them. Images of mixed sizes go in with `size` (`--size N`, at most MAX_SIZE): RESIZE_POLICY, recorded
+in the manifest with the decode policy; without it a second size is refused.
 
 Shards are written exactly as `populate` writes them (atomic, manifest last, per-image xxh3),
 so a killed run resumes to the same bytes. A resume reads the images again from the start: the

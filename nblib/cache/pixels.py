@@ -5,7 +5,8 @@ file, an HF datasets folder (its `datasets.Image` column is read undecoded, so `
 transpose it a first time), webdataset tars, and the PIL images handed to `write_images`. In order:
 
 1. Pillow opens the bytes; an image over twice `PIL.Image.MAX_IMAGE_PIXELS` is refused as a
-   decompression bomb, one over the limit itself is decoded with one logged line (no Python warning).
+   decompression bomb, one over the limit itself is decoded with one logged line; so is one whose EXIF
+   Pillow calls corrupt (each Pillow warning is a log line naming the image, not a Python warning).
 2. With `--size N`, a JPEG is decoded by libjpeg at the smallest scale of 1/1, 1/2, 1/4, 1/8 whose
    shorter side is still >= N (`Image.draft`): the resize then starts from at most 2N-1 pixels of
    shorter side instead of the full photo (DRAFT_POLICY).
@@ -21,8 +22,10 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import struct
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -58,7 +61,7 @@ def check_size(size: int | None, flag: str = "--size") -> int | None:
     if size > MAX_SIZE:
         raise ConfigError(f"{flag} {size:,} is over {MAX_SIZE:,} px, the largest nblib resizes to (one "
                           f"{size:,} x {size:,} RGB image is {3 * size * size / 1e9:,.1f} GB of RAM); pass "
-                          f"{flag} {MAX_SIZE:,} or less")
+                          f"{flag} {MAX_SIZE} or less")
     return size
 
 
@@ -69,7 +72,7 @@ def decode_image_bytes(data: bytes, where: str, size: int | None = None) -> np.n
     from PIL import Image
 
     try:
-        with _bomb_logged(where), Image.open(io.BytesIO(data)) as image:
+        with _pillow_warnings_logged(where), Image.open(io.BytesIO(data)) as image:
             return pil_pixels(image, where, size)
     except Image.DecompressionBombError as exc:
         raise InputError(_bomb(where, exc)) from None
@@ -87,8 +90,9 @@ def pil_pixels(image, where: str, size: int | None = None) -> np.ndarray:
     if size and getattr(image, "format", None) == "JPEG":
         image.draft("RGB", (size, size))        # a no-op once loaded, or for a progressive multi-tile file
     try:
-        ImageOps.exif_transpose(image, in_place=True)   # a no-op without an orientation other than 1
-    except (ValueError, SyntaxError, TypeError, KeyError, IndexError) as exc:
+        with _pillow_warnings_logged(where):
+            ImageOps.exif_transpose(image, in_place=True)   # a no-op without an orientation other than 1
+    except (ValueError, SyntaxError, TypeError, KeyError, IndexError, struct.error) as exc:
         raise InputError(f"{where} has EXIF data Pillow cannot parse ({type(exc).__name__}: {exc}); "
                          f"strip it (e.g. exiftool -all= FILE) or re-save the image, then rerun") from None
     return pil_rgb(image, where)
@@ -149,9 +153,10 @@ def _bomb(where: str, exc: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def _bomb_logged(where: str):
-    """Within it, Pillow's DecompressionBombWarning (an image between MAX_IMAGE_PIXELS and twice it)
-    becomes one log line naming `where`; any other warning is issued as it came.
+def _pillow_warnings_logged(where: str):
+    """Within it, each warning Pillow issues (DecompressionBombWarning for an image between
+    MAX_IMAGE_PIXELS and twice it, "Corrupt EXIF data", ...) becomes one log line naming `where`,
+    not a two-line Python warning; any other warning is issued as it came.
     """
     from PIL import Image
 
@@ -162,5 +167,7 @@ def _bomb_logged(where: str):
         if issubclass(warning.category, Image.DecompressionBombWarning):
             log.warning("%s: %s; decoded anyway, as it is under twice that limit (raise "
                         "PIL.Image.MAX_IMAGE_PIXELS to trust such files silently)", where, warning.message)
+        elif "PIL" in Path(warning.filename).parts:
+            log.warning("%s: %s (Pillow); decoded as Pillow reads it", where, str(warning.message).strip())
         else:
             warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)

@@ -12,11 +12,14 @@ a key (the name up to its first dot); its image is the jpg/jpeg/png/webp member,
 its text `txt`, or the `label`/`text` field of its `json`; any other member is skipped unread, and a
 tar cut short (even between two members) is refused.
 
-Every image goes through the one decoder of `nblib.cache.images` (mode conversion, 16-bit
-scaling, decompression-bomb refusal), and into `write_images`, so the cache resumes as
-`--images` does. Every label is checked once, here (`nblib.cache.labels`: no negative, absurd or
-id-like labels). Labels and/or texts travel in a side table, `source-labels.json`, hashed in the
-manifest, which holds the class names; `source_labels(cache_dir)` reads both, and `train` takes them.
+Every image goes undecoded into `write_images`, which decodes it by the one pixel policy of
+`nblib.cache.pixels` (EXIF orientation, JPEG draft for `--size`, mode conversion, 16-bit scaling,
+decompression-bomb refusal), so the cache resumes as `--images` does and one JPEG gives one array
+whatever its source. After the build `labels_line` says which classes were found, and how many
+images each holds, or how this source gets labels (`train` needs them). Every label is checked once,
+here (`nblib.cache.labels`: no negative, absurd, id-like, list or fractional labels). Labels and/or
+texts travel in a side table, `source-labels.json`, hashed in the manifest, which holds the class
+names; `source_labels(cache_dir)` reads both, and `train` takes them.
 Trade-off: the side table is one JSON list (a few bytes a row; 10 M captions make a big file),
 and a tar stream cannot be counted without reading it, so a wds cache has no disk preflight.
 """
