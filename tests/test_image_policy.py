@@ -177,7 +177,7 @@ def test_cache_images_prints_the_classes_and_counts_it_found(tmp_path):
     tar_of(tmp_path / "s.tar", {f"{k}.{ext}": data for k in range(4)
                                for ext, data in (("png", _png(photo(8, 8, k))), ("cls", b"%d" % (k // 2)))})
     run = built("--wds", tmp_path / "s.tar", "--out", tmp_path / "w")
-    assert "labels: 2 classes from the samples' cls labels (0, 1), 2 images each" in run.stdout
+    assert "labels: 2 classes from the samples' labels (0, 1), 2 images each" in run.stdout
     hf_folder(tmp_path / "hf", [_png(photo(8, 8, k)) for k in range(3)], [0, 1, 1])
     run = built("--hf", tmp_path / "hf", "--label-column", "label", "--out", tmp_path / "h")
     assert "labels: 2 classes from column 'label' (a, b), 1-2 images each" in run.stdout
@@ -312,3 +312,20 @@ def test_a_jpeg_whose_exif_pillow_calls_corrupt_is_cached_with_one_log_line(tmp_
     lines = [x for x in run.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and "odd.jpg" in lines[0] and "Corrupt EXIF" in lines[0], run.stderr
     assert len(ShardedImageCache(tmp_path / "c")) == 1
+
+
+def test_a_resize_whose_intermediate_outgrows_the_ram_is_one_line_naming_the_image(tmp_path):
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "strip.png").write_bytes(_png(photo(10_000, 1)))    # 16,384 px tall: 8 PB wide
+    line = one_error_line(run_cli("--images", tmp_path / "dir", "--out", tmp_path / "c", "--size", 16_384,
+                                  "--no-progress"))
+    assert "strip.png (10000x1 px) resized to --size 16,384" in line and "of RAM free" in line
+
+
+def test_a_labels_file_may_spell_a_name_in_nfd_where_the_file_is_nfc(tmp_path):
+    (tmp_path / "flat").mkdir()
+    for name in ("café.png", "tea.png"):
+        (tmp_path / "flat" / unicodedata.normalize("NFC", name)).write_bytes(_png(photo(8, 8)))
+    (tmp_path / "l.csv").write_text(unicodedata.normalize("NFD", "café.png,hot\ntea.png,cold\n"))
+    built("--images", tmp_path / "flat", "--labels", tmp_path / "l.csv", "--out", tmp_path / "c")
+    assert source_labels(tmp_path / "c") == {"labels": [1, 0], "classes": ["cold", "hot"]}   # café hot

@@ -138,7 +138,7 @@ def wds_source(pattern: str) -> ImageSource:
     if missing:
         raise InputError(f"--wds {pattern}: {len(missing)} of its {len(paths)} tars are missing or not files "
                          f"({', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}); fix the pattern")
-    source = ImageSource(images=iter(()), count=None, keys=[], origin="the samples' cls labels",
+    source = ImageSource(images=iter(()), count=None, keys=[], origin="the samples' labels",
                          unlabelled=_UNLABELLED["--wds"])
     source.images = _wds_images(paths, source)
     return source
