@@ -50,7 +50,6 @@ class Branchy(nn.Module):
             return {"pooled": self.out(torch.relu(self.wide(flat)))}
         return {"pooled": self.narrow(flat)}
 '''
-BATCHES = (1, 5, 24, 200)
 
 
 @pytest.fixture(scope="module")
@@ -122,14 +121,21 @@ def _bytes(v) -> tuple:
 
 @pytest.mark.parametrize("name,train", [("Pairwise", False), ("Pairwise", True), ("Branchy", False),
                                         ("Branchy", True)])
-def test_a_model_that_is_not_one_line_is_budgeted_as_its_direct_trace_at_every_batch(on_path, name, train):
+def test_a_model_that_is_not_one_line_is_budgeted_as_its_direct_trace_from_batch_1_to_its_largest(on_path, name,
+                                                                                                  train):
+    """Five batches from 1 to the largest the search finds (each probe traced): the budget is the direct trace's,
+    line for line, at every workspace position.
+    """
     from importlib import import_module
 
     mv = import_module("nblib.budget.model_vram")
     spec = f"tinyfactory:{name}"
-    budgets = mv.model_vram_table(spec, BATCHES, train=train, find_largest=False)
-    direct = _direct(mv, spec, BATCHES, train)
+    largest = mv.model_vram(spec, 1, train=train).largest_batch
+    batches = (1, 5, 24, 200, largest)
+    budgets = mv.model_vram_table(spec, batches, train=train, find_largest=False)
+    direct = _direct(mv, spec, batches, train)
     assert [_bytes(v) for v in budgets] == [_bytes(v) for v in direct]
+    assert budgets[-1].fits and largest > 200
 
 
 def test_the_largest_batch_search_of_a_pairwise_model_answers_in_one_line(on_path):
