@@ -189,7 +189,10 @@ def array_from_state(state) -> np.ndarray:
         raise InputError(f"an array in the pickle has shape {short(shape)} of {dtype} ({count * dtype.itemsize:,} "
                          f"bytes) and {len(data):,} bytes of data; the file is damaged")
     flat = np.frombuffer(data, dtype=dtype, count=count) if dtype.itemsize else np.zeros(count, dtype)
-    return flat.reshape(shape, order="F" if fortran else "C").copy(order="K")
+    array = flat.reshape(shape, order="F" if fortran else "C")
+    if not dtype.isnative and dtype.byteorder in "<>":      # numpy's setstate swaps such arrays to native order
+        return array.astype(dtype.newbyteorder("="), order="K")
+    return array.copy(order="K")
 
 
 def _np_frombuffer(buffer, dtype, shape, order):
