@@ -329,3 +329,17 @@ def test_a_labels_file_may_spell_a_name_in_nfd_where_the_file_is_nfc(tmp_path):
     (tmp_path / "l.csv").write_text(unicodedata.normalize("NFD", "café.png,hot\ntea.png,cold\n"))
     built("--images", tmp_path / "flat", "--labels", tmp_path / "l.csv", "--out", tmp_path / "c")
     assert source_labels(tmp_path / "c") == {"labels": [1, 0], "classes": ["cold", "hot"]}   # café hot
+
+
+def test_an_hf_image_column_with_a_mode_is_converted_to_it_as_datasets_does(tmp_path):
+    """Read undecoded, an Image(mode='L') column still gives grey, as datasets' own decode gave it."""
+    import datasets
+    from PIL import Image, ImageOps
+
+    blob = jpeg_bytes(photo(16, 12), orientation=6)
+    features = datasets.Features({"image": datasets.Image(mode="L")})
+    datasets.Dataset.from_dict({"image": [{"bytes": blob, "path": None}]}, features=features) \
+        .save_to_disk(str(tmp_path / "hf"))
+    built("--hf", tmp_path / "hf", "--out", tmp_path / "c")
+    grey = np.asarray(ImageOps.exif_transpose(Image.open(io.BytesIO(blob))).convert("L"))
+    assert np.array_equal(cached(tmp_path / "c")[0], np.repeat(grey[:, :, None], 3, axis=2))

@@ -410,7 +410,7 @@ def as_image(item, column: str | None = None, index: int = 0, size: int | None =
     if item is None:
         raise InputError(f"image {index:,} (row {index:,} of the input) is missing (None): fill it or drop the row")
     if isinstance(item, EncodedImage):
-        return decode_image_bytes(item.data, item.where, size)
+        return decode_image_bytes(item.data, item.where, size, item.mode)
     if hasattr(item, "convert") and hasattr(item, "mode"):  # a PIL image
         item = pil_pixels(item, f"image {index:,}", size)
     elif type(item).__module__.startswith("torch"):
@@ -461,13 +461,14 @@ def _dataset_rows(dataset, column: str) -> Iterator:
 
     dataset = dataset.select_columns([column])      # no other column decoded, nor read
     feature = (dataset.features or {}).get(column)
+    mode = feature.mode if isinstance(feature, datasets.Image) else None
     if isinstance(feature, datasets.Image) and feature.decode:
         dataset = dataset.cast_column(column, datasets.Image(decode=False))
     for k, row in enumerate(dataset):
         where = f"row {k:,} of the dataset (column {column!r})"
         if row[column] is None:
             raise InputError(f"{where} has no image (None): a missing image; fill it or drop the row")
-        yield image_cell(row[column], where)
+        yield image_cell(row[column], where, mode)
 
 
 def _length(images) -> int | None:
@@ -494,7 +495,7 @@ def _parquet_images(path: Path, column: str) -> tuple[Iterable, int]:
     return rows(), meta.metadata.num_rows
 
 
-def image_cell(value, where: str = "a Parquet cell"):
+def image_cell(value, where: str = "a Parquet cell", mode: str | None = None):
     """A table cell as `as_image` takes it: an HF Image struct {bytes, path} (a local path read within the
     read deadline) or encoded bytes as an `EncodedImage`; nested lists (Array3D) or arrays as an array.
     """
@@ -504,7 +505,7 @@ def image_cell(value, where: str = "a Parquet cell"):
     if value is None:
         raise InputError(f"{where} has no image (null): a missing image; fill it or drop the row")
     if isinstance(value, (bytes, bytearray)):
-        return EncodedImage(bytes(value), where)
+        return EncodedImage(bytes(value), where, mode)
     if hasattr(value, "convert") and hasattr(value, "mode"):    # a PIL image, as a decoded column gives
         return value
     return np.asarray(value, dtype=np.uint8)

@@ -50,6 +50,7 @@ class EncodedImage:
     """
     data: bytes
     where: str
+    mode: str | None = None     # a `datasets.Image(mode=...)` column's mode, converted to as datasets does
 
 
 def check_size(size: int | None, flag: str = "--size") -> int | None:
@@ -65,7 +66,7 @@ def check_size(size: int | None, flag: str = "--size") -> int | None:
     return size
 
 
-def decode_image_bytes(data: bytes, where: str, size: int | None = None) -> np.ndarray:
+def decode_image_bytes(data: bytes, where: str, size: int | None = None, mode: str | None = None) -> np.ndarray:
     """Encoded image bytes as uint8 [H, W, 3] by the pixel policy (`pil_pixels`, drafted for `size`);
     InputError naming `where` for a file Pillow cannot read or one over its decompression-bomb limit.
     """
@@ -73,17 +74,18 @@ def decode_image_bytes(data: bytes, where: str, size: int | None = None) -> np.n
 
     try:
         with _pillow_warnings_logged(where), Image.open(io.BytesIO(data)) as image:
-            return pil_pixels(image, where, size)
+            return pil_pixels(image, where, size, mode)
     except Image.DecompressionBombError as exc:
         raise InputError(_bomb(where, exc)) from None
     except OSError as exc:
         raise InputError(f"{where} is not an image Pillow can read ({exc}); remove it or fix it") from None
 
 
-def pil_pixels(image, where: str, size: int | None = None) -> np.ndarray:
+def pil_pixels(image, where: str, size: int | None = None, mode: str | None = None) -> np.ndarray:
     """A PIL image as uint8 [H, W, 3] by the one pixel policy (module docstring): drafted for `size`
-    (a JPEG not yet loaded), EXIF orientation applied as `ImageOps.exif_transpose`, then `pil_rgb`.
-    Not resized: `fit_size` does that, after.
+    (a JPEG not yet loaded), EXIF orientation applied as `ImageOps.exif_transpose`, converted to `mode`
+    first where a `datasets.Image(mode=...)` column asks, then `pil_rgb`. Not resized: `fit_size` does
+    that, after.
     """
     from PIL import ImageOps
 
@@ -95,6 +97,8 @@ def pil_pixels(image, where: str, size: int | None = None) -> np.ndarray:
     except (ValueError, SyntaxError, TypeError, KeyError, IndexError, struct.error) as exc:
         raise InputError(f"{where} has EXIF data Pillow cannot parse ({type(exc).__name__}: {exc}); "
                          f"strip it (e.g. exiftool -all= FILE) or re-save the image, then rerun") from None
+    if mode and image.mode != mode:
+        image = image.convert(mode)
     return pil_rgb(image, where)
 
 
