@@ -36,19 +36,27 @@ def readable_log_ticks(fig: Figure) -> None:
 
     Axes whose ticks a figure set itself (a FixedLocator, e.g. the batch sizes) keep them, as plain numbers.
     """
+    import math
+
     from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullFormatter
 
     for ax in fig.axes:
         for axis, scale in ((ax.xaxis, ax.get_xscale()), (ax.yaxis, ax.get_yscale())):
             if scale != "log":
                 continue
+            low, high = sorted(axis.get_view_interval())
+            decades = math.log10(high / low) if low > 0 else math.inf    # 1, 2, 5 per decade crowd a wide axis
             if not isinstance(axis.get_major_locator(), FixedLocator):
-                axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+                axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0) if decades <= 2 else (1.0,)))
             axis.set_major_formatter(FuncFormatter(_plain_number))
             axis.set_minor_formatter(NullFormatter())
 
 
 def _plain_number(value: float, _pos=None) -> str:
+    """A tick label short enough not to run into its neighbour: 500, 2k, 50k, 1M (0.5 below 1)."""
+    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if value >= scale:
+            return f"{value / scale:g}{suffix}"
     return f"{value:,.0f}" if value >= 1 else f"{value:g}"
 
 
@@ -188,9 +196,6 @@ def _wrap(text: str, width: int) -> str:
 
     return "\n".join(textwrap.wrap(text, width))
 
-# ============================================================ end 01
-
-
 # ============================================================ 02 cache population (cache.py)
 
 
@@ -298,9 +303,6 @@ def cache_read_throughput(rates: dict, consumer_images_per_s: float | None = Non
     return finish(fig, save_to)
 
 
-# ============================================================ end 02
-
-
 # ============================================================ 03 streaming encoding (encode.py)
 
 
@@ -391,9 +393,6 @@ def encode_disk_projection(choices, save_to=None) -> Figure:
     return finish(fig, save_to)
 
 
-# ============================================================ end 03
-
-
 # ============================================================ 04 shuffle checkpoints (shuffle.py, tfdata.py)
 
 def tf_checkpoint_vs_buffer(rows, state_rows=(), save_to=None) -> Figure:
@@ -480,9 +479,6 @@ def shuffle_quality_vs_buffer(rows, target_share: float | None = None, save_to=N
     share_ax.legend(fontsize=7)
     rank_ax.legend(fontsize=7)
     return finish(fig, save_to)
-
-
-# ============================================================ end 04
 
 
 # ============================================================ 05 input pipeline (pipeline/, lab/input_pipeline.py)
@@ -577,7 +573,27 @@ def input_rates(rows, encoder_samples_per_s: float, encoder_label: str = "encode
     return finish(fig, save_to)
 
 
-# ============================================================ end 05
+# ============================================================ 06 training (nblib.train)
+
+
+def training_curves(history, chance: float, save_to=None) -> Figure:
+    """A run's recorded evaluations (`TrainReport.history`) by step: training and held-out loss, and held-out
+    accuracy against chance (the step-0 row has no training loss: it is taken before the first step).
+    """
+    fig, (loss_ax, acc_ax) = new_figure(ncols=2, width=5.0, height=3.4)
+    steps = [h["step"] for h in history]
+    trained = [h for h in history if h["train_loss"] == h["train_loss"]]     # NaN at step 0: no batch yet
+    loss_ax.plot([h["step"] for h in trained], [h["train_loss"] for h in trained], "o-",
+                 label="training loss (the step's batch)")
+    loss_ax.plot(steps, [h["heldout_loss"] for h in history], "s-", label="held-out loss")
+    acc_ax.plot(steps, [100 * h["heldout_accuracy"] for h in history], "s-", color="tab:green", label="held-out")
+    acc_ax.axhline(100 * chance, color="gray", ls="--", label=f"chance ({100 * chance:.1f}%)")
+    loss_ax.set(xlabel="optimizer step", ylabel="cross-entropy", title="loss")
+    acc_ax.set(xlabel="optimizer step", ylabel="accuracy (%)", title="held-out accuracy", ylim=(0, 100))
+    for ax in (loss_ax, acc_ax):
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    return finish(fig, save_to)
 
 
 # ============================================================ 07 your model (nblib.lab.your_model)
