@@ -236,3 +236,26 @@ def test_an_empty_numpy_string_reads_back_and_is_not_called_damaged(tmp_path):
     got = list(pickle_records(_dump(tmp_path / "s.pkl", [{"s": v} for v in values_], 4)))
     assert [r["s"] for r in got] == ["alpha", "", "gamma"] and all(isinstance(r["s"], np.str_) for r in got)
     assert math.isnan(list(pickle_records(_dump(tmp_path / "n.pkl", {"f": float("nan")}, 4)))[0]["f"])
+
+
+def test_float8_and_int4_arrays_keep_their_dtype_and_torch_float8_is_one_line(tmp_path):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    from nblib.cache import RecordShards, write_records
+
+    for name in ("float8_e4m3fn", "float8_e5m2", "int4", "uint4"):
+        values_ = np.arange(6, dtype=np.float32).astype(getattr(ml_dtypes, name)).reshape(2, 3)
+        write_records([{"a": values_}], tmp_path / name, shard_mb=1)
+        back = RecordShards(tmp_path / name)[0]["a"]
+        assert back.dtype == values_.dtype and back.tobytes() == values_.tobytes(), name
+    torch = pytest.importorskip("torch")
+    with pytest.raises(InputError, match=r"torch.float8_e4m3fn has no numpy array"):
+        write_records([{"a": torch.zeros(2, dtype=torch.float8_e4m3fn)}], tmp_path / "t", shard_mb=1)
+
+
+def test_an_npz_of_a_billion_zero_width_rows_is_refused_before_a_shard_is_written(tmp_path):
+    from nblib.cache import record_source, write_records
+
+    np.savez(tmp_path / "z.npz", x=np.zeros((10**9, 0)), y=np.zeros((10**9, 0), np.int8))
+    with pytest.raises(InputError, match=r"1,000,000,000 records of 0 bytes"):
+        write_records(record_source(tmp_path / "z.npz"), tmp_path / "out", shard_mb=1)
+    assert not list((tmp_path / "out").glob("shard-*"))

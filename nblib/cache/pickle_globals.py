@@ -72,8 +72,15 @@ def bfloat16() -> np.dtype:
 
 
 def storage_dtype(code: str) -> np.dtype:
-    """The numpy dtype of a dtype code: a numpy `dtype.str`, or "bfloat16"."""
-    return bfloat16() if code == "bfloat16" else np.dtype(code)
+    """The numpy dtype of a dtype code: a numpy `dtype.str`, "bfloat16", or "ml_dtypes.NAME" (float8, int4...)."""
+    if code == "bfloat16":
+        return bfloat16()
+    if code.startswith("ml_dtypes."):
+        bfloat16()                                   # the install hint when ml_dtypes is missing
+        import ml_dtypes
+
+        return np.dtype(getattr(ml_dtypes, code.split(".", 1)[1]))
+    return np.dtype(code)
 
 
 # ====================================================================================== objects as state

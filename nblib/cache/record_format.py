@@ -31,13 +31,20 @@ import numpy as np
 import xxhash
 
 from nblib.atomic import AtomicWriter
-from nblib.cache.format import HEADER, SHARD_MAGIC, open_packed, read_shards_manifest, seal_shard
+from nblib.cache.format import (
+    HEADER,
+    RECORDS_KIND,
+    SHARD_MAGIC,
+    open_packed,
+    read_shards_manifest,
+    seal_shard,
+)
 from nblib.cache.pickle_globals import bfloat16, storage_dtype
 from nblib.errors import InputError
 from nblib.manifest import write_manifest
 
 MANIFEST = "manifest.json"
-MANIFEST_KIND = "nblib.records"
+MANIFEST_KIND = RECORDS_KIND
 MANIFEST_VERSION = 1
 RECORD_LAYOUT = 1               # the payload layout above; sits where image shards keep their shape
 RECORD_CODECS = ("zstd", "raw")
@@ -123,12 +130,20 @@ def _tensor_array(tensor) -> np.ndarray:
         import torch
 
         return tensor.view(torch.int16).numpy().view(bfloat16())
-    return tensor.numpy()
+    try:
+        return tensor.numpy()
+    except (TypeError, RuntimeError, NotImplementedError) as exc:   # float8, complex32, int4: numpy has no such type
+        raise InputError(f"a torch tensor of {tensor.dtype} has no numpy array ({str(exc).splitlines()[0]}); "
+                         f"store it as another dtype (x.to(torch.float16)) or its bits (x.view(torch.uint8))") from None
 
 
 def dtype_code(dtype: np.dtype) -> str:
-    """How a payload header and the schema name a dtype: its `str` ('<f2'), or "bfloat16"."""
-    return "bfloat16" if dtype.name == "bfloat16" and dtype.kind == "V" else dtype.str
+    """How a payload header and the schema name a dtype: its `str` ('<f2'), "bfloat16", or "ml_dtypes.NAME"
+    for ml_dtypes' other types (float8, int4...), whose `str` ('<V1', '<f1') numpy cannot read back.
+    """
+    if dtype.type.__module__.startswith("ml_dtypes"):
+        return "bfloat16" if dtype.name == "bfloat16" else f"ml_dtypes.{dtype.name}"
+    return dtype.str
 
 
 def field_schema(record: dict) -> dict:

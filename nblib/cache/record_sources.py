@@ -100,6 +100,10 @@ def _npz_records(path: Path, trust: bool) -> Iterator[dict]:
             raise InputError(f"--records {path}: its arrays' first dimensions are {counts}; an .npz of "
                              f"records has one leading record axis shared by every array (record i is "
                              f"{{name: array[i]}})")
+        if not any(r.row_bytes for r in readers.values()) and next(iter(counts.values())):
+            raise InputError(f"--records {path}: its arrays hold {next(iter(counts.values())):,} records of 0 bytes "
+                             f"each ({', '.join(f'{n} {r.shape}' for n, r in readers.items())}); save arrays whose "
+                             f"rows hold data")
         try:
             for _ in range(next(iter(counts.values()))):
                 yield {name: reader.next_row() for name, reader in readers.items()}
