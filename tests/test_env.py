@@ -134,7 +134,9 @@ def test_hardware_report_reads_this_machine(tmp_path):
 def test_info_cli_prints_the_report(tmp_path):
     out = run_nblib("info", cwd=REPO)
     assert out.returncode == 0, out.stderr
-    assert "profile  smoke" in out.stdout and "CPU cores" in out.stdout
+    assert "CPU cores" in out.stdout
+    rows = dict(line.split(None, 1) for line in out.stdout.splitlines()[:9])     # runtime, profile, the folders
+    assert rows["profile"] == "smoke" and rows["checkpoints"].endswith("checkpoints"), rows   # P12: a space each
 
 
 def test_cli_bad_profile_is_one_line_without_traceback():

@@ -29,3 +29,15 @@ def test_a_time_is_printed_where_the_suite_stands_behind_it():
     t4 = _time_row(budget.predict_budget(config.preset("seed_t4"), "t4").table())
     assert "projection" in t4 and "not predicted" not in t4, t4
     assert budget.predict_budget(smoke, "cpu").time_unknown.startswith("not predicted on cpu")
+
+
+def test_this_machines_projection_reads_as_a_sentence():
+    """Newcomer P10: notebook 03 printed '0.32 TFLOP/s on the this machine (cpu)'."""
+    import dataclasses
+
+    from nblib.budget.devices import device_preset
+
+    here = dataclasses.replace(device_preset("cpu"), name="this machine (cpu)")
+    method = budget.predict_budget(config.preset("smoke"), here).speed_method
+    assert "TFLOP/s on this machine (cpu)" in method and "the this" not in method, method
+    assert "TFLOP/s on the t4" in budget.predict_budget(config.preset("seed_t4"), "t4", efficiency=0.2).speed_method

@@ -110,7 +110,12 @@ class Budget:
         share = (f"{eff:.1%} of its peak (calibrated)" if eff is not None
                  else f"{self.device.efficiency:.0%} of its peak")
         return (f"projection: {self.flops_per_image / 1e9:,.2f} GFLOP per image at {share}, "
-                f"{self.device.compute_flops / 1e12:,.2f} TFLOP/s on the {self.device.name}")
+                f"{self.device.compute_flops / 1e12:,.2f} TFLOP/s on {self.device_words}")
+
+    @property
+    def device_words(self) -> str:
+        """The device as a sentence names it: 'the t4', 'this machine (cpu)' (never 'the this machine')."""
+        return self.device.name if self.device.name.startswith("this ") else f"the {self.device.name}"
 
     @property
     def headline(self) -> str:

@@ -11,8 +11,9 @@ def info_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m nblib info", description=info_main.__doc__)
     parser.parse_args(argv)
     ws = workspace()
-    print(f"runtime  {runtime()}\nprofile  {profile()}")
-    for name, folder in ws.as_dict().items():
-        print(f"{name:<9}{folder}")
+    rows = {"runtime": runtime(), "profile": profile(), **ws.as_dict()}
+    width = max(len(name) for name in rows) + 2          # every label, the longest too, a space from its value
+    for name, value in rows.items():
+        print(f"{name:<{width}}{value}")
     print(hardware_report(drive=ws.drive, local=ws.local))
     return 0
