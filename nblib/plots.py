@@ -359,7 +359,7 @@ def checksum_hamming(collisions, save_to=None) -> Figure:
     ax.axvline(collisions.bits / 2, color="0.5", ls=":", label=f"unrelated codes: {collisions.bits // 2} bits")
     ax.set(xlabel=f"Hamming distance between {collisions.bits}-bit codes",
            ylabel="pairs of images", xlim=(-1, collisions.bits + 1),
-           title=f"{(h == 0).sum()} colliding pairs among {len(h):,}")
+           title=f"{(h == 0).sum():,} colliding pairs among {len(h):,}")
     ax.legend()
     return finish(fig, save_to)
 

@@ -64,3 +64,15 @@ def test_log_axis_tick_labels_do_not_run_into_each_other():
         plots.finish(fig)
         assert _overlapping_tick_labels(fig) == [], (low, high, [t.get_text() for t in ax[0].get_xticklabels()])
         plots.close(fig)
+
+
+def test_the_checksum_figures_counts_both_carry_thousands_separators():
+    """Newcomer P21: '1264 colliding pairs among 130,816'."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    hamming = np.concatenate([np.zeros(1264, dtype=int), np.full(129_552, 16)])
+    fig = plots.checksum_hamming(SimpleNamespace(hamming=hamming, bits=32))
+    assert fig.axes[0].get_title() == "1,264 colliding pairs among 130,816"
+    plots.close(fig)
