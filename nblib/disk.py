@@ -1,4 +1,5 @@
-"""Disk and path helpers: bytes under a folder, free space of the filesystem holding a path.
+"""Disk and path helpers: bytes under a folder, free space of the filesystem holding a path, and the one check
+that a verb never writes into, or removes, a folder it reads (`refuse_overlap`).
 
 Budgets (`nblib.budget`), preflights and runs read free space here; the measured twin of a disk
 prediction is `DiskDelta`. A job's folder may not exist yet, so free space is read on its nearest
@@ -10,6 +11,8 @@ import os
 import shutil
 import threading
 from pathlib import Path
+
+from nblib.errors import ConfigError
 
 
 def disk_usage(folder: str | Path) -> int:
@@ -93,3 +96,49 @@ class DiskPeak:
         """Read the folder's size now (a caller that knows the peak's moment calls this at it)."""
         self.peak = max(self.peak, disk_usage(self.folder))
 
+
+# ====================================================================================== what a verb reads and writes
+# Every verb that writes a folder (cache, encode, export, train, predict) asks `refuse_overlap` before it touches
+# anything: its --out may not be one of its inputs, hold one, or sit inside one. `--overwrite` is never the advice:
+# a build with it into the folder it read deleted the input's shards, then failed reading them (red team R5-4).
+# Paths are compared resolved (symlinks followed), so a link to the input counts as the input.
+
+
+def overlap(out: str | Path, source: str | Path) -> str | None:
+    """How the path `out` meets the path `source`: "is", "holds", "sits inside", or None when they are apart."""
+    a, b = Path(out).expanduser().resolve(), Path(source).expanduser().resolve()
+    if a == b:
+        return "is"
+    if b.is_relative_to(a):
+        return "holds"
+    return "sits inside" if a.is_relative_to(b) else None
+
+
+def beside(source: str | Path, suffix: str) -> Path:
+    """A path next to `source` named after it: D -> D-SUFFIX (a file x.jsonl -> x-SUFFIX)."""
+    path = Path(source)
+    if not path.name or path.name in (".", ".."):
+        path = path.expanduser().resolve()
+    stem = path.stem if path.is_file() else path.name
+    return path.with_name(f"{stem}-{suffix}")
+
+
+def refuse_overlap(verb: str, out: str | Path | None, inputs: dict, *, out_flag: str = "--out",
+                   suffix: str = "out") -> None:
+    """ConfigError when `out` is, holds or sits inside one of `inputs` ({flag: path or None}: what `verb` reads).
+
+    Called before anything is written or removed; `suffix` names the suggested --out beside the input
+    (D -> D-SUFFIX).
+    """
+    if out is None or not str(out):
+        return
+    for flag, source in inputs.items():
+        if source is None or not str(source) or "://" in str(source):
+            continue
+        how = overlap(out, source)
+        if how is None:
+            continue
+        where = {"is": f"is {flag} {source} itself", "holds": f"holds {flag} {source}",
+                 "sits inside": f"sits inside {flag} {source}"}[how]
+        raise ConfigError(f"{out_flag} {out} {where}: {verb} would write into a folder it reads; pass an "
+                          f"{out_flag} outside it, e.g. {out_flag} {beside(source, suffix)}")

@@ -617,3 +617,28 @@ def model_budget_vs_simulated(checks: dict, limit_bytes: float | None = None, sa
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3, which="both")
     return finish(fig, save_to)
+
+
+# ============================================================ 06 training: scoring a run (nblib.train.evaluate)
+
+
+def confusion_matrix(matrix, classes, *, title: str = "", save_to=None) -> Figure:
+    """Counts [true class, predicted class] as a heat map, each cell written; rows: true, columns: predicted."""
+    import numpy as np
+
+    matrix = np.asarray(matrix)
+    side = min(12.0, 2.5 + 0.45 * len(classes))
+    fig, ax = new_figure(width=side, height=side * 0.85)
+    image = ax.imshow(matrix, cmap="Blues")
+    fig.colorbar(image, ax=ax, label="images")
+    ticks = range(len(classes))
+    ax.set_xticks(ticks, [_printable(str(c)) for c in classes], rotation=90 if len(classes) > 6 else 0)
+    ax.set_yticks(ticks, [_printable(str(c)) for c in classes])
+    if len(classes) <= 30:
+        cut = matrix.max(initial=0) / 2
+        for (i, j), count in np.ndenumerate(matrix):
+            ax.text(j, i, f"{count:,}", ha="center", va="center", fontsize=8,
+                    color="white" if count > cut else "black")
+    ax.set(xlabel="predicted class", ylabel="true class")
+    ax.set_title(_printable(title or "confusion matrix"), fontsize=9)
+    return finish(fig, save_to)

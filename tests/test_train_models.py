@@ -20,7 +20,7 @@ from test_train import labelled_cache
 from train_runs import run_and_kill, train_env
 
 from conftest import importable_models
-from nblib.errors import ConfigError, ResumeMismatch
+from nblib.errors import CacheError, ConfigError, ResumeMismatch
 from nblib.train import TrainConfig, train
 from nblib.train.records import RecordFields
 
@@ -248,7 +248,7 @@ def test_record_fields_the_records_lack_or_cannot_train_are_refused_naming_them(
             (RecordFields("hidden_states", "target_routing"), "trm", "the TRM takes images")):
         with pytest.raises(ConfigError, match=re.escape(expected)):
             train(records_dir, tmp_path / "run", CONFIG, fields=fields, model=model)
-    with pytest.raises(ConfigError, match="holds record shards, not images"):
+    with pytest.raises(CacheError, match="holds record shards, not images: read it with --records"):
         train(records_dir, tmp_path / "run", CONFIG)
     assert not (tmp_path / "run").exists()
 

@@ -105,7 +105,7 @@ def test_train_records_prints_a_predict_command_that_runs_as_typed_and_predicts_
 
     final = torch.load(run / "final.pt", weights_only=True)
     weight, bias = final["state_dict"]["weight"], final["state_dict"]["bias"]
-    outputs, inputs = RecordShards(run / "predictions"), RecordDataset(records, inputs="hidden_states")
+    outputs, inputs = RecordShards(tmp_path / "my run-predictions"), RecordDataset(records, inputs="hidden_states")
     assert len(outputs) == len(inputs) == 240
     for i in (0, 117, 239):
         record, x = outputs[i], inputs[i].float()
@@ -188,18 +188,20 @@ def test_train_texts_a_shuffled_copy_is_refused_naming_the_order_and_an_edited_o
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-def test_an_image_runs_next_step_runs_as_typed_and_predict_refuses_its_weights_in_one_line(text_cache, tmp_path):
+def test_an_image_runs_next_step_scores_it_as_typed_and_predict_records_refuses_its_weights_in_one_line(
+        text_cache, tmp_path):
     run = tmp_path / "image run"
     done = run_nblib("train", "--cache", text_cache, "--out", run, "--steps", "2", "--batch-size", "8",
                      "--save-every", "2", "--backup-every", "2", "--no-progress")
     assert done.returncode == 0, done.stderr[-3000:]
     argv = shlex.split(re.search(r"next: (.*)$", done.stdout, re.M).group(1))
-    assert argv[:4] == ["python", "-m", "nblib", "encode"] and "[--model" not in argv, argv
-    encoded = run_nblib(*argv[3:])
-    assert encoded.returncode == 0, encoded.stderr[-3000:]
-    records = routing_records(tmp_path / "records", top_k=None)
+    assert argv[:4] == ["python", "-m", "nblib", "predict"] and "--cache" in argv, argv
+    scored = run_nblib(*argv[3:])
+    assert scored.returncode == 0, scored.stderr[-3000:]
+    assert re.search(r"^accuracy [\d.]+% \(\d+ of 48 images", scored.stdout, re.M), scored.stdout
+    records, nothing = routing_records(tmp_path / "records", top_k=None), tmp_path / "no run"
     for args, expected in ((["--run", run, "--records", records, "--out", tmp_path / "p"], "weights of an image run"),
-                           (["--run", tmp_path, "--records", records, "--out", tmp_path / "p"], "does not exist"),
+                           (["--run", nothing, "--records", records, "--out", tmp_path / "p"], "does not exist"),
                            (["--run", run, "--records", records], "predict needs --out")):
         assert expected in one_error_line(run_nblib("predict", *args))
     assert not (tmp_path / "p").exists()

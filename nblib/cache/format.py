@@ -58,6 +58,7 @@ MANIFEST = "manifest.json"
 STAT_CACHE = stat_cache_path(MANIFEST).name  # "manifest.stat.json": non-canonical, safe to delete
 LEGACY_STAT_CACHE = "local-stat-cache.json"   # its name in caches written before: read, then replaced
 MANIFEST_KIND = "nblib.cache"
+RECORDS_KIND = "nblib.records"  # record shards' manifest (nblib.cache.record_format): the other folder of shards
 MANIFEST_VERSION = 3    # 3: per-image xxh3 tables in shards, shard xxh3, stats moved to STAT_CACHE
 OLD_VERSIONS = (2,)     # readable manifests of older layouts: refused with "rebuild"
 SHARD_SUFFIX = {name: c.suffix for name, c in CODECS.items()}
@@ -68,6 +69,8 @@ DAMAGED = ("missing", "truncated", "corrupt")
 SHARD_MAGIC = b"NBLSHRD3"
 HEADER = struct.Struct("<8s4sIII")  # magic, codec, height, width, channels
 TRAILER = struct.Struct("<QQQ8s")   # n images, xxh3 of the header, xxh3 of the tables, magic
+# the folders of shards nblib reads, by manifest kind: (what such a folder holds, the flag that reads it)
+SHARD_FOLDERS = {MANIFEST_KIND: ("images", "--cache"), RECORDS_KIND: ("record shards", "--records")}
 
 
 # ====================================================================================== codecs
@@ -444,12 +447,30 @@ def read_shards_manifest(folder: str | Path, kind: str, version: int, what: str,
     try:
         body = parse_manifest(raw, kind, versions=(version,), where=str(path)).body
     except ManifestDamaged as exc:
+        other = other_kind_line(folder, raw, kind)
+        if other is not None:
+            raise CacheError(other) from None
         raise CacheError(f"{_why_unusable(raw, exc)}; {what} cannot be trusted as it is: rebuild "
                          f"it with overwrite=True (--overwrite), or point at another folder") from None
     if not isinstance(body.get("shards"), list) or not isinstance(body.get("source"), dict):
         raise CacheError(f"{path} is an {kind} record without shards or source; rebuild it "
                          f"with overwrite=True (--overwrite)")
     return body
+
+
+def other_kind_line(folder: str | Path, raw: bytes, kind: str) -> str | None:
+    """The one line for a healthy folder of the other kind of shards (record shards where an image cache is read,
+    or the other way round): what it holds and which flag reads it; None for any other manifest. Never
+    "rebuild it with --overwrite": the folder is fine, and a build with --overwrite into it deletes its shards.
+    """
+    try:
+        found = json.loads(raw).get("kind")
+    except (ValueError, AttributeError):
+        return None
+    if found == kind or found not in SHARD_FOLDERS or kind not in SHARD_FOLDERS:
+        return None
+    holds, flag = SHARD_FOLDERS[found]
+    return f"{folder} holds {holds}, not {SHARD_FOLDERS[kind][0]}: read it with {flag} {folder}"
 
 
 def write_cache_manifest(cache_dir: str | Path, body: dict) -> None:

@@ -25,8 +25,8 @@ def cache_main(argv: list[str]) -> int:
     Check: `cache --verify DIR`, fix: `cache --verify --repair DIR` (exit 0 OK, 1 problems found).
     """
     from nblib.cache import populate, verify
+    from nblib.disk import refuse_overlap
     from nblib.errors import ConfigError
-    from nblib.folders import refuse_overlap
 
     args = _cache_args(argv)
     refuse_overlap("cache", args.out, {"--texts": args.texts, "--images": args.images, "--labels": args.labels,

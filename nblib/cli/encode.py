@@ -15,10 +15,12 @@ def encode_main(argv: list[str]) -> int:
     """`python -m nblib encode`: stream the encoder over a cache into durable, resumable parts."""
     from nblib import env
     from nblib.cache import ShardedImageCache
+    from nblib.disk import refuse_overlap
     from nblib.encode import VerifyLevel, encode
     from nblib.encode.distributed import join
 
     args = parse_or_refuse(_encode_parser(), argv)
+    refuse_overlap("encode", args.out, {"--cache": args.cache, "--weights": args.weights}, suffix="encoded")
     config = _encode_config(args, env.profile())
     world = join(shard=args.shard, consolidate_only=args.consolidate, device=args.device)  # torchrun ranks too
     try:

@@ -18,6 +18,7 @@ def export_main(argv: list[str]) -> int:
     completes, no file is in the folder for a reader to take. A folder holding files the export
     did not write is refused (see --overwrite); nothing nblib did not write is ever deleted.
     """
+    from nblib.disk import refuse_overlap
     from nblib.errors import ConfigError
     from nblib.export import FORMATS, export_cache, export_outputs
 
@@ -41,6 +42,8 @@ def export_main(argv: list[str]) -> int:
         raise ConfigError(f"{exc}; see python -m nblib export --help") from None
     if not args.out or bool(args.cache) == bool(args.outputs):
         raise ConfigError("export needs --out DIR and one of --cache DIR or --outputs DIR")
+    refuse_overlap("export", args.out, {"--cache": args.cache, "--outputs": args.outputs, "--texts": args.texts},
+                   suffix="export")
     common = {"texts": args.texts, "field": args.field, "compression_level": args.compression_level,
               "overwrite": args.overwrite}
     with os_errors_name(args.out):

@@ -42,6 +42,9 @@ def _train_args(argv: list[str]) -> argparse.Namespace:
 
     p = argparse.ArgumentParser(prog="python -m nblib train", description=train_main.__doc__, exit_on_error=False)
     p.add_argument("--cache", help="folder of a ShardedImageCache with labels (a .jsonl's texts, or a side table)")
+    p.add_argument("--val", help="with --cache: an image cache of your own labelled held-out images (classes named as "
+                                 "the training cache's), evaluated instead of a split carved from --cache, whose "
+                                 "images then all train; the closing line's predict command scores it")
     p.add_argument("--records", help="instead of --cache: record shards (cache --records); needs --input-key and "
                                      "--target-key")
     p.add_argument("--input-key", help="with --records: the array field the model takes")

@@ -14,6 +14,8 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from nblib.cache.format import read_cache_manifest
+from nblib.cache.record_format import read_record_manifest
 from nblib.errors import ConfigError, InputError
 
 from .config import TrainConfig
@@ -125,6 +127,10 @@ def check_train_args(args):
                          f"python -m nblib cache --records FILE.pkl --out {cache} --shard-size-mb 400")
     if fields is None:
         check_image_size(cache, args.model, args.profile)
+    else:
+        read_record_manifest(cache)         # an image cache given to --records: one line naming --cache
+    if args.val is not None:
+        read_cache_manifest(args.val)       # missing, or record shards: one line naming what reads them
     if args.workers < 0:
         raise ConfigError(f"--workers {args.workers} is negative; use 0 (read in the main process) or more")
     out = Path(args.out)
@@ -169,7 +175,7 @@ def run_train(args, checked, world=None) -> TrainReport:
         return train(cache, Path(args.out), config_from_args(args), mirror=args.mirror, texts=args.texts,
                      progress=not args.no_progress, world=world, mirror_timeout_s=args.mirror_timeout,
                      sync_save=args.sync_save, on_step=stop.on_step, mirror_quota_bytes=quota,
-                     model=args.model, output=args.output, weights=args.weights, fields=fields)
+                     model=args.model, output=args.output, weights=args.weights, fields=fields, val=args.val)
 
 
 def record_fields(args):

@@ -17,6 +17,7 @@ from nblib.errors import ConfigError
 LABELS = ("kind", "script")
 PRECISIONS = ("fp32", "bf16", "fp16")
 METRICS = ("heldout_loss", "heldout_accuracy")
+EVAL_BATCH = 64                 # images (records) per forward when evaluating or predicting
 # fields that change no byte of the trained weights (how the run is kept, not what it computes)
 OPERATIONAL = ("save_every", "backup_every", "keep_last", "eval_every", "workers", "best_metric")
 

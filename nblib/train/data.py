@@ -142,6 +142,37 @@ def side_table_labels(cache) -> tuple[np.ndarray, list[str]]:
     return np.asarray(table["labels"], dtype=np.int64)[: len(cache)], list(table["classes"])
 
 
+def carries_labels(cache) -> bool:
+    """Whether a cache's images have labels: rendered from texts (their kind or script), or built with a label
+    table (class subfolders, --labels FILE, --hf --label-column, --wds cls); not a flat folder of images.
+    """
+    source = cache.manifest["source"]
+    side = source.get("side") or {}
+    if side:
+        return side.get("kind", "labels") == "labels"
+    return source.get("kind") != "images"
+
+
+def labels_as(cache, run_classes: list[str], labels: str = "kind", what: str = "the cache") -> np.ndarray:
+    """The labels of every image of `cache` as indices into `run_classes` (a run's class names), matched by name
+    (Unicode NFC), so a cache holding a subset of the classes, or listing them in another order, scores right.
+    InputError naming the classes the run never saw.
+    """
+    values, classes = labels_for_cache(cache, labels)
+    index = {unicodedata.normalize("NFC", name): i for i, name in enumerate(run_classes)}
+    unknown = [classes[i] for i in np.unique(values) if unicodedata.normalize("NFC", classes[i]) not in index]
+    if unknown:
+        raise InputError(f"{what} has {len(unknown)} class(es) the run was not trained on ({_listed(unknown, 5)}); "
+                         f"the run knows {len(run_classes)}: {_listed(run_classes, 10)}; score it on images of "
+                         f"those classes only")
+    mapping = np.array([index.get(unicodedata.normalize("NFC", name), -1) for name in classes], dtype=np.int64)
+    return mapping[values]
+
+
+def _listed(names: list[str], most: int) -> str:
+    return ", ".join(map(repr, names[:most])) + (", ..." if len(names) > most else "")
+
+
 def label_digest(labels: np.ndarray, classes: list[str]) -> str:
     """sha256 of the class names and every image's label: a resume must train on the same labels.
 

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from nblib.atomic import atomic_torch_save
+from nblib.disk import refuse_overlap
 from nblib.errors import ConfigError, ResumeMismatch, TrainingDiverged
 from nblib.manifest import write_manifest
 from nblib.units import fmt_rate
@@ -168,10 +169,12 @@ def train(cache_dir: str | Path, out: str | Path, config: TrainConfig, *, mirror
           texts: str | Path | None = None, progress: bool = False, world=None, storage_options: dict | None = None,
           mirror_timeout_s: float = 60.0, stop_after: int | None = None, on_step=None, sync_save: bool = False,
           mirror_quota_bytes: int | None = None, model: str | None = None, output: str | None = None,
-          weights: str | Path | None = None, fields=None) -> TrainReport:
+          weights: str | Path | None = None, fields=None, val: str | Path | None = None) -> TrainReport:
     """Train (or resume) the run in `out` to `config.steps`; the report. See the module docstring.
 
     cache_dir: an image cache, or record shards with `fields` (`nblib.train.records.RecordFields`).
+    val: an image cache of the user's own held-out images (labelled, classes named as the training cache's):
+    evaluated instead of a split carved from `cache_dir`, whose images then all train.
     model: a model spec (`nblib.models.load_model`; None: the TRM, or the linear model for records);
     output: the model output its head (records: its loss) takes; weights: a state dict to start from.
     stop_after: stop (cleanly, after saving) once this step is reached (notebook demos of a resume).
@@ -187,7 +190,7 @@ def train(cache_dir: str | Path, out: str | Path, config: TrainConfig, *, mirror
                           storage_options=storage_options, mirror_timeout_s=mirror_timeout_s, stop_after=stop_after,
                           on_step=on_step, sync_save=sync_save, mirror_quota_bytes=mirror_quota_bytes,
                           task_args={"texts": texts, "model": model, "output": output, "weights": weights,
-                                     "fields": fields})
+                                     "fields": fields, "val": val})
         except RuntimeError as exc:
             error = as_nblib_error(exc, device)
             if error is None:
@@ -203,6 +206,8 @@ def _train(cache_dir, out, config: TrainConfig, *, mirror, progress, world, stor
     writer = rank == 0
     check_run_folders(cache_dir, out, mirror, storage_options=storage_options, timeout_s=mirror_timeout_s,
                       data_flag="--records" if task_args["fields"] is not None else "--cache")
+    refuse_overlap("train", out, {flag: task_args[name] for flag, name in
+                                  (("--val", "val"), ("--weights", "weights"), ("--texts", "texts"))}, suffix="run")
     task = make_task(cache_dir, config, **task_args)
     plan = task.plan
     plan.steps_per_epoch  # noqa: B018  refuses a batch larger than the training set, before any work
@@ -270,19 +275,17 @@ def _train(cache_dir, out, config: TrainConfig, *, mirror, progress, world, stor
     return report
 
 
-def make_task(data, config: TrainConfig, *, texts=None, model=None, output=None, weights=None, fields=None):
-    """The task of a run: record shards when `fields` (nblib.train.records.RecordFields) are given, else images."""
-    from nblib.cache.record_format import is_record_folder
-
+def make_task(data, config: TrainConfig, *, texts=None, model=None, output=None, weights=None, fields=None,
+              val=None):
+    """The task of a run: record shards when `fields` (nblib.train.records.RecordFields) are given, else images
+    (a folder of the other kind is refused by its reader, naming the flag that reads it).
+    """
     if fields is not None:
-        if texts is not None:
-            raise ConfigError("--texts gives the labels of an image cache; record shards carry their targets "
-                              "(--target-key): drop --texts")
+        if texts is not None or val is not None:
+            raise ConfigError(f"{'--texts' if texts is not None else '--val'} goes with an image cache; record "
+                              f"shards carry their targets (--target-key) and hold out a split of their own: drop it")
         return RecordTask(data, config, fields, model=model, output=output, weights=weights)
-    if is_record_folder(data):
-        raise ConfigError(f"{data} holds record shards, not images: train from it with --records {data} "
-                          f"--input-key FIELD --target-key FIELD")
-    return ImageTask(data, config, texts=texts, model=model, output=output, weights=weights)
+    return ImageTask(data, config, texts=texts, model=model, output=output, weights=weights, val=val)
 
 
 def _after_step(step, loss, model, task, config, optimizer, scheduler, scaler, identity, store, report,

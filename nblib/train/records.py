@@ -45,7 +45,7 @@ from torch import nn
 
 from nblib.atomic import sha256_json
 from nblib.cache.record_reader import RecordShardShuffle
-from nblib.errors import ConfigError, InputError
+from nblib.errors import ConfigError
 
 from .config import TrainConfig
 from .data import BatchPlan, split
@@ -331,10 +331,14 @@ class RecordTask:
                 "train": config.to_dict()}
 
     def next_step(self, final: Path) -> str:
-        """The command that uses final.pt: predict over these records (or others with the --input-key field)."""
+        """The command that uses final.pt: predict over these records (or others with the --input-key field), into
+        a folder beside the run (never inside what predict reads).
+        """
+        from nblib.disk import beside
+
         run = Path(final).parent
         return (f"python -m nblib predict --run {shlex.quote(str(run))} --records {shlex.quote(str(self.folder))} "
-                f"--out {shlex.quote(str(run / 'predictions'))}")
+                f"--out {shlex.quote(str(beside(run, 'predictions')))}")
 
     def _check_fields(self, schema: dict) -> None:
         for flag, name in (("--input-key", self.fields.inputs), ("--target-key", self.fields.target)):
@@ -383,19 +387,6 @@ def linear_model(in_features: int, out_features: int, seed: int) -> nn.Linear:
         return nn.Linear(in_features, out_features)
 
 
-def read_final(run) -> dict:
-    """The final.pt of a finished `train --records` run; InputError when it is missing or another run's."""
-    path = Path(run) / "final.pt"
-    if not path.is_file():
-        raise InputError(f"{path} does not exist: --run names the --out of a finished `train --records` run "
-                         f"(rerun its train command to finish it)")
-    payload = torch.load(path, map_location="cpu", weights_only=True)
-    if not isinstance(payload, dict) or "inputs" not in payload or "state_dict" not in payload:
-        raise InputError(f"{path} holds the weights of an image run (train --cache), not of train --records: use "
-                         f"python -m nblib encode --cache CACHE --out DIR --weights {path}")
-    return payload
-
-
 def final_model(payload: dict) -> RecordNet:
     """The trained module of a final.pt (the built-in linear model, or its --model spec) with its weights."""
     from nblib.models import load_model
@@ -436,14 +427,17 @@ def predict_records(run, records, out, *, batch_size: int = EVAL_BATCH, device: 
                     shard_mb: float = 400, overwrite: bool = False):
     """`python -m nblib predict`: run a `train --records` run's final weights over record shards (its --input-key
     field, padded and masked as in training), writing record shards to `out`: one record per input record, in
-    index order (see `predictions`). A rerun resumes; returns write_records' summary.
+    index order (see `predictions`). An `out` that is, holds or sits inside `run` or `records` is refused before
+    anything is touched (`overwrite` never removes an input). A rerun resumes; returns write_records' summary.
     """
     from nblib.cache.record_torch import RecordDataset
     from nblib.cache.records import write_records
 
     from .device import require_device
+    from .evaluate import check_predict, read_final
 
-    payload, device = read_final(run), require_device(device)
+    check_predict(run, out, "--records", records)
+    payload, device = read_final(run, "--records"), require_device(device)
     dataset = RecordDataset(records, inputs=payload["inputs"], check="first-touch")
     net = final_model(payload).to(device)
     with runs_on(f"--run {run}'s model on --input-key {payload['inputs']} of {records}"):

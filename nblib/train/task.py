@@ -29,12 +29,10 @@ import torch.nn.functional as F
 from nblib.config import named_config as model_config  # the encoder shape a profile or preset trains
 from nblib.errors import ConfigError, NblibError
 
-from .config import TrainConfig
+from .config import EVAL_BATCH, TrainConfig
 from .data import BatchPlan, LabelledImages, label_digest, labels_for_cache, split
 from .device import autocast
 from .model import HEAD_SEED_SALT, Classifier
-
-EVAL_BATCH = 64
 
 
 def is_trm(spec: str | None) -> bool:
@@ -140,13 +138,18 @@ class ImageTask:
     chance = None                       # accuracy by guessing: 1 / classes
 
     def __init__(self, cache_dir, config: TrainConfig, *, texts=None, model: str | None = None,
-                 output: str | None = None, weights=None):
+                 output: str | None = None, weights=None, val=None):
         from nblib.cache import ShardedImageCache
 
         self.folder, self.config, self.spec = Path(cache_dir), config, model
         self.cache = ShardedImageCache(cache_dir)
         self.labels, self.classes = labels_for_cache(self.cache, config.labels, texts)
-        self.train_idx, self.held_idx = split(len(self.cache), config.holdout)
+        self.val = None if val is None else self._val(Path(val))
+        if self.val is None:                    # the held-out split carved from the cache
+            self.train_idx, self.held_idx = split(len(self.cache), config.holdout)
+        else:                                   # every image trains; --val's images are held out
+            self.train_idx, self.held_idx = np.arange(len(self.cache)), np.arange(len(self.val[1]))
+        self.held_cache, self.held_labels = self.val[1:] if self.val else (self.cache, self.labels)
         self.plan = BatchPlan(self.train_idx, config.batch_size, config.seed)
         self.dataset, self.collate = LabelledImages(str(cache_dir), self.labels), None
         if is_trm(model):
@@ -157,7 +160,8 @@ class ImageTask:
     def identity(self) -> dict:
         return {"cache": self.cache.fingerprint, "classes": self.classes,
                 "labels": label_digest(self.labels, self.classes), "n_train": int(len(self.train_idx)),
-                "model": self.model_identity}
+                "model": self.model_identity,
+                **({"val": [self.val[1].fingerprint, label_digest(self.val[2], self.classes)]} if self.val else {})}
 
     def loss(self, net, images, labels):
         return F.cross_entropy(net(images), labels)
@@ -169,8 +173,8 @@ class ImageTask:
         loss_sum, correct = 0.0, 0
         for start in range(0, len(self.held_idx), EVAL_BATCH):
             idx = self.held_idx[start:start + EVAL_BATCH]
-            images = torch.from_numpy(np.stack([self.cache[int(i)] for i in idx])).to(config.device)
-            target = torch.from_numpy(self.labels[idx]).to(config.device)
+            images = torch.from_numpy(np.stack([self.held_cache[int(i)] for i in idx])).to(config.device)
+            target = torch.from_numpy(self.held_labels[idx]).to(config.device)
             with autocast(config.device, config.precision):
                 logits = model(images).float()
             loss_sum += float(F.cross_entropy(logits, target, reduction="sum"))
@@ -194,11 +198,32 @@ class ImageTask:
                 "output": model.output, "classes": list(self.classes), "train": config.to_dict()}
 
     def next_step(self, final: Path) -> str:
-        """The command that uses final.pt: encode the cache with the trained weights (the TRM: its shape's profile)."""
+        """The command that scores final.pt: predict over the --val cache (else this one), into a folder beside the
+        run (nblib.train.evaluate: predictions.csv, accuracy, the confusion matrix).
+        """
+        from nblib.disk import beside
+
         run, quote = Path(final).parent, shlex.quote
-        model = f"--model {quote(self.spec)}" if self.spec else f"--profile {quote(self.config.profile)}"
-        return (f"python -m nblib encode --cache {quote(str(self.folder))} --out {quote(str(run / 'encoded'))} "
-                f"{model} --weights {quote(str(final))}")
+        cache = self.val[0] if self.val else self.folder
+        return (f"python -m nblib predict --run {quote(str(run))} --cache {quote(str(cache))} "
+                f"--out {quote(str(beside(run, 'predictions')))}")
+
+    def _val(self, folder: Path):
+        """(folder, cache, labels as the run's class indices) of a --val cache: the user's own held-out images."""
+        from nblib.cache import ShardedImageCache
+
+        from .data import carries_labels, labels_as
+
+        cache = ShardedImageCache(folder)
+        if cache.shape != self.cache.shape:
+            raise ConfigError(f"--val {folder} holds {'x'.join(map(str, cache.shape))} images, --cache {self.folder} "
+                              f"{'x'.join(map(str, self.cache.shape))}: build the --val cache at the training size "
+                              f"(python -m nblib cache --images DIR --size {self.cache.image_size} --out NEW)")
+        if not carries_labels(cache):
+            raise ConfigError(f"--val {folder} holds images without labels: build a labelled cache from a folder "
+                              f"of class subfolders (DIR/cat/*.jpg: python -m nblib cache --images DIR --out NEW) or "
+                              f"with --labels FILE")
+        return folder, cache, labels_as(cache, self.classes, self.config.labels, f"--val {folder}")
 
     def _trm(self, spec, output, weights):
         if output is not None:
