@@ -125,20 +125,23 @@ class ModelVRAM:
 def model_vram(model, batch_size: int, device: str | Device = "t4", *, precision: str = "fp16",
                train: bool = False, output: str | None = None, n_classes: int = 12,
                find_largest: bool = True, max_batch: int = 4096, timeout_s: float = 600.0,
-               out_dtype: str = OUT_DTYPE) -> ModelVRAM:
+               out_dtype: str = OUT_DTYPE, inputs: str = "images") -> ModelVRAM:
     """The traced VRAM budget of `model` (a spec string, a LoadedModel, or a TRM's ModelConfig) at `batch_size`
     on `device`.
 
     out_dtype: the dtype encoding casts each output to on the device before its copy out (the run's).
+    inputs: what the model is called with: "images" (uint8 [B, H, W, 3] through its preprocessing) or
+    "tokens:LENGTH" (int64 input_ids and attention_mask of [B, LENGTH], a BERT-style text encoder; encoding).
     """
     return model_vram_table(model, (batch_size,), device, precision=precision, train=train, output=output,
                             n_classes=n_classes, find_largest=find_largest, max_batch=max_batch,
-                            timeout_s=timeout_s, out_dtype=out_dtype)[0]
+                            timeout_s=timeout_s, out_dtype=out_dtype, inputs=inputs)[0]
 
 
 def model_vram_table(model, batches, device: str | Device = "t4", *, precision: str = "fp16", train: bool = False,
                      output: str | None = None, n_classes: int = 12, find_largest: bool = True,
-                     max_batch: int = 4096, timeout_s: float = 600.0, out_dtype: str = OUT_DTYPE) -> list[ModelVRAM]:
+                     max_batch: int = 4096, timeout_s: float = 600.0, out_dtype: str = OUT_DTYPE,
+                     inputs: str = "images") -> list[ModelVRAM]:
     """`model_vram` at each of `batches`, from one trace (a slider's range: every row is the same answer)."""
     batches = [int(b) for b in batches]
     dev = device_preset(device)
@@ -148,9 +151,12 @@ def model_vram_table(model, batches, device: str | Device = "t4", *, precision: 
         raise ConfigError(f"precision={precision!r} is unknown; choose one of {PRECISIONS}")
     if not batches or min(batches) < 1:
         raise ConfigError(f"batch sizes {batches} must be >= 1")
+    if token_length(inputs) is not None and train:
+        raise ConfigError(f"--input {inputs} with --train: the training loop feeds images and labels (nblib.train); "
+                          f"a token input is budgeted for encoding: drop --train")
     warn_if_not_native()
     job = {**model_payload(model), "precision": precision, "train": train, "output": output, "classes": n_classes,
-           "cc": dev.compute_capability, "out_dtype": out_dtype}
+           "cc": dev.compute_capability, "out_dtype": out_dtype, **({} if inputs == "images" else {"inputs": inputs})}
     payload = {**job, "batches": batches, "cap": reserved_cap(dev), "search": find_largest,
                "max_batch": max(max_batch, *batches)}
     key = job_key(job)
@@ -172,6 +178,17 @@ def traced_point(payload: dict, b: int, timeout_s: float = 600.0) -> dict:
     """The child's own trace of batch `b` (no replay): where a kept stream's line leaves the model's batches."""
     one = {**payload, "batches": [b], "search": False, "max_batch": b, "replay": False}
     return run_child(CHILD, one, timeout_s=timeout_s)["points"][0]
+
+
+def token_length(inputs: str) -> int | None:
+    """The length of a "tokens:LENGTH" input (None for "images"); ConfigError for another form."""
+    kind, _, length = str(inputs).partition(":")
+    if kind == "images" and not length:
+        return None
+    if kind == "tokens" and length.isdigit() and int(length) > 0:
+        return int(length)
+    raise ConfigError(f"input {inputs!r} is not one the budget knows; write images (the default) or tokens:LENGTH "
+                      f"(input_ids and attention_mask of LENGTH tokens, e.g. tokens:128)")
 
 
 @dataclass

@@ -186,7 +186,9 @@ def load_shim(payload: dict) -> None:
 
 
 def child_model(payload: dict):
-    """In a child process: load the fake-CUDA shim, then the payload's model (spec, weights, TRM shape)."""
+    """In a child process: load the fake-CUDA shim, then the payload's model (spec, weights, TRM shape, the inputs
+    it takes: nblib.budget.model_vram.token_length).
+    """
     load_shim(payload)
     from nblib.models import load_model
 
@@ -195,4 +197,5 @@ def child_model(payload: dict):
         from nblib.config import ModelConfig
 
         config = ModelConfig(**payload["trm_model"])
-    return load_model(payload["spec"], payload["weights"], config=config)
+    inputs = "tokens" if str(payload.get("inputs", "images")).startswith("tokens:") else "images"
+    return load_model(payload["spec"], payload["weights"], config=config, inputs=inputs)

@@ -33,6 +33,8 @@ def budget_main(argv: list[str]) -> int:
                                    "hf:CLASS:config.json, timm:NAME, package.module:factory)")
     p.add_argument("--weights", help="a state-dict file for --model")
     p.add_argument("--train", action="store_true", help="with --model: a training step, not encoding")
+    p.add_argument("--input", default="images", help="with --model: what the model takes: images (the default) or "
+                   "tokens:LENGTH (input_ids and attention_mask, a BERT-style text encoder; encoding)")
     p.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default="fp16")
     p.add_argument("--json", action="store_true", help="with --model: print the budget as JSON (bytes)")
     args = parse_or_refuse(p, argv)
@@ -72,8 +74,9 @@ def _model_budget(args: argparse.Namespace) -> int:
     if args.weights:
         from nblib.models import load_model
 
-        model = load_model(args.model, args.weights)
-    budget = model_vram(model, args.batch_size or 64, args.device, precision=args.precision, train=args.train)
+        model = load_model(args.model, args.weights, inputs="images" if args.input == "images" else "tokens")
+    budget = model_vram(model, args.batch_size or 64, args.device, precision=args.precision, train=args.train,
+                        inputs=args.input)
     print(json.dumps(budget.as_json(), indent=1) if args.json else budget.table())
     budget.refuse_if_over()
     return 0

@@ -71,18 +71,20 @@ class LoadedModel:
 
 
 def load_model(spec: str | None = None, weights: str | Path | None = None, *, config=None, seed: int = 0,
-               preprocessing: Preprocessing | dict | None = None) -> LoadedModel:
+               preprocessing: Preprocessing | dict | None = None, inputs: str = "images") -> LoadedModel:
     """The model `spec` names (DEFAULT_SPEC: the TRM), its weights loaded when a file is given.
 
     config: the run's PipelineConfig (or ModelConfig) for the TRM; seed: the random weights' seed
-    (the TRM takes its config's run seed); preprocessing overrides the derived one.
+    (the TRM takes its config's run seed); preprocessing overrides the derived one; inputs: what the model is
+    called with, "images" (a batch of images) or "tokens" (input_ids and attention_mask: a text encoder, whose
+    transformers class is then refused unless its forward takes input_ids first).
     ModelSpecError for a bad spec, MissingDependency for an absent package, WeightsError for weights
     of another model.
     """
     spec = (spec or DEFAULT_SPEC).strip()
     kind, rest = _split(spec)
     builder = {"trm": _build_trm, "hf": _build_hf, "timm": _build_timm, "factory": _build_factory}[kind]
-    loaded = builder(spec, rest, config=config, seed=seed)
+    loaded = builder(spec, rest, config=config, seed=seed, **({"inputs": inputs} if kind == "hf" else {}))
     if preprocessing is not None:
         loaded.preprocessing = preprocessing_from(preprocessing)
     if weights is not None:
@@ -135,7 +137,7 @@ def _build_trm(spec: str, rest: str, *, config, seed: int) -> LoadedModel:
                        {"model": shape, "seed": trm_seed})
 
 
-def _build_hf(spec: str, rest: str, *, config, seed: int) -> LoadedModel:
+def _build_hf(spec: str, rest: str, *, config, seed: int, inputs: str = "images") -> LoadedModel:
     import torch
 
     transformers = _import_transformers()
@@ -149,7 +151,10 @@ def _build_hf(spec: str, rest: str, *, config, seed: int) -> LoadedModel:
     if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module) and getattr(cls, "config_class", None)):
         raise ModelSpecError(f"transformers.{class_name} is not a model class (an nn.Module with a "
                              f"config_class); name one such as ViTModel")
-    _takes_images(cls, transformers)
+    if inputs == "images":
+        _takes_images(cls, transformers)
+    else:
+        _takes_tokens(cls)
     hf_config = _hf_config(cls, config_path) if config_path else cls.config_class()
     module = _built(seed, lambda: cls(hf_config), f"{spec} (transformers.{class_name}({cls.config_class.__name__}))",
                     "pass a config it builds from (hf:CLASS:config.json)")
@@ -177,6 +182,17 @@ def _hf_config(cls, path: str):
     except Exception as exc:   # noqa: BLE001 - a config class may refuse a field with any error
         raise ModelSpecError(f"config {file} does not build a {cls.config_class.__name__} "
                              f"({type(exc).__name__}: {one_line(exc)}); fix that field") from None
+
+
+def _takes_tokens(cls) -> None:
+    """Refuse, for token inputs, a class whose forward does not take input_ids first (an image model)."""
+    import inspect
+
+    names = [n for n in inspect.signature(cls.forward).parameters if n != "self"]
+    if names[:1] != ["input_ids"]:
+        raise ModelSpecError(f"transformers.{cls.__name__}.forward takes {', '.join(names[:3])}, ... (not input_ids "
+                             f"first): token inputs are for text encoders (BertModel, RobertaModel, ...); drop --input "
+                             f"tokens:N for an image model")
 
 
 def _takes_images(cls, transformers) -> None:

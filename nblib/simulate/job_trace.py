@@ -16,7 +16,7 @@ import contextlib
 import json
 import sys
 
-from nblib.budget.model_vram import OUT_DTYPE, largest_batch
+from nblib.budget.model_vram import OUT_DTYPE, largest_batch, token_length
 
 TRAIN_STEPS = 3             # AdamW's moments exist from the first step: steps 2 and 3 are the steady state
 ENCODE_BATCHES = 2          # the second batch meets the first one's cached segments
@@ -105,27 +105,43 @@ def encode_batches(trace, module, loaded, b: int, size: int, dtype, payload: dic
 
     offload, every = payload.get("offload", "async"), payload.get("every", 1)
     batches = n or (every + 2 if offload == "consolidate" else ENCODE_BATCHES)
-    host_images = torch.empty((b, size, size, 3), dtype=torch.uint8)
+    host_batch, call = batch_input(loaded, b, size, payload.get("inputs", "images"))
     module.to("cuda:0")
     weights = trace.allocator.allocated
     trace.mark("weights")
     host = None
     for i in range(batches):
-        # a batch's images stay on the device through its forward, until the next batch's copy has landed
-        images = host_images.to("cuda:0")
+        # a batch's inputs stay on the device through its forward, until the next batch's copy has landed
+        batch = [t.to("cuda:0") for t in host_batch]
         with torch.inference_mode(), torch.autocast("cuda", dtype=dtype or torch.float32, enabled=dtype is not None):
-            named = named_outputs(module(loaded.preprocessing.apply(images)))
+            named = named_outputs(call(module, *batch))
         outputs = {n: named[n] for n in payload.get("outputs") or named}   # EncodeModel keeps the run's outputs
         del named
         if host is None:
             shapes = {n: tuple(t.shape[1:]) for n, t in outputs.items()}
-            host = _SimulatedHostPart(shapes, b * batches, payload.get("out_dtype", OUT_DTYPE), images.device,
+            host = _SimulatedHostPart(shapes, b * batches, payload.get("out_dtype", OUT_DTYPE), batch[0].device,
                                       offload, every)
         host.add(outputs, i * b)
         del outputs
     host.finish()
-    del images
+    del batch
     return weights
+
+
+def batch_input(loaded, b: int, size: int, inputs: str) -> tuple:
+    """(the batch as the host holds it, call(module, *batch on the device)): uint8 [b, size, size, 3] images
+    through the model's preprocessing, or for "tokens:LENGTH" (nblib.budget.model_vram.token_length) int64
+    input_ids and attention_mask of [b, LENGTH] as keywords (a BERT-style encoder; the mask as a padded batch
+    has it, so the attention runs masked).
+    """
+    import torch
+
+    length = token_length(inputs)
+    if length is None:
+        return [torch.empty((b, size, size, 3), dtype=torch.uint8)], \
+            lambda module, images: module(loaded.preprocessing.apply(images))
+    ids, mask = torch.zeros((b, length), dtype=torch.int64), torch.ones((b, length), dtype=torch.int64)
+    return [ids, mask], lambda module, ids, mask: module(input_ids=ids, attention_mask=mask)
 
 
 @contextlib.contextmanager
