@@ -123,3 +123,17 @@ def test_a_spec_outside_the_table_is_traced_once_and_then_read_from_the_users_fo
     finally:
         _fresh_caches()
     assert _bytes(again) == _bytes(traced) and f"the trace cache {kept[0].parent}" in again.label
+
+
+def test_a_user_folder_that_cannot_be_made_is_one_line_and_the_shipped_table_still_answers(monkeypatch, tmp_path):
+    from nblib.errors import ConfigError
+
+    (tmp_path / "a-file").write_text("not a folder")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "a-file"))
+    with pytest.raises(ConfigError, match="cannot be made .*set XDG_CACHE_HOME"):
+        trace_store.user_folder("shim")
+    _fresh_caches()
+    try:
+        assert "nblib/budget/trace_cache" in encode_trace.encode_vram(preset("seed_t4"), "t4").label
+    finally:
+        _fresh_caches()

@@ -34,8 +34,8 @@ SPEC_NAMED_ENV = frozenset({"NBLIB_PROFILE", "PYTHONPATH"})
 
 
 def user_folder(*parts: str) -> Path:
-    """The per-user folder (and `parts` below it), made mode 0700; ConfigError where another user owns it or it
-    is a link.
+    """The per-user folder (and `parts` below it), made mode 0700; ConfigError where another user owns it, it is
+    a link, or it cannot be made (a read-only home).
     """
     try:
         from platformdirs import user_cache_dir
@@ -43,7 +43,11 @@ def user_folder(*parts: str) -> Path:
     except ImportError:
         root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nblib"
     folder = root.joinpath(*parts)
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"nblib's per-user folder {folder} cannot be made ({exc.strerror}); set XDG_CACHE_HOME to "
+                          f"a folder of your own that can be written") from None
     for path in (root, *(root.joinpath(*parts[:i + 1]) for i in range(len(parts)))):
         st = os.lstat(path)
         if stat.S_ISLNK(st.st_mode) or st.st_uid != os.getuid():
@@ -91,20 +95,20 @@ def find(spec: dict) -> tuple[dict, Path] | None:
     """
     torch = torch_release()
     key = entry_key(spec, torch)
-    folders = [SHIPPED]
-    if torch is not None:
-        folders.append(user_folder("traces"))
-    for folder in folders:
-        candidates = [folder / entry_name(key)] if torch is not None else sorted(SHIPPED.glob("trm-encode-*.json"))
-        for path in candidates:
-            entry = _read(path)
-            if entry is not None and _matches(entry["head"], key, torch is None):
-                return entry, path
+    if torch is None:
+        return _first(sorted(SHIPPED.glob("trm-encode-*.json")), key, any_torch=True)
+    # the user's folder is made (and checked) only when the shipped table has no entry
+    return _first([SHIPPED / entry_name(key)], key) or _first([user_folder("traces") / entry_name(key)], key)
+
+
+def _first(paths, key: dict, any_torch: bool = False) -> tuple[dict, Path] | None:
+    """The first of `paths` that holds an entry whose head is `key` (any torch's where `any_torch`)."""
+    for path in paths:
+        entry = _read(path)
+        if entry is not None and all(entry["head"].get(k) == v for k, v in key.items()
+                                     if not (any_torch and k == "torch")):
+            return entry, path
     return None
-
-
-def _matches(head: dict, key: dict, any_torch: bool) -> bool:
-    return all(head.get(k) == v for k, v in key.items() if not (any_torch and k == "torch"))
 
 
 def _read(path: Path) -> dict | None:
