@@ -129,6 +129,28 @@ def test_a_test_cache_of_some_of_the_classes_scores_its_images_as_the_full_one_d
     assert set(per_class) == {"red", "blue"}
 
 
+def test_a_test_cache_that_lists_the_classes_in_another_order_scores_as_the_full_one_does(trained, tmp_path):
+    from PIL import Image
+
+    from nblib.cache import write_images
+
+    root, _, run, test_cache = trained
+    order = ["red", "green", "blue"]                            # the run's: blue, green, red
+    files = sorted((root / "test").glob("*/*.png"))
+    write_images([np.asarray(Image.open(f)) for f in files], tmp_path / "reordered", progress=False,
+                 keys=[f"{f.parent.name}/{f.name}" for f in files],
+                 side=lambda: {"labels": [order.index(f.parent.name) for f in files], "classes": order})
+    full = run_nblib("predict", "--run", run, "--cache", test_cache, "--out", tmp_path / "full")
+    other = run_nblib("predict", "--run", run, "--cache", tmp_path / "reordered", "--out", tmp_path / "other")
+    assert full.returncode == 0 and other.returncode == 0, (full.stderr, other.stderr)
+    by_key = {r["key"]: r for r in read_predictions(tmp_path / "full")}
+    for row in read_predictions(tmp_path / "other"):
+        same = by_key[row["key"]]
+        assert (row["label"], row["prediction"]) == (same["label"], same["prediction"])
+        assert row["label"] == row["key"].split("/")[0]
+    assert printed_counts(other.stdout) == printed_counts(full.stdout)
+
+
 def test_a_class_the_run_never_saw_is_refused_in_one_line_and_nothing_is_written(trained, tmp_path):
     _, _, run, _ = trained
     folder = image_folder(tmp_path / "zoo", {"red": COLOURS["red"], "purple": (150, 40, 150)}, 2, seed=2)
