@@ -20,7 +20,7 @@ def encode_main(argv: list[str]) -> int:
     from nblib.encode.distributed import join
 
     args = parse_or_refuse(_encode_parser(), argv)
-    refuse_overlap("encode", args.out, {"--cache": args.cache, "--weights": args.weights}, suffix="encoded")
+    refuse_overlap("encode", args.out, {"--cache": args.cache}, suffix="encoded")
     config = _encode_config(args, env.profile())
     world = join(shard=args.shard, consolidate_only=args.consolidate, device=args.device)  # torchrun ranks too
     try:

@@ -206,8 +206,7 @@ def _train(cache_dir, out, config: TrainConfig, *, mirror, progress, world, stor
     writer = rank == 0
     check_run_folders(cache_dir, out, mirror, storage_options=storage_options, timeout_s=mirror_timeout_s,
                       data_flag="--records" if task_args["fields"] is not None else "--cache")
-    refuse_overlap("train", out, {flag: task_args[name] for flag, name in
-                                  (("--val", "val"), ("--weights", "weights"), ("--texts", "texts"))}, suffix="run")
+    refuse_overlap("train", out, {"--val": task_args["val"], "--texts": task_args["texts"]}, suffix="run")
     task = make_task(cache_dir, config, **task_args)
     plan = task.plan
     plan.steps_per_epoch  # noqa: B018  refuses a batch larger than the training set, before any work
