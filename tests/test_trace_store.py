@@ -91,7 +91,7 @@ def test_a_user_folder_that_is_a_link_or_open_to_others_is_refused_or_closed(mon
     (tmp_path / "xdg").mkdir()
     (tmp_path / "planted").mkdir(mode=0o777)
     (tmp_path / "xdg" / "nblib").symlink_to(tmp_path / "planted")
-    with pytest.raises(ConfigError, match="is a link or belongs to"):
+    with pytest.raises(ConfigError, match="is a link, not a folder, or belongs to"):
         trace_store.user_folder("shim")
     (tmp_path / "xdg" / "nblib").unlink()
     (tmp_path / "xdg" / "nblib").mkdir(mode=0o755)

@@ -66,7 +66,7 @@ def backward_capability() -> tuple[bool, str]:
 
 def shim_path() -> Path:
     """The compiled shim for this torch: built once into the per-user folder (mode 0700, refused when another user
-    owns it: nblib.budget.trace_store.user_folder), keyed by source and torch; never a fixed name in the shared
+    owns it: nblib.budget.user_cache.user_folder), keyed by source and torch; never a fixed name in the shared
     temp folder, where another local user could plant a library of that name for this process to load.
     """
     spec = importlib.util.find_spec("torch")
@@ -86,7 +86,7 @@ def shim_path() -> Path:
                                     "here; install one (apt-get install g++) or read the closed-form budget")
     version = (root / "version.py").read_text(encoding="utf-8") if (root / "version.py").exists() else ""
     key = hashlib.sha256((SHIM_SOURCE + version + str(root)).encode()).hexdigest()[:16]
-    from nblib.budget.trace_store import user_folder
+    from nblib.budget.user_cache import user_folder
 
     folder = user_folder("shim")
     out = folder / f"nblib-fake-cuda-{key}.so"

@@ -8,55 +8,25 @@ rules: raise it when nblib's trace changes what it records), and on this process
 entry's file name. An entry is read from the table shipped in the package (`SHIPPED`, tested live against a fresh
 trace), else from the user's folder, else traced and written there (`save`): filled on first use.
 
-`user_folder()` is that per-user folder, mode 0700, refused when another user owns it: platformdirs'
-user_cache_dir("nblib") where platformdirs is installed, else $XDG_CACHE_HOME/nblib or ~/.cache/nblib. The
-fake-CUDA shim's compiled library lives there too (nblib.budget.shim.shim_path), never at a fixed name in the
-shared temp folder, where another local user could plant a library of that name.
+The user's folder is `nblib.budget.user_cache.user_folder("traces")`, beside the fake-CUDA shim's library.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-import stat
 import sys
 import tempfile
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from nblib.errors import ConfigError
+from nblib.budget.user_cache import user_folder
 
 SHIPPED = Path(__file__).parent / "trace_cache"
 TRACE_FORMAT = 2            # 1: keyed by the spec and the full torch version; 2: this key
 # named by the spec (the TRM's shape is in it, the preset that chose it is not needed; PYTHONPATH finds a user's
 # module, and the TRM is nblib's own)
 SPEC_NAMED_ENV = frozenset({"NBLIB_PROFILE", "PYTHONPATH"})
-
-
-def user_folder(*parts: str) -> Path:
-    """The per-user folder (and `parts` below it), made mode 0700; ConfigError where another user owns it, it is
-    a link, or it cannot be made (a read-only home).
-    """
-    try:
-        from platformdirs import user_cache_dir
-        root = Path(user_cache_dir("nblib", appauthor=False))
-    except ImportError:
-        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nblib"
-    folder = root.joinpath(*parts)
-    try:
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"nblib's per-user folder {folder} cannot be made ({exc.strerror}); set XDG_CACHE_HOME to "
-                          f"a folder of your own that can be written") from None
-    for path in (root, *(root.joinpath(*parts[:i + 1]) for i in range(len(parts)))):
-        st = os.lstat(path)
-        if stat.S_ISLNK(st.st_mode) or st.st_uid != os.getuid():
-            raise ConfigError(f"nblib's per-user folder {path} is a link or belongs to uid {st.st_uid}, not to "
-                              f"this user (uid {os.getuid()}): nothing is read from it; remove it, or set "
-                              f"XDG_CACHE_HOME to a folder of your own")
-        if stat.S_IMODE(st.st_mode) != 0o700:
-            os.chmod(path, 0o700)
-    return folder
 
 
 def torch_release() -> str | None:
