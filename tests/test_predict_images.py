@@ -20,10 +20,31 @@ import numpy as np
 import pytest
 from cli_runner import run_nblib
 
-from conftest import subprocess_env
+from conftest import importable_models, subprocess_env
 from tests.test_hostile import one_error_line
 
 COLOURS = {"blue": (40, 40, 200), "green": (40, 190, 40), "red": (200, 40, 40)}
+FACTORY_SOURCE = '''
+import torch
+from torch import nn
+
+
+class Tiny(nn.Module):
+    """A conv net over 16 px inputs; train puts a Linear head on its pooled output."""
+
+    preprocessing = {"size": [16, 16]}
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 6, 3, stride=2, padding=1)
+
+    def forward(self, x):
+        return {"pooled": torch.relu(self.conv(x)).mean(dim=(2, 3))}
+
+
+def build():
+    return Tiny()
+'''
 TRAIN = ["--steps", "6", "--batch-size", "8", "--save-every", "3", "--backup-every", "6", "--eval-every", "3",
          "--profile", "smoke", "--no-progress"]
 
@@ -192,6 +213,23 @@ def test_train_val_is_refused_in_one_line_with_records_without_labels_or_with_an
                                         *TRAIN))
         assert expected in line, line
     assert not (tmp_path / "r").exists()
+
+
+def test_a_run_of_another_model_is_scored_as_its_training_evaluated_it(trained, tmp_path):
+    root, _, _, test_cache = trained
+    (tmp_path / "models").mkdir()
+    with importable_models(tmp_path / "models", {}, FACTORY_SOURCE):
+        done = run_nblib("train", "--cache", root / "train-cache", "--val", test_cache, "--model", "tinyfactory:build",
+                         "--out", tmp_path / "tiny", *TRAIN[:-3], "--no-progress")
+        assert done.returncode == 0, done.stderr[-3000:]
+        argv = shlex.split(re.search(r"next: (.*)$", done.stdout, re.M).group(1))
+        scored = run_nblib(*argv[3:])
+    assert scored.returncode == 0, scored.stderr[-3000:]
+    rows = read_predictions(Path(argv[argv.index("--out") + 1]))
+    right, total, _ = printed_counts(scored.stdout)
+    assert (right, total) == (sum(r["label"] == r["prediction"] for r in rows), 15)
+    held_out = re.search(r"accuracy [\d.]+% -> ([\d.]+%)", done.stdout).group(1)
+    assert re.search(r"^accuracy ([\d.]+%)", scored.stdout, re.M).group(1) == held_out
 
 
 @pytest.mark.parametrize("case", ["no final.pt", "records given to --cache", "--out is --cache"])
