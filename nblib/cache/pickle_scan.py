@@ -91,7 +91,7 @@ class PicklePlan:
     last_get: array | None            # None: one Pickler wrote the file, every slot may be read later
 
 
-class NotFresh(Exception):
+class NotFresh(pickle.UnpicklingError):
     """A pickle read a memo slot it did not write: a stream written by one Pickler."""
 
 
@@ -307,6 +307,9 @@ class PickleScanner:
         global's name, a short string that may name one, a container that may be served).
         """
         item = self.need(1)[-1][1]
+        if key < 0 or key > self.keys:
+            raise pickle.UnpicklingError(f"memo slot {key} is written while {self.keys} slots are: a pickler writes "
+                                         f"slot {self.keys} next, or rewrites one")
         if key >= len(self.codes):
             self.codes.extend(bytes(key + 1 - len(self.codes)))
             if not self.continued:

@@ -51,19 +51,27 @@ def pickle_records(path: Path, trust: bool = False, report: dict | None = None) 
 
     `report`, when given, gets "shape": one line saying what the file held and how it was read.
     """
-    served = 0
-    for continued in (False, True):
-        reading = _FileReading(Path(path), trust, continued)
+    path = Path(path)
+    reading = _FileReading(path, trust, continued=_one_pickler(path))
+    yield from reading.records()
+    if report is not None:
+        report["shape"] = reading.shape()
+
+
+def _one_pickler(path: Path) -> bool:
+    """Whether one Pickler wrote the file's dumps (a dump reads a memo slot only an earlier one wrote): every
+    pickle after the first is scanned before any record is served, so the whole file is read one way."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        scanner, at = PickleScanner(f, size), 0
         try:
-            for index, record in enumerate(reading.records()):
-                if index >= served:       # a one-Pickler stream found late: read again, the served ones skipped
-                    served += 1
-                    yield record
+            while at < size:
+                at = scanner.scan(at).end
         except NotFresh:
-            continue
-        if report is not None:
-            report["shape"] = reading.shape(served)
-        return
+            return True
+        except (InputError, *DATA_ERRORS):
+            pass                          # reported, with the records before it, when the file is read
+    return False
 
 
 class _FileReading:
@@ -72,7 +80,7 @@ class _FileReading:
     def __init__(self, path: Path, trust: bool, continued: bool):
         self.path, self.trust, self.continued = path, trust, continued
         self.shapes: Counter = Counter()
-        self.pickles = 0
+        self.pickles = self.records_read = 0
 
     def records(self) -> Iterator[dict]:
         path, size, count = self.path, self.path.stat().st_size, 0
@@ -85,10 +93,12 @@ class _FileReading:
                     for record in self.pickle(reader, plan, size):
                         yield record
                         count += 1
-                except (InputError, NotFresh):
+                        self.records_read = count
+                except InputError:
                     raise
                 except DATA_ERRORS as exc:
-                    raise _damaged(path, count, at, size, exc) from None
+                    raise _damaged(path, count, at, size, exc, later=self.pickles > 0 and not self.continued) \
+                        from None
                 at = plan.end
                 self.pickles += 1
 
@@ -104,19 +114,15 @@ class _FileReading:
             return
         self.shapes[how if how != "dict" else f"a dict of records (their keys in field '{KEY_FIELD}')"] += 1
         elements = reader.elements(plan, handouts, self.continued, keyed=how == "dict")
-        key_field = None
-        for element in elements:
-            if how != "dict":
+        if how == "dict":
+            yield from keyed_records(elements, self.path)
+        else:
+            for element in elements:
                 yield from element_records(element)
-                continue
-            key, value = element
-            fields = dict(record_fields(value))
-            key_field = key_field or (KEY_FIELD if KEY_FIELD not in fields else f"dict_{KEY_FIELD}")
-            fields[key_field] = key
-            yield fields
 
-    def shape(self, records: int) -> str:
+    def shape(self) -> str:
         """One line: what the file held and how many records it gave."""
+        records = self.records_read
         kinds = ", ".join(f"{n:,} x {what}" if self.pickles > 1 else what for what, n in self.shapes.most_common(3))
         more = "" if len(self.shapes) <= 3 else f" and {len(self.shapes) - 3} other shapes"
         holds = f"{self.pickles:,} pickles ({kinds}{more})" if self.pickles != 1 else kinds
@@ -143,6 +149,21 @@ def _serving(top) -> tuple[str | None, list | None]:
     return None, None
 
 
+def keyed_records(pairs, path) -> Iterator[dict]:
+    """The records of a dict of records, (key, record) pairs in order: each record's fields and its key, in the
+    field `key` (`dict_key` when the first record has a field `key`); a key met twice is refused."""
+    key_field, seen = None, set()
+    for key, value in pairs:
+        if key in seen:
+            raise InputError(f"--records {path}: the pickled dict of records holds the key {short(key)} twice "
+                             f"(pickle.load keeps the last); write each record once")
+        seen.add(key)
+        fields = dict(record_fields(value))
+        key_field = key_field or (KEY_FIELD if KEY_FIELD not in fields else f"dict_{KEY_FIELD}")
+        fields[key_field] = key
+        yield fields
+
+
 def element_records(element) -> list[dict]:
     """An element of a list: a record; a tuple or list of records, each; a tuple of values, one record."""
     if is_record(element):
@@ -159,7 +180,7 @@ def top_records(value, alone: bool) -> tuple[list, str]:
     if isinstance(value, list):
         return [r for e in value for r in element_records(e)], "a list of records"
     if isinstance(value, dict) and value and all(is_record(v) for v in value.values()):
-        return [{**record_fields(v), KEY_FIELD: k} for k, v in value.items()], "a dict of records"
+        return list(keyed_records(value.items(), None)), f"a dict of records (their keys in field '{KEY_FIELD}')"
     if isinstance(value, tuple) and not hasattr(value, "_fields") and value:
         if all(is_record(e) for e in value):
             return [record_fields(e) for e in value], "a tuple of records"
@@ -192,8 +213,9 @@ def _row(value, i: int):
     return row.item() if isinstance(row, np.ndarray) and row.ndim == 0 else row
 
 
-def _damaged(path: Path, count: int, at: int, size: int, exc: BaseException) -> InputError:
-    """The one line for a pickle that does not read: cut short (truncate to keep the records before), or damaged."""
+def _damaged(path: Path, count: int, at: int, size: int, exc: BaseException, later: bool = False) -> InputError:
+    """The one line for a pickle that does not read: cut short (truncate to keep the records before), or damaged
+    (`later`: a dump after the first, read with a fresh memo, which a one-Pickler stream may also explain)."""
     where = f"--records {path}: record {count:,} (at byte {at:,} of {size:,})"
     if isinstance(exc, EOFError):
         return InputError(f"{where} is cut short ({short(str(exc))}); rewrite the file, or, for a stream, truncate "
@@ -201,8 +223,9 @@ def _damaged(path: Path, count: int, at: int, size: int, exc: BaseException) -> 
     if isinstance(exc, (MemoryError, RecursionError)):
         return InputError(f"{where} asks for more than this machine holds ({type(exc).__name__}: "
                           f"{short(str(exc))}); the file is damaged or hostile: rewrite it")
+    cause = " (or one Pickler wrote the dumps: write each with pickle.dump)" if later else ""
     return InputError(f"{where} does not read as a pickle ({type(exc).__name__}: {short(str(exc))}); the file is "
-                      f"damaged: rewrite it")
+                      f"damaged{cause}: rewrite it")
 
 
 # ====================================================================================== the unpickler
