@@ -90,7 +90,8 @@ def _write(objects, protocol: int, one_pickler: bool) -> bytes:
 def _readings(data: bytes, alone: bool) -> list[list]:
     """The records by the documented rules over each reading the standard library gives that succeeds:
     `pickle.load(f)` per dump (each dump numbers its memo from 0), and `Unpickler(f).load()` in a loop (one
-    Pickler's memo spans the dumps)."""
+    Pickler's memo spans the dumps).
+    """
     readings = []
     for one_pickler in (False, True):
         try:
@@ -141,7 +142,8 @@ def same(a, b) -> bool:
 
 def _check(tmp_path, objects, protocol, one_pickler=False):
     """Separate dumps: exactly the `pickle.load` loop's records. One Pickler's dumps: Unpickler's records, or
-    the `pickle.load` loop's where it reads them too (the two cannot be told apart), or one refusal line."""
+    the `pickle.load` loop's where it reads them too (the two cannot be told apart), or one refusal line.
+    """
     data = _write(objects, protocol, one_pickler)
     path = tmp_path / "f.pkl"
     path.write_bytes(data)

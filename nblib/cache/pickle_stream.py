@@ -60,7 +60,8 @@ def pickle_records(path: Path, trust: bool = False, report: dict | None = None) 
 
 def _one_pickler(path: Path) -> bool:
     """Whether one Pickler wrote the file's dumps (a dump reads a memo slot only an earlier one wrote): every
-    pickle after the first is scanned before any record is served, so the whole file is read one way."""
+    pickle after the first is scanned before any record is served, so the whole file is read one way.
+    """
     size = path.stat().st_size
     with open(path, "rb") as f:
         scanner, at = PickleScanner(f, size), 0
@@ -151,7 +152,8 @@ def _serving(top) -> tuple[str | None, list | None]:
 
 def keyed_records(pairs, path) -> Iterator[dict]:
     """The records of a dict of records, (key, record) pairs in order: each record's fields and its key, in the
-    field `key` (`dict_key` when the first record has a field `key`); a key met twice is refused."""
+    field `key` (`dict_key` when the first record has a field `key`); a key met twice is refused.
+    """
     key_field, seen = None, set()
     for key, value in pairs:
         if key in seen:
@@ -215,7 +217,8 @@ def _row(value, i: int):
 
 def _damaged(path: Path, count: int, at: int, size: int, exc: BaseException, later: bool = False) -> InputError:
     """The one line for a pickle that does not read: cut short (truncate to keep the records before), or damaged
-    (`later`: a dump after the first, read with a fresh memo, which a one-Pickler stream may also explain)."""
+    (`later`: a dump after the first, read with a fresh memo, which a one-Pickler stream may also explain).
+    """
     where = f"--records {path}: record {count:,} (at byte {at:,} of {size:,})"
     if isinstance(exc, EOFError):
         return InputError(f"{where} is cut short ({short(str(exc))}); rewrite the file, or, for a stream, truncate "
