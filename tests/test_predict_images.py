@@ -249,3 +249,13 @@ def test_predict_refusals_that_need_no_model_answer_before_torch_is_imported(tra
                           timeout=120)
     assert done.stdout.split() == ["2", "False"], (done.stdout, done.stderr)
     assert len(done.stderr.strip().splitlines()) == 1 and done.stderr.startswith("error: "), done.stderr
+
+
+def test_a_final_pt_that_is_no_torch_file_is_one_line(trained, tmp_path):
+    _, _, _, test_cache = trained
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "final.pt").write_bytes(b"\x80\x04not a torch file" * 100)
+    line = one_error_line(run_nblib("predict", "--run", tmp_path / "run", "--cache", test_cache, "--out",
+                                    tmp_path / "p"))
+    assert "cannot be read as a torch file" in line and "pass --run the --out of a finished train run" in line
+    assert not (tmp_path / "p").exists()

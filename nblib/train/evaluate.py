@@ -59,10 +59,20 @@ def read_final(run, data_flag: str) -> dict:
     """The final.pt of a finished run, for predictions over `data_flag` (--cache: an image run; --records: a
     `train --records` run); InputError naming the right flag when it is the other kind of run.
     """
+    import pickle
+    import warnings
+
     import torch
 
     path = Path(run) / "final.pt"
-    payload = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        with warnings.catch_warnings():     # torch's own about a file it then refuses: the refusal says it all
+            warnings.simplefilter("ignore")
+            payload = torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, pickle.UnpicklingError, EOFError, ValueError) as exc:
+        why = " ".join(str(exc).split())[:160]
+        raise InputError(f"{path} cannot be read as a torch file, so it is damaged or no run's final.pt "
+                         f"({type(exc).__name__}: {why}); pass --run the --out of a finished train run") from None
     if not isinstance(payload, dict) or "state_dict" not in payload or "classes" not in payload:
         raise InputError(f"{path} is not the final.pt of a train run (no state_dict or classes): pass --run the "
                          f"--out of a finished python -m nblib train")
