@@ -12,6 +12,8 @@
 - `store`: `TrainStore`, local-first states mirrored to Drive or a bucket by nblib.store's thread.
 - `objstore`: fsspec (s3://, gs://) as the mirror's file operations.
 - `loop`: `train`, the loop behind `python -m nblib train` and notebook 06.
+- `evaluate`: `predict_images`, a finished image run scored on a labelled cache (`python -m nblib predict --run
+  RUN --cache TEST_CACHE --out DIR`: predictions.csv, accuracy, per class, the confusion matrix).
 - `ops`: bucket cost from a dated price table, disk and Drive-quota warnings.
 - `device`: the device check (cuda by default when present), strict determinism, dropout's keys.
 torch is imported when `train` (or a module that needs it) is first used, not by `import nblib`.
