@@ -120,7 +120,7 @@ def test_the_closing_lines_predict_command_runs_as_typed_and_its_accuracy_is_wha
     hits = Counter(r["label"] for r in rows if r["label"] == r["prediction"])
     assert per_class == {name: (hits[name], labels[name]) for name in COLOURS}
     for name in COLOURS:                                        # the printed confusion row of each class
-        counts = [int(c) for c in re.search(rf"^\s*{name}((?: +\d+){{3}})$", scored.stdout, re.M).group(1).split()]
+        counts = [int(c) for c in re.search(rf"^ +\d+ {name}((?: +\d+){{3}})$", scored.stdout, re.M).group(1).split()]
         assert counts == [sum(r["label"] == name and r["prediction"] == p for r in rows) for p in sorted(COLOURS)]
     assert (out / "confusion.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     from nblib.train.evaluate import predict_images

@@ -212,11 +212,12 @@ class Evaluation:
         if len(shown) > TABLE_CLASSES:
             return [f"confusion: {len(shown)} classes, too many to print: see {CONFUSION}"]
         names = [self.classes[i] for i in shown]
-        width = max(6, *(len(n) for n in names), len(str(int(matrix.max(initial=0)))))
-        lines = ["confusion (rows: true class, columns: predicted):",
-                 " " * width + "".join(f" {n:>{width}}" for n in names)]
-        lines.extend(f"{self.classes[i]:>{width}}" + "".join(f" {int(matrix[i, j]):>{width}}" for j in shown)
-                     for i in shown if matrix[i].sum())
+        name_width = max(len(n) for n in names)
+        width = max(3, len(str(len(shown))), len(str(int(matrix.max(initial=0)))))
+        lines = ["confusion (rows: true class; columns: predicted, numbered as the rows):",
+                 " " * (4 + name_width) + "".join(f" {k:>{width}}" for k in range(1, len(shown) + 1))]
+        lines.extend(f"{k:>3} {names[k - 1]:<{name_width}}" + "".join(f" {int(matrix[i, j]):>{width}}" for j in shown)
+                     for k, i in enumerate(shown, start=1))
         return lines
 
 
