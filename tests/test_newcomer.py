@@ -67,3 +67,23 @@ def test_notebook_06_defines_each_term_in_the_cell_where_it_first_appears(term):
 
 def test_notebook_06_names_no_unnamed_guide():
     assert "sharding guide" not in _markdown("06_training.ipynb")
+
+
+def test_the_shard_table_says_its_ram_holds_two_shards():
+    """Newcomer P4 (2026-12-01): 'RAM one at a time 0.10 GB' for 50 MB shards is one shard plus the prefetched one."""
+    from nblib import budget
+    from nblib.lab.memory_budgeting import shard_table
+
+    plan = budget.plan_shards(int(287e9), 50)
+    line = shard_table([plan])
+    assert plan.ram_one_at_a_time == 2 * plan.shard_bytes
+    assert "RAM for one shard + one prefetched  0.10 GB" in line and "one at a time" not in line, line
+
+
+def test_02s_stale_sentences_name_what_the_cells_do():
+    """Newcomer W4 and P9: 02 named a 64-image measurement the cells beside it did not show, and 'a third of its
+    shards' beside a kill after 3 listed of 12.
+    """
+    text = _markdown("02_cache_population.ipynb")
+    assert "this notebook's cache" in text and "measured on its first 64 images" in text
+    assert "once a third of" not in text and "DEMO_SHARDS // 3" in text

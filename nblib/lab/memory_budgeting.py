@@ -132,10 +132,10 @@ def checkpoint_size_table(rows: list[budget.ShuffleCheckpoint]) -> str:
 
 
 def shard_table(plans: list[budget.ShardPlan]) -> str:
-    """budget.plan_shards results as text: shard count, size and RAM of loading one at a time."""
+    """budget.plan_shards results as text: shard count, size and RAM of reading one shard with the next prefetched."""
     return "\n".join(
         f"target {p.target_shard_bytes / MB:>6.0f} MB: {p.n_shards:>5} shards of {p.shard_bytes / MB:7.1f} MB, "
-        f"RAM one at a time {p.ram_one_at_a_time / GB:5.2f} GB" for p in plans)
+        f"RAM for one shard + one prefetched {p.ram_one_at_a_time / GB:5.2f} GB" for p in plans)
 
 
 def show(value: float, unit: str) -> str:
