@@ -130,7 +130,7 @@ def refuse_overlap(verb: str, out: str | Path | None, inputs: dict, *, out_flag:
     Called before anything is written or removed; `suffix` names the suggested --out beside the input
     (D -> D-SUFFIX).
     """
-    if out is None or not str(out):
+    if out is None or not str(out) or "://" in str(out):       # none, or a bucket: no local folder to compare
         return
     for flag, source in inputs.items():
         if source is None or not str(source) or "://" in str(source):
@@ -140,5 +140,5 @@ def refuse_overlap(verb: str, out: str | Path | None, inputs: dict, *, out_flag:
             continue
         where = {"is": f"is {flag} {source} itself", "holds": f"holds {flag} {source}",
                  "sits inside": f"sits inside {flag} {source}"}[how]
-        raise ConfigError(f"{out_flag} {out} {where}: {verb} would write into a folder it reads; pass an "
+        raise ConfigError(f"{out_flag} {out} {where}: {verb} would write into a folder it reads; pass another "
                           f"{out_flag} outside it, e.g. {out_flag} {beside(source, suffix)}")

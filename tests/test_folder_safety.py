@@ -68,7 +68,8 @@ def test_predict_out_inside_its_run_is_refused_and_the_next_step_writes_beside_t
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-@pytest.mark.parametrize("verb", ["cache --images", "cache --records", "encode", "export", "train --val"])
+@pytest.mark.parametrize("verb", ["cache --images", "cache --records", "encode", "encode --mirror", "export",
+                                  "train --val"])
 def test_every_verbs_out_over_an_input_is_refused_before_anything_is_touched(folders, tmp_path, verb):
     _, _, cache, images = folders
     pickled = tmp_path / "in" / "records.pkl"
@@ -78,6 +79,8 @@ def test_every_verbs_out_over_an_input_is_refused_before_anything_is_touched(fol
         "cache --images": (images, ["cache", "--images", images, "--out", images, "--overwrite", "--no-progress"]),
         "cache --records": (pickled.parent, ["cache", "--records", pickled, "--out", pickled.parent, "--overwrite"]),
         "encode": (cache, ["encode", "--cache", cache, "--out", cache / "encoded", "--profile", "smoke"]),
+        "encode --mirror": (cache, ["encode", "--cache", cache, "--out", tmp_path / "e", "--mirror", cache / "m",
+                                    "--profile", "smoke"]),
         "export": (cache, ["export", "--cache", cache, "--out", cache, "--overwrite"]),
         "train --val": (cache, ["train", "--cache", tmp_path / "train-cache", "--val", cache, "--out", cache / "run",
                                 "--steps", "2", "--profile", "smoke", "--no-progress"]),

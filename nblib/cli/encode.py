@@ -21,6 +21,7 @@ def encode_main(argv: list[str]) -> int:
 
     args = parse_or_refuse(_encode_parser(), argv)
     refuse_overlap("encode", args.out, {"--cache": args.cache}, suffix="encoded")
+    refuse_overlap("encode", args.mirror, {"--cache": args.cache}, out_flag="--mirror", suffix="mirror")
     config = _encode_config(args, env.profile())
     world = join(shard=args.shard, consolidate_only=args.consolidate, device=args.device)  # torchrun ranks too
     try:
