@@ -223,4 +223,6 @@ def test_the_read_verdict_calls_a_pattern_fast_only_by_its_interval_and_the_mini
     assert verdict.startswith("not every read pattern") and "zlib: random" in verdict and "raw" not in verdict
     just_above = {**fast, "zlib: random": spread([350, 360, 370, 380, 390])}   # every run above, median x1.07
     assert read_verdict(just_above, 345, method).startswith("not every read pattern")
-    assert read_verdict(fast, 345, method, image_size=64).startswith("this profile cannot show it")
+    small = read_verdict(fast, 345, method, image_size=64)
+    assert small.startswith("this profile cannot show it: the encoder's rate is for 224 px images")   # C6: verb first
+    assert "this cache holds 64 px ones, 12x fewer bytes each; run the t4 profile" in small

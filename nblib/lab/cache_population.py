@@ -164,8 +164,9 @@ def read_verdict(rates: dict[str, Spread], encoder_samples_per_s: float, encoder
     where = f"the encoder's {encoder_samples_per_s:,.0f} images/s at {encoder_image_size} px ({encoder_method})"
     if image_size != encoder_image_size:
         fewer = encoder_image_size ** 2 / image_size ** 2
-        return (f"this profile cannot show it: its cache holds {image_size} px images, {fewer:,.0f}x fewer bytes "
-                f"than the {encoder_image_size} px images {where} is for; run the t4 profile")
+        return (f"this profile cannot show it: the encoder's rate is for {encoder_image_size} px images, and this "
+                f"cache holds {image_size} px ones, {fewer:,.0f}x fewer bytes each; run the t4 profile. (The rate: "
+                f"{where}.)")
     verdicts = {name: verdict_of_runs(s.values, encoder_samples_per_s, ("the encoder", name))
                 for name, s in rates.items()}
     slow = {name: v for name, v in verdicts.items() if v.direction != "higher"}
