@@ -47,9 +47,9 @@ TORCH_STORAGES = {"HalfStorage": "<f2", "FloatStorage": "<f4", "DoubleStorage": 
                   "ComplexDoubleStorage": "<c16"}
 
 
-def refusal(what: str) -> InputError:
-    """The one-line refusal of a global outside the allow-list (`what` cut to about 100 characters)."""
-    return InputError(f"the pickle calls {short(what)}, which nblib does not run: a pickle runs every function it "
+def refusal(what: str, does: str = "calls") -> InputError:
+    """The one-line refusal of what a pickle `does` outside the allow-list (`what` cut to about 100 characters)."""
+    return InputError(f"the pickle {does} {short(what)}, which nblib does not run: a pickle runs every function it "
                       f"names, so records rebuild only numpy arrays and torch tensors (an exact allow-list) and "
                       f"read other objects from their pickled state; pass --trust-pickle (trust=True) only for a "
                       f"file you made yourself")
@@ -92,7 +92,13 @@ class _NotCallable(type):
 
 
 class PickledObject(metaclass=_NotCallable):
-    """An object read from its pickle: its class (this one's name) was not imported and none of it ran."""
+    """An object read from its pickle: its class (this one's name) was not imported and none of it ran.
+
+    Unhashable: its class's `__hash__` did not run, so it cannot stand for the object as a dict key or a set
+    member (a TypeError, then one line naming the record).
+    """
+
+    __hash__ = None
 
     def __new__(cls, *args, **kwargs):  # NEWOBJ: cls.__new__(cls, *args)
         self = object.__new__(cls)
@@ -187,10 +193,10 @@ def array_from_state(state) -> np.ndarray:
     if not (isinstance(state, tuple) and len(state) == 5 and state[0] == 1 and isinstance(state[1], tuple)
             and all(type(n) is int and n >= 0 for n in state[1]) and isinstance(state[2], np.dtype)
             and isinstance(state[3], bool) and isinstance(state[4], (bytes, bytearray))):
-        raise refusal(f"numpy's ndarray state {short(state)}")
+        raise refusal(f"numpy's ndarray state {short(state)}", does="holds")
     _, shape, dtype, fortran, data = state
     if dtype.hasobject:
-        raise refusal(f"an object array ({dtype})")
+        raise refusal(f"an object array ({dtype})", does="holds")
     count = int(np.prod(shape, dtype=np.int64)) if shape else 1
     if count * dtype.itemsize != len(data):
         raise InputError(f"an array in the pickle has shape {short(shape)} of {dtype} ({count * dtype.itemsize:,} "
@@ -242,7 +248,7 @@ def dtype_from_state(base: np.dtype, state) -> np.dtype:
     """
     if not (isinstance(state, tuple) and len(state) in (8, 9) and state[0] in (3, 4) and state[1] in "<>|="
             and len(state[1]) == 1 and all(type(v) is int for v in state[5:8])):
-        raise refusal(f"numpy's dtype state {short(state)}")
+        raise refusal(f"numpy's dtype state {short(state)}", does="holds")
     _, order, subarray, names, fields, elsize, alignment, flags = state[:8]
     try:
         if subarray is not None:
@@ -257,9 +263,9 @@ def dtype_from_state(base: np.dtype, state) -> np.dtype:
             if order in "<>" and dtype.byteorder != "|":
                 dtype = dtype.newbyteorder(order)
     except (TypeError, ValueError, KeyError) as exc:
-        raise refusal(f"numpy's dtype state {short(state)} ({short(str(exc))})") from None
+        raise refusal(f"numpy's dtype state {short(state)} ({short(str(exc))})", does="holds") from None
     if (elsize not in (-1, dtype.itemsize) or alignment not in (-1, dtype.alignment) or flags != dtype.flags):
-        raise refusal(f"numpy's dtype state {short(state)} (it does not describe {dtype})")
+        raise refusal(f"numpy's dtype state {short(state)} (it does not describe {dtype})", does="holds")
     return dtype
 
 
@@ -323,7 +329,7 @@ class _Marker:
         raise refusal(f"{self.name}(...)")
 
     def __setstate__(self, state):     # BUILD on a shared marker would change it for every later file
-        raise refusal(f"a BUILD of {self.name}")
+        raise refusal(f"state for {self.name} (BUILD)", does="sets")
 
 
 _NDARRAY = _Marker("numpy.ndarray")

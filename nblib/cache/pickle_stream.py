@@ -264,7 +264,7 @@ class _Reader(pickle._Unpickler):
         return stub_class(module, name)
 
     def persistent_load(self, pid):
-        raise refusal(f"a persistent id {short(pid)}")
+        raise refusal(f"a persistent id {short(pid)}", does="holds")
 
     def load_build(self):
         state, inst = self.stack.pop(), self.stack[-1]
@@ -280,8 +280,8 @@ class _Reader(pickle._Unpickler):
             self.stack.append(state)
             pickle._Unpickler.load_build(self)
         else:
-            raise refusal(f"a BUILD (setting the state) of {short(getattr(inst, '__qualname__', type(inst).__name__))}"
-                          f" (only objects the file made are given their state)")
+            raise refusal(f"the state of {short(getattr(inst, '__qualname__', type(inst).__name__))} (BUILD: only "
+                          f"objects the file made are given their state)", does="sets")
 
     def _put(self, key: int) -> None:
         self.keys = max(self.keys, key + 1)
