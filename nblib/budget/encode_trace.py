@@ -80,7 +80,8 @@ def traced_entries(specs: list[dict]) -> list[dict]:
 
 def entry_text(entry: dict) -> str:
     """A table entry as its file holds it: one event a line, so a changed trace reads as a diff."""
-    head = json.dumps({k: entry[k] for k in ("torch", "spec", "format", "env", "peak_op")}, sort_keys=True)
+    head = json.dumps({k: entry[k] for k in ("torch", "spec", "format", "env", "peak_op", "nblib") if k in entry},
+                      sort_keys=True)
     events = ",\n".join(json.dumps(list(e), separators=(",", ":")) for e in entry["stream"])
     return f'{{"head": {head},\n"stream": [\n{events}\n]}}\n'
 
@@ -137,7 +138,8 @@ def _stream(key: str) -> tuple[list, str, str]:
             f"traced on the simulated GPU (FakeTensorMode) under torch {entry['head']['torch']}, replayed from "
             f"{where}; the CUDA context is an assumption")
     entry = traced_entries([spec])[0]
-    trace_store.save(entry_text(entry), trace_store.entry_key(spec, entry["torch"], entry["env"]))
+    key = trace_store.entry_key(spec, entry["torch"], entry["env"])
+    trace_store.save(entry_text({**entry, **trace_store.user_key(key)}), key)
     return entry["stream"], entry["peak_op"], ModelVRAM.label
 
 

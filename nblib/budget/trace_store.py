@@ -6,12 +6,15 @@ attention, GPU), on the torch that ran it (its operators and decompositions: maj
 rules: raise it when nblib's trace changes what it records), and on this process's variables that shape a trace
 (`nblib.budget.shim.traced_environment`, less those the spec already names). `entry_key` is their digest and an
 entry's file name. An entry is read from the table shipped in the package (`SHIPPED`, tested live against a fresh
-trace), else from the user's folder, else traced and written there (`save`): filled on first use.
+trace), else from the user's folder, else traced and written there (`save`): filled on first use. An entry of the
+user's folder is keyed by nblib's own code too (`source_digest`): an upgraded or edited nblib traces again, never
+replays a stream an older trace made.
 
 The user's folder is `nblib.budget.user_cache.user_folder("traces")`, beside the fake-CUDA shim's library.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -54,6 +57,21 @@ def entry_key(spec: dict, torch: str | None, env: dict | None = None) -> dict:
             "env": shaping_environment() if env is None else env}
 
 
+def user_key(key: dict) -> dict:
+    """The key of an entry in the user's folder: `entry_key` and the digest of nblib's code that traced it."""
+    return {**key, "nblib": source_digest()}
+
+
+@functools.lru_cache(maxsize=1)
+def source_digest() -> str:
+    """sha256 of nblib's Python sources (each file's path below the package and its bytes), 16 hex digits."""
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
 def entry_name(key: dict) -> str:
     """An entry's file name: the key's digest (a TRM encode trace)."""
     return f"trm-encode-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]}.json"
@@ -68,7 +86,8 @@ def find(spec: dict) -> tuple[dict, Path] | None:
     if torch is None:
         return _first(sorted(SHIPPED.glob("trm-encode-*.json")), key, any_torch=True)
     # the user's folder is made (and checked) only when the shipped table has no entry
-    return _first([SHIPPED / entry_name(key)], key) or _first([user_folder("traces") / entry_name(key)], key)
+    mine = user_key(key)
+    return _first([SHIPPED / entry_name(key)], key) or _first([user_folder("traces") / entry_name(mine)], mine)
 
 
 def _first(paths, key: dict, any_torch: bool = False) -> tuple[dict, Path] | None:
@@ -92,9 +111,11 @@ def _read(path: Path) -> dict | None:
 
 
 def save(entry_text: str, key: dict) -> Path:
-    """Write an entry into the user folder atomically (a temporary file beside it, then os.replace)."""
+    """Write an entry (its head: `user_key(key)`) into the user folder atomically (a temporary file beside it,
+    then os.replace).
+    """
     folder = user_folder("traces")
-    path = folder / entry_name(key)
+    path = folder / entry_name(user_key(key))
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".entry-")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as out:
