@@ -1,20 +1,20 @@
-"""A deferred asynchronous save: the weights and moments are copied on the writer thread, the optimizer's next
-step waits for that copy, and what is saved is the state of the moment `save` was called.
+"""An asynchronous save of a guarded optimizer: what is saved is the state of the moment `save` was called.
 
-The writer's copy is held back with a gate (a real thread, a real AdamW step), so each test shows the
-race it guards against: without the step pre-hook, the step would change the weights before the copy.
+The host tensors (weights and moments alike) are copied before `save` returns (R5-9: a copy made later could
+not see edits through `.data` or numpy); moments on CUDA are enqueued in stream order and the optimizer's next
+step waits for them (`Staged.enqueue`). The writer's write is held back with a gate (a real thread, a real
+AdamW step), so each test shows the race it guards against: the loop edits the state before the write.
 """
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
 from test_train import FAST, labelled_cache
 
 from conftest import importable_models
-from nblib.store.staging import Staged
+from nblib.store.manager import CheckpointManager
 from nblib.train import train
 from nblib.train.store import TrainStore
 
@@ -77,37 +77,33 @@ def assert_saved_is(loaded: dict, expected: dict) -> None:
 
 @pytest.fixture
 def gate(monkeypatch):
-    """Hold every deferred copy until the test sets the event."""
+    """Hold every background write until the test sets the event."""
     opened = threading.Event()
-    original = Staged.copy_after
+    original = CheckpointManager._write
 
-    def held(self, event, keys):
+    def held(self, *args, **kwargs):
         assert opened.wait(30), "the test never opened the gate"
-        return original(self, event, keys)
+        return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(Staged, "copy_after", held)
+    monkeypatch.setattr(CheckpointManager, "_write", held)
     return opened
 
 
-def test_the_next_optimizer_step_waits_for_the_deferred_copy_and_the_save_holds_the_state_of_its_call(tmp_path, gate):
+def test_the_next_optimizer_step_does_not_wait_for_a_write_and_the_save_holds_the_state_of_its_call(tmp_path,
+                                                                                                    gate):
     model, optimizer = job()
     store = TrainStore(tmp_path / "run")
     store.guard(optimizer)
+    store.manager._cores.none_spare = lambda: False       # the writer thread's path, whatever the load
     state = snapshot(model, optimizer)
     expected = cloned(state)
     store.save(state, 1, backup=False)
-    assert not store.manager._ready.is_set()              # save returned; the copy has not run
-    stepping = threading.Thread(target=step, args=(model, optimizer))
-    stepping.start()
-    time.sleep(0.3)
-    assert stepping.is_alive()                            # the step waits at its pre-hook
-    assert_saved_is(snapshot(model, optimizer), expected)  # and has changed nothing yet
-    gate.set()
-    stepping.join(30)
-    assert not stepping.is_alive()
-    store.wait_saves()
-    assert store.fence_seconds > 0.2
+    assert store.manager.writing                          # save returned; the write is held
+    step(model, optimizer)                                # host moments were copied at the save: no wait
+    assert store.fence_seconds == 0.0
     assert not torch.equal(model[0].weight, expected["model"]["0.weight"])   # the step did run
+    gate.set()
+    store.wait_saves()
     loaded, source = store.load_latest()
     assert source == "local"
     assert_saved_is(loaded, expected)
@@ -130,11 +126,11 @@ def test_a_model_buffer_the_next_forward_changes_is_saved_as_it_was_at_the_save(
     store.close()
 
 
-def test_a_failed_deferred_copy_lets_the_step_run_and_its_error_reaches_the_next_wait(tmp_path, monkeypatch):
-    def broken(self, event, keys):
+def test_a_failed_background_write_lets_the_step_run_and_its_error_reaches_the_next_wait(tmp_path, monkeypatch):
+    def broken(self, *args, **kwargs):
         raise OSError(12, "Cannot allocate memory")
 
-    monkeypatch.setattr(Staged, "copy_after", broken)
+    monkeypatch.setattr(CheckpointManager, "_write", broken)
     model, optimizer = job()
     store = TrainStore(tmp_path / "run")
     store.guard(optimizer)
@@ -142,14 +138,14 @@ def test_a_failed_deferred_copy_lets_the_step_run_and_its_error_reaches_the_next
     stepping = threading.Thread(target=step, args=(model, optimizer))
     stepping.start()
     stepping.join(30)
-    assert not stepping.is_alive()                        # the fence opened on the failure
+    assert not stepping.is_alive()                        # the fence never holds a step for a host write
     with pytest.raises(OSError, match="Cannot allocate memory"):
         store.wait_saves()
     assert store.local_versions() == []
     store.close()
 
 
-def test_a_synchronous_store_or_an_unguarded_one_copies_everything_before_save_returns(tmp_path, gate):
+def test_a_synchronous_store_or_an_unguarded_one_copies_everything_before_save_returns(tmp_path):
     for sync, guarded in ((True, True), (False, False)):
         model, optimizer = job()
         store = TrainStore(tmp_path / f"run-{sync}-{guarded}", sync_save=sync)
@@ -157,7 +153,7 @@ def test_a_synchronous_store_or_an_unguarded_one_copies_everything_before_save_r
             store.guard(optimizer)
         state = snapshot(model, optimizer)
         expected = cloned(state)
-        store.save(state, 1, backup=False)                 # the gate would hold a deferred copy forever
+        store.save(state, 1, backup=False)
         step(model, optimizer)
         store.wait_saves()
         assert_saved_is(store.load_latest()[0], expected)
@@ -223,19 +219,18 @@ def test_a_weight_edited_in_place_between_the_save_and_the_next_step_is_saved_as
     store.close()
 
 
-def test_a_moment_edited_in_place_before_its_deferred_copy_refuses_the_save(tmp_path, gate):
-    from nblib.errors import StateError
-
+def test_a_moment_edited_in_place_before_the_write_is_saved_as_it_was(tmp_path, gate):
     model, optimizer = job()
     store = TrainStore(tmp_path / "run")
     store.guard(optimizer)
-    store.save(snapshot(model, optimizer), 1, backup=False)
-    next(iter(optimizer.state.values()))["exp_avg"].zero_()             # before the step: its version moves
+    state = snapshot(model, optimizer)
+    expected = cloned(state)
+    store.save(state, 1, backup=False)
+    next(iter(optimizer.state.values()))["exp_avg"].zero_()             # before the step and the write
     gate.set()
     step(model, optimizer)
-    with pytest.raises(StateError, match=r"not written: 1 deferred tensors .* edited in place.*--sync-save"):
-        store.wait_saves()
-    assert store.local_versions() == []
+    store.wait_saves()
+    assert_saved_is(store.load_latest()[0], expected)
     store.close()
 
 
@@ -253,7 +248,7 @@ def test_the_history_a_skipped_fp16_step_lets_the_loop_extend_is_saved_as_it_was
     scaler.scale(loss).backward()
     scaler.step(optimizer)                                              # skipped: inf gradients
     scaler.update()
-    assert store.fence_seconds == 0 and not store.manager._ready.is_set()
+    assert store.fence_seconds == 0
     history.append({"step": 2, "heldout_loss": 1.4})
     gate.set()
     store.wait_saves()
@@ -271,16 +266,16 @@ def renorm_model(tmp_path):
 def test_a_deferred_save_of_a_model_that_renormalizes_its_weights_in_forward_equals_a_sync_save(
         tmp_path, renorm_model, monkeypatch, one_torch_thread):
     """`train --model` with nn.Embedding(max_norm=1): the forward after a save edits the table in place. Each
-    deferred copy is held until that forward ran (or 2 s, after the last save), and the async run's files are the
+    background write is held until that forward ran (or 2 s, after the last save), and the async run's files are the
     --sync-save run's, byte for byte.
     """
     cache = labelled_cache(tmp_path / "data", 96)
     forwarded, renorms = threading.Event(), []
-    original_copy, original_save = Staged.copy_after, TrainStore.save
+    original_write, original_save = CheckpointManager._write, TrainStore.save
 
-    def held(self, events, keys):
+    def held(self, *args, **kwargs):
         forwarded.wait(2)
-        return original_copy(self, events, keys)
+        return original_write(self, *args, **kwargs)
 
     def save(self, *args, **kwargs):
         forwarded.clear()
@@ -295,7 +290,6 @@ def test_a_deferred_save_of_a_model_that_renormalizes_its_weights_in_forward_equ
             renorms.append(module.weight._version != module.seen)
             forwarded.set()
 
-    monkeypatch.setattr(Staged, "copy_after", held)
     monkeypatch.setattr(TrainStore, "save", save)
     hooks = [torch.nn.modules.module.register_module_forward_pre_hook(before),
              torch.nn.modules.module.register_module_forward_hook(after)]
@@ -303,6 +297,7 @@ def test_a_deferred_save_of_a_model_that_renormalizes_its_weights_in_forward_equ
     try:
         train(cache, tmp_path / "sync", config, model=renorm_model, sync_save=True)
         renorms.clear()
+        monkeypatch.setattr(CheckpointManager, "_write", held)
         train(cache, tmp_path / "async", config, model=renorm_model)
     finally:
         for hook in hooks:

@@ -40,7 +40,7 @@ from typing import Any
 
 from nblib import env
 from nblib.atomic import remove_temporaries
-from nblib.errors import ConfigError, StateError
+from nblib.errors import ConfigError
 
 from .checkpoints import CheckpointFolder, Loaded, load_latest
 from .deadline import DeadlineOps, MirrorStalled, Stall, call_within, mirror_deadline
@@ -154,10 +154,11 @@ class CheckpointManager:
         copies the tensors into host buffers and the containers (lists, dicts, numbers) now, and writes on
         the background thread: what is written is `objects` as they are at this call, whatever the caller
         changes next. `defer` (with `blocking=False`): tensors that only a call the caller fences changes
-        (training: the optimizer's moments, which only its next step changes, behind a step pre-hook that
-        calls `fence()`); they are copied on the writer's thread instead, and the write is refused
-        (StateError, at the next save or wait) when one of them was edited in place before its copy (its
-        version counter moved).
+        (training: the optimizer's moments, behind a step pre-hook that calls `fence()`). Those on CUDA are
+        copied without the caller waiting: enqueued now on their device's current stream, so every kernel
+        the caller launches next (an edit through `.data` too) runs after them, and synchronized on the
+        writer's thread. Those on the host are copied now like the rest: a copy made later could not tell
+        an edit through `.data` or numpy, which moves no version counter, from the state of this call.
         """
         self.last_wait_s = self.wait()
         objects = {name: obj for name, obj in objects.items() if obj is not None}
@@ -170,10 +171,10 @@ class CheckpointManager:
         if self._cores.none_spare():
             return self._save_inline(objects, version, backup, backup_also, where)
         staged = self._staging.begin(objects)
-        later, watched = deferrable(staged, defer)
+        later = deferrable(staged, defer)
         staged.copy([key for key in staged.storages if key not in later])
+        events = staged.enqueue(later)        # CUDA copies in stream order, synchronized by the writer
         snapshot = staged.build()             # views of the buffers: the deferred ones are filled before the write
-        events = staged.cuda_events() if later else None
         ready = self._ready = threading.Event()
         if not later:
             ready.set()
@@ -181,8 +182,7 @@ class CheckpointManager:
         def write() -> None:
             if later:
                 try:
-                    staged.copy_after(events, later)
-                    check_unedited(watched, where)
+                    staged.synchronize(events)
                 finally:
                     ready.set()
             self._write(snapshot, version, backup, backup_also)
@@ -434,29 +434,13 @@ def claim_or_warn(ops: FileOps, mirror_dir: Path, identity: dict, local_dir: Pat
                       MirrorWarning, stacklevel=3)
 
 
-def deferrable(staged, tensors) -> tuple[set, list]:
-    """(the keys of `staged`'s storages that `tensors`, what the caller defers, hold (matched by address),
-    [(tensor, its version counter now)] of those tensors): what `check_unedited` compares after the copy.
+def deferrable(staged, tensors) -> set:
+    """The keys of `staged`'s CUDA storages that `tensors`, what the caller defers, hold (matched by address):
+    what `Staged.enqueue` copies in stream order. Host storages are never deferred (see `save`).
     """
-    by_address = {key[2]: key for key in staged.storages if key[0] != "empty"}
-    found, watched = set(), []
-    for tensor in tensors:
-        key = by_address.get(tensor.untyped_storage().data_ptr())
-        if key is not None:
-            found.add(key)
-            watched.append((tensor, tensor._version))
-    return found, watched
-
-
-def check_unedited(watched: list, where: str) -> None:
-    """StateError when a deferred tensor was edited in place between the save and its copy (its version moved)."""
-    edited = [tensor for tensor, seen in watched if tensor._version != seen]
-    if edited:
-        shapes = ", ".join(str(tuple(t.shape)) for t in edited[:3])
-        raise StateError(
-            f"the save of {where} was not written: {len(edited)} deferred tensors (shapes {shapes}) were edited in "
-            f"place after the save and before its copy, which the optimizer's next step waits for; edit the "
-            f"optimizer's state only after that step, or save synchronously (sync_save=True, --sync-save)")
+    by_address = {key[1:3]: key for key in staged.storages if key[0] == "cuda"}
+    found = ((tensor.device.index, tensor.untyped_storage().data_ptr()) for tensor in tensors)
+    return {by_address[address] for address in found if address in by_address}
 
 
 def check_knobs(local: Path, mirror: Path | None, **knobs) -> None:

@@ -6,8 +6,8 @@ on CUDA, copied non-blocking, then one stream sync), and rebuilds the containers
 them (`copy.deepcopy` with the tensors memoized, so state-dict metadata and shared storages stay
 as they were): `torch.save` of the result writes the bytes a synchronous save of host tensors
 writes. `begin(obj)` splits that up (`Staged`): a deferred save copies on the loop's thread everything
-but what only a fenced call changes (the optimizer's moments), builds the containers there too, and copies
-the rest on the writer's thread.
+but the CUDA tensors only a fenced call changes (the optimizer's moments), builds the containers there
+too, and enqueues those copies in stream order for the writer's thread to wait for.
 `BackgroundWriter.submit(fn)` runs `fn` on one daemon thread, in order, and returns a
 `concurrent.futures.Future`; an exception travels in the future (torchtitan's
 `CheckpointManager` pattern) and the job's references are dropped when it ends, failed or not.
@@ -72,10 +72,10 @@ class HostStaging:
 class Staged:
     """One state being staged: its storages, each with its host buffer; `copy` fills buffers, `build` rebuilds.
 
-    A deferred save copies part of the storages on the loop's thread (`copy`) and `build`s there (views of
-    the buffers), and copies the rest on the writer's thread (`copy_after(events, keys)`). On CUDA the
-    later copies run on a side stream of each device after the event the loop recorded there at the save
-    (`cuda_events`), so they read the tensors as they were then, while the loop's next kernels run.
+    A deferred save copies most storages on the loop's thread (`copy`) and `build`s there (views of the
+    buffers); the CUDA storages it defers are enqueued there in stream order (`enqueue`) and waited for on
+    the writer's thread (`synchronize`), so the loop's next kernels queue behind them and none can edit
+    them first, whatever the path of the edit.
     """
 
     def __init__(self, obj, storages: dict, tensors: list, buffers: dict, torch):
@@ -92,37 +92,25 @@ class Staged:
         for device in devices:
             self.torch.cuda.synchronize(device)   # the pinned copies are complete before the writer reads them
 
-    def cuda_events(self):
-        """{device: an event recorded now on that device's current stream} of the CUDA storages (None without):
-        what `copy_after` waits for, so it reads the tensors as they are at this call.
+    def enqueue(self, keys) -> dict | None:
+        """Start the copies of these CUDA storages on their device's current stream without waiting: every kernel
+        launched after this call (an optimizer step, an edit through `.data`) runs after them, so they hold the
+        tensors as they are now. {device: an event recorded after them} for `synchronize`; None without any.
         """
-        torch = self.torch
-        if not torch.cuda.is_initialized():
-            return None
-        devices = {s.device for s in self.storages.values() if s.device.type == "cuda"}
-        events = {}
-        for device in devices:
+        torch, events = self.torch, {}
+        for key in keys:
+            storage = self.storages[key]
+            self.buffers[key].copy_(storage, non_blocking=True)
+            events.setdefault(storage.device, None)
+        for device in events:
             events[device] = torch.cuda.Event()
             events[device].record(torch.cuda.current_stream(device))
         return events or None
 
-    def copy_after(self, events, keys) -> None:
-        """Copy these storages on the writer's thread; a CUDA device's on a side stream of that device once its
-        event (`cuda_events`) has passed, synchronized before this returns.
-        """
-        keys = list(keys)
-        torch = self.torch
-        host = [key for key in keys if self.storages[key].device.type != "cuda"]
-        self.copy(host)
-        for device, event in (events or {}).items():
-            with torch.cuda.device(device):
-                side = torch.cuda.Stream()
-                side.wait_event(event)
-                with torch.cuda.stream(side):
-                    for key in keys:
-                        if self.storages[key].device == device:
-                            self.buffers[key].copy_(self.storages[key], non_blocking=True)
-                side.synchronize()
+    def synchronize(self, events) -> None:
+        """Wait (the writer's thread) until the copies `enqueue` started are in the buffers."""
+        for event in (events or {}).values():
+            event.synchronize()
 
     def build(self):
         """`obj` rebuilt around views of the buffers (containers deep-copied, tensors memoized)."""

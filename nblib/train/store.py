@@ -102,8 +102,8 @@ class TrainStore:
         """Write `state` as version `step` locally (atomic), `best` first as the best series' version `step`;
         queue both for the mirror when `backup`. Asynchronous unless `sync_save`: what is written is `state`
         as it is at this call (its tensors and containers copied now, the files written on the writer
-        thread); with a `guard`ed optimizer, its moments are copied on the writer thread, before its next
-        step. The seconds waited for the previous write.
+        thread); with a `guard`ed optimizer, its moments on CUDA are copied in stream order without the loop
+        waiting (`guard`). The seconds waited for the previous write.
         """
         defer = () if self._guarded is None else optimizer_moments(self._guarded)
         self.manager.save({BEST: best, STATE: state}, step, backup=backup, blocking=self.sync_save,
@@ -111,11 +111,16 @@ class TrainStore:
         return self.manager.last_wait_s
 
     def guard(self, optimizer) -> None:
-        """Let asynchronous saves copy `optimizer`'s moments after `save` returns: its next `step` first waits
-        until the save in flight holds them (a step pre-hook; `fence_seconds` adds up the waits). Anything
-        else (the weights a forward, an EMA, a clamp_ or a load_state_dict may edit in place) is copied before
-        `save` returns. A moment edited in place before that step is caught by its version counter: that
-        save is refused (StateError at the next save or wait), never written with the edit.
+        """Let asynchronous saves copy `optimizer`'s moments on CUDA without the loop waiting: the copies are
+        enqueued at `save` on the device's current stream, and its next `step` first waits until the save in
+        flight holds them (a step pre-hook; `fence_seconds` adds up the waits). What is caught: every edit
+        made after `save` returns, whatever its path (in place, through `.data`, a second optimizer), since
+        the kernels it launches queue behind those copies; the checkpoint holds the state of the save's call.
+        Moments on the host (and everything else: the weights a forward, an EMA, a clamp_ or a load_state_dict
+        may edit in place) are copied before `save` returns, so no later edit reaches them either, through
+        `.numpy()` or `.data` included (their version counters do not move: a copy made later could not tell).
+        Whether the save's files are written on the loop's thread or the writer's (`SpareCore`) changes when
+        the bytes are written, never which.
         """
         if self.sync_save or self._guarded is not None:
             return
