@@ -160,9 +160,27 @@ class ImageCodec:
             raise ValueError(f"it decodes to shape {array.shape}, not {tuple(shape)}")
         return array
 
-    def zstd_decompressor(self):
-        """The zstd decompressor of this spec (with its dictionary), built once."""
-        return self._zstd_contexts()[1]
+    def decode_into(self, blob, shape: tuple[int, ...], row: memoryview) -> None:
+        """Decode one image's stored bytes into `row`, a writable 1-d byte view of exactly its size.
+
+        zstd decompresses straight into `row` (a stream reader's `readinto` over the frame: no bytes
+        object per image, no copy); the other codecs decode, then copy. ValueError when the bytes do
+        not decode, or decode to another size than `row`'s.
+        """
+        if self.spec.name != "zstd":
+            np.frombuffer(row, dtype=np.uint8).reshape(shape)[...] = self.decode(blob, shape)
+            return
+        import zstandard
+
+        try:
+            reader = self._zstd_contexts()[1].stream_reader(blob)
+            got = reader.readinto(row)
+            more = reader.read(1)  # b"" once the frame is done: a longer frame is not cut to fit
+        except zstandard.ZstdError as exc:
+            raise ValueError(f"its zstd bytes do not decode ({exc})") from None
+        if got != len(row) or more:
+            size = f"more than {got:,}" if more else f"{got:,}"
+            raise ValueError(f"it decodes to {size} bytes, not {len(row):,}")
 
     def _zstd_contexts(self):
         if self._zstd is None:
