@@ -197,7 +197,7 @@ def test_reference_comparison_computes_verdicts_from_the_tolerance():
                  budget.model_memory_lines(preset("seed_t4"), on_gpu=True, sdpa_backend="math")}
     assert scores.ours == math_line["attention scores"] == 192 * 8 * (14 * 14) ** 2 * 8 == 472_055_808
     assert memory_budgeting.show_exact(scores.ours, scores.unit) == "472.06 MB"
-    assert scores.ratio == pytest.approx(memory_budgeting.ANALYSIS[scores_ref].value / 472_055_808, rel=1e-12)
+    assert scores.ratio == pytest.approx(reference.ANALYSIS[scores_ref].value / 472_055_808, rel=1e-12)
     for item in ("parameters", "RAM: 200 batches fp16", "outputs / batch"):
         assert rows[item].verdict == "wrong", rows[item]
     for item in ("attention scores (math)", "patches / batch", "checkpoints", "weights fp32"):

@@ -135,7 +135,7 @@ def test_the_sweep_verdict_cell_is_computed_from_the_pairs():
 
 
 def test_torch_knobs_that_need_workers_are_not_swept_without_workers():
-    from nblib.lab.input_pipeline import torch_inert_knob
+    from nblib.pipeline.grids import torch_inert_knob
 
     no_workers = {"num_workers": 0, "batch_size": 32, "prefetch_factor": 4, "persistent_workers": False}
     assert "num_workers=0" in torch_inert_knob("prefetch_factor", no_workers, 512, 40)

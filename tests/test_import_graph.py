@@ -234,3 +234,31 @@ def test_nblib_has_no_package_level_import_cycle():
     found = cycles(package_graph())
     assert found == [], "package-level import cycles (function-level imports included): " + \
         "; ".join(" <-> ".join(c) for c in found)
+
+
+# The library's floors a notebook's lab stands on: none of them imports nblib.lab (a concept the CLI or a job
+# needs lives in its own package, and the lab imports it from there).
+NO_LAB = ("cli", "budget", "cache", "train", "encode", "store")
+
+
+def lab_imports(mods: dict[str, Path], root: Path = ROOT) -> list[str]:
+    """`file:line: module -> nblib.lab...` for every import of nblib.lab from a package in NO_LAB."""
+    known = set(mods)
+    return [f"{path.relative_to(root)}:{line}: {name} -> {target}"
+            for name, path in mods.items() if package_of(name) in NO_LAB
+            for target, line in import_lines(name, path, known)
+            if target == "nblib.lab" or target.startswith("nblib.lab.")]
+
+
+def test_the_lab_check_sees_an_import_of_the_lab_inside_a_function(tmp_path):
+    (tmp_path / "nblib" / "cli").mkdir(parents=True)
+    path = tmp_path / "nblib" / "cli" / "x.py"
+    path.write_text("def f():\n    from nblib.lab.memory_budgeting import reference_table\n")
+    mods = {"nblib.cli.x": path, "nblib.lab": tmp_path, "nblib.lab.memory_budgeting": tmp_path}
+    found = lab_imports(mods, root=tmp_path)
+    assert found == ["nblib/cli/x.py:2: nblib.cli.x -> nblib.lab.memory_budgeting"]
+
+
+def test_no_cli_or_library_package_imports_the_lab():
+    found = lab_imports(modules())
+    assert found == [], "move what these need out of nblib.lab into its own package:\n" + "\n".join(found)

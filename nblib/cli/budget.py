@@ -41,7 +41,7 @@ def budget_main(argv: list[str]) -> int:
     if args.model:
         return _model_budget(args)
     if args.reference:
-        from nblib.lab.memory_budgeting import reference_table
+        from nblib.budget.reference_check import reference_table
 
         print(reference_table(args.device))
         return 0

@@ -14,8 +14,8 @@ from nblib.cli.args import (
 def pipeline_main(argv: list[str]) -> int:
     """`python -m nblib pipeline`: sweep DataLoader knobs over a cache; print the table and the pick under a RAM cap."""
     from nblib.cache import ShardedImageCache
-    from nblib.lab.input_pipeline import TORCH_GRID, device_step, torch_sweep
     from nblib.pipeline import recommend
+    from nblib.pipeline.grids import TORCH_GRID, device_step, torch_sweep
     from nblib.units import GB
 
     p = argparse.ArgumentParser(prog="python -m nblib pipeline", description=pipeline_main.__doc__,

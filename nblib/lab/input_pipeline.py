@@ -18,7 +18,17 @@ from pathlib import Path
 from nblib import t4_speed
 from nblib.compare import MIN_REPEATS, Spread, compare, interleaved, progress_bar
 from nblib.env import usable_cores
-from nblib.pipeline import ComputeStandIn, measure_pipeline, sweep
+from nblib.pipeline import measure_pipeline
+from nblib.pipeline.grids import (  # noqa: F401  notebook 05 reads the grids and sweeps as lab.*
+    TF_GRID,
+    TF_GRID_SMALL,
+    TORCH_GRID,
+    TORCH_GRID_SMALL,
+    device_step,
+    tf_sweep,
+    torch_inert_knob,
+    torch_sweep,
+)
 from nblib.pipeline.recommend import knob_effects, knob_verdicts, most_effective_knob, value_verdicts
 from nblib.reference import TUNING_LOG
 from nblib.units import fmt_bytes, fmt_rate
@@ -38,28 +48,10 @@ DOMINATES_SHARE = 0.5        # "the pipeline dominated": data-wait at least half
 PER_WORKER_BYTES = 100e6     # "each worker builds its own TF": >= 100 MB more per worker
 FIX_RECOVERS = 0.80          # the mixing fix must recover >= 80% of single-source samples/s
 
-# the default grids (each knob's first value is the base config; the others are tried one at a time)
-TF_GRID = {"batch_size": [32, 8, 128], "num_parallel_calls": [2, 1, 8, -1], "prefetch": [2, 0, 8],
-           "cycle_length": [4, 1], "shuffle_buffer": [256, 0, 2048], "deterministic": [True, False]}
-# the torch base has 2 workers: prefetch_factor and persistent_workers do nothing without workers
-TORCH_GRID = {"num_workers": [2, 0, 1], "batch_size": [32, 128], "prefetch_factor": [2, 4],
-              "persistent_workers": [False, True]}
-# the smoke profile's grids: every knob still swept, each with the values section 8's findings read (batch 128,
-# 8 calls and AUTOTUNE, the 2048 buffer) or else one value beside the base: 6 configs against the base, not 11
-TF_GRID_SMALL = {"batch_size": [32, 128], "num_parallel_calls": [2, 8, -1], "prefetch": [2, 0],
-                 "cycle_length": [4, 1], "shuffle_buffer": [256, 2048], "deterministic": [True, False]}
-TORCH_GRID_SMALL = {"num_workers": [2, 0], "batch_size": [32, 128], "prefetch_factor": [2, 4],
-                    "persistent_workers": [False, True]}
-
 
 def cores() -> int:
     """CPU cores this process may use: the parallelism budget of this machine (`env.usable_cores`)."""
     return usable_cores()
-
-
-def device_step(per_sample_ms: float, launch_ms: float = 1.0) -> ComputeStandIn:
-    """The stand-in encoder step: `launch_ms` per batch plus `per_sample_ms` per image, holding no core."""
-    return ComputeStandIn(launch_ms, per_sample_ms=per_sample_ms)
 
 
 def tf_sources(cache, n_images: int | None = None, n_sources: int = 4):
@@ -132,46 +124,6 @@ def time_share_verdict(share: dict) -> str:
     if waits.low >= DOMINATES_SHARE:
         return f"the input pipeline is the wall, in every run: {numbers}"
     return f"not distinguishable on this machine: {numbers}"
-
-
-def tf_sweep(sources, grid: dict, consumer=None, steps: int = 20, warmup: int = 3, repeats: int = MIN_REPEATS,
-             progress: bool = False, budget_s: float | None = None):
-    """Sweep tf.data knobs (one at a time around each knob's first value) over `sources`.
-
-    Every config runs `repeats` times, each run next to a run of the base (`pipeline.sweep`); with
-    `budget_s`, undecided configs get more pairs while the whole sweep stays within it.
-    """
-    from nblib.pipeline.tf_pipelines import tf_pipeline_for
-
-    return sweep(tf_pipeline_for(sources), grid, consumer=consumer, steps=steps, warmup=warmup, repeats=repeats,
-                 budget_s=budget_s, progress="tf.data sweep" if progress else False)
-
-
-def torch_sweep(cache, grid: dict, consumer=None, steps: int = 20, warmup: int = 3, repeats: int = MIN_REPEATS,
-                progress: bool = False, budget_s: float | None = None):
-    """Sweep torch DataLoader knobs over the sharded cache (epoch after epoch), skipping inert knobs (as `tf_sweep`)."""
-    from nblib.pipeline.torch_loaders import cache_loader_for
-
-    inert = functools.partial(torch_inert_knob, n_images=len(cache), batches_measured=steps + warmup)
-    return sweep(cache_loader_for(cache), grid, consumer=consumer, steps=steps, warmup=warmup, repeats=repeats,
-                 inert=inert, budget_s=budget_s, progress="DataLoader sweep" if progress else False)
-
-
-def torch_inert_knob(knob: str, config: dict, n_images: int, batches_measured: int) -> str | None:
-    """Why `knob` does nothing in `config` (None when it acts): a knob that does nothing is not swept.
-
-    `prefetch_factor` and `persistent_workers` only exist for worker processes; `persistent_workers`
-    only saves the respawn at an epoch's end, so a measurement within one epoch cannot see it.
-    """
-    workers = config.get("num_workers", 0)
-    if knob in ("prefetch_factor", "persistent_workers") and workers == 0:
-        return "it does nothing at num_workers=0 (torch ignores it without worker processes)"
-    if knob == "persistent_workers":
-        per_epoch = -(-n_images // max(1, config.get("batch_size", 1)))
-        if batches_measured <= per_epoch:
-            return (f"the {batches_measured} batches measured stay within one epoch of {per_epoch}, "
-                    f"so no worker is ever respawned")
-    return None
 
 
 def sweep_verdict(table) -> str:

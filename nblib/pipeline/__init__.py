@@ -4,7 +4,8 @@ Parts: `harness` (`measure_pipeline`: samples/s, data-wait, startup, peak RSS of
 batches), `sweep` (one tidy row per config of a knob grid; Ctrl-C keeps the rows measured),
 `recommend` (fastest config under a RAM cap, and the knob that mattered). The pipelines swept
 are built in `tf_pipelines` (tf.data) and `torch_loaders` (DataLoader over the sharded cache),
-imported on use so `import nblib.pipeline` loads neither TensorFlow nor torch. Notebook 05's
+imported on use so `import nblib.pipeline` loads neither TensorFlow nor torch; `grids` holds the
+suite's knob grids and sweeps (notebook 05 and `python -m nblib pipeline`). Notebook 05's
 experiments and verdicts live in `nblib.lab.input_pipeline`.
 """
 from __future__ import annotations
