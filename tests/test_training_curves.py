@@ -76,3 +76,12 @@ def test_the_checksum_figures_counts_both_carry_thousands_separators():
     fig = plots.checksum_hamming(SimpleNamespace(hamming=hamming, bits=32))
     assert fig.axes[0].get_title() == "1,264 colliding pairs among 130,816"
     plots.close(fig)
+
+
+def test_06s_t4_time_says_where_its_sample_count_comes_from():
+    """Newcomer C9: '640,000 samples in 1.19 h', the 640,000 (10,000 steps x batch 64) only in the cell's source."""
+    from nblib.config import for_profile
+    from nblib.lab.training import t4_training_time_lines
+
+    lines = t4_training_time_lines(for_profile("smoke").model, 10_000, 64, [])
+    assert lines.startswith("T4 training time of 10,000 steps x batch 64 = 640,000 samples: "), lines

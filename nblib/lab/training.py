@@ -193,7 +193,7 @@ def checkpoint_contents(state: dict, *, buffer_size: int = 250_000, sample_bytes
                  f"dataset size")
     lines.append(f"data order, tf.data Dataset.shuffle(buffer_size={buffer_size:,}) of {fmt_bytes(sample_bytes)} "
                  f"samples: {fmt_bytes(tf)} (the buffer itself; reference arithmetic, nblib.budget.shuffle_checkpoint)")
-    lines.append(f"ratio: {tf / max(saved, text):,.0f} x")
+    lines.append(f"in all: {fmt_bytes(max(saved, text))} of data order against {fmt_bytes(tf)} of shuffle buffer")
     return "\n".join(lines)
 
 
@@ -331,12 +331,15 @@ def simulated_t4_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def t4_training_time_lines(model, n_samples: int, rows: list[dict], precision: str = "fp16") -> str:
-    """The T4 training time (`t4_training_time`, a projection) and the simulated roofline of `rows` as its ceiling."""
+def t4_training_time_lines(model, steps: int, batch: int, rows: list[dict], precision: str = "fp16") -> str:
+    """The T4 training time of `steps` steps of `batch` (`t4_training_time`, a projection) and the simulated
+    roofline of `rows` as its ceiling.
+    """
     from nblib.budget.training import t4_training_time
 
-    time = t4_training_time(model, n_samples, precision)
-    lines = [f"T4 training time: {time.summary()}", f"  how: {time.method}"]
+    time = t4_training_time(model, steps * batch, precision)
+    lines = [f"T4 training time of {steps:,} steps x batch {batch} = {steps * batch:,} samples: {time.summary()}",
+             f"  how: {time.method}"]
     for r in rows:
         ceiling = r["batch"] / r["step_s"]
         lines.append(f"  ceiling at batch {r['batch']}: {ceiling:,.0f} samples/s (simulated roofline); the "
