@@ -107,13 +107,20 @@ def main() -> None:
                 xxhash.xxh3_64_intdigest(b)
                 out[k] = coder.decode(b, shape)
 
-    def new_loop():  # the reader's zstd fast path: xxh3, decompress, one memcpy into the row
+    def bytes_loop():  # the reader until 2026-12: xxh3, decompress into a new bytes object, memcpy into the row
         decompress = coder.zstd_decompressor().decompress
         for shard, im in zip(blobs, images):
             rows = np.empty_like(im).reshape(len(im), -1)
             for k, b in enumerate(shard):
                 xxhash.xxh3_64_intdigest(b)
                 rows[k] = memoryview(decompress(b, max_output_size=image_bytes))
+
+    def into_loop():  # the reader now: xxh3, decompress straight into the row (ImageCodec.decode_into)
+        for shard, im in zip(blobs, images):
+            rows = memoryview(np.empty_like(im)).cast("B")
+            for k, b in enumerate(shard):
+                xxhash.xxh3_64_intdigest(b)
+                coder.decode_into(b, shape, rows[k * image_bytes:(k + 1) * image_bytes])
 
     def plain_frames_loop():
         for shard in no_dict:
@@ -141,7 +148,8 @@ def main() -> None:
             np.frombuffer(col.buffers()[1], np.uint8).reshape(len(col), *shape)[int(i) - int(starts[k])]
 
     runs = {"cache in order": cache_in_order, "parquet in order": parquet_in_order,
-            "  old per-image loop (numpy)": old_loop, "  new per-image loop (bytes)": new_loop,
+            "  old per-image loop (numpy)": old_loop, "  bytes per-image loop (before)": bytes_loop,
+            "  into-the-row loop (reader now)": into_loop,
             "  xxh3 per image": xxh3_loop, "  decompress per image (dict)": dict_decompress_loop,
             "  decompress per image (no dict)": plain_frames_loop, "  one frame per shard": one_frame_per_shard,
             "cache random": cache_random, "parquet random": parquet_random}

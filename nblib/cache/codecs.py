@@ -173,7 +173,7 @@ class ImageCodec:
         import zstandard
 
         try:
-            reader = self._zstd_contexts()[1].stream_reader(blob)
+            reader = self.zstd_decompressor().stream_reader(blob)
             got = reader.readinto(row)
             more = reader.read(1)  # b"" once the frame is done: a longer frame is not cut to fit
         except zstandard.ZstdError as exc:
@@ -181,6 +181,10 @@ class ImageCodec:
         if got != len(row) or more:
             size = f"more than {got:,}" if more else f"{got:,}"
             raise ValueError(f"it decodes to {size} bytes, not {len(row):,}")
+
+    def zstd_decompressor(self):
+        """The zstd decompressor of this spec (with its dictionary), built once."""
+        return self._zstd_contexts()[1]
 
     def _zstd_contexts(self):
         if self._zstd is None:
