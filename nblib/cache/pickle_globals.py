@@ -187,7 +187,9 @@ def _np_reconstruct(subtype, shape, dtype):
 
 
 def array_from_state(state) -> np.ndarray:
-    """numpy's ndarray BUILD state `(1, shape, dtype, is_fortran, bytes)`, checked, as an array (no setstate)."""
+    """numpy's ndarray BUILD state `(1, shape, dtype, is_fortran, bytes)`, checked, as an array (no setstate): a
+    read-only view of the state's bytes, as torch tensors' storages are.
+    """
     if isinstance(state, tuple) and len(state) == 4:
         state = (1, *state)
     if not (isinstance(state, tuple) and len(state) == 5 and state[0] == 1 and isinstance(state[1], tuple)
@@ -205,7 +207,7 @@ def array_from_state(state) -> np.ndarray:
     array = flat.reshape(shape, order="F" if fortran else "C")
     if not dtype.isnative and dtype.byteorder in "<>":      # numpy's setstate swaps such arrays to native order
         return array.astype(dtype.newbyteorder("="), order="K")
-    return array.copy(order="K")
+    return array          # a read-only view of the bytes read: a record of gigabytes is not copied
 
 
 def _np_frombuffer(buffer, dtype, shape, order):

@@ -58,8 +58,10 @@ SCALAR_TYPES = (bool, int, float, str, type(None))
 # ====================================================================================== one record
 
 
-def encode_record(record: dict, index: int = 0) -> bytes:
-    """The payload of one record (deterministic bytes); InputError naming a field it cannot hold."""
+def encode_record(record: dict, index: int = 0) -> bytearray:
+    """The payload of one record (deterministic bytes, in the one buffer they are built in: no copy); InputError
+    naming a field it cannot hold.
+    """
     if not isinstance(record, dict) or not record:
         raise InputError(f"record {index:,} is a {type(record).__name__}, not a non-empty dict of "
                          f"arrays and scalars; each record must be a dict such as "
@@ -80,7 +82,7 @@ def encode_record(record: dict, index: int = 0) -> bytes:
     payload[LENGTH.size:LENGTH.size + len(header)] = header
     for _name, array, at in arrays:  # as flat bytes: a 0-length array has no memoryview cast
         payload[start + at:start + at + array.nbytes] = memoryview(np.ascontiguousarray(array).reshape(-1).view("u1"))
-    return bytes(payload)
+    return payload
 
 
 def decode_record(payload) -> dict:
@@ -182,11 +184,16 @@ def array_shapes(payload: bytes) -> dict[str, list[int]]:
     return {name: shape for name, _dtype, shape, _at in header["a"]}
 
 
+def _stored_as_is(payload):
+    """The raw codec: the payload is what is stored (no copy of a record of gigabytes)."""
+    return payload
+
+
 @functools.lru_cache(maxsize=8)
 def record_coder(codec: str, level: int | None):
     """(compress, decompress) of a codec ("zstd" at `level`, or "raw"); built once per process."""
     if codec == "raw":
-        return bytes, bytearray  # a bytearray decodes without another copy (decode_record)
+        return _stored_as_is, bytearray  # a bytearray decodes without another copy (decode_record)
     if codec != "zstd":
         raise ValueError(codec)
     import zstandard
