@@ -87,3 +87,11 @@ def test_02s_stale_sentences_name_what_the_cells_do():
     text = _markdown("02_cache_population.ipynb")
     assert "this notebook's cache" in text and "measured on its first 64 images" in text
     assert "once a third of" not in text and "DEMO_SHARDS // 3" in text
+
+
+def test_05s_trap_table_prints_rates_as_every_other_rate_is():
+    """Newcomer P20: '2,157.9' and '3,432.7' samples/s with a decimal, where every other rate is an integer."""
+    from nblib.lab.input_pipeline import trap_table
+
+    row = {"setup": "TF in each of 1 worker", "samples_per_s": 2157.9, "rss_added_bytes": 4e8, "peak_rss_bytes": 1.4e9}
+    assert " 2,158 " in trap_table([row]) and "2,157.9" not in trap_table([row])

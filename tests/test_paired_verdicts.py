@@ -203,7 +203,8 @@ def test_03_the_projected_rate_is_printed_beside_the_measured_one():
 
     prediction = budget.predict_budget(config.for_profile("smoke"), "cpu")
     said = rate_check(prediction, prediction.samples_per_s / 200)
-    assert f"{prediction.samples_per_s:,.1f} samples/s" in said and "x0.005 the projection" in said
+    assert f"projected {prediction.samples_per_s:,.0f} samples/s" in said and "x0.005 the projection" in said
+    assert f"measured {prediction.samples_per_s / 200:,.1f} samples/s" in said      # fmt_rate: 17.0, never 17
     assert "trust the measured rate" in said
 
 

@@ -265,7 +265,7 @@ def native_remedy(cache, num_workers: int = 2, batch_size: int = 32, steps: int 
 def trap_table(rows: list[dict]) -> str:
     """The trap and its remedies as text: setup, samples/s, RAM added, peak RAM."""
     lines = [f"{'setup':<44} {'samples/s':>10} {'RAM added':>11} {'peak RAM':>10}"]
-    lines += [f"{r['setup']:<44} {r['samples_per_s']:>10,.1f} {fmt_bytes(r['rss_added_bytes']):>11} "
+    lines += [f"{r['setup']:<44} {r['samples_per_s']:>10,.0f} {fmt_bytes(r['rss_added_bytes']):>11} "
               f"{fmt_bytes(r['peak_rss_bytes']):>10}" for r in rows]
     return "\n".join(lines)
 

@@ -23,6 +23,7 @@ from nblib.config import OUTPUT_CHOICES, PipelineConfig, preset
 from nblib.encode import OFFLOAD_MODES, PARTS_FOLDER, encode, open_store, read_run_manifest
 from nblib.encode.protocols import ImageSource
 from nblib.errors import StateError
+from nblib.units import fmt_rate
 from nblib.verdict import verdict_of_pairs
 
 # ------------------------------------------------------------------------------ offload modes
@@ -81,11 +82,10 @@ def rate_check(prediction, measured_samples_per_s: float) -> str:
     """
     dev = prediction.device
     ratio = measured_samples_per_s / prediction.samples_per_s if prediction.samples_per_s else float("nan")
-    projected = prediction.rate_text() if prediction.speed else f"{prediction.samples_per_s:,.1f} samples/s"
     note = ("" if dev.is_gpu else "; a CPU's share of its peak for small kernels under load is far below the "
             "preset's, so trust the measured rate here and the budget's time only on a calibrated device")
-    return (f"rate: the budget projected {projected} ({prediction.speed_method}); measured "
-            f"{measured_samples_per_s:,.1f} samples/s, x{ratio:.3f} the projection"
+    return (f"rate: the budget projected {prediction.rate_text()} ({prediction.speed_method}); measured "
+            f"{fmt_rate(measured_samples_per_s)}, x{ratio:.3f} the projection"
             f"{' (its mid)' if prediction.speed else ''}{note}")
 
 
