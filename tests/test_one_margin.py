@@ -15,12 +15,12 @@ import re
 import sys
 
 import pytest
+from shard_budget import shard_size_for_ram
 
 import nblib
 from nblib import budget, cli, config
 from nblib.budget import resources
 from nblib.budget.memory import LOADER_WORKER_RAM, RUNTIME_RAM_CPU, host_memory_lines
-from nblib.budget.records import shard_size_for_ram
 
 SEED = config.preset("seed_t4")
 GB = 1e9

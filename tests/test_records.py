@@ -15,9 +15,9 @@ import time
 import numpy as np
 import pytest
 from cli_runner import run_nblib
+from shard_budget import shard_size_for_ram
 
 from conftest import cache_folder_bytes, subprocess_env
-from nblib.budget.records import shard_size_for_ram
 from nblib.cache import (
     RecordShards,
     RecordShardShuffle,

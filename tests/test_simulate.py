@@ -106,7 +106,7 @@ def test_the_trace_counts_every_kernel_flop_of_the_budget():
 
 
 def test_trace_peak_equals_memtracker_peak():
-    from nblib.simulate.validate import live_vs_memtracker
+    from simulate_checks import live_vs_memtracker
 
     for precision in ("fp16", "fp32"):
         agreement = live_vs_memtracker(preset("smoke"), 16, precision)
@@ -114,7 +114,7 @@ def test_trace_peak_equals_memtracker_peak():
 
 
 def test_traced_live_bytes_match_measured_rss_growth():
-    from nblib.simulate.validate import live_vs_rss
+    from simulate_checks import live_vs_rss
 
     cfg = preset("smoke").replace(dim=256, heads=4)   # buffers of 0.5 MB: above glibc's mmap threshold
     # RSS is sampled every 10 ms, so a loaded machine can only make it miss the peak (read low):

@@ -9,66 +9,18 @@ rewritten to their recorded sha256, and an unfinished folder is finished.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from pathlib import Path
 
 from nblib.atomic import leftover_temporaries
 from nblib.cache.format import current_stat, record_shard_stats, shard_findings
 from nblib.cache.populate import cache_lock
 from nblib.cache.record_format import read_record_manifest
+from nblib.cache.verify import RECORD_SHARDS, VerifyReport
 from nblib.errors import CacheError
 
 
-@dataclass(frozen=True)
-class RecordVerifyReport:
-    """The health of a folder of record shards, and what a repair did."""
-
-    folder: str
-    n_shards: int = 0
-    n_records: int = 0
-    complete: bool = False
-    missing: tuple[str, ...] = ()
-    truncated: tuple[str, ...] = ()
-    corrupt: tuple[str, ...] = ()
-    touched: tuple[str, ...] = ()
-    temporaries: tuple[str, ...] = ()
-    unlisted: tuple[str, ...] = ()
-    manifest_problem: str | None = None
-    repaired: tuple[str, ...] = ()
-    removed: tuple[str, ...] = ()
-
-    @property
-    def damaged(self) -> tuple[str, ...]:
-        return self.missing + self.truncated + self.corrupt
-
-    @property
-    def ok(self) -> bool:
-        return self.manifest_problem is None and self.complete and not self.damaged \
-            and not self.temporaries and not self.unlisted
-
-    def __str__(self) -> str:
-        head = f"record shards {self.folder}: "
-        if self.manifest_problem:
-            return head + f"BROKEN: {self.manifest_problem}"
-        lines = [head + ("OK" if self.ok else "PROBLEMS") + f" - {self.n_shards} shards, {self.n_records:,} records"]
-        for label, names in (("missing", self.missing), ("truncated (size differs from the manifest)", self.truncated),
-                             ("corrupt (sha256 differs from the manifest)", self.corrupt),
-                             ("leftover temporary files", self.temporaries),
-                             ("shard files the manifest does not list", self.unlisted),
-                             ("intact but with a new mtime (copied)", self.touched),
-                             ("repaired", self.repaired), ("removed", self.removed)):
-            if names:
-                lines.append(f"  {label}: {', '.join(names)}")
-        if not self.complete:
-            lines.append("  incomplete: rerun the same cache --records command to finish")
-        if self.damaged or self.temporaries or self.unlisted:
-            lines.append(f"  fix: python -m nblib cache --verify --repair {self.folder} (rebuilds damaged "
-                         f"shards from the source records)")
-        return "\n".join(lines)
-
-
 def verify_records(folder: str | Path, *, repair: bool = False, records=None,
-                   trust: bool = False) -> RecordVerifyReport:
+                   trust: bool = False) -> VerifyReport:
     """Check every shard's size and sha256; with `repair`, rebuild what is wrong from the source.
 
     Args:
@@ -126,15 +78,16 @@ def _source(folder: Path, manifest: dict, records, trust: bool):
     return records
 
 
-def _inspect(folder: Path) -> RecordVerifyReport:
+def _inspect(folder: Path) -> VerifyReport:
     try:
         manifest = read_record_manifest(folder)
     except CacheError as exc:
-        return RecordVerifyReport(folder=str(folder), manifest_problem=str(exc))
+        return VerifyReport(folder=str(folder), kind=RECORD_SHARDS, manifest_problem=str(exc))
     found, unlisted = shard_findings(folder, manifest["shards"])
-    return RecordVerifyReport(
-        folder=str(folder), n_shards=len(manifest["shards"]), n_records=sum(s["count"] for s in manifest["shards"]),
-        complete=bool(manifest.get("complete")), missing=tuple(found["missing"]),
+    n_records = sum(s["count"] for s in manifest["shards"])
+    return VerifyReport(
+        folder=str(folder), kind=RECORD_SHARDS, n_shards=len(manifest["shards"]), n_items=n_records,
+        expected_items=n_records, complete=bool(manifest.get("complete")), missing=tuple(found["missing"]),
         truncated=tuple(found["truncated"]), corrupt=tuple(found["corrupt"]), touched=tuple(found["touched"]),
         temporaries=tuple(str(p.relative_to(folder)) for p in leftover_temporaries(folder)),
         unlisted=tuple(unlisted))

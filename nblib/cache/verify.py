@@ -26,15 +26,21 @@ from nblib.cache.reader import expected_images
 from nblib.cache.texts import TextSource, scan_texts, text_source
 from nblib.errors import CacheError
 
+RECORD_SHARDS = "record shards"      # a VerifyReport's `kind` for record shards (nblib.cache.record_verify)
+
 
 @dataclass(frozen=True)
 class VerifyReport:
-    """A cache's health: missing, truncated and corrupt shards, stray files, and what was repaired."""
+    """A shard folder's health against its manifest: missing, truncated and corrupt shards, stray files, what
+    a repair did. One report for an image cache (`verify`) and record shards (`record_verify.verify_records`).
+    """
 
-    cache_dir: str
+    folder: str
+    kind: str = "cache"             # "cache" (an image cache) or RECORD_SHARDS
     n_shards: int = 0
-    n_images: int = 0
-    expected_images: int = 0
+    n_items: int = 0                # images or records written
+    expected_items: int = 0         # images an image cache's manifest plans (record shards: n_items)
+    complete: bool = False          # every planned item written (record shards: the manifest says so)
     missing: tuple[str, ...] = ()
     truncated: tuple[str, ...] = ()
     corrupt: tuple[str, ...] = ()
@@ -50,23 +56,22 @@ class VerifyReport:
         return self.missing + self.truncated + self.corrupt
 
     @property
-    def complete(self) -> bool:
-        return self.manifest_problem is None and self.n_images == self.expected_images
-
-    @property
     def ok(self) -> bool:
-        return self.complete and not self.damaged and not self.temporaries and not self.unlisted
+        return self.manifest_problem is None and self.complete and not self.damaged and not self.temporaries \
+            and not self.unlisted
 
     def __str__(self) -> str:
-        head = f"cache {self.cache_dir}: "
+        head = f"{self.kind} {self.folder}: "
         if self.manifest_problem:
             return head + f"BROKEN: {self.manifest_problem}"
-        lines = [head + ("OK" if self.ok else "PROBLEMS") +
-                 f" - {self.n_shards} shards, {self.n_images:,} of {self.expected_images:,} images"]
+        records = self.kind == RECORD_SHARDS
+        count = f"{self.n_items:,} records" if records else f"{self.n_items:,} of {self.expected_items:,} images"
+        lines = [head + ("OK" if self.ok else "PROBLEMS") + f" - {self.n_shards} shards, {count}"]
+        redo = "repair rewrites them from the source records" if records else "repair re-renders them"
         for label, names, hint in (
-                ("missing", self.missing, "repair re-renders them"),
-                ("truncated (size differs from the manifest)", self.truncated, "repair re-renders them"),
-                ("corrupt (sha256 differs from the manifest)", self.corrupt, "repair re-renders them"),
+                ("missing", self.missing, redo),
+                ("truncated (size differs from the manifest)", self.truncated, redo),
+                ("corrupt (sha256 differs from the manifest)", self.corrupt, redo),
                 ("leftover temporary files", self.temporaries, "repair deletes them"),
                 ("shard files the manifest does not list", self.unlisted, "repair deletes them"),
                 ("intact but with a new mtime (copied)", self.touched,
@@ -75,10 +80,11 @@ class VerifyReport:
             if names:
                 lines.append(f"  {label}: {', '.join(names)}" + (f" ({hint})" if hint else ""))
         if not self.complete:
-            lines.append(f"  incomplete: {self.expected_images - self.n_images:,} images not rendered "
+            lines.append("  incomplete: rerun the same cache --records command to finish" if records else
+                         f"  incomplete: {self.expected_items - self.n_items:,} images not rendered "
                          f"yet; rerun the same populate command to finish")
         if self.damaged or self.temporaries or self.unlisted:
-            lines.append(f"  fix: python -m nblib cache --verify --repair {self.cache_dir}")
+            lines.append(f"  fix: python -m nblib cache --verify --repair {self.folder}")
         return "\n".join(lines)
 
 
@@ -146,12 +152,13 @@ def _inspect(cache_dir: Path) -> VerifyReport:
     try:
         manifest = read_cache_manifest(cache_dir)
     except CacheError as exc:
-        return VerifyReport(cache_dir=str(cache_dir), manifest_problem=str(exc))
+        return VerifyReport(folder=str(cache_dir), manifest_problem=str(exc))
     shards = manifest["shards"]
     found, unlisted = shard_findings(cache_dir, shards)
+    n_images, expected = shards[-1]["stop"] if shards else 0, expected_images(manifest) or 0
     return VerifyReport(
-        cache_dir=str(cache_dir), n_shards=len(shards), n_images=shards[-1]["stop"] if shards else 0,
-        expected_images=expected_images(manifest) or 0,
+        folder=str(cache_dir), n_shards=len(shards), n_items=n_images, expected_items=expected,
+        complete=n_images == expected,
         missing=tuple(found["missing"]), truncated=tuple(found["truncated"]),
         corrupt=tuple(found["corrupt"]), touched=tuple(found["touched"]),
         temporaries=tuple(str(p.relative_to(cache_dir)) for p in leftover_temporaries(cache_dir)),

@@ -1,4 +1,4 @@
-"""The budget of record shards: the shard size that fits a RAM (pure functions).
+"""The budget of record shards: the shard size that fits a RAM (pure functions; test support).
 
 The sharding guide sizes shards (400-500 MB) and batches for a 24 GB GPU by hand, from the size
 of the records alone. Done right, each figure is a sum of itemized lines, every line with its
@@ -12,8 +12,8 @@ reason, and what is left over divided by what one more unit costs:
 - VRAM is not counted here: the batch that fits a GPU is the trace of the model's own training step,
   `nblib.budget.model_vram(..., train=True)`.
 
-Nothing here reads a file or imports torch. (It lives beside the record shards for now; its home
-is `nblib.budget`, next to the image cache's shard plan, once that package's layering settles.)
+Nothing here reads a file or imports torch. No job or verb asks it yet, so it lives with the tests
+that hold it to the encode budget's per-process figures and the one margin (tests/test_one_margin.py).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Checks of the simulator against what this machine can measure.
+"""Checks of the simulator against what this machine can measure (test support: tests/test_simulate.py).
 
 `live_vs_rss`: the trace's live-tensor accounting (DeviceTrace on real CPU tensors) against the
 RSS growth of the same forward pass in a fresh process (nblib.measure.encoder_peak, glibc's mmap
@@ -43,7 +43,7 @@ def live_vs_rss(config: PipelineConfig, batch_size: int, timeout_s: float = 900)
 
     measured = encoder_peak(config, batch_size, "cpu", timeout_s=timeout_s)
     payload = json.dumps({"config": config.to_dict(), "batch_size": batch_size})
-    proc = subprocess.run([sys.executable, "-m", "nblib.simulate.validate", payload],
+    proc = subprocess.run([sys.executable, __file__, payload],
                           capture_output=True, text=True, timeout=timeout_s, check=True)
     traced = json.loads(proc.stdout.strip().splitlines()[-1])["delta"]
     return Agreement("forward-pass peak (CPU)", batch_size, traced, measured["rss_delta"],
