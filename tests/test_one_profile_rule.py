@@ -69,3 +69,11 @@ def test_train_on_a_32_px_cache_names_the_cache_command_that_fixes_it(tmp_path):
     assert "holds 32x32 images" in line and "takes 64x64" in line, line
     assert "python -m nblib cache --images DIR --size 64 --out NEW" in line, line
     assert "image_size=" not in line and len(line.splitlines()) == 1, line
+
+
+def test_a_224_px_cache_under_the_smoke_default_names_the_t4_profile(tmp_path):
+    cache = _cache(tmp_path / "c224", 224)
+    run = run_nblib("train", "--cache", cache, "--out", tmp_path / "run", "--steps", "1", NBLIB_PROFILE="smoke")
+    line = run.stderr.strip()
+    assert run.returncode != 0 and "the TRM of --profile smoke takes 64x64" in line, line
+    assert line.endswith("or train with --profile t4 (a 224 px TRM)"), line

@@ -153,10 +153,10 @@ def check_image_size(cache: Path, spec: str | None, profile: str) -> None:
     size = named_config(preset_name or profile).model.image_size
     cached = int(read_cache_manifest(cache)["image_shape"][0])
     if cached != size:
-        from nblib.config import preset, preset_names
+        from nblib.config import PROFILES, preset_names
 
         model = f"--model {spec}" if preset_name else f"--profile {profile}"
-        fits = [name for name in preset_names() if preset(name).model.image_size == cached]
+        fits = [name for name in (*PROFILES, *preset_names()) if named_config(name).model.image_size == cached]
         other = f", or train with --profile {fits[0]} (a {cached} px TRM)" if fits else ""
         raise ConfigError(f"--cache {cache} holds {cached}x{cached} images, the TRM of {model} takes {size}x{size} "
                           f"and does not resize; build a cache at that size: python -m nblib cache --images DIR "
