@@ -88,3 +88,72 @@ def test_r5_9_a_moment_edited_right_after_an_async_save_never_reaches_its_checkp
         saved = local.load(local.record_bytes("state", version), "state", version)
         _assert_equal(saved, expected)
     store.close()
+
+
+def _records_with_a_bad_one(folder, kind: str, bad: str | None):
+    """96 records of 3-8 rows of 4 features and a target of `kind`; record 50 broken as `bad` says."""
+    import numpy as np
+
+    from nblib.cache import write_records
+
+    rng = np.random.default_rng(0)
+
+    def record(i: int) -> dict:
+        rows = 3 + i % 6
+        x = rng.standard_normal((rows, 4)).astype(np.float32)
+        if kind == "labels":
+            y = rng.integers(0, 4, rows)
+        elif kind == "top-k":
+            y = np.stack([rng.permutation(4)[:2] for _ in range(rows)])
+        else:
+            y = rng.dirichlet(np.ones(4), rows).astype(np.float32)
+        if i == 50:
+            if bad == "one_row":
+                y = y[:1]
+            elif bad == "twice_the_rows":
+                y = np.concatenate([y, y])
+            elif bad == "repeated_index":
+                y[1] = [3, 3]
+            elif bad == "negative":
+                y[2] = [-0.5, 0.5, 0.5, 0.5]
+            elif bad == "sums_to_3":
+                y[0] = [1.5, 0.5, 0.5, 0.5]
+            elif bad == "nan_input":
+                x[1, 2] = np.nan
+            elif bad == "nan_target":
+                y[1, 1] = np.nan
+        return {"x": x, "y": y}
+
+    write_records((record(i) for i in range(96)), folder, shard_mb=0.002)
+    return folder
+
+
+CASES = {  # bad record: (target kind, what the one line says)
+    "one_row": ("labels", "record 50 has 1 target rows (--target-key y [1]) for 5 input rows"),
+    "twice_the_rows": ("labels", "record 50 has 10 target rows (--target-key y [10]) for 5 input rows"),
+    "repeated_index": ("top-k", "record 50 repeats an index in top-2 row 1 of --target-key y ([3, 3])"),
+    "negative": ("probabilities", "record 50 holds a negative probability (-0.5) in --target-key y"),
+    "sums_to_3": ("probabilities", "record 50 has a row of --target-key y that sums to 3 (row 0)"),
+    "nan_input": ("labels", "record 50 holds NaN (1 of 20 values) in --input-key x"),
+    "nan_target": ("probabilities", "record 50 holds NaN (1 of 20 values) in --target-key y"),
+}
+
+
+@pytest.mark.parametrize("bad", sorted(CASES))
+def test_r5_10_train_records_refuses_a_bad_target_after_record_0_in_one_line_naming_the_record(tmp_path, bad):
+    from cli_runner import run_nblib
+    from test_hostile import one_error_line
+
+    kind, expected = CASES[bad]
+
+    def train(bad_one: str | None, out: str):
+        records = _records_with_a_bad_one(tmp_path / f"records-{out}", kind, bad_one)
+        return run_nblib("train", "--records", str(records), "--input-key", "x", "--target-key", "y", "--loss", "ce",
+                         *([] if kind == "probabilities" else ["--classes", "4"]), "--out", str(tmp_path / out),
+                         "--steps", "24", "--batch-size", "16", "--save-every", "8", "--backup-every", "8",
+                         "--no-progress", "--lr", "0.01", OMP_NUM_THREADS="1")
+
+    line = one_error_line(train(bad, "run"))
+    assert expected in line and "diverged" not in line, line
+    good = train(None, "good-run")                         # the same records, none broken: no false refusal
+    assert good.returncode == 0, good.stderr[-2000:]

@@ -26,6 +26,10 @@ trains the sharding guide's job: a router that predicts each token's routing fro
   permuted within each shard), cut in global batches, so a reader holds one shard at a time (a
   batch that straddles two reads them one after the other). Its state is the shuffle's position:
   a few hundred bytes, resumed exactly at any step, as the image cache's order is.
+- **Every record is checked as it is read** (`RecordCheck`, training and held-out reads alike): no NaN or inf
+  in its input or target ("record N holds NaN", never called a divergence), a target with its input's rows
+  when the first record's had them, labels and top-k indices in range, top-k rows without a repeat,
+  probability rows >= 0 that sum to 1; one line naming the record.
 Trade-off: the first record is read at start to check the fields, the model's output shape, the
 loss and the padding before anything is written; a model that mixes rows without a mask is refused
 only at the first batch whose records differ in length (a data set of equal lengths never pads).
@@ -45,7 +49,7 @@ from torch import nn
 
 from nblib.atomic import sha256_json
 from nblib.cache.record_reader import RecordShardShuffle
-from nblib.errors import ConfigError
+from nblib.errors import ConfigError, InputError
 
 from .config import TrainConfig
 from .data import BatchPlan, split
@@ -84,19 +88,96 @@ class ShardPlan(BatchPlan):
 
 
 class IndexedRecords(torch.utils.data.Dataset):
-    """Item i: (input tensor, target tensor, i) of record i; one shard open per process (loader workers too)."""
+    """Item i: (input tensor, target tensor, i) of record i; one shard open per process (loader workers too).
+    Once the task has read the first record, `check` (a `RecordCheck`) checks every record as it is read.
+    """
 
     def __init__(self, folder: str, inputs: str, target: str):
         from nblib.cache.record_torch import RecordDataset
 
         self.records = RecordDataset(folder, inputs=inputs, target=target, check="first-touch")
+        self.check: RecordCheck | None = None
 
     def __len__(self) -> int:
         return len(self.records)
 
     def __getitem__(self, index: int):
         inputs, target = self.records[int(index)]
-        return inputs, torch.as_tensor(target), int(index)
+        target = torch.as_tensor(target)
+        if self.check is not None:
+            self.check(int(index), inputs, target)
+        return inputs, target, int(index)
+
+
+@dataclass(frozen=True)
+class RecordCheck:
+    """What every record must hold for the loss to read it as it read the first (`RecordTask`): values that are
+    not NaN or inf, a target with its input's rows where the first record's had them (`rows`), and per target
+    kind: class labels and top-k indices in [0, classes), top-k rows without a repeated index, probability rows
+    of entries >= 0 that sum to 1 (within `PROBABILITY_TOLERANCE` plus two of the dtype's eps).
+    """
+
+    inputs: str
+    target: str
+    kind: str
+    rows: bool
+    classes: int | None = None
+
+    def __call__(self, index: int, inputs, target) -> None:
+        """InputError naming record `index`, what it holds and the rule, at the first rule it breaks."""
+        for flag, name, values in (("--input-key", self.inputs, inputs), ("--target-key", self.target, target)):
+            values = torch.as_tensor(values)
+            if values.is_floating_point() and not bool(torch.isfinite(values).all()):
+                self._refuse(index, f"holds {_non_finite(values)} in {flag} {name}", "a loss over it is NaN")
+        if self.rows and target.ndim and inputs.ndim and int(target.shape[0]) != int(inputs.shape[0]):
+            self._refuse(index, f"has {int(target.shape[0])} target rows (--target-key {self.target} "
+                                f"{list(target.shape)}) for {int(inputs.shape[0])} input rows (--input-key "
+                                f"{self.inputs} {list(inputs.shape)})", "each input row has one target row")
+        if self.kind in ("labels", "top-k") and target.numel():
+            low, high = int(target.min()), int(target.max())
+            if low < 0 or high >= self.classes:
+                self._refuse(index, f"holds class {high if high >= self.classes else low} in --target-key "
+                                    f"{self.target}", f"the model gives {self.classes} classes, 0 to "
+                                                      f"{self.classes - 1}")
+        if self.kind == "top-k" and target.numel():
+            rows = target.reshape(-1, target.shape[-1]).sort(-1).values
+            repeated = (rows.diff(dim=-1) == 0).any(-1)
+            if bool(repeated.any()):
+                row = int(repeated.nonzero()[0])
+                self._refuse(index, f"repeats an index in top-{target.shape[-1]} row {row} of --target-key "
+                                    f"{self.target} ({target.reshape(-1, target.shape[-1])[row].tolist()})",
+                             "a top-k row names k distinct classes")
+        if self.kind == "probabilities" and target.numel():
+            self._check_probabilities(index, target)
+
+    def _check_probabilities(self, index: int, target) -> None:
+        rows = target.reshape(-1, target.shape[-1]).double()
+        if bool((rows < 0).any()):
+            self._refuse(index, f"holds a negative probability ({float(rows.min()):.4g}) in --target-key "
+                                f"{self.target}", "soft targets are rows of probabilities >= 0 that sum to 1")
+        tolerance = PROBABILITY_TOLERANCE + 2 * torch.finfo(target.dtype).eps
+        sums = rows.sum(-1)
+        off = (sums - 1).abs() > tolerance
+        if bool(off.any()):
+            row = int(off.nonzero()[0])
+            self._refuse(index, f"has a row of --target-key {self.target} that sums to {float(sums[row]):.6g} "
+                                f"(row {row})", f"soft targets are rows of probabilities that sum to 1 "
+                                                f"(within {tolerance:.2g})")
+
+    @staticmethod
+    def _refuse(index: int, what: str, rule: str) -> None:
+        raise InputError(f"record {index} {what}: {rule}; fix that record (or leave it out) and rebuild the "
+                         f"records with python -m nblib cache --records")
+
+
+PROBABILITY_TOLERANCE = 1e-3
+
+
+def _non_finite(values) -> str:
+    """'NaN (3 of 64 values)', or 'inf (...)' when none is NaN."""
+    nan = int(torch.isnan(values).sum())
+    what, count = ("NaN", nan) if nan else ("inf", int(torch.isinf(values).sum()))
+    return f"{what} ({count} of {values.numel()} values)"
 
 
 def lengths_of(tensors: list) -> torch.Tensor:
@@ -266,7 +347,7 @@ class RecordTask:
                 out = self.model.eval()(inputs, in_lengths)
             freeze_unreached(self.model, inputs, in_lengths)
             self.padding_shift = padding_shift(self.model, inputs, in_lengths)
-        loss_terms(out, target, lengths, self.loss_name)            # the shapes and classes agree, before any save
+        per = loss_terms(out, target, lengths, self.loss_name)[0]  # the shapes and classes agree, before any save
         self.targets = target_kind(out.shape, target, self.loss_name)
         self.top_k = int(target.shape[-1]) if self.targets == "top-k" else None
         self.chance = self.top_k / int(out.shape[-1]) if self.top_k else None   # top-k: k of C found by guessing
@@ -275,6 +356,8 @@ class RecordTask:
                               f"indices against the output {list(out.shape[1:])}, but a row repeats an index: if it "
                               f"holds one label per row, give a model whose output is [..., rows, classes]")
         width = int(out.shape[-1]) if self.loss_name == "ce" else 0
+        rows = per.ndim >= 2 and int(target.shape[1]) == int(inputs.shape[1])   # a loss per row, masked past it
+        self.dataset.check = RecordCheck(fields.inputs, fields.target, self.targets, rows, width or None)
         self.classes = [str(c) for c in range(width)]
         self.model_identity = contract_identity(self.loaded, self.model.output)
         shards.close()
