@@ -144,7 +144,6 @@ def check_image_size(cache: Path, spec: str | None, profile: str) -> None:
     """The TRM takes images of its own size and does not resize: a cache of another size is refused here,
     before torch is imported, naming the cache command that builds one of the right size.
     """
-    from nblib.cache.format import read_cache_manifest
     from nblib.config import named_config
 
     head, _, preset_name = (spec or "trm").partition(":")
