@@ -157,3 +157,25 @@ def test_r5_10_train_records_refuses_a_bad_target_after_record_0_in_one_line_nam
     assert expected in line and "diverged" not in line, line
     good = train(None, "good-run")                         # the same records, none broken: no false refusal
     assert good.returncode == 0, good.stderr[-2000:]
+
+
+def test_r5_13_a_run_resumed_on_another_number_of_processes_says_so_in_one_line_and_in_train_json(tmp_path):
+    """A 1-process run SIGKILLed once step 4 was saved, resumed by a 2-rank torchrun launch (gloo on CPU)."""
+    from test_train import labelled_cache
+    from train_runs import TWO_RANK_STEPS, run_and_kill, torchrun_cli, train_cli, train_env
+
+    from nblib.manifest import read_manifest
+    from nblib.train.loop import REPORT, REPORT_KIND
+
+    cache_dir, out = labelled_cache(tmp_path / "data", 160), tmp_path / "run"
+    run_and_kill(train_cli(cache_dir, out, "--steps", str(TWO_RANK_STEPS), "--device", "cpu"), out, after_step=4,
+                 extra_s=0.0)
+    assert not (out / "final.pt").exists()
+    done = subprocess.run(torchrun_cli(cache_dir, out), env=train_env(), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = [line for line in done.stderr.splitlines() if "world size" in line]
+    assert len(said) == 1 and said[0].startswith("world size 1 -> 2: the result will not be bit-identical to "
+                                                 "either uninterrupted run"), done.stderr[-3000:]
+    body = read_manifest(out / REPORT, REPORT_KIND).body
+    assert body["world_size"] == 2 and body["world_size_change"] == said[0]
+    assert 0 < body["start_step"] < TWO_RANK_STEPS

@@ -12,12 +12,15 @@ cuBLAS's deterministic workspace: `nblib.train.device`), dropout draws from a ge
 workers give the same batches. Under `torchrun` the model is wrapped in DistributedDataParallel
 (gradients over gloo on CPU, over an nccl group with `device_ids` on GPUs; control messages stay
 on gloo); each rank reads its slice of the global batch; rank 0 alone evaluates and writes every
-checkpoint and final.pt. A non-finite loss (or weights about to be saved) stops the run with
+checkpoint and final.pt. A resume on another number of processes than the state's (torchrun ranks) runs, and
+says in one line (and in train.json's `world_size_change`) that its result matches neither uninterrupted run bit
+for bit (`world_size_change`). A non-finite loss (or weights about to be saved) stops the run with
 TrainingDiverged before anything after the last good state is written.
 """
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import time
@@ -46,6 +49,7 @@ from .task import ImageTask, model_config, vram_preflight
 __all__ = ["TrainReport", "model_config", "train", "train_step", "training_objects"]
 
 FINAL = "final.pt"
+log = logging.getLogger("nblib.train")
 SAMPLE_LOG_ENV = "NBLIB_TRAIN_SAMPLE_LOG"   # set: each rank appends "step: indices" (.txt), "step: seed" (.seeds)
 REPORT = "train.json"
 REPORT_KIND = "nblib.train.run"
@@ -74,6 +78,8 @@ class TrainReport:
     classes: list[str] = field(default_factory=list)
     next_step: str = ""                                          # the command that uses final.pt
     chance: float | None = None                                  # accuracy by guessing (None: 1 / classes)
+    world_size: int = 1                                          # processes (torchrun ranks) of this launch
+    world_change: str | None = None                              # a resume on another number of them: the line
 
     @property
     def first(self) -> dict:
@@ -226,9 +232,12 @@ def _train(cache_dir, out, config: TrainConfig, *, mirror, progress, world, stor
         step, history, best, source = _resume(state, source, out, identity, plan,
                                               (model, optimizer, scheduler, scaler))
         report.start_step, report.resumed_from, report.history, report.best_step = step, source, history, best
+        report.world_size, report.world_change = world_size, world_size_change(state, world_size)
+        if writer and report.world_change:
+            log.warning("%s", report.world_change)
         net, model_group = _wrap(model, world, config.device)
         if writer:
-            store.guard(optimizer)          # async saves copy the weights and moments before its next step
+            store.guard(optimizer)          # async saves: CUDA moments copied in stream order (TrainStore.guard)
         if writer and step == 0:
             report.history.append(task.evaluate(model, config, 0, float("nan")))
         stop = config.steps if stop_after is None else min(config.steps, max(step, stop_after))
@@ -305,9 +314,23 @@ def _after_step(step, loss, model, task, config, optimizer, scheduler, scaler, i
     state = {"identity": identity, "step": step, "epoch": step // task.plan.steps_per_epoch,
              "model": model.state_dict(), "optimizer": optimizer.state_dict(),
              "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "rng": capture_rng(),
-             "data_order": task.plan.state_bytes(step), "history": report.history, "best": report.best_step}
+             "data_order": task.plan.state_bytes(step), "history": report.history, "best": report.best_step,
+             "world_size": report.world_size}
     report.save_waits.append(store.save(state, step, backup=backup, best=best))
     report.save_seconds.append(time.perf_counter() - tick)
+
+
+def world_size_change(state: dict | None, world_size: int) -> str | None:
+    """The line a resume on another number of processes than the state's run says (None: the same, a fresh run,
+    or a state saved before runs recorded theirs): the gradients are summed over other ranks, so the steps
+    after it differ in their last bits from either uninterrupted run's.
+    """
+    saved = None if state is None else state.get("world_size")
+    if saved is None or int(saved) == world_size:
+        return None
+    return (f"world size {int(saved)} -> {world_size}: the result will not be bit-identical to either "
+            f"uninterrupted run (the state's steps ran on {int(saved)} processes, the rest run on {world_size}); "
+            f"resume on {int(saved)} processes for the bytes of a {int(saved)}-process run")
 
 
 def _write_report(out: Path, report: TrainReport, config: TrainConfig) -> None:
@@ -315,7 +338,8 @@ def _write_report(out: Path, report: TrainReport, config: TrainConfig) -> None:
             "history": report.history, "best_step": report.best_step, "classes": report.classes,
             "config": config.to_dict(), "final": None if report.final is None else report.final.name,
             "durability": None if report.durability is None else report.durability.line(),
-            "save_share": report.save_share}
+            "save_share": report.save_share, "world_size": report.world_size,
+            "world_size_change": report.world_change}
     write_manifest(out / REPORT, REPORT_KIND, body)
 
 
