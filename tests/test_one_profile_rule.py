@@ -77,3 +77,19 @@ def test_a_224_px_cache_under_the_smoke_default_names_the_t4_profile(tmp_path):
     line = run.stderr.strip()
     assert run.returncode != 0 and "the TRM of --profile smoke takes 64x64" in line, line
     assert line.endswith("or train with --profile t4 (a 224 px TRM)"), line
+
+
+def test_train_refusals_that_need_no_model_answer_before_torch_is_imported(tmp_path):
+    """Issue 53: refusals that need no model took ~20 s under load, torch imported first (--records' fields did)."""
+    import subprocess
+    import sys
+
+    small = _cache(tmp_path / "c32", 32)
+    code = ("import sys\nfrom nblib.cli import main\nstatus = main(sys.argv[1:])\n"
+            "print('torch imported:', 'torch' in sys.modules)\nsys.exit(status)")
+    for argv in (["--records", str(tmp_path / "none"), "--input-key", "x", "--target-key", "y"],
+                 ["--cache", str(small), "--profile", "smoke"]):
+        run = subprocess.run([sys.executable, "-c", code, "train", *argv, "--out", str(tmp_path / "run"),
+                              "--steps", "1"], capture_output=True, text=True, timeout=120)
+        assert run.returncode != 0 and run.stderr.startswith("error: "), run.stderr
+        assert "torch imported: False" in run.stdout, (argv, run.stdout, run.stderr)

@@ -117,15 +117,16 @@ def check_train_args(args):
     """The refusals a command line can get before torch is imported (~2 s): the paths, the knobs, the
     quota. (the RecordFields of --records or None, the mirror quota in bytes) when they pass.
     """
-    fields = record_fields(args)
-    cache = Path(args.cache if fields is None else args.records)
-    if fields is None and not (cache / "manifest.json").is_file():
+    records = args.records is not None
+    fields = None if records else record_fields(args)    # --records' RecordFields imports torch: it comes last
+    cache = Path(args.records if records else args.cache)
+    if not records and not (cache / "manifest.json").is_file():
         raise InputError(f"--cache {cache} is not a cache folder (no manifest.json); build one with "
                          f"python -m nblib cache --texts data/sample_texts.jsonl --out {cache}")
-    if fields is not None and not (cache / "manifest.json").is_file():
+    if records and not (cache / "manifest.json").is_file():
         raise InputError(f"--records {cache} is not a folder of record shards (no manifest.json); build one with "
                          f"python -m nblib cache --records FILE.pkl --out {cache} --shard-size-mb 400")
-    if fields is None:
+    if not records:
         check_image_size(cache, args.model, args.profile)
     else:
         read_record_manifest(cache)         # an image cache given to --records: one line naming --cache
@@ -137,7 +138,8 @@ def check_train_args(args):
     if out.exists() and not out.is_dir():
         raise InputError(f"--out {out} is a file; pass a folder for the run")
     config_from_args(args)
-    return fields, mirror_quota_bytes(args.mirror, args.drive_quota_gb)
+    quota = mirror_quota_bytes(args.mirror, args.drive_quota_gb)
+    return (record_fields(args) if records else fields), quota
 
 
 def check_image_size(cache: Path, spec: str | None, profile: str) -> None:
