@@ -17,7 +17,12 @@ Then, `--passes` times with the order rotated every pass, each run reads the who
   nblib zstd, one batch get_batch(0, N): the whole set as one array, as pyarrow reads it
   pyarrow zstd          pq.read_table + np.frombuffer(...).reshape(N, H, W, 3): pyarrow decompresses
                         each page, nothing else (a read-only view of pyarrow's buffer)
+  pyarrow zstd, malloc  the same with pyarrow's buffers from malloc (`pa.system_memory_pool()`), fresh
+                        memory each pass as numpy's; pyarrow's default pool (mimalloc) keeps the last
+                        pass's pages
   nblib raw, nblib raw one batch, pyarrow none: the same without compression
+  floor: fill ...       new arrays of the batch size (and one of N) allocated and each byte written
+                        once: what any read into fresh memory pays (page faults, the kernel's zeroing)
 
 nblib runs open the cache each pass and read batches of `--batch` (what a training loop does) with
 its default check (an xxh3 per image); pyarrow opens the file each pass. Like for like: the same
@@ -44,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 PAIRS = {"zstd before / pyarrow zstd": ("nblib zstd before", "pyarrow zstd"),
          "zstd / pyarrow zstd": ("nblib zstd", "pyarrow zstd"),
          "zstd one batch / pyarrow zstd": ("nblib zstd, one batch", "pyarrow zstd"),
+         "zstd one batch / pyarrow malloc": ("nblib zstd, one batch", "pyarrow zstd, malloc"),
          "raw / pyarrow none": ("nblib raw", "pyarrow none"),
          "raw one batch / pyarrow none": ("nblib raw, one batch", "pyarrow none")}
 
@@ -142,6 +148,7 @@ def store_bytes(path: Path) -> int:
 
 def readers(stores: dict[str, Path], n: int, batch: int) -> dict:
     """Each run: read the whole set in order into numpy uint8 [n, H, W, 3] batches."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     from nblib.cache import ShardedImageCache
@@ -155,20 +162,38 @@ def readers(stores: dict[str, Path], n: int, batch: int) -> dict:
                 cache.get_batch(first, min(n, first + step))
         return run
 
-    def pyarrow(path):
+    def pyarrow(path, pool=None):
         def run():
-            column = pq.read_table(path, columns=["image"]).column(0)
-            chunk = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
-            item = chunk.type.byte_width
-            flat = np.frombuffer(chunk.buffers()[1], np.uint8, count=(chunk.offset + len(chunk)) * item)
-            return flat[chunk.offset * item:].reshape(len(chunk), -1)
+            if pool is None:
+                return view(pq.read_table(path, columns=["image"]).column(0))
+            default = pa.default_memory_pool()
+            pa.set_memory_pool(pool)  # read_table takes no pool: swap the default for this run only
+            try:
+                return view(pq.read_table(path, columns=["image"]).column(0))
+            finally:
+                pa.set_memory_pool(default)
         return run
 
+    def view(column):  # uint8 [n, H*W*3] over pyarrow's buffer, no copy
+        chunk = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+        item = chunk.type.byte_width
+        flat = np.frombuffer(chunk.buffers()[1], np.uint8, count=(chunk.offset + len(chunk)) * item)
+        return flat[chunk.offset * item:].reshape(len(chunk), -1)
+
+    def fill_fresh(step):  # the floor of a read into new arrays: allocate, write every byte once
+        def run():
+            for first in range(0, n, step):
+                np.empty((min(n, first + step) - first, *shape), np.uint8).fill(1)
+        return run
+
+    shape = ShardedImageCache(stores["nblib raw"]).shape
     zstd, raw = stores["nblib zstd"], stores["nblib raw"]
     return {"nblib zstd before": nblib(zstd, before), "nblib zstd": nblib(zstd),
             "nblib zstd, one batch": nblib(zstd, step=n), "pyarrow zstd": pyarrow(stores["parquet zstd"]),
+            "pyarrow zstd, malloc": pyarrow(stores["parquet zstd"], pa.system_memory_pool()),
             "nblib raw": nblib(raw), "nblib raw, one batch": nblib(raw, step=n),
-            "pyarrow none": pyarrow(stores["parquet none"])}
+            "pyarrow none": pyarrow(stores["parquet none"]),
+            "floor: fill fresh batches": fill_fresh(batch), "floor: fill one fresh batch": fill_fresh(n)}
 
 
 def check_same(runs: dict, stores: dict, images: np.ndarray) -> None:
@@ -178,7 +203,7 @@ def check_same(runs: dict, stores: dict, images: np.ndarray) -> None:
     n = len(images)
     for name in ("nblib raw", "nblib zstd"):
         assert np.array_equal(ShardedImageCache(stores[name]).get_batch(0, n), images), name
-    for name in ("pyarrow zstd", "pyarrow none"):
+    for name in ("pyarrow zstd", "pyarrow zstd, malloc", "pyarrow none"):
         assert runs[name]().tobytes() == images.tobytes(), name
     assert np.array_equal(before_cache_class()(stores["nblib zstd"]).get_batch(0, n), images)
 
@@ -236,14 +261,14 @@ def main() -> None:
     print(f"{args.n} {args.images} images at {args.size} px, {args.passes} interleaved passes (rotated), "
           f"batches of {args.batch}; load before {load_before} / after {load_after}")
     print(f"zstandard {zstandard.__version__}, pyarrow {pyarrow.__version__}, cpus {os.cpu_count()}")
-    print(f"{'run':<24}{'images/s median':>16}  (min-max)")
+    print(f"{'run':<30}{'images/s median':>16}  (min-max)")
     for name, values in rates.items():
         s = spread(values)
-        print(f"{name:<24}{s['median']:>16,.0f}  ({s['min']:,.0f}-{s['max']:,.0f})")
+        print(f"{name:<30}{s['median']:>16,.0f}  ({s['min']:,.0f}-{s['max']:,.0f})")
     print("nblib / pyarrow per pass (images/s over images/s, >= 1: nblib at least level):")
     for label, values in ratios.items():
         s = spread(values)
-        print(f"  {label:<30} median {s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f}): "
+        print(f"  {label:<32} median {s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f}): "
               + " ".join(f"{v:.2f}" for v in values))
     print("bytes per image: " + "; ".join(
         f"{size} px " + ", ".join(f"{k} {v:,.0f}" if "/" not in k else f"{k} {v:.2f}x" for k, v in row.items())
