@@ -179,3 +179,40 @@ def test_r5_13_a_run_resumed_on_another_number_of_processes_says_so_in_one_line_
     body = read_manifest(out / REPORT, REPORT_KIND).body
     assert body["world_size"] == 2 and body["world_size_change"] == said[0]
     assert 0 < body["start_step"] < TWO_RANK_STEPS
+
+
+def test_r4_14_save_every_3_with_the_default_backup_every_trains_and_another_backup_every_is_still_refused(
+        tmp_path):
+    from cli_runner import run_nblib
+    from test_hostile import one_error_line
+
+    from nblib.manifest import read_manifest
+    from nblib.train.loop import REPORT, REPORT_KIND
+
+    records = _records_with_a_bad_one(tmp_path / "records", "labels", None)
+    argv = ["train", "--records", str(records), "--input-key", "x", "--target-key", "y", "--classes", "4",
+            "--steps", "6", "--batch-size", "16", "--save-every", "3", "--no-progress"]
+    done = run_nblib(*argv, "--out", str(tmp_path / "run"), OMP_NUM_THREADS="1")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "backups every 9 steps: the default --backup-every 10 follows --save-every 3" in done.stderr
+    assert read_manifest(tmp_path / "run" / REPORT, REPORT_KIND).body["config"]["backup_every"] == 9
+    line = one_error_line(run_nblib(*argv, "--backup-every", "7", "--out", str(tmp_path / "other")))
+    assert "backup_every=7 is not a multiple of save_every=3" in line and "use 6" in line, line
+
+
+def test_r4_14_group_by_keys_1_and_str_1_are_named_as_the_two_keys_that_collide(tmp_path):
+    import pickle
+
+    import numpy as np
+    from cli_runner import run_nblib
+    from test_hostile import one_error_line
+
+    source = tmp_path / "records.pkl"
+    with source.open("wb") as f:
+        for i in range(3):
+            pickle.dump({1: i, "1": 2 * i, "x": np.ones(3, np.float32)}, f)
+    for group_by in (["--group-by", "1"], []):
+        line = one_error_line(run_nblib("cache", "--records", str(source), "--out", str(tmp_path / "out"),
+                                        *group_by, "--no-progress"))
+        assert line == ("error: record 0 has the keys 1 (int) and '1' (str), which are one field name, '1', in the "
+                        "shards (field names are strings): rename one of them in the input"), line

@@ -206,6 +206,7 @@ class _ShardRun:
             self.manifest = self._fresh_manifest(record, index)
         if not isinstance(record, dict):
             encode_record(record, index)  # raises the InputError that names what a record is
+        refuse_colliding_names(record, index)
         check_schema(record, self.manifest["fields"], index)
         key = self._key(record, index)
         payload = encode_record(record, index)
@@ -253,6 +254,7 @@ class _ShardRun:
     def _fresh_manifest(self, record, index: int) -> dict:
         if not isinstance(record, dict):
             encode_record(record, index)
+        refuse_colliding_names(record, index)
         manifest = {"source": {**self.source, "n_records": None, "sha256": None}, **self.layout,
                     "fields": field_schema(record), "complete": False, "n_records": None, "shards": []}
         if self.layout["group_by"] is not None:
@@ -385,3 +387,16 @@ def _preflight(out: Path, source: dict, old: dict | None) -> None:
     done = sum(s["bytes"] for s in old["shards"]) if old else 0
     check_disk(out, max(0, int(source["bytes"]) - done), what=f"record shards of {source['path']}",
                knob="free disk, or write --out on a larger disk")
+
+
+def refuse_colliding_names(record: dict, index: int) -> None:
+    """InputError naming two keys of a record that are one field name in the shards (names are strings: the
+    keys 1 and '1' are both field '1'), instead of a field list that shows the name twice.
+    """
+    seen: dict[str, object] = {}
+    for key in record:
+        other = seen.setdefault(str(key), key)
+        if other is not key:
+            raise InputError(f"record {index:,} has the keys {other!r} ({type(other).__name__}) and {key!r} "
+                             f"({type(key).__name__}), which are one field name, {str(key)!r}, in the shards "
+                             f"(field names are strings): rename one of them in the input")

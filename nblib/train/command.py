@@ -18,7 +18,7 @@ from nblib.cache.format import read_cache_manifest
 from nblib.cache.record_format import read_record_manifest
 from nblib.errors import ConfigError, InputError
 
-from .config import TrainConfig
+from .config import TrainConfig, backup_multiple
 
 if TYPE_CHECKING:
     from .loop import TrainReport
@@ -105,10 +105,18 @@ def _stopping() -> None:
 
 
 def config_from_args(args) -> TrainConfig:
-    """The TrainConfig the command line asks for."""
+    """The TrainConfig the command line asks for. The default --backup-every follows --save-every (its nearest
+    multiple below, said in one line); another --backup-every that is not a multiple is refused.
+    """
+    backup_every, default = args.backup_every, TrainConfig.backup_every     # the field's default
+    if backup_every == default and backup_every % args.save_every:
+        backup_every = backup_multiple(default, args.save_every)
+        log.warning("backups every %d steps: the default --backup-every %d follows --save-every %d (a backup copies "
+                    "a local save); pass --backup-every N, a multiple of %d, to choose", backup_every, default,
+                    args.save_every, args.save_every)
     return TrainConfig(profile=args.profile, labels=args.labels, steps=args.steps, batch_size=args.batch_size,
                        accumulation=args.accumulation, lr=args.lr, precision=args.precision, device=args.device,
-                       seed=args.seed, save_every=args.save_every, backup_every=args.backup_every,
+                       seed=args.seed, save_every=args.save_every, backup_every=backup_every,
                        keep_last=args.keep_last, eval_every=args.eval_every, best_metric=args.best_metric,
                        workers=args.workers)
 

@@ -75,7 +75,7 @@ class TrainConfig:
         if self.backup_every % self.save_every:
             raise ConfigError(f"train.backup_every={self.backup_every} is not a multiple of save_every="
                               f"{self.save_every}: a backup copies a local save; use "
-                              f"{max(1, self.backup_every // self.save_every) * self.save_every}")
+                              f"{backup_multiple(self.backup_every, self.save_every)}")
         if not 0.0 < self.holdout < 1.0:
             raise ConfigError(f"train.holdout={self.holdout} must be a fraction in (0, 1), e.g. 0.2")
         if not 0.0 <= self.dropout < 1.0:
@@ -111,3 +111,10 @@ class TrainConfig:
 def _choice(name: str, value, choices: tuple) -> None:
     if value not in choices:
         raise ConfigError(f"train.{name}={value!r} is unknown; choose one of {choices}")
+
+
+def backup_multiple(backup_every: int, save_every: int) -> int:
+    """The multiple of `save_every` at or below `backup_every` (save_every itself when it is larger): the backup
+    interval nearest the one asked that backs up a local save.
+    """
+    return max(1, backup_every // save_every) * save_every
