@@ -95,3 +95,13 @@ def test_a_damaged_zstd_frame_read_unchecked_is_refused_naming_the_image(tmp_pat
     os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # its stat kept: opening does not hash it
     with pytest.raises(CacheError, match=r"image 3 .*zstd bytes do not decode"):
         ShardedImageCache(tmp_path, check="off").get_batch(0, 6)
+
+
+def test_after_a_zstd_read_the_shard_map_closes(tmp_path):
+    """Frames are read through views of the shard's map; none outlives the read, so close() unmaps it."""
+    write_images(list(images(n=5)), tmp_path, shard_mb=400, codec="zstd", progress=False)
+    cache = ShardedImageCache(tmp_path)
+    cache.get_batch(0, 5)
+    mapped = cache._handle(0)[0]
+    cache.close()
+    assert mapped.closed
