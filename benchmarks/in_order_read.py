@@ -34,8 +34,10 @@ written to `--out` as JSON.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -244,6 +246,7 @@ def main() -> None:
     import zstandard
 
     root = Path(tempfile.mkdtemp(prefix="nblib-in-order-"))
+    atexit.register(shutil.rmtree, root, True)
     load_before = loadavg()
     per_image = {}
     for size in sorted({64, args.size}):
