@@ -216,3 +216,29 @@ def test_r4_14_group_by_keys_1_and_str_1_are_named_as_the_two_keys_that_collide(
                                         *group_by, "--no-progress"))
         assert line == ("error: record 0 has the keys 1 (int) and '1' (str), which are one field name, '1', in the "
                         "shards (field names are strings): rename one of them in the input"), line
+
+
+def test_r5_11_a_long_double_scalar_field_is_refused_in_one_line_and_its_0_d_array_keeps_every_bit(tmp_path):
+    import pickle
+
+    import numpy as np
+    from cli_runner import run_nblib
+    from test_hostile import one_error_line
+
+    from nblib.cache import write_records
+    from nblib.cache.record_reader import RecordShards
+
+    third = np.longdouble(1) / 3
+    if np.finfo(np.longdouble).nmant <= np.finfo(np.float64).nmant:
+        pytest.skip("numpy's long double is a float64 on this platform: nothing is rounded")
+    source = tmp_path / "records.pkl"
+    with source.open("wb") as f:
+        for _ in range(3):
+            pickle.dump({"x": np.ones(3, np.float32), "s": third}, f)
+    line = one_error_line(run_nblib("cache", "--records", str(source), "--out", str(tmp_path / "out"),
+                                    "--no-progress"))
+    assert line.startswith("error: record 0 field 's' is a numpy float") and "np.asarray(value)" in line, line
+    write_records(({"x": np.ones(3, np.float32), "s": np.asarray(third)} for _ in range(2)), tmp_path / "arrays",
+                  shard_mb=1)
+    stored = RecordShards(tmp_path / "arrays")[1]["s"]
+    assert stored.dtype == np.longdouble and stored.tobytes() == np.asarray(third).tobytes()

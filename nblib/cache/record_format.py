@@ -113,6 +113,7 @@ def as_field(value, name, index: int = 0):
                              f"shards hold plain numeric arrays: convert it (e.g. np.asarray(x, float32))")
         return value
     if isinstance(value, np.generic):
+        _refuse_wide_scalar(value, name, index)
         value = value.item()
     if isinstance(value, SCALAR_TYPES):
         return value
@@ -123,6 +124,16 @@ def as_field(value, name, index: int = 0):
     raise InputError(f"record {index:,} field {name!r} is a {type(value).__name__}; a record holds numpy "
                      f"arrays (or torch tensors) and int/float/bool/str/None scalars: convert it "
                      f"(lists: np.asarray(value))")
+
+
+def _refuse_wide_scalar(value, name, index: int) -> None:
+    """InputError for a numpy scalar wider than a float64 (long double: 80 or 128 bits): a scalar field is a JSON
+    number, a float64, and would round it; a 0-d array keeps every bit.
+    """
+    if value.dtype.kind in "fc" and value.dtype.itemsize > (8 if value.dtype.kind == "f" else 16):
+        raise InputError(f"record {index:,} field {name!r} is a numpy {value.dtype} scalar ({value!r}), which a "
+                         f"scalar field would round to a float64: store it as a 0-d array (np.asarray(value)) "
+                         f"to keep its bits, or as float(value)")
 
 
 def _tensor_array(tensor) -> np.ndarray:
