@@ -80,8 +80,10 @@ def encode_record(record: dict, index: int = 0) -> bytearray:
     payload = bytearray(start + offset)
     LENGTH.pack_into(payload, 0, len(header))
     payload[LENGTH.size:LENGTH.size + len(header)] = header
+    view = memoryview(payload)    # a slice of the bytearray itself would first copy the array into a temporary
     for _name, array, at in arrays:  # as flat bytes: a 0-length array has no memoryview cast
-        payload[start + at:start + at + array.nbytes] = memoryview(np.ascontiguousarray(array).reshape(-1).view("u1"))
+        view[start + at:start + at + array.nbytes] = memoryview(np.ascontiguousarray(array).reshape(-1).view("u1"))
+    view.release()
     return payload
 
 
@@ -212,7 +214,20 @@ def record_coder(codec: str, level: int | None):
     # no frame checksum: the shard's xxh3 table checks every stored record
     compressor = zstandard.ZstdCompressor(level=level or ZSTD_LEVEL, write_checksum=False)
     decompressor = zstandard.ZstdDecompressor()
-    return compressor.compress, decompressor.decompress
+
+    def decompress(blob) -> bytearray:
+        """Straight into the bytearray the record is decoded from (no second copy of a large record)."""
+        out = bytearray(zstandard.frame_content_size(blob))
+        with decompressor.stream_reader(blob) as reader, memoryview(out) as view:
+            filled = 0
+            while filled < len(out):
+                n = reader.readinto(view[filled:])
+                if not n:
+                    raise ValueError(f"the frame holds {filled:,} of the {len(out):,} bytes it declares")
+                filled += n
+        return out
+
+    return compressor.compress, decompress
 
 
 # ====================================================================================== shards

@@ -88,14 +88,14 @@ class RecordShards:
     def record(self, shard: int, local: int) -> dict:
         """Record `local` of shard `shard`, its xxh3 checked, decoded (the open shard changes if needed)."""
         _n, data, offsets, base, checksums = self._handle(shard)
-        blob = data[base + int(offsets[local]): base + int(offsets[local + 1])]
-        if self.check != "off" and xxhash.xxh3_64_intdigest(blob) != int(checksums[local]):
-            raise self._corrupt(shard, local, "its bytes do not match the shard's xxh3 table")
-        try:
-            decompress = record_coder(self.manifest["codec"], self.manifest["codec_level"])[1]  # cached per process
-            return decode_record(decompress(blob))
-        except Exception as exc:  # zstd errors and malformed payloads: both mean the bytes are wrong
-            raise self._corrupt(shard, local, f"it does not decode ({exc})") from None
+        with memoryview(data)[base + int(offsets[local]): base + int(offsets[local + 1])] as blob:  # no copy
+            if self.check != "off" and xxhash.xxh3_64_intdigest(blob) != int(checksums[local]):
+                raise self._corrupt(shard, local, "its bytes do not match the shard's xxh3 table")
+            try:
+                decompress = record_coder(self.manifest["codec"], self.manifest["codec_level"])[1]  # cached
+                return decode_record(decompress(blob))
+            except Exception as exc:  # zstd errors and malformed payloads: both mean the bytes are wrong
+                raise self._corrupt(shard, local, f"it does not decode ({exc})") from None
 
     def shard_records(self, shard: int) -> list[dict]:
         """Every record of one shard, decoded (RAM: that shard decoded)."""
