@@ -26,9 +26,8 @@ from nblib import env
 from nblib.errors import ConfigError, NotebookStalled
 
 INACTIVITY_S = 300.0    # seconds without any message from the kernel before a notebook is failed
-# The kernels' threads, as `make test` runs the notebooks: one torch (OpenMP, MKL) thread. Several threads per
-# core on a busy machine ran notebook 03's offload comparison 10-18x slower (docs/testing.md). A variable the
-# user set is kept.
+# The kernels' threads as `make test` sets them (a variable the user set is kept): several torch threads per core
+# on a busy machine ran notebook 03 14x slower (375 s, 26 s with one).
 KERNEL_THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
 
 

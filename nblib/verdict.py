@@ -7,9 +7,8 @@ b/a of each pair, so slow drift in the machine's load cancels inside a pair inst
 one configuration. The verdict is firm ("higher", "lower") only when a 95% interval of the
 median pair ratio (a seeded bootstrap, never narrower than the sign test's) excludes 1, the
 median lies beyond a minimum effect (MIN_EFFECT, 1.15x on a shared CPU) *and* the interval reaches past
-it (x1.13-1.15 at x1.15 is not firm); anything less is "not distinguishable here", and where the
-interval reaches past the minimum effect either way ("0.42-8.75") it adds "cannot tell": a difference
-of that size could hide in it, so no prediction of "no difference" is confirmed by it. While the
+it (x1.13-1.15 at x1.15 is not firm); anything less is "not distinguishable here", plus "cannot tell" where
+the interval reaches past the minimum effect ("0.42-8.75": a difference that size could hide in it). While the
 interval straddles the minimum effect and the time budget allows, `interleaved` runs more pairs.
 Memory works the same way on pair differences, against the noise of RSS itself (the spread of
 repeated identical measurements): an effect smaller than that noise is "too small to see here".
