@@ -29,6 +29,14 @@ def repo() -> Path:
     return REPO
 
 
+def pytest_generate_tests(metafunc):
+    """A test marked `two_doors` runs once through each door of tests/cli_runner.run_cli (its `door` argument)."""
+    if metafunc.definition.get_closest_marker("two_doors") and "door" in metafunc.fixturenames:
+        from cli_runner import DOORS
+
+        metafunc.parametrize("door", DOORS)
+
+
 def free_between_cases() -> None:
     """What a finished case left unreferenced goes now: reference cycles collected (a model in one is freed), then
     CUDA's cached blocks given back, so a gpu case never fails for memory a previous case still held.

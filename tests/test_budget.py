@@ -270,21 +270,23 @@ def test_budget_module_does_not_import_torch():
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
-def test_cli_prints_the_budget_and_refuses_unknown_devices(capsys):
-    from nblib.cli import main
+@pytest.mark.two_doors
+def test_cli_prints_the_budget_and_refuses_unknown_devices(door):
+    from cli_runner import run_cli
 
-    assert main(["budget", "--preset", "smoke", "--device", "cpu"]) == 0
-    assert "VERDICT" in capsys.readouterr().out
-    assert main(["budget", "--device", "tpu"]) == 2
-    assert "device='tpu'" in capsys.readouterr().err
+    printed = run_cli(["budget", "--preset", "smoke", "--device", "cpu"], door)
+    assert printed.returncode == 0 and "VERDICT" in printed.stdout, printed
+    refused = run_cli(["budget", "--device", "tpu"], door)
+    assert refused.returncode == 2 and "device='tpu'" in refused.stderr, refused
 
 
-def test_cli_prints_the_reference_table_with_computed_verdicts(capsys):
-    from nblib.cli import main
+@pytest.mark.two_doors
+def test_cli_prints_the_reference_table_with_computed_verdicts(door):
+    from cli_runner import run_cli
 
-    assert main(["budget", "--reference"]) == 0
-    out = capsys.readouterr().out
-    assert "ref/ours" in out and " wrong " in out and " right " in out
+    done = run_cli(["budget", "--reference"], door)
+    assert done.returncode == 0 and "ref/ours" in done.stdout and " wrong " in done.stdout
+    assert " right " in done.stdout
 
 
 def test_budget_package_keeps_the_public_names():

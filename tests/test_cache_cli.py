@@ -8,8 +8,8 @@ import subprocess
 import sys
 import time
 
+import cli_runner
 import pytest
-from cli_runner import run_nblib
 
 from conftest import cache_folder_bytes, subprocess_env
 from nblib.cache import read_cache_manifest
@@ -22,8 +22,8 @@ def cache_cmd(*args):
     return [sys.executable, "-m", "nblib", "cache", *map(str, args)]
 
 
-def run_cli(*args, timeout=None):
-    return run_nblib("cache", *args, timeout=timeout)
+def run_cli(*args, timeout=None, door="inprocess"):
+    return cli_runner.run_cli(["cache", *args], door, timeout=timeout)
 
 
 def write_texts(path, n):
@@ -94,37 +94,39 @@ def test_sigkill_at_three_points_then_resume_gives_byte_identical_cache(tmp_path
     assert_three_kills_resume_to_the_reference(tmp_path, args, shards=70)
 
 
+@pytest.mark.two_doors
 @pytest.mark.slow
-def test_verify_exit_codes_follow_damage_and_repair(tmp_path):
+def test_verify_exit_codes_follow_damage_and_repair(tmp_path, door):
     texts = tmp_path / "texts.txt"
     texts.write_text("".join(f"line {i} with some words\n" for i in range(60)))
     out = tmp_path / "cache"
     built = run_cli("--texts", texts, "--out", out, "--size", 32, "--shard-mb", 0.05,
-                    "--workers", 1, "--codec", "zlib", "--no-progress")
+                    "--workers", 1, "--codec", "zlib", "--no-progress", door=door)
     assert built.returncode == 0, built.stderr
     assert "60 images" in built.stdout
-    ok = run_cli("--verify", out)
+    ok = run_cli("--verify", out, door=door)
     assert ok.returncode == 0 and "OK" in ok.stdout
 
     shard = sorted(out.glob("shard-*"))[0]
     data = bytearray(shard.read_bytes())
     data[-5] ^= 0x01
     shard.write_bytes(bytes(data))
-    bad = run_cli("--verify", out)
+    bad = run_cli("--verify", out, door=door)
     assert bad.returncode == 1 and "corrupt" in bad.stdout and shard.name in bad.stdout
-    fixed = run_cli("--verify", "--repair", out)  # the manifest recorded where the texts are
+    fixed = run_cli("--verify", "--repair", out, door=door)  # the manifest recorded where the texts are
     assert fixed.returncode == 0, fixed.stdout + fixed.stderr
     assert "repaired" in fixed.stdout
-    assert run_cli("--verify", out).returncode == 0
+    assert run_cli("--verify", out, door=door).returncode == 0
 
 
-def test_cli_refuses_a_changed_source_with_exit_2_and_one_line(tmp_path):
+@pytest.mark.two_doors
+def test_cli_refuses_a_changed_source_with_exit_2_and_one_line(tmp_path, door):
     texts = tmp_path / "texts.txt"
     texts.write_text("a\nb\n")
     out = tmp_path / "cache"
-    assert run_cli("--texts", texts, "--out", out, "--size", 16, "--workers", 0).returncode == 0
+    assert run_cli("--texts", texts, "--out", out, "--size", 16, "--workers", 0, door=door).returncode == 0
     texts.write_text("a\nb\nc\n")
-    refused = run_cli("--texts", texts, "--out", out, "--size", 16, "--workers", 0)
+    refused = run_cli("--texts", texts, "--out", out, "--size", 16, "--workers", 0, door=door)
     assert refused.returncode == 2
     assert refused.stderr.startswith("error: ") and "--overwrite" in refused.stderr
     assert "Traceback" not in refused.stderr
@@ -150,17 +152,19 @@ def test_texts_that_are_a_folder_are_named_a_folder(tmp_path):
     assert "is a folder, not a file" in line and "does not exist" not in line
 
 
+@pytest.mark.two_doors
 @pytest.mark.parametrize("content", ["", "\n \n\n"])
-def test_an_empty_or_blank_jsonl_is_refused_and_makes_no_cache(tmp_path, content):
+def test_an_empty_or_blank_jsonl_is_refused_and_makes_no_cache(tmp_path, door, content):
     texts = tmp_path / "texts.jsonl"
     texts.write_text(content)
-    line = one_error_line(run_cli("--texts", texts, "--out", tmp_path / "c", "--size", 16))
+    line = one_error_line(run_cli("--texts", texts, "--out", tmp_path / "c", "--size", 16, door=door))
     assert "no text to render" in line
     assert not (tmp_path / "c").exists()
 
 
-def test_verify_of_a_missing_folder_is_one_error_line(tmp_path):
-    line = one_error_line(run_cli("--verify", tmp_path / "nope"))
+@pytest.mark.two_doors
+def test_verify_of_a_missing_folder_is_one_error_line(tmp_path, door):
+    line = one_error_line(run_cli("--verify", tmp_path / "nope", door=door))
     assert "does not exist" in line
 
 

@@ -16,7 +16,6 @@ from test_cache_cli import assert_three_kills_resume_to_the_reference, one_error
 
 from nblib.cache import ShardedImageCache
 from nblib.cache.sources import expand_braces, source_labels
-from nblib.cli.cache import cache_main
 
 SIZE = 16
 CLASSES = ["cat", "dog", "eel"]
@@ -70,8 +69,8 @@ def write_wds(folder, arrays, labels, texts, per_tar):
 def test_cache_hf_saved_dataset_round_trips_every_pixel_and_label(tmp_path):
     arrays, labels = pixels(10), [k % 3 for k in range(10)]
     hf_dataset(arrays, labels=labels).save_to_disk(str(tmp_path / "ds"))
-    assert cache_main(["--hf", str(tmp_path / "ds"), "--image-column", "img", "--label-column", "label",
-                       "--out", str(tmp_path / "c"), "--shard-mb", "0.002", "--no-progress"]) == 0
+    assert run_cli("--hf", str(tmp_path / "ds"), "--image-column", "img", "--label-column", "label",
+                   "--out", str(tmp_path / "c"), "--shard-mb", "0.002", "--no-progress").returncode == 0
     assert all(np.array_equal(a, b) for a, b in zip(cached(tmp_path / "c"), arrays, strict=True))
     assert source_labels(tmp_path / "c") == {"labels": labels, "classes": CLASSES}
 
@@ -87,8 +86,8 @@ def test_cache_hf_text_column_and_a_parquet_file_round_trip_every_text(tmp_path)
     dataset.save_to_disk(str(tmp_path / "ds"))
     dataset.to_parquet(str(tmp_path / "x.parquet"))
     for source, out in ((tmp_path / "ds", "c1"), (tmp_path / "x.parquet", "c2")):
-        assert cache_main(["--hf", str(source), "--image-column", "img", "--text-column", "caption",
-                           "--out", str(tmp_path / out), "--no-progress"]) == 0
+        assert run_cli("--hf", str(source), "--image-column", "img", "--text-column", "caption",
+                       "--out", str(tmp_path / out), "--no-progress").returncode == 0
         assert all(np.array_equal(a, b) for a, b in zip(cached(tmp_path / out), arrays, strict=True))
         assert source_labels(tmp_path / out) == {"texts": texts}
 
@@ -103,8 +102,8 @@ def test_cache_hf_parquet_keeps_class_names_and_an_arrow_folder_reads(tmp_path):
     for f in (tmp_path / "ds").glob("*.arrow"):
         (arrow / f.name).write_bytes(f.read_bytes())
     for source, out in ((tmp_path / "x.parquet", "c1"), (arrow, "c2")):
-        assert cache_main(["--hf", str(source), "--image-column", "img", "--label-column", "label",
-                           "--out", str(tmp_path / out), "--no-progress"]) == 0
+        assert run_cli("--hf", str(source), "--image-column", "img", "--label-column", "label",
+                       "--out", str(tmp_path / out), "--no-progress").returncode == 0
         assert all(np.array_equal(a, b) for a, b in zip(cached(tmp_path / out), arrays, strict=True))
         assert source_labels(tmp_path / out) == {"labels": labels, "classes": CLASSES}
 
@@ -118,7 +117,7 @@ def test_cache_hf_sixteen_bit_images_are_scaled_by_the_one_decoder(tmp_path):
     buffer = io.BytesIO()
     Image.fromarray(ramp).save(buffer, format="PNG")
     pq.write_table(pa.table({"image": [{"bytes": buffer.getvalue(), "path": None}]}), tmp_path / "x.parquet")
-    assert cache_main(["--hf", str(tmp_path / "x.parquet"), "--out", str(tmp_path / "c"), "--no-progress"]) == 0
+    assert run_cli("--hf", str(tmp_path / "x.parquet"), "--out", str(tmp_path / "c"), "--no-progress").returncode == 0
     assert abs(cached(tmp_path / "c")[0].mean() - 127.5) < 1
 
 
@@ -127,8 +126,8 @@ def test_cache_wds_round_trips_every_pixel_label_and_key_across_three_tars(tmp_p
     labels, texts = [k % 3 for k in range(11)], [f"text {k}" for k in range(11)]
     pattern = write_wds(tmp_path / "wds", arrays, labels, texts, per_tar=4)
     assert len(expand_braces(pattern)) == 3
-    assert cache_main(["--wds", pattern, "--out", str(tmp_path / "c"), "--shard-mb", "0.003",
-                       "--no-progress"]) == 0
+    assert run_cli("--wds", pattern, "--out", str(tmp_path / "c"), "--shard-mb", "0.003",
+                   "--no-progress").returncode == 0
     assert all(np.array_equal(a, b) for a, b in zip(cached(tmp_path / "c"), arrays, strict=True))
     assert source_labels(tmp_path / "c") == {"labels": labels, "classes": ["0", "1", "2"], "texts": texts}
 
@@ -148,7 +147,8 @@ def test_cache_wds_labels_alone_reach_train(tmp_path):
                 info = tarfile.TarInfo(f"dir/s{k}.{ext}")
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
-    assert cache_main(["--wds", str(tmp_path / "wds" / "a.tar"), "--out", str(tmp_path / "c"), "--no-progress"]) == 0
+    done = run_cli("--wds", str(tmp_path / "wds" / "a.tar"), "--out", str(tmp_path / "c"), "--no-progress")
+    assert done.returncode == 0, done.stderr
     values, classes = labels_for_cache(ShardedImageCache(tmp_path / "c"))
     assert values.tolist() == labels and classes == ["0", "1"]
 
@@ -198,7 +198,7 @@ def test_train_runs_on_a_wds_cache_with_the_labels_of_its_cls_members(tmp_path):
 
     arrays, labels = pixels(24, size=64, seed=500), [k % 4 for k in range(24)]
     pattern = write_wds(tmp_path / "wds", arrays, labels, [""] * 24, per_tar=12)
-    assert cache_main(["--wds", pattern, "--out", str(tmp_path / "c"), "--no-progress"]) == 0
+    assert run_cli("--wds", pattern, "--out", str(tmp_path / "c"), "--no-progress").returncode == 0
     result = run_nblib("train", "--cache", tmp_path / "c", "--out", tmp_path / "run", "--steps", 1, "--batch-size", 8,
                        NBLIB_PROFILE="smoke")
     assert result.returncode == 0, result.stderr
@@ -239,7 +239,7 @@ def test_the_export_of_a_wds_cache_carries_every_key_label_and_text(tmp_path):
     arrays = pixels(5, seed=300)
     labels, texts = [2, 0, 1, 1, 0], [f"caption {k}" for k in range(5)]
     pattern = write_wds(tmp_path / "wds", arrays, labels, texts, per_tar=3)
-    assert cache_main(["--wds", pattern, "--out", str(tmp_path / "c"), "--no-progress"]) == 0
+    assert run_cli("--wds", pattern, "--out", str(tmp_path / "c"), "--no-progress").returncode == 0
     export_cache(tmp_path / "c", tmp_path / "x", "parquet")
     table = pq.read_table(sorted((tmp_path / "x").glob("*.parquet"))).to_pydict()
     assert table["key"] == [f"sample{k:05d}" for k in range(5)]

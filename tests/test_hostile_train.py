@@ -95,25 +95,20 @@ FOLDER_CASES = {
 
 @pytest.mark.parametrize("case", FOLDER_CASES)
 def test_a_mirror_or_run_folder_that_is_no_second_copy_is_refused_before_anything_is_written(cache_dir, tmp_path,
-                                                                                             case, capsys,
-                                                                                             monkeypatch):
+                                                                                             case):
     """Before: each was accepted and reported durable (`s3://` became a local folder named `s3:`, `""` the
-    current folder, `memory://` lived in the process); ftp:// was a TypeError traceback. The command line's
-    own entry point, in this process (the subprocess test below runs one case for real).
+    current folder, `memory://` lived in the process); ftp:// was a TypeError traceback. The command line
+    in this process (the subprocess test below runs one case for real).
     """
-    from nblib.cli import main
+    from cli_runner import run_cli
 
     flags, expected = FOLDER_CASES[case]
     work = tmp_path / "work"
     work.mkdir()
-    monkeypatch.chdir(work)
     out = tmp_path / "run"
     before = sorted(p.name for p in cache_dir.iterdir())
-    argv = train_cli(cache_dir, out, *SHORT, *flags(cache_dir, out))[3:]
-    status = main(argv)
-    stderr = capsys.readouterr().err.strip().splitlines()
-    assert status == 2 and len(stderr) == 1 and stderr[0].startswith("error: "), stderr
-    assert expected in stderr[0], stderr
+    line = one_error_line(run_cli(train_cli(cache_dir, out, *SHORT, *flags(cache_dir, out))[3:], cwd=work))
+    assert expected in line, line
     assert not out.exists() and not list(work.iterdir())        # no run folder, no `s3:` or checkpoints/ here
     assert sorted(p.name for p in cache_dir.iterdir()) == before
 

@@ -50,13 +50,11 @@ CASES = {
 
 
 @pytest.mark.parametrize("spec", list(CASES))
-def test_train_and_budget_answer_a_model_that_does_not_build_in_the_same_one_line(folder, tmp_path, monkeypatch,
-                                                                                   spec):
+def test_train_and_budget_answer_a_model_that_does_not_build_in_the_same_one_line(folder, tmp_path, spec):
     if spec == "hf:DetrModel" and importlib.util.find_spec("timm") is not None:
         pytest.skip("timm imports here: DetrModel builds")
     words, spec = CASES[spec], spec.format(folder=folder)
-    monkeypatch.syspath_prepend(str(folder))
-    env = {"PYTHONPATH": str(folder), "OMP_NUM_THREADS": "1"}    # the trace's process imports the spec's module
+    env = {"PYTHONPATH": str(folder), "OMP_NUM_THREADS": "1"}    # the run, and the trace's process, import it
     train = one_error_line(run_nblib("train", "--cache", folder / "data" / "cache", "--out", tmp_path / "run",
                                      "--steps", "1", "--batch-size", "4", "--model", spec, "--no-progress", **env))
     budget = one_error_line(run_nblib("budget", "--model", spec, "--train", "--batch-size", "2", **env))

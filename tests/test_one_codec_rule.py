@@ -11,9 +11,10 @@ import re
 import sys
 
 import pytest
+from cli_runner import run_nblib
 
 import nblib
-from nblib import budget, cli, config
+from nblib import budget, config
 from nblib.budget.advice import cache_knobs, knob_words
 from nblib.budget.disk import CODEC_DECODE_ESTIMATE, CODEC_RATIO_ESTIMATE, cache_bytes
 from nblib.cache import sample_texts_path
@@ -37,7 +38,7 @@ def fitting(n_images: int, free: float, sizes: dict) -> list[str]:
     return [c for c in sizes if n_images * sizes[c] <= 0.9 * free]
 
 
-def test_plan_verdict_refusals_and_the_cli_name_the_one_rules_codec(monkeypatch, tmp_path, capsys):
+def test_plan_verdict_refusals_and_the_cli_name_the_one_rules_codec(monkeypatch, tmp_path):
     n = SEED.run.n_samples
     rule = budget.choose_codec(n, 70 * GB, MEASURED)          # a 70 GB disk: every compressed cache fits
     assert rule == "zlib" and {"png", "zstd"} <= set(fitting(n, 70 * GB, SIZES))
@@ -51,8 +52,9 @@ def test_plan_verdict_refusals_and_the_cli_name_the_one_rules_codec(monkeypatch,
     assert budget.choose_codec(n, 15 * GB - outputs / 0.9, MEASURED) == rule
 
     monkeypatch.setattr(sys.modules["nblib.codec_sizes"], "codec_sizes", lambda texts, image_size: MEASURED)
-    assert cli.main(["budget", "--plan", "--texts", "any", "--drive-quota-gb", "15"]) == 0
-    out = capsys.readouterr().out
+    done = run_nblib("budget", "--plan", "--texts", "any", "--drive-quota-gb", "15")
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
     verdict_line = next(line for line in out.splitlines() if line.startswith("VERDICT"))
     assert named_codecs(verdict_line) == {rule} and f"FITS with codec={rule!r}" in out, out
 
@@ -60,8 +62,8 @@ def test_plan_verdict_refusals_and_the_cli_name_the_one_rules_codec(monkeypatch,
     texts.write_text("".join(t.replace("\n", " ") + "\n" for t in nblib.cache.sample_texts(64)), encoding="utf-8")
     monkeypatch.setattr(sys.modules["nblib.cache.format"], "measure_codecs", lambda sample, *a, **k: MEASURED.stats)
     monkeypatch.setattr(sys.modules["nblib.cache.populate"], "disk_free", lambda folder: 70 * GB * 64 / n)
-    assert cli.main(["cache", "--texts", str(texts), "--out", str(tmp_path / "cache"), "--size", "32",
-                     "--shard-mb", "1", "--workers", "0", "--codec", "auto"]) == 0
+    assert run_nblib("cache", "--texts", str(texts), "--out", str(tmp_path / "cache"), "--size", "32",
+                     "--shard-mb", "1", "--workers", "0", "--codec", "auto").returncode == 0
     built = nblib.cache.ShardedImageCache(tmp_path / "cache")
     assert len(built) == 64 and built.codec == rule
 

@@ -8,17 +8,16 @@ fixed (monkeypatched) so the numbers do not depend on this machine.
 from __future__ import annotations
 
 import collections
-import contextlib
-import io
 import math
 import re
 import sys
 
 import pytest
+from cli_runner import run_nblib
 from shard_budget import shard_size_for_ram
 
 import nblib
-from nblib import budget, cli, config
+from nblib import budget, config
 from nblib.budget import resources
 from nblib.budget.memory import LOADER_WORKER_RAM, RUNTIME_RAM_CPU, host_memory_lines
 
@@ -31,11 +30,9 @@ N = 300_000             # only RAM binds for seed_t4 on a T4
 
 def cli_budget(batch: int) -> tuple[str, int]:
     """(the VERDICT line, the max batch size) that `python -m nblib budget` prints, run in-process."""
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        assert cli.main(["budget", "--batch-size", str(batch), "--n-samples", str(N),
-                         "--drive-quota-gb", str(QUOTA)]) == 0
-    text = out.getvalue()
+    done = run_nblib("budget", "--batch-size", batch, "--n-samples", N, "--drive-quota-gb", QUOTA)
+    assert done.returncode == 0, done.stderr
+    text = done.stdout
     verdict = next(line for line in text.splitlines() if line.startswith("VERDICT"))
     return verdict.removeprefix("VERDICT").strip(), int(re.search(r"max batch size on t4: (\d+)", text).group(1))
 
