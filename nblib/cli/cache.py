@@ -160,8 +160,8 @@ def _cache_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--shard-mb", "--shard-size-mb", dest="shard_mb", type=finite_positive_float,
                    default=float(defaults.run.shard_mb),
                    help="MB (10^6 bytes) per shard on disk; with --records at most this, header and tables "
-                        "included (one larger record gets a shard alone), and RAM holds one record, not a "
-                        "shard (default %(default)s)")
+                        "included (one larger record gets a shard alone), and RAM holds one record and its "
+                        "payload (2-3x its bytes), not a shard (default %(default)s)")
     p.add_argument("--workers", type=int, default=None, help="render processes (default: all cores)")
     p.add_argument("--field", default=None, help="JSONL field holding the text (default 'text' for .jsonl)")
     p.add_argument("--codec", default=None, choices=(*CODECS, "auto"),
