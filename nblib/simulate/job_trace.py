@@ -22,9 +22,8 @@ TRAIN_STEPS = 3             # AdamW's moments exist from the first step: steps 2
 ENCODE_BATCHES = 2          # the second batch meets the first one's cached segments
 
 
-# the line through the first two traces is kept only where the third is on it to the byte (affine_stream): a
-# [B, B] tensor or a branch on the batch size up to 64 shows there, and then every batch asked is traced itself.
-# A trace's cost does not grow with its batch (FakeTensorMode holds no data), so the third is far.
+# the line through the first two traces is kept only where the third (far: a fake batch costs no more) is on it to
+# the byte (affine_stream); a [B, B] tensor or a branch on the batch size up to 64 fails that: each batch is traced
 TRACED_BATCHES = (2, 3, 64)
 
 
