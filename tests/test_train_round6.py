@@ -242,3 +242,26 @@ def test_r5_11_a_long_double_scalar_field_is_refused_in_one_line_and_its_0_d_arr
                   shard_mb=1)
     stored = RecordShards(tmp_path / "arrays")[1]["s"]
     assert stored.dtype == np.longdouble and stored.tobytes() == np.asarray(third).tobytes()
+
+
+def test_r5_10_a_pooled_target_as_long_as_the_first_records_rows_is_not_read_as_one_per_row(tmp_path):
+    """A model that pools each record into 3 values (mse against a 3-value target), whose first record has 3 rows:
+    the other records' 6 rows are not refused as "6 input rows for 3 target rows".
+    """
+    import numpy as np
+    from test_train_records import POOLING_SOURCE
+
+    from conftest import importable_models
+    from nblib.cache import write_records
+    from nblib.train import TrainConfig, train
+    from nblib.train.records import RecordFields
+
+    rng = np.random.default_rng(0)
+    rows = [rng.standard_normal((6 if i % 7 == 3 else 3, 4)).astype(np.float32) for i in range(60)]
+    write_records(({"x": x, "y": x.mean(0)[:3].copy()} for x in rows), tmp_path / "records", shard_mb=0.002)
+    (tmp_path / "models").mkdir()
+    with importable_models(tmp_path / "models", {}, POOLING_SOURCE):
+        report = train(tmp_path / "records", tmp_path / "run", TrainConfig(steps=8, batch_size=8, save_every=4,
+                                                                           backup_every=4, eval_every=4),
+                       fields=RecordFields("x", "y", "mse"), model="tinyfactory:masked")
+    assert report.last["step"] == 8

@@ -316,6 +316,21 @@ def padding_shift(net, inputs, lengths) -> float:
     return float((again - out).abs().max()) / (1.0 + float(out.abs().max()))
 
 
+def follows_rows(net, inputs, lengths) -> bool:
+    """Whether a model gives one output row per input row: its output's dim 1 grows with a record's rows (a
+    pooled output of as many values as the record has rows does not).
+    """
+    if inputs.ndim < 2:
+        return False
+    longer = torch.cat([inputs, inputs.new_zeros((1, 1, *inputs.shape[2:]))], dim=1)
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        try:
+            out = net(longer, lengths + 1)
+        except (RuntimeError, ValueError, TypeError, IndexError):
+            return False
+    return out.ndim >= 2 and int(out.shape[1]) == int(inputs.shape[1]) + 1
+
+
 class RecordTask:
     """Record shards, one field in and one out, read one shard at a time (see the module docstring)."""
 
@@ -347,6 +362,7 @@ class RecordTask:
                 out = self.model.eval()(inputs, in_lengths)
             freeze_unreached(self.model, inputs, in_lengths)
             self.padding_shift = padding_shift(self.model, inputs, in_lengths)
+            per_row = follows_rows(self.model, inputs, in_lengths)
         per = loss_terms(out, target, lengths, self.loss_name)[0]  # the shapes and classes agree, before any save
         self.targets = target_kind(out.shape, target, self.loss_name)
         self.top_k = int(target.shape[-1]) if self.targets == "top-k" else None
@@ -356,7 +372,8 @@ class RecordTask:
                               f"indices against the output {list(out.shape[1:])}, but a row repeats an index: if it "
                               f"holds one label per row, give a model whose output is [..., rows, classes]")
         width = int(out.shape[-1]) if self.loss_name == "ce" else 0
-        rows = per.ndim >= 2 and int(target.shape[1]) == int(inputs.shape[1])   # a loss per row, masked past it
+        rows = (per.ndim >= 2 and int(target.shape[1]) == int(inputs.shape[1])      # a loss per row, masked past it
+                and per_row)
         self.dataset.check = RecordCheck(fields.inputs, fields.target, self.targets, rows, width or None)
         self.classes = [str(c) for c in range(width)]
         self.model_identity = contract_identity(self.loaded, self.model.output)
