@@ -33,6 +33,7 @@ import functools
 import io
 import pickle
 import reprlib
+from _compat_pickle import IMPORT_MAPPING, NAME_MAPPING
 
 import numpy as np
 
@@ -483,6 +484,7 @@ def allowed_global(module: str, name: str):
     return ALLOWED.get((module, name))
 
 
+@functools.lru_cache(maxsize=4096)
 def global_kind(dotted: str | None) -> str:
     """"record" when an object made by the global `dotted` is a record (a class outside the allow-list, a
     dict-like), "value" for what the allow-list rebuilds (arrays, tensors, scalars, sets).
@@ -490,8 +492,6 @@ def global_kind(dotted: str | None) -> str:
     if dotted is None:
         return "value"
     module, _, name = dotted.rpartition(".")
-    from _compat_pickle import IMPORT_MAPPING, NAME_MAPPING
-
     module, name = NAME_MAPPING.get((module, name), (IMPORT_MAPPING.get(module, module), name))
     if (module, name) in _RECORD_MAKERS:
         return "record"
