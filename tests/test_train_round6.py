@@ -120,6 +120,8 @@ def _records_with_a_bad_one(folder, kind: str, bad: str | None):
                 y[0] = [1.5, 0.5, 0.5, 0.5]
             elif bad == "nan_input":
                 x[1, 2] = np.nan
+            elif bad == "class_9_of_4":
+                y[1] = 9
             elif bad == "nan_target":
                 y[1, 1] = np.nan
         return {"x": x, "y": y}
@@ -134,6 +136,7 @@ CASES = {  # bad record: (target kind, what the one line says)
     "repeated_index": ("top-k", "record 50 repeats an index in top-2 row 1 of --target-key y ([3, 3])"),
     "negative": ("probabilities", "record 50 holds a negative probability (-0.5) in --target-key y"),
     "sums_to_3": ("probabilities", "record 50 has a row of --target-key y that sums to 3 (row 0)"),
+    "class_9_of_4": ("labels", "record 50 holds class 9 in --target-key y: the model gives 4 classes, 0 to 3"),
     "nan_input": ("labels", "record 50 holds NaN (1 of 20 values) in --input-key x"),
     "nan_target": ("probabilities", "record 50 holds NaN (1 of 20 values) in --target-key y"),
 }
