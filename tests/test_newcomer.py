@@ -24,7 +24,7 @@ def _markdown(name: str) -> str:
 
 @pytest.mark.slow
 def test_tensorflow_prints_no_start_up_logs_through_nblib():
-    code = ("import nblib\nfrom nblib.pipeline.tf_pipelines import _tf\ntf = _tf()\n"
+    code = ("import nblib\nfrom nblib.tfdata import tensorflow\ntf = tensorflow()\n"
             "print(sum(int(b.numpy().sum()) for b in tf.data.Dataset.range(6).map(lambda x: x * 2).batch(2)))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                           env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})

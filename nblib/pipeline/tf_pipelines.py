@@ -8,13 +8,13 @@ images sit in RAM, so the sweep measures decode and tf.data's own overheads, not
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
 from nblib.errors import ConfigError
+from nblib.tfdata import tensorflow
 
 AUTOTUNE = -1
 MIXING_STRATEGIES = ("single", "sample_from_datasets", "interleave")
@@ -53,7 +53,7 @@ def encoded_sources(images: Iterable[np.ndarray], n_sources: int = 4) -> Encoded
 
 def tf_pipeline_for(sources: EncodedSources, seed: int = 0):
     """A pipeline factory for `sweep`: knobs in, Dataset out (TensorFlow imported now, not in the first run)."""
-    _tf()
+    tensorflow()
 
     def make(batch_size: int = 32, prefetch: int = 2, num_parallel_calls: int = 2, cycle_length: int = 4,
              shuffle_buffer: int = 256, deterministic: bool = True):
@@ -67,7 +67,7 @@ def tf_pipeline(sources: EncodedSources, batch_size: int = 32, prefetch: int = 2
                 cycle_length: int = 4, shuffle_buffer: int = 256, deterministic: bool = True, seed: int = 0):
     """The swept pipeline: interleave(cycle_length) -> decode(num_parallel_calls) -> shuffle -> batch -> prefetch."""
     _check_knobs(batch_size, prefetch, num_parallel_calls, cycle_length, shuffle_buffer)
-    tf = _tf()
+    tf = tensorflow()
     cycle = min(cycle_length, sources.n_sources)
     reading = _parallel(num_parallel_calls if num_parallel_calls == AUTOTUNE else min(num_parallel_calls, cycle), tf)
     decoding = _parallel(num_parallel_calls, tf)
@@ -90,7 +90,7 @@ def mixed_pipeline(sources: EncodedSources, strategy: str = "sample_from_dataset
     """
     if strategy not in MIXING_STRATEGIES:
         raise ConfigError(f"strategy={strategy!r} is unknown; choose one of {MIXING_STRATEGIES}")
-    tf = _tf()
+    tf = tensorflow()
     n, decode, budget = sources.n_sources, _decode(tf), _parallel(num_parallel_calls, tf)
     if strategy == "single":
         everything = tf.data.Dataset.from_tensor_slices(tf.constant(list(sources.blobs), dtype=tf.string))
@@ -106,16 +106,6 @@ def mixed_pipeline(sources: EncodedSources, strategy: str = "sample_from_dataset
 
 
 # ------------------------------------------------------------------------------ helpers
-
-
-def _tf():
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
-    import absl.logging
-    import tensorflow as tf
-
-    absl.logging.set_verbosity(absl.logging.ERROR)   # python-side absl warnings (e.g. on checkpoints)
-    return tf
 
 
 def _check_knobs(batch_size: int, prefetch: int, num_parallel_calls: int, cycle_length: int,
