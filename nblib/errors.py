@@ -15,6 +15,12 @@ __all__ = [
 ]
 
 
+def one_line(what, limit: int | None = None) -> str:
+    """An exception's (or a text's) message on one line, whitespace collapsed, cut at `limit` characters."""
+    text = " ".join(str(what).split())
+    return text if limit is None or len(text) <= limit else text[:limit - 3] + "..."
+
+
 class NblibError(Exception):
     """Base of every user-facing nblib failure: the message says what is wrong and what to do."""
 

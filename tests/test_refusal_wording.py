@@ -78,3 +78,13 @@ def test_a_rerun_with_another_seed_is_told_the_seed_differs_not_that_the_model_d
     message = str(info.value)
     assert "seed=0, this command asks for seed=7" in message and "another --out" in message, message
     assert "another model" not in message, message
+
+
+def test_a_text_file_named_tar_is_one_error_line_though_tarfile_writes_five(tmp_path):
+    """Red team R5-20: tarfile's 'could not be opened' lists one method per line; the CLI prints one line."""
+    fake = tmp_path / "fake.tar"
+    fake.write_text("hello\n")
+    result = run_nblib("cache", "--wds", fake, "--out", tmp_path / "out")
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "is damaged at its start" in result.stderr and "method gz" in result.stderr

@@ -37,7 +37,7 @@ from _compat_pickle import IMPORT_MAPPING, NAME_MAPPING
 
 import numpy as np
 
-from nblib.errors import InputError
+from nblib.errors import InputError, one_line
 
 _REPR = reprlib.Repr()   # Python 3.11's takes no arguments
 _REPR.maxlevel, _REPR.maxtuple, _REPR.maxlist, _REPR.maxdict, _REPR.maxstring, _REPR.maxother = 2, 4, 4, 4, 60, 60
@@ -58,8 +58,7 @@ def refusal(what: str, does: str = "calls") -> InputError:
 
 def short(text, limit: int = 100) -> str:
     """`text` (or its repr) cut to `limit` characters: a refusal never prints a whole record."""
-    text = " ".join((text if isinstance(text, str) else _REPR.repr(text)).split())
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return one_line(text if isinstance(text, str) else _REPR.repr(text), limit)
 
 
 def bfloat16() -> np.dtype:

@@ -45,7 +45,7 @@ from nblib.cache.images import (
 )
 from nblib.cache.labels import label_index, labels_and_classes, labels_from_file
 from nblib.cache.pixels import EncodedImage
-from nblib.errors import InputError
+from nblib.errors import InputError, one_line
 
 WDS_IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
 WDS_USED = (*WDS_IMAGE_EXTENSIONS, "cls", "txt", "json")   # members read; any other is skipped, unread
@@ -358,7 +358,8 @@ def _wds_samples(path: Path) -> Iterator[tuple[str, dict[str, bytes | None]]]:
                                  f"blocks: it was cut (a short copy or download); re-download or rewrite that tar")
     except (tarfile.TarError, EOFError, OSError) as exc:
         after = f" after member {name!r}" if name else " at its start"
-        raise InputError(f"--wds {path} is damaged{after} ({exc}); re-download or rewrite that tar") from None
+        raise InputError(f"--wds {path} is damaged{after} ({one_line(exc, 200)}); re-download or rewrite that "
+                         f"tar") from None
     if key is not None:
         yield key, members
 

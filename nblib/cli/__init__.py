@@ -13,7 +13,7 @@ import importlib
 import sys
 
 from nblib.cli.args import describe_os_error
-from nblib.errors import NblibError
+from nblib.errors import NblibError, one_line
 
 VERBS = {verb: f"nblib.cli.{verb}:{verb}_main" for verb in
          ("info", "budget", "cache", "encode", "train", "suite", "pipeline", "export", "predict")}
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         module, function = VERBS[argv[0]].split(":")
         return int(getattr(importlib.import_module(module), function)(argv[1:]) or 0)
     except NblibError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {one_line(exc)}", file=sys.stderr)   # one line, whatever a library's text held
         return 2
     except OSError as exc:
         print(f"error: {describe_os_error(exc)}", file=sys.stderr)

@@ -21,7 +21,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-from nblib.errors import MissingDependency, ModelSpecError, NblibError, WeightsError
+from nblib.errors import MissingDependency, ModelSpecError, NblibError, WeightsError, one_line
 from nblib.models.identity import hf_config_dict, model_identity, module_config
 from nblib.models.preprocessing import (
     Preprocessing,
@@ -181,7 +181,7 @@ def _hf_config(cls, path: str):
         return cls.config_class.from_dict(data)
     except Exception as exc:   # noqa: BLE001 - a config class may refuse a field with any error
         raise ModelSpecError(f"config {file} does not build a {cls.config_class.__name__} "
-                             f"({type(exc).__name__}: {one_line(exc)}); fix that field") from None
+                             f"({type(exc).__name__}: {one_line(exc, 300)}); fix that field") from None
 
 
 def _takes_tokens(cls) -> None:
@@ -218,15 +218,9 @@ def _built(seed: int, build, what: str, fix: str):
         raise
     except ImportError as exc:
         raise MissingDependency(f"{what} needs a package that does not import here "
-                                f"({one_line(exc)}); install it, or {fix}") from None
+                                f"({one_line(exc, 300)}); install it, or {fix}") from None
     except Exception as exc:   # noqa: BLE001 - the user's code may raise anything: one line, not a traceback
-        raise ModelSpecError(f"{what} raised {type(exc).__name__}: {one_line(exc)}; {fix}") from None
-
-
-def one_line(exc: BaseException, limit: int = 300) -> str:
-    """An exception's text on one line (whitespace collapsed), cut at `limit` characters."""
-    text = " ".join(str(exc).split())
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+        raise ModelSpecError(f"{what} raised {type(exc).__name__}: {one_line(exc, 300)}; {fix}") from None
 
 
 def _import_transformers():
