@@ -19,7 +19,8 @@ def budget_main(argv: list[str]) -> int:
     p.add_argument("--preset", default="seed_t4")
     p.add_argument("--device", default="t4", help=f"one of {', '.join(DEVICES)}")
     p.add_argument("--batch-size", type=int)
-    p.add_argument("--n-samples", type=int)
+    p.add_argument("--n-samples", "--samples", type=int, help="samples to encode (a preset), or with --model "
+                   "--train: the samples of an epoch, for its projected T4 time")
     p.add_argument("--dtype", choices=("float16", "float32"))
     p.add_argument("--outputs", help="comma-separated subset of sketches,checksums,children")
     p.add_argument("--sdpa", choices=SDPA_BACKENDS)
@@ -37,6 +38,8 @@ def budget_main(argv: list[str]) -> int:
                    "tokens:LENGTH (input_ids and attention_mask, a BERT-style text encoder; encoding)")
     p.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default="fp16")
     p.add_argument("--json", action="store_true", help="with --model: print the budget as JSON (bytes)")
+    p.add_argument("--cache", help="with --model --train: the image cache an epoch reads (its training split is the "
+                   "epoch's count unless --samples; its input pipeline is measured for the epoch's floor)")
     args = parse_or_refuse(p, argv)
     if args.model:
         return _model_budget(args)
@@ -78,5 +81,59 @@ def _model_budget(args: argparse.Namespace) -> int:
     budget = model_vram(model, args.batch_size or 64, args.device, precision=args.precision, train=args.train,
                         inputs=args.input)
     print(json.dumps(budget.as_json(), indent=1) if args.json else budget.table())
+    if args.train and not args.json:
+        print(t4_epoch_line(args))
     budget.refuse_if_over()
     return 0
+
+
+def t4_epoch_line(args: argparse.Namespace) -> str:
+    """`budget --model M --train`: the projected T4 time of an epoch (nblib.t4_speed.model_projection), and beside
+    it the floor the input pipeline sets (measured here over --cache, or the command that measures it).
+    """
+    from nblib.errors import ConfigError
+    from nblib.models import load_model
+    from nblib.models.head import _image_size
+    from nblib.t4_speed import model_projection
+
+    if args.device != "t4":
+        return f"time per epoch: projected for a T4 only (--device t4); {args.device} has no sourced speed"
+    n, whose, cache = args.n_samples, "", None
+    if n is None and args.cache is None:
+        return ("T4 time per epoch: needs the sample count: --samples N (or --cache CACHE: its training split) "
+                "(projection: nblib.t4_speed)")
+    if args.cache is not None:
+        from nblib.cache import ShardedImageCache
+        from nblib.train.config import TrainConfig
+        from nblib.train.data import split
+
+        cache = ShardedImageCache(args.cache)
+        if n is None:
+            n = len(split(len(cache), TrainConfig.holdout)[0])
+            whose = f" (the cache's {len(cache):,} less train's {TrainConfig.holdout:.0%} held out)"
+    loaded = load_model(args.model, args.weights)
+    try:
+        p = model_projection(loaded, _image_size(loaded), args.precision, train=True, n_samples=n)
+    except ConfigError as exc:
+        return f"T4 time per epoch: not projected: {exc}"
+    return (f"T4 time per epoch ({p.label}, nblib.t4_speed: public T4 measurements with their sources): {n:,} "
+            f"samples{whose} in {p.hours_text()} at {p.rate_text()}, {p.precision} training, if FLOPs bound it; "
+            f"{pipeline_floor(cache, n, args.batch_size or 64)}")
+
+
+def pipeline_floor(cache, n: int, batch_size: int) -> str:
+    """The epoch's floor the input pipeline sets: `cache` read as `python -m nblib pipeline` reads it (a
+    DataLoader of contiguous batches, no workers, no consumer), measured on this machine; without a cache, the
+    command that measures it.
+    """
+    if cache is None:
+        return ("input pipeline not measured: run python -m nblib pipeline --cache CACHE --rss-cap-gb 11 to "
+                "measure it (an epoch takes at least the longer of the two)")
+    from nblib.pipeline import measure_pipeline
+    from nblib.pipeline.torch_loaders import cache_loader, repeated
+    from nblib.units import fmt_duration, fmt_rate
+
+    report = measure_pipeline(lambda: repeated(cache_loader(cache, min(batch_size, len(cache)))), steps=10)
+    return (f"input pipeline floor {fmt_duration(n / report.samples_per_s)} ({fmt_rate(report.samples_per_s)} "
+            f"reading the cache, measured here: DataLoader, 0 workers, batch {report.batch_size}; a Colab T4 "
+            f"host has 2 cores): an epoch takes at least the longer of the two")
