@@ -24,6 +24,7 @@ from pathlib import Path
 
 from nblib import env
 from nblib.errors import ConfigError, NotebookStalled
+from nblib.units import fmt_duration
 
 INACTIVITY_S = 300.0    # seconds without any message from the kernel before a notebook is failed
 # The kernels' threads as `make test` sets them (a variable the user set is kept): several torch threads per core
@@ -106,7 +107,7 @@ def run_suite(notebooks_dir: str | Path | None = None, out_dir: str | Path | Non
         results.append(run_notebook(path, out_dir, inactivity_s=limit))
         if progress:
             r = results[-1]
-            print(f"  {r.status} in {r.seconds:.0f} s {r.error}", flush=True)
+            print(f"  {r.status} in {fmt_duration(r.seconds)} {r.error}", flush=True)
     return results
 
 
@@ -140,9 +141,9 @@ class _Watch:
 
     def error(self) -> NotebookStalled:
         return NotebookStalled(
-            f"{self.name} produced no output for {self.silent_s():.0f} s {self.where}; its kernel was killed. "
+            f"{self.name} produced no output for {fmt_duration(self.silent_s())} {self.where}; its kernel was killed. "
             f"Look for what that cell leaves waiting (a thread, a worker process, a server); if the cell is "
-            f"only slow, raise NBLIB_SUITE_INACTIVITY_S (now {self.limit_s:.0f} s) or give it a progress bar")
+            f"only slow, raise NBLIB_SUITE_INACTIVITY_S (now {self.limit_s:g} s) or give it a progress bar")
 
 
 def _cell_label(cell, index: int) -> str:

@@ -10,6 +10,8 @@ import ipywidgets as W  # noqa: N812
 from IPython.display import display
 from IPython.utils.capture import capture_output
 
+from nblib.units import fmt_bytes, fmt_duration, fmt_duration_range
+
 
 class Panel(W.VBox):
     """A panel: its plain-text form (what a static copy of the notebook shows) is one line, not the
@@ -174,7 +176,7 @@ def pipeline_sweep_panel(table) -> Panel:
         runs = table.spread(row)
         print(f"{knob.value}={knob_text(row[knob.value])} (other knobs at the base): "
               f"{runs.text(unit='samples/s')}, data-wait {row['data_wait']:.0%}, startup "
-              f"{row['startup_s']:.2f} s, peak RSS {row['peak_rss_bytes'] / 1e6:,.0f} MB")
+              f"{fmt_duration(row['startup_s'])}, peak RSS {fmt_bytes(row['peak_rss_bytes'])}")
 
     switching = [False]
 
@@ -215,7 +217,6 @@ def training_panel(model, state_bytes: int, best_bytes: int, steps: int = 10_000
     from nblib.budget.model_vram import model_vram_table
     from nblib.budget.training import retained_bytes, retained_versions, t4_training_time
     from nblib.train.ops import bucket_cost
-    from nblib.units import fmt_bytes
 
     controls = [
         _slider("micro_batch", "micro-batch", 64, 8, 512, 8),
@@ -242,15 +243,15 @@ def training_panel(model, state_bytes: int, best_bytes: int, steps: int = 10_000
               f"{vram.headline()}; largest micro-batch that fits: {vram.largest_batch}")
         print(f"T4 time, {steps:,} steps ({samples:,} samples): {time.hours_text()} at {time.rate_text()} "
               f"({time.label})" + (f"; ceiling {ceiling:,.0f} samples/s (simulated roofline): at least "
-                                   f"{samples / ceiling / 3600:.2f} h" if ceiling else ""))
+                                   f"{fmt_duration(samples / ceiling)}" if ceiling else ""))
         print(f"Drive (last {states} states + {bests} best):   {fmt_bytes(drive)} of the 15 GB free quota")
         local = retained_bytes(state_bytes, best_bytes, keep_last, saving=True)
         print(f"local disk (retention + a save):    {fmt_bytes(local)}")
         print(f"bucket: {cost.line()}")
-        rate, lost = time.samples_per_s, backup * micro_batch * accumulation / 60    # sample-minutes
+        rate, n = time.samples_per_s, backup * micro_batch * accumulation      # the samples a lost VM costs
+        lost = (n / rate.high, n / rate.mid, n / rate.low)
         print(f"backup every {backup} steps" + (f" (a multiple of save every {save_every}, as train takes it)"
                                                 if backup != backup_every else "")
-              + f": a lost VM costs at most {backup} steps, {lost / rate.mid:.1f} min ({lost / rate.high:.1f}-"
-                f"{lost / rate.low:.1f} min) on a T4 ({time.label})")
+              + f": a lost VM costs at most {backup} steps, {fmt_duration_range(*lost)} on a T4 ({time.label})")
 
     return _output_panel(controls, render, "nblib-training-panel")

@@ -119,13 +119,14 @@ def test_the_checkpoint_table_compares_tf_data_with_the_data_orders_row_and_keep
 
 def test_the_run_report_gives_the_save_cost_as_one_share_of_step_time():
     from nblib.train.loop import TrainReport
+    from nblib.units import fmt_duration
 
     report = TrainReport(out=Path("run"), steps=30, start_step=0, resumed_from="start", history=[], best_step=None,
                          final=None, seconds=2.0, step_seconds=[0.06] * 30, save_seconds=[0.002] * 6,
                          save_waits=[0.0] * 6)
     line = next(s for s in str(report).splitlines() if s.startswith("saves blocked the loop"))
     assert line.count("%") == 1 and f"{report.save_share:.1%} of step time" in line
-    assert "6 saves of 2.0 ms each" in line and "30 steps of 60.0 ms on average" in line
+    assert f"6 saves of {fmt_duration(0.002)} each" in line and f"30 steps of {fmt_duration(0.06)} on average" in line
 
 
 def test_label_shares_count_the_classes_the_loop_trains_on(tmp_path):

@@ -26,3 +26,24 @@ def test_a_duration_range_shares_the_mids_unit_and_keeps_each_figure():
 def test_a_rate_reads_back_to_its_value_slow_ones_included(per_second):
     number, unit = fmt_rate(per_second).split()
     assert unit == "samples/s" and float(number.replace(",", "")) == pytest.approx(per_second, rel=0.02)
+
+
+def test_a_duration_range_below_a_minute_reads_in_seconds_never_0_0_min():
+    text = fmt_duration_range(12.0, 18.0, 25.0)           # the training panel's lost-VM time of a small run
+    assert text == "18.0 s (12.0-25.0 s)" and "min" not in text
+
+
+def test_nblib_formats_no_duration_by_hand():
+    """Every duration nblib prints goes through fmt_duration / fmt_duration_range (issue 53: the training panel's
+    own '{x / 60:.1f} min' printed a 20 s loss as '0.3 min (0.2-0.4 min)', and 0.0 min for smaller ones).
+    """
+    import re
+    from pathlib import Path
+
+    import nblib
+
+    by_hand = re.compile(r"\.[0-9]+f\} ?(ms|s|min|h)\b|/ ?(60|3600)(\.0)?:")
+    root = Path(nblib.__file__).parent
+    found = [f"{p.relative_to(root)}:{i}" for p in sorted(root.rglob("*.py")) if p.name != "units.py"
+             for i, line in enumerate(p.read_text().splitlines(), 1) if by_hand.search(line)]
+    assert not found, f"durations formatted by hand (use nblib.units.fmt_duration): {found}"

@@ -131,6 +131,7 @@ def test_training_panel_prints_the_traced_vram_and_the_t4_time_projection_not_a_
                                                                                          cli_training_vram):
     from nblib.budget.training import t4_training_time
     from nblib.train.loop import model_config
+    from nblib.units import fmt_duration
 
     model = model_config("t4").model
     for batch in (128, 64):                                          # 64 is where it starts: a change redraws
@@ -140,7 +141,7 @@ def test_training_panel_prints_the_traced_vram_and_the_t4_time_projection_not_a_
         assert f"T4 VRAM at micro-batch {batch} (traced" in out and vram.headline() in out
         time = t4_training_time(model, 10_000 * batch)
         assert f"{time.hours_text()} at {time.rate_text()} (projection)" in out
-        assert f"ceiling 330 samples/s (simulated roofline): at least {10_000 * batch / 330 / 3600:.2f} h" in out
+        assert f"ceiling 330 samples/s (simulated roofline): at least {fmt_duration(10_000 * batch / 330)}" in out
     _control(training_panel, "micro_batch").value = vram.largest_batch // 8 * 8 + 8
     assert "does NOT fit" in training_panel.text
 
@@ -175,5 +176,10 @@ def test_training_panel_backs_up_every_n_steps_as_train_config_takes_it(training
         TrainConfig(save_every=50, backup_every=120)
     assert "backup every 100 steps (a multiple of save every 50, as train takes it)" in out
     assert "a lost VM costs at most 100 steps" in out
+    batch = _control(training_panel, "micro_batch")
+    was, batch.value = batch.value, 8                    # 800 samples: a lost VM costs seconds, which read as seconds
+    lost = training_panel.text.split("a lost VM costs at most 100 steps, ")[1].split(" on a T4")[0]
+    batch.value = was
+    assert lost.endswith(" s)") and "min" not in lost, lost                     # not '0.1 min (0.1-0.2 min)'
     keep = _control(training_panel, "keep_last").value
     assert bucket_cost(STATE, BEST, steps=10_000, backup_every=100, keep_last=keep).line() in out

@@ -276,7 +276,7 @@ class Rank(World):
             f"rank {self.rank} of {self.size} gave up waiting for the other ranks at {what} ({first}): "
             f"a rank died, or did not arrive within {fmt_duration(self.timeout_s)}. Every finished part "
             f"is kept: rerun the same command (any number of ranks) to resume. If a rank is only slow, "
-            f"raise {TIMEOUT_ENV} (now {self.timeout_s:.0f} s)")
+            f"raise {TIMEOUT_ENV} (now {self.timeout_s:g} s)")
 
 
 ROLES: dict[str, type[World]] = {cls.role: cls for cls in (Single, Rank, Shard, Consolidator)}

@@ -50,7 +50,7 @@ from nblib.errors import BudgetExceeded, CacheError, ConfigError, StateError
 from nblib.lock import FolderLock, run_identity
 from nblib.malloc import pin_malloc_mmap_threshold
 from nblib.store.parts import VerifyLevel
-from nblib.units import fmt_exception
+from nblib.units import fmt_duration, fmt_exception
 
 __all__ = [
     "DISK_BLOCK", "OFFLOAD_MODES", "Consolidated", "EncodeReport", "EncodedParts", "RunInputs",
@@ -87,7 +87,7 @@ class EncodeReport:
     def __str__(self) -> str:
         resumed = f", resumed at sample {self.resumed_at:,}" if self.resumed_at else ""
         lines = [f"encoded {self.parts_encoded} of {self.parts_total} parts "
-                 f"({self.n_samples:,} samples{resumed}) on {self.device} in {self.seconds:.1f} s, "
+                 f"({self.n_samples:,} samples{resumed}) on {self.device} in {fmt_duration(self.seconds)}, "
                  f"{self.samples_per_s:,.1f} samples/s, offload={self.offload}"]
         if self.mirror_caught_up is False:
             lines.append("  the mirror is behind: every part is safe locally; rerun to catch it up")

@@ -20,6 +20,7 @@ from nblib.compare import MIN_REPEATS, Spread, compare, interleaved, interleaved
 from nblib.env import usable_cores
 from nblib.errors import CacheError
 from nblib.lab.input_pipeline import encoder_projection  # noqa: F401  the encoder's rate a read must beat (notebook 02)
+from nblib.units import fmt_duration
 from nblib.verdict import verdict_of_runs
 
 
@@ -104,7 +105,7 @@ def scaling_verdict(rates: dict[int, Spread], n_texts: int, cores: int, load: fl
     seconds = n_texts / rates[one].median if rates[one].median > 0 else float("inf")
     if seconds < MIN_RUN_SECONDS:
         return (f"this profile cannot show scaling: one worker renders the {n_texts:,} texts in "
-                f"{seconds:.2f} s, so a run mostly times the pool's start-up (raise the texts per run)")
+                f"{fmt_duration(seconds)}, so a run mostly times the pool's start-up (raise the texts per run)")
     v = compare(rates[one], rates[most], (f"{one} worker", f"{most} workers"))
     busy, said = f"{cores} cores, load average {load:.1f}", v.text("faster", "slower")
     if not v.distinguishable:

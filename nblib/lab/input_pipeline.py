@@ -31,7 +31,7 @@ from nblib.pipeline.grids import (  # noqa: F401  notebook 05 reads the grids an
 )
 from nblib.pipeline.recommend import knob_effects, knob_verdicts, most_effective_knob, value_verdicts
 from nblib.reference import TUNING_LOG
-from nblib.units import fmt_bytes, fmt_rate
+from nblib.units import fmt_bytes, fmt_duration, fmt_rate
 from nblib.verdict import (
     MIN_EFFECT,
     MemoryVerdict,
@@ -70,7 +70,7 @@ def stand_in_encoder() -> tuple[float, str]:
     """
     p = t4_speed.seed_t4("fp16")
     rate = p.samples_per_s.high
-    return rate, (f"stand-in encoder: {rate:,.0f} samples/s = {1e3 / rate:.2f} ms per image, the fast end of "
+    return rate, (f"stand-in encoder: {rate:,.0f} samples/s = {fmt_duration(1 / rate)} per image, the fast end of "
                   f"the T4's {p.rate_text()} for seed_t4 in {p.precision} ({p.label}, nblib.t4_speed: "
                   f"public T4 measurements with their sources)")
 
@@ -416,7 +416,7 @@ def rates_table(rows: list[dict]) -> str:
     for r in rows:
         got = Spread(tuple(r.get("runs", (r["samples_per_s"],))))
         lines.append(f"{r['source']:<42} {got.median:>10,.0f} {f'{got.low:,.0f}-{got.high:,.0f}':>13} "
-                     f"{r['startup_s']:>7.2f}s {fmt_bytes(r['rss_added_bytes']):>10}")
+                     f"{fmt_duration(r['startup_s']):>8} {fmt_bytes(r['rss_added_bytes']):>10}")
     if len(rows) == 2:
         a, b = (Spread(tuple(r.get("runs", (r["samples_per_s"],)))) for r in rows)
         lines.append(compare(a, b, (rows[0]["source"], rows[1]["source"])).text("faster", "slower"))

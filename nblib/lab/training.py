@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from nblib.budget.training import predict_training
-from nblib.units import fmt_bytes
+from nblib.units import fmt_bytes, fmt_duration
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLE_TEXTS = REPO / "data" / "sample_texts.jsonl"
@@ -325,7 +325,7 @@ def simulated_t4_table(rows: list[dict]) -> str:
                      f"{fmt_bytes(r['reserved']):>20}{r['ratio']:>18.3f}   "
                      f"{'within' if ok else 'OUTSIDE'} +-{PEAK_TOLERANCE:.0%}")
     for r in rows:
-        lines.append(f"batch {r['batch']}: roofline step time (simulated ceiling) {r['step_s'] * 1e3:,.0f} ms = "
+        lines.append(f"batch {r['batch']}: roofline step time (simulated ceiling) {fmt_duration(r['step_s'])} = "
                      f"{r['batch'] / r['step_s']:,.0f} samples/s at most; {r['attention']} attention; "
                      f"peak at {r['peak_op']}")
     return "\n".join(lines)

@@ -19,7 +19,7 @@ import psutil
 
 from nblib.errors import ConfigError, EmptyPipelineError
 from nblib.measure import PeakMemory
-from nblib.units import fmt_bytes, fmt_rate
+from nblib.units import fmt_bytes, fmt_duration, fmt_rate
 
 REPORT_FIELDS = ("samples_per_s", "data_wait", "startup_s", "peak_rss_bytes", "rss_added_bytes",
                  "batch_size", "steps", "step_ms")
@@ -43,9 +43,9 @@ class PipelineReport:
 
     def __str__(self) -> str:
         return (f"{fmt_rate(self.samples_per_s)}, data-wait {self.data_wait:.0%}, startup "
-                f"{self.startup_s:.2f} s, peak RSS {fmt_bytes(self.peak_rss_bytes)} "
+                f"{fmt_duration(self.startup_s)}, peak RSS {fmt_bytes(self.peak_rss_bytes)} "
                 f"(+{fmt_bytes(self.rss_added_bytes)}); batch {self.batch_size}, {self.steps} steps "
-                f"of {self.step_ms:.1f} ms")
+                f"of {fmt_duration(self.step_ms / 1e3)}")
 
 
 def measure_pipeline(make_pipeline: Callable[[], Iterable], consumer_ms: float = 0.0, *,

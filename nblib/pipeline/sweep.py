@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from nblib.compare import MIN_REPEATS, Spread, interleaved_order, progress_bar
 from nblib.errors import ConfigError
 from nblib.pipeline.harness import measure_pipeline
-from nblib.units import fmt_bytes
+from nblib.units import fmt_bytes, fmt_duration
 from nblib.verdict import MAX_PAIRS, PairedVerdict, paired_order, verdict_of_pairs
 
 BASE = "base"   # the `varied` value of the base config's row
@@ -91,7 +91,7 @@ class SweepTable:
     def __str__(self) -> str:
         head = [*self.knobs, "samples/s", "range", "data-wait", "startup", "peak RSS"]
         body = [[knob_text(r[k]) for k in self.knobs] + [f"{r['samples_per_s']:,.0f}", _range_text(self.spread(r)),
-                 f"{r['data_wait']:.0%}", f"{r['startup_s']:.2f} s", fmt_bytes(r["peak_rss_bytes"])]
+                 f"{r['data_wait']:.0%}", fmt_duration(r['startup_s']), fmt_bytes(r["peak_rss_bytes"])]
                 for r in self.rows]
         widths = [max(len(str(c)) for c in col) for col in zip(head, *body)]
         lines = ["  ".join(f"{c:>{w}}" for c, w in zip(line, widths)) for line in [head, *body]]

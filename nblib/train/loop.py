@@ -35,7 +35,7 @@ from nblib.atomic import atomic_torch_save
 from nblib.disk import refuse_overlap
 from nblib.errors import ConfigError, ResumeMismatch, TrainingDiverged
 from nblib.manifest import write_manifest
-from nblib.units import fmt_rate
+from nblib.units import fmt_duration, fmt_rate
 
 from .config import TrainConfig
 from .data import BatchPlan, StepBatches
@@ -104,15 +104,15 @@ class TrainReport:
                          f"(chance {self.chance or 1 / len(self.classes):.1%}, {len(self.classes)} classes)")
             lines.append(line)
         if self.save_seconds:
-            step = float(np.mean(self.step_seconds)) if self.step_seconds else float("nan")
-            lines.append(f"saves blocked the loop {sum(self.save_seconds):.2f} s = {self.save_share:.1%} of step time "
-                         f"({len(self.save_seconds)} saves of {np.mean(self.save_seconds) * 1e3:.1f} ms each, of "
-                         f"which {np.mean(self.save_waits or [0.0]) * 1e3:.1f} ms waiting for the previous write; "
-                         f"{len(self.step_seconds)} steps of {step * 1e3:.1f} ms on average over all steps, "
+            step, saves = float(np.mean(self.step_seconds)) if self.step_seconds else float("nan"), self.save_seconds
+            lines.append(f"saves blocked the loop {fmt_duration(sum(self.save_seconds))} = {self.save_share:.1%} of "
+                         f"step time ({len(saves)} saves of {fmt_duration(np.mean(saves))} each, "
+                         f"of which {fmt_duration(np.mean(self.save_waits or [0.0]))} waiting for the previous write; "
+                         f"{len(self.step_seconds)} steps of {fmt_duration(step)} on average over all steps, "
                          f"{fmt_rate(self.samples / max(sum(self.step_seconds), 1e-9))})")
         if self.write_seconds:
-            lines.append(f"background writes {np.mean(self.write_seconds) * 1e3:.1f} ms each; the last one joined "
-                         f"in {self.final_wait_seconds * 1e3:.1f} ms at the end")
+            lines.append(f"background writes {fmt_duration(np.mean(self.write_seconds))} each; the last one joined "
+                         f"in {fmt_duration(self.final_wait_seconds)} at the end")
         if self.durability is not None:
             lines.append(self.durability.line())
         if self.final is not None:
