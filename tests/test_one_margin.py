@@ -181,3 +181,37 @@ def test_the_plan_and_the_run_count_the_same_disk_items_and_upload_what_drive_ho
     assert local == {item: n for item, (folder, n) in needs.items() if folder == run}
     assert drive == {item: n for item, (folder, n) in needs.items() if folder == mirror}
     assert budget.uploaded_bytes(cfg) == b.totals["drive"]         # P1: the bytes uploaded are the quota's peak
+
+
+def test_the_training_disk_watch_and_consolidate_keep_the_one_margin(tmp_path, monkeypatch):
+    """Issue 53's census: train/ops.DiskWatch counted keep_last + 1 states (no best weights, no margin) where the
+    budget sizes retention by `training.retained_bytes`, and consolidate refused only past 100% of the free disk.
+    Both now ask `retained_bytes` / `resources.fits`: a need at 95% of the room is refused or warned of.
+    """
+    import importlib
+    import warnings
+
+    from nblib.budget.training import retained_bytes
+    from nblib.errors import BudgetExceeded
+    from nblib.train.ops import DiskWatch
+
+    importlib.import_module("nblib.encode.consolidate")
+    consolidate = sys.modules["nblib.encode.consolidate"]          # the module (nblib.encode.consolidate: a function)
+
+    state, best, keep = 1_000_000, 400_000, 3
+    need = retained_bytes(state, best, keep)                       # the mirror: what retention keeps there
+    mirror = tmp_path / "drive"
+    mirror.mkdir()
+    for quota, warned in ((int(need / 0.95), True), (int(need / 0.85), False)):
+        watch = DiskWatch({"mirror": mirror}, keep, quota_bytes={"mirror": quota})
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            said = watch.check(state, best)
+        assert bool(said) is warned, (quota, said)
+        assert not said or (f"{nblib.units.fmt_bytes(need)}, with a 10% margin" in said[0]
+                            and "best weights" in said[0])
+    monkeypatch.setattr(consolidate, "disk_free", lambda _: int(need / 0.95))
+    with pytest.raises(BudgetExceeded, match="short with a 10% margin"):
+        consolidate._require_free_space(tmp_path, {"children": need})
+    monkeypatch.setattr(consolidate, "disk_free", lambda _: int(need / 0.85))
+    consolidate._require_free_space(tmp_path, {"children": need})

@@ -29,7 +29,8 @@ def test_a_mirror_folder_with_a_tiny_quota_warns_with_the_numbers_and_training_g
     assert done.returncode == 0, done.stderr[-3000:]
     warned = [line for line in done.stderr.splitlines() if "quota (--drive-quota-gb)" in line]
     assert warned, done.stderr[-3000:]
-    assert "mirror (" in warned[0] and "1.00 MB quota" in warned[0] and "less than 4 checkpoints" in warned[0]
+    assert "mirror (" in warned[0] and "1.00 MB quota" in warned[0] and "the 3 states + best weights" in warned[0]
+    assert "with a 10% margin" in warned[0]                  # the budget's retention rule and margin
     assert (tmp_path / "run/final.pt").exists()
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from nblib.atomic import TMP_PREFIX, AtomicWriter, WrittenFile, npy_header, sha256_file
+from nblib.budget.resources import fits, margin_words, shortfall_figure
 from nblib.disk import disk_free
 from nblib.encode.layout import RUN_KIND, RUN_VERSION, open_store, read_run_manifest, refuse_if_changed
 from nblib.encode.protocols import PartRecord, PartStore, require_part_store
@@ -356,14 +357,17 @@ def _stream_parts(read_part: Callable, manifest: dict, writers: dict[str, Atomic
 
 
 def _require_free_space(out_dir: Path, sizes: dict[str, int]) -> None:
-    """BudgetExceeded, with the bytes needed and free, when the outputs to write do not fit."""
+    """BudgetExceeded, with the bytes needed and free, when the outputs to write do not fit (the suite's rule and
+    margin, `nblib.budget.resources.fits`).
+    """
     need, free = sum(sizes.values()), disk_free(out_dir)
-    if need > free:
+    if not fits(need, free):
         need_s, free_s = fmt_bytes_pair(need, free)
         raise BudgetExceeded(
             f"consolidating {', '.join(sizes)} into {out_dir} needs {need_s} ({need:,} bytes) but "
-            f"{free_s} ({free:,} bytes) is free there; free space, pass out_dir on a larger disk, "
-            f"or keep fewer outputs. The parts are untouched: rerun consolidate (or encode) afterwards")
+            f"{free_s} ({free:,} bytes) is free there, {shortfall_figure(need, free)} short {margin_words()}; free "
+            f"space, pass out_dir on a larger disk, or keep fewer outputs. The parts are untouched: rerun "
+            f"consolidate (or encode) afterwards")
 
 
 @contextlib.contextmanager

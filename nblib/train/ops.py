@@ -17,6 +17,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from nblib.budget.resources import fits, margin_words
 from nblib.budget.training import retained_bytes
 from nblib.disk import disk_free, disk_usage
 from nblib.units import GB, fmt_bytes
@@ -84,30 +85,30 @@ def bucket_cost(state_bytes: int, best_bytes: int, *, steps: int, backup_every: 
 
 
 class DiskWatch:
-    """Warn once per folder when its free space would not hold `headroom` more checkpoints."""
+    """Warn once per folder when it could not hold what retention keeps there (`retained_bytes`; locally its peak
+    while a save writes) with the suite's margin (`nblib.budget.resources.fits`): the budget's rule, checked live.
+    """
 
-    def __init__(self, folders: dict[str, str | Path], checkpoint_bytes: int, headroom: int = 3,
-                 quota_bytes: dict[str, int] | None = None):
+    def __init__(self, folders: dict[str, str | Path], keep_last: int, quota_bytes: dict[str, int] | None = None):
         self.folders = {name: Path(folder) for name, folder in folders.items()}
-        self.checkpoint_bytes, self.headroom = checkpoint_bytes, headroom
-        self.quota_bytes = quota_bytes or {}
+        self.keep_last, self.quota_bytes = keep_last, quota_bytes or {}
         self.warned: set[str] = set()
 
-    def check(self) -> list[str]:
-        """The warnings raised now (each folder warns once)."""
+    def check(self, state_bytes: int, best_bytes: int = 0) -> list[str]:
+        """The warnings raised now (each folder warns once); "local disk" is the one a save writes to first."""
         raised = []
-        need = self.headroom * self.checkpoint_bytes
         for name, folder in self.folders.items():
+            need = retained_bytes(state_bytes, best_bytes, self.keep_last, saving=name == "local disk")
             free = free_bytes(folder, self.quota_bytes.get(name))
-            if free is None or free >= need or name in self.warned:
+            if free is None or name in self.warned or fits(need, room := free + disk_usage(folder)):
                 continue
             self.warned.add(name)
             quota = self.quota_bytes.get(name)
             under = "" if quota is None else f" of its {fmt_bytes(quota)} quota (--drive-quota-gb)"
-            msg = (f"{name} ({folder}) has {fmt_bytes(max(0, free))} free{under}, less than {self.headroom} "
-                   f"checkpoints of {fmt_bytes(self.checkpoint_bytes)} = {fmt_bytes(need)}: free space there, "
-                   f"lower --keep-last, or raise --backup-every before it runs out (training continues; "
-                   f"a failed save stops it)")
+            msg = (f"{name} ({folder}) has room for {fmt_bytes(max(0, room))}{under} (this run's files and the "
+                   f"free space), less than the {self.keep_last} states + best weights retention keeps there, "
+                   f"{fmt_bytes(need)}, {margin_words()}: free space there, lower --keep-last, or raise "
+                   f"--backup-every before it runs out (training continues; a failed save stops it)")
             log.warning(msg)
             warnings.warn(msg, DiskWarning, stacklevel=2)
             raised.append(msg)

@@ -79,7 +79,7 @@ class TrainStore:
         self.keep_last = keep_last
         self.mirror_label = None if mirror is None else str(mirror)
         self._mirror_dir = None if mirror is None or is_url(mirror) else Path(mirror)
-        self.watch = None
+        self.watch, self._sizes = None, {}
         self.quota_bytes = quota_bytes     # the mirror folder's quota (Drive) for the disk watch
         self.sync_save = sync_save
         self.startup_timeout_s = deadline_s or 60.0   # a stalled mirror at start: give up on it after this
@@ -197,20 +197,19 @@ class TrainStore:
         return self.durability(max(self.local.versions(STATE), default=0))
 
     def _saved(self, name: str, path: Path) -> None:
-        if name == STATE:
-            self._watch_disks(path.stat().st_size)
-
-    def _watch_disks(self, checkpoint_bytes: int) -> None:
-        """Warn before the local disk or the mirror folder (Drive) runs out of room for the next states."""
+        """Warn before the local disk or the mirror folder (Drive) runs out of room for what retention keeps."""
         from .ops import DiskWatch
 
+        self._sizes[name] = path.stat().st_size
+        if name != STATE:
+            return
         if self.watch is None:
             folders = {"local disk": self.local_root}
             if self._mirror_dir is not None:
                 folders["mirror"] = self._mirror_dir
             quota = {} if self.quota_bytes is None or self._mirror_dir is None else {"mirror": self.quota_bytes}
-            self.watch = DiskWatch(folders, checkpoint_bytes, headroom=self.keep_last + 1, quota_bytes=quota)
-        self.watch.check()
+            self.watch = DiskWatch(folders, self.keep_last, quota_bytes=quota)
+        self.watch.check(self._sizes[STATE], self._sizes.get(BEST, 0))
 
 
 def optimizer_moments(optimizer) -> list:
