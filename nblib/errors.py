@@ -65,6 +65,10 @@ class ModelSpecError(ConfigError):
     """A --model spec cannot be built: bad form, unknown class or name, a factory that returns no nn.Module."""
 
 
+class NotModelled(ConfigError):
+    """A model holds a module whose GPU memory the budget's trace does not model (cuDNN's RNNs): refused by name."""
+
+
 class ModelOutputError(NblibError, TypeError):
     """A model's forward returned something other than a tensor, a dict of tensors or a ModelOutput."""
 

@@ -29,7 +29,7 @@ from nblib.budget.predict import Budget, predict_budget
 from nblib.budget.resources import fits, shortfall_words
 from nblib.budget.shim import SimulationUnavailable
 from nblib.config import PipelineConfig
-from nblib.errors import BudgetExceeded, ConfigError
+from nblib.errors import BudgetExceeded, ConfigError, NotModelled
 from nblib.units import GB
 
 log = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ def model_preflight(model, batch_size: int, cuda_device, *, precision: str = "fp
     try:
         vram = model_vram_check(model, batch_size, dev, precision=precision, train=train, output=output,
                                 n_classes=n_classes, out_dtype=out_dtype)
-    except SimulationUnavailable as exc:
+    except (SimulationUnavailable, NotModelled) as exc:    # a trace that cannot be made, or an RNN it refuses
         log.warning("preflight: the VRAM of %s is not checked: %s", spec, exc)
         return None
     free = _free_vram(cuda_device)
@@ -132,7 +132,7 @@ def model_preflight(model, batch_size: int, cuda_device, *, precision: str = "fp
             f"{vram.spec} at batch {batch_size} ({precision}, {'training' if train else 'encoding'}) needs "
             f"{need / GB:.2f} GB of VRAM beside the CUDA context but {free / GB:.2f} GB is free on this GPU "
             f"(another process holds the rest): {shortfall_words(vram.high, limit, 'of VRAM')}; free the GPU, "
-            f"or lower --batch-size (the largest batch that fits an idle {dev.name}: {vram.largest_batch})")
+            f"or lower --batch-size (the largest batch that fits an idle {dev.name}: {vram.largest_batch:,})")
     return vram
 
 

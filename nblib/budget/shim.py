@@ -198,4 +198,8 @@ def child_model(payload: dict):
 
         config = ModelConfig(**payload["trm_model"])
     inputs = "tokens" if str(payload.get("inputs", "images")).startswith("tokens:") else "images"
-    return load_model(payload["spec"], payload["weights"], config=config, inputs=inputs)
+    loaded = load_model(payload["spec"], payload["weights"], config=config, inputs=inputs)
+    from nblib.budget.trace import refuse_unmodelled
+
+    refuse_unmodelled(loaded.module)
+    return loaded

@@ -103,6 +103,11 @@ class PeakOp:
     live_bytes: int
 
 
+# CUDA autocast where each torch function is called (`_autocast_at_call`): a dispatch mode's handler runs below
+# autocast, with its key excluded, so torch.is_autocast_enabled() reads False there whatever the caller had
+_call_site = {"autocast": False}
+
+
 @contextlib.contextmanager
 def fake_cuda():
     """FakeTensorMode with CUDA autocast enabled on this CPU-only build; restored on exit."""
@@ -111,8 +116,56 @@ def fake_cuda():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with mock.patch("torch.cuda.amp.common.amp_definitely_not_available", return_value=False), \
-            FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            FakeTensorMode(allow_non_fake_inputs=True) as mode, _autocast_at_call():
         yield mode
+
+
+def _autocast_at_call():
+    """A TorchFunctionMode that notes, at each torch function called, whether CUDA autocast is on there."""
+    from torch.overrides import TorchFunctionMode
+
+    class AutocastAtCall(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            _call_site["autocast"] = torch.is_autocast_enabled("cuda")
+            return func(*args, **(kwargs or {}))
+
+    return AutocastAtCall()
+
+
+_has_kernel: dict = {}    # (operator, dispatch key) -> whether torch registers a kernel of its own there
+
+
+def _has(func, key) -> bool:
+    if (func, key) not in _has_kernel:
+        _has_kernel[func, key] = torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), key)
+    return _has_kernel[func, key]
+
+
+def decompose_as_on_gpu(site: list, func, args, kwargs):
+    """A composite operator's decomposition as the GPU's dispatcher runs it; NotImplemented for a kernel.
+
+    The C++ CompositeImplicitAutograd kernel where torch has one (F.interpolate's upsample_*.vec calls upsample_*,
+    on autocast's fp32 list, where the Python decomposition `func.decompose` prefers computes inline in the
+    input's dtype), else the Python decomposition, which stands for one GPU kernel: below autocast, as that is.
+    Autocast: under inference_mode no autograd key decomposes a composite above the Python key, so it reaches the
+    trace whole (conv2d.padding: a `padding="same"` convolution) and is decomposed in this handler, where
+    autocast's key is excluded. On the GPU it runs at the CUDA key: where autocast has no kernel for it (a
+    fallthrough), its inner calls (convolution) pass through autocast as its caller had it; where autocast has
+    one (conv2d), that kernel cast the arguments and excluded autocast for what runs inside. `site` is the stack
+    of autocast states of the decompositions running (the outermost caller's: `_call_site`).
+    """
+    cpp = _has(func, torch._C.DispatchKey.CompositeImplicitAutograd)
+    on = cpp and (site[-1] if site else _call_site["autocast"]) and not _has(func, "AutocastCUDA")
+    site.append(on)
+    before = torch.is_autocast_enabled("cuda")
+    torch.set_autocast_enabled("cuda", on)
+    try:
+        if cpp:
+            return func._op_dk(torch._C.DispatchKey.CompositeImplicitAutograd, *args, **kwargs)
+        return func.decompose(*args, **kwargs)
+    finally:
+        torch.set_autocast_enabled("cuda", before)
+        site.pop()
 
 
 class DeviceTrace(TorchDispatchMode):
@@ -131,6 +184,7 @@ class DeviceTrace(TorchDispatchMode):
         self.peak: PeakOp | None = None
         self.sdpa_used: dict[str, int] = {}
         self._seen: weakref.WeakSet = weakref.WeakSet()
+        self._autocast_site: list[bool] = []     # decompose_as_on_gpu's stack
         self._workspaces: dict[str, int] = {}     # cuBLAS handle ("forward", "autograd") -> allocator handle
         # the allocation stream, for replays with the workspace elsewhere (reserved_by_position):
         # ("m", handle, nbytes), ("f", handle), ("w", handle, nbytes) for the cuBLAS workspace
@@ -172,7 +226,7 @@ class DeviceTrace(TorchDispatchMode):
                 return self._attention(*args, **kwargs)
         if func.namespace == "aten":
             with self:
-                out = func.decompose(*args, **kwargs)
+                out = decompose_as_on_gpu(self._autocast_site, func, args, kwargs)
             if out is not NotImplemented:
                 return out
         out = func(*args, **kwargs)
@@ -251,6 +305,27 @@ class DeviceTrace(TorchDispatchMode):
         self.live -= nbytes
         self.live_rounded -= round_size(nbytes)
         self.tensor_rounded -= round_size(nbytes)
+
+
+# modules whose GPU kernels the trace does not run as the GPU does: refused by name before a trace (refuse_unmodelled)
+NOT_MODELLED = {
+    "RNNBase": "cuDNN's RNN (its weight buffer, workspace and training reserve) is not modelled, and a CPU build "
+               "runs another kernel",
+    "GRUCell": "its CUDA kernel (_thnn_fused_gru_cell) has no fake kernel in torch: it cannot be traced",
+}
+
+
+def refuse_unmodelled(module: torch.nn.Module) -> None:
+    """NotModelled, in one line naming the first module of NOT_MODELLED's kinds (nn.LSTM, nn.GRU, nn.RNN, nn.GRUCell)
+    and where it sits, rather than a budget that is wrong or a trace that dies.
+    """
+    from nblib.errors import NotModelled
+
+    for path, sub in module.named_modules():
+        kind = next((k for k in NOT_MODELLED if k in {c.__name__ for c in type(sub).__mro__}), None)
+        if kind is not None:
+            raise NotModelled(f"nn.{type(sub).__name__} at {path or 'the model itself'}: {NOT_MODELLED[kind]}; "
+                              f"not budgeted: measure it on a GPU (torch.cuda.max_memory_reserved())")
 
 
 def sdpa_as_on_gpu(trace, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
