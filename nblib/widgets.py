@@ -240,7 +240,7 @@ def training_panel(model, state_bytes: int, best_bytes: int, steps: int = 10_000
                            provider=provider)
         print(f"effective batch {micro_batch * accumulation:,} ({accumulation} x {micro_batch})")
         print(f"T4 VRAM at micro-batch {micro_batch} (traced: model_vram, {precision}, CUDA context included): "
-              f"{vram.headline()}; largest micro-batch that fits: {vram.largest_batch}")
+              f"{vram.headline()}; largest micro-batch that fits: {vram.largest_batch:,}")
         print(f"T4 time, {steps:,} steps ({samples:,} samples): {time.hours_text()} at {time.rate_text()} "
               f"({time.label})" + (f"; ceiling {ceiling:,.0f} samples/s (simulated roofline): at least "
                                    f"{fmt_duration(samples / ceiling)}" if ceiling else ""))

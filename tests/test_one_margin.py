@@ -34,7 +34,8 @@ def cli_budget(batch: int) -> tuple[str, int]:
     assert done.returncode == 0, done.stderr
     text = done.stdout
     verdict = next(line for line in text.splitlines() if line.startswith("VERDICT"))
-    return verdict.removeprefix("VERDICT").strip(), int(re.search(r"max batch size on t4: (\d+)", text).group(1))
+    largest = re.search(r"max batch size on t4: ([\d,]+)", text).group(1)          # '215', '1,415'
+    return verdict.removeprefix("VERDICT").strip(), int(largest.replace(",", ""))
 
 
 @pytest.fixture(scope="module")

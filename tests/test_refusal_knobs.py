@@ -114,8 +114,11 @@ def test_a_drive_on_google_drive_offers_the_drive_size_that_holds_it(disks, monk
     monkeypatch.setattr(PREFLIGHT, "_on_google_drive", lambda folder: True)
     free["staging"], free["drive"] = 2000 * GB, 15 * GB
     message = refusal(SEED, workspace, job="encode", device="cpu", drive_limits=False)
-    holds = -(-budget.predict_budget(SEED, "cpu").totals["drive"] // (0.9 * GB))     # the smallest that fits
+    # one Drive size (issue 53), the smallest that holds the run with its knobs at their most (the verdict's too)
+    smallest = float(re.search(r"together leave Drive ([\d.,]+) GB", message).group(1).replace(",", ""))
+    holds = -(-smallest // 0.9)
     assert "no knob of the run closes it" in message and f"a Drive of {holds:,.0f} GB" in message, message
+    assert f"drive_quota_gb={holds:.0f} " in message and "and the knobs above" in message, message
     assert "run.outputs=" in message and "still over" not in message, message
 
 

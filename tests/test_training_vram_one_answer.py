@@ -57,7 +57,7 @@ def test_the_cli_and_the_train_preflight_print_the_budgets_vram_for_the_same_bat
     assert done.returncode == 0, done.stderr
     total = re.search(r"^\s+total\s+(.+?)\s+of", done.stdout, re.M).group(1)
     assert total == fmt_bytes(at_128.total)
-    assert f"largest batch that fits: {at_128.largest_batch}" in done.stdout
+    assert f"largest batch that fits: {at_128.largest_batch:,}" in done.stdout
 
     _on_a_t4(monkeypatch)
     config = TrainConfig(steps=2, batch_size=128, device="cuda", precision="fp16")

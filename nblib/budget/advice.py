@@ -112,11 +112,8 @@ def closing_knobs(budget, resources: tuple[str, ...], free: float, *, buy: str =
     search = _Search(budget, tuple(resources), free)
     knobs = [k for r in resources for k in _CANDIDATES[r] if k != "drive_quota"]
     found, fallback = search.closing(list(dict.fromkeys(knobs)), buy=False)
-    need = search.total()
-    if buy == "drive_quota_gb":
-        more = f"a Drive of {math.ceil(need / (1 - MARGIN) / GB):,} GB (drive_quota_gb)"
-    else:
-        more = f"{shortfall_figure(need, free)} more {buy} on that folder"
+    more = (str(search.drive_quota(fallback and search.most_of(list(dict.fromkeys(knobs))))) if buy == "drive_quota_gb"
+            else f"{shortfall_figure(search.total(), free)} more {buy} on that folder")
     if found:
         return "; or ".join(map(str, found)) + f"; or {more}"
     return f"{fallback}; or {more}" if fallback else more
@@ -236,9 +233,13 @@ class _Search:
         if not found:
             combined, fallback = self.combination([k for k in knobs if k != "drive_quota"])
             found = [combined] if combined is not None else []
-        if buy and "drive_quota" in knobs:
-            found.append(self.drive_quota())
+        if buy and "drive_quota" in knobs:     # one Drive size: with the run's knobs at their most when none closes it
+            found.append(self.drive_quota(fallback and self.most_of([k for k in knobs if k != "drive_quota"])))
         return tuple(found), fallback
+
+    def most_of(self, knobs: list[str]) -> dict:
+        """The changes of every knob at its biggest saving together."""
+        return _merged(self._most(k, o) for k in knobs if (o := self.options(k)))
 
     def combination(self, knobs: list[str]) -> tuple[Suggestion | None, str]:
         """The fewest knobs that fit together, each at the least change that still fits; else why not."""
@@ -262,7 +263,7 @@ class _Search:
                         "")
         if not names:
             return None, ""
-        every = _merged(most[k] for k in names)
+        every = self.most_of(names)
         words = " and ".join(f"{_knob_name(k)}={most[k][0]!r}" for k in names)
         return None, (f"no knob of the run closes it: even {words} together leave "
                       f"{self.label} {self.total(**every) / GB:,.2f} GB, over {self.target / GB:,.2f} GB"
@@ -368,12 +369,13 @@ class _Search:
         """
         return self._first_fitting("codec")
 
-    def drive_quota(self) -> Suggestion:
-        need = self.budget.totals["drive"]
-        current = self.budget.options.get("drive_quota_gb")
+    def drive_quota(self, changes: dict | str = "") -> Suggestion:
+        """The Drive that holds the run (with `changes`, the knobs at their most, when no knob of the run closes it)."""
+        need = self.total(resource="drive", **(changes or {}))
         value = math.ceil(need / (1 - MARGIN) / GB)
-        return Suggestion("drive_quota_gb", value, current, f"a Drive of {value:,} GB holds {need / GB:,.1f} GB "
-                          f"with a {MARGIN:.0%} margin")
+        return Suggestion("drive_quota_gb", value, self.budget.options.get("drive_quota_gb"),
+                          f"a Drive of {value:,} GB holds {need / GB:,.1f} GB with a {MARGIN:.0%} margin"
+                          + (" and the knobs above" if changes else ""))
 
     def _first_fitting(self, knob: str) -> Suggestion | None:
         for value, changes in self.options(knob):

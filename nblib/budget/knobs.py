@@ -104,7 +104,7 @@ def plan_budget(config: PipelineConfig, device: str | Device = "t4", *, margin: 
     biggest = max(least.lines[least.binding], key=lambda line: line.bytes)
     why = (f"even the smallest choice (outputs={least.config.run.outputs}, {least.config.run.out_dtype}, "
            f"{'no' if codec == NO_CACHE else codec} cache, batch {batch}, cadence {least.config.run.checkpoint_every}) "
-           f"leaves {least.binding} at {least.usage[least.binding]:.1f}x its limit; its largest line, "
+           f"leaves {least.binding} at {least.usage[least.binding]:,.1%} of its limit; its largest line, "
            f"{biggest.name}, is {fmt_bytes(biggest.bytes)} alone. {least.verdict}; "
            f"cache: {size_source(codec, codec_sizes)}")
     return BudgetPlan(least.config, least, {}, False, why)

@@ -87,7 +87,7 @@ class ModelVRAM:
 
     def table(self) -> str:
         job = "training step" if self.train else "encoding"
-        rows = [f"VRAM of {self.spec} on a {self.device}, {job}, {self.precision}, batch {self.batch_size} "
+        rows = [f"VRAM of {self.spec} on a {self.device}, {job}, {self.precision}, batch {self.batch_size:,} "
                 f"({self.label})"]
         rows += [f"  {ln.name:<36}{fmt_bytes(ln.bytes):>11}  {ln.why}" for ln in self.lines]
         rows.append(f"  {'total':<36}{fmt_bytes(self.total):>11}  of {self.limit / GB:.2f} GB")
@@ -96,7 +96,7 @@ class ModelVRAM:
                         f"{pos}: {fmt_bytes(b)}" for pos, b in self.reserved_by_position.items()))
         verdict = "fits" if self.fits else "does NOT fit"
         rows.append(f"  {verdict} in {1 - FIT_MARGIN:.0%} of {self.limit / GB:.2f} GB; largest batch that fits: "
-                    f"{self.largest_batch if self.largest_batch is not None else 'not searched'}")
+                    f"{'not searched' if self.largest_batch is None else f'{self.largest_batch:,}'}")
         return "\n".join(rows)
 
     def as_json(self) -> dict:

@@ -128,8 +128,8 @@ class Budget:
                     f"({need / limit:.1%}; the target is {1 - FIT_MARGIN:.0%}); time {self.hours_text()}"
                     + (f" ({self.speed.label})" if self.speed else ""))
         usage = self.usage
-        over = ", ".join(f"{q} {self.totals[q] / GB:,.2f} of {self.limits[q] / GB:,.2f} GB ({usage[q]:.1%})"
-                         if usage[q] < 10 else f"{q} {usage[q]:.1f}x" for q in self.over)
+        over = ", ".join(f"{q} {self.totals[q] / GB:,.2f} of {self.limits[q] / GB:,.2f} GB ({usage[q]:,.1%})"
+                         for q in self.over)                  # one form for every resource (newcomer P3)
         return f"does NOT fit on {self.device.name} {margin} (the target is {1 - FIT_MARGIN:.0%} of each limit): {over}"
 
     @cached_property

@@ -61,7 +61,7 @@ def budget_main(argv: list[str]) -> int:
     sizes = codec_sizes(args.texts or sample_texts_path(), cfg.model.image_size)
     print(sizes if args.texts else f"{sizes}; the suite's sample texts, as notebook 01 (--texts FILE: yours)")
     print(predict_budget(cfg, args.device, codec_sizes=sizes, **kwargs).table())
-    print(f"max batch size on {args.device}: {max_batch_size(cfg, args.device, **kwargs)}")
+    print(f"max batch size on {args.device}: {max_batch_size(cfg, args.device, **kwargs):,}")
     if args.plan:
         print(plan_budget(cfg, args.device, codec_sizes=sizes, **kwargs))
     return 0
