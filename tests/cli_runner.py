@@ -36,7 +36,8 @@ DOORS = ("inprocess", "cold")
 # nblib's module-level state a process starts without (an lru_cache is found by itself): an in-process run gets
 # an empty one of each and the test's own back after it; a warm trace server the run started is closed
 # (tests/test_cli_runner.py fails when nblib holds an empty module-level container not listed here)
-PROCESS_STATE = {"nblib.budget.model_vram": ("_STREAMS",), "nblib.budget.warm": ("_SERVERS", "_REFUSED")}
+PROCESS_STATE = {"nblib.budget.model_vram": ("_STREAMS",), "nblib.budget.warm": ("_SERVERS", "_REFUSED"),
+                 "nblib.budget.trace": ("_has_kernel",)}
 
 
 class CliRun(NamedTuple):

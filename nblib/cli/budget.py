@@ -12,6 +12,7 @@ from nblib.cli.args import (
 def budget_main(argv: list[str]) -> int:
     """`python -m nblib budget`: print a config's budget, its plan, or the reference table."""
     from nblib.budget import DEVICES, max_batch_size, plan_budget, predict_budget
+    from nblib.budget.devices import device_preset
     from nblib.config import preset
     from nblib.sdpa import SDPA_BACKENDS
 
@@ -41,6 +42,7 @@ def budget_main(argv: list[str]) -> int:
     p.add_argument("--cache", help="with --model --train: the image cache an epoch reads (its training split is the "
                    "epoch's count unless --samples; its input pipeline is measured for the epoch's floor)")
     args = parse_or_refuse(p, argv)
+    device_preset(args.device)     # an unknown device is refused before anything is measured
     if args.model:
         return _model_budget(args)
     if args.reference:
