@@ -13,7 +13,6 @@ bound layers). The range is wide on purpose; the width is the uncertainty, not n
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -61,10 +60,11 @@ SOURCES = {
 }
 
 # FLOPs per sample, counted by flops_per_sample() with FlopCounterMode (matmuls, convolutions and
-# attention; 2 FLOPs per multiply-add) over transformers 5.24.0 BertModel() / ViTModel() defaults;
-# tests/test_t4_speed.py recounts each one. The TRM's is the budget's own count (seed_t4_flops).
+# attention; 2 FLOPs per multiply-add) over transformers 5.24.0 BertModel() / ViTModel() defaults and
+# the TRM of preset seed_t4; tests/test_t4_speed.py recounts each one.
 BERT_BASE_FLOPS = {32: 5_473_566_720, 128: 22_347_251_712, 384: 70_665_633_792}   # per sequence
 VIT_B16_FLOPS = 35_127_656_448          # ViTForImageClassification at 224 (BERT-like encoder + 1000-way head)
+SEED_T4_FLOPS = 47_050_000_000          # TRM seed_t4 at 224, per image (tests pin it to 0.1%)
 
 
 @dataclass(frozen=True)
@@ -103,24 +103,14 @@ def _vit(batch: int, ms: float) -> Measurement:
                        "mean of 300 inferences, eager PyTorch 2.0, fp32")
 
 
-def seed_t4_flops() -> float:
-    """FLOPs per image of preset seed_t4's TRM at 224 px: the budget's one count, `flops_per_image`."""
-    from nblib.budget.memory import flops_per_image
-    from nblib.config import preset
-
-    return flops_per_image(preset("seed_t4").model)
-
-
-@functools.cache
-def measurements() -> tuple[Measurement, ...]:
-    """The published T4 measurements (the TRM's FLOPs counted when first asked: the budget imports this module)."""
-    return (_bert(8, 384, "fp32", 180.82), _bert(8, 384, "fp16", 46.82),
-            _bert(32, 128, "fp32", 203.04), _bert(32, 128, "fp16", 54.28),
-            _bert(32, 384, "fp32", 707.27), _bert(32, 384, "fp16", 192.80),
-            _vit(4, 43.653), _vit(16, 163.914),
-            Measurement("TRM seed_t4 224", "fp32", 192, 192 / 94, seed_t4_flops(), "reference",
-                        "the reference's measured 94 samples/s (2.04 s per batch of 192), fp32, the encode loop's "
-                        "rate"))
+MEASUREMENTS = (
+    _bert(8, 384, "fp32", 180.82), _bert(8, 384, "fp16", 46.82),
+    _bert(32, 128, "fp32", 203.04), _bert(32, 128, "fp16", 54.28),
+    _bert(32, 384, "fp32", 707.27), _bert(32, 384, "fp16", 192.80),
+    _vit(4, 43.653), _vit(16, 163.914),
+    Measurement("TRM seed_t4 224", "fp32", 192, 192 / 94, SEED_T4_FLOPS, "reference",
+                "the reference's measured 94 samples/s (2.04 s per batch of 192), fp32, the encode loop's rate"),
+)
 
 HGEMM_CEILING_FLOPS = 24e12         # nvidia_forum_hgemm: sustained, power-capped; no model beats its GEMMs
 T4_FP16_PEAK_FLOPS = 65e12          # t4_datasheet
@@ -174,26 +164,26 @@ class Projection:
 def fp16_fp32_ratios() -> dict[str, float]:
     """fp16 rate / fp32 rate of each model and shape measured in both precisions (the same source)."""
     pairs: dict[tuple, dict[str, Measurement]] = {}
-    for m in measurements():
+    for m in MEASUREMENTS:
         pairs.setdefault((m.name, m.batch, m.source), {})[m.precision] = m
     return {f"{name} batch {batch}": p["fp16"].samples_per_s / p["fp32"].samples_per_s
             for (name, batch, _), p in pairs.items() if set(p) == {"fp16", "fp32"}}
 
 
 def achieved_range(precision: str = "fp16") -> tuple[Range, str]:
-    """The achieved FLOP/s range of `precision` on a T4 and how it was drawn from measurements().
+    """The achieved FLOP/s range of `precision` on a T4 and how it was drawn from MEASUREMENTS.
 
     fp32: the lowest and highest fp32 rows. fp16: the lowest and highest of the fp16 rows and of each
     fp32 row without an fp16 twin carried over by the lowest and highest fp16/fp32 ratio measured;
     capped at the sustained HGEMM rate.
     """
     _check_precision(precision)
-    rows = [m.achieved_flops for m in measurements() if m.precision == precision]
+    rows = [m.achieved_flops for m in MEASUREMENTS if m.precision == precision]
     if precision == "fp32":
         return Range.of(min(rows), max(rows)), "lowest and highest achieved FLOP/s of the fp32 T4 measurements"
     ratios = fp16_fp32_ratios().values()
-    twins = {(m.name, m.batch) for m in measurements() if m.precision == "fp16"}
-    carried = [m.achieved_flops * r for m in measurements()
+    twins = {(m.name, m.batch) for m in MEASUREMENTS if m.precision == "fp16"}
+    carried = [m.achieved_flops * r for m in MEASUREMENTS
                if m.precision == "fp32" and (m.name, m.batch) not in twins for r in (min(ratios), max(ratios))]
     values = rows + carried
     high = min(max(values), HGEMM_CEILING_FLOPS)
@@ -254,8 +244,7 @@ def model_projection(loaded, image_size: int, precision: str = "fp16", train: bo
 
 def seed_t4(precision: str = "fp16", n_samples: int = SEED_T4_IMAGES) -> Projection:
     """The suite's default job (TRM seed_t4, the reference's 1,907,747 images) on a T4, as a projection."""
-    return project(seed_t4_flops(), precision, False, n_samples,
-                   counted_by="flops_per_image from the TRM's shapes, FlopCounterMode's count to 0.1%")
+    return project(SEED_T4_FLOPS, precision, False, n_samples)
 
 
 def table() -> list[dict]:
@@ -264,7 +253,7 @@ def table() -> list[dict]:
              "ms per batch": round(m.seconds_per_batch * 1e3, 2), "samples/s": round(m.samples_per_s, 1),
              "GFLOP per sample": round(m.flops_per_sample / 1e9, 2),
              "achieved TFLOP/s": round(m.achieved_flops / 1e12, 2), "source": SOURCES[m.source].url,
-             "published": SOURCES[m.source].published} for m in measurements()]
+             "published": SOURCES[m.source].published} for m in MEASUREMENTS]
 
 
 def _check_precision(precision: str) -> None:

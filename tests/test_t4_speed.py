@@ -18,13 +18,13 @@ from nblib.errors import ConfigError
 
 
 def achieved(name: str, precision: str, batch: int) -> float:
-    (m,) = [m for m in t4_speed.measurements() if (m.name, m.precision, m.batch) == (name, precision, batch)]
+    (m,) = [m for m in t4_speed.MEASUREMENTS if (m.name, m.precision, m.batch) == (name, precision, batch)]
     return m.achieved_flops / 1e12
 
 
 def test_the_table_gives_the_figures_the_issue_quotes_from_its_sources():
     # BERT fp16 on a T4 (FasterTransformer guide, TorchScript): 11.7-13.2 TFLOP/s
-    fp16 = [m.achieved_flops / 1e12 for m in t4_speed.measurements() if m.name.startswith("BERT") and
+    fp16 = [m.achieved_flops / 1e12 for m in t4_speed.MEASUREMENTS if m.name.startswith("BERT") and
             m.precision == "fp16"]
     assert round(min(fp16), 1) == 11.7 and round(max(fp16), 1) == 13.2
     assert round(achieved("ViT-B/16 224", "fp32", 16), 1) == 3.4          # Hugging Face docs, batch 16
@@ -34,7 +34,7 @@ def test_the_table_gives_the_figures_the_issue_quotes_from_its_sources():
 
 
 def test_every_measurement_names_a_source_with_an_address_and_a_date():
-    for m in t4_speed.measurements():
+    for m in t4_speed.MEASUREMENTS:
         source = t4_speed.SOURCES[m.source]
         assert source.url and source.published and source.accessed
         assert m.precision in t4_speed.PRECISIONS
@@ -118,7 +118,7 @@ def test_the_pinned_flops_are_what_the_counter_counts():
     assert t4_speed.flops_per_sample(vit, torch.zeros(1, 3, 224, 224, device="meta")) == t4_speed.VIT_B16_FLOPS
     trm = TRMVisionEncoder(preset("seed_t4")).eval()
     counted = t4_speed.flops_per_sample(trm, torch.zeros(1, 224, 224, 3, dtype=torch.uint8))
-    assert counted == pytest.approx(t4_speed.seed_t4_flops(), rel=1e-3)     # the budget's closed count
+    assert counted == pytest.approx(t4_speed.SEED_T4_FLOPS, rel=1e-3)
 
 
 def test_a_trm_training_projection_backpropagates_through_the_last_outer_cycle_only():
@@ -142,7 +142,7 @@ def test_a_trm_training_projection_backpropagates_through_the_last_outer_cycle_o
 
 def test_a_small_runs_time_reads_in_seconds_not_zero_hours():
     """A run of a few thousand samples takes seconds on a T4: '0.00 h' hid them (newcomer P10)."""
-    p = t4_speed.project(t4_speed.seed_t4_flops(), "fp16", n_samples=3000)
+    p = t4_speed.project(t4_speed.SEED_T4_FLOPS, "fp16", n_samples=3000)
     text = p.hours_text()
     match = re.fullmatch(r"([\d.]+) s \(([\d.]+)-([\d.]+) s\)", text)
     assert match, text
