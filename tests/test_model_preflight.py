@@ -77,7 +77,7 @@ def test_encode_preflight_on_cuda_traces_the_models_loop_and_refuses_what_the_gp
     with pytest.raises(BudgetExceeded, match=r"at batch 16 \(fp16, encoding\) needs 0\.\d\d GB of VRAM beside "
                                              r"the CUDA context but 0\.05 GB is free") as refused:
         _preflight(run, None, pending, True)
-    assert re.search(r"fits an idle t4: \d+\)", str(refused.value))
+    assert re.search(r"fits an idle t4: [\d,]+\)", str(refused.value))
 
 
 def test_train_preflight_on_cuda_refuses_with_the_micro_batch_it_checked(vit, tmp_path, on_a_t4):
