@@ -91,6 +91,20 @@ def importable_models(folder: Path, resnet: dict, factory_source: str):
         sys.modules.pop("tinyfactory", None)
 
 
+@contextlib.contextmanager
+def traceable_models(tmp_path_factory, factory_source: str):
+    """`importable_models` of `factory_source` for a trace's backward pass: skips where the fake-CUDA shim
+    cannot be built here (no compiler), with the reason.
+    """
+    from nblib.budget.shim import backward_capability
+
+    ok, why = backward_capability()
+    if not ok:
+        pytest.skip(why)
+    with importable_models(tmp_path_factory.mktemp("models"), {}, factory_source) as folder:
+        yield folder
+
+
 def shared_artifact(tmp_path_factory, name: str, build) -> Path:
     """A folder built once per test session, whichever xdist worker asks first: `build(folder)` under a file lock.
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import importable_models
+from conftest import traceable_models
 
 HERE = Path(__file__).parent
 POLICIES = {"AT_FORALL_LOWER_PRECISION_FP": "fp16", "AT_FORALL_FP32": "fp32",
@@ -299,12 +299,7 @@ class TinyEffInt(TinyEff):
 
 @pytest.fixture(scope="module")
 def efficient(tmp_path_factory):
-    from nblib.budget.shim import backward_capability
-
-    ok, why = backward_capability()
-    if not ok:
-        pytest.skip(why)
-    with importable_models(tmp_path_factory.mktemp("models"), {}, EFFICIENT) as folder:
+    with traceable_models(tmp_path_factory, EFFICIENT) as folder:
         yield folder
 
 

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from conftest import importable_models
+from conftest import traceable_models
 
 MODELS = '''
 import torch
@@ -56,12 +56,7 @@ class Branchy(nn.Module):
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from nblib.budget.shim import backward_capability
-
-    ok, why = backward_capability()
-    if not ok:
-        pytest.skip(why)
-    with importable_models(tmp_path_factory.mktemp("models"), {}, MODELS) as folder:
+    with traceable_models(tmp_path_factory, MODELS) as folder:
         yield folder
 
 
