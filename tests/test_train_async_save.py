@@ -318,3 +318,33 @@ def test_a_loop_leaves_no_spare_core_when_its_threads_wanted_a_quarter_core_more
     assert sum(ns - after.get(tid, 0) for tid, ns in thread_demand().items() if tid in after) / 1e9 < 0.3
     gained = sum(ns - before.get(tid, 0) for tid, ns in after.items()) / 1e9
     assert gained >= 0.25                                 # the busy thread wanted a core all along (0.3 s)
+
+
+def test_a_save_that_waited_for_the_previous_write_is_said_once_with_an_interval_that_avoids_it(cache_dir, tmp_path,
+                                                                                               monkeypatch, caplog):
+    from nblib.store.manager import CheckpointManager
+    from nblib.train.loop import SAVE_WAIT_NOTICE_S
+
+    original = CheckpointManager._write
+
+    def slow_write(self, *args, **kwargs):           # a disk slower than two steps: the writer's thread sleeps
+        time.sleep(1.0)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(CheckpointManager, "_write", slow_write)
+    reports = []
+    with caplog.at_level("WARNING", logger="nblib.train"):
+        train(cache_dir, tmp_path / "run", FAST, on_step=lambda step, report: reports.append(report))
+    waits = [w for w in reports[-1].save_waits if w > SAVE_WAIT_NOTICE_S]
+    said = [r.getMessage() for r in caplog.records if "for the previous write" in r.getMessage()]
+    assert len(waits) >= 2 and len(said) == 1, (reports[-1].save_waits, said)
+    every = int(said[0].split("--save-every ")[1].split(",")[0])
+    step_s = sum(reports[-1].step_seconds) / len(reports[-1].step_seconds)
+    assert every > FAST.save_every and every * step_s >= 1.0 - 0.1     # the write ends within the steps between saves
+
+
+def test_the_interval_a_waiting_save_names_covers_the_write():
+    from nblib.train.loop import save_wait_line
+
+    assert "--save-every 26," in save_wait_line(2.0, 2.6, 0.1, 5)          # 26 steps of 0.1 s cover a 2.6 s write
+    assert "--save-every 6," in save_wait_line(0.2, 0.3, 0.5, 5)           # never fewer than one more than now

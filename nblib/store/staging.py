@@ -160,19 +160,20 @@ class BackgroundWriter:
             item = None
             if not future.set_running_or_notify_cancel():
                 continue
-            start = time.perf_counter()
+            start, error = time.perf_counter(), None
             try:
                 fn()
             except BaseException as exc:       # handed to the caller through the future
                 if note:
                     exc.add_note(note)
                 traceback.clear_frames(exc.__traceback__)   # no frame keeps the staged state alive
-                future.set_exception(exc)
-            else:
+                error = exc
+            self.writes.append(time.perf_counter() - start)   # before the future ends: its waiter reads it
+            if error is None:
                 future.set_result(None)
-            finally:
-                fn = future = None             # the job's references go now, not at the next job
-                self.writes.append(time.perf_counter() - start)
+            else:
+                future.set_exception(error)
+            fn = future = error = None         # the job's references go now, not at the next job
 
 
 def storage_bytes(obj) -> int:

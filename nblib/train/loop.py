@@ -316,8 +316,24 @@ def _after_step(step, loss, model, task, config, optimizer, scheduler, scaler, i
              "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "rng": capture_rng(),
              "data_order": task.plan.state_bytes(step), "history": report.history, "best": report.best_step,
              "world_size": report.world_size}
-    report.save_waits.append(store.save(state, step, backup=backup, best=best))
+    report.save_waits.append(waited := store.save(state, step, backup=backup, best=best))
     report.save_seconds.append(time.perf_counter() - tick)
+    if waited > SAVE_WAIT_NOTICE_S and sum(w > SAVE_WAIT_NOTICE_S for w in report.save_waits) == 1:
+        log.warning("%s", save_wait_line(waited, store.write_seconds[-1], float(np.mean(report.step_seconds)),
+                                         config.save_every))
+
+
+SAVE_WAIT_NOTICE_S = 0.05     # a save that waited longer for the write before it is said, once a run
+
+
+def save_wait_line(waited_s: float, write_s: float, step_s: float, save_every: int) -> str:
+    """What a run says once when an asynchronous save had to wait for the previous write: saves came faster
+    than the disk writes them. The interval it names lets a write of `write_s` end within the steps between saves.
+    """
+    every = max(save_every + 1, math.ceil(write_s / max(step_s, 1e-9)))
+    return (f"a save waited {fmt_duration(waited_s)} for the previous write: a write takes {fmt_duration(write_s)}, "
+            f"{save_every} steps {fmt_duration(save_every * step_s)}; save every {every} steps or more "
+            f"(--save-every {every}, TrainConfig.save_every) and the loop does not wait")
 
 
 def world_size_change(state: dict | None, world_size: int) -> str | None:
