@@ -1,14 +1,9 @@
 """What a training step reads: labels that come free with the texts, a held-out split, and the order.
 
-Labels: `kind` (the JSONL field of data/sample_texts.jsonl: twelve kinds, 7-10% each) or `script`
-(the Unicode script of most letters: Latin is 64% of the sample texts, so a model that always says
-"Latin" already scores 64%). The suite trains on `kind` by default because "above chance" then
-means above 1/12, a bar a broken loop cannot clear by guessing the majority.
-
-The order: a `GlobalShuffle` (keyed Feistel permutation) of the training indices per epoch, cut in
-global batches of `batch_size`; rank r of W takes the r-th slice of each. The state at any step
-is the shuffle's (n, seed, epoch, position): ~200 bytes of JSON, the same for every world size,
-so a resume on another number of ranks continues the same global sample order.
+Labels: `kind` (twelve kinds, so chance is 1/12, a bar a broken loop cannot clear by guessing the majority)
+or `script` (docs/training.md says why it is not the default). The order: a `GlobalShuffle` of the training
+indices per epoch, cut in global batches; rank r of W takes the r-th slice of each, and the state at any
+step is the shuffle's ~200 bytes, the same for every world size.
 """
 from __future__ import annotations
 

@@ -1,25 +1,12 @@
 """Where a training run computes, and the switches that keep its bytes reproducible there.
 
-- `check_device(name)`: the one check of a device name (`TrainConfig`, `--device`): cpu, cuda or
-  cuda:N; None picks cuda when a GPU is present (as `encode` does), else cpu. `require_device`
-  adds what only torch knows: a CUDA build, a visible GPU, the index in range. Both refuse with a
-  ConfigError (one `error:` line, exit 2), never a traceback.
-- `deterministic(device)`: torch's deterministic algorithms, strict on every device (warn-only
-  lets the T4's memory-efficient attention backward run its split-key, non-deterministic kernel),
-  cuDNN autotuning off, and on CUDA `CUBLAS_WORKSPACE_CONFIG=:4096:8` set before the first cuBLAS
-  call. torch reads that variable once, at its first cuBLAS call (`Context::
-  alertCuBLASConfigNotDeterministic` caches it in a static), so when CUDA is already initialized
-  with another value the run is refused: the fix is to set it first and restart. The previous
-  switches (and the warn-only flag) are restored when the block ends, normally or not.
-- `as_nblib_error(exc)`: torch's "X does not have a deterministic implementation" as a
-  `DeterminismError` that names the op and what to do.
-- `dropout_seed(seed, step, rank)`: the key torch's generator is seeded with before each step, so
-  every rank draws its own dropout masks and a resume at any step, on any rank, draws the same
-  ones again without carrying generator states (grain keys its records the same way).
-Trade-off: strict mode refuses a model with an op that has no deterministic CUDA kernel (instead
-of training it irreproducibly); `nblib.train.determinism` names such ops from the traced step before the
-first step on CUDA, and with `--nondeterministic` (NBLIB_NONDETERMINISTIC=1) the switch is warn-only: the
-run trains, and its resume is not bit-identical.
+`check_device` and `require_device` are the one check of a device name (a ConfigError, never a traceback);
+`deterministic(device)` holds torch's strict deterministic algorithms (with cuBLAS's workspace on CUDA) and
+restores the previous switches after; `as_nblib_error` names an op with no deterministic kernel;
+`dropout_seed(seed, step, rank)` keys dropout's masks. Why each switch: "On a GPU" in docs/training.md.
+Trade-off: strict mode refuses a model with an op that has no deterministic CUDA kernel (instead of training
+it irreproducibly); `--nondeterministic` (NBLIB_NONDETERMINISTIC=1) makes the switch warn-only: the run
+trains, and its resume is not bit-identical.
 """
 from __future__ import annotations
 

@@ -1,21 +1,10 @@
 """Scoring a run: `python -m nblib predict --run RUN --cache TEST_CACHE --out DIR` (`predict_images`).
 
-A run trained by `train --cache` is rebuilt as the loop builds it (`nblib.train.task.loop_module`: the TRM's
-`Classifier`, or the --model with its head) with final.pt's weights, and run in eval mode (no dropout; the
-batch norm's running statistics, so an image's prediction does not depend on its batch) over every image of
-an image cache, in index order. It writes `DIR/predictions.csv` (UTF-8, one row per image):
-- `index`: the image's position in the cache; `key`: its file name (`cache --images`), else empty;
-- `label`: its class, when the cache has labels (class subfolders, --labels FILE, a label column, texts);
-- `prediction`, `score`: the most likely class and its softmax probability;
-- `top2`, `top2_score`, ..., `topK`, `topK_score`: the next ones (`top_k`, default 5 or the classes).
-When the cache has labels the Evaluation it returns prints the accuracy, each class's accuracy and the
-confusion matrix; the CLI also draws the matrix as `DIR/confusion.png` (`nblib.plots.confusion_matrix`).
-Classes are matched by name with the run's saved class names, so a test cache holding some of the classes,
-or listing them in another order, scores right; a class the run never saw is refused in one line. The CSV
-is written atomically; a rerun replaces it (and removes an earlier run's confusion.png until redrawn).
-
-The refusals that need no model (`check_predict`: an --out that is, holds or sits inside an input, a run
-with no final.pt, a folder of the other kind) come before torch is imported.
+A run trained by `train --cache` is rebuilt as the loop builds it (`nblib.train.task.loop_module`) with
+final.pt's weights, in eval mode, and run over every image of an image cache in index order; predictions.csv's
+columns, the accuracy, the confusion matrix and how classes are matched: "Scoring a run" in docs/training.md.
+The CSV is written atomically; a rerun replaces it (and removes an earlier run's confusion.png until redrawn).
+The refusals that need no model (`check_predict`) come before torch is imported.
 """
 from __future__ import annotations
 

@@ -2,19 +2,10 @@
 
 `train(cache_dir, out, config)` is what `python -m nblib train` and notebook 06 run, over a task
 (`nblib.train.task.ImageTask`: a cache of images with the TRM or any `model=` spec;
-`nblib.train.records.RecordTask`: record shards with `fields=`). Rerunning it
-on the same folder resumes from the newest state that loads (local first, then the mirror) and
-gives the same final bytes as an uninterrupted run: every input of a step is in the state (weights,
-AdamW moments, schedule, scaler, the RNGs dropout draws from, the data order as a
-shuffle state), kernels run with strict `torch.use_deterministic_algorithms(True)` (on CUDA with
-cuBLAS's deterministic workspace: `nblib.train.device`), dropout draws from a generator seeded by
-(seed, step, rank) before each step, and the loader's workers only read images by index, so 0 or 2
-workers give the same batches. Under `torchrun` the model is wrapped in DistributedDataParallel
-(gradients over gloo on CPU, over an nccl group with `device_ids` on GPUs; control messages stay
-on gloo); each rank reads its slice of the global batch; rank 0 alone evaluates and writes every
-checkpoint and final.pt. A resume on another number of processes than the state's (torchrun ranks) runs, and
-says in one line (and in train.json's `world_size_change`) that its result matches neither uninterrupted run bit
-for bit (`world_size_change`). A non-finite loss (or weights about to be saved) stops the run with
+`nblib.train.records.RecordTask`: record shards with `fields=`). Rerunning it on the same folder resumes
+from the newest state that loads and gives the same final bytes as an uninterrupted run: every input of a
+step is in the state, kernels are deterministic and dropout is keyed by (seed, step, rank); how, and what
+torchrun changes: docs/training.md. A non-finite loss (or weights about to be saved) stops the run with
 TrainingDiverged before anything after the last good state is written.
 """
 from __future__ import annotations
@@ -458,11 +449,8 @@ def _load(store, world, out):
 
 
 def _wrap(model, world, device: str):
-    """(the module a step runs, the process group made for it or None).
-
-    On CUDA the gradients go over a new nccl group, with `device_ids` (the GPU the model is on):
-    gloo would copy every bucket through host memory. `world.group` (gloo) keeps the control
-    messages (the state broadcast, the divergence flag, barriers). On CPU: gloo.
+    """(the module a step runs, the process group made for it or None): on CUDA the gradients go over a new
+    nccl group (gloo would copy every bucket through host memory), `world.group` (gloo) keeps the control messages.
     """
     if world is None or world.size == 1:
         return model, None
@@ -497,13 +485,9 @@ def step_loader(dataset, collate, plan, start, stop, rank, world_size, config):
 
 
 def worker_start_method() -> str:
-    """fork while this process has one thread; forkserver once others run (the checkpoint writer, the mirror,
-    fsspec's event loop, tqdm's monitor, a notebook kernel's): a forked child gets their locks held, and can
-    hang on them. Workers only read images by index, so the start method changes no byte of a batch.
-
-    forkserver imports the main script in its server (Python's rule for spawn, and Linux's default start
-    method from Python 3.14): a script that calls `train` with workers guards it with
-    `if __name__ == "__main__":`. A main module with no file to import (a script read from stdin) keeps fork.
+    """fork while this process has one thread, forkserver once others run (a forked child gets their locks
+    held, and can hang on them); the batches are the same bytes either way (docs/training.md). A main module
+    with no file to import (a script read from stdin) keeps fork.
     """
     import sys
     import threading

@@ -1,24 +1,13 @@
 """Object storage (s3://, gs://, any fsspec URL) as the mirror's FileOps: the Drive machinery, a bucket behind it.
 
-`mirror_target(url_or_dir)` gives (root, ops) for the store's `Mirror` thread: a plain folder (a
-Drive mount) keeps the real filesystem calls; a URL gets `FsspecOps` over `fsspec.filesystem`.
-Object stores have no rename: an object appears whole when its PUT completes, so `write_atomic`
-checks the bytes' digest first and then PUTs them in one request (what AtomicWriter's temporary
-file plus rename gives on a disk). Listings are not cached, so the mirror sees deletions at once.
-`s3://` needs s3fs and `gs://` gcsfs (both pinned; a missing one is named in the error).
-`check_run_folders` refuses, before a run writes, a mirror that would not be a second copy (an
-empty name, `s3://` with no bucket, `memory://`, a protocol that is not a folder, s3:// or gs://, a
-folder inside the run's or the cache's), a run folder inside its cache (or the other way round), and
-a bucket that does not exist (the mirror never creates one: a mistyped name would be created
-silently). A bucket that cannot be reached is let through: training never waits for the mirror.
-Credentials and the endpoint come from the usual environment (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL,
-GOOGLE_APPLICATION_CREDENTIALS, STORAGE_EMULATOR_HOST) or `storage_options`. Trade-off: timeouts
-are short (connect 5 s, read 30 s, 2 attempts, on both clients) so a stalled bucket fails an
-attempt, which the mirror retries later, instead of holding its thread for minutes; training never
-waits either way. `gs://` uses gcsfs's JSON-API filesystem (`gcsfs.core.GCSFileSystem`), not the
-default experimental layer that first asks the gRPC storage-control API for the bucket's layout
-with its own 60 s retry budget, uncached on failure: plain PUT/GET/list is all the mirror needs
-(zonal "rapid" buckets, which need gRPC, are not supported).
+`mirror_target(url_or_dir)` gives (root, ops) for the store's `Mirror` thread: a plain folder keeps the real
+filesystem calls, a URL gets `FsspecOps`. Object stores have no rename: `write_atomic` checks the bytes'
+digest, then PUTs them in one request. `check_run_folders` refuses, before a run writes, a mirror that would
+be no second copy, folders nested in one another, and a bucket that does not exist (the mirror never creates
+one: a mistyped name would be created silently). Clients, credentials and timeouts: "Object storage" in
+docs/training.md. Trade-off: short timeouts, so a stalled bucket fails an attempt the mirror retries later
+instead of holding its thread for minutes. `gs://` uses gcsfs's JSON-API filesystem, not the experimental
+layer that first asks the gRPC storage-control API for the bucket's layout (zonal buckets are not supported).
 """
 from __future__ import annotations
 

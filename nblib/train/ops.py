@@ -1,13 +1,9 @@
 """The TPU storage guide's operations for a training run: what the bucket costs, and disks that fill up.
 
-`PRICES` is a dated, sourced table (data, not code): storage per GB-month and requests per 1,000
-for S3 Standard and GCS Standard, the classes a checkpoint bucket uses. `bucket_cost` prices a
-run's backups: the bytes retention keeps (last N states + the best weights, `retained_bytes`) for the months you
-keep them, plus one PUT per file of each backup (a state is two objects: .pt and its record),
-LIST calls on every start and every mirror audit, and the GETs of one resume. `DiskWatch` warns
-(logging and a `DiskWarning`) before the local disk or the Drive quota runs out: when the free
-space would not hold the next `headroom` checkpoints; a Drive folder counts against its quota
-(`python -m nblib train --drive-quota-gb`, the free 15 GB by default under the Colab mount).
+`PRICES` is a dated, sourced table (data, not code); `bucket_cost` prices a run's backups from it (the bytes
+retention keeps, one PUT per file of each backup, the LISTs of starts and audits, the GETs of one resume);
+`DiskWatch` warns (logging and a `DiskWarning`) before the local disk or the Drive quota runs out
+("Retention and cost" in docs/training.md).
 Trade-off: list prices, no free tier, no egress (a resume on a VM in the bucket's region pays none), no taxes.
 """
 from __future__ import annotations

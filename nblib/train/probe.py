@@ -2,17 +2,13 @@
 
 `step_peak(model, batch)` runs `python -m nblib.train.probe` in a subprocess (so the peak is this
 step's, not the notebook's) with glibc's mmap threshold pinned (freed activations leave the RSS).
-After one warm-up step at batch 1 (threads, AdamW state, allocator pools exist), it records the RSS,
-optionally caps new memory with RLIMIT_AS at (address space now + cap), then runs two steps at
-`batch`: an allocation past the cap raises inside torch and is reported as "does not fit": a real
-out-of-memory, caught. Each step is the loop's own `train_step` (AdamW, schedule, GradScaler,
-autocast at the run's precision). On CUDA (written against torch's caching allocator; no GPU runs
-here) the cap is the whole reservation, set with `torch.cuda.set_per_process_memory_fraction(cap /
-total)` before the first allocation (the allocator refuses to reserve past it and raises
-OutOfMemoryError); the device peak is `torch.cuda.max_memory_reserved()` (what the cap counts),
-reported apart from the host's RSS. `saved_bytes` counts what autograd
-keeps for backward with saved_tensors_hooks (unique storages). Trade-off: RLIMIT_AS caps address
-space, not RSS; after the warm-up, new address space is new memory to within the allocator's slack.
+After one warm-up step at batch 1, it records the RSS, optionally caps new memory with RLIMIT_AS at
+(address space now + cap), then runs two steps of the loop's own `train_step` at `batch`: an allocation
+past the cap raises inside torch and is reported as "does not fit". On CUDA the cap is the whole reservation
+(`torch.cuda.set_per_process_memory_fraction`) and the device peak `max_memory_reserved()`, reported apart
+from the host's RSS. `saved_bytes` counts what autograd keeps for backward (unique storages).
+Trade-off: RLIMIT_AS caps address space, not RSS; after the warm-up, new address space is new memory to
+within the allocator's slack.
 """
 from __future__ import annotations
 

@@ -1,35 +1,9 @@
 """Training from record shards: a model maps one array field of each record to another, one shard at a time.
 
-`python -m nblib train --records DIR --input-key hidden_states --target-key target_routing --loss ce --classes 8`
-trains the sharding guide's job: a router that predicts each token's routing from its hidden state;
-`python -m nblib predict --run RUN --records DIR --out PRED` runs its final weights over records (`predict_records`).
-- **Inputs:** one array field (`--input-key`); float arrays reach the model as float32 (autocast
-  applies as usual), integer arrays (token ids) as int64. Records of different lengths are
-  zero-padded along their first dimension to the batch's longest, and the padding is masked: it
-  counts in no loss and no accuracy, and a model whose forward takes `attention_mask` gets one
-  ([B, T] int64, 1 on a record's rows, 0 on padding: the Hugging Face convention) to mask its pooling.
-  A model that takes none is run at start on one record with and without zero rows appended: if its
-  output moves (it mixes rows), a batch of records of different lengths is refused, naming the fix.
-- **Target and loss** (`--target-key`, `--loss`; `target_kind`): `ce` takes integer class labels (a
-  scalar per record: output [B, C]; or one per token [T]: output [B, T, C]), integer top-k class
-  indices ([T, k] against an output [B, T, C], C >= k: the k-hot multi-label binary cross-entropy,
-  its accuracy the share of the k found in the output's top k), or rows of class probabilities (soft
-  targets, float [..., C]: the soft cross-entropy); `mse` takes float targets of the output's shape (a
-  trailing output dimension of 1 is dropped). `auto` (the default): ce for integer targets, mse for
-  float ones (pass `--loss ce` for probability rows).
-- **The model** (`--model`): any spec of the model contract that takes the input tensor
-  (`package.module:factory`, `hf:...`), its output picked by `--output` (default: `logits`, else
-  its first); without one, a seeded `Linear(input features, target features)` applied per token
-  (integer targets need `--classes N` for it: the classes, or the experts of top-k indices).
-- **The order:** the held-out split is a keyed choice of records; the training records are read in
-  a `RecordShardShuffle` with a window of one shard (the shard order permuted per epoch, records
-  permuted within each shard), cut in global batches, so a reader holds one shard at a time (a
-  batch that straddles two reads them one after the other). Its state is the shuffle's position:
-  a few hundred bytes, resumed exactly at any step, as the image cache's order is.
-- **Every record is checked as it is read** (`RecordCheck`, training and held-out reads alike): no NaN or inf
-  in its input or target ("record N holds NaN", never called a divergence), a target with its input's rows
-  when the first record's had them, labels and top-k indices in range, top-k rows without a repeat,
-  probability rows >= 0 that sum to 1; one line naming the record.
+`python -m nblib train --records DIR --input-key X --target-key Y` trains it; `python -m nblib predict --run RUN
+--records DIR --out PRED` runs its final weights over records (`predict_records`). The inputs and their padding
+mask, the targets and losses, the model and the order: "Training from record shards" in docs/your-model.md.
+Every record is checked as it is read (`RecordCheck`): one line naming the record.
 Trade-off: the first record is read at start to check the fields, the model's output shape, the
 loss and the padding before anything is written; a model that mixes rows without a mask is refused
 only at the first batch whose records differ in length (a data set of equal lengths never pads).
@@ -57,7 +31,6 @@ from .device import autocast
 from .task import EVAL_BATCH, contract_identity, freeze_unreached, host, is_trm, runs_on
 
 LOSSES = ("auto", "ce", "mse")
-TARGET_KINDS = ("labels", "top-k", "probabilities", "values")
 
 
 @dataclass(frozen=True)
@@ -227,7 +200,7 @@ class RecordNet(nn.Module):
 
 
 def target_kind(output_shape, target, loss: str) -> str:
-    """How the loss reads a batch's target against the model's output (one of TARGET_KINDS; see the module doc).
+    """How the loss reads a batch's target against the model's output ("labels", "top-k", "probabilities" or "values").
 
     mse: "values". ce: float targets are "probabilities"; integer targets are "labels" when the output is
     [*target, C], "top-k" class indices when the target is [*, k] and the output [*, C] with C >= k.
@@ -247,8 +220,8 @@ def target_kind(output_shape, target, loss: str) -> str:
 
 
 def loss_terms(output, target, lengths, loss: str):
-    """(loss per element, the elements that count, the share right per element or None) of a batch; see the module
-    doc. Padding (rows past a record's target length) is not counted.
+    """(loss per element, the elements that count, the share right per element or None) of a batch
+    (docs/your-model.md). Padding (rows past a record's target length) is not counted.
     """
     output = output.float()
     kind = target_kind(output.shape, target, loss)

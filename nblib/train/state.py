@@ -1,15 +1,7 @@
 """What a training checkpoint holds, and the check that a resume continues the same run.
 
-The state is one dict that `torch.save` writes and `torch.load(weights_only=True)` reads back:
-model, optimizer, LR schedule and GradScaler state dicts; the RNG states of Python, numpy and
-torch's CPU generator (not the CUDA generators: the loop re-seeds torch's generators on every device by
-(seed, step, rank) before each step, so nothing depends on them, and a state resumes on any number of
-GPUs; a resume on another number of processes than the state's says so in one line and in train.json, since
-its steps after the state match neither uninterrupted run bit for bit: `loop.world_size_change`); step and
-epoch; the number of processes that saved it; the data order as the
-shuffle's state, a few hundred bytes of JSON (not a buffer of samples); the metric history and
-the best step so far; and the run's identity (settings that change the bytes, the cache's
-fingerprint, the classes and a digest of every label). `check_identity` refuses a resume whose
+The state is one dict that `torch.save` writes and `torch.load(weights_only=True)` reads back; what it holds
+(and why not CUDA's generators): "State" in docs/training.md. `check_identity` refuses a resume whose
 identity differs, naming the field, the stored value and the new one.
 """
 from __future__ import annotations

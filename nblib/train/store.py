@@ -1,28 +1,13 @@
 """Train states local-first, copied to a mirror (a Drive folder or a bucket): training's adapter over
 `nblib.store.CheckpointManager`, the checkpoint manager encode uses too.
 
-Every `save_every` steps the state is written to RUN/checkpoints as `state-<step>.pt` plus its
-manifest record (atomic, xxh3_128 digest, record last); every `backup_every` steps that version is queued for
-the mirror, whose thread copies it with retries, remounts and stall handling: training never waits
-for Drive or the bucket, and `durability()` says which step is only local. The manager claims the
-mirror folder for the run's identity (`mirror.json`: a second run on the same mirror is refused,
-naming the mirror folder), bounds every read of the mirror, and, unless `sync_save`, writes on its
-background thread: `save` waits for the previous write (raising its error), stages the tensors
-into reused host buffers (pinned on CUDA) and returns; the write's Future carries any error to the
-next save, `wait_saves` or `close`. Retention keeps the newest `keep_last` states on each side, plus
-the newest version of the `best` series (weights only, written when the named metric improves, so the
-newest is the best): `nblib.budget.training.retained_versions`, the rule the budget sizes. Resume is local-first:
-the mirror is read only when the run folder holds no state that loads (a new VM). Only a writer
-(the holder of the run folder's lock) removes half-written temporaries; a reader deletes nothing.
-Trade-off: between backups the newest states exist on one disk only; the backup interval bounds
-what a lost VM costs; a save costs the loop a copy of the state into host buffers, not its write (a loop
-that leaves no core spare: the serialization, not the wait for the disk; `nblib.store.manager.SpareCore`).
+What a save writes, when, and what retention keeps on each side: "Writer" and "Retention and cost" in
+docs/training.md. Trade-off: between backups the newest states exist on one disk only; the backup interval
+bounds what a lost VM costs; a save costs the loop a copy of the state into host buffers, not its write.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
-import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,16 +96,10 @@ class TrainStore:
         return self.manager.last_wait_s
 
     def guard(self, optimizer) -> None:
-        """Let asynchronous saves copy `optimizer`'s moments on CUDA without the loop waiting: the copies are
-        enqueued at `save` on the device's current stream, and its next `step` first waits until the save in
-        flight holds them (a step pre-hook; `fence_seconds` adds up the waits). What is caught: every edit
-        made after `save` returns, whatever its path (in place, through `.data`, a second optimizer), since
-        the kernels it launches queue behind those copies; the checkpoint holds the state of the save's call.
-        Moments on the host (and everything else: the weights a forward, an EMA, a clamp_ or a load_state_dict
-        may edit in place) are copied before `save` returns, so no later edit reaches them either, through
-        `.numpy()` or `.data` included (their version counters do not move: a copy made later could not tell).
-        Whether the save's files are written on the loop's thread or the writer's (`SpareCore`) changes when
-        the bytes are written, never which.
+        """Let asynchronous saves copy `optimizer`'s CUDA moments in stream order without the loop waiting: its
+        next `step` first waits until the save in flight holds them (a step pre-hook; `fence_seconds` adds up
+        the waits). The checkpoint holds the state of the save's call whatever edits it later ("Writer" in
+        docs/training.md).
         """
         if self.sync_save or self._guarded is not None:
             return
@@ -138,10 +117,6 @@ class TrainStore:
     def write_seconds(self) -> list[float]:
         """What each background write took."""
         return self.manager.write_seconds
-
-    def backup_best(self) -> None:
-        """Queue the newest best version for the mirror (at a backup step)."""
-        self.manager.enqueue_newest(BEST)
 
     def load_latest(self) -> tuple[dict | None, str]:
         """(newest state that verifies and loads, 'local' | 'mirror' | 'none'): local first."""
@@ -178,10 +153,6 @@ class TrainStore:
             queued = max(self.local.versions(STATE), default=None)
         return Durability(local_step, queued if self.manager.mirror else None, status.caught_up,
                           status.failing, status.last_error)
-
-    def flush(self, timeout: float | None) -> bool:
-        """Wait up to `timeout` s for the mirror to catch up; True when it did (or there is none)."""
-        return self.manager.flush(timeout)
 
     def close(self, timeout: float | None = 30.0) -> Durability:
         """Join the local writer, flush the mirror for at most `timeout` s, stop both threads; what is durable
@@ -226,14 +197,3 @@ def _warn(damaged) -> None:
     if damaged:
         listed = "; ".join(f"{d.name} ({d.side}: {d.reason})" for d in damaged[:3])
         warnings.warn(f"{len(damaged)} damaged checkpoint copies skipped: {listed}", stacklevel=3)
-
-
-@contextlib.contextmanager
-def timed():
-    """Yield a one-item list that holds the seconds the block took."""
-    took = [0.0]
-    start = time.perf_counter()
-    try:
-        yield took
-    finally:
-        took[0] = time.perf_counter() - start
