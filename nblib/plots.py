@@ -140,12 +140,9 @@ def predicted_vs_measured(batch_sizes, predicted, measured, *, what: str = "peak
         ax.annotate(f"{m / p:.2f}x", (b, m / MB), textcoords="offset points", xytext=(4, 6),
                     fontsize=8)
     ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xticks(list(batch_sizes))
     ax.margins(x=0.12, y=0.15)
-    ax.set_xlabel("batch size")
-    ax.set_ylabel(f"{what} (MB)")
-    ax.set_title(f"{what}: measured / predicted ratio at each point")
+    ax.set(yscale="log", xticks=list(batch_sizes), xlabel="batch size", ylabel=f"{what} (MB)",
+           title=f"{what}: measured / predicted ratio at each point")
     ax.legend()
     ax.grid(alpha=0.3, which="both")
     return finish(fig, save_to)
@@ -160,11 +157,8 @@ def shuffle_checkpoint_plot(rows, disk_bytes: float | None = None, save_to=None)
                     alpha=0.3, color="tab:orange", label="peak disk during save (first save - previous kept)")
     if disk_bytes:
         ax.axhline(disk_bytes / GB, color="crimson", ls="--", label=f"free disk {disk_bytes / GB:.0f} GB")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("shuffle buffer (samples)")
-    ax.set_ylabel("GB")
-    ax.set_title(f"tf.data shuffle checkpoint at {rows[0].sample_bytes / 1e3:.0f} KB/sample")
+    ax.set(xscale="log", yscale="log", xlabel="shuffle buffer (samples)", ylabel="GB",
+           title=f"tf.data shuffle checkpoint at {rows[0].sample_bytes / 1e3:.0f} KB/sample")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, which="both")
     return finish(fig, save_to)
@@ -175,9 +169,7 @@ def shard_plan_plot(plans, save_to=None) -> Figure:
     fig, ax = new_figure(width=6.4, height=4.0)
     xs = [p.target_shard_bytes / MB for p in plans]
     ax.plot(xs, [p.n_shards for p in plans], "o-", color="tab:blue", label="shards")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("target shard size (MB)")
+    ax.set(xscale="log", yscale="log", xlabel="target shard size (MB)")
     ax.set_ylabel("number of shards", color="tab:blue")
     ax2 = ax.twinx()
     ax2.plot(xs, [p.ram_one_at_a_time / GB for p in plans], "s--", color="tab:red",
@@ -253,9 +245,8 @@ def cache_disk_plan(plans: dict, free_bytes: float, save_to=None) -> Figure:
         ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {size:,.1f} GB",
                 va="center", fontsize=8)
     first = plans[names[0]]
-    ax.set_xlabel("predicted cache size (GB)")
-    ax.set_title(f"{first.n_images:,} images at {first.image_size} px: which codec fits?")
-    ax.set_xlim(0, max(sizes + [free_bytes / GB]) * 1.25)
+    ax.set(xlabel="predicted cache size (GB)", xlim=(0, max(sizes + [free_bytes / GB]) * 1.25),
+           title=f"{first.n_images:,} images at {first.image_size} px: which codec fits?")
     ax.legend(loc="lower right", fontsize=8)
     return finish(fig, save_to)
 
@@ -273,11 +264,9 @@ def cache_worker_scaling(rates, save_to=None) -> Figure:
     ax.plot(workers, [med[0] * w / workers[0] for w in workers], ":", color="gray", label="ideal (linear)")
     for w, r in zip(workers, med):
         ax.annotate(f"{r:,.0f}", (w, r), textcoords="offset points", xytext=(6, -12), fontsize=8)
-    ax.set_xlabel("render workers (processes)")
-    ax.set_ylabel("images / s")
-    ax.set_xticks(workers)
-    ax.set_ylim(0, max([rates[w].high for w in workers] + [med[0] * workers[-1] / workers[0]]) * 1.15)
-    ax.set_title("cache population throughput")
+    ax.set(xlabel="render workers (processes)", ylabel="images / s", xticks=workers,
+           ylim=(0, max([rates[w].high for w in workers] + [med[0] * workers[-1] / workers[0]]) * 1.15),
+           title="cache population throughput")
     ax.legend(fontsize=8)
     return finish(fig, save_to)
 
@@ -294,12 +283,9 @@ def cache_read_throughput(rates: dict, consumer_images_per_s: float | None = Non
         ax.axvline(consumer_images_per_s, color="black", linestyle="--")
         ax.text(consumer_images_per_s, len(names) - 0.45, f" encoder needs ~{consumer_images_per_s:,.0f}/s",
                 fontsize=8, va="bottom")
-    ax.set_ylim(-0.6, len(names) + 0.2)
-    ax.set_xscale("log")
-    ax.set_xlim(min(list(rates.values()) + [consumer_images_per_s or float("inf")]) / 3,
-                max(rates.values()) * 20)
-    ax.set_xlabel("images / s (log scale)")
-    ax.set_title("reading the cache back")
+    ax.set(ylim=(-0.6, len(names) + 0.2), xscale="log", xlabel="images / s (log scale)",
+           xlim=(min(list(rates.values()) + [consumer_images_per_s or float("inf")]) / 3, max(rates.values()) * 20),
+           title="reading the cache back")
     return finish(fig, save_to)
 
 
@@ -506,7 +492,7 @@ def pipeline_knob_curves(table, knobs=None, highlight=None, save_to=None) -> Fig
         ax.set_ylim(bottom=0)
         wait = ax.twinx()
         wait.plot(xs, [r["data_wait"] for r in curve], "s--", color="C3")
-        wait.set_ylim(0, 1.05)
+        wait.set(ylim=(0, 1.05))
         wait.set_ylabel("data-wait (share of step)", color="C3")
         base = next(i for i, r in enumerate(curve) if r["varied"] == "base")
         ax.axvline(base, color="grey", lw=0.6, ls=":")
@@ -611,8 +597,7 @@ def model_budget_vs_simulated(checks: dict, limit_bytes: float | None = None, sa
     if limit_bytes:
         ax.axhline(limit_bytes / GB, color="C3", lw=1, label="T4 limit less margin and CUDA context")
     ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set(xlabel="batch size", ylabel="reserved VRAM, GB (simulated T4)",
+    ax.set(yscale="log", xlabel="batch size", ylabel="reserved VRAM, GB (simulated T4)",
            title="Budget against the simulated loop (simulated T4, no GPU)")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3, which="both")
