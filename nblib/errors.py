@@ -7,11 +7,14 @@ is this `FolderBusyError`).
 """
 from __future__ import annotations
 
+import contextlib
+import os
+
 __all__ = [
     "BudgetExceeded", "CacheError", "ConfigError", "DeterminismError", "DriveError", "EmptyPipelineError",
     "FolderBusyError", "InputError", "LockLostError", "ManifestDamaged", "MissingDependency", "ModelOutputError",
     "ModelSpecError", "NblibError", "NotebookStalled", "PeerLost", "ResumeMismatch", "StateError",
-    "TrainingDiverged", "WeightsError",
+    "TrainingDiverged", "WeightsError", "os_errors_name",
 ]
 
 
@@ -19,6 +22,17 @@ def one_line(what, limit: int | None = None) -> str:
     """An exception's (or a text's) message on one line, whitespace collapsed, cut at `limit` characters."""
     text = " ".join(str(what).split())
     return text if limit is None or len(text) <= limit else text[:limit - 3] + "..."
+
+
+@contextlib.contextmanager
+def os_errors_name(folder):
+    """An OSError that names no path (a write into an open file: ENOSPC) names the folder being written."""
+    try:
+        yield
+    except OSError as exc:
+        if isinstance(exc, NblibError) or exc.filename is not None or not exc.errno:
+            raise
+        raise OSError(exc.errno, os.strerror(exc.errno), str(folder)) from exc
 
 
 class NblibError(Exception):

@@ -2,12 +2,10 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import errno
 import os
 
 from nblib.config import SEED_LIMIT
-from nblib.errors import NblibError
 
 
 def describe_os_error(exc: OSError) -> str:
@@ -46,8 +44,6 @@ def finite_positive_float(text: str) -> float:
     return value
 
 
-
-
 def seed_int(text: str) -> int:
     """argparse type: a seed, an integer in [0, 2**64)."""
     value = int(text)
@@ -75,14 +71,3 @@ def parse_or_refuse(parser: argparse.ArgumentParser, argv: list[str]) -> argpars
         return parser.parse_args(argv)
     except argparse.ArgumentError as exc:
         raise ConfigError(f"{exc}; see {parser.prog} --help") from None
-
-
-@contextlib.contextmanager
-def os_errors_name(folder):
-    """An OSError that names no path (a write into an open file: ENOSPC) names the output folder."""
-    try:
-        yield
-    except OSError as exc:
-        if isinstance(exc, NblibError) or exc.filename is not None or not exc.errno:
-            raise
-        raise OSError(exc.errno, os.strerror(exc.errno), str(folder)) from exc

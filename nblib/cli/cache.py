@@ -3,12 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-from nblib.cli.args import (
-    finite_positive_float,
-    os_errors_name,
-    positive_int,
-    seed_int,
-)
+from nblib.cli.args import finite_positive_float, parse_or_refuse, positive_int, seed_int
+from nblib.errors import os_errors_name
 
 
 def cache_main(argv: list[str]) -> int:
@@ -25,6 +21,7 @@ def cache_main(argv: list[str]) -> int:
     Check: `cache --verify DIR`, fix: `cache --verify --repair DIR` (exit 0 OK, 1 problems found).
     """
     from nblib.cache import populate, verify
+    from nblib.cache.record_format import is_record_folder
     from nblib.disk import refuse_overlap
     from nblib.errors import ConfigError
 
@@ -35,7 +32,7 @@ def cache_main(argv: list[str]) -> int:
     if args.verify is not None or args.repair or args.folder:
         if not folder:
             raise ConfigError("--verify needs the cache folder: python -m nblib cache --verify DIR [--repair]")
-        if args.records or _is_record_folder(folder):
+        if args.records or is_record_folder(folder):
             return _cache_records(args, verify_folder=folder)
         report = verify(folder, repair=args.repair, texts=args.texts, field=args.field, workers=args.workers)
         print(report)
@@ -90,12 +87,6 @@ def _cache_images(args: argparse.Namespace) -> int:
     print(summary)
     print(labels_line(source, args.out))
     return 0
-
-
-def _is_record_folder(folder) -> bool:
-    from nblib.cache.record_format import is_record_folder
-
-    return is_record_folder(folder)
 
 
 def _cache_records(args: argparse.Namespace, verify_folder=None) -> int:
@@ -179,10 +170,7 @@ def _cache_args(argv: list[str]) -> argparse.Namespace:
                    help="check a cache instead of building one (DIR here or after the flags)")
     p.add_argument("--repair", action="store_true", help="with --verify: fix what is wrong")
     p.add_argument("folder", nargs="?", help=argparse.SUPPRESS)
-    try:
-        args = p.parse_args(argv)
-    except argparse.ArgumentError as exc:
-        raise ConfigError(f"{exc}; see python -m nblib cache --help") from None
+    args = parse_or_refuse(p, argv)
     if args.folder and args.verify is None and not args.repair:
         raise ConfigError(f"unexpected argument {args.folder!r}; to check a cache use --verify DIR")
     check_size(args.size)                   # before any image or render buffer is allocated

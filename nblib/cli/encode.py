@@ -3,12 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-from nblib.cli.args import (
-    os_errors_name,
-    parse_or_refuse,
-    positive_int,
-    seed_int,
-)
+from nblib.cli.args import parse_or_refuse, positive_int, seed_int
+from nblib.errors import os_errors_name
 
 
 def encode_main(argv: list[str]) -> int:

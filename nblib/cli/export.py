@@ -3,9 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-from nblib.cli.args import (
-    os_errors_name,
-)
+from nblib.cli.args import parse_or_refuse
+from nblib.errors import os_errors_name
 
 
 def export_main(argv: list[str]) -> int:
@@ -36,10 +35,7 @@ def export_main(argv: list[str]) -> int:
     p.add_argument("--overwrite", action="store_true",
                    help="replace an nblib export of something else (deleting only the files its manifest "
                         "lists), or write into a folder that holds other files (left untouched)")
-    try:
-        args = p.parse_args(argv)
-    except argparse.ArgumentError as exc:
-        raise ConfigError(f"{exc}; see python -m nblib export --help") from None
+    args = parse_or_refuse(p, argv)
     if not args.out or bool(args.cache) == bool(args.outputs):
         raise ConfigError("export needs --out DIR and one of --cache DIR or --outputs DIR")
     refuse_overlap("export", args.out, {"--cache": args.cache, "--outputs": args.outputs, "--texts": args.texts},

@@ -3,12 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from nblib.cli.args import (
-    bounded_float,
-    finite_positive_float,
-    parse_or_refuse,
-    positive_int,
-)
+from nblib.cli.args import bounded_float, finite_positive_float, parse_or_refuse, positive_int
 
 
 def pipeline_main(argv: list[str]) -> int:

@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from nblib.cli.args import finite_positive_float, os_errors_name, parse_or_refuse, positive_int
+from nblib.cli.args import finite_positive_float, parse_or_refuse, positive_int
+from nblib.errors import os_errors_name
 
 USAGE = "python -m nblib predict --run RUN --cache TEST_CACHE --out DIR (or --records DIR for a train --records run)"
 

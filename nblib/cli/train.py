@@ -5,10 +5,10 @@ import argparse
 
 from nblib.cli.args import (
     finite_positive_float,
-    os_errors_name,
     positive_int,
     seed_int,
 )
+from nblib.errors import os_errors_name
 
 
 def train_main(argv: list[str]) -> int:

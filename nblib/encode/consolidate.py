@@ -5,11 +5,10 @@ sample order), so it is hashed while written, never held in RAM, never read back
 raises OSError(ENOSPC) instead of killing the process as a memory-mapped write would. The free
 space is checked first. The index (an `nblib.manifest` record written last) names each part's
 range and the sha256 of the part files it came from, and per output file its bytes, sha256,
-dtype and shape. Each file's stat (size, mtime) is kept apart, in `index.stat.json`
-(`nblib.manifest`'s stat cache), so two identical runs write byte-identical outputs and index;
-only the stat cache differs. A rerun trusts a file whose size, header and recorded mtime agree,
-hashes one that disagrees and rebuilds it if its bytes differ; `verify=True` hashes every file.
-`load_outputs` refuses a file that disagrees with the index.
+dtype and shape; each file's stat (size, mtime) is kept apart, in `index.stat.json`, so two identical
+runs write byte-identical outputs and index. A rerun trusts a file whose size, header and recorded
+mtime agree, hashes one that disagrees and rebuilds it if its bytes differ; `verify=True` hashes every
+file. `load_outputs` refuses a file that disagrees with the index.
 """
 from __future__ import annotations
 
@@ -26,16 +25,9 @@ from nblib.budget.resources import fits, margin_words, shortfall_figure
 from nblib.disk import disk_free
 from nblib.encode.layout import RUN_KIND, RUN_VERSION, open_store, read_run_manifest, refuse_if_changed
 from nblib.encode.protocols import PartRecord, PartStore, require_part_store
-from nblib.errors import BudgetExceeded, DriveError, ManifestDamaged, StateError
+from nblib.errors import BudgetExceeded, DriveError, ManifestDamaged, StateError, os_errors_name
 from nblib.lock import FolderLock, run_identity
-from nblib.manifest import (
-    read_manifest,
-    read_stat_cache,
-    stat_record,
-    stat_vouches,
-    write_manifest,
-    write_stat_cache,
-)
+from nblib.manifest import read_manifest, read_stat_cache, stat_record, stat_vouches, write_manifest, write_stat_cache
 from nblib.store.parts import VerifyLevel
 from nblib.units import fmt_bytes_pair
 
@@ -69,11 +61,7 @@ def consolidate(run_dir: str | Path, out_dir: str | Path | None = None, *, store
     Returns:
         output name -> path of its consolidated `.npy`.
 
-    A second call with nothing new returns the existing files after a stat check (`verify=True`:
-    a sha256 check) of each against the index; a file that differs is rebuilt. `check_space=False`
-    skips the free-space check (for a file system whose free figure is wrong); a full disk then
-    raises OSError(ENOSPC) and the files already there stay as they were. `out_dir` is locked
-    (`nblib.lock`) while it is written, unless the caller passes the `lock` it holds on it.
+    A second call with nothing new checks the existing files against the index (the module docstring).
     """
     run_dir = Path(run_dir)
     out_dir = Path(out_dir) if out_dir is not None else run_dir
@@ -128,11 +116,8 @@ def load_outputs(out_dir: str | Path, mmap: bool = True, verify: bool = False) -
         output name -> array [n_samples, ...].
 
     Raises:
-        StateError naming the file that is not the one consolidate wrote, and the fix.
-
-    A file whose size, `.npy` header or stat fingerprint (size, mtime) differs from the index is
-    refused; with `verify=True` each file is hashed instead, and one whose sha256 matches is
-    accepted even if it was touched or copied since.
+        StateError naming the file that is not the one consolidate wrote, and the fix; with `verify=True`
+        a file whose sha256 matches is accepted even if it was touched or copied since.
     """
     out_dir = Path(out_dir)
     index = read_index(out_dir)
@@ -313,7 +298,7 @@ def _write_outputs(read_part: Callable, manifest: dict, parts: dict[str, PartRec
                                       for o in stale})
     written: dict[str, WrittenFile] = {}
     if stale:
-        with contextlib.ExitStack() as stack, _naming(out_dir):   # leaving early discards the temporaries
+        with contextlib.ExitStack() as stack, os_errors_name(out_dir):   # leaving early discards the temporaries
             writers = {o: stack.enter_context(AtomicWriter(out_dir / f"{o}.npy")) for o in stale}
             for o, writer in writers.items():
                 writer.write(headers[o])
@@ -368,17 +353,6 @@ def _require_free_space(out_dir: Path, sizes: dict[str, int]) -> None:
             f"{free_s} ({free:,} bytes) is free there, {shortfall_figure(need, free)} short {margin_words()}; free "
             f"space, pass out_dir on a larger disk, or keep fewer outputs. The parts are untouched: rerun "
             f"consolidate (or encode) afterwards")
-
-
-@contextlib.contextmanager
-def _naming(folder: Path):
-    """Give an OSError without a path (a full disk mid-write) the folder being written, for the message."""
-    try:
-        yield
-    except OSError as exc:
-        if exc.filename is not None or not exc.errno:
-            raise
-        raise OSError(exc.errno, exc.strerror, str(folder)) from exc
 
 
 def _remove_stale_temporaries(out_dir: Path, outputs: list[str]) -> None:
