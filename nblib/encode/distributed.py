@@ -1,19 +1,11 @@
 """Scaling encode out over processes: who this one is, which parts it encodes, and meeting the others.
 
-A `World` says what this process is in a run, one small type per role: the only one (`Single`),
-a rank of a `torchrun` launch (`Rank`: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR in the
-environment; each rank on `cuda:LOCAL_RANK`, a gloo process group), one of N plain processes sharing only a
-folder (`Shard`, `--shard I/N`), or the one that merges their parts (`Consolidator`). The roles
-answer the same questions (which parts are mine, do I write the run manifest, do I merge, do I
-show the bar) each for itself, instead of one class comparing a role string, as
-mosaicml/streaming keys its shuffle algorithms in a registry (`ROLES`). Parts are fixed sample
-ranges, so the split is by part and deterministic: a launch's ranks split the parts not yet
-durable (rank 0's list, broadcast), shard I takes block I of all the parts. No two processes
-write one file: each part is written by the process it was given to, only a single process
-writes the run manifest while parts are written (the consolidating process rebuilds it from the
-verified parts), and each process records what it was given and wrote under `ranks/`
-(`nblib.encode.ranks`). A barrier with a timeout stops every rank with a message when one dies,
-never a hang. torch is imported only when a process group is joined.
+A `World` says what this process is in a run, one small type per role, kept in a registry (`ROLES`) instead
+of one class comparing a role string: the only one (`Single`), a rank of a `torchrun` launch (`Rank`), one
+of N plain processes sharing only a folder (`Shard`, `--shard I/N`), or the one that merges their parts
+(`Consolidator`). How parts are split, who writes what, and what must be shared: docs/distributed.md.
+A barrier with a timeout stops every rank with a message when one dies, never a hang. torch is imported
+only when a process group is joined.
 """
 from __future__ import annotations
 

@@ -1,14 +1,10 @@
 """The numerics a run encodes with: device type, the precision actually used, torch and CUDA versions.
 
-Two processes with the same settings and weights still write different bytes when they encode
-with other numerics: fp16 autocast on a T4 against fp32 on a CPU runtime ("auto" resolves to
-one or the other), or another torch or CUDA build. On free Colab a run started on a GPU is often
-resumed on a CPU runtime once the GPU quota ends; taking its parts as they are would silently
-mix two numerics in one output. So each part's meta and the run manifest record the numerics,
-and a resume with other ones is refused, naming the change ("precision fp16 -> fp32: this run
-was started on cuda"), unless the caller asks to re-encode the parts made with other numerics
-(`reencode_numerics=True`, `--reencode-numerics`): then the result equals a clean run with the
-new numerics. Trade-off: a torch upgrade between two sessions also counts as a change.
+Two processes with the same settings and weights still write different bytes when they encode with other
+numerics (fp16 autocast on a T4 against fp32 on a CPU runtime, or another torch or CUDA build), so each
+part's meta and the run manifest record them, and a resume with other ones is refused, naming the change,
+unless the parts are re-encoded (`reencode_numerics=True`, `--reencode-numerics`: docs/failures.md).
+Trade-off: a torch upgrade between two sessions also counts as a change.
 """
 from __future__ import annotations
 
