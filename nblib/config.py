@@ -134,12 +134,9 @@ class PipelineConfig:
 
 def preset(name: str) -> PipelineConfig:
     """The named preset: seed_t4, t4 or smoke."""
-    try:
-        make = _PRESETS[name]
-    except KeyError:
-        raise ConfigError(
-            f"unknown preset {name!r}; choose one of: {', '.join(_PRESETS)}") from None
-    return make().validate()
+    if name not in _PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(_PRESETS)}")
+    return _PRESETS[name].validate()
 
 
 def named_config(name: str) -> PipelineConfig:
@@ -153,8 +150,7 @@ def named_config(name: str) -> PipelineConfig:
 def for_profile(profile: str) -> PipelineConfig:
     """The preset a profile runs: smoke -> smoke, t4 -> t4, full -> seed_t4."""
     if profile not in PROFILES:
-        raise ConfigError(
-            f"unknown profile {profile!r}; set NBLIB_PROFILE to one of: {', '.join(PROFILES)}")
+        raise ConfigError(f"unknown profile {profile!r}; set NBLIB_PROFILE to one of: {', '.join(PROFILES)}")
     return preset({"smoke": "smoke", "t4": "t4", "full": "seed_t4"}[profile])
 
 
@@ -186,15 +182,12 @@ def validate(cfg: PipelineConfig) -> None:
             f"model.dim={m.dim} is not divisible by model.heads={m.heads}; "
             f"use heads in {{{', '.join(str(h) for h in _divisors(m.dim) if h <= 64)}}}")
     if m.capsules > m.tokens:
-        raise ConfigError(
-            f"model.capsules={m.capsules} exceeds the {m.tokens} patch tokens; "
-            f"allowed range is 1..{m.tokens}")
+        raise ConfigError(f"model.capsules={m.capsules} exceeds the {m.tokens} patch tokens; allowed range is "
+                          f"1..{m.tokens}")
     if r.out_dtype not in OUTPUT_DTYPES:
-        raise ConfigError(
-            f"run.out_dtype={r.out_dtype!r} is not supported; choose one of {OUTPUT_DTYPES}")
+        raise ConfigError(f"run.out_dtype={r.out_dtype!r} is not supported; choose one of {OUTPUT_DTYPES}")
     if not r.outputs or any(o not in OUTPUT_NAMES for o in r.outputs) or len(set(r.outputs)) != len(r.outputs):
-        raise ConfigError(
-            f"run.outputs={r.outputs!r}: pick one or more distinct names of {OUTPUT_NAMES}")
+        raise ConfigError(f"run.outputs={r.outputs!r}: pick one or more distinct names of {OUTPUT_NAMES}")
     if r.checkpoint_every % r.consolidate_every:
         raise ConfigError(
             f"run.checkpoint_every={r.checkpoint_every} is not a multiple of "
@@ -215,26 +208,15 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _seed_t4() -> PipelineConfig:
-    return PipelineConfig(name="seed_t4", model=ModelConfig(), run=RunConfig())
-
-
-def _t4() -> PipelineConfig:
-    return PipelineConfig(name="t4", model=ModelConfig(),
-                          run=RunConfig(n_samples=20_000, consolidate_every=10, checkpoint_every=20))
-
-
-def _smoke() -> PipelineConfig:
-    return PipelineConfig(
-        name="smoke",
-        model=ModelConfig(image_size=64, patch=16, dim=64, heads=4, layers=2, H_cycles=2,
-                          L_cycles=3, capsules=4, children=2, checksum_dim=8),
-        run=RunConfig(n_samples=512, batch_size=32, workers=0, prefetch=2, consolidate_every=2,
-                      checkpoint_every=4, shard_mb=1),
-    )
-
-
-_PRESETS = {"seed_t4": _seed_t4, "t4": _t4, "smoke": _smoke}
+_PRESETS = {    # frozen, so one instance each serves every caller
+    "seed_t4": PipelineConfig(name="seed_t4"),
+    "t4": PipelineConfig(name="t4", run=RunConfig(n_samples=20_000, consolidate_every=10, checkpoint_every=20)),
+    "smoke": PipelineConfig(name="smoke",
+                            model=ModelConfig(image_size=64, patch=16, dim=64, heads=4, layers=2, H_cycles=2,
+                                              L_cycles=3, capsules=4, children=2, checksum_dim=8),
+                            run=RunConfig(n_samples=512, batch_size=32, workers=0, prefetch=2, consolidate_every=2,
+                                          checkpoint_every=4, shard_mb=1)),
+}
 
 
 def table(*configs: PipelineConfig) -> str:
