@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nblib.errors import InputError
+from nblib.errors import ConfigError, InputError
 
 RENDER_VERSION = 3  # bump when the same params would draw different pixels (3: U+2028/U+2029 break lines)
 BACKGROUND = 255
@@ -154,12 +154,8 @@ def render_params(size: int = 224, font_size: int | None = None, margin: int | N
     (default: the NBLIB_CJK_FONT environment variable), e.g. "NotoSansCJK-Regular.ttc#2".
     """
     if isinstance(size, bool) or not isinstance(size, int) or size < 8:
-        from nblib.errors import ConfigError
-
         raise ConfigError(f"image size={size!r} is too small to draw text; use an integer >= 8")
     if layout is not None and layout not in LAYOUTS:
-        from nblib.errors import ConfigError
-
         raise ConfigError(f"layout={layout!r} is not a layout engine; use one of {', '.join(LAYOUTS)}")
     return RenderParams(size=size,
                         font_size=font_size if font_size is not None else max(8, size // 16),
@@ -213,15 +209,6 @@ def clean_text(text: str) -> str:
         raise InputError(f"render_text needs a str, got {type(text).__name__}: {text!r:.80}")
     text = text.replace("\r\n", "\n").replace("\r", "\n")
     return _SURROGATES.sub("", text.translate(_CONTROL_TABLE))
-
-
-def layout_lines(text: str, params: RenderParams) -> list[str]:
-    """Greedy word wrap into the lines that fit the image; what does not fit is dropped.
-
-    Widths are shaped widths of whole words (cached per word), so wrapping is linear in the text;
-    a word wider than the line is broken between grapheme clusters.
-    """
-    return [line for line, _ in _wrap(text, params)]
 
 
 def max_lines_for(params: RenderParams) -> int:
@@ -280,8 +267,6 @@ def font_chain(cjk_font: str | None = None) -> tuple[FontFile, ...]:
 
 def find_font(spec: str) -> tuple[Path, int]:
     """A font file and face index from "name-or-path[#face]": a path, else searched in SYSTEM_FONT_DIRS."""
-    from nblib.errors import ConfigError
-
     name, _, face = spec.partition("#")
     if face and not face.isdigit():
         raise ConfigError(f"font {spec!r}: the face after '#' must be a number, e.g. NotoSansCJK-Regular.ttc#2")
@@ -320,13 +305,9 @@ class _Chain:
         from PIL import ImageFont
 
         if params.layout not in LAYOUTS:
-            from nblib.errors import ConfigError
-
-            raise ConfigError(f"render params name layout={params.layout!r}; use one of {', '.join(LAYOUTS)}")
+                raise ConfigError(f"render params name layout={params.layout!r}; use one of {', '.join(LAYOUTS)}")
         if params.layout == "raqm" and default_layout() != "raqm":
-            from nblib.errors import ConfigError
-
-            raise ConfigError("these render params need layout='raqm' but Pillow has no libraqm here; install "
+                raise ConfigError("these render params need layout='raqm' but Pillow has no libraqm here; install "
                               "libraqm0 and libfribidi0 (apt-get) or render with layout='basic' (other pixels)")
         engine = ImageFont.Layout.RAQM if params.layout == "raqm" else ImageFont.Layout.BASIC
         self.raqm = params.layout == "raqm"
@@ -401,7 +382,10 @@ def _chain(params: RenderParams) -> _Chain:
 
 
 def _wrap(text: str, params: RenderParams) -> list[tuple[str, bool]]:
-    """The lines that fit, each with its paragraph's direction (True: right to left)."""
+    """The lines that fit, each with its paragraph's direction (True: right to left): a greedy word wrap on the
+    shaped widths of whole words (cached per word), so linear in the text; a word wider than the line is broken
+    between grapheme clusters; what does not fit is dropped.
+    """
     chain = _chain(params)
     width = params.size - 2 * params.margin
     max_lines = max_lines_for(params)
@@ -488,14 +472,10 @@ def _checked_path(font: FontFile) -> Path:
     """The font's file, checked once per process against the sha256 the params recorded."""
     path = Path(font.file) if os.path.isabs(font.file) else FONTS_DIR / font.file
     if not path.is_file():
-        from nblib.errors import ConfigError
-
         raise ConfigError(f"font file {path} is missing; restore data/fonts/ from the repository, or install "
                           f"the font the render params name (Debian/Colab: apt-get install fonts-noto-cjk)")
     actual = _sha256(path)
     if actual != font.sha256:
-        from nblib.errors import ConfigError
-
         raise ConfigError(f"font file {path} has sha256 {actual[:12]}, the render params expect "
                           f"{font.sha256[:12]}: images would not match; use the font the params were made "
                           f"with, or rebuild with render_params() (a new cache)")

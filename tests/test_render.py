@@ -22,10 +22,10 @@ from nblib.render import (
     SHIPPED_FONTS,
     RenderParams,
     _chain,
+    _wrap,
     clean_text,
     coverage,
     font_chain,
-    layout_lines,
     max_lines_for,
     render_params,
     render_text,
@@ -33,6 +33,12 @@ from nblib.render import (
     script_of,
 )
 from tests.conftest import REPO
+
+
+def layout_lines(text: str, params: RenderParams) -> list[str]:
+    """The lines render_with draws (greedy word wrap; what does not fit is dropped), without their direction."""
+    return [line for line, _ in _wrap(text, params)]
+
 
 # Two distinct strings per script, of equal length: PIL's built-in font drew each pair as the same boxes.
 SCRIPT_PAIRS = {
