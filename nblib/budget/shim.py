@@ -1,12 +1,15 @@
-"""The fake-CUDA shim: what lets a CPU-only torch record and run backward on fake cuda:0 tensors.
+"""The fake-CUDA shim: what lets torch record and run backward on fake cuda:0 tensors, with no GPU.
 
 Stock torch (CPU build) runs a forward on fake CUDA tensors but cannot record it for backward, nor
-copy a permuted tensor (`contiguous`): both ask the CUDA device guard, and a CPU build has none.
+copy a permuted tensor (`contiguous`): both ask the CUDA device guard, and a CPU build has none. A CUDA
+build (PyPI's default wheel, Colab's) has its own guard and hooks, which without a GPU count 0 devices and
+throw in backward (`hasPrimaryContext expects a valid device index`).
 A 20-line C++ shim, compiled once with the local C++ compiler against torch's own headers and
 loaded before torch in a fresh process, installs torch's own `FakeGuardImpl<CUDA>` and CUDA hooks
-that report "built, with a primary context". It changes global torch state, so whatever uses it
+that report "built, with a primary context", in either build (preferred over a CUDA build's own): a trace
+is the same trace, and touches no GPU, on both. It changes global torch state, so whatever uses it
 runs in a subprocess (`run_child`). Shared by the budget's trace (nblib.budget.model_vram) and the
-simulated training step (nblib.simulate.train).
+simulated training step (nblib.simulate.train). `tests/test_cuda_build_torch.py` runs it under PyPI's CUDA build.
 """
 from __future__ import annotations
 
@@ -24,8 +27,8 @@ from nblib.budget import warm
 from nblib.errors import NblibError
 
 SHIM_SOURCE = r"""
-// nblib.simulate.train: a CPU-only torch build gets torch's own fake CUDA device guard and CUDA
-// hooks that report "built", so autograd can record and run fake cuda:0 tensors. No kernel runs.
+// nblib.budget.shim: torch's own fake CUDA device guard and CUDA hooks that report "built, with a primary
+// context", so autograd can record and run fake cuda:0 tensors without a GPU. No kernel runs.
 #include <c10/core/impl/FakeGuardImpl.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 struct NblibFakeCUDAHooks : at::CUDAHooksInterface {
@@ -33,26 +36,30 @@ struct NblibFakeCUDAHooks : at::CUDAHooksInterface {
   bool isBuilt() const override { return true; }
   bool hasPrimaryContext(c10::DeviceIndex) const override { return true; }
 };
+static c10::impl::FakeGuardImpl<c10::DeviceType::CUDA> guard;
+// the guard: at load where none is (a CPU build), and again once torch is loaded (a CUDA build registers its
+// own as it loads, whose device count is 0 without a GPU)
+extern "C" void nblib_fake_cuda_guard() { c10::impl::registerDeviceGuard(c10::DeviceType::CUDA, &guard); }
 namespace {
 struct Install {
   Install() {
-    if (!c10::impl::hasDeviceGuardImpl(c10::DeviceType::CUDA)) {
-      static c10::impl::FakeGuardImpl<c10::DeviceType::CUDA> guard;
-      c10::impl::registerDeviceGuard(c10::DeviceType::CUDA, &guard);
-    }
+    if (!c10::impl::hasDeviceGuardImpl(c10::DeviceType::CUDA)) nblib_fake_cuda_guard();
   }
 } install;
 }
-namespace at { C10_REGISTER_TYPED_CLASS(CUDAHooksRegistry, "CUDAHooks", ::NblibFakeCUDAHooks) }
+// the hooks: preferred over a CUDA build's own (registered at the default priority as torch loads, before
+// anything asks for them), whose hasPrimaryContext(0) throws without a GPU
+namespace at {
+C10_REGISTER_TYPED_CLASS_WITH_PRIORITY(CUDAHooksRegistry, "CUDAHooks", c10::REGISTRY_PREFERRED, ::NblibFakeCUDAHooks)
+}
 """
-
 
 CUBLAS_ENV = "CUBLAS_WORKSPACE_CONFIG"     # read by the trace's workspace (nblib.budget.trace.cublas_workspace_bytes)
 TRAIN_CUBLAS_CONFIG = ":4096:8"           # what importing nblib.train sets unless set (nblib/train/__init__.py)
 
 
 class SimulationUnavailable(NblibError):
-    """This machine cannot simulate a backward pass (no C++ compiler, no torch headers, or a CUDA build)."""
+    """This machine cannot simulate a backward pass (no torch, no C++ compiler, or no torch headers)."""
 
 
 def backward_capability() -> tuple[bool, str]:
@@ -74,9 +81,6 @@ def shim_path() -> Path:
         raise SimulationUnavailable("torch is not installed: no training step to simulate")
     root = Path(spec.origin).parent
     include, lib = root / "include", root / "lib"
-    if any(lib.glob("libtorch_cuda*")):
-        raise SimulationUnavailable(f"{root} is a CUDA build: the fake-CUDA shim is for CPU-only torch; "
-                                    f"on a GPU machine measure the step with torch.cuda.max_memory_allocated()")
     if not (include / "c10" / "core" / "impl" / "FakeGuardImpl.h").exists():
         raise SimulationUnavailable(f"torch's C++ headers are missing under {include}: the backward pass "
                                     f"cannot be simulated here (install a torch wheel that ships include/)")
@@ -125,7 +129,7 @@ def run_child(module: str, payload: dict, timeout_s: float = 600.0) -> dict:
     """`module._child(payload)` with the shim's path in the payload, in a fork of the warm process
     (nblib.budget.warm), else in a fresh `python -m module JSON`; its result.
     """
-    payload = {**payload, "shim": None if cuda_build() else str(shim_path()),   # a CUDA build has its own guard
+    payload = {**payload, "shim": str(shim_path()),
                "cublas_config": run_cublas_config(payload.get("train", False))}
     if warm.enabled():
         try:
@@ -158,12 +162,6 @@ def child_failure(module: str, why: str) -> NblibError:
     return SimulationUnavailable(f"the fake-CUDA trace failed in its process ({module}): {why}")
 
 
-def cuda_build() -> bool:
-    """True when the installed torch is a CUDA build (its own CUDA guard: no shim needed nor possible)."""
-    spec = importlib.util.find_spec("torch")
-    return bool(spec and spec.origin and any((Path(spec.origin).parent / "lib").glob("libtorch_cuda*")))
-
-
 def run_cublas_config(train: bool) -> str | None:
     """The CUBLAS_WORKSPACE_CONFIG the traced job runs with: this process's, and for training the value
     importing nblib.train sets when none is (nblib/train/__init__.py: os.environ.setdefault).
@@ -179,7 +177,10 @@ def load_shim(payload: dict) -> None:
     import ctypes
 
     if payload.get("shim"):
-        ctypes.CDLL(payload["shim"])
+        shim = ctypes.CDLL(payload["shim"])
+        import torch  # noqa: F401  (a CUDA build registers its own CUDA guard as it loads: the shim's replaces it)
+
+        shim.nblib_fake_cuda_guard()
     from nblib.budget.trace import set_run_cublas_config
 
     set_run_cublas_config(payload.get("cublas_config"))
