@@ -19,10 +19,10 @@ def fake_child(monkeypatch):
     """model_vram's child answers a traced point at once (the warning is the budget's, not the trace's)."""
     mv = import_module("nblib.budget.model_vram")
 
-    def child(module, payload, timeout_s=600.0):
+    def child(job, payload, timeout_s=600.0):
         return {"stream": None, "points": [POINT for _ in payload["batches"]], "nondeterministic": [], "largest": 9}
 
-    monkeypatch.setattr(mv, "run_child", child)
+    monkeypatch.setattr(mv, "run_job", child)
     allocator._warn_once.cache_clear()
     yield mv
     allocator._warn_once.cache_clear()

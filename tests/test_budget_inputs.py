@@ -49,7 +49,7 @@ def test_the_token_budget_is_its_direct_trace_and_grows_with_the_length(bert):
                "cc": device_preset("t4").compute_capability, "out_dtype": mv.OUT_DTYPE, "inputs": "tokens:64",
                "batches": list(batches), "cap": mv.reserved_cap("t4"), "search": False, "max_batch": 40,
                "replay": False}
-    points = mv.run_child(mv.CHILD, payload)["points"]
+    points = mv.trace_child(payload)["points"]
     direct = [mv._budget(payload, device_preset("t4"), b, p, None) for b, p in zip(batches, points)]
     assert [[(ln.name, ln.bytes) for ln in v.lines] for v in replayed] == \
         [[(ln.name, ln.bytes) for ln in v.lines] for v in direct]

@@ -108,7 +108,7 @@ def _direct(mv, spec: str, batches, train: bool) -> list:
     payload = {**mv.model_payload(spec), "precision": "fp16", "train": train, "output": None, "classes": 12,
                "cc": device_preset("t4").compute_capability, "out_dtype": mv.OUT_DTYPE, "batches": list(batches),
                "cap": mv.reserved_cap("t4"), "search": False, "max_batch": max(batches), "replay": False}
-    points = mv.run_child(mv.CHILD, payload)["points"]
+    points = mv.trace_child(payload)["points"]
     return [mv._budget(payload, device_preset("t4"), b, p, None) for b, p in zip(batches, points)]
 
 

@@ -106,18 +106,18 @@ def test_a_jobs_next_batch_is_a_replay_in_this_process_equal_to_a_fresh_trace_to
 
     spec = specs["vit"]
     mv.model_vram(spec, 4, train=train, find_largest=False)                # traced: the job's stream is kept
-    child = mv.run_child
+    child = mv.run_job
 
     def no_child(*args, **kwargs):
         raise AssertionError("a kept job ran a child")
 
-    monkeypatch.setattr(mv, "run_child", no_child)
+    monkeypatch.setattr(mv, "run_job", no_child)
     replayed = mv.model_vram(spec, 11, train=train)
     assert replayed.largest_batch > 11
     payload = {**mv.model_payload(spec), "precision": "fp16", "train": train, "output": None, "classes": 12,
                "cc": device_preset("t4").compute_capability, "out_dtype": mv.OUT_DTYPE, "batches": [11],
                "cap": mv.reserved_cap("t4"), "search": False, "max_batch": 11, "replay": False}
-    traced = child(mv.CHILD, payload)
+    traced = child(mv.job_for("train" if train else "encode"), payload)
     assert traced["stream"] is None
     fresh = mv._budget(payload, device_preset("t4"), 11, traced["points"][0], None, tuple(traced["nondeterministic"]))
     bytes_of = lambda v: ([(ln.name, ln.bytes) for ln in v.lines], v.reserved_by_position, v.workspace_margin)
@@ -136,11 +136,11 @@ def test_where_files_go_does_not_trace_a_job_again_but_the_allocator_config_does
     mv.model_vram(specs["vit"], 4, find_largest=False)                     # kept (traced now or by a test above)
     asked = []
 
-    def child(module, payload, timeout_s=600.0):
+    def child(job, payload, timeout_s=600.0):
         asked.append(payload["batches"])
         raise LookupError("a child was asked")
 
-    monkeypatch.setattr(mv, "run_child", child)
+    monkeypatch.setattr(mv, "run_job", child)
     monkeypatch.setenv("NBLIB_OUTPUTS", str(tmp_path / "elsewhere"))
     monkeypatch.setenv("NBLIB_DRIVE_DIR", str(tmp_path / "other-drive"))
     assert mv.model_vram(specs["vit"], 5, find_largest=False).reserved > 0
@@ -162,12 +162,12 @@ def test_a_job_that_is_not_batch_affine_is_traced_by_its_child_every_time(monkey
     point = {"weights": 1, "resident": 1, "workspace": 0, "max_allocated": 2, "reserved_pytorch": 2 << 20,
              "reserved": {"after the first GEMM's output": 2 << 20}, "peak_op": "aten.mm"}
 
-    def child(module, payload, timeout_s=600.0):
+    def child(job, payload, timeout_s=600.0):
         asked.append(payload["batches"])
         return {"stream": None, "points": [point for _ in payload["batches"]], "nondeterministic": [],
                 "largest": 7}
 
-    monkeypatch.setattr(mv, "run_child", child)
+    monkeypatch.setattr(mv, "run_job", child)
     first = mv.model_vram("hf:NotAffine:none", 3)
     second = mv.model_vram("hf:NotAffine:none", 5)
     assert asked == [[3], [5]] and first.largest_batch == second.largest_batch == 7

@@ -36,7 +36,7 @@ def test_colabs_cuda_build_of_torch_hits_the_shipped_table_with_the_same_answer(
     def no_child(*args, **kwargs):
         raise AssertionError("the budget traced in a child: the shipped table was missed")
 
-    monkeypatch.setattr(encode_trace, "run_child", no_child)
+    monkeypatch.setattr(encode_trace, "run_job", no_child)
     _fresh_caches()
     try:
         colab = encode_trace.encode_vram(config, "t4")
@@ -117,7 +117,7 @@ def test_a_spec_outside_the_table_is_traced_once_and_then_read_from_the_users_fo
     def no_child(*args, **kwargs):
         raise AssertionError("traced again")
 
-    monkeypatch.setattr(encode_trace, "run_child", no_child)
+    monkeypatch.setattr(encode_trace, "run_job", no_child)
     _fresh_caches()
     try:
         again = encode_trace.encode_vram(config, "t4")

@@ -1,12 +1,13 @@
 """The VRAM of a TRM encode job: the one trace (nblib.budget.model_vram's child), cached so a budget is instant.
 
 `encode_vram(config, device, ...)` is what `predict_budget` prints for VRAM on a GPU: the trace of the encode
-loop (nblib.simulate.job_trace: input copy, forward under autocast, the run's HostPart) at the config's batch,
-the same `ModelVRAM` `budget --model` prints. A trace needs torch and takes seconds; the sliders, plans and
-advice ask for dozens of batches. The trace's allocation stream is affine in the batch (every storage is
-numel x itemsize: `nblib.budget.allocator.affine_stream`, measured, not assumed: the traced streams at batches
-16 and 64 equal it), while the VRAM it gives is not (512 B rounding, 2 MiB segments, best fit): so the cache
-keeps the stream, not a formula, and any batch is a replay of it through the allocator model, in pure Python.
+loop (the job nblib.encode hands to the trace layer: input copy, forward under autocast, the run's HostPart) at
+the config's batch, the same `ModelVRAM` `budget --model` prints. A trace needs torch and takes seconds; the
+sliders, plans and advice ask for dozens of batches. The trace's allocation stream is affine in the batch (every
+storage is numel x itemsize: `nblib.budget.allocator.affine_stream`, measured, not assumed: the traced streams at
+batches 16 and 64 equal it), while the VRAM it gives is not (512 B rounding, 2 MiB segments, best fit): so the
+cache keeps the stream, not a formula, and any batch is a replay of it through the allocator model, in pure
+Python.
 The streams of the suite's own configs (and 01's largest batch on the other GPUs) ship in `trace_cache/`
 (JSON, keyed by the spec, torch's major.minor, the trace format and the variables that shape a trace:
 nblib.budget.trace_store); `tests/test_encode_trace.py` traces them again and compares the files to the byte. A spec
@@ -24,8 +25,9 @@ from nblib.budget._checks import attention_on
 from nblib.budget.allocator import cublas_workspace_bytes, warn_if_not_native
 from nblib.budget.devices import Device, device_preset
 from nblib.budget.memory import Line
-from nblib.budget.model_vram import CHILD, ModelVRAM, _budget, model_payload, replayed_point
-from nblib.budget.shim import run_child, run_cublas_config
+from nblib.budget.model_vram import ModelVRAM, _budget, model_payload, replayed_point
+from nblib.budget.shim import run_cublas_config
+from nblib.budget.traced_jobs import job_for, run_job
 from nblib.config import OUTPUT_CHOICES, OUTPUT_DTYPES, PipelineConfig, preset
 from nblib.units import fmt_bytes
 
@@ -68,7 +70,7 @@ def traced_entries(specs: list[dict]) -> list[dict]:
     """Fresh traces of `specs` (one model and CUBLAS_WORKSPACE_CONFIG): table entries (torch, spec, stream, op
     at the peak), traced in one child process (the model built once).
     """
-    out = run_child(CHILD, {**specs[0], "variants": specs})
+    out = run_job(job_for("encode"), {**specs[0], "variants": specs})
     entries = [{**trace_store.entry_key(spec, trace_store.torch_release()), "peak_op": peak_op,
                 "stream": stream and [[*e[:2], 0, 0] if e[0] == "w" else e for e in stream]}   # sized at replay
                for spec, (stream, peak_op) in zip(specs, out["entries"])]

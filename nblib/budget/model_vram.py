@@ -1,12 +1,12 @@
 """The VRAM budget of any model, from a trace of its own code on the simulated GPU.
 
-`model_vram(spec, batch_size, "t4", precision="fp16", train=False)` loads the model (nblib.models)
-in a fresh process with the fake-CUDA shim (nblib.budget.shim), moves it to a fake cuda:0 and runs
-what the job runs: for encoding, the input copy and the forward under inference_mode and autocast;
-for training, the module the loop runs (nblib.train.task.loop_module: the TRM's Classifier, gradients
-through its last outer cycle only, or any model with its head) and three calls of the loop's own
-train_step with its training_objects (AdamW, LR schedule, GradScaler): `traced_train_step`, which the
-simulated T4 (nblib.simulate.train, nblib.simulate.model) runs too. Every storage is replayed
+`model_vram(spec, batch_size, "t4", precision="fp16", train=False)` asks the trace layer
+(nblib.budget.traced_jobs) for the job of its kind, the one the job's own package handed over: it loads
+the model (nblib.models) in a child process with the fake-CUDA shim (nblib.budget.shim), moves it to a fake
+cuda:0 and runs what the job runs: for encoding, the input copy, the forward under inference_mode and
+autocast and the run's HostPart (nblib.encode.traced); for training, the module the loop runs and three
+calls of the loop's own train_step with its training_objects (nblib.train.traced). The budget imports
+neither: it is given the job. Every storage is replayed
 through the caching-allocator model (nblib.budget.allocator), in PyTorch's order (a GEMM's output
 before cuBLAS's workspace, nblib.budget.trace). FakeTensorMode computes nothing, so a ViT-B/16 answers in seconds.
 The lines: the CUDA context (hand-written: no trace sees it), then what the trace holds. Where the
@@ -27,16 +27,14 @@ from dataclasses import dataclass, field
 from nblib.budget.allocator import stream_point, warn_if_not_native
 from nblib.budget.devices import Device, device_preset
 from nblib.budget.memory import Line
-from nblib.budget.resources import FIT_MARGIN, largest_fitting  # the one rule for "fits"
-from nblib.budget.shim import run_child, run_cublas_config, traced_environment
+from nblib.budget.resources import FIT_MARGIN  # the one rule for "fits"
+from nblib.budget.shim import run_cublas_config, traced_environment
+from nblib.budget.traced_jobs import job_for, largest_batch, run_job, token_length
 from nblib.errors import BudgetExceeded, ConfigError, NblibError
 from nblib.units import GB, fmt_bytes
 
 PRECISIONS = ("fp16", "bf16", "fp32")
 OUT_DTYPE = "float16"       # the dtype encode stores outputs in (PipelineConfig.run.out_dtype's default)
-# The child that traces the job: in the simulation layer, since it runs the jobs' own code (nblib.train's step);
-# named, not imported, so the budget stays below the jobs it budgets.
-CHILD = "nblib.simulate.job_trace"
 CONTEXT_SOURCE = ("driver + kernel images, outside torch's allocator: an assumption (300-500 MB on a T4, "
                   "budget.DEVICES), no trace sees it")
 
@@ -161,7 +159,7 @@ def model_vram_table(model, batches, device: str | Device = "t4", *, precision: 
                "max_batch": max(max_batch, *batches)}
     key = job_key(job)
     if key not in _STREAMS:
-        out = run_child(CHILD, payload, timeout_s=timeout_s)
+        out = trace_child(payload, timeout_s)
         if out.get("stream") is None:           # not batch-affine: the child traced each batch itself
             return [_budget(payload, dev, b, point, out.get("largest"), tuple(out["nondeterministic"]))
                     for b, point in zip(batches, out["points"])]
@@ -174,21 +172,15 @@ def model_vram_table(model, batches, device: str | Device = "t4", *, precision: 
     return [_budget(payload, dev, b, job_stream.point(b), largest, job_stream.nondeterministic) for b in batches]
 
 
+def trace_child(payload: dict, timeout_s: float = 600.0) -> dict:
+    """The trace layer's child for `payload`: the job of its kind (training or encoding), as handed over."""
+    return run_job(job_for("train" if payload["train"] else "encode"), payload, timeout_s)
+
+
 def traced_point(payload: dict, b: int, timeout_s: float = 600.0) -> dict:
     """The child's own trace of batch `b` (no replay): where a kept stream's line leaves the model's batches."""
     one = {**payload, "batches": [b], "search": False, "max_batch": b, "replay": False}
-    return run_child(CHILD, one, timeout_s=timeout_s)["points"][0]
-
-
-def token_length(inputs: str) -> int | None:
-    """The length of a "tokens:LENGTH" input (None for "images"); ConfigError for another form."""
-    kind, _, length = str(inputs).partition(":")
-    if kind == "images" and not length:
-        return None
-    if kind == "tokens" and length.isdigit() and int(length) > 0:
-        return int(length)
-    raise ConfigError(f"input {inputs!r} is not one the budget knows; write images (the default) or tokens:LENGTH "
-                      f"(input_ids and attention_mask of LENGTH tokens, e.g. tokens:128)")
+    return trace_child(one, timeout_s)["points"][0]
 
 
 @dataclass
@@ -249,13 +241,6 @@ def replayed_point(stream: list, b: int, peak_op: str) -> dict:
     """
     point = stream_point(stream, b)
     return point and {**point, "peak_op": peak_op}
-
-
-def largest_batch(point, cap: int, max_batch: int) -> int:
-    """The largest batch whose reserved VRAM, at the worst workspace position, stays within `cap`
-    (`reserved_cap`), by `largest_fitting`; `point(b)`: a traced or replayed point.
-    """
-    return largest_fitting(lambda b: max(point(b)["reserved"].values()) <= cap, max_batch)
 
 
 def _budget(payload: dict, dev: Device, batch_size: int, point: dict, largest: int | None,

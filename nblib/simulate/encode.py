@@ -16,7 +16,7 @@ import torch
 
 from nblib.budget.devices import Device, gpu_preset
 from nblib.config import PipelineConfig
-from nblib.encode.offload import HostPart
+from nblib.encode.traced import simulated_host_part
 from nblib.errors import ConfigError
 
 LABEL = "simulated"
@@ -82,7 +82,7 @@ def simulate_encode(config: PipelineConfig, gpu: str | Device = "t4", *, precisi
             device = torch.device("cuda", 0)
             encoder.to(device)
             weights = trace.allocator.allocated
-            host = _SimulatedHostPart(_shapes(cfg), r.batch_size * n, r.out_dtype, device, offload, every)
+            host = simulated_host_part(_shapes(cfg), r.batch_size * n, r.out_dtype, device, offload, every)
             loaded = torch.empty(pixels, dtype=torch.uint8)          # the loader's host batch
             images = None
             kernels_before = 0
@@ -110,15 +110,3 @@ def _shapes(cfg: PipelineConfig) -> dict[str, tuple[int, ...]]:
     shapes = output_shapes(cfg.model)
     return {name: shapes[name] for name in cfg.run.outputs}
 
-
-class _SimulatedHostPart(HostPart):
-    """HostPart with fake (unpinned) host buffers and no CUDA event: everything else is its own."""
-
-    def _host_buffer(self, shape, dtype):
-        return torch.empty(shape, dtype=dtype)
-
-    def _mark_copied(self) -> None:
-        pass
-
-    def finish(self) -> None:
-        self._flush_pending()

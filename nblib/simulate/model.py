@@ -3,7 +3,7 @@
 `simulate_model(spec, batch_size, train=False)` runs, in a fresh process with the fake-CUDA shim
 (nblib.budget.shim), what the jobs run: encoding, three batches of input copy, forward under
 inference_mode and autocast, and the encode loop's own `HostPart` (cast, offload, async); training,
-the budget's own traced step (`nblib.simulate.job_trace.traced_train_step`: nblib.train's `train_step`
+the budget's own traced step (`nblib.train.traced.traced_train_step`: nblib.train's `train_step`
 with its `training_objects` on the loop's module, `nblib.train.task.loop_module`). Every storage goes
 through the caching-allocator model in PyTorch's order. The budget (nblib.budget.model_vram) traces
 two small batches and extrapolates; this twin runs the job at the batch itself.
@@ -43,7 +43,7 @@ def simulate_model(model, batch_size: int, gpu: str | Device = "t4", *, precisio
     dev = gpu_preset(gpu)
     payload = {**model_payload(model), "batch": batch_size, "precision": precision, "train": train,
                "classes": n_classes, "output": output, "cc": dev.compute_capability}
-    out = run_child("nblib.simulate.model", payload, timeout_s=timeout_s)
+    out = run_child(__name__, payload, timeout_s=timeout_s)
     return SimulatedModelRun(payload["spec"], batch_size, precision, train, out["max_allocated"],
                              out["max_reserved"])
 
@@ -54,9 +54,11 @@ def _child(payload: dict) -> dict:
     loaded = child_model(payload)
     import torch
 
+    from nblib.budget.traced_jobs import fake_device
+    from nblib.encode.traced import encode_batches
     from nblib.models.head import _image_size
-    from nblib.simulate.job_trace import encode_batches, fake_device, traced_train_step
     from nblib.train.task import loop_module
+    from nblib.train.traced import traced_train_step
 
     size, b = _image_size(loaded), payload["batch"]
     if payload["train"]:                   # the budget's traced step, at the batch itself

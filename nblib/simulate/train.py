@@ -2,7 +2,7 @@
 
 `simulate_train_step(model, batch_size, gpu="t4", precision="fp16")` builds the model as the loop does
 (`nblib.train.task.loop_module`) and runs the one traced training step, the VRAM budget's own
-(`nblib.simulate.job_trace.traced_train_step`: the loop's `training_objects` and `train_step`, `steps`
+(`nblib.train.traced.traced_train_step`: the loop's `training_objects` and `train_step`, `steps`
 times; 3: AdamW's moments exist from the first step on, so steps 2 and 3 are the steady state) on a
 fake `cuda:0`, at the batch itself where the budget extrapolates from two small batches. Every device
 storage is replayed through the caching-allocator model; the last step's kernels are kept for the
@@ -95,7 +95,7 @@ def simulate_train_step(model: ModelConfig, batch_size: int, gpu: str | Device =
     payload = {"model": model.__dict__, "batch": batch_size, "gpu": dev.name, "cc": dev.compute_capability,
                "precision": precision, "classes": n_classes, "steps": steps, "audit": audit,
                "train": True}         # a training step: the CUBLAS_WORKSPACE_CONFIG training runs with, as the budget's
-    out = run_child("nblib.simulate.train", payload, timeout_s=timeout_s)
+    out = run_child(__name__, payload, timeout_s=timeout_s)
     kernels = tuple(Kernel(*k) for k in out.pop("kernels"))
     return SimulatedStep(model=model, batch_size=batch_size, gpu=dev.name, precision=precision, steps=steps,
                          kernels=kernels, peak_shape=tuple(out.pop("peak_shape")), **out)
@@ -107,8 +107,8 @@ def _child(payload: dict) -> dict:
     from nblib.budget.shim import load_shim
 
     load_shim(payload)                     # before torch: its CUDA hooks are chosen when torch starts
-    from nblib.simulate.job_trace import traced_train_step
     from nblib.train.task import loop_module
+    from nblib.train.traced import traced_train_step
 
     model, b = ModelConfig(**payload["model"]), payload["batch"]
     net = loop_module(model, payload["classes"])            # as the loop builds it

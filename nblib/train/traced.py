@@ -1,0 +1,69 @@
+"""The training step as the trace layer runs it: what `nblib.budget.model_vram(train=True)` budgets.
+
+`trace_training(loaded, b, payload)` is the training job handed to the trace layer (nblib.budget.traced_jobs) when
+this package is imported: the module the loop runs (`nblib.train.task.loop_module`: the TRM's Classifier, its
+no_grad cycles included, or any model with its head) and `traced_train_step`, the loop's own `training_objects`
+and `train_step` (nblib.train.loop) on a fake cuda:0, which the simulated T4 (nblib.simulate.train, .model) runs
+too; the kernels it ran name the ops torch documents as nondeterministic (nblib.train.determinism). So a budget
+follows an edit of the step it budgets. Light to import: torch is imported when a trace runs.
+"""
+from __future__ import annotations
+
+import contextlib
+
+from nblib.budget.traced_jobs import fake_device, hand_over, traced_figures
+
+TRAIN_STEPS = 3             # AdamW's moments exist from the first step: steps 2 and 3 are the steady state
+
+
+def trace_training(loaded, b: int, payload: dict) -> dict:
+    """The training job at batch `b` on a fresh fake device (the module a copy: .to() replaces its parameters)."""
+    import copy
+
+    from nblib.models.head import _image_size
+
+    from .determinism import documented_in
+    from .task import loop_module
+
+    size = _image_size(loaded)
+    module = copy.deepcopy(loop_module(loaded, payload["classes"], payload["output"], size))
+    trace, weights, resident = traced_train_step(module, b, size, payload["precision"], payload["cc"])
+    return traced_figures(trace, weights, resident, documented_in(trace.kernels))
+
+
+def traced_train_step(net, b: int, size: int, precision: str, cc: int, steps: int = TRAIN_STEPS,
+                      before_last=None):
+    """(trace, weights' bytes, bytes held between steps): the one traced training step. `net` (the loop's
+    module, `nblib.train.task.loop_module`) on a fake cuda:0, then `steps` calls of the loop's own `train_step`
+    with its `training_objects` (nblib.train.loop) at batch `b` of uint8 [b, size, size, 3] images.
+    before_last(trace, optimizer, scaler): a context manager entered around the last step (the simulation's
+    audit).
+    """
+    import torch
+
+    from .config import TrainConfig
+    from .loop import train_step, training_objects
+
+    config = TrainConfig(batch_size=b, precision=precision, device="cuda:0", steps=steps + 1, warmup_steps=1)
+    indices = torch.arange(b)              # real: the loop logs them with .tolist()
+
+    def batches():                         # what the loop's DataLoader yields
+        while True:
+            yield (torch.empty((b, size, size, 3), dtype=torch.uint8), torch.zeros(b, dtype=torch.int64), indices)
+
+    stream = batches()
+    with fake_device(cc) as trace:
+        net.train().to(config.device)
+        weights = trace.allocator.allocated
+        trace.mark("weights")
+        optimizer, scheduler, scaler = training_objects(net, config)
+        for k in range(steps):
+            last = k == steps - 1 and before_last is not None
+            with before_last(trace, optimizer, scaler) if last else contextlib.nullcontext():
+                train_step(net, optimizer, scheduler, scaler, stream, config)
+        trace.mark("resident")             # the optimizer's state is alive here: between steps
+        resident = trace.allocator.allocated
+    return trace, weights, resident
+
+
+hand_over("train", trace_training)
