@@ -10,6 +10,7 @@ import ipywidgets as W  # noqa: N812
 from IPython.display import display
 from IPython.utils.capture import capture_output
 
+from nblib import encode, train  # noqa: F401  the jobs hand themselves to the trace layer (budgets trace them)
 from nblib.units import fmt_bytes, fmt_duration, fmt_duration_range
 
 

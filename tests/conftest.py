@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from nblib import encode, train  # noqa: F401  the jobs hand themselves to the trace layer, as cli, lab and widgets do
+
 REPO = Path(__file__).resolve().parents[1]
 
 

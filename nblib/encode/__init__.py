@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 
+from nblib.encode import traced  # noqa: F401  (hands the encode job to the trace layer: nblib.budget.traced_jobs)
 from nblib.encode.consolidate import (
     INDEX_NAME,
     consolidate,

@@ -6,6 +6,8 @@ computed from tolerances, never typed.
 """
 import importlib
 
+from nblib import encode, train  # noqa: F401  the jobs hand themselves to the trace layer (budgets trace them)
+
 __all__ = ["cache_population", "input_pipeline", "memory_budgeting", "shuffle_checkpoints", "streaming_encoding",
            "your_model"]
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 
+from nblib.train import traced  # noqa: F401  (hands the training job to the trace layer: nblib.budget.traced_jobs)
 from nblib.train.config import TrainConfig
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

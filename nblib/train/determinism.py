@@ -10,7 +10,7 @@ version, and uses the copy shipped as data (`nblib.train.determinism_table`, tes
 Each entry's aten kernels are its name in snake case (AdaptiveAvgPool2d ->
 adaptive_avg_pool2d), with "when attempting to differentiate" meaning its backward kernel; `KERNELS` holds the
 three names that are not so derived, each checked against torch's dispatch in the tests. `documented_in`
-reads the kernels of the traced step (`nblib.simulate.job_trace`, the same trace as the VRAM budget), and
+reads the kernels of the traced step (`nblib.train.traced`, the same trace as the VRAM budget), and
 `check_traced` answers before the first step on CUDA: a refusal naming each op, what will happen and what to
 do, or with `NONDETERMINISTIC_ENV`=1 (`train --nondeterministic`) a warning that the resume will not be
 bit-identical. An entry whose condition is on an argument the trace does not keep (EmbeddingBag's mode,
