@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from nblib.atomic import sha256_file
 from nblib.errors import ConfigError, InputError
 
 RENDER_VERSION = 3  # bump when the same params would draw different pixels (3: U+2028/U+2029 break lines)
@@ -489,8 +490,6 @@ def _sha256(path: Path) -> str:
 
 @functools.lru_cache(maxsize=64)
 def _sha256_of(path: str, size: int, mtime_ns: int) -> str:
-    from nblib.atomic import sha256_file
-
     return sha256_file(path)
 
 

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nblib.atomic import atomic_torch_save
 from nblib.config import ModelConfig, PipelineConfig
 from nblib.errors import ConfigError, WeightsError
 from nblib.sdpa import SDPA_BACKENDS, sdpa_context
@@ -193,8 +194,6 @@ class TRMVisionEncoder(nn.Module):
 
     def save_weights(self, path: str | Path) -> Path:
         """Write the weights and the model config atomically to `path` (a .pt file)."""
-        from nblib.atomic import atomic_torch_save
-
         payload = {"config": self.config.__dict__, "state_dict": self.state_dict()}
         return atomic_torch_save(payload, Path(path)).path
 

@@ -6,6 +6,7 @@ import errno
 import os
 
 from nblib.config import SEED_LIMIT
+from nblib.errors import ConfigError
 
 
 def describe_os_error(exc: OSError) -> str:
@@ -65,8 +66,6 @@ def bounded_float(low: float, high: float, unit: str):
 
 def parse_or_refuse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     """Parse flags; a bad value is a ConfigError (one `error:` line, exit 2), not argparse's usage dump."""
-    from nblib.errors import ConfigError
-
     try:
         return parser.parse_args(argv)
     except argparse.ArgumentError as exc:

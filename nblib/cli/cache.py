@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 
 from nblib.cli.args import finite_positive_float, parse_or_refuse, positive_int, seed_int
-from nblib.errors import os_errors_name
+from nblib.config import CODECS
+from nblib.errors import ConfigError, os_errors_name
 
 
 def cache_main(argv: list[str]) -> int:
@@ -23,7 +24,6 @@ def cache_main(argv: list[str]) -> int:
     from nblib.cache import populate, verify
     from nblib.cache.record_format import is_record_folder
     from nblib.disk import refuse_overlap
-    from nblib.errors import ConfigError
 
     args = _cache_args(argv)
     refuse_overlap("cache", args.out, {"--texts": args.texts, "--images": args.images, "--labels": args.labels,
@@ -61,7 +61,6 @@ def _cache_images(args: argparse.Namespace) -> int:
     """
     from nblib.cache import write_images
     from nblib.cache.sources import hf_source, images_source, labels_line, wds_source
-    from nblib.errors import ConfigError
 
     flag = "--images" if args.images else "--hf" if args.hf else "--wds"
     if not args.out or args.texts or sum(bool(x) for x in (args.images, args.hf, args.wds)) > 1:
@@ -94,7 +93,6 @@ def _cache_records(args: argparse.Namespace, verify_folder=None) -> int:
     from nblib.cache.record_sources import record_source
     from nblib.cache.record_verify import verify_records
     from nblib.cache.records import write_records
-    from nblib.errors import ConfigError
 
     if verify_folder is not None:
         source = record_source(args.records, trust=args.trust_pickle) if args.records else None
@@ -117,8 +115,6 @@ def _cache_args(argv: list[str]) -> argparse.Namespace:
     """Parse `cache` flags; a bad value raises ConfigError (one `error:` line, exit 2)."""
     from nblib import config, env
     from nblib.cache.pixels import check_size
-    from nblib.config import CODECS
-    from nblib.errors import ConfigError
 
     defaults = config.for_profile(env.profile())
     p = argparse.ArgumentParser(prog="python -m nblib cache", description=cache_main.__doc__,

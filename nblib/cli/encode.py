@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from nblib.cli.args import parse_or_refuse, positive_int, seed_int
+from nblib.config import OUTPUT_DTYPES, OUTPUT_NAMES, named_config
 from nblib.errors import os_errors_name
 
 
@@ -36,7 +37,6 @@ def encode_main(argv: list[str]) -> int:
 
 
 def _encode_parser() -> argparse.ArgumentParser:
-    from nblib.config import OUTPUT_DTYPES, OUTPUT_NAMES
     from nblib.encode import OFFLOAD_MODES
     from nblib.encode.numerics import PRECISIONS
 
@@ -78,7 +78,6 @@ def _encode_config(args: argparse.Namespace, default_profile: str):
     """The profile's (or preset's) config with the flags given applied."""
     import math
 
-    from nblib.config import named_config
 
     config = named_config(args.profile or default_profile)
     changes = {}

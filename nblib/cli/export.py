@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from nblib.cli.args import parse_or_refuse
-from nblib.errors import os_errors_name
+from nblib.errors import ConfigError, os_errors_name
 
 
 def export_main(argv: list[str]) -> int:
@@ -18,7 +18,6 @@ def export_main(argv: list[str]) -> int:
     did not write is refused (see --overwrite); nothing nblib did not write is ever deleted.
     """
     from nblib.disk import refuse_overlap
-    from nblib.errors import ConfigError
     from nblib.export import FORMATS, export_cache, export_outputs
 
     p = argparse.ArgumentParser(prog="python -m nblib export", description=export_main.__doc__,

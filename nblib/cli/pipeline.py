@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from nblib.cli.args import bounded_float, finite_positive_float, parse_or_refuse, positive_int
+from nblib.units import GB
 
 
 def pipeline_main(argv: list[str]) -> int:
@@ -11,7 +12,6 @@ def pipeline_main(argv: list[str]) -> int:
     from nblib.cache import ShardedImageCache
     from nblib.pipeline import recommend
     from nblib.pipeline.grids import TORCH_GRID, device_step, torch_sweep
-    from nblib.units import GB
 
     p = argparse.ArgumentParser(prog="python -m nblib pipeline", description=pipeline_main.__doc__,
                                 exit_on_error=False)

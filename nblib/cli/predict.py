@@ -5,7 +5,7 @@ import argparse
 from pathlib import Path
 
 from nblib.cli.args import finite_positive_float, parse_or_refuse, positive_int
-from nblib.errors import os_errors_name
+from nblib.errors import ConfigError, os_errors_name
 
 USAGE = "python -m nblib predict --run RUN --cache TEST_CACHE --out DIR (or --records DIR for a train --records run)"
 
@@ -25,7 +25,6 @@ def predict_main(argv: list[str]) -> int:
 
     --out may not be, hold or sit inside --run, --cache or --records: predict never writes into what it reads.
     """
-    from nblib.errors import ConfigError
     from nblib.train.evaluate import EVAL_BATCH, TOP_K, check_predict
 
     p = argparse.ArgumentParser(prog="python -m nblib predict", description=predict_main.__doc__,

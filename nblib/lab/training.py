@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from nblib.budget.training import predict_training
+from nblib.budget.training import largest_batch, predict_training, retained_bytes, retained_versions, t4_training_time
 from nblib.units import fmt_bytes, fmt_duration
 
 REPO = Path(__file__).resolve().parents[2]
@@ -84,7 +84,6 @@ def largest_batch_demo(model, cap_bytes: int, progress: bool = True, device: str
     """
     import dataclasses
 
-    from nblib.budget.training import largest_batch
     from nblib.train.device import check_device
     from nblib.train.probe import probe_largest_batch
 
@@ -202,7 +201,6 @@ def retention_listing(run_dir: str | Path, mirror: str | Path | None, keep_last:
     (`nblib.budget.training.retained_bytes`, which the budget and the bucket's cost use) gives with these
     files' sizes.
     """
-    from nblib.budget.training import retained_bytes, retained_versions
     from nblib.store.checkpoints import versions_in
 
     states_kept, bests_kept = retained_versions(keep_last)
@@ -275,7 +273,6 @@ def bucket_backup_demo(cache: str | Path, folder: str | Path, config, *, bucket:
 
 
 def _bucket_lines(url: str, endpoint: str, held: dict[str, int], keep_last: int, durability: str) -> str:
-    from nblib.budget.training import retained_bytes, retained_versions
     from nblib.store.checkpoints import stem, versions_in
 
     states, bests = versions_in(held, "state"), versions_in(held, "best")
@@ -335,8 +332,6 @@ def t4_training_time_lines(model, steps: int, batch: int, rows: list[dict], prec
     """The T4 training time of `steps` steps of `batch` (`t4_training_time`, a projection) and the simulated
     roofline of `rows` as its ceiling.
     """
-    from nblib.budget.training import t4_training_time
-
     time = t4_training_time(model, steps * batch, precision)
     lines = [f"T4 training time of {steps:,} steps x batch {batch} = {steps * batch:,} samples: {time.summary()}",
              f"  how: {time.method}"]

@@ -17,6 +17,7 @@ from pathlib import Path
 from nblib.budget.model_vram import ModelVRAM, model_vram, reserved_cap
 from nblib.budget.resources import FIT_MARGIN
 from nblib.compare import progress_bar
+from nblib.config import for_profile
 from nblib.lab.streaming_encoding import encode_command, run_and_kill
 from nblib.simulate.model import SimulatedModelRun, simulate_model
 
@@ -175,7 +176,6 @@ def kill_and_resume(cache_dir: str | Path, folder: str | Path, spec: str, profil
     folder = Path(folder)
     shutil.rmtree(folder, ignore_errors=True)
     whole, killed = folder / "unkilled", folder / "killed"
-    from nblib.config import for_profile
 
     config = for_profile(profile).replace(batch_size=batch_size, checkpoint_every=1, consolidate_every=1)
     command = encode_command(cache_dir, killed, model=spec, profile=profile, batch_size=batch_size,

@@ -10,6 +10,7 @@ import json
 import sys
 import time
 
+from nblib.config import PipelineConfig
 from nblib.malloc import pin_malloc_mmap_threshold
 from nblib.measure.rss import PeakMemory
 from nblib.measure.tensors import synchronize
@@ -19,7 +20,6 @@ def _encoder_peak_worker(payload: str) -> dict:
     """In a fresh process: build the encoder, warm up, then measure two forward passes."""
     import torch
 
-    from nblib.config import PipelineConfig
     from nblib.trm import TRMVisionEncoder
 
     args = json.loads(payload)

@@ -21,6 +21,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+from nblib.config import ModelConfig, PipelineConfig, preset
 from nblib.errors import MissingDependency, ModelSpecError, NblibError, WeightsError, one_line
 from nblib.models.identity import hf_config_dict, model_identity, module_config
 from nblib.models.preprocessing import (
@@ -122,7 +123,6 @@ def _seeded(seed: int, build):
 
 
 def _build_trm(spec: str, rest: str, *, config, seed: int) -> LoadedModel:
-    from nblib.config import ModelConfig, PipelineConfig, preset
     from nblib.trm import TRMVisionEncoder
 
     if rest:

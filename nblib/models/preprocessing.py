@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from nblib.atomic import sha256_json
 from nblib.errors import ConfigError
 
 LAYOUTS = ("uint8_nhwc", "float_nchw")
@@ -68,8 +69,6 @@ class Preprocessing:
 
     def fingerprint(self) -> str:
         """sha256 of the fields (key-sorted JSON): equal for equal preprocessing, whatever its source."""
-        from nblib.atomic import sha256_json
-
         return sha256_json(self.fields())
 
     def apply(self, images):

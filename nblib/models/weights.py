@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from nblib.atomic import atomic_torch_save, atomic_write_bytes
 from nblib.errors import MissingDependency, WeightsError
 
 _SHOWN = 5
@@ -79,8 +80,6 @@ def check_state_dict(module, state: dict, where: str = "the state dict") -> None
 
 def save_weights(module, path: str | Path) -> Path:
     """Write `module`'s state dict atomically: safetensors for a .safetensors path, else torch.save."""
-    from nblib.atomic import atomic_torch_save, atomic_write_bytes
-
     path = Path(path)
     state = {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
     if path.suffix == ".safetensors":

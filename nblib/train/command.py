@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from nblib.cache.format import read_cache_manifest
 from nblib.cache.record_format import read_record_manifest
+from nblib.config import named_config
 from nblib.errors import ConfigError, InputError
 
 from .config import TrainConfig, backup_multiple
@@ -154,8 +155,6 @@ def check_image_size(cache: Path, spec: str | None, profile: str) -> None:
     """The TRM takes images of its own size and does not resize: a cache of another size is refused here,
     before torch is imported, naming the cache command that builds one of the right size.
     """
-    from nblib.config import named_config
-
     head, _, preset_name = (spec or "trm").partition(":")
     if head != "trm":
         return                              # another model: its preprocessing is checked when it loads

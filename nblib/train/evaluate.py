@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from nblib.atomic import atomic_write_bytes
+from nblib.config import ModelConfig
 from nblib.errors import ConfigError, InputError
 
 from .config import EVAL_BATCH
@@ -79,7 +81,6 @@ def image_model(payload: dict, image_size: int):
     """The module an image run trained, built as the loop builds it (`loop_module`), with final.pt's weights,
     in eval mode.
     """
-    from nblib.config import ModelConfig
     from nblib.models.weights import check_state_dict
 
     from .task import loop_module, runs_on
@@ -220,7 +221,6 @@ def predict_images(run, cache, out, *, top_k: int = TOP_K, batch_size: int = EVA
     check_predict(run, out, "--cache", cache)
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise ConfigError(f"top_k={top_k!r} must be an integer >= 1 (--top-k K)")
-    from nblib.atomic import atomic_write_bytes
     from nblib.cache import ShardedImageCache
     from nblib.cache.images import source_keys
 

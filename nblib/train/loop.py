@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from nblib.atomic import atomic_torch_save
+from nblib.atomic import atomic_torch_save, sha256_json
 from nblib.disk import refuse_overlap
 from nblib.errors import ConfigError, ResumeMismatch, TrainingDiverged
 from nblib.manifest import write_manifest
@@ -117,7 +117,6 @@ def _open_store(out: Path, mirror, config: TrainConfig, storage_options, sync_sa
     folder under one identity (a second run is refused before it writes); rank 0 opens the store, which
     claims the mirror (Drive folder or bucket) for this run's identity and runs its thread.
     """
-    from nblib.atomic import sha256_json
     from nblib.lock import FolderLock, run_identity
 
     lock = FolderLock(out, identity=run_identity(f"nblib.train:{sha256_json(identity)[:16]}"), rank=rank,

@@ -19,7 +19,7 @@ import re
 from pathlib import Path, PurePosixPath
 
 from nblib.atomic import WrittenFile, algorithm_of, digest_bytes, torch_zip_crc32
-from nblib.errors import ConfigError, InputError
+from nblib.errors import ConfigError, InputError, StateError
 from nblib.store.parts import CHECKPOINT_HASH, FileOps
 
 URL = re.compile(r"^([a-z][a-z0-9+.-]*)://(.+)$")
@@ -262,7 +262,6 @@ class FsspecOps(FileOps):
 
         import torch
 
-        from nblib.errors import StateError
 
         data = self.read_bytes(path)
         if data is None or len(data) != nbytes:
