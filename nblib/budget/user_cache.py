@@ -47,3 +47,31 @@ def _own_folder(path: Path) -> None:
                           f"XDG_CACHE_HOME to a folder of your own")
     if stat.S_IMODE(st.st_mode) != 0o700:
         os.chmod(path, 0o700)
+
+
+def compiled_library(source: Path, stem: str) -> Path:
+    """The shared library of the C file `source`, compiled once (cc -O2) into this per-user folder's "lib", named
+    by `stem` and a hash of the source and the compiler (never a fixed name in a shared folder); ConfigError when
+    no C compiler ($CC, cc or gcc) builds it.
+    """
+    import hashlib
+    import shutil
+    import subprocess
+    import tempfile
+
+    text = source.read_bytes()
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise ConfigError(f"no C compiler ($CC, cc or gcc) to build {source.name}; install one (apt-get install gcc)")
+    out = user_folder("lib") / f"{stem}-{hashlib.sha256(text + cc.encode()).hexdigest()[:16]}.so"
+    if out.exists():
+        return out
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        built = Path(tmp) / out.name
+        done = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(built), str(source)], capture_output=True,
+                              text=True)
+        if done.returncode:
+            why = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            raise ConfigError(f"{source.name} did not compile with {cc}: {why}")
+        os.replace(built, out)             # same filesystem: atomic; a concurrent build writes the same bytes
+    return out
