@@ -105,7 +105,7 @@ class PairedVerdict:
         that size" is earned. An interval reaching past it (0.42-8.75) cannot tell, and says so.
         """
         low, high, edge = round(self.low, DIGITS), round(self.high, DIGITS), round(self.min_effect, DIGITS)
-        return self.enough_runs and round(1 / self.min_effect, DIGITS) <= low and high <= edge
+        return self.enough_runs and low * edge >= 1 - 1e-12 and high <= edge     # 1/low and high within x edge
 
     @property
     def undecided(self) -> bool:
@@ -128,7 +128,8 @@ class PairedVerdict:
         if self.low <= 1 <= self.high:
             return f"the 95% interval reaches 1: the noise of the {self.counted} covers the difference"
         effect = f"the minimum effect, x{self.min_effect:.{DIGITS}f} either way, that a call needs on this shared CPU"
-        if round(1 / self.min_effect, DIGITS) < round(self.ratio, DIGITS) < round(self.min_effect, DIGITS):
+        ratio, edge = round(self.ratio, DIGITS), round(self.min_effect, DIGITS)
+        if ratio < edge and ratio * edge > 1 + 1e-12:                   # x0.87 is x1/1.149: inside x1.15 either way
             return f"the 95% interval is clear of 1, but x{self.ratio:.{DIGITS}f} is short of {effect}"
         return f"the 95% interval is clear of 1, but it does not reach past {effect}"
 
@@ -326,13 +327,15 @@ def firm_direction(ratio: float, low: float, high: float, min_effect: float) -> 
     not firm: the measurements say the effect is at most the size a call needs.
 
     Judged at the DIGITS decimals a verdict prints: an interval printed "1.00-1.40" or a ratio printed at
-    the edge reads as it prints.
+    the edge reads as it prints. "lower" is the mirror of "higher" (1/ratio and 1/low against the printed
+    min_effect), never a rounded 1/min_effect: x0.87 (0.86-0.87) against x1.15 either way is 1/0.87 = x1.149,
+    short of the minimum effect, as x1.13-1.15 is.
     """
     low, high, ratio = round(low, DIGITS), round(high, DIGITS), round(ratio, DIGITS)
-    up, down = round(min_effect, DIGITS), round(1 / min_effect, DIGITS)
+    up, eps = round(min_effect, DIGITS), 1e-12
     if low > 1 and ratio >= up and high > up:
         return "higher"
-    if high < 1 and ratio <= down and low < down:
+    if high < 1 and ratio * up <= 1 + eps and low * up < 1 - eps:
         return "lower"
     return "same"
 

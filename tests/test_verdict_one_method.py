@@ -74,7 +74,14 @@ def test_a_firm_call_never_prints_an_interval_that_reaches_one():
 
 def test_every_printed_firm_verdict_is_firm_by_its_printed_numbers():
     rng = np.random.default_rng(11)
-    edge_high, edge_low = verdict.MIN_EFFECT, round(1 / verdict.MIN_EFFECT, verdict.DIGITS)
+    edge = round(verdict.MIN_EFFECT, verdict.DIGITS)
+
+    def higher(ratio, low, high):     # beyond x edge, the interval past it and clear of 1
+        return low > 1 and ratio >= edge and high > edge
+
+    def lower(ratio, low, high):      # the mirror: 1/ratio and 1/low against x edge (x0.87 is x1/1.149)
+        return high < 1 and ratio * edge <= 1 + 1e-12 and low * edge < 1 - 1e-12
+
     firm = 0
     for _ in range(600):
         n = int(rng.integers(5, 12))
@@ -83,14 +90,9 @@ def test_every_printed_firm_verdict_is_firm_by_its_printed_numbers():
             m = PRINTED.search(got.short())
             ratio, low, high = (float(m.group(k)) for k in ("ratio", "low", "high"))
             assert low <= ratio <= high, got.short()
-            if got.direction == "higher":
-                firm += 1
-                assert low > 1 and ratio >= edge_high, got.short()
-            elif got.direction == "lower":
-                firm += 1
-                assert high < 1 and ratio <= edge_low, got.short()
-            else:
-                assert not (low > 1 and ratio >= edge_high) and not (high < 1 and ratio <= edge_low), got.short()
+            assert (got.direction == "higher") == higher(ratio, low, high), got.short()
+            assert (got.direction == "lower") == lower(ratio, low, high), got.short()
+            firm += got.direction != "same"
     assert firm > 100          # the check saw firm calls, not only undecided ones
 
 
