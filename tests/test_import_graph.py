@@ -3,11 +3,14 @@ layers (`LAYERS` below), and `import nblib` stays free of torch and TF.
 
 The graph is read from the source (AST), function-level imports included, so a cycle cannot hide
 behind an import placed inside a function. An import inside `if TYPE_CHECKING:` is left out (it
-never runs).
+never runs). Between packages, a string that names an nblib module (whole, or as "module:attr") counts
+as an import of it: a module run by its name (`python -m`, `importlib.import_module`, a child process)
+is an arrow the import statements do not draw.
 """
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -44,9 +47,13 @@ def _type_checking_lines(tree: ast.AST) -> set[int]:
     return lines
 
 
-def import_lines(name: str, path: Path, known: set[str]) -> list[tuple[str, int]]:
+MODULE_NAME = re.compile(r"nblib(\.\w+)*(:[\w.]+)?")      # "nblib.x.y" or "nblib.x.y:function"
+
+
+def import_lines(name: str, path: Path, known: set[str], strings: bool = False) -> list[tuple[str, int]]:
     """(nblib module, line) for every import in `name`'s source, inside functions too (a package's
-    name for `from p import m`); not those under `if TYPE_CHECKING:`, nor `name` itself.
+    name for `from p import m`); not those under `if TYPE_CHECKING:`, nor `name` itself. strings: a string
+    constant that is an nblib module's name (or "module:attr") counts too.
     """
     tree = ast.parse(path.read_text(), str(path))
     skip = _type_checking_lines(tree)
@@ -54,7 +61,10 @@ def import_lines(name: str, path: Path, known: set[str]) -> list[tuple[str, int]
     for node in ast.walk(tree):
         if getattr(node, "lineno", None) in skip:
             continue
-        if isinstance(node, ast.Import):
+        if strings and isinstance(node, ast.Constant) and isinstance(node.value, str) and \
+                MODULE_NAME.fullmatch(node.value) and node.value.partition(":")[0] in known:
+            targets = [node.value.partition(":")[0]]
+        elif isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = _resolve(name, path.name == "__init__.py", node)
@@ -119,6 +129,18 @@ def test_the_graph_sees_function_level_imports_and_package_re_exports(tmp_path):
     path.write_text(source)
     known = {"nblib", "nblib.encode", "nblib.encode.run", "nblib.units"}
     assert imports_of("nblib.x", path, known) == {"nblib.encode.run", "nblib.units"}
+
+
+def test_a_module_named_by_a_string_counts_as_an_import_between_packages(tmp_path):
+    """The budget once ran `CHILD = "nblib.simulate.job_trace"` in a child process: an arrow up that no import drew."""
+    (tmp_path / "nblib" / "budget").mkdir(parents=True)
+    path = tmp_path / "nblib" / "budget" / "x.py"
+    path.write_text('"""Runs nblib.simulate.job_trace, in prose."""\nCHILD = "nblib.simulate.job_trace"\n'
+                    'RUN = ["-m", "nblib.train.probe:main"]\nKIND = "nblib.train.run"\n')
+    known = {"nblib.budget.x", "nblib.simulate.job_trace", "nblib.train.probe"}
+    assert import_lines("nblib.budget.x", path, known) == []
+    assert import_lines("nblib.budget.x", path, known, strings=True) == [("nblib.simulate.job_trace", 2),
+                                                                          ("nblib.train.probe", 3)]
 
 
 def test_the_cycle_finder_finds_a_cycle_hidden_in_a_function():
@@ -187,7 +209,7 @@ def package_imports() -> list[tuple[str, int, str, str]]:
     known = set(mods)
     found = []
     for name, path in mods.items():
-        for target, line in import_lines(name, path, known):
+        for target, line in import_lines(name, path, known, strings=True):
             here, there = package_of(name), package_of(target)
             if here != there and "nblib" not in (here, there):
                 found.append((str(path.relative_to(ROOT)), line, here, there))
@@ -246,7 +268,7 @@ def lab_imports(mods: dict[str, Path], root: Path = ROOT) -> list[str]:
     known = set(mods)
     return [f"{path.relative_to(root)}:{line}: {name} -> {target}"
             for name, path in mods.items() if package_of(name) in NO_LAB
-            for target, line in import_lines(name, path, known)
+            for target, line in import_lines(name, path, known, strings=True)
             if target == "nblib.lab" or target.startswith("nblib.lab.")]
 
 
