@@ -201,32 +201,38 @@ def retention_listing(run_dir: str | Path, mirror: str | Path | None, keep_last:
     (`nblib.budget.training.retained_bytes`, which the budget and the bucket's cost use) gives with these
     files' sizes.
     """
-    from nblib.store.checkpoints import versions_in
-
-    states_kept, bests_kept = retained_versions(keep_last)
-    rows = []
-    for side, root in (("local", Path(run_dir) / "checkpoints"), ("mirror", None if mirror is None else
-                                                                   Path(mirror) / "checkpoints")):
-        if root is None or not root.exists():
-            continue
-        entries = [p.name for p in root.iterdir()]
-        size = sum(p.stat().st_size for p in root.iterdir() if p.is_file() and p.name.startswith(("state-", "best-")))
-        states, bests = versions_in(entries, "state"), versions_in(entries, "best")
-        rule = retained_bytes(version_bytes(root, "state"), version_bytes(root, "best"), keep_last)
-        rows.append(f"{side:<7} states at steps {states}, best at steps {bests}: {fmt_bytes(size)} on disk; the rule "
-                    f"(last {states_kept} states + {bests_kept} best) with these files' sizes: {fmt_bytes(rule)}")
-    return "\n".join(rows)
+    sides = (("local", Path(run_dir)), ("mirror", None if mirror is None else Path(mirror)))
+    return "\n".join(_retention_line(side, _file_sizes(root / "checkpoints"), keep_last) for side, root in sides
+                     if root is not None and (root / "checkpoints").exists())
 
 
 def version_bytes(root: str | Path, name: str) -> int:
     """Bytes of the newest version of series `name` in a checkpoints folder: its .pt and its record."""
+    return _newest_bytes(_file_sizes(Path(root)), name)
+
+
+def _file_sizes(root: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in root.iterdir() if p.is_file()}
+
+
+def _newest_bytes(held: dict[str, int], name: str) -> int:
+    """Bytes of the newest version of series `name` among `held` (file name -> bytes): its .pt and its record."""
     from nblib.store.checkpoints import stem, versions_in
 
-    root = Path(root)
-    versions = versions_in([p.name for p in root.iterdir()], name)
-    if not versions:
-        return 0
-    return sum((root / f"{stem(name, versions[-1])}{ext}").stat().st_size for ext in (".pt", ".json"))
+    versions = versions_in(held, name)
+    return sum(held.get(f"{stem(name, versions[-1])}{ext}", 0) for ext in (".pt", ".json")) if versions else 0
+
+
+def _retention_line(side: str, held: dict[str, int], keep_last: int) -> str:
+    """A side's state and best versions, their bytes, and what the one retention rule gives with their sizes."""
+    from nblib.store.checkpoints import versions_in
+
+    size = sum(v for k, v in held.items() if k.startswith(("state-", "best-")))
+    states_kept, bests_kept = retained_versions(keep_last)
+    rule = retained_bytes(_newest_bytes(held, "state"), _newest_bytes(held, "best"), keep_last)
+    return (f"{side:<7} states at steps {versions_in(held, 'state')}, best at steps {versions_in(held, 'best')}: "
+            f"{fmt_bytes(size)}{'' if side == 'bucket' else ' on disk'}; the rule (last {states_kept} states + "
+            f"{bests_kept} best) with these files' sizes: {fmt_bytes(rule)}")
 
 
 BUCKET = "nblib-demo"
@@ -268,26 +274,9 @@ def bucket_backup_demo(cache: str | Path, folder: str | Path, config, *, bucket:
     finally:
         server.stop()                         # nothing of this cell keeps running
         requests_log.setLevel(level)
-    durable = report.durability.line() if report.durability is not None else ""
-    return _bucket_lines(f"s3://{bucket}/run", endpoint, held, config.keep_last, durable)
-
-
-def _bucket_lines(url: str, endpoint: str, held: dict[str, int], keep_last: int, durability: str) -> str:
-    from nblib.store.checkpoints import stem, versions_in
-
-    states, bests = versions_in(held, "state"), versions_in(held, "best")
-
-    def newest(name: str, versions: list[int]) -> int:
-        return sum(held.get(f"{stem(name, versions[-1])}{ext}", 0) for ext in (".pt", ".json")) if versions else 0
-
-    size = sum(v for k, v in held.items() if k.startswith(("state-", "best-")))
-    states_kept, bests_kept = retained_versions(keep_last)
-    rule = retained_bytes(newest("state", states), newest("best", bests), keep_last)
-    return "\n".join([
-        f"bucket {url} on moto's S3 server at {endpoint} (a local stand-in for S3; stopped after this cell)",
-        f"bucket  states at steps {states}, best at steps {bests}: {fmt_bytes(size)}; the rule (last "
-        f"{states_kept} states + {bests_kept} best) with these files' sizes: {fmt_bytes(rule)}",
-        durability])
+    return "\n".join([f"bucket s3://{bucket}/run on moto's S3 server at {endpoint} (a local stand-in for S3; stopped "
+                      f"after this cell)", _retention_line("bucket", held, config.keep_last),
+                      report.durability.line() if report.durability is not None else ""])
 
 
 def _newest_step(run: Path) -> int:

@@ -176,7 +176,6 @@ def kill_and_resume(cache_dir: str | Path, folder: str | Path, spec: str, profil
     folder = Path(folder)
     shutil.rmtree(folder, ignore_errors=True)
     whole, killed = folder / "unkilled", folder / "killed"
-
     config = for_profile(profile).replace(batch_size=batch_size, checkpoint_every=1, consolidate_every=1)
     command = encode_command(cache_dir, killed, model=spec, profile=profile, batch_size=batch_size,
                              checkpoint_every=1, no_progress=True)       # the same config, from the command line
