@@ -14,14 +14,14 @@ from collections.abc import Callable
 
 
 def run_until(command: list[str], ready: Callable[[], bool], timeout: float = 300.0,
-              poll_s: float = 0.005) -> int:
+              poll_s: float = 0.005, env: dict | None = None) -> int:
     """Run `command`; SIGKILL its process group once `ready()` is true; return its exit code.
 
     The exit code is -SIGKILL when the kill landed, anything else when the command ended (or
     the timeout passed) first.
     """
     process = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
+                               stderr=subprocess.DEVNULL, env=env)
     deadline = time.monotonic() + timeout
     try:
         while process.poll() is None and time.monotonic() < deadline:

@@ -4,13 +4,12 @@ computed here, never typed. Real subprocesses for peaks and kills; the same `tra
 """
 from __future__ import annotations
 
-import signal
+import math
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 from nblib.budget.training import largest_batch, predict_training, retained_bytes, retained_versions, t4_training_time
+from nblib.proc import cli_command, run_until
 from nblib.units import fmt_bytes, fmt_duration
 
 REPO = Path(__file__).resolve().parents[2]
@@ -115,8 +114,7 @@ def probed_words(predicted: int, probes: list) -> str:
 
 
 def train_command(cache: str | Path, out: str | Path, steps: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "nblib", "train", "--cache", str(cache), "--out", str(out), "--steps", str(steps),
-            "--no-progress", *extra]
+    return [*cli_command("train", cache=cache, out=out, steps=steps, no_progress=True), *extra]
 
 
 def kill_and_resume(cache: str | Path, folder: str | Path, steps: int, kill_after_step: int,
@@ -132,12 +130,8 @@ def kill_and_resume(cache: str | Path, folder: str | Path, steps: int, kill_afte
     bar = progress_bar(3, "uninterrupted run, killed run, rerun", "run", disable=not progress)
     subprocess.run(train_command(cache, whole, steps, *extra), env=env, check=True, capture_output=True)
     bar.update(1)
-    proc = subprocess.Popen(train_command(cache, killed, steps, *extra), env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    while proc.poll() is None and _newest_step(killed) < kill_after_step:
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    run_until(train_command(cache, killed, steps, *extra), lambda: _newest_step(killed) >= kill_after_step,
+              timeout=math.inf, env=env)
     bar.update(1)
     at_kill = _newest_step(killed)
     finished_before_kill = (killed / "final.pt").exists()
