@@ -207,16 +207,16 @@ def mirror_quota_bytes(mirror: str | None, quota_gb: float | None) -> int | None
     """
     from nblib.budget.drive import FREE_QUOTA_GB
     from nblib.env import on_google_drive
+    from nblib.units import GB
 
     from .objstore import is_url
-    from .ops import drive_quota_bytes
 
     if quota_gb is not None and (mirror is None or is_url(mirror)):
         where = "no --mirror" if mirror is None else f"--mirror {mirror} (object storage bills by use, no quota)"
         raise ConfigError(f"--drive-quota-gb {quota_gb:g} applies to a mirror folder (Google Drive), but the run "
                           f"has {where}; drop --drive-quota-gb or pass --mirror /content/drive/MyDrive/RUN")
     if quota_gb is not None:
-        return drive_quota_bytes(quota_gb)
+        return int(quota_gb * GB)
     if mirror is not None and not is_url(mirror) and on_google_drive(Path(mirror)):
-        return drive_quota_bytes(FREE_QUOTA_GB)
+        return int(FREE_QUOTA_GB * GB)
     return None

@@ -181,7 +181,7 @@ def label_digest(labels: np.ndarray, classes: list[str]) -> str:
     return digest.hexdigest()
 
 
-def split(n: int, holdout: float, labels: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def split(n: int, holdout: float) -> tuple[np.ndarray, np.ndarray]:
     """(train indices, held-out indices), a fixed keyed permutation cut at `holdout`, each sorted."""
     order = GlobalShuffle(n=n, seed=SPLIT_SALT).indices()
     cut = max(1, int(round(n * holdout)))

@@ -41,7 +41,6 @@ PRICES = {
     "gs": BucketPrice("Google Cloud Storage Standard, us-central1 (regional), Class A / Class B operations",
                       0.020, 0.005, 0.0004, "https://cloud.google.com/storage/pricing", "2026-11-23"),
 }
-GB_DECIMAL = 1e9            # the vendors bill in GB of 10^9 bytes (S3: GiB-month in practice; the gap is 7%)
 
 
 class DiskWarning(UserWarning):
@@ -75,7 +74,7 @@ def bucket_cost(state_bytes: int, best_bytes: int, *, steps: int, backup_every: 
     stored = retained_bytes(state_bytes, best_bytes, keep_last)   # the one retention rule
     writes = backups * 4 + restarts * 2 + backups           # state + best (.pt + record) each; LISTs
     reads = restarts * 4                                     # one resume: record + file, twice at most
-    storage = stored / GB_DECIMAL * price.storage_gb_month * months
+    storage = stored / GB * price.storage_gb_month * months     # GB of 10^9 B (S3 bills GiB-months: 7% more)
     requests = writes / 1000 * price.writes_per_1000 + reads / 1000 * price.reads_per_1000
     return BucketCost(storage, requests, stored, writes, reads, price)
 
@@ -118,8 +117,3 @@ def free_bytes(folder: Path, quota: int | None = None) -> int | None:
     except OSError:
         return None
     return int(free if quota is None else min(free, quota - disk_usage(folder)))
-
-
-def drive_quota_bytes(gb: float = 15.0) -> int:
-    """The free Google account quota (15 GB, shared by Drive, Gmail and Photos)."""
-    return int(gb * GB)
