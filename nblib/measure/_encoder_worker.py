@@ -4,7 +4,6 @@ Run as `python -m nblib.measure._encoder_worker '<json payload>'`; prints one JS
 """
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
 import sys
@@ -14,6 +13,7 @@ from nblib.config import PipelineConfig
 from nblib.malloc import pin_malloc_mmap_threshold
 from nblib.measure.rss import PeakMemory
 from nblib.measure.tensors import synchronize
+from nblib.sdpa import sdpa_context
 
 
 def _encoder_peak_worker(payload: str) -> dict:
@@ -35,15 +35,16 @@ def _encoder_peak_worker(payload: str) -> dict:
                            generator=gen).to(device)
     del warm
     gc.collect()
-    backend = _sdpa_context(args.get("sdpa_backend"))
     cuda = device if device.type == "cuda" else None
-    with backend, PeakMemory(cuda_device=cuda) as first:          # one-time costs: GEMM workspaces sized for this batch
+    # one-time costs: GEMM workspaces sized for this batch
+    with sdpa_context(args.get("sdpa_backend")), PeakMemory(cuda_device=cuda) as first:
         first_out = model.encode(images)
         synchronize(device)
     del first_out
     gc.collect()
     start = time.perf_counter()
-    with backend, PeakMemory(cuda_device=cuda) as pm:    # steady state: what every later batch adds
+    # steady state: what every later batch adds
+    with sdpa_context(args.get("sdpa_backend")), PeakMemory(cuda_device=cuda) as pm:
         out = model.encode(images)
         synchronize(device)
     seconds = time.perf_counter() - start
@@ -54,29 +55,6 @@ def _encoder_peak_worker(payload: str) -> dict:
             "cuda_allocated_delta_first": first.cuda_allocated_delta,
             "cuda_reserved_peak": pm.cuda_reserved_peak, "seconds": seconds,
             "malloc_pinned": pinned}
-
-
-def _sdpa_context(name: str | None):
-    """A reusable context forcing one SDPA backend (nblib.sdpa.SDPA_BACKENDS), or a no-op for None."""
-    if name is None:
-        return contextlib.nullcontext()
-    from nblib.sdpa import sdpa_context
-
-    return _Reusable(lambda: sdpa_context(name))
-
-
-class _Reusable:
-    """A context manager factory usable in several `with` statements."""
-
-    def __init__(self, make):
-        self.make, self.active = make, []
-
-    def __enter__(self):
-        self.active.append(self.make())
-        return self.active[-1].__enter__()
-
-    def __exit__(self, *exc):
-        return self.active.pop().__exit__(*exc)
 
 
 if __name__ == "__main__":

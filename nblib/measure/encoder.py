@@ -23,8 +23,7 @@ def encoder_peak(config, batch_size: int, device: str = "cpu", *, seed: int = 0,
     the state after building the model, creating the uint8 batch and one full pass (so one-time
     GEMM workspaces are not counted); "rss_delta_first" / "cuda_allocated_delta_first" are the
     first pass's increase, with them. pin_malloc: see pin_malloc_mmap_threshold (the budget
-    predicts live buffers; unpinned glibc adds its heap retention on top). A fresh process per
-    measurement keeps one batch size's freed memory from hiding the next one's growth.
+    predicts live buffers; unpinned glibc adds its heap retention on top).
     sdpa_backend="math" forces PyTorch's math attention (materialized scores); None keeps the
     default choice (flash on CPU).
     """
