@@ -3,7 +3,8 @@
 Each measurement is kept as published (model, batch, shape, latency or rate, with its source and
 date); the achieved FLOP/s of each is computed here from FLOPs per sample counted with
 `torch.utils.flop_counter.FlopCounterMode` over the same architecture (transformers' BertModel and
-ViTModel defaults, the suite's TRM), never typed in. A projection for any model divides its own
+ViTModel defaults), never typed in; the suite's TRM's from its config (`flops_per_image`, the count
+the budget uses, which FlopCounterMode matches to 0.1%). A projection for any model divides its own
 FLOPs per sample (counted the same way on a CPU forward; x3 for a training step) by the achieved
 range of its precision, and says so. Nothing here was measured on a GPU by this project: every
 figure it gives is a projection.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from nblib.config import ModelConfig, preset
 from nblib.errors import ConfigError
 from nblib.units import fmt_duration_range
 
@@ -59,12 +61,29 @@ SOURCES = {
                            "https://www.nvidia.com/en-us/data-center/tesla-t4/", "2018"),
 }
 
+
+def flops_per_image(model: ModelConfig) -> float:
+    """Multiply-adds x 2 of one image's forward pass of TRMVisionEncoder(model), the recursion's passes included.
+
+    The one FLOP count of the TRM: the budget's time, this module's seed_t4 range and its reference row all use it
+    (FlopCounterMode counts the same to 0.1%: tests/test_t4_speed.py).
+    """
+    d, t, c = model.dim, model.tokens, model.capsules
+    per_layer = 2 * t * (3 * d * d + d * d + 2 * model.mlp_ratio * d * d) + 2 * 2 * t * t * d
+    stack = model.passes * model.layers * per_layer
+    embed = 2 * t * 3 * model.patch ** 2 * d
+    pool = 2 * t * d * 2 * d + 2 * 2 * c * t * d + 2 * c * d * d
+    heads = 2 * c * d * model.children * d + 2 * c * d * model.checksum_dim
+    return float(embed + stack + pool + heads)
+
+
 # FLOPs per sample, counted by flops_per_sample() with FlopCounterMode (matmuls, convolutions and
-# attention; 2 FLOPs per multiply-add) over transformers 5.24.0 BertModel() / ViTModel() defaults and
-# the TRM of preset seed_t4; tests/test_t4_speed.py recounts each one.
+# attention; 2 FLOPs per multiply-add) over transformers 5.24.0 BertModel() / ViTModel() defaults;
+# tests/test_t4_speed.py recounts each one. The TRM's is counted from its config, typed nowhere.
 BERT_BASE_FLOPS = {32: 5_473_566_720, 128: 22_347_251_712, 384: 70_665_633_792}   # per sequence
 VIT_B16_FLOPS = 35_127_656_448          # ViTForImageClassification at 224 (BERT-like encoder + 1000-way head)
-SEED_T4_FLOPS = 47_050_000_000          # TRM seed_t4 at 224, per image (tests pin it to 0.1%)
+SEED_T4_FLOPS = flops_per_image(preset("seed_t4").model)       # TRM seed_t4 at 224, per image
+TRM_COUNTED_BY = "flops_per_image from the TRM's shapes, FlopCounterMode's count to 0.1%"
 
 
 @dataclass(frozen=True)
@@ -244,7 +263,7 @@ def model_projection(loaded, image_size: int, precision: str = "fp16", train: bo
 
 def seed_t4(precision: str = "fp16", n_samples: int = SEED_T4_IMAGES) -> Projection:
     """The suite's default job (TRM seed_t4, the reference's 1,907,747 images) on a T4, as a projection."""
-    return project(SEED_T4_FLOPS, precision, False, n_samples)
+    return project(SEED_T4_FLOPS, precision, False, n_samples, counted_by=TRM_COUNTED_BY)
 
 
 def table() -> list[dict]:

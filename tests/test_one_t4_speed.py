@@ -95,7 +95,7 @@ def _figures(text: str) -> list[float]:
 def test_the_budget_gives_a_t4_the_sourced_range_and_its_mid():
     cfg = preset("seed_t4")
     flops = budget.flops_per_image(cfg.model)
-    assert flops == pytest.approx(t4_speed.SEED_T4_FLOPS, rel=1e-3)        # both count the same TRM
+    assert flops == t4_speed.SEED_T4_FLOPS                                  # one count of the same TRM
     for precision, speed_precision in (("fp16", "fp16"), ("fp32", "fp32"), ("bf16", "fp32")):
         b = budget.predict_budget(cfg, "t4", precision=precision)
         expected = t4_speed.project(flops, speed_precision, n_samples=cfg.run.n_samples)
@@ -113,6 +113,31 @@ def test_the_budget_gives_a_t4_the_sourced_range_and_its_mid():
     assert budget.device_preset("t4").efficiency * 65e12 == t4_speed.achieved_range("fp16")[0].mid
     calibrated = budget.predict_budget(cfg, "t4", efficiency=budget.calibrate("t4", 94.0, cfg))
     assert calibrated.speed is None and calibrated.samples_per_s == pytest.approx(94.0)   # a measured rate wins
+
+
+def test_every_seed_t4_surface_asks_the_one_flop_count():
+    """One FLOP count for seed_t4, `t4_speed.flops_per_image` of its config (issue 53 census): the typed 47.050 GFLOP
+    beside the counted 47.053 is gone; the budget, seed_t4(), the reference's TRM row (and so the achieved range),
+    the stand-in encoder (05) and the loaders' bar (02, 05) agree to the last digit (363.03 vs 363.01 before).
+    """
+    import ast
+    import inspect
+
+    from nblib.budget import memory
+    from nblib.lab.input_pipeline import encoder_projection, stand_in_encoder
+
+    flops = t4_speed.flops_per_image(preset("seed_t4").model)
+    assert budget.flops_per_image is memory.flops_per_image is t4_speed.flops_per_image      # one function
+    typed = [n.value for n in ast.walk(ast.parse(inspect.getsource(t4_speed)))
+             if isinstance(n, ast.Constant) and isinstance(n.value, (int, float)) and 4.6e10 < n.value < 4.8e10]
+    assert not typed, f"a typed seed_t4 FLOP count in nblib/t4_speed.py: {typed}"
+    b = budget.predict_budget(preset("seed_t4"), "t4")
+    assert b.flops_per_image == t4_speed.SEED_T4_FLOPS == flops
+    (trm,) = [m for m in t4_speed.MEASUREMENTS if m.name.startswith("TRM seed_t4")]
+    assert trm.flops_per_sample == flops
+    seed = t4_speed.seed_t4("fp16")
+    assert seed == b.speed                                   # the same Projection: rate, hours and how it was made
+    assert stand_in_encoder()[0] == encoder_projection(b)[0] == b.speed.samples_per_s.high
 
 
 def test_every_t4_rate_a_notebook_prints_comes_from_the_range():

@@ -2,16 +2,17 @@
 
 Live-buffer accounting: only the buffers live at the peak count (inference frees activations
 between the H_cycles x (L_cycles+1) passes, so recursion costs time, not memory). Each `Line`
-is bytes plus a one-line reason. The model arithmetic (parameters, FLOPs, output shapes) lives
-here too: every memory and disk line follows from it.
+is bytes plus a one-line reason. The model arithmetic (parameters, output shapes) lives here too:
+every memory and disk line follows from it; the FLOP count lives below, in nblib.t4_speed, whose
+T4 range is drawn from it.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
 
 from nblib.config import ModelConfig, PipelineConfig
+from nblib.t4_speed import flops_per_image  # noqa: F401  the TRM's one FLOP count (nblib.budget.flops_per_image)
 from nblib.units import GB, fmt_bytes
 
 # Host RAM the Python process already holds before the job allocates anything: interpreter,
@@ -21,9 +22,6 @@ RUNTIME_RAM_CPU = int(0.45 * GB)
 RUNTIME_RAM_CUDA = int(2.0 * GB)
 # Each DataLoader worker is a forked Python holding its own copies of touched pages (~150 MB).
 LOADER_WORKER_RAM = int(0.15 * GB)
-# The last torch whose autocast caches fp16 weight copies under inference_mode (from 2.10 the
-# cache is skipped there, so each Linear casts its weight per call and frees it at once).
-AUTOCAST_CACHE_LAST_TORCH = (2, 9)
 
 
 @dataclass(frozen=True)
@@ -59,17 +57,6 @@ def autocast_weight_count(model: ModelConfig) -> int:
             + linear(d, model.children * d))
 
 
-def flops_per_image(model: ModelConfig) -> float:
-    """Multiply-adds x 2 of one image's forward pass, the recursion's passes included."""
-    d, t, c = model.dim, model.tokens, model.capsules
-    per_layer = 2 * t * (3 * d * d + d * d + 2 * model.mlp_ratio * d * d) + 2 * 2 * t * t * d
-    stack = model.passes * model.layers * per_layer
-    embed = 2 * t * 3 * model.patch ** 2 * d
-    pool = 2 * t * d * 2 * d + 2 * 2 * c * t * d + 2 * c * d * d
-    heads = 2 * c * d * model.children * d + 2 * c * d * model.checksum_dim
-    return float(embed + stack + pool + heads)
-
-
 def output_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Per-image output shapes: sketches [C,D], checksums [C,K], children [C,N,D]."""
     return {"sketches": (model.capsules, model.dim),
@@ -90,49 +77,49 @@ def output_bytes_per_batch(config: PipelineConfig) -> int:
     return config.run.batch_size * output_bytes_per_image(config)
 
 
-def model_memory_lines(config: PipelineConfig, *, on_gpu: bool, sdpa_backend: str = "flash",
-                       precision: str = "fp16", torch_version: str | None = None) -> tuple[Line, ...]:
-    """Weights, input batch and the activations live at the forward pass's peak.
+def model_memory_lines(config: PipelineConfig, *, sdpa_backend: str = "flash") -> tuple[Line, ...]:
+    """Host RAM of the model on a CPU: weights, input batch and the activations live at the forward pass's peak.
 
-    Live-buffer accounting of nblib.trm, per "stream" of B*T*D elements (checked against a
-    tensor-level trace, the measured RSS on CPU and the simulated T4 of nblib.simulate): the
-    residual stream is fp32 everywhere (the fp16 patch embedding plus the fp32 position embedding
-    promotes); Linear/GELU/SDPA outputs are fp16 under CUDA autocast (precision="fp16") and fp32
-    otherwise; LayerNorm outputs are fp32. At the peak, inside a block's GELU in the second H
-    cycle, live are x, z_H, z_L and the block's input (4 fp32 streams) and in the block qkv (3),
-    the attention output (1), the residual (1, fp32), fc1 and GELU outputs (mlp_ratio each).
-    Earlier passes are freed: recursion adds time, not memory. The patchify phase (three fp32
-    copies of the images) or math attention is the peak instead when larger. Math attention on
-    CUDA in fp16 runs in fp32 inside (PyTorch upcasts q, k, v): fp32 scores and softmax.
+    Live-buffer accounting of nblib.trm in fp32, per "stream" of B*T*D elements (checked against the
+    measured RSS by benchmarks/budget_accuracy.py and nblib.measure.encoder_peak): at the peak, inside
+    a block's GELU in the second H cycle, live are x, z_H, z_L and the block's input (4 streams) and in
+    the block qkv (3), the attention output (1), the residual (1), fc1 and GELU outputs (mlp_ratio each).
+    Earlier passes are freed: recursion adds time, not memory. The patchify phase (three fp32 copies of
+    the images) or math attention is the peak instead when larger. A GPU's VRAM is not counted here:
+    it is the trace of the encode loop (nblib.budget.encode_trace, through predict_budget), the one answer.
     """
-    return _model_lines(config, on_gpu, sdpa_backend, precision, torch_version)
+    m, r = config.model, config.run
+    b, t, d = r.batch_size, m.tokens, m.dim
+    stream = b * t * d * 4
+    pixels = b * m.image_size ** 2 * 3
+    n_params = param_count(m)
+    outer = 3 + (m.H_cycles >= 2)                # x, z_L, the block's input, z_H (after cycle 1)
+    blocks = (outer + 3 + 1 + 1 + 2 * m.mlp_ratio) * stream    # + qkv, attn, residual, fc1, gelu
+    scores = b * m.heads * t * t * (2 * 4 + 1)   # scores, softmax, _safe_softmax's -inf mask
+    phases = {"block MLP (GELU)": blocks, "patchify": 3 * 4 * pixels,   # float copy, reshaped copy, /255
+              "math attention": (outer + 3 + 1) * stream + scores if sdpa_backend == "math" else 0}
+    phase = max(phases, key=phases.get)
+    scores_live = scores if phase == "math attention" else 0
+    why = f"math SDPA: B*h*T^2 x (4 B scores + 4 B softmax + 1 B mask) = {fmt_bytes(scores)}"
+    return (
+        Line("weights (fp32)", n_params * 4 + d * m.checksum_dim * 4,
+             f"{n_params:,} params x 4 B + checksum projection"),
+        Line("input batch (uint8)", pixels, f"{b} x {m.image_size}^2 x 3 B"),
+        Line("activations at peak", phases[phase] - scores_live,
+             f"live buffers during the {phase} phase (one pass; earlier passes are freed)"),
+        Line("attention scores", scores_live,
+             why + ("" if scores_live else ", not live at the peak" if sdpa_backend == "math"
+                    else f"; {sdpa_backend} SDPA never materializes them")),
+    )
 
 
-def forward_peak_delta(config: PipelineConfig, *, on_gpu: bool, sdpa_backend: str = "flash",
-                       precision: str = "fp16", torch_version: str | None = None) -> int:
-    """Bytes one forward pass adds at its peak over the built model and its input batch.
+def forward_peak_delta(config: PipelineConfig, *, sdpa_backend: str = "flash") -> int:
+    """Bytes one forward pass on a CPU adds at its peak over the built model and its input batch.
 
-    The measured twin is nblib.measure.encoder_peak (RSS increase on CPU, CUDA max allocated
-    increase on GPU): activations and scores live at the peak, plus autocast's fp16 weights.
+    The measured twin is nblib.measure.encoder_peak's RSS increase: activations and scores live at the peak.
     """
-    lines = {ln.name: ln.bytes for ln in model_memory_lines(
-        config, on_gpu=on_gpu, sdpa_backend=sdpa_backend, precision=precision, torch_version=torch_version)}
-    return (lines["activations at peak"] + lines["attention scores"]
-            + lines.get("fp16 weight copies (autocast)", 0))
-
-
-@lru_cache(maxsize=16)
-def autocast_caches_weights(torch_version: str | None = None) -> bool:
-    """True when autocast keeps fp16 copies of the weights under inference_mode (torch <= 2.9)."""
-    if torch_version is None:
-        from importlib.metadata import PackageNotFoundError, version
-
-        try:
-            torch_version = version("torch")
-        except PackageNotFoundError:
-            return False
-    parts = [int("".join(ch for ch in p if ch.isdigit()) or 0) for p in torch_version.split(".")[:2]]
-    return tuple(parts) <= AUTOCAST_CACHE_LAST_TORCH
+    lines = {ln.name: ln.bytes for ln in model_memory_lines(config, sdpa_backend=sdpa_backend)}
+    return lines["activations at peak"] + lines["attention scores"]
 
 
 def pinned_bytes(nbytes: int) -> int:
@@ -142,56 +129,6 @@ def pinned_bytes(nbytes: int) -> int:
     buffer of 3.57 GB takes 4.29 GB of page-locked RAM.
     """
     return 1 << max(0, int(nbytes) - 1).bit_length() if nbytes > 0 else 0
-
-
-def _model_lines(config: PipelineConfig, on_gpu: bool, sdpa_backend: str, precision: str,
-                 torch_version: str | None) -> tuple[Line, ...]:
-    """The model's lines: weights, input, the activations and scores live at the forward pass's peak."""
-    m, r = config.model, config.run
-    b, t, d = r.batch_size, m.tokens, m.dim
-    half = on_gpu and precision in ("fp16", "bf16", "auto")
-    act = 2 if half else 4            # Linear / GELU / SDPA outputs
-    res = 4                           # residual stream (fp32 by promotion)
-    stream = b * t * d
-    pixels = b * m.image_size ** 2 * 3
-    n_params = param_count(m)
-    buffers = d * m.checksum_dim * 4
-    outer = 3 + (m.H_cycles >= 2)                # x, z_L, the block's input, z_H (after cycle 1)
-    block_parts = [3 * act, act, res, m.mlp_ratio * act, m.mlp_ratio * act]   # qkv, attn, residual, fc1, gelu
-    blocks = outer * res * stream + sum(block_parts) * stream
-    patchify = 3 * 4 * pixels                    # float copy, reshaped copy, /255 result
-    n_scores = b * m.heads * t * t
-    if on_gpu:
-        # CUDA math SDPA: fp16 q, k, v upcast to fp32, scaled q and the output (fp32), fp32
-        # scores and softmax; no -inf mask is live at the peak
-        attn_parts = [outer * res, 3 * act] + ([3 * 4] if half else []) + [2 * 4]
-        scores = n_scores * 2 * 4
-    else:
-        attn_parts = [outer * res, 3 * act, act]
-        scores = n_scores * (2 * act + 1)        # scores, softmax, _safe_softmax's -inf mask
-    attention = sum(attn_parts) * stream + scores if sdpa_backend == "math" else 0
-    phases = {"block MLP (GELU)": blocks, "patchify": patchify, "math attention": attention}
-    phase = max(phases, key=phases.get)
-    scores_live = scores if phase == "math attention" else 0
-    lines = [Line("weights (fp32)", n_params * 4 + buffers,
-                  f"{n_params:,} params x 4 B + checksum projection")]
-    if on_gpu and half and autocast_caches_weights(torch_version):
-        lines.append(Line("fp16 weight copies (autocast)", autocast_weight_count(m) * 2,
-                          "autocast caches each Linear's fp16 weight under inference_mode (torch <= "
-                          f"{'.'.join(map(str, AUTOCAST_CACHE_LAST_TORCH))})"))
-    lines += [
-        Line("input batch (uint8)", pixels, f"{b} x {m.image_size}^2 x 3 B"),
-        Line("activations at peak", phases[phase] - scores_live,
-             f"live buffers during the {phase} phase (one pass; earlier passes are freed)"),
-        Line("attention scores", scores_live,
-             (f"math SDPA: B*h*T^2 x (4 B scores + 4 B softmax), fp32 inside on CUDA = {fmt_bytes(scores)}"
-              if on_gpu else
-              f"math SDPA: B*h*T^2 x ({act} B scores + {act} B softmax + 1 B mask) = {fmt_bytes(scores)}")
-             + ("" if scores_live else
-                (", not live at the peak" if sdpa_backend == "math"
-                 else f"; {sdpa_backend} SDPA never materializes them"))),
-    ]
-    return tuple(lines)
 
 
 def host_memory_lines(config: PipelineConfig, *, cuda: bool) -> tuple[Line, ...]:

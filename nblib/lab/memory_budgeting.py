@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from nblib import budget
 from nblib.budget.reference_check import (  # noqa: F401  notebook 01 reads these as memory_budgeting.*
     ReferenceCheck,
+    activations_at_peak,
     reference_comparison,
     reference_summary,
     reference_table,
@@ -130,6 +131,23 @@ def time_readout(b) -> str:
             f"({b.speed_method})")
 
 
+def forward_peak(config, device="cpu", sdpa_backend: str | None = None) -> int:
+    """Bytes one forward pass adds at its peak over the built model and its input batch, as the budget answers it
+    (`activations_at_peak` of `budget.predict_budget`): on a GPU the trace of the encode loop less the input batch,
+    on a CPU the RAM lines. The measured twin is `measure.encoder_peak` (CUDA max allocated, or RSS, increase).
+    """
+    b = budget.predict_budget(config, device, sdpa_backend=sdpa_backend)
+    pixels = config.run.batch_size * config.model.image_size ** 2 * 3
+    return activations_at_peak(b) - (pixels if b.device.is_gpu else 0)
+
+
+def this_gpu() -> str:
+    """The device preset of this machine's GPU (`budget.device_preset_name`), a T4 where no preset fits it."""
+    import torch
+
+    return budget.device_preset_name(torch.cuda.get_device_name(0)) or "t4"
+
+
 def measure_forward_peaks(config, batch_sizes, on_gpu: bool = False, progress: bool = True,
                           repeats: int = 3) -> ForwardPeaks:
     """Predicted and measured peak bytes of one forward pass per batch size, `repeats` runs each.
@@ -142,7 +160,8 @@ def measure_forward_peaks(config, batch_sizes, on_gpu: bool = False, progress: b
     from nblib.measure import encoder_peak
 
     batch_sizes = tuple(batch_sizes)
-    predicted = tuple(budget.forward_peak_delta(config.replace(batch_size=b), on_gpu=on_gpu) for b in batch_sizes)
+    device = this_gpu() if on_gpu else "cpu"
+    predicted = tuple(forward_peak(config.replace(batch_size=b), device) for b in batch_sizes)
     runs: dict[int, list[float]] = {b: [] for b in batch_sizes}
     order = interleaved_order(batch_sizes, max(1, repeats))
     bar = progress_bar(len(order), "forward passes", "run") if progress else None
