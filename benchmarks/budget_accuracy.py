@@ -7,8 +7,9 @@ the steady state every later batch of a long job adds; predicted = the budget's 
 the peak (nblib.budget.forward_peak_delta). The prediction assumes glibc's mmap threshold is
 pinned (nblib.malloc.pin_malloc_mmap_threshold). For contrast the last columns show the first
 pass (with the one-time workspaces) and the default glibc (first pass, threshold not pinned).
-GPU (when CUDA is present): torch.cuda max allocated increase vs the same lines for CUDA
-(fp16 autocast weight copies included). Targets: CPU 0.85-1.15, GPU 0.9-1.1.
+GPU (when CUDA is present): torch.cuda max allocated increase vs the budget's trace of the encode
+loop on this GPU (nblib.lab.memory_budgeting.forward_peak: the one VRAM answer, less the input batch).
+Targets: CPU 0.85-1.15, GPU 0.9-1.1.
 
     .venv/bin/python benchmarks/budget_accuracy.py [--quick]
 """
@@ -19,6 +20,7 @@ import sys
 
 from nblib import budget, measure
 from nblib.config import preset
+from nblib.lab import memory_budgeting
 
 
 def configs(quick: bool):
@@ -45,9 +47,8 @@ def main(argv=None) -> int:
           f"{'ratio':>7}{'1st pass MB':>13}{'ratio':>7}{'glibc default':>15}{'ratio':>7}")
     for cfg, backend in configs(args.quick):
         b = cfg.run.batch_size
-        pred = budget.forward_peak_delta(cfg, on_gpu=False, sdpa_backend=backend or "flash")
-        phase = [ln.why for ln in budget.model_memory_lines(cfg, on_gpu=False,
-                                                            sdpa_backend=backend or "flash")
+        pred = budget.forward_peak_delta(cfg, sdpa_backend=backend or "flash")
+        phase = [ln.why for ln in budget.model_memory_lines(cfg, sdpa_backend=backend or "flash")
                  if ln.name == "activations at peak"][0].split("during the ")[1].split(" phase")[0]
         pinned = measure.encoder_peak(cfg, b, sdpa_backend=backend)
         default = measure.encoder_peak(cfg, b, pin_malloc=False,
@@ -64,7 +65,7 @@ def main(argv=None) -> int:
         print(f"\n{'config':<7}{'batch':>6}{'predicted MB':>14}{'max alloc MB':>14}{'ratio':>7}")
         for cfg, backend in configs(args.quick):
             b = cfg.run.batch_size
-            pred = budget.forward_peak_delta(cfg, on_gpu=True, sdpa_backend=backend or "flash")
+            pred = memory_budgeting.forward_peak(cfg, memory_budgeting.this_gpu(), sdpa_backend=backend)
             got = measure.encoder_peak(cfg, b, device="cuda",
                                        sdpa_backend=backend)["cuda_allocated_delta"]
             gpu_ok &= 0.9 <= got / pred <= 1.1

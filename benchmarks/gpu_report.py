@@ -50,6 +50,7 @@ import torch
 from nblib import budget, env, reference, t4_speed
 from nblib.atomic import atomic_write_json, sha256_json
 from nblib.config import preset
+from nblib.lab import memory_budgeting
 from nblib.measure import synchronize as _sync
 from nblib.sdpa import SDPA_BACKENDS, sdpa_context
 from nblib.trm import COMPILE_MODES, TRMVisionEncoder
@@ -438,7 +439,7 @@ def measure_budget_lines(ctx: Context, device, batch: int) -> dict:
     cfg = ctx.config.replace(batch_size=batch, consolidate_every=1, checkpoint_every=1)
     predicted = budget.predict_budget(cfg, device)
     measured = _measure_forward_memory(ctx, batch)
-    forward = budget.forward_peak_delta(cfg, on_gpu=ctx.cuda)
+    forward = memory_budgeting.forward_peak(cfg, device)      # on CUDA the trace's answer, on a CPU the RAM lines
     pairs = [("forward peak over weights + input", forward, measured["forward"])]
     if ctx.cuda:   # RSS cannot resolve a few MB of weights or input; the CUDA allocator counts them exactly
         pairs += vram_pairs(predicted, measured)

@@ -462,7 +462,7 @@ def test_running_out_of_memory_is_one_error_line_naming_the_batch_size(tmp_path)
                           *seed_t4_encode(caches[1], tmp_path / "one", 1)[3:]],
                          env=subprocess_env(**THREADS), capture_output=True, text=True, timeout=600)
     assert one.returncode == 0, one.stderr
-    batch_need = forward_peak_delta(preset("seed_t4").replace(batch_size=64), on_gpu=False)
+    batch_need = forward_peak_delta(preset("seed_t4").replace(batch_size=64))
     assert batch_need > 512 * 2**20, batch_need        # big enough that a quarter is no rounding of a layout
     cap_kb = (int(report.read_text()) + batch_need // 4) // 1024
     command = " ".join(map(str, seed_t4_encode(caches[64], tmp_path / "run", 1000000000)))

@@ -90,7 +90,7 @@ def test_live_tensor_peak_equals_the_budget_for_model_variants(change):
     with torch.inference_mode(), measure.TensorPeak() as tp:
         model(images)
     # exact up to per-token statistics (LayerNorm mean/rstd: B*T floats, 1/dim of a stream)
-    assert tp.peak == pytest.approx(budget.forward_peak_delta(cfg, on_gpu=False), rel=2e-3)
+    assert tp.peak == pytest.approx(budget.forward_peak_delta(cfg), rel=2e-3)
 
 
 # A forward's peak does not grow with the recursion (test_recursion_depth_does_not_raise_the_measured_peak): the
@@ -103,7 +103,7 @@ ONE_CYCLE = {"H_cycles": 1, "L_cycles": 1}
                                  MID.replace(batch_size=32, **ONE_CYCLE)],  # peak: block MLP
                          ids=["smoke-patchify-peak", "mid-block-peak"])
 def test_encoder_peak_rss_matches_the_budget_within_15_percent(cfg):
-    predicted = budget.forward_peak_delta(cfg, on_gpu=False)
+    predicted = budget.forward_peak_delta(cfg)
     measured = measure.encoder_peak(cfg, cfg.run.batch_size)["rss_delta"]
     assert 0.85 <= measured / predicted <= 1.15, (measured, predicted)
 
@@ -111,8 +111,8 @@ def test_encoder_peak_rss_matches_the_budget_within_15_percent(cfg):
 @pytest.mark.slow
 def test_math_attention_scores_are_measured_as_predicted():
     many_tokens = preset("smoke").replace(image_size=256, patch=8, dim=64, heads=4, batch_size=8, **ONE_CYCLE)
-    predicted = budget.forward_peak_delta(many_tokens, on_gpu=False, sdpa_backend="math")
-    flash = budget.forward_peak_delta(many_tokens, on_gpu=False, sdpa_backend="flash")
+    predicted = budget.forward_peak_delta(many_tokens, sdpa_backend="math")
+    flash = budget.forward_peak_delta(many_tokens, sdpa_backend="flash")
     assert predicted > 5 * flash                      # the scores dominate this config
     measured = measure.encoder_peak(many_tokens, 8, sdpa_backend="math")["rss_delta"]
     assert 0.85 <= measured / predicted <= 1.15, (measured, predicted)

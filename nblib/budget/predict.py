@@ -238,7 +238,7 @@ def predict_budget(config: PipelineConfig, device: str | Device = "t4", *,
         ram = host_memory_lines(cfg, cuda=True)
     else:
         vram = ()
-        ram = (*host_memory_lines(cfg, cuda=False), *model_memory_lines(cfg, on_gpu=False, sdpa_backend=backend))
+        ram = (*host_memory_lines(cfg, cuda=False), *model_memory_lines(cfg, sdpa_backend=backend))
     local, drive = _disk_lines(cfg, codec, bytes_per_image, codec_sizes)
     flops = flops_per_image(m)
     speed = _sourced_speed(dev, flops, precision, given.run.n_samples) if efficiency is None else None
