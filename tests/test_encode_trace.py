@@ -25,7 +25,7 @@ def can_trace():
 
 @pytest.mark.slow
 def test_the_shipped_trace_table_is_the_live_trace_to_the_byte(can_trace):
-    """Every file of nblib/budget/trace_cache is what tracing its spec gives now, byte for byte, and no other
+    """Every file of nblib/trace_seed is what tracing its spec gives now, byte for byte, and no other
     file is there: a change to the TRM, the encode loop, the offload or the trace fails here until
     `nblib.budget.encode_trace.write_table()` writes the table again.
     """
@@ -73,7 +73,7 @@ def test_the_widget_path_replays_the_table_without_torch():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout.strip().splitlines()[-1])
-    assert out["torch"] is False and "replayed from nblib/budget/trace_cache" in out["label"]
+    assert out["torch"] is False and "replayed from nblib/trace_seed" in out["label"]
     assert out["largest"] > 0
 
 

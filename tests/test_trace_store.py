@@ -43,7 +43,7 @@ def test_colabs_cuda_build_of_torch_hits_the_shipped_table_with_the_same_answer(
     finally:
         _fresh_caches()
     assert _bytes(colab) == _bytes(here)
-    assert "replayed from nblib/budget/trace_cache" in colab.label and "torch 2.13," in colab.label
+    assert "replayed from nblib/trace_seed" in colab.label and "torch 2.13," in colab.label
 
 
 def test_the_key_is_torchs_release_the_format_and_the_shaping_variables(monkeypatch):
@@ -139,6 +139,6 @@ def test_a_user_folder_that_cannot_be_made_is_one_line_and_the_shipped_table_sti
         trace_store.user_folder("shim")
     _fresh_caches()
     try:
-        assert "nblib/budget/trace_cache" in encode_trace.encode_vram(preset("seed_t4"), "t4").label
+        assert "nblib/trace_seed" in encode_trace.encode_vram(preset("seed_t4"), "t4").label
     finally:
         _fresh_caches()

@@ -8,7 +8,7 @@ storage is numel x itemsize: `nblib.budget.allocator.affine_stream`, measured, n
 batches 16 and 64 equal it), while the VRAM it gives is not (512 B rounding, 2 MiB segments, best fit): so the
 cache keeps the stream, not a formula, and any batch is a replay of it through the allocator model, in pure
 Python.
-The streams of the suite's own configs (and 01's largest batch on the other GPUs) ship in `trace_cache/`
+The streams of the suite's own configs (and 01's largest batch on the other GPUs) ship in `nblib/trace_seed/`
 (JSON, keyed by the spec, torch's major.minor, the trace format and the variables that shape a trace:
 nblib.budget.trace_store); `tests/test_encode_trace.py` traces them again and compares the files to the byte. A spec
 not in the table, or traced under another torch, is traced once and kept in the user's trace cache (trace_store).
@@ -135,7 +135,7 @@ def _stream(key: str) -> tuple[list, str, str]:
     found = trace_store.find(spec)
     if found is not None:
         (entry, path), shipped = found, found[1].parent == TABLE
-        where = "nblib/budget/trace_cache" if shipped else f"the trace cache {path.parent}"
+        where = "nblib/trace_seed" if shipped else f"the trace cache {path.parent}"
         return entry["stream"], entry["head"]["peak_op"], (
             f"traced on the simulated GPU (FakeTensorMode) under torch {entry['head']['torch']}, replayed from "
             f"{where}; the CUDA context is an assumption")

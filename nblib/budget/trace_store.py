@@ -25,7 +25,7 @@ from pathlib import Path
 
 from nblib.budget.user_cache import user_folder
 
-SHIPPED = Path(__file__).parent / "trace_cache"
+SHIPPED = Path(__file__).parents[1] / "trace_seed"      # data only, shipped beside the Python (pyproject)
 TRACE_FORMAT = 2            # 1: keyed by the spec and the full torch version; 2: this key
 # named by the spec (the TRM's shape is in it, the preset that chose it is not needed; PYTHONPATH finds a user's
 # module, and the TRM is nblib's own)
