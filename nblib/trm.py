@@ -186,7 +186,7 @@ class TRMVisionEncoder(nn.Module):
     @torch.inference_mode()
     def encode(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
         """Inference: fp16 autocast on CUDA (a T4 has no fast bf16), fp32 on CPU (see set_inference)."""
-        with self._autocast(images.device), self._sdpa_backend():
+        with autocast(self.inference.precision, images.device), self._sdpa_backend():
             return self._runner()(images)
 
     def parameter_count(self) -> int:
@@ -216,15 +216,6 @@ class TRMVisionEncoder(nn.Module):
                 f"that size: python -m nblib cache --images DIR --size {self.config.image_size} --out NEW")
         return b, hgt, wid, ch
 
-    def _autocast(self, device: torch.device):
-        precision = self.inference.precision
-        if precision == "auto":
-            precision = "fp16" if device.type == "cuda" else "fp32"
-        if precision == "fp32":
-            return contextlib.nullcontext()
-        dtype = torch.float16 if precision == "fp16" else torch.bfloat16
-        return torch.autocast(device.type, dtype=dtype)
-
     def _sdpa_backend(self):
         return sdpa_context(self.inference.sdpa_backend)
 
@@ -249,6 +240,18 @@ class TRMVisionEncoder(nn.Module):
             h.update(name.encode())
             h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
         return h.hexdigest()
+
+
+def autocast(precision: str, device):
+    """The forward's autocast for a precision on `device` (a torch.device or its name): fp16 or bf16, none for
+    fp32; "auto" is fp16 on CUDA and fp32 on the CPU. The one rule of encode (any model) and training.
+    """
+    device = torch.device(device)
+    if precision == "auto":
+        precision = "fp16" if device.type == "cuda" else "fp32"
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.float16 if precision == "fp16" else torch.bfloat16)
 
 
 def _require_choice(name: str, value, choices: tuple) -> None:

@@ -12,7 +12,6 @@ what changed.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -48,8 +47,9 @@ class EncodeModel:
         import torch
 
         from nblib.sdpa import sdpa_context
+        from nblib.trm import autocast
 
-        with torch.inference_mode(), _autocast(self.precision, images.device), sdpa_context(None):
+        with torch.inference_mode(), autocast(self.precision, images.device), sdpa_context(None):
             named = self.loaded(images)
         return {name: named[name] for name in self.outputs}
 
@@ -140,14 +140,3 @@ def _wrap_module(module, preprocessing_from):
     cls = type(module)
     module.eval()
     return LoadedModel(module, f"{cls.__module__}.{cls.__qualname__}", "module", pre, module_config(module))
-
-
-def _autocast(precision: str, device):
-    """The TRM's rule for every model: auto is fp16 autocast on CUDA, fp32 (no autocast) on the CPU."""
-    import torch
-
-    if precision == "auto":
-        precision = "fp16" if device.type == "cuda" else "fp32"
-    if precision == "fp32":
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=torch.float16 if precision == "fp16" else torch.bfloat16)

@@ -155,10 +155,7 @@ def dropout_seed(seed: int, step: int, rank: int) -> int:
 
 
 def autocast(device: str, precision: str):
-    """The forward's autocast for a run's precision on `device` (none for fp32)."""
-    import torch
+    """The forward's autocast for a run's precision on `device` (none for fp32): `nblib.trm.autocast`'s rule."""
+    from nblib.trm import autocast as precision_autocast
 
-    if precision == "fp32":
-        return contextlib.nullcontext()
-    dtype = torch.float16 if precision == "fp16" else torch.bfloat16
-    return torch.autocast("cuda" if device.startswith("cuda") else "cpu", dtype=dtype)
+    return precision_autocast(precision, device)
