@@ -1,53 +1,21 @@
 """Standard formats out: a cache, or an encode run's outputs, to Parquet or an HF `datasets` folder.
 
-`export_cache(cache_dir, out, fmt)` writes one file per cache shard (one Parquet row group per
-shard, zstd at `compression_level`; or one Arrow file per shard in the layout
-`datasets.save_to_disk` writes). Each row carries what the image came from: `text` (a cache
-rendered from texts), or `key` (the file name, for `cache --images DIR`), beside `index`.
-`export_outputs(outputs_dir, out, fmt, texts=...)` writes an encode run's consolidated outputs
-row-aligned with the texts (columns `index`, `text` when given, and one per output).
-
-Images in Parquet are a raw uint8 blob of H*W*C bytes in (H, W, C) order, beside `height`,
-`width` and `channels` columns: pyarrow, polars, duckdb and `datasets` read the shape from plain
-columns (no nblib schema metadata needed), and the pixels are `np.frombuffer(blob, np.uint8)
-.reshape(height, width, channels)`. Chosen over a PNG blob (a decode per image per read, and an
-encode at ~1-2 ms per 224 px image on export) and over a nested or fixed-size list (Parquet
-stores a repetition level per value: ~12x slower to write, no fewer bytes); zstd compresses the
-blob column. In the HF folder images are channel-first `datasets.Array3D` (3, H, W): the obvious
-(H, W, 3) layout makes Arrow keep one 4-byte list offset per 3-byte pixel, 2.34x the raw bytes
-(measured at 224 px, against 1.02x channel-first).
-
-No reader ever sees half an export. Files are written (through `nblib.atomic`) into the hidden
-staging folder `.nblib-staging/` under names ending `.part`, listed in the export manifest
-`_nblib-export.json` ("_": pyarrow and datasets skip it) as each lands, so a killed export
-resumes at the first file the manifest lacks. Only when every file is there are they renamed into
-the folder, the HF `dataset_info.json` and `state.json` written, and the manifest rewritten with
-`complete: true`, the completion record, last. Why staging and not temporary names beside the
-finished files: pyarrow skips "."-prefixed paths but polars and duckdb globs do not all, and
-polars recurses into sub-folders; a hidden folder of `.part` files is matched by no `*.parquet`
-glob, directory scan or `state.json`. The window left: a kill during the final renames (one
-`rename` per file, microseconds each) leaves some files in place and no completion record;
-`read_export` refuses it and the same command finishes it.
-
-One export writes a folder at a time: it holds the folder's lock (`nblib.lock`, `.lock-rank-0`)
-from its first look at the folder to its completion record, and a second export into the same
-`--out` is refused in one line naming the first (two at once would remove each other's staged
-files and mix their files). Each data file carries its export's digest (sha256 of the identity
-the manifest records) in its schema metadata, and `read_export` refuses a folder whose files
-are not all of its manifest's export (files copied in from another export).
-
-The folder is the user's: an export refuses a folder that holds files it did not write unless
-`overwrite`, and even then deletes only the files its own manifest lists; files that a reader of
-the folder would take for part of the export (`*.parquet`, `*.arrow`, `state.json`,
-`dataset_info.json` that no export manifest lists) are refused, never deleted. Files get the
-user's umask permissions. Reading back needs only pyarrow (Parquet, Arrow IPC stream) or `datasets`.
+`export_cache` writes one file per cache shard, rows carrying `index` and the image's `text` or `key`;
+`export_outputs` writes an encode run's outputs row-aligned with the texts. The layouts (raw image
+blobs beside `height`/`width`/`channels` in Parquet, channel-first `Array3D` in the HF folder, and
+why), the staging folder and the completion record that keep half an export from any reader, and
+what a folder must hold before an export writes there: docs/formats.md and docs/failures.md. One
+export at a time holds the folder's lock (`nblib.lock`), and each data file carries its export's
+digest in its schema metadata, so `read_export` refuses files copied in from another export.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
 import re
+import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,9 +91,7 @@ def export_cache(cache_dir: str | Path, out: str | Path, fmt: str = "parquet", *
     identity = {"what": "cache", "fingerprint": cache.fingerprint, "fmt": fmt, "level": level,
                 "rows": [[s["start"], s["stop"]] for s in shards],
                 "labels": {name: sha256_json(values) for name, values in labels.items()}}
-    command = ["--cache", str(Path(cache_dir).resolve()), "--format", fmt, *_level_flag(level),
-               *(["--texts", str(Path(texts).resolve())] if isinstance(texts, (str, os.PathLike)) else []),
-               *(["--field", field] if field and isinstance(texts, (str, os.PathLike)) else [])]
+    command = ["--cache", str(Path(cache_dir).resolve()), *_flags(fmt, level, texts, field)]
     return _export(Path(out), fmt, identity, features, len(shards), table, overwrite, command, level)
 
 
@@ -159,9 +125,7 @@ def export_outputs(outputs_dir: str | Path, out: str | Path, fmt: str = "parquet
     digests = {name: index.get("files", {}).get(name, {}).get("sha256") for name in arrays}
     identity = {"what": "outputs", "outputs": digests, "fmt": fmt, "rows": ranges, "level": level,
                 "texts": sha256_json(text_list) if text_list is not None else None}
-    command = ["--outputs", str(Path(outputs_dir).resolve()), "--format", fmt, *_level_flag(level),
-               *(["--texts", str(Path(texts).resolve())] if isinstance(texts, (str, os.PathLike)) else []),
-               *(["--field", field] if field and isinstance(texts, (str, os.PathLike)) else [])]
+    command = ["--outputs", str(Path(outputs_dir).resolve()), *_flags(fmt, level, texts, field)]
     return _export(Path(out), fmt, identity, features, len(ranges), table, overwrite, command, level)
 
 
@@ -190,7 +154,7 @@ def read_parquet_column(path: str | Path, column: str) -> np.ndarray:
     import pyarrow.parquet as pq
 
     path = Path(path)
-    files = [path / name for name in _complete_files(path)] if path.is_dir() else [path]
+    files = [path / name for name in _complete_body(path)["names"]] if path.is_dir() else [path]
     parts = []
     for f in files:
         table = pq.read_table(f, columns=[column])
@@ -318,10 +282,8 @@ def _finish(out: Path, body: dict, fmt: str, hf, names: list[str], identity: dic
         _write_hf_metadata(out, hf, names, identity)
     body["complete"] = True
     _write_manifest(out, body, seq=len(names) + 1)
-    try:
+    with contextlib.suppress(OSError):
         (out / STAGING).rmdir()
-    except OSError:
-        pass
 
 
 def _open_manifest(out: Path, identity: dict, overwrite: bool, names: list[str], command: list[str]) -> dict:
@@ -373,10 +335,6 @@ def _refuse_foreign(out: Path, ours: set[str], has_manifest: bool, overwrite: bo
         raise StateError(f"{out} is not empty and holds no nblib export ({len(foreign)} entries: {shown}); "
                          f"pick an empty or new --out, or pass --overwrite to write the export beside them "
                          f"(they are left untouched)")
-
-
-def _complete_files(folder: Path) -> list[str]:
-    return _complete_body(folder)["names"]
 
 
 def _complete_body(folder: Path) -> dict:
@@ -438,17 +396,14 @@ def _stamp(table, identity: dict):
 
 def _command(folder: Path, body: dict) -> str:
     """The command that (re)runs the export recorded in `body` into `folder`."""
-    return " ".join(["python -m nblib export", *map(_quote, body.get("command", [])), "--out", _quote(folder)])
+    return shlex.join(["python", "-m", "nblib", "export", *map(str, body.get("command", [])), "--out", str(folder)])
 
 
-def _quote(text) -> str:
-    import shlex
-
-    return shlex.quote(str(text))
-
-
-def _level_flag(level: int | None) -> list[str]:
-    return [] if level is None else ["--compression-level", str(level)]
+def _flags(fmt: str, level: int | None, texts, field: str | None) -> list[str]:
+    """The command's flags past its input: format, level, and the texts' path and field when a path."""
+    path = isinstance(texts, (str, os.PathLike))
+    return ["--format", fmt, *([] if level is None else ["--compression-level", str(level)]),
+            *(["--texts", str(Path(texts).resolve())] if path else []), *(["--field", field] if field and path else [])]
 
 
 def _staged(out: Path, name: str) -> Path:
