@@ -23,7 +23,7 @@ from torch import nn
 
 from nblib.atomic import atomic_torch_save
 from nblib.config import ModelConfig, PipelineConfig
-from nblib.errors import ConfigError, WeightsError
+from nblib.errors import ConfigError
 from nblib.sdpa import SDPA_BACKENDS, sdpa_context
 
 CHECKSUM_SEED = 0x5EED_C0DE
@@ -189,23 +189,10 @@ class TRMVisionEncoder(nn.Module):
         with autocast(self.inference.precision, images.device), self._sdpa_backend():
             return self._runner()(images)
 
-    def parameter_count(self) -> int:
-        return sum(p.numel() for p in self.parameters())
-
     def save_weights(self, path: str | Path) -> Path:
         """Write the weights and the model config atomically to `path` (a .pt file)."""
         payload = {"config": self.config.__dict__, "state_dict": self.state_dict()}
         return atomic_torch_save(payload, Path(path)).path
-
-    def load_weights(self, path: str | Path) -> TRMVisionEncoder:
-        """Load weights saved by `save_weights`; refuse weights of another model shape."""
-        payload = torch.load(Path(path), map_location="cpu", weights_only=True)
-        if payload.get("config") != self.config.__dict__:
-            raise WeightsError(
-                f"weights in {path} are for model {payload.get('config')}, this encoder is "
-                f"{self.config.__dict__}; build the encoder with the config the weights came from")
-        self.load_state_dict(payload["state_dict"])
-        return self
 
     def _check_images(self, images: torch.Tensor) -> tuple[int, int, int, int]:
         b, hgt, wid, ch = images.shape
