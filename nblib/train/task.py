@@ -19,6 +19,7 @@ are found by one batch-1 forward and backward at start and frozen, so DDP waits 
 from __future__ import annotations
 
 import contextlib
+import logging
 import shlex
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from .data import BatchPlan, LabelledImages, label_digest, labels_for_cache, spl
 from .device import autocast
 from .model import HEAD_SEED_SALT, Classifier
 
+log = logging.getLogger(__name__)
 
 def is_trm(spec: str | None) -> bool:
     """Whether a --model spec names the suite's TRM (None: the default, the TRM)."""
@@ -100,12 +102,18 @@ def vram_preflight(task, config: TrainConfig, world_size: int = 1):
     """On CUDA, before any work: the traced training budget of the module the loop runs (the TRM's Classifier or
     a --model with its head; `nblib.budget.model_preflight`, the one answer of `nblib.budget.model_vram`) at the
     run's micro-batch and precision; BudgetExceeded with the numbers and the largest micro-batch that fits.
-    None (nothing checked) on CPU.
+    The trace is of this package's own job (nblib.train.traced, handed to the trace layer): the budget names none.
+    None (nothing checked) on CPU, and for a --records run, with one line naming the budgets that can be made.
     """
     from nblib.budget.preflight import model_preflight
     from nblib.errors import BudgetExceeded
 
-    if not isinstance(task, ImageTask) or not config.device.startswith("cuda"):
+    if not config.device.startswith("cuda"):
+        return None
+    if not isinstance(task, ImageTask):
+        log.warning("preflight: the VRAM of a %s run is not checked: the budget traces training on images (budget "
+                    "--model SPEC --train) and encoding on token ids (budget --model SPEC --input tokens:LENGTH)",
+                    task.flag)
         return None
     micro = config.micro_batch(world_size)
     traced = task.loaded if task.loaded is not None else task.model.encoder.config    # the TRM: its shape
