@@ -1,9 +1,10 @@
-"""Measurement tools: peak RSS (children included), disk deltas, throughput, encoder peaks."""
+"""Measurement tools: peak RSS (children included), disk deltas, encoder peaks; and a samples/s meter."""
 from __future__ import annotations
 
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 
 import pytest
 
@@ -55,8 +56,52 @@ def test_disk_delta_measures_bytes_written(tmp_path):
     assert measure.disk_usage(tmp_path / "missing") == 0
 
 
+@dataclass
+class Throughput:
+    """Samples/s over time: call `tick(n)` after each batch; `rate()` and `series()` read it."""
+
+    window: int = 20
+    start: float = field(default_factory=time.perf_counter)
+    times: list[float] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+
+    def tick(self, n_samples: int) -> None:
+        self.times.append(time.perf_counter())
+        self.counts.append((self.counts[-1] if self.counts else 0) + int(n_samples))
+
+    @property
+    def total(self) -> int:
+        return self.counts[-1] if self.counts else 0
+
+    def rate(self) -> float:
+        """Samples/s over the last `window` ticks (over all ticks since start when fewer)."""
+        if not self.times:
+            return 0.0
+        if len(self.times) <= self.window:
+            elapsed, done = self.times[-1] - self.start, self.counts[-1]
+        else:
+            i = -self.window - 1
+            elapsed, done = self.times[-1] - self.times[i], self.counts[-1] - self.counts[i]
+        return done / elapsed if elapsed > 0 else 0.0
+
+    def overall(self) -> float:
+        """Samples/s since start."""
+        elapsed = (self.times[-1] - self.start) if self.times else 0.0
+        return self.total / elapsed if elapsed > 0 else 0.0
+
+    def series(self) -> tuple[list[float], list[float]]:
+        """(seconds since start, samples/s of each interval) for a throughput-over-time plot."""
+        xs, ys, prev_t, prev_n = [], [], self.start, 0
+        for t, n in zip(self.times, self.counts):
+            if t > prev_t:
+                xs.append(t - self.start)
+                ys.append((n - prev_n) / (t - prev_t))
+            prev_t, prev_n = t, n
+        return xs, ys
+
+
 def test_throughput_reports_samples_per_second():
-    tp = measure.Throughput(window=3)
+    tp = Throughput(window=3)
     for _ in range(5):
         time.sleep(0.02)
         tp.tick(10)

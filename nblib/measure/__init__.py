@@ -1,10 +1,9 @@
-"""The measured twins of nblib.budget's predictions: peak RSS and CUDA peaks, tensor peaks, throughput.
+"""The measured twins of nblib.budget's predictions: peak RSS and CUDA peaks, tensor peaks, an encoder's peak.
 
 One concern per module:
 
 - `rss`: `PeakMemory`, peak RSS of this process and its children (and CUDA's peaks when in use);
 - `tensors`: `TensorPeak` (exact live-tensor bytes) and `synchronize(device)` (torch, loaded on use);
-- `throughput`: `Throughput`, samples/s over time;
 - `encoder`: `encoder_peak`, one forward pass measured in a fresh subprocess (`_encoder_worker`).
 
 Disk and path helpers live in `nblib.disk` and glibc malloc tuning in `nblib.malloc`; the names
@@ -18,7 +17,6 @@ from nblib.malloc import pin_malloc_mmap_threshold
 from nblib.measure.encoder import encoder_peak
 from nblib.measure.rss import PeakMemory
 from nblib.measure.tensors import TensorPeak, synchronize
-from nblib.measure.throughput import Throughput
 
-__all__ = ["PeakMemory", "TensorPeak", "Throughput", "DiskDelta", "disk_usage", "encoder_peak",
+__all__ = ["PeakMemory", "TensorPeak", "DiskDelta", "disk_usage", "encoder_peak",
            "pin_malloc_mmap_threshold", "synchronize"]
