@@ -4,6 +4,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import pytest
@@ -117,6 +118,53 @@ def test_throughput_reports_samples_per_second():
     assert ys == pytest.approx([10 / (b - a) for a, b in zip([tp.start, *t[:-1]], t)], rel=1e-12)
 
 
+class TensorPeak:
+    """Context manager: exact peak bytes of torch tensors created inside it and still alive.
+
+    A TorchDispatchMode sees every tensor an op returns and a finalizer sees its storage freed,
+    so the peak is exact and independent of the allocator (no RSS noise, no CUDA cache). It
+    misses buffers a kernel allocates internally and frees before returning.
+    """
+
+    def __init__(self):
+        self.current = self.peak = 0
+        self._live: dict[int, int] = {}
+        self._mode = None
+
+    def __enter__(self) -> TensorPeak:
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        tracker = self
+
+        class _Track(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in tree_flatten(out)[0]:
+                    if hasattr(t, "untyped_storage"):
+                        tracker._add(t.untyped_storage())
+                return out
+
+        self._mode = _Track()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
+
+    def _add(self, storage) -> None:
+        key, size = storage.data_ptr(), storage.nbytes()
+        if size == 0 or key in self._live:
+            return
+        self._live[key] = size
+        self.current += size
+        self.peak = max(self.peak, self.current)
+        weakref.finalize(storage, self._free, key)
+
+    def _free(self, key: int) -> None:
+        self.current -= self._live.pop(key, 0)
+
+
 MID = preset("seed_t4").replace(image_size=128, dim=256, heads=4, capsules=8)
 
 
@@ -132,7 +180,7 @@ def test_live_tensor_peak_equals_the_budget_for_model_variants(change):
     model = TRMVisionEncoder(cfg.model).eval()
     size = cfg.model.image_size
     images = torch.zeros((cfg.run.batch_size, size, size, 3), dtype=torch.uint8)
-    with torch.inference_mode(), measure.TensorPeak() as tp:
+    with torch.inference_mode(), TensorPeak() as tp:
         model(images)
     # exact up to per-token statistics (LayerNorm mean/rstd: B*T floats, 1/dim of a stream)
     assert tp.peak == pytest.approx(budget.forward_peak_delta(cfg), rel=2e-3)

@@ -1,9 +1,9 @@
-"""The measured twins of nblib.budget's predictions: peak RSS and CUDA peaks, tensor peaks, an encoder's peak.
+"""The measured twins of nblib.budget's predictions: peak RSS and CUDA peaks, an encoder's peak.
 
 One concern per module:
 
 - `rss`: `PeakMemory`, peak RSS of this process and its children (and CUDA's peaks when in use);
-- `tensors`: `TensorPeak` (exact live-tensor bytes) and `synchronize(device)` (torch, loaded on use);
+- `tensors`: `synchronize(device)` (torch, loaded on use);
 - `encoder`: `encoder_peak`, one forward pass measured in a fresh subprocess (`_encoder_worker`).
 
 Disk and path helpers live in `nblib.disk` and glibc malloc tuning in `nblib.malloc`; the names
@@ -16,7 +16,7 @@ from nblib.disk import DiskDelta, disk_usage
 from nblib.malloc import pin_malloc_mmap_threshold
 from nblib.measure.encoder import encoder_peak
 from nblib.measure.rss import PeakMemory
-from nblib.measure.tensors import TensorPeak, synchronize
+from nblib.measure.tensors import synchronize
 
-__all__ = ["PeakMemory", "TensorPeak", "DiskDelta", "disk_usage", "encoder_peak",
+__all__ = ["PeakMemory", "DiskDelta", "disk_usage", "encoder_peak",
            "pin_malloc_mmap_threshold", "synchronize"]
