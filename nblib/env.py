@@ -6,6 +6,7 @@ folder otherwise (`NBLIB_DRIVE_DIR`, default `outputs/drive`). It replaces the
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import importlib.util
 import os
@@ -109,7 +110,7 @@ def mount_drive(mount_point: str | Path = COLAB_MOUNT_POINT, *, _drive=None) -> 
         try:
             if not os.path.isdir(mount_point / "MyDrive"):  # mounted already (the setup cell): a mount only prints
                 drive.mount(str(mount_point))
-            _probe(mount_point)
+            os.listdir(mount_point)       # a dead FUSE mount raises here (Errno 107)
         except OSError as exc:
             if exc.errno != errno.ENOTCONN and "Transport endpoint is not connected" not in str(exc):
                 raise DriveError(f"mounting Google Drive at {mount_point} failed: {exc}; "
@@ -249,11 +250,6 @@ def _colab_drive():
     return drive
 
 
-def _probe(folder: Path) -> None:
-    """List a folder, raising the OSError a dead FUSE mount gives (Errno 107)."""
-    os.listdir(folder)
-
-
 def _require_writable(root: Path) -> Path:
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -318,10 +314,7 @@ def _gpu_info() -> dict:
 def _version(module: str) -> str | None:
     from importlib.metadata import PackageNotFoundError, version
 
-    candidates = {"tensorflow": ("tensorflow", "tensorflow-cpu")}.get(module, (module,))
-    for dist in candidates:
-        try:
+    for dist in {"tensorflow": ("tensorflow", "tensorflow-cpu")}.get(module, (module,)):
+        with contextlib.suppress(PackageNotFoundError):
             return version(dist)
-        except PackageNotFoundError:
-            continue
     return None
