@@ -1,13 +1,8 @@
 """`load_model(spec)`: any torch module from a string, built with seeded random weights, nothing downloaded.
 
-Specs (the `--model` argument):
-  trm | trm:PRESET           the suite's TRM encoder (the default), shaped by the run's config or a preset
-  hf:CLASS                   a transformers model class built from its default config
-  hf:CLASS:config.json       ... from a config file (its model_type must be the class's)
-  timm:NAME                  timm.create_model(NAME, pretrained=False), where timm imports
-  package.module:factory     an importable callable that returns an nn.Module
-Random weights come from `seed` in a forked RNG (the same seed gives the same weights, the
-caller's RNG is untouched); `weights=` loads a safetensors or torch state dict strictly over them.
+The spec forms (`SPEC_FORMS`, the `--model` argument) and what each builds: "The model contract" in
+docs/your-model.md. Random weights come from `seed` in a forked RNG (the caller's RNG is untouched);
+`weights=` loads a safetensors or torch state dict strictly over them.
 Trade-off: transformers and timm are imported only here, so a missing one fails at the model, not at
 `import nblib`, with the install line in the message.
 """

@@ -1,11 +1,8 @@
 """A model's forward result as named tensors, whatever form it takes, so encode can store each by name.
 
-A tensor is `output`; a dict of tensors (the TRM's) keeps its keys and order; a transformers
-`ModelOutput` (an ordered dict whose unset fields are absent) gives `last_hidden_state`,
-`pooler_output`, ...; a tuple or list gives `output.0`, `output.1`, ... Tuples inside a dict
-(`hidden_states` with output_hidden_states=True) become `hidden_states.0`, ... None is dropped.
-Anything else is refused with its type and where it was found: a silent skip would store less
-than the model gave.
+The forms and the names they give: "Outputs" in docs/your-model.md. Tuples inside a dict (`hidden_states`
+with output_hidden_states=True) become `hidden_states.0`, ...; None is dropped. Anything else is refused with
+its type and where it was found: a silent skip would store less than the model gave.
 """
 from __future__ import annotations
 
