@@ -21,6 +21,7 @@ writes none of them; it never mixes images of two different inputs in one cache.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import itertools
 import os
@@ -36,7 +37,6 @@ import xxhash
 from nblib.atomic import atomic_write_bytes, json_bytes, remove_temporaries, sha256_json
 from nblib.cache.codecs import DICT_SAMPLES, CodecSpec, check_codec, codec_for
 from nblib.cache.format import (
-    DAMAGED,
     MANIFEST,
     ShardWriter,
     read_cache_manifest,
@@ -44,7 +44,6 @@ from nblib.cache.format import (
     record_shard_stats,
     shard_bytes,
     shard_index,
-    shard_state,
     warn_many_files,
     write_cache_manifest,
 )
@@ -62,12 +61,14 @@ from nblib.cache.populate import (
     _clear,
     _preflight,
     _progress_bar,
+    append_shards,
     cache_bytes_on_disk,
+    cache_folder,
     cache_lock,
     fresh_spec,
+    mend_shard,
     plan_cache,
     recorded_spec,
-    stream_shards,
 )
 from nblib.errors import CacheError, InputError, NblibError
 
@@ -135,7 +136,7 @@ def write_images(images, out: str | Path, *, shard_mb: float = 400, codec: str =
               "shard_mb": shard_mb, "shard_bytes": shard_bytes(shard_mb), "seed": seed, "image_shape": shape,
               "resize": resize}
     created = not Path(out).exists()
-    out = _cache_folder(out)
+    out = cache_folder(out)
     try:
         with cache_lock(out) as lock:
             fresh = not (out / MANIFEST).exists() and not any(out.glob("shard-*"))
@@ -163,7 +164,7 @@ def _write_locked(images: Iterator, head: list, out: Path, lock, layout: dict, t
     if total is not None:
         per_image = float(np.mean([len(coder.encode(im)) for im in head[:64]]))
         plan = plan_cache(total, out, shape[0], shard_mb, codec, per_image)
-        _preflight(out, plan if old else _nothing_done(plan))
+        _preflight(out, plan if old else dataclasses.replace(plan, done_bytes=0))
         warn_many_files(plan.n_shards + 1, out, shard_mb)
     manifest = old or _fresh_manifest(out, layout, spec, total, overwrite)
     remove_temporaries(out)
@@ -174,7 +175,7 @@ def _write_locked(images: Iterator, head: list, out: Path, lock, layout: dict, t
     start = manifest["shards"][-1]["stop"] if manifest["shards"] else 0
     with _progress_bar(total, start, progress, "decoding images") as bar:
         blobs = ((coder.encode(image), image) for image in checked)
-        written = _append_shards(blobs, out, manifest, start, total, layout, spec, bar, lock)
+        written = append_shards(blobs, out, manifest, start, total, layout, spec, bar, lock, source_hash=True)
     done = _close_manifest(out, manifest, total, keys, side)
     return PopulateSummary(
         cache_dir=str(out), codec=codec, n_images=done, n_shards=len(manifest["shards"]),
@@ -183,30 +184,6 @@ def _write_locked(images: Iterator, head: list, out: Path, lock, layout: dict, t
         seconds=time.perf_counter() - started, render_seconds=time.perf_counter() - render_started,
         bytes_on_disk=cache_bytes_on_disk(out), predicted_bytes=plan.predicted_bytes if total else 0,
         workers=1, shards_repaired=len(rewritten), verb="decoded")
-
-
-def _cache_folder(out: str | Path) -> Path:
-    """The cache's folder, created; a file in its place is refused."""
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise CacheError(f"{out} is a file, not a folder: a cache needs a folder of its own; pass "
-                         f"another --out (or move that file away) and rerun")
-    out.mkdir(parents=True, exist_ok=True)
-    return out
-
-
-def _append_shards(blobs, out: Path, manifest: dict, start: int, total: int | None, layout: dict, spec,
-                   bar, lock) -> int:
-    """Write the remaining images as shards, recording each in the manifest once it is on disk."""
-    written = 0
-    for entry, stat in stream_shards(blobs, out, len(manifest["shards"]), start, total, layout,
-                                     spec, bar, source_hash=True):
-        manifest["shards"].append(entry)
-        lock.check()
-        write_cache_manifest(out, manifest)
-        record_shard_stats(out, stat)
-        written += 1
-    return written
 
 
 def _close_manifest(out: Path, manifest: dict, total: int | None, keys: Sequence[str] | None,
@@ -599,16 +576,20 @@ def _fresh_manifest(out: Path, layout: dict, spec: CodecSpec, total: int | None,
     return manifest
 
 
-def _nothing_done(plan):
-    import dataclasses
-
-    return dataclasses.replace(plan, done_bytes=0)
-
-
 def _pass_over_done_shards(out: Path, manifest: dict, spec: CodecSpec, images: Iterator) -> list[dict]:
     """Consume the images of shards already written: check they are the same, rewrite damaged shards."""
     coder, stats, rewritten = codec_for(spec), read_shard_stats(out), []
-    for entry in manifest["shards"]:
+
+    def rewrite(entry: dict) -> dict:   # the shard of the current `batch`, from its images
+        with ShardWriter(out, shard_index(entry["file"]), entry["start"], spec, manifest["image_shape"],
+                         count=entry["count"], source_hash=True) as writer:
+            for image in batch:
+                writer.add(coder.encode(image), image)
+            new = writer.commit(expect_sha256=entry["sha256"])
+        record_shard_stats(out, {entry["file"]: writer.stat})
+        return new
+
+    for i, entry in enumerate(list(manifest["shards"])):
         batch = list(itertools.islice(images, entry["count"]))
         digest = xxhash.xxh3_64()
         for image in batch:
@@ -617,18 +598,6 @@ def _pass_over_done_shards(out: Path, manifest: dict, spec: CodecSpec, images: I
             raise CacheError(f"these images are not the ones {out} was written from (shard {entry['file']}, "
                              f"images {entry['start']:,}-{entry['stop'] - 1:,}, differ): pass the same images "
                              f"in the same order to resume, or overwrite=True (--overwrite) to rebuild")
-        state = shard_state(out, entry, stats=stats, digest="xxh3")
-        if state in DAMAGED:
-            writer = ShardWriter(out, shard_index(entry["file"]), entry["start"], spec, manifest["image_shape"],
-                                 count=entry["count"], source_hash=True)
-            with writer:
-                for image in batch:
-                    writer.add(coder.encode(image), image)
-                writer.commit(expect_sha256=entry["sha256"])
-            record_shard_stats(out, {entry["file"]: writer.stat})
+        if mend_shard(out, manifest, i, stats, rewrite):
             rewritten.append(entry)
-        elif state == "touched":
-            from nblib.cache.format import current_stat
-
-            record_shard_stats(out, current_stat(out, entry))
     return rewritten

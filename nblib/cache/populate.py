@@ -153,18 +153,14 @@ def _populate(source: TextSource, cache_dir, image_size, shard_mb, workers, seed
     require_texts(scan, source)
     params = render_params(image_size, font_size)
     found = check_coverage(itertools.islice(iter(source), COVERAGE_TEXTS), params, strict_fonts)
-    cache_dir = Path(cache_dir)
-    if cache_dir.exists() and not cache_dir.is_dir():
-        raise CacheError(f"{cache_dir} is a file, not a folder: a cache needs a folder of its own; pass "
-                         f"another --out (or move that file away) and rerun")
-    cache_dir.mkdir(parents=True, exist_ok=True)
+    cache_dir = cache_folder(cache_dir)
     sample_images = [_render_sample(t, params) for t in scan.sample]
     with cache_lock(cache_dir) as lock:  # everything below reads and writes the folder
         if codec == "auto":
             codec = _resumed_codec(cache_dir, scan) or _auto_codec(scan.n_texts, cache_dir, sample_images)
         layout = _layout(params, codec, shard_mb, seed, codec_level)
         resumable = _resumable(cache_dir, scan, layout)
-        spec = _resumed_spec(cache_dir) if resumable else \
+        spec = recorded_spec(read_cache_manifest(cache_dir)) if resumable else \
             fresh_spec(codec, layout["codec_level"], lambda: _first_images(source, params))
         bytes_per_image = float(np.mean([len(codec_for(spec).encode(im)) for im in sample_images]))
         plan = plan_cache(scan.n_texts, cache_dir, image_size, shard_mb, codec, bytes_per_image)
@@ -181,16 +177,9 @@ def _populate(source: TextSource, cache_dir, image_size, shard_mb, workers, seed
         repaired = _repair_listed_shards(cache_dir, manifest, source, workers)
         reused = len(manifest["shards"]) - len(repaired)
         start = manifest["shards"][-1]["stop"] if manifest["shards"] else 0
-        written = 0
         with _progress_bar(scan.n_texts, start, progress) as bar:
             blobs = rendered_blobs(itertools.islice(iter(source), start, None), params, spec, workers, start)
-            for entry, stat in stream_shards(blobs, cache_dir, len(manifest["shards"]), start,
-                                             scan.n_texts, layout, spec, bar):
-                manifest["shards"].append(entry)
-                lock.check()  # still ours: no other run took the folder over
-                write_cache_manifest(cache_dir, manifest)
-                record_shard_stats(cache_dir, stat)
-                written += 1
+            written = append_shards(blobs, cache_dir, manifest, start, scan.n_texts, layout, spec, bar, lock)
         done = manifest["shards"][-1]["stop"] if manifest["shards"] else 0
         if done != scan.n_texts:
             raise CacheError(f"the texts changed while rendering: {done:,} images written, "
@@ -218,6 +207,30 @@ def check_coverage(texts: Iterable[str], params: RenderParams, strict: bool = Fa
             raise InputError(message + ", or drop --strict-fonts to build the cache anyway")
         warnings.warn(message, stacklevel=3)
     return found
+
+
+def cache_folder(out: str | Path, needs: str = "a cache needs a folder of its own") -> Path:
+    """The folder of a cache (or of record shards: `needs`), created; a file in its place is refused."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise CacheError(f"{out} is a file, not a folder: {needs}; pass "
+                         f"another --out (or move that file away) and rerun")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def append_shards(blobs, out: Path, manifest: dict, start: int, total: int | None, layout: dict, spec, bar,
+                  lock, *, source_hash: bool = False) -> int:
+    """Write the remaining images as shards, recording each in the manifest once it is on disk; how many."""
+    written = 0
+    for entry, stat in stream_shards(blobs, out, len(manifest["shards"]), start, total, layout, spec, bar,
+                                     source_hash=source_hash):
+        manifest["shards"].append(entry)
+        lock.check()  # still ours: no other run took the folder over
+        write_cache_manifest(out, manifest)
+        record_shard_stats(out, stat)
+        written += 1
+    return written
 
 
 def cache_lock(cache_dir: str | Path) -> FolderLock:
@@ -480,21 +493,25 @@ def _write_whole(cache_dir: Path, index: int, start: int, spec: CodecSpec, shape
 
 
 def _repair_listed_shards(cache_dir: Path, manifest: dict, source: TextSource, workers: int) -> list[dict]:
-    """Re-render listed shards whose file is damaged (stat first, sha256 where the stat changed).
+    """Re-render listed shards whose file is damaged (`mend_shard`); the entries re-rendered."""
+    stats = read_shard_stats(cache_dir)
+    return [entry for i, entry in enumerate(list(manifest["shards"])) if mend_shard(
+        cache_dir, manifest, i, stats, lambda e: rerender_shard(cache_dir, manifest, e, source, workers))]
 
-    A shard whose bytes still match but whose stat changed (a copy) gets its new stat recorded in
-    the stat cache. The manifest is rewritten after each re-render. Returns the entries re-rendered.
+
+def mend_shard(cache_dir: Path, manifest: dict, i: int, stats: dict, rewrite) -> bool:
+    """Rewrite listed shard `i` when its file is damaged (stat first, xxh3 where the stat changed), the
+    manifest rewritten after; a shard only copied (bytes match, stat changed) gets its new stat recorded.
+    True when it was rewritten (`rewrite(entry)` gives its new entry).
     """
-    repaired, stats = [], read_shard_stats(cache_dir)
-    for i, entry in enumerate(manifest["shards"]):
-        state = shard_state(cache_dir, entry, stats=stats, digest="xxh3")
-        if state in DAMAGED:
-            manifest["shards"][i] = rerender_shard(cache_dir, manifest, entry, source, workers)
-            repaired.append(entry)
-            write_cache_manifest(cache_dir, manifest)
-        elif state == "touched":
-            record_shard_stats(cache_dir, current_stat(cache_dir, entry))
-    return repaired
+    entry = manifest["shards"][i]
+    state = shard_state(cache_dir, entry, stats=stats, digest="xxh3")
+    if state in DAMAGED:
+        manifest["shards"][i] = rewrite(entry)
+        write_cache_manifest(cache_dir, manifest)
+    elif state == "touched":
+        record_shard_stats(cache_dir, current_stat(cache_dir, entry))
+    return state in DAMAGED
 
 
 def _layout(params: RenderParams, codec: str, shard_mb: float, seed: int, codec_level: int | None) -> dict:
@@ -581,11 +598,6 @@ def _preflight(cache_dir: Path, plan: CachePlan) -> None:
     knob = ("a compressed codec (--codec zstd, zlib or png), a smaller --size, fewer texts, or a disk "
             "with more free space")
     check_disk(cache_dir, max(0, plan.predicted_bytes - plan.done_bytes), what="image cache", knob=knob)
-
-
-def _resumed_spec(cache_dir: Path) -> CodecSpec:
-    """The codec spec the cache in `cache_dir` records (it resumes with the same dictionary)."""
-    return recorded_spec(read_cache_manifest(cache_dir))
 
 
 def _resumed_codec(cache_dir: Path, scan: TextScan) -> str | None:

@@ -11,11 +11,10 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from nblib.atomic import leftover_temporaries
-from nblib.cache.format import current_stat, record_shard_stats, shard_findings
+from nblib.cache.format import current_stat, record_shard_stats
 from nblib.cache.populate import cache_lock
 from nblib.cache.record_format import read_record_manifest
-from nblib.cache.verify import RECORD_SHARDS, VerifyReport
+from nblib.cache.verify import RECORD_SHARDS, VerifyReport, shard_report
 from nblib.errors import CacheError
 
 
@@ -83,11 +82,6 @@ def _inspect(folder: Path) -> VerifyReport:
         manifest = read_record_manifest(folder)
     except CacheError as exc:
         return VerifyReport(folder=str(folder), kind=RECORD_SHARDS, manifest_problem=str(exc))
-    found, unlisted = shard_findings(folder, manifest["shards"])
     n_records = sum(s["count"] for s in manifest["shards"])
-    return VerifyReport(
-        folder=str(folder), kind=RECORD_SHARDS, n_shards=len(manifest["shards"]), n_items=n_records,
-        expected_items=n_records, complete=bool(manifest.get("complete")), missing=tuple(found["missing"]),
-        truncated=tuple(found["truncated"]), corrupt=tuple(found["corrupt"]), touched=tuple(found["touched"]),
-        temporaries=tuple(str(p.relative_to(folder)) for p in leftover_temporaries(folder)),
-        unlisted=tuple(unlisted))
+    return shard_report(folder, manifest["shards"], kind=RECORD_SHARDS, n_items=n_records,
+                        expected_items=n_records, complete=bool(manifest.get("complete")))

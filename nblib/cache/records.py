@@ -39,6 +39,7 @@ import numpy as np
 import xxhash
 
 from nblib.atomic import leftover_temporaries, remove_temporaries, sha256_json
+from nblib.cache.codecs import CODECS
 from nblib.cache.format import (
     DAMAGED,
     HEADER,
@@ -52,12 +53,11 @@ from nblib.cache.format import (
     warn_many_files,
 )
 from nblib.cache.pickle_globals import record_fields
-from nblib.cache.populate import cache_bytes_on_disk, cache_lock
+from nblib.cache.populate import cache_bytes_on_disk, cache_folder, cache_lock
 from nblib.cache.record_format import (
     MANIFEST,
     RECORD_CODECS,
     RECORD_LAYOUT,
-    ZSTD_LEVEL,
     RecordShardWriter,
     as_field,
     check_schema,
@@ -138,7 +138,7 @@ def write_records(records, out: str | Path, *, shard_mb: float = 400, group_by: 
     layout = record_layout(shard_mb, group_by, codec, codec_level)
     source = records.describe() if isinstance(records, RecordSource) else {"kind": "iterable", "path": None,
                                                                            "bytes": None}
-    out = _folder(out)
+    out = cache_folder(out, "record shards need a folder of their own")
     with cache_lock(out) as lock:
         old = _resumable(out, layout, source)
         if old is None:
@@ -167,14 +167,7 @@ def record_layout(shard_mb: float, group_by: str | None, codec: str, codec_level
     """The settings a resume must share with the run that began the folder (checked)."""
     if codec not in RECORD_CODECS:
         raise ConfigError(f"codec={codec!r} is not one for records; choose one of {RECORD_CODECS}")
-    if codec == "raw" and codec_level is not None:
-        raise ConfigError("codec 'raw' has no level; drop codec_level (--codec-level)")
-    if codec == "zstd":
-        level = ZSTD_LEVEL if codec_level is None else codec_level
-        if isinstance(level, bool) or not isinstance(level, int) or not 1 <= level <= 22:
-            raise ConfigError(f"codec_level={codec_level!r} is out of range for zstd: pick an integer 1..22 "
-                              f"(default {ZSTD_LEVEL})")
-        codec_level = level
+    codec_level = CODECS[codec].level(codec_level)
     if group_by is not None and (not isinstance(group_by, str) or not group_by):
         raise ConfigError(f"group_by={group_by!r} must be the name of a scalar field, e.g. 'layer_id'")
     return {"codec": codec, "codec_level": codec_level, "shard_mb": shard_mb, "shard_bytes": shard_bytes(shard_mb),
@@ -207,11 +200,11 @@ class _ShardRun:
 
     def add(self, index: int, record) -> None:
         """Route one record to its key's shard, opening (or closing) shards as they fill."""
-        if self.manifest is None:
-            self.manifest = self._fresh_manifest(record, index)
         if not isinstance(record, dict):
             encode_record(record, index)  # raises the InputError that names what a record is
         refuse_colliding_names(record, index)
+        if self.manifest is None:
+            self.manifest = self._fresh_manifest(record, index)
         check_schema(record, self.manifest["fields"], index)
         key = self._key(record, index)
         payload = encode_record(record, index)
@@ -256,10 +249,7 @@ class _ShardRun:
 
     # ------------------------------------------------------------------------------ helpers
 
-    def _fresh_manifest(self, record, index: int) -> dict:
-        if not isinstance(record, dict):
-            encode_record(record, index)
-        refuse_colliding_names(record, index)
+    def _fresh_manifest(self, record: dict, index: int) -> dict:
         manifest = {"source": {**self.source, "n_records": None, "sha256": None}, **self.layout,
                     "fields": field_schema(record), "complete": False, "n_records": None, "shards": []}
         if self.layout["group_by"] is not None:
@@ -346,15 +336,6 @@ class _ShardRun:
         return CacheError(f"this input is not the one {self.out} was written from (shard {entry['file']}: "
                           f"{why}): pass the same records in the same order to resume or repair, or "
                           f"overwrite=True (--overwrite) to rebuild")
-
-
-def _folder(out: str | Path) -> Path:
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise CacheError(f"{out} is a file, not a folder: record shards need a folder of their own; pass "
-                         f"another --out")
-    out.mkdir(parents=True, exist_ok=True)
-    return out
 
 
 def _resumable(out: Path, layout: dict, source: dict) -> dict | None:

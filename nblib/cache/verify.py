@@ -154,15 +154,17 @@ def _inspect(cache_dir: Path) -> VerifyReport:
     except CacheError as exc:
         return VerifyReport(folder=str(cache_dir), manifest_problem=str(exc))
     shards = manifest["shards"]
-    found, unlisted = shard_findings(cache_dir, shards)
     n_images, expected = shards[-1]["stop"] if shards else 0, expected_images(manifest) or 0
+    return shard_report(cache_dir, shards, n_items=n_images, expected_items=expected, complete=n_images == expected)
+
+
+def shard_report(folder: Path, shards: list[dict], **counts) -> VerifyReport:
+    """The report of a full check of a folder's listed shards (`shard_findings`) and its stray files."""
+    found, unlisted = shard_findings(folder, shards)
     return VerifyReport(
-        folder=str(cache_dir), n_shards=len(shards), n_items=n_images, expected_items=expected,
-        complete=n_images == expected,
-        missing=tuple(found["missing"]), truncated=tuple(found["truncated"]),
-        corrupt=tuple(found["corrupt"]), touched=tuple(found["touched"]),
-        temporaries=tuple(str(p.relative_to(cache_dir)) for p in leftover_temporaries(cache_dir)),
-        unlisted=tuple(unlisted))
+        folder=str(folder), n_shards=len(shards), **counts, unlisted=tuple(unlisted),
+        **{state: tuple(names) for state, names in found.items()},
+        temporaries=tuple(str(p.relative_to(folder)) for p in leftover_temporaries(folder)))
 
 
 def _repair_source(manifest: dict, texts, field_name: str | None) -> TextSource:
