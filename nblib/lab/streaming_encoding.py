@@ -7,6 +7,7 @@ outputs, judged by the budget's one rule (its T4 time is `nblib.lab.simulated_t4
 """
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 import shutil
@@ -175,15 +176,11 @@ def checksum_collisions(checksums: np.ndarray, image_hashes: list[str] | None = 
     x = np.asarray(checksums[:max_samples], dtype=np.float32).reshape(min(len(checksums), max_samples), -1)
     codes = x > np.median(x, axis=0)
     packed = [c.tobytes() for c in np.packbits(codes, axis=1)]
-    counts: dict[bytes, int] = {}
-    for code in packed:
-        counts[code] = counts.get(code, 0) + 1
+    counts = collections.Counter(packed)
     colliding = [i for i, code in enumerate(packed) if counts[code] > 1]
     duplicates = 0
     if image_hashes is not None:
-        seen: dict[str, int] = {}
-        for h in image_hashes[:len(x)]:
-            seen[h] = seen.get(h, 0) + 1
+        seen = collections.Counter(image_hashes[:len(x)])
         duplicates = sum(1 for i in colliding if seen[image_hashes[i]] > 1)
     c = codes.astype(np.float32)  # float matmul: exact for counts below 2**24, and fast
     distances = np.rint(c.shape[1] - (c @ c.T + (1 - c) @ (1 - c).T)).astype(np.int32)
