@@ -31,6 +31,7 @@ import numpy as np
 import xxhash
 
 from nblib.atomic import AtomicWriter
+from nblib.cache.codecs import ZSTD_LEVEL
 from nblib.cache.format import (
     HEADER,
     RECORDS_KIND,
@@ -47,8 +48,7 @@ MANIFEST = "manifest.json"
 MANIFEST_KIND = RECORDS_KIND
 MANIFEST_VERSION = 1
 RECORD_LAYOUT = 1               # the payload layout above; sits where image shards keep their shape
-RECORD_CODECS = ("zstd", "raw")
-ZSTD_LEVEL = 3
+RECORD_CODECS = ("zstd", "raw")   # levels and their checks: the image codecs' (`nblib.cache.codecs.CODECS`)
 SHARD_SUFFIX = ".rec"
 ALIGN = 8
 LENGTH = struct.Struct("<I")
