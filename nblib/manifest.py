@@ -118,11 +118,8 @@ def stat_vouches(recorded: dict | None, st: os.stat_result, sha256: str | None =
 def read_stat_cache(manifest_path: str | Path) -> dict[str, dict]:
     """file name -> its stat record ({"bytes", "mtime_ns"[, "sha256"]}); {} when missing or damaged.
 
-    The stat cache is the non-canonical side of a manifest (as git keeps its index apart from its
-    objects): the manifest itself holds only what two identical runs agree on (sizes, sha256,
-    shapes), so its bytes are the same; the stats that let a quick check skip hashing live here.
-    It is a hint, never a source of truth: losing or damaging it costs one hash per file, never a
-    wrong answer. A version-1 cache (mtimes only) reads as records holding only `mtime_ns`.
+    A hint, never a source of truth (docs/formats.md, "Two hashes, two jobs"): losing it costs one hash
+    per file. A version-1 cache (mtimes only) reads as records holding only `mtime_ns`.
     """
     try:
         record = read_manifest(stat_cache_path(manifest_path), STAT_KIND, versions=(1, STAT_VERSION))
@@ -142,15 +139,9 @@ def read_stat_cache(manifest_path: str | Path) -> dict[str, dict]:
 
 
 def write_stat_cache(manifest_path: str | Path, stats: dict[str, dict]) -> bool:
-    """Replace the stat cache beside the manifest at `manifest_path` with `stats`, atomically.
+    """Replace the stat cache of the manifest at `manifest_path` with `stats` ({file: `stat_record`}), atomically.
 
-    Args:
-        manifest_path: the manifest the stats serve (its stat cache is `stat_cache_path` of it).
-        stats: file name -> stat record (`stat_record`).
-
-    Returns:
-        True when written; False when the folder cannot be written (a read-only mount): best
-        effort, the old stat cache stays and the next check hashes instead.
+    False when the folder cannot be written (a read-only mount): the old stat cache stays, the next check hashes.
     """
     body = {"note": STAT_NOTE, "files": dict(sorted(stats.items()))}
     try:

@@ -10,16 +10,9 @@ Every shard ends with a table of one xxh3-64 per image (of its stored bytes) and
 the xxh3 of the header and of the tables: every read, random or in order, checks the bytes of the
 image it serves. Codecs live in `nblib.cache.codecs` (the registry `CODECS`).
 
-Two hashes, two jobs. sha256 is identity: the manifest's own digest, each shard's sha256 (what
-`verify` and a repair's re-render must match) and the cache fingerprint an encode run records.
-xxh3 (`xxhash`, ~20 GB/s against sha256's ~1.7 on one core) is integrity on read paths: the
-per-image table, the whole-shard xxh3 a first-touch check and a stat-changed reopen compare.
-
-The manifest holds content only, so two identical builds write identical bytes. The stat of each
-shard when written (size, mtime_ns) lives apart in `manifest.stat.json`, `nblib.manifest`'s stat
-cache (as git keeps its index apart from its objects): a local, non-canonical cache that may be deleted at any time (the
-next open then hashes each shard once). A shard is trusted from a stat that equals its recorded
-one; any other stat costs an xxh3 of the file.
+sha256 is identity (the manifest, each shard, the fingerprint), xxh3 is integrity on read paths,
+and each shard's stat lives apart in `manifest.stat.json`, so two identical builds write identical
+manifests: docs/formats.md, "Two hashes, two jobs".
 """
 from __future__ import annotations
 
