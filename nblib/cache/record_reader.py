@@ -27,10 +27,9 @@ import xxhash
 from nblib.cache.format import damaged_error, read_shard_stats, shard_state, xxh3_file
 from nblib.cache.record_format import decode_record, open_record_shard, read_record_manifest, record_coder
 from nblib.errors import CacheError, ConfigError
-from nblib.shuffle.feistel import FeistelPermutation
-from nblib.shuffle.keyed_random import check_n, derive_keys
+from nblib.shuffle.keyed_random import check_n
 from nblib.shuffle.positional import PositionalShuffle
-from nblib.shuffle.shard_aware import windowed_indices
+from nblib.shuffle.shard_aware import WindowedShuffle
 from nblib.shuffle.state import as_int
 
 CHECKS = ("record", "first-touch", "off")
@@ -176,7 +175,7 @@ class RecordShards:
                           f"--verify --repair {self.folder}")
 
 
-class RecordShardShuffle(PositionalShuffle):
+class RecordShardShuffle(WindowedShuffle):
     """Shuffle the shard order, then the records within each window of `window_shards` shards.
 
     Shards may hold different numbers of records (`counts`). Constructor arguments are keyword-only;
@@ -198,15 +197,7 @@ class RecordShardShuffle(PositionalShuffle):
         if self.window_shards < 1:
             raise ConfigError(f"window_shards={window_shards} must be >= 1 (1: one shard resident)")
         self.layout = xxhash.xxh3_64_intdigest(self.counts.astype("<i8").tobytes())
-        self.starts = np.concatenate([[0], np.cumsum(self.counts)])
-        shards = len(self.counts)
-        keys = derive_keys("record-shards", self.seed, self.epoch, self.n, self.layout)
-        self.shard_order = FeistelPermutation(shards, keys).indices(np.arange(shards, dtype=np.uint64))
-        self._ordered = self.counts[self.shard_order]
-        window_sizes = np.add.reduceat(self._ordered, np.arange(0, shards, self.window_shards))
-        self._window_starts = np.concatenate([[0], np.cumsum(window_sizes)])
-        self._cache: tuple[int, FeistelPermutation, np.ndarray] | None = None
-        self.position = 0
+        self._lay_out(self.counts, ("record-shards", "record-window"), self.layout)
 
     def fresh(self, **changes) -> RecordShardShuffle:
         """The same shuffle at the start of its epoch (with `changes`, e.g. epoch=2)."""
@@ -215,28 +206,3 @@ class RecordShardShuffle(PositionalShuffle):
         arguments.pop("n", None)
         arguments.pop("layout", None)
         return RecordShardShuffle(**arguments)
-
-    def index_at(self, position: int) -> int:
-        """The record index at output position `position`."""
-        if not 0 <= int(position) < self.n:
-            raise IndexError(f"position {position} is outside [0, {self.n})")
-        return int(self.indices(int(position), int(position) + 1)[0])
-
-    def indices(self, start: int = 0, stop: int | None = None) -> np.ndarray:
-        """Record indices of output positions [start, stop) as an int64 array."""
-        start, stop = self.check_range(start, stop)
-        return windowed_indices(self._window_starts, start, stop, self._window_indices)
-
-    def _window_indices(self, window: int, positions: np.ndarray) -> np.ndarray:
-        if self._cache is None or self._cache[0] != window:
-            begin = int(self._window_starts[window])
-            size = int(self._window_starts[window + 1]) - begin
-            keys = derive_keys("record-window", self.seed, self.epoch, self.n, self.layout, window)
-            first = window * self.window_shards
-            offsets = np.concatenate([[0], np.cumsum(self._ordered[first:first + self.window_shards])])
-            self._cache = (window, FeistelPermutation(size, keys), offsets)
-        _, permutation, offsets = self._cache
-        local = permutation.indices(positions - int(self._window_starts[window]))
-        slot = np.searchsorted(offsets, local, side="right") - 1
-        shards = self.shard_order[window * self.window_shards + slot]
-        return self.starts[shards] + (local - offsets[slot])

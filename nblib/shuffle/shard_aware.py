@@ -18,33 +18,19 @@ MAX_SHARDS = 2**25        # the shard order is held in RAM: ~40 bytes per shard 
 BYTES_PER_SHARD = 40
 
 
-class ShardAwareShuffle(PositionalShuffle):
-    """Shuffle the shard order, then shuffle within windows of `window_shards` shards.
-
-    Shards are consecutive runs of `shard_size` indices (the last may be shorter). The shard
-    order is a keyed permutation; window w covers shards order[w*W:(w+1)*W], and its samples are
-    permuted by a keyed permutation of their own. A sequential-read source needs only the W
-    shards of the current window open at once. W = number of shards is a full shuffle of every
-    sample; W = 1 only shuffles inside each shard.
+class WindowedShuffle(PositionalShuffle):
+    """Shards (runs of indices) in a keyed order, then each window of `window_shards` shards permuted by a
+    keyed permutation of its own: what `ShardAwareShuffle` and the record shards' shuffle share.
     """
 
-    algorithm = "shard_window_feistel"
-    identity_fields = ("n", "seed", "epoch", "shard_size", "window_shards")
-
-    def __init__(self, *, n: int, seed: int, epoch: int = 0, shard_size: int, window_shards: int):
-        check_n(n)
-        self.n, self.seed, self.epoch = as_int("n", n), as_int("seed", seed), as_int("epoch", epoch)
-        self.shard_size, self.window_shards = as_int("shard_size", shard_size), as_int("window_shards", window_shards)
-        if self.shard_size < 1 or self.window_shards < 1:
-            raise ConfigError(f"shard_size={shard_size} and window_shards={window_shards} must both be >= 1")
-        num_shards = -(-self.n // self.shard_size)
-        check_shard_count(self.n, self.shard_size, num_shards)
-        shard_perm = FeistelPermutation(num_shards, derive_keys("shards", self.seed, self.epoch, self.n))
-        self.shard_order = shard_perm.indices(np.arange(num_shards, dtype=np.uint64))
-        sizes = np.full(num_shards, self.shard_size, dtype=np.int64)
-        sizes[-1] = self.n - (num_shards - 1) * self.shard_size
-        self._ordered_sizes = sizes[self.shard_order]
-        window_sizes = np.add.reduceat(self._ordered_sizes, np.arange(0, num_shards, self.window_shards))
+    def _lay_out(self, counts: np.ndarray, tags: tuple[str, str], *extra: int) -> None:
+        """The shard order and the windows over shards of `counts` indices, keyed by (tags, seed, epoch, n, extra)."""
+        self._window_key, shards = (tags[1], self.seed, self.epoch, self.n, *extra), len(counts)
+        self.starts = np.concatenate([[0], np.cumsum(counts)])
+        keys = derive_keys(tags[0], self.seed, self.epoch, self.n, *extra)
+        self.shard_order = FeistelPermutation(shards, keys).indices(np.arange(shards, dtype=np.uint64))
+        self._ordered_sizes = counts[self.shard_order]
+        window_sizes = np.add.reduceat(self._ordered_sizes, np.arange(0, shards, self.window_shards))
         self._window_starts = np.concatenate([[0], np.cumsum(window_sizes)])
         self._window_cache: tuple[int, FeistelPermutation, np.ndarray] | None = None
         self.position = 0
@@ -66,7 +52,7 @@ class ShardAwareShuffle(PositionalShuffle):
         if self._window_cache is None or self._window_cache[0] != window:
             start = int(self._window_starts[window])
             size = int(self._window_starts[window + 1]) - start
-            permutation = FeistelPermutation(size, derive_keys("window", self.seed, self.epoch, self.n, window))
+            permutation = FeistelPermutation(size, derive_keys(*self._window_key, window))
             first = window * self.window_shards
             sizes = self._ordered_sizes[first:first + self.window_shards]
             self._window_cache = (window, permutation, np.concatenate([[0], np.cumsum(sizes)]))
@@ -74,7 +60,33 @@ class ShardAwareShuffle(PositionalShuffle):
         local = permutation.indices(positions - int(self._window_starts[window]))
         slot = np.searchsorted(offsets, local, side="right") - 1
         shards = self.shard_order[window * self.window_shards + slot]
-        return shards * self.shard_size + (local - offsets[slot])
+        return self.starts[shards] + (local - offsets[slot])
+
+
+class ShardAwareShuffle(WindowedShuffle):
+    """Shuffle the shard order, then shuffle within windows of `window_shards` shards.
+
+    Shards are consecutive runs of `shard_size` indices (the last may be shorter). The shard
+    order is a keyed permutation; window w covers shards order[w*W:(w+1)*W], and its samples are
+    permuted by a keyed permutation of their own. A sequential-read source needs only the W
+    shards of the current window open at once. W = number of shards is a full shuffle of every
+    sample; W = 1 only shuffles inside each shard.
+    """
+
+    algorithm = "shard_window_feistel"
+    identity_fields = ("n", "seed", "epoch", "shard_size", "window_shards")
+
+    def __init__(self, *, n: int, seed: int, epoch: int = 0, shard_size: int, window_shards: int):
+        check_n(n)
+        self.n, self.seed, self.epoch = as_int("n", n), as_int("seed", seed), as_int("epoch", epoch)
+        self.shard_size, self.window_shards = as_int("shard_size", shard_size), as_int("window_shards", window_shards)
+        if self.shard_size < 1 or self.window_shards < 1:
+            raise ConfigError(f"shard_size={shard_size} and window_shards={window_shards} must both be >= 1")
+        num_shards = -(-self.n // self.shard_size)
+        check_shard_count(self.n, self.shard_size, num_shards)
+        sizes = np.full(num_shards, self.shard_size, dtype=np.int64)
+        sizes[-1] = self.n - (num_shards - 1) * self.shard_size
+        self._lay_out(sizes, ("shards", "window"))
 
 
 def check_shard_count(n: int, shard_size: int, num_shards: int) -> None:
