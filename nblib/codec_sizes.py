@@ -14,6 +14,7 @@ the fastest-decoding codec whose cache fits).
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from nblib.budget.disk import (
@@ -81,11 +82,7 @@ def measure_codec_sizes(texts, image_size: int = 224, n: int = SAMPLE_TEXTS,
     from nblib.render import render_params, render_with
 
     params = render_params(image_size)
-    sample = []
-    for text in text_source(texts):
-        sample.append(render_with(text, params))
-        if len(sample) >= n:
-            break
+    sample = [render_with(text, params) for text in itertools.islice(text_source(texts), n)]
     stats = measure_codecs(sample, codecs, min_seconds=0.0)
     sizes = {c: stored_bytes_per_image(c, s["bytes_per_image"]) for c, s in stats.items()}
     rates = {c: s["decode_images_per_s"] for c, s in stats.items()}

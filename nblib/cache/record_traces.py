@@ -69,8 +69,8 @@ def trace_record_bytes(*, hidden: int = 256, experts: int = 8, tokens: tuple[int
 
 
 def write_trace_pickle(path: str | Path, *, n_records: int | None = None, target_bytes: int | None = None,
-                       as_list: bool = False, **sizes) -> int:
-    """Write a trace as a pickle stream (`pickle.dump` per record), or one pickled list; its record count.
+                       **sizes) -> int:
+    """Write a trace as a pickle stream (`pickle.dump` per record); its record count.
 
     Pass `n_records`, or `target_bytes` to write records until the file reaches that size. The file
     is written atomically. `sizes` go to `trace_records`.
@@ -78,14 +78,9 @@ def write_trace_pickle(path: str | Path, *, n_records: int | None = None, target
     if (n_records is None) == (target_bytes is None):
         raise ConfigError("write_trace_pickle needs one of n_records or target_bytes")
     if n_records is None:
-        n_records = max(1, int(np.ceil(target_bytes / trace_record_bytes(**{k: v for k, v in sizes.items()
-                                                                              if k in ("hidden", "experts", "tokens",
-                                                                                       "top_k", "dtype")}))))
-    records = trace_records(n_records, **sizes)
+        shape = {k: v for k, v in sizes.items() if k not in ("layers", "seed", "start")}
+        n_records = max(1, int(np.ceil(target_bytes / trace_record_bytes(**shape))))
     with atomic_open(path, "wb") as f:
-        if as_list:
-            pickle.dump(list(records), f, protocol=pickle.HIGHEST_PROTOCOL)
-        else:
-            for record in records:
-                pickle.dump(record, f, protocol=pickle.HIGHEST_PROTOCOL)
+        for record in trace_records(n_records, **sizes):
+            pickle.dump(record, f, protocol=pickle.HIGHEST_PROTOCOL)
     return n_records

@@ -62,9 +62,8 @@ class TextSource:
 
     def describe(self) -> dict:
         """What the manifest records to find the texts again for a repair."""
-        if self.path is None:
-            return {"path": None, "field": None, "errors": self.errors}
-        return {"path": str(self.path), "field": self.field, "errors": self.errors}
+        path = self.path is not None
+        return {"path": str(self.path) if path else None, "field": self.field if path else None, "errors": self.errors}
 
 
 def text_source(texts, field: str | None = None, errors: str = "strict") -> TextSource:
@@ -188,8 +187,7 @@ def _check_text_file(path, field: str | None, errors: str) -> tuple[Path, str | 
 
 
 def _decode_line(raw: bytes, path: Path, number: int, errors: str) -> str:
-    raw = raw[:-1] if raw.endswith(b"\n") else raw
-    raw = raw[:-1] if raw.endswith(b"\r") else raw
+    raw = raw.removesuffix(b"\n").removesuffix(b"\r")
     try:
         return raw.decode("utf-8", errors=errors)
     except UnicodeDecodeError as exc:
