@@ -74,16 +74,8 @@ class T4Time:
     roofline_samples_per_s: float       # the simulated T4's kernels on a roofline: a ceiling (simulated)
 
     @property
-    def n_samples(self) -> int:
-        return self.speed.n_samples
-
-    @property
     def samples_per_s(self) -> float:
         return self.speed.samples_per_s.mid
-
-    @property
-    def hours(self) -> float:
-        return self.speed.hours.mid
 
     def __str__(self) -> str:
         s = self.speed

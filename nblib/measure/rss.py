@@ -106,14 +106,6 @@ class PeakMemory:
                 pass
             self._stop.wait(self.interval_s)
 
-    def report(self) -> str:
-        parts = [f"RSS baseline {self.baseline / 1e6:.1f} MB, peak {self.peak / 1e6:.1f} MB "
-                 f"(+{self.delta / 1e6:.1f} MB, {self.samples} samples)"]
-        if self.cuda_allocated_peak is not None:
-            parts.append(f"CUDA max allocated +{self.cuda_allocated_delta / 1e6:.1f} MB, "
-                         f"max reserved {self.cuda_reserved_peak / 1e6:.1f} MB")
-        return "; ".join(parts)
-
 
 def reset_peak_rss() -> bool:
     """Reset this process's VmHWM (Linux: write 5 to /proc/self/clear_refs); False if unsupported."""
