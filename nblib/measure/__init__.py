@@ -1,14 +1,9 @@
 """The measured twins of nblib.budget's predictions: peak RSS and CUDA peaks, an encoder's peak.
 
-One concern per module:
-
-- `rss`: `PeakMemory`, peak RSS of this process and its children (and CUDA's peaks when in use);
-- `tensors`: `synchronize(device)` (torch, loaded on use);
-- `encoder`: `encoder_peak`, one forward pass measured in a fresh subprocess (`_encoder_worker`).
-
-Disk and path helpers live in `nblib.disk` and glibc malloc tuning in `nblib.malloc`; the names
-below are re-exported here because notebooks and benchmarks measure with them
-(`measure.DiskDelta`, `measure.pin_malloc_mmap_threshold`). Importing this package never imports torch.
+One concern per module (docs/layout.md, measure/). Disk and path helpers live in `nblib.disk` and glibc
+malloc tuning in `nblib.malloc`; the names below are re-exported here because notebooks and benchmarks
+measure with them (`measure.DiskDelta`, `measure.pin_malloc_mmap_threshold`). Importing this package never
+imports torch.
 """
 from __future__ import annotations
 

@@ -5,14 +5,8 @@ per element, extrapolates the reference's checkpoint table, and compares the mea
 with nblib.budget's model and with the reference's claim; every verdict is computed from a
 tolerance. Also: which tf.data ops keep a checkpoint small, the resumable shuffles' JSON state, an
 exact-resume proof, TensorFlow's own buffer-free shuffles beside Dataset.shuffle and nblib's,
-shuffle quality against buffer size, and throughput. One concern per module:
-
-- `maths`: the fit, the extrapolation, the checks, the quality rules (no TensorFlow);
-- `rows`: the records the experiments return;
-- `experiments`: the measurements, through nblib.tfdata's public functions only (TensorFlow);
-- `tables`: the rows as text.
-
-The notebook imports this package as `lab`; every name it calls is re-exported here.
+shuffle quality against buffer size, and throughput. Its modules (maths, rows, experiments, tables):
+docs/layout.md. The notebook imports this package as `lab`; every name it calls is re-exported here.
 """
 from __future__ import annotations
 
