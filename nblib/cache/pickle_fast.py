@@ -23,6 +23,7 @@ readers to keep equal, which tests/test_pickle_differential.py runs side by side
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import mmap
@@ -46,7 +47,7 @@ from nblib.cache.pickle_globals import (
 )
 from nblib.errors import ConfigError
 
-CHUNK = 256 * 1024                 # bytes of elements fed to the unpickler at a time
+CHUNK = 128 * 1024                 # bytes of elements fed to the unpickler at a time
 READER_ENV = "NBLIB_PICKLE_READER"  # "pure": never this reader; "fast": this one wherever it plans the file
 NOT_FAST = {("copyreg", "_reconstructor")}   # how protocols 0-1 write objects: the pure path reads those files
 SOURCE = Path(__file__).with_name("pickle_scan.c")
@@ -72,7 +73,7 @@ def scanner() -> ctypes.CDLL:
     from nblib.budget.user_cache import compiled_library
 
     lib = ctypes.CDLL(str(compiled_library(SOURCE, "nblib-pickle-scan")))
-    lib.nblib_scan_list.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(_Plan)]
+    lib.nblib_scan_list.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(_Plan), ctypes.c_int]
     lib.nblib_plan_free.argtypes = [ctypes.POINTER(_Plan)]
     return lib
 
@@ -89,8 +90,10 @@ class ListPlan:
     """The C scan of a file of one pickled list: element byte ranges, memo slots' last reads, frames, globals."""
 
     def __init__(self, plan: _Plan):
-        def array(pointer, n):
-            return np.ctypeslib.as_array(pointer, (n,)).copy() if n else np.zeros(0, np.int64)
+        def array(pointer, n):             # views of the scanner's arrays, freed with the plan (`close`)
+            return np.ctypeslib.as_array(pointer, (n,)) if n else np.zeros(0, np.int64)
+
+        self.plan = plan
 
         self.end, self.protocol, self.prefix_end = plan.end, plan.protocol, plan.prefix_end
         self.starts, self.ends = array(plan.starts, plan.n_elems), array(plan.ends, plan.n_elems)
@@ -99,23 +102,29 @@ class ListPlan:
         text = ctypes.string_at(plan.globals, plan.globals_len) if plan.globals_len else b""
         self.globals = [tuple(line.decode("utf-8", "replace").split(" ")) for line in text.splitlines()]
 
+    def close(self) -> None:
+        self.starts = self.ends = self.slots_after = self.last_read = self.frames = None
+        scanner().nblib_plan_free(ctypes.byref(self.plan))
+
 
 def scan_list(data) -> tuple[ListPlan | None, str]:
-    """The C scan of the pickle at the start of `data` (a buffer): (its plan, "") or (None, why not)."""
+    """The C scan of the pickle at the start of `data` (bytes, or a file's mmap, whose pages it reads are handed
+    back to the page cache as it goes): (its plan, "") or (None, why not).
+    """
     view = np.frombuffer(data, np.uint8)
     if not view.size:
         return None, "an empty file"
     lib, plan = scanner(), _Plan()
-    try:
-        if lib.nblib_scan_list(view.ctypes.data, view.size, ctypes.byref(plan)):
-            return None, plan.reason.decode("ascii", "replace")
-        return ListPlan(plan), ""
-    finally:
+    if lib.nblib_scan_list(view.ctypes.data, view.size, ctypes.byref(plan), isinstance(data, mmap.mmap)):
+        why = plan.reason.decode("ascii", "replace")
         lib.nblib_plan_free(ctypes.byref(plan))
+        return None, why
+    return ListPlan(plan), ""
 
 
-def fast_list_records(path: Path) -> Iterator | None:
-    """The elements of the file's pickled list, one at a time, or None where this reader does not read the file.
+def fast_list_records(path: Path) -> Iterator[list] | None:
+    """The elements of the file's pickled list, a chunk (a list) at a time, or None where this reader does not read
+    the file.
 
     The iterator raises NotFast (or a data error) where it stops; the caller then reads the file the pure way.
     """
@@ -138,26 +147,29 @@ def fast_list_records(path: Path) -> Iterator | None:
             return None
     plan, _why = scan_list(data)
     if plan is None or plan.end != size or not all(_fast_global(*name, plan.protocol) for name in plan.globals):
+        if plan is not None:
+            plan.close()
         data.close()
         return None
     return _elements(data, plan)
 
 
 def _elements(data: mmap.mmap, plan: ListPlan) -> Iterator:
-    with data:
+    with data, contextlib.closing(plan):
         feed = _Feed()
         unpickler = _Unpickler(feed, plan.protocol)
         feed.data = memoryview(_unframed(data, plan.frames, 0, plan.prefix_end) + b".")
         if type(unpickler.load()) is not list:
             raise NotFast("the top object is not a list")
-        pending, written = np.zeros(0, np.int64), 0
+        pending, written, released = np.zeros(0, np.int64), 0, 0
         for i, j in _chunks(plan):
             feed.data = memoryview(b"](" + _elements_bytes(data, plan, i, j) + b"e.")
-            elements = unpickler.load()
-            for element in elements:
-                yield _resolved(element, {})
-            del elements
             fed, now = int(plan.ends[j - 1]), int(plan.slots_after[j - 1])
+            upto = fed // mmap.PAGESIZE * mmap.PAGESIZE
+            if upto > released:             # the file's pages copied out: back to the page cache, out of RSS
+                data.madvise(mmap.MADV_DONTNEED, released, upto - released)
+                released = upto
+            yield [_resolved(element, {}) for element in unpickler.load()]
             candidates = np.concatenate([pending, np.arange(written, now, dtype=np.int64)])
             dead = plan.last_read[candidates] < fed
             pending, written = candidates[~dead], now
@@ -262,11 +274,11 @@ class _Held:
             raise refusal(f"the state of {short(type(self.value).__name__)} (BUILD: only objects the file made are "
                           f"given their state)", does="sets")
         self.pending = None
-        if pending is _ARRAY and type(state) is tuple and len(state) == 5 and type(state[2]) is _Held:
-            state = (state[0], state[1], _plain(state[2]), state[3], state[4])
+        if pending is _ARRAY and type(state) is tuple and len(state) == 5 and type(state[2]) is _Held \
+                and state[2].pending is None:     # numpy's (1, shape, dtype, fortran, bytes), its dtype held
+            self.value = array_from_state((state[0], state[1], state[2].value, state[3], state[4]))
         else:
-            state = _plain(state)
-        self.value = pending.build(state)
+            self.value = pending.build(_plain(state))
 
 
 class _Call:
@@ -294,7 +306,9 @@ class _Reconstruct(_Call):
 
     def __call__(self, subtype, shape, dtype):
         if subtype is _NDARRAY and shape == (0,):
-            return _Held(pending=_ARRAY)
+            held = _new_held(_Held)         # no __init__: the commonest object of a record file, made in C
+            held.pending = _ARRAY
+            return held
         return _Call.__call__(self, subtype, shape, dtype)      # the pure path's refusal
 
 
@@ -304,6 +318,7 @@ _ATOMS = frozenset({int, float, complex, str, bytes, bool, type(None)})
 _NDARRAY = ALLOWED[("numpy", "ndarray")]
 _ARRAY = Pending(array_from_state)
 _IN_PROGRESS = object()
+_new_held = object.__new__
 
 
 @functools.lru_cache(maxsize=4096)
@@ -363,20 +378,25 @@ def _resolved(value, seen: dict):
         if seen[key] is _IN_PROGRESS:
             raise NotFast("a tuple that holds itself")
         return seen[key]
-    if t is dict or t is list:
+    if t is dict:                      # the commonest record: its values resolved in place
         seen[key] = value
-        if t is list:
-            for i, v in enumerate(value):
-                if type(v) not in _ATOMS:
-                    value[i] = _resolved(v, seen)
-        elif any(type(k) not in _ATOMS for k in value):
-            items = [(_resolved(k, seen), _resolved(v, seen)) for k, v in value.items()]
-            value.clear()
-            value.update(items)
-        else:
-            for k, v in value.items():
-                if type(v) not in _ATOMS:
-                    value[k] = _resolved(v, seen)
+        for k, v in value.items():
+            if type(k) not in _ATOMS:     # a key that is held (a numpy scalar...): the dict rebuilt in order
+                items = [(_resolved(k, seen), _resolved(v, seen)) for k, v in value.items()]
+                value.clear()
+                value.update(items)
+                break
+            tv = type(v)
+            if tv is _Held and v.pending is None:
+                value[k] = v.value
+            elif tv not in _ATOMS:
+                value[k] = _resolved(v, seen)
+        return value
+    if t is list:
+        seen[key] = value
+        for i, v in enumerate(value):
+            if type(v) not in _ATOMS:
+                value[i] = _resolved(v, seen)
         return value
     if t in (tuple, set, frozenset):
         seen[key] = _IN_PROGRESS

@@ -31,6 +31,7 @@ import copyreg
 import dataclasses
 import functools
 import io
+import math
 import pickle
 import reprlib
 from _compat_pickle import IMPORT_MAPPING, NAME_MAPPING
@@ -193,21 +194,25 @@ def array_from_state(state) -> np.ndarray:
     if isinstance(state, tuple) and len(state) == 4:
         state = (1, *state)
     if not (isinstance(state, tuple) and len(state) == 5 and state[0] == 1 and isinstance(state[1], tuple)
-            and all(type(n) is int and n >= 0 for n in state[1]) and isinstance(state[2], np.dtype)
+            and all(map(_is_size, state[1])) and isinstance(state[2], np.dtype)
             and isinstance(state[3], bool) and isinstance(state[4], (bytes, bytearray))):
         raise refusal(f"numpy's ndarray state {short(state)}", does="holds")
     _, shape, dtype, fortran, data = state
     if dtype.hasobject:
         raise refusal(f"an object array ({dtype})", does="holds")
-    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    count = math.prod(shape)              # exact (Python ints): sizes are compared before anything is made
     if count * dtype.itemsize != len(data):
         raise InputError(f"an array in the pickle has shape {short(shape)} of {dtype} ({count * dtype.itemsize:,} "
                          f"bytes) and {len(data):,} bytes of data; the file is damaged")
     flat = np.frombuffer(data, dtype=dtype, count=count) if dtype.itemsize else np.zeros(count, dtype)
-    array = flat.reshape(shape, order="F" if fortran else "C")
+    array = flat if len(shape) == 1 else flat.reshape(shape, order="F") if fortran else flat.reshape(shape)
     if not dtype.isnative and dtype.byteorder in "<>":      # numpy's setstate swaps such arrays to native order
         return array.astype(dtype.newbyteorder("="), order="K")
     return array          # a read-only view of the bytes read: a record of gigabytes is not copied
+
+
+def _is_size(n) -> bool:
+    return type(n) is int and n >= 0
 
 
 def _np_frombuffer(buffer, dtype, shape, order):

@@ -15,6 +15,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 typedef struct {
     int64_t end;                        /* the byte after STOP */
@@ -29,15 +31,16 @@ typedef struct {
     char *globals;
 } plan_t;
 
-typedef struct { int64_t start, slots, str_off; int32_t str_len; } item_t;  /* slots: memo slots written when it
-                                                                           started; str_len < 0: no string */
+/* a string's place in the file, packed: its offset << 13 | its length (at most 4096); -1: not a string */
+#define STR(off, len) ((off) << 13 | (len))
+typedef struct { int64_t start, slots, str; } item_t;   /* slots: memo slots written when the item started */
 
 typedef struct {
     const uint8_t *buf;
     int64_t size, pos;
     item_t *stack; int64_t depth, cap;
     int64_t *marks, *mark_at, *mark_slots; int64_t n_marks, marks_cap;  /* per MARK: its level's base, byte, slots */
-    int64_t *str_off; int32_t *str_len; int64_t slots_cap;   /* per memo slot: its string, if one */
+    int64_t *str; int64_t slots_cap;    /* per memo slot: its string, if one (STR) */
     int64_t elems_cap, frames_cap, globals_cap;
     int64_t list_slot;                  /* the top list's memo slot (-1: not memoized, -2: no list yet) */
     int64_t elem_start;                 /* where the element built at the bottom started (-1: none) */
@@ -60,10 +63,10 @@ static int grow(void **arr, int64_t *cap, int64_t need, size_t width) {
 static int64_t level_base(scan_t *s) { return s->n_marks ? s->marks[s->n_marks - 1] : 0; }
 
 /* push one item; at the bottom, above the top list, it starts an element */
-static int push(scan_t *s, int64_t start, int64_t slots, int64_t str_off, int32_t str_len) {
+static int push(scan_t *s, int64_t start, int64_t slots, int64_t str) {
     if (grow((void **)&s->stack, &s->cap, s->depth + 1, sizeof(item_t))) FAIL(s, "out of memory");
     if (!s->n_marks && s->depth == 1 && s->elem_start < 0) s->elem_start = start;
-    s->stack[s->depth++] = (item_t){start, slots, str_off, str_len};
+    s->stack[s->depth++] = (item_t){start, slots, str};
     return 0;
 }
 
@@ -133,17 +136,15 @@ static int memo_put(scan_t *s, int64_t key) {
         int64_t cap = s->slots_cap;
         if (grow((void **)&p->last_read, &s->slots_cap, key + 1, 8)) FAIL(s, "out of memory");
         if (cap != s->slots_cap) {
-            int64_t *o = realloc(s->str_off, (size_t)s->slots_cap * 8);
-            int32_t *l = o ? realloc(s->str_len, (size_t)s->slots_cap * 4) : NULL;
-            if (o) s->str_off = o;
-            if (l) s->str_len = l;
-            if (!o || !l) { s->slots_cap = cap; FAIL(s, "out of memory"); }
+            int64_t *o = realloc(s->str, (size_t)s->slots_cap * 8);
+            if (!o) { s->slots_cap = cap; FAIL(s, "out of memory"); }
+            s->str = o;
         }
         p->last_read[key] = -1;
         p->n_slots++;
     }
     item_t *top = &s->stack[s->depth - 1];
-    s->str_off[key] = top->str_off; s->str_len[key] = top->str_len;
+    s->str[key] = top->str;
     if (key == s->list_slot) s->list_slot = -1;            /* rewritten: no longer the list */
     if (s->depth == 1 && !s->n_marks) {                      /* the top list itself */
         if (s->list_slot >= 0 || p->n_elems) FAIL(s, "the top list is memoized twice");
@@ -157,7 +158,7 @@ static int memo_get(scan_t *s, int64_t key, int64_t at) {
     if (key < 0 || key >= s->p->n_slots) FAIL(s, "a memo slot read before it is written");
     if (key == s->list_slot) FAIL(s, "an element reads its own list");
     s->p->last_read[key] = at;
-    return push(s, at, s->p->n_slots, s->str_off[key], s->str_len[key]);
+    return push(s, at, s->p->n_slots, s->str[key]);
 }
 
 /* little-endian unsigned integer of n bytes, after checking they are in the file */
@@ -206,7 +207,7 @@ static int step(scan_t *s) {
     int64_t at = s->pos, len, slots = s->p->n_slots;
     uint8_t op = s->buf[s->pos++];
     uint64_t n = 0; const uint8_t *t, *t2;
-    item_t first = {at, slots, 0, -1};
+    item_t first = {at, slots, -1};
     int bottom = !s->n_marks;           /* no MARK open: the top list, and at most one element above it */
     if (bottom && s->depth == 0 && op != 0x80 && op != 0x95 && op != ']' && op != '(')
         FAIL(s, "the top object is not a list");
@@ -249,7 +250,7 @@ static int step(scan_t *s) {
         int str = (op == 0x8c || op == 'X' || op == 0x8d) && n <= 4096;   /* may name a global */
         int64_t off = s->pos;
         s->pos += (int64_t)n;
-        return push(s, at, slots, str ? off : 0, str ? (int32_t)n : -1);
+        return push(s, at, slots, str ? STR(off, (int64_t)n) : -1);
     }
     case 0x80: s->p->protocol = (int)n; return 0;          /* PROTO */
     case 0x95:                                              /* FRAME: its 9 bytes are left out when fed */
@@ -325,24 +326,35 @@ static int step(scan_t *s) {
     if (op == 0x93) {                                       /* STACK_GLOBAL: the two strings below */
         if (s->depth - level_base(s) < 2) FAIL(s, "an opcode needs more items than the stack holds");
         item_t *m = &s->stack[s->depth - 2], *q = &s->stack[s->depth - 1];
-        if (m->str_len < 0 || q->str_len < 0) FAIL(s, "STACK_GLOBAL of other than two strings");
-        if (add_global(s, s->buf + m->str_off, m->str_len, s->buf + q->str_off, q->str_len)) return -1;
+        if (m->str < 0 || q->str < 0) FAIL(s, "STACK_GLOBAL of other than two strings");
+        if (add_global(s, s->buf + (m->str >> 13), m->str & 8191, s->buf + (q->str >> 13), q->str & 8191)) return -1;
     }
     if (pops && pop(s, pops, &first)) return -1;
     if (!s->n_marks && s->depth < 1 && (pops || op == '0' || op == '1') ) FAIL(s, "an opcode takes the top list");
     for (int64_t k = 0; k < pushes; k++)
-        if (push(s, first.start, first.slots, 0, -1)) return -1;
+        if (push(s, first.start, first.slots, -1)) return -1;
     return 0;
 }
 
-/* Scan the pickle at the start of buf[0:size]: 0 when planned (see plan_t), 1 otherwise (plan->reason). */
-int nblib_scan_list(const uint8_t *buf, int64_t size, plan_t *plan) {
+/* Scan the pickle at the start of buf[0:size]: 0 when planned (see plan_t), 1 otherwise (plan->reason).
+ * `release`: buf is a shared map of a file, whose pages behind the scan are handed back every 256 KB
+ * (MADV_DONTNEED: they stay in the page cache, out of this process's resident memory; a later read
+ * maps them again), so scanning a 2 GB file does not hold 2 GB. Never pass it for other memory. */
+int nblib_scan_list(const uint8_t *buf, int64_t size, plan_t *plan, int release) {
     memset(plan, 0, sizeof(*plan));
     scan_t s = {0};
     s.buf = buf; s.size = size; s.p = plan; s.list_slot = -2; s.elem_start = -1;
+    int64_t page = sysconf(_SC_PAGESIZE), released = 0, window = 256 << 10;
     int r;
-    while ((r = step(&s)) == 0) {}
-    free(s.stack); free(s.marks); free(s.mark_at); free(s.mark_slots); free(s.str_off); free(s.str_len);
+    while ((r = step(&s)) == 0) {
+        if (release && s.pos - released >= window + page) {
+            int64_t upto = (s.pos - page) / page * page;
+            madvise((void *)(buf + released), (size_t)(upto - released), MADV_DONTNEED);
+            released = upto;
+        }
+    }
+    if (release && released < size) madvise((void *)(buf + released), (size_t)(size - released), MADV_DONTNEED);
+    free(s.stack); free(s.marks); free(s.mark_at); free(s.mark_slots); free(s.str);
     plan->status = r == 1 ? 0 : 1;
     return plan->status;
 }

@@ -57,10 +57,11 @@ def pickle_records(path: Path, trust: bool = False, report: dict | None = None) 
     elements = None if trust else fast_list_records(path)
     if elements is not None:                  # one pickled list, planned by the C scan (nblib.cache.pickle_fast)
         try:
-            for element in elements:
-                for record in element_records(element):
-                    yield record
-                    served += 1
+            for chunk in elements:
+                for element in chunk:
+                    for record in [element] if type(element) is dict else element_records(element):
+                        yield record
+                        served += 1
             if report is not None:
                 report["shape"], report["reader"] = f"a list of records: {served:,} records", "fast"
             return
