@@ -83,6 +83,15 @@ class Retrier:
             log.info("remount failed: %s", exc)
 
 
+def _passed(method: str, label: str):
+    """A `WrappedOps` method: `inner.<method>(path, ...)` through `_call`, labelled "<label> <path's name>"."""
+    def call(self, path, *args, **kwargs):
+        return self._call(f"{label} {path.name}", lambda: getattr(self.inner, method)(path, *args, **kwargs))
+
+    call.__name__ = method
+    return call
+
+
 class WrappedOps(FileOps):
     """FileOps that pass every call through `self._call(label, fn)`.
 
@@ -95,48 +104,20 @@ class WrappedOps(FileOps):
     def _call(self, what: str, fn: Callable[[], Any]):
         raise NotImplementedError
 
-    def open(self, path, mode="rb"):
-        return self._call(f"open {path.name}", lambda: self.inner.open(path, mode))
-
-    def listdir(self, path):
-        return self._call(f"list {path.name}", lambda: self.inner.listdir(path))
-
-    def stat(self, path):
-        return self._call(f"stat {path.name}", lambda: self.inner.stat(path))
-
-    def read_bytes(self, path):
-        return self._call(f"read {path.name}", lambda: self.inner.read_bytes(path))
-
-    def sha256(self, path):
-        return self._call(f"verify {path.name}", lambda: self.inner.sha256(path))
-
-    def load_npy(self, path, mmap):
-        return self._call(f"read {path.name}", lambda: self.inner.load_npy(path, mmap))
-
-    def is_dir(self, path):
-        return self._call(f"stat {path.name}", lambda: self.inner.is_dir(path))
-
-    def makedirs(self, path):
-        return self._call(f"create {path.name}", lambda: self.inner.makedirs(path))
-
-    def replace(self, src, dst):
-        return self._call(f"rename {src.name}", lambda: self.inner.replace(src, dst))
-
-    def unlink(self, path):
-        return self._call(f"delete {path.name}", lambda: self.inner.unlink(path))
-
-    def rmdir(self, path):
-        return self._call(f"delete {path.name}", lambda: self.inner.rmdir(path))
-
-    def fsync_dir(self, path):
-        return self._call(f"sync {path.name}", lambda: self.inner.fsync_dir(path))
-
-    def load_torch(self, path, nbytes, digest, map_location="cpu", weights_only=True):
-        return self._call(f"read {path.name}",
-                          lambda: self.inner.load_torch(path, nbytes, digest, map_location, weights_only))
-
-    def create_exclusive(self, path, data):
-        return self._call(f"create {path.name}", lambda: self.inner.create_exclusive(path, data))
+    open = _passed("open", "open")
+    listdir = _passed("listdir", "list")
+    stat = _passed("stat", "stat")
+    read_bytes = _passed("read_bytes", "read")
+    sha256 = _passed("sha256", "verify")
+    load_npy = _passed("load_npy", "read")
+    is_dir = _passed("is_dir", "stat")
+    makedirs = _passed("makedirs", "create")
+    replace = _passed("replace", "rename")
+    unlink = _passed("unlink", "delete")
+    rmdir = _passed("rmdir", "delete")
+    fsync_dir = _passed("fsync_dir", "sync")
+    load_torch = _passed("load_torch", "read")
+    create_exclusive = _passed("create_exclusive", "create")
 
     def write_atomic(self, path, blocks, expect_digest=None, *, algorithm="sha256"):
         blocks = list(blocks)
