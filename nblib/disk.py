@@ -7,6 +7,7 @@ existing parent. Trade-off: `disk_usage` walks the tree (O(files)), exact but no
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import threading
@@ -20,10 +21,8 @@ def disk_usage(folder: str | Path) -> int:
     total = 0
     for root, _dirs, files in os.walk(folder):
         for name in files:
-            try:
+            with contextlib.suppress(FileNotFoundError):   # removed while walking (a temporary renamed away)
                 total += os.lstat(os.path.join(root, name)).st_size
-            except FileNotFoundError:   # removed while walking (a temporary renamed away)
-                pass
     return total
 
 
@@ -138,7 +137,6 @@ def refuse_overlap(verb: str, out: str | Path | None, inputs: dict, *, out_flag:
         how = overlap(out, source)
         if how is None:
             continue
-        where = {"is": f"is {flag} {source} itself", "holds": f"holds {flag} {source}",
-                 "sits inside": f"sits inside {flag} {source}"}[how]
-        raise ConfigError(f"{out_flag} {out} {where}: {verb} would write into a folder it reads; pass another "
-                          f"{out_flag} outside it, e.g. {out_flag} {beside(source, suffix)}")
+        itself = " itself" if how == "is" else ""
+        raise ConfigError(f"{out_flag} {out} {how} {flag} {source}{itself}: {verb} would write into a folder it "
+                          f"reads; pass another {out_flag} outside it, e.g. {out_flag} {beside(source, suffix)}")

@@ -14,6 +14,7 @@ at each commit then stops it instead of letting two writers mix their files.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import json
 import os
@@ -279,10 +280,8 @@ class FolderLock:
             holder = _read_holder(self.path)
             if holder is None or holder.token != self.token:
                 return  # lost: check() reports it at the next commit
-            try:
+            with contextlib.suppress(OSError):  # a mount hiccup; the next beat tries again
                 os.utime(self.path)
-            except OSError:
-                pass  # a mount hiccup; the next beat tries again
 
 
 # ====================================================================================== helpers
@@ -318,11 +317,9 @@ def _acquire_takeover(mutex: Path) -> bool:
         os.close(os.open(mutex, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
         return True
     except FileExistsError:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             if time.time() - mutex.stat().st_mtime > TAKEOVER_GRACE_S:
                 mutex.unlink(missing_ok=True)
-        except FileNotFoundError:
-            pass
         time.sleep(0.01)
         return False
 

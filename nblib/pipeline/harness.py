@@ -10,6 +10,7 @@ pipeline for cores, which only the real callable shows. Works with anything iter
 """
 from __future__ import annotations
 
+import contextlib
 import time
 import types
 from collections.abc import Callable, Iterable, Mapping
@@ -108,10 +109,8 @@ class TreePeakMemory(PeakMemory):
             self._children, self._listed = self._me.children(recursive=True), now
         total = self._me.memory_info().rss
         for child in self._children:
-            try:
+            with contextlib.suppress(psutil.Error):
                 total += child.memory_full_info().uss
-            except psutil.Error:
-                pass
         return total
 
 

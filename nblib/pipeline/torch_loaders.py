@@ -11,6 +11,8 @@ imports torch (`nblib.pipeline` itself does not); TensorFlow only runs in the wo
 """
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 
@@ -18,13 +20,13 @@ from nblib.encode.offload import BatchDataset
 from nblib.errors import ConfigError
 
 
-def cache_loader_for(source, epochs: int | None = None):
+def cache_loader_for(source):
     """A pipeline factory for `sweep` over an ImageSource (a ShardedImageCache, a rendered source)."""
 
     def make(batch_size: int = 32, num_workers: int = 0, prefetch_factor: int = 2, pin_memory: bool = False,
              persistent_workers: bool = False):
         return repeated(cache_loader(source, batch_size, num_workers, prefetch_factor, pin_memory,
-                                     persistent_workers), epochs)
+                                     persistent_workers))
 
     return make
 
@@ -47,10 +49,8 @@ def cache_loader(source, batch_size: int = 32, num_workers: int = 0, prefetch_fa
 
 def repeated(loader, epochs: int | None = None):
     """The loader's batches, epoch after epoch (forever when epochs is None)."""
-    epoch = 0
-    while epochs is None or epoch < epochs:
+    for _ in itertools.count() if epochs is None else range(epochs):
         yield from loader
-        epoch += 1
 
 
 class TFPipelineInWorker(torch.utils.data.IterableDataset):
@@ -65,9 +65,7 @@ class TFPipelineInWorker(torch.utils.data.IterableDataset):
         self.build, self.batches_per_worker = build, batches_per_worker
 
     def __iter__(self):
-        for i, batch in enumerate(self.build()):
-            if i >= self.batches_per_worker:
-                return
+        for batch in itertools.islice(self.build(), self.batches_per_worker):
             yield torch.from_numpy(np.array(batch))   # a writable copy of the TF tensor
 
 

@@ -193,19 +193,12 @@ def _storages_and_tensors(obj, torch) -> tuple[dict, list]:
     def walk(value) -> None:
         if isinstance(value, torch.Tensor):
             storage = value.untyped_storage()
-            nbytes = storage.nbytes()
-            if nbytes:
-                device = storage.device
-                key = (device.type, device.index, storage.data_ptr(), nbytes)
-            else:
-                key = ("empty", id(value))
+            nbytes, device = storage.nbytes(), storage.device
+            key = (device.type, device.index, storage.data_ptr(), nbytes) if nbytes else ("empty", id(value))
             tensors.append((key, value))
             storages.setdefault(key, storage)
-        elif isinstance(value, dict):
-            for item in value.values():
-                walk(item)
-        elif isinstance(value, (list, tuple)):
-            for item in value:
+        elif isinstance(value, (dict, list, tuple)):
+            for item in value.values() if isinstance(value, dict) else value:
                 walk(item)
 
     walk(obj)
