@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 NBVAL := --nbval-lax --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout=600
 
-.PHONY: install run test test-browser lint lab clean drive-zip
+.PHONY: install run test test-browser test-cuda-build lint lab clean drive-zip
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -56,6 +56,22 @@ test: $(STAMP)
 # reason, where Debian's chromium or playwright is missing)
 test-browser: $(STAMP)
 	$(BIN)/python -m pytest -q -m browser tests/test_browser.py -p no:cacheprovider
+
+# Colab's torch is a CUDA build: PyPI's default torch==2.13.0 wheel (CUDA 13, with its nvidia-* packages; it imports
+# and traces without a GPU) goes into its own venv outside the repo, beside the runtime pins of requirements.txt that
+# budget imports, taken from PyPI by uv (which ignores this machine's find-links, where the CPU wheel lies; pip with no
+# configuration where uv is missing); then tests/test_cuda_build_torch.py runs `budget` there and in .venv.
+# Cold here (2026-12-07): ~2.4 GB downloaded, 43 s (uv), 4.8 GB on disk; the test 4-5 min beside other work.
+CUDA_TORCH_VENV ?= $(HOME)/.cache/nblib-cuda-torch
+CUDA_TORCH_PINS := torch|numpy|psutil|pillow|tqdm|matplotlib|ipywidgets|transformers|safetensors|xxhash|zstandard
+test-cuda-build: $(STAMP)
+	test -x $(CUDA_TORCH_VENV)/bin/python || $(PY) -m venv $(CUDA_TORCH_VENV)
+	grep -E '^($(CUDA_TORCH_PINS))==' requirements.txt > $(CUDA_TORCH_VENV)/requirements.txt
+	$(BIN)/uv pip install -q --system-certs --python $(CUDA_TORCH_VENV)/bin/python -r $(CUDA_TORCH_VENV)/requirements.txt \
+	  || env -u PIP_FIND_LINKS -u PIP_CONSTRAINT PIP_CONFIG_FILE=/dev/null \
+	     $(CUDA_TORCH_VENV)/bin/python -m pip install -q -r $(CUDA_TORCH_VENV)/requirements.txt
+	NBLIB_CUDA_TORCH_VENV=$(CUDA_TORCH_VENV) OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(BIN)/python -m pytest -q -s \
+	  -p no:cacheprovider tests/test_cuda_build_torch.py
 
 lab: $(STAMP)
 	$(BIN)/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) notebooks

@@ -12,7 +12,7 @@ with PyPI's torch==2.13.0 and its nvidia-* packages beside nblib's runtime pins,
   trm:smoke --train`: backward on the fake device, which threw `hasPrimaryContext expects a valid device index`
   under the CUDA build before nblib.budget.shim registered its own hooks over the build's) are traced under the
   CUDA build, through the shim compiled against that build's headers, and give the CPU build's answer.
-Without the venv the file skips, saying how to make it; a venv named by NBLIB_CUDA_TORCH_VENV that is not there,
+Without NBLIB_CUDA_TORCH_VENV (`make test`) the file skips, naming the target; a venv it names that is not there,
 or holds no CUDA build, fails.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-NAMED = os.environ.get("NBLIB_CUDA_TORCH_VENV")
+NAMED = os.environ.get("NBLIB_CUDA_TORCH_VENV")      # set by `make test-cuda-build`
 VENV = Path(NAMED or Path.home() / ".cache" / "nblib-cuda-torch")
 CUDA_PYTHON = VENV / "bin" / "python"
 # the codec line orders the codecs by a decode timing: a measurement, not part of the budget
@@ -41,11 +41,11 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def cuda_python() -> Path:
     """The CUDA build's interpreter: skips where the venv was never made, fails where a named one is wrong."""
+    if not NAMED:
+        pytest.skip("run by `make test-cuda-build`, which makes the venv of PyPI's CUDA build of torch (~2.4 GB "
+                    "download, 4.9 GB) and names it in NBLIB_CUDA_TORCH_VENV; 3-5 min, kept out of `make test`")
     if not CUDA_PYTHON.exists():
-        why = f"no venv with PyPI's CUDA build of torch at {VENV}: `make test-cuda-build` makes it (~2.3 GB download)"
-        if NAMED:
-            pytest.fail(why)
-        pytest.skip(why)
+        pytest.fail(f"no venv with PyPI's CUDA build of torch at {VENV}: `make test-cuda-build` makes it")
     probe = ("import json, torch; print(json.dumps({'version': torch.__version__, 'cuda': torch.version.cuda, "
              "'gpu': torch.cuda.is_available()}))")
     done = subprocess.run([str(CUDA_PYTHON), "-c", probe], capture_output=True, text=True, timeout=300)
