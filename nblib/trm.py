@@ -169,16 +169,23 @@ class TRMVisionEncoder(nn.Module):
         out = F.conv2d(pixels, weight, self.patch_embed.bias, stride=p)
         return out.flatten(2).transpose(1, 2)
 
-    def forward(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
+    def sketches(self, images: torch.Tensor, grad_last_cycle_only: bool = False) -> torch.Tensor:
+        """uint8 [B,H,W,3] -> sketches [B, capsules, dim] through the recursion; with `grad_last_cycle_only`,
+        the first H_cycles-1 outer cycles run under no_grad (TRM training: backward keeps one cycle's activations).
+        """
         m = self.config
         x = self.embed_patches(images) + self.pos_embed
-        z_h = self.z_H_init.expand_as(x)
-        z_l = self.z_L_init.expand_as(x)
-        for _ in range(m.H_cycles):
-            for _ in range(m.L_cycles):
-                z_l = self.stack(z_l + z_h + x)
-            z_h = self.stack(z_h + z_l)
-        sketches = self.pool(self.norm(z_h))
+        z_h, z_l = self.z_H_init.expand_as(x), self.z_L_init.expand_as(x)
+        for cycle in range(m.H_cycles):
+            with torch.no_grad() if grad_last_cycle_only and cycle < m.H_cycles - 1 else contextlib.nullcontext():
+                for _ in range(m.L_cycles):
+                    z_l = self.stack(z_l + z_h + x)
+                z_h = self.stack(z_h + z_l)
+        return self.pool(self.norm(z_h))
+
+    def forward(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
+        m = self.config
+        sketches = self.sketches(images)
         children = self.children_head(sketches).view(*sketches.shape[:2], m.children, m.dim)
         checksums = sketches @ self.checksum_proj.to(sketches.dtype)
         return {"sketches": sketches, "checksums": checksums, "children": children}

@@ -2,10 +2,10 @@
 
 Tiny Recursive Models train with the first H_cycles-1 outer cycles under `torch.no_grad()` and
 back-propagate through the last one only: compute grows with H_cycles, the activations kept for
-backward do not (one outer cycle: L_cycles+1 passes through the block stack). `trm_sketches`
-is that forward; it uses the encoder's own modules, so the encoder's weights (saved with
-`save_weights`) are what `python -m nblib encode --weights` loads. Inference (`encode`) runs
-every cycle and gives the same sketches for the same weights.
+backward do not (one outer cycle: L_cycles+1 passes through the block stack). That forward is
+`TRMVisionEncoder.sketches(images, grad_last_cycle_only=True)`, the encoder's own recursion, so the
+encoder's weights (saved with `save_weights`) are what `python -m nblib encode --weights` loads.
+Inference (`encode`) runs every cycle and gives the same sketches for the same weights.
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ class Classifier(nn.Module):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         """uint8 [B, H, W, 3] -> logits [B, classes]."""
-        sketches = trm_sketches(self.encoder, images)
+        sketches = self.encoder.sketches(images, grad_last_cycle_only=True)
         return self.head(self.head_drop(self.head_norm(sketches.mean(dim=1))))
 
 
@@ -54,23 +54,3 @@ def untrained_names(model: ModelConfig) -> set[str]:
     """
     names = {"children_head.weight", "children_head.bias"}
     return names | ({"z_H_init", "z_L_init"} if model.H_cycles > 1 else set())
-
-
-def trm_sketches(encoder: TRMVisionEncoder, images: torch.Tensor) -> torch.Tensor:
-    """The encoder's sketches [B, capsules, dim], with gradients through the last outer cycle only."""
-    m = encoder.config
-    x = encoder.embed_patches(images) + encoder.pos_embed
-    z_h = encoder.z_H_init.expand_as(x)
-    z_l = encoder.z_L_init.expand_as(x)
-    with torch.no_grad():
-        for _ in range(m.H_cycles - 1):
-            z_h, z_l = _outer_cycle(encoder, z_h, z_l, x, m.L_cycles)
-    z_h, z_l = _outer_cycle(encoder, z_h, z_l, x, m.L_cycles)
-    return encoder.pool(encoder.norm(z_h))
-
-
-def _outer_cycle(encoder, z_h, z_l, x, l_cycles: int):
-    for _ in range(l_cycles):
-        z_l = encoder.stack(z_l + z_h + x)
-    return encoder.stack(z_h + z_l), z_l
-
