@@ -170,7 +170,7 @@ class Evaluation:
                 if matrix[i].sum()]
 
     def csv_text(self) -> str:
-        """predictions.csv (see the module docstring)."""
+        """predictions.csv: its columns are in docs/training.md ("Scoring a run")."""
         buffer = io.StringIO()
         writer = csv.writer(buffer, lineterminator="\n")
         labelled = self.truth is not None
@@ -214,7 +214,7 @@ class Evaluation:
 def predict_images(run, cache, out, *, top_k: int = TOP_K, batch_size: int = EVAL_BATCH,
                    device: str | None = None) -> Evaluation:
     """`python -m nblib predict --run RUN --cache CACHE --out DIR`: score a `train --cache` run (RUN/final.pt) on
-    an image cache; writes DIR/predictions.csv. See the module docstring. Returns the Evaluation: printing it
+    an image cache; writes DIR/predictions.csv (docs/training.md, "Scoring a run"). Returns the Evaluation: printing it
     gives the accuracy, per class, and the confusion matrix; `nblib.plots.confusion_matrix(e.confusion(),
     e.classes, save_to=...)` draws it.
     """

@@ -19,7 +19,7 @@ STATE_FORMAT = 1
 
 
 def capture_rng() -> dict:
-    """The RNGs a step may draw from before its re-seed: Python, numpy, torch CPU (see the module docstring)."""
+    """The RNGs a step may draw from before its re-seed: Python, numpy, torch CPU ("State" in docs/training.md)."""
     version, internal, gauss = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     return {"python": (version, list(internal), gauss),
