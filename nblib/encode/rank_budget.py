@@ -18,9 +18,8 @@ from nblib.config import PipelineConfig
 from nblib.errors import BudgetExceeded
 from nblib.units import GB, fmt_bytes, fmt_duration, fmt_duration_range
 
-__all__ = [
-    "RankBudget", "check_host_ram", "rank_budget",
-]
+__all__ = ["RankBudget", "check_host_ram", "rank_budget"]
+
 
 @dataclass(frozen=True)
 class RankBudget:
@@ -74,7 +73,6 @@ class RankBudget:
             f"{self.world_size} ranks (projection: perfect scaling{self._source()})",
             f"  verdict           {'fits' if self.fits else 'does NOT fit'}"])
 
-
     def _time(self) -> str:
         """The time per rank, with nblib.t4_speed's range (divided as the mid is) where the device has one."""
         speed, n = self.single.speed, self.world_size
@@ -88,12 +86,7 @@ class RankBudget:
 
 def rank_budget(config: PipelineConfig, device: str = "t4", world_size: int = 1, *,
                 ranks_per_host: int | None = None, **predict_kwargs) -> RankBudget:
-    """The budget of an encode run over `world_size` ranks (`ranks_per_host` of them per machine).
-
-    Computed from `nblib.budget.predict_budget` of the whole run: each rank holds the same model,
-    batches and part buffers as one process, the shared folder holds every part once, and the
-    time is divided by the ranks.
-    """
+    """The budget of an encode run over `world_size` ranks (`ranks_per_host` of them per machine): see the module."""
     budget.require_positive("world_size", world_size)
     per_host = world_size if ranks_per_host is None else ranks_per_host
     budget.require_positive("ranks_per_host", per_host)

@@ -13,5 +13,4 @@ from nblib.measure.encoder import encoder_peak
 from nblib.measure.rss import PeakMemory
 from nblib.measure.tensors import synchronize
 
-__all__ = ["PeakMemory", "DiskDelta", "disk_usage", "encoder_peak",
-           "pin_malloc_mmap_threshold", "synchronize"]
+__all__ = ["PeakMemory", "DiskDelta", "disk_usage", "encoder_peak", "pin_malloc_mmap_threshold", "synchronize"]
