@@ -30,9 +30,8 @@ def disk_needs(config: PipelineConfig, run_dir: Path, mirror_dir, plan: RunPlan,
     """What the rest of a run writes, by item: name -> (folder it lands in, bytes).
 
     The items and bytes are `nblib.budget.disk.run_writes`' (the plan's `disk_lines` prints the same), for the
-    parts still `missing`; each file counts one 4 KiB block more (part.json and headers included), so a disk
-    of many small parts is not under-counted. `per_image` and `n_outputs` are a model's own (default: the
-    config's TRM outputs).
+    parts still `missing`, each file rounded up to whole blocks (the module docstring). `per_image` and
+    `n_outputs` are a model's own (default: the config's TRM outputs).
     """
     writes = run_writes(config, samples=plan.samples_in(missing), parts=len(missing), n_samples=plan.n_samples,
                         per_image=per_image, n_outputs=n_outputs, do_consolidate=do_consolidate)
@@ -64,9 +63,8 @@ def check_disks(needs: dict[str, tuple[Path, int]], mirror: Path | None = None) 
     """BudgetExceeded naming the disk, the items on it, needed and free bytes, when one does not fit
     (`resources.fits`, the one rule: within 90% of its free bytes).
 
-    Items on one file system (the same st_dev) are added up; a disk nothing lands on is not
-    charged at all. The `mirror`'s disk is probed within the mirror's deadline (`on_mirror`): a
-    frozen mount is left unchecked, with a warning, instead of hanging the run.
+    Items are added up per file system (the module docstring). The `mirror`'s disk is probed within the mirror's
+    deadline (`on_mirror`): a frozen mount is left unchecked, with a warning, instead of hanging the run.
     """
     by_disk: dict[int, list[tuple[str, Path, int]]] = {}
     free_of: dict[int, int] = {}
