@@ -214,6 +214,8 @@ def _label(before: str, parent: str) -> str:
     vs = re.search(r"([^:]*\bvs\b[^:]*)$", text)
     if vs:
         return re.sub(r"^(verdict: )?rendering speed-up ", "", vs.group(1).strip())
+    if text.startswith("verdict:"):                 # a sentence's own measurements are no part of its name
+        text = re.sub(r"\d[\d.,%]*", "#", text)
     parent = re.sub(r"\d[\d.,%]*", "#", parent)[:60]
     if before.startswith(" ") and parent and not re.fullmatch(r"\S+=\S+", text):
         return f"{parent}: {text}" if text else parent

@@ -78,6 +78,17 @@ def test_a_reversal_and_a_move_are_found_and_counted(tmp_path):
                                  "only in one run": 0}
 
 
+def test_a_sentence_verdict_keeps_its_name_when_its_measurements_move(tmp_path):
+    """05's "verdict: the encoder is the wall ...: data-wait 0.4%-1.0% ..." was 'only in run 1' and 'only in run 2'."""
+    def line(wait: str, rate: str, ratio: float) -> str:
+        return (f"verdict: the encoder is the wall, in every run: data-wait {wait} of each step over 5 runs; the "
+                f"pipeline alone {rate} samples/s against the encoder's 363, {_paired(ratio)}")
+
+    one = _notebook(tmp_path / "a.ipynb", [line("0.4%-1.0%", "8,890", 20.0)])
+    two = _notebook(tmp_path / "b.ipynb", [line("0.6%-3.4%", "9,172", 22.0)])
+    assert [s for *_, s in vd.compare_runs(vd.extract(one), vd.extract(two))] == ["same"]
+
+
 def test_a_restated_verdict_counts_once_and_its_finding_is_not_a_second_move(tmp_path):
     one = _notebook(tmp_path / "a.ipynb", [_sweep_cell(0.5, 1.30, 1.0), _needle("AGREES", 1.30)])
     two = _notebook(tmp_path / "b.ipynb", [_sweep_cell(0.5, 1.02, 1.0),
