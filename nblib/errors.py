@@ -14,7 +14,7 @@ __all__ = [
     "BudgetExceeded", "CacheError", "ConfigError", "DeterminismError", "DriveError", "EmptyPipelineError",
     "FolderBusyError", "InputError", "LockLostError", "ManifestDamaged", "MissingDependency", "ModelOutputError",
     "ModelSpecError", "NblibError", "NotebookStalled", "PeerLost", "ResumeMismatch", "StateError",
-    "TrainingDiverged", "WeightsError", "os_errors_name",
+    "TrainingDiverged", "WeightsError", "os_errors_name", "require_choice",
 ]
 
 
@@ -22,6 +22,12 @@ def one_line(what, limit: int | None = None) -> str:
     """An exception's (or a text's) message on one line, whitespace collapsed, cut at `limit` characters."""
     text = " ".join(str(what).split())
     return text if limit is None or len(text) <= limit else text[:limit - 3] + "..."
+
+
+def require_choice(name: str, value, choices: tuple) -> None:
+    """ConfigError naming `name`, the value and the choices unless `value` is one of `choices`."""
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r} is unknown; choose one of {choices}")
 
 
 @contextlib.contextmanager

@@ -23,7 +23,7 @@ from torch import nn
 
 from nblib.atomic import atomic_torch_save
 from nblib.config import ModelConfig, PipelineConfig
-from nblib.errors import ConfigError
+from nblib.errors import ConfigError, require_choice
 from nblib.sdpa import SDPA_BACKENDS, sdpa_context
 
 CHECKSUM_SEED = 0x5EED_C0DE
@@ -49,9 +49,9 @@ class InferenceOptions:
     channels_last_patch_embed: bool = False
 
     def __post_init__(self):
-        _require_choice("precision", self.precision, PRECISIONS)
-        _require_choice("sdpa_backend", self.sdpa_backend, (None, *SDPA_BACKENDS))
-        _require_choice("compile_mode", self.compile_mode, (None, *COMPILE_MODES))
+        require_choice("precision", self.precision, PRECISIONS)
+        require_choice("sdpa_backend", self.sdpa_backend, (None, *SDPA_BACKENDS))
+        require_choice("compile_mode", self.compile_mode, (None, *COMPILE_MODES))
 
 
 class Block(nn.Module):
@@ -246,8 +246,3 @@ def autocast(precision: str, device):
     if precision == "fp32":
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=torch.float16 if precision == "fp16" else torch.bfloat16)
-
-
-def _require_choice(name: str, value, choices: tuple) -> None:
-    if value not in choices:
-        raise ConfigError(f"{name}={value!r} is unknown; choose one of {choices}")

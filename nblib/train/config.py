@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass, fields
 
 from nblib.config import SEED_LIMIT
-from nblib.errors import ConfigError
+from nblib.errors import ConfigError, require_choice
 
 LABELS = ("kind", "script")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -65,9 +65,9 @@ class TrainConfig:
                 raise ConfigError(f"train.{name}={getattr(self, name)} is out of range; use an integer >= {low}")
         if self.seed >= SEED_LIMIT:
             raise ConfigError(f"train.seed={self.seed} is out of range; use an integer from 0 to 2**64 - 1")
-        _choice("labels", self.labels, LABELS)
-        _choice("precision", self.precision, PRECISIONS)
-        _choice("best_metric", self.best_metric, METRICS)
+        require_choice("train.labels", self.labels, LABELS)
+        require_choice("train.precision", self.precision, PRECISIONS)
+        require_choice("train.best_metric", self.best_metric, METRICS)
         if self.batch_size % self.accumulation:
             fits = self.batch_size // self.accumulation * self.accumulation or self.accumulation
             raise ConfigError(f"train.batch_size={self.batch_size} is not a multiple of accumulation="
@@ -106,11 +106,6 @@ class TrainConfig:
             raise ConfigError(f"batch_size={self.batch_size} does not split over accumulation={self.accumulation} "
                               f"x {world_size} ranks; use a multiple of {self.accumulation * world_size}")
         return per_rank
-
-
-def _choice(name: str, value, choices: tuple) -> None:
-    if value not in choices:
-        raise ConfigError(f"train.{name}={value!r} is unknown; choose one of {choices}")
 
 
 def backup_multiple(backup_every: int, save_every: int) -> int:
