@@ -1,16 +1,13 @@
-"""The trace layer's jobs: a job hands its traced step over, the budget asks for it, a child process runs it.
+"""The trace layer's job children: a job hands itself over, the budget asks for it, a child process runs it.
 
-A traced job is a top-level function `job(loaded, b, payload) -> dict`: what one job (encoding's batches,
-training's steps) holds at batch `b` on a fresh fake cuda:0 (`traced_figures`). The jobs hand their own over
-when their package is imported (`hand_over`: nblib.encode.traced, nblib.train.traced), so the budget (one layer
-down: nblib.budget.model_vram, encode_trace) asks for a job by its kind (`job_for`) and never imports, nor names,
-the code it traces. `run_job` runs it in a child process (a fork of the warm one, nblib.budget.warm, else a fresh
-one: nblib.budget.shim.run_child) by its reference, read from the function itself, and the child (`_child`, here)
-loads the model with the shim and calls it. Three batches give a line through every batch's allocation stream,
-kept only where the third is on it to the byte (nblib.budget.allocator.affine_stream), which the caller replays
-at any batch; a job that is not affine has each batch it is asked for, and each probe of the largest-batch
-search, traced here itself. Trade-off: a process that asks for a job no package has handed over (it imported
-neither nblib.encode nor nblib.train) is refused with the import that hands it over.
+A traced job is a top-level function `job(loaded, b, payload) -> dict` (`traced_figures` of batch `b` on a fresh
+fake cuda:0). nblib.encode and nblib.train hand theirs over when imported (`hand_over`), so the budget below them
+asks for a job by its kind (`job_for`) and never names the code it traces. `run_job` runs it in the shim's child
+(nblib.budget.shim.run_child, a fork of the warm process) by the reference read from the function. Three batches
+give a line through the job's allocation stream, kept only where the third is on it to the byte (allocator.
+affine_stream), which the caller replays at any batch; otherwise each batch asked for, and each probe of the
+largest-batch search, is traced here. Trade-off: a process that imported neither job's package is refused, in
+one line naming the import.
 """
 from __future__ import annotations
 
@@ -57,9 +54,9 @@ def largest_batch(point, cap: int, max_batch: int) -> int:
 
 
 def traced_figures(trace, weights: int, resident: int, nondeterministic=()) -> dict:
-    """What a job reports of its trace (after it ended): the weights' bytes, what stays between batches or steps,
-    the cuBLAS workspaces (one per handle that ran a GEMM), the allocation stream, the peaks, reserved memory at
-    each workspace position, the op at the peak, and the documented nondeterministic ops it ran.
+    """What a job reports of its ended trace: weights, what stays between batches or steps, the cuBLAS workspaces,
+    the allocation stream, the peaks, reserved memory at each workspace position, the ops torch documents as
+    nondeterministic that it ran.
     """
     return {"weights": weights, "resident": resident, "workspace": trace.workspace_bytes, "events": trace.events,
             "max_allocated": trace.allocator.max_allocated, "reserved_pytorch": trace.allocator.max_reserved,

@@ -1,9 +1,7 @@
-"""The encode loop as the trace layer runs it: what `nblib.budget.model_vram` budgets and `nblib.simulate` runs.
+"""The encode loop as the trace layer runs it (handed over at import: nblib.budget.traced_jobs).
 
-`trace_encoding(loaded, b, payload)` is the encode job handed to the trace layer (nblib.budget.traced_jobs) when
-this package is imported: on a fake cuda:0, the loop's input copy, the forward under inference_mode and autocast,
-and the run's own `HostPart` (nblib.encode.offload: the outputs cast on the device, then offloaded), so a VRAM
-budget follows an edit of the loop it budgets. Light to import: torch is imported when a trace runs.
+On a fake cuda:0: the loop's input copy, the forward under inference_mode and autocast, and the run's own
+`HostPart` (cast, then offload), so a VRAM budget follows an edit of the loop. torch is imported by a trace.
 """
 from __future__ import annotations
 

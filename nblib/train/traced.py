@@ -1,11 +1,7 @@
-"""The training step as the trace layer runs it: what `nblib.budget.model_vram(train=True)` budgets.
+"""The training step as the trace layer runs it (handed over at import: nblib.budget.traced_jobs).
 
-`trace_training(loaded, b, payload)` is the training job handed to the trace layer (nblib.budget.traced_jobs) when
-this package is imported: the module the loop runs (`nblib.train.task.loop_module`: the TRM's Classifier, its
-no_grad cycles included, or any model with its head) and `traced_train_step`, the loop's own `training_objects`
-and `train_step` (nblib.train.loop) on a fake cuda:0, which the simulated T4 (nblib.simulate.train, .model) runs
-too; the kernels it ran name the ops torch documents as nondeterministic (nblib.train.determinism). So a budget
-follows an edit of the step it budgets. Light to import: torch is imported when a trace runs.
+The loop's module (`task.loop_module`) and its own `training_objects` and `train_step` on a fake cuda:0, which
+the simulated T4 runs too; the kernels name the documented nondeterministic ops. torch is imported by a trace.
 """
 from __future__ import annotations
 
