@@ -123,8 +123,6 @@ def budget_panel(config, device: str = "t4", drive_quota_gb: float = 15.0, codec
 
     return _output_panel(controls, render, "nblib-budget-panel")
 
-# ============================================================ end 01
-
 
 # ============================================================ 04 shuffle checkpoints
 
@@ -143,9 +141,6 @@ def shuffle_checkpoint_panel(fit, buffer_size: int = 250_000, sample_kb: int = 5
         print(lab.describe_setting(numbers))
 
     return _output_panel(controls, render, "nblib-shuffle-panel")
-
-
-# ============================================================ end 04
 
 
 # ============================================================ 05 input pipeline
@@ -198,9 +193,6 @@ def pipeline_sweep_panel(table) -> Panel:
     panel = Panel([W.HBox([knob, value]), out])
     panel.add_class("nblib-pipeline-panel")
     return panel
-
-
-# ============================================================ end 05
 
 
 # ============================================================ 06 training
