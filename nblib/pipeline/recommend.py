@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from nblib.compare import Verdict
 from nblib.errors import BudgetExceeded, ConfigError
-from nblib.pipeline.sweep import BASE, SweepTable, knob_text
+from nblib.pipeline.sweep import BASE, SweepTable, knob_text, sort_key
 from nblib.units import fmt_bytes, fmt_rate
 from nblib.verdict import MIN_EFFECT
 
@@ -100,7 +100,7 @@ def value_verdicts(table: SweepTable) -> dict[str, list[Verdict]]:
         rows = [r for r in table.rows if r is not base and r[knob] != base[knob]
                 and all(r[k] == base[k] for k in table.knobs if k != knob)]
         if rows:
-            out[knob] = [table.versus_base(r) for r in sorted(rows, key=lambda r: _sort_value(r[knob]))]
+            out[knob] = [table.versus_base(r) for r in sorted(rows, key=lambda r: sort_key(r[knob]))]
     return out
 
 
@@ -127,10 +127,10 @@ def _mattered_text(mattered: str | None, verdicts: dict[str, Verdict]) -> str:
 def _versus_text(v: Verdict) -> str:
     if not v.enough_runs:
         return "too few pairs to tell it from the base"
+    interval = f"95% interval x{v.low:.2f}-{v.high:.2f}"
     if not v.distinguishable:
-        return f"not distinguishable from the base here, 95% interval x{v.low:.2f}-{v.high:.2f}"
-    return (f"faster than the base, 95% interval x{v.low:.2f}-{v.high:.2f}" if v.ratio > 1 else
-            f"slower than the base, 95% interval x{v.low:.2f}-{v.high:.2f}")
+        return f"not distinguishable from the base here, {interval}"
+    return f"{'faster' if v.ratio > 1 else 'slower'} than the base, {interval}"
 
 
 def knob_effects(table: SweepTable) -> dict[str, tuple[float, object]]:
@@ -146,10 +146,6 @@ def knob_effects(table: SweepTable) -> dict[str, tuple[float, object]]:
         best = max(means, key=means.get)
         effects[knob] = (max(means.values()) - min(means.values()), best)
     return effects
-
-
-def _sort_value(value):
-    return (0, value, "") if isinstance(value, (int, float)) and not isinstance(value, bool) else (1, 0, str(value))
 
 
 def _knobs_text(row: dict, knobs) -> str:

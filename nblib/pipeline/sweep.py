@@ -68,7 +68,7 @@ class SweepTable:
     def curve(self, knob: str) -> list[dict]:
         """The rows that vary `knob` alone (with the base row), sorted by the knob's value."""
         rows = [r for r in self.rows if r["varied"] in (knob, BASE)]
-        return sorted(rows, key=lambda r: _sort_key(r[knob]))
+        return sorted(rows, key=lambda r: sort_key(r[knob]))
 
     def spread(self, row: dict) -> Spread:
         """A row's samples/s over all its runs."""
@@ -330,7 +330,8 @@ def _check_known(names: Iterable[str], known: Iterable[str], where: str) -> None
         raise ConfigError(f"unknown knob {unknown[0]!r} in the {where}; known knobs: {', '.join(known)}")
 
 
-def _sort_key(value):
+def sort_key(value):
+    """Numbers before anything else, in order; the rest by their text (a knob's values, sorted)."""
     return (0, value, "") if isinstance(value, (int, float)) and not isinstance(value, bool) else (1, 0, str(value))
 
 
