@@ -48,8 +48,7 @@ __all__ = [
     "source_dataset", "reference_pipeline", "shuffle_pipeline", "method_unavailable", "global_shuffle_op",
     "index_shuffle_dataset", "indexed_dataset", "index_dataset", "make_shuffle", "resumable_shuffle_pipeline",
     "tf_shuffle_order", "one_op_pipelines", "in_memory_shuffles", "CheckpointRow", "measure_iterator_checkpoint",
-    "RoundTrip", "checkpoint_round_trip", "iterator_checkpoint_bytes", "preflight_checkpoint", "folder_bytes",
-    "same_element",
+    "RoundTrip", "checkpoint_round_trip", "iterator_checkpoint_bytes", "preflight_checkpoint", "same_element",
 ]
 
 CONTENTS = ("random", "constant")
@@ -391,7 +390,7 @@ def checkpoint_round_trip(build: Callable, folder, cut_after: int, compared: int
         for _ in range(cut_after):
             next(iterator)
         path = tf.train.Checkpoint(iterator=iterator).write(str(folder / "ckpt"))
-        size = folder_bytes(folder)
+        size = disk_usage(folder)
         if expected is None:
             expected = [e for _, e in zip(range(compared), iterator)]
         del iterator
@@ -419,7 +418,7 @@ def iterator_checkpoint_bytes(dataset, consumed: int, folder) -> tuple[int, str]
         next(iterator)
     try:
         tf.train.Checkpoint(iterator=iterator).write(str(folder / "ckpt"))
-        return folder_bytes(folder), ""
+        return disk_usage(folder), ""
     except Exception as exc:  # TF raises several types for an iterator it cannot save
         return 0, fmt_exception(exc, 160, with_type=True)
     finally:
@@ -502,7 +501,7 @@ def _measure_in(label: str, spec: PipelineSpec, build: Callable, folder: Path, s
     with DiskPeak(folder) as rotating, _sampled_before_sweep(manager, rotating):
         path = manager.save()
     expected = next(iterator)
-    bytes_on_disk = folder_bytes(folder)
+    bytes_on_disk = disk_usage(folder)
     del iterator, manager
     fresh = iter(build())
     release_free_heap()
@@ -559,11 +558,6 @@ def preflight_checkpoint(buffer_size: int, sample_bytes: int, folder) -> None:
     if need_ram > free_ram:
         raise BudgetExceeded(f"{what} needs ~{need_ram / GB:.2f} GB of RAM (the buffer, and as much again "
                              f"while restoring), {free_ram / GB:.2f} GB available; {knob}")
-
-
-def folder_bytes(folder) -> int:
-    """Total size in bytes of the files under `folder` (0 if it does not exist)."""
-    return disk_usage(folder)
 
 
 def same_element(a, b) -> bool:

@@ -9,6 +9,7 @@ import pytest
 
 from conftest import subprocess_env
 from nblib import budget, shuffle, tfdata
+from nblib.disk import disk_usage
 from nblib.errors import BudgetExceeded, ConfigError
 from nblib.lab import shuffle_checkpoints as lab
 
@@ -47,7 +48,7 @@ def test_tf_shuffle_checkpoint_holds_the_whole_buffer_even_when_symbolic(tmp_pat
     assert fit.sample_bytes <= fit.bytes_per_element < 1.05 * fit.sample_bytes
     predicted = fit.predict(250_000, lab.REFERENCE_SAMPLE_BYTES)
     assert 124e9 < predicted < 127e9  # the reference's 125 GB, recovered from small measurements
-    assert tfdata.folder_bytes(tmp_path) == 0  # measured checkpoints are deleted once measured
+    assert disk_usage(tmp_path) == 0  # measured checkpoints are deleted once measured
 
 
 @pytest.mark.slow
@@ -80,7 +81,7 @@ def test_resumable_pipeline_checkpoint_roundtrip_gives_the_next_elements_and_sta
     for e, g in zip(expected, got):
         np.testing.assert_array_equal(e["index"].numpy(), g["index"].numpy())
         np.testing.assert_array_equal(e["image"].numpy(), g["image"].numpy())
-    size = tfdata.folder_bytes(tmp_path)
+    size = disk_usage(tmp_path)
     assert size < 4096, (f"checkpoint of the resumable pipeline is {size} B; a tf.data buffer would be "
                          f"{500 * spec.sample_bytes:,} B")
 

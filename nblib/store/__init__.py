@@ -16,16 +16,9 @@ Layout (the store owns both folders; put nothing else in them):
     <dir>/<name>-000001.pt, <dir>/<name>-000001.json           torch checkpoints
 
 Reading takes the newest complete copy from either side; damaged copies are returned by
-`verify()`, logged (one WARNING record per copy, logger `nblib.store`) and ignored, so the caller
-recomputes them. Run events go through `logging`, not `warnings` (which shows a call site's
-warning once and hides the next); only a mirror that fails or is behind warns (MirrorWarning),
-as the user has to act (remount Drive).
-
-With an `identity` the mirror folder is claimed for one run (`identity.py`): another run's store
-is refused at start (ForeignMirror, naming the mirror folder). Every read of the mirror from the
-caller's thread has a deadline (`deadline.py`, NBLIB_MIRROR_DEADLINE_S): a frozen mount makes it
-`mirror=stalled`, and the store goes on from local staging alone; `flush` and `close` stop
-waiting for a mirror thread blocked that long.
+`verify()`, logged (one WARNING record per copy: docs/layout.md says why `logging`) and ignored, so
+the caller recomputes them. The mirror's claim (`identity.py`, ForeignMirror) and its deadline
+(`deadline.py`, `mirror=stalled`): docs/failures.md.
 """
 from __future__ import annotations
 

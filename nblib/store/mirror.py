@@ -76,10 +76,7 @@ class Audit:
     """List the mirror and re-fill parts it held before and lost (`full`: also torn or shrunk ones)."""
 
     full: bool = False
-
-    @property
-    def label(self) -> str:
-        return "the mirror audit"
+    label = "the mirror audit"
 
 
 Item = Resync | CopyPart | CopyManifest | CopyCheckpoint | Audit
