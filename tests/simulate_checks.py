@@ -60,7 +60,7 @@ def live_vs_memtracker(config: PipelineConfig, batch_size: int, precision: str =
     import torch
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from nblib.simulate.fake_cuda import DeviceTrace, fake_cuda
+    from nblib.budget.trace import DeviceTrace, fake_cuda
     from nblib.trm import TRMVisionEncoder
 
     m = config.model
@@ -93,7 +93,7 @@ def _traced_cpu_delta(payload: str) -> dict:
 
     import torch
 
-    from nblib.simulate.fake_cuda import DeviceTrace
+    from nblib.budget.trace import DeviceTrace
     from nblib.trm import TRMVisionEncoder
 
     args = json.loads(payload)

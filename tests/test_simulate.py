@@ -73,7 +73,7 @@ def test_freed_neighbours_coalesce():
 def test_fake_cuda_runs_cuda_autocast_and_restores_the_guard():
     from torch.cuda.amp import common
 
-    from nblib.simulate.fake_cuda import fake_cuda
+    from nblib.budget.trace import fake_cuda
 
     guard = common.amp_definitely_not_available
     with fake_cuda():

@@ -1,8 +1,8 @@
 """A fake CUDA device on a CPU-only torch: real operator semantics, no GPU, every byte accounted.
 
-The tracing machinery the budget (nblib.budget.model_vram) and the simulated T4 (nblib.simulate,
-which re-exports it as nblib.simulate.fake_cuda) share; it lives here, in the budget's layer, so
-that the budget can trace a model's own code without importing the simulation.
+The tracing machinery of the trace layer, which the budget (nblib.budget.model_vram, through
+traced_jobs) and the simulated T4 (nblib.simulate) share; it lives in the budget's layer, below
+the jobs whose code it traces.
 
 `fake_cuda(gpu)` is FakeTensorMode (tensors carry shape, dtype and device, no data) plus the one
 patch that lets CUDA autocast run without a driver: `torch.cuda.amp.common.

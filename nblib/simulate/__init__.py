@@ -12,7 +12,7 @@ cuBLAS's workspace, launch overheads and real clocks.
 the same way, in a fresh process with a small C++ shim (see `nblib.simulate.train`).
 `simulate_model` does both for any model (nblib.models): the encode loop's HostPart or nblib.train's
 train_step on the model with a head. The tracing machinery itself lives in nblib.budget.trace (the
-budget traces models with it and may not import the simulation); `fake_cuda` re-exports it.
+budget traces models with it and may not import the simulation); `fake_cuda` and `DeviceTrace` are its.
 Importing this package is light; torch loads with `simulate_encode`.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ _LAZY = {
     "simulate_encode": "nblib.simulate.encode", "SimulatedRun": "nblib.simulate.encode",
     "LABEL": "nblib.simulate.encode",
     "CachingAllocatorModel": "nblib.budget.allocator",
-    "fake_cuda": "nblib.simulate.fake_cuda", "DeviceTrace": "nblib.simulate.fake_cuda",
+    "fake_cuda": "nblib.budget.trace", "DeviceTrace": "nblib.budget.trace",
     "simulate_train_step": "nblib.simulate.train", "SimulatedStep": "nblib.simulate.train",
     "SimulationUnavailable": "nblib.simulate.train",
     "simulate_model": "nblib.simulate.model", "SimulatedModelRun": "nblib.simulate.model",

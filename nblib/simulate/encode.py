@@ -1,7 +1,7 @@
 """The encode loop's device side on a simulated GPU: input copy, forward, cast, offload.
 
 `simulate_encode(config, gpu="t4")` builds the real `TRMVisionEncoder` on a fake CUDA device
-(`nblib.simulate.fake_cuda`) and runs the steps `nblib.encode.run` runs per batch, with the real
+(`nblib.budget.trace`) and runs the steps `nblib.encode.run` runs per batch, with the real
 `HostPart` doing the cast and the offload in either mode: enough batches to reach the steady
 state (three in "async", one consolidation and two more batches in "consolidate"). It returns
 the simulated peaks (live tensors, allocated and reserved by the caching-allocator model), the
@@ -41,7 +41,7 @@ class SimulatedRun:
     weights: int                # bytes of the model on the device
     peak_op: str
     peak_shape: tuple
-    kernels: tuple = field(default=(), repr=False)   # one batch's kernels (fake_cuda.Kernel)
+    kernels: tuple = field(default=(), repr=False)   # one batch's kernels (budget.trace.Kernel)
     label: str = LABEL
 
     @property
@@ -61,7 +61,7 @@ def simulate_encode(config: PipelineConfig, gpu: str | Device = "t4", *, precisi
                     batches: int | None = None) -> SimulatedRun:
     """Run the encode loop's device-side steps for `batches` batches on a simulated `gpu`."""
     from nblib.budget.shim import run_cublas_config
-    from nblib.simulate.fake_cuda import DeviceTrace, fake_cuda
+    from nblib.budget.trace import DeviceTrace, fake_cuda
     from nblib.trm import TRMVisionEncoder
 
     dev = gpu_preset(gpu)

@@ -52,7 +52,7 @@ def kernel_rate(kernel, device: Device) -> float:
 
 
 def roofline(kernels, batch_size: int, device: str | Device) -> Roofline:
-    """The roofline time of one batch's `kernels` (nblib.simulate.fake_cuda.Kernel) on `device`."""
+    """The roofline time of one batch's `kernels` (nblib.budget.trace.Kernel) on `device`."""
     dev = device_preset(device)
     total = compute = memory = 0.0
     for k in kernels:

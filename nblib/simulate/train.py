@@ -63,7 +63,7 @@ class SimulatedStep:
     audit_traced: int = 0       # with audit=True: the trace's live bytes at the end of the last forward
     audit_counted: int = 0      # ... and the same counted from what holds them (see _Audit)
     audit_saved: int = 0        # ... of which the storages autograd saved for backward (parameters excluded)
-    kernels: tuple = field(default=(), repr=False)   # the last step's kernels (fake_cuda.Kernel)
+    kernels: tuple = field(default=(), repr=False)   # the last step's kernels (budget.trace.Kernel)
     label: str = LABEL
 
     def step_seconds(self, device: str | Device | None = None) -> float:
@@ -84,7 +84,7 @@ def simulate_train_step(model: ModelConfig, batch_size: int, gpu: str | Device =
                         precision: str = "fp16", n_classes: int = 12, steps: int = STEPS,
                         audit: bool = False, timeout_s: float = 600.0) -> SimulatedStep:
     """Run the loop's `train_step` `steps` times on a simulated `gpu` (in a fresh process)."""
-    from nblib.simulate.fake_cuda import Kernel
+    from nblib.budget.trace import Kernel
 
     dev = gpu_preset(gpu)
     if precision not in PRECISIONS:
