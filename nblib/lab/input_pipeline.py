@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import statistics
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -273,10 +274,9 @@ def trap_table(rows: list[dict]) -> str:
 def ram_per_worker(rows: list[dict]) -> float:
     """Bytes each extra TF-in-worker adds: the slope of RAM added against num_workers (least squares)."""
     xs = [r["num_workers"] for r in rows]
-    ys = [r["rss_added_bytes"] for r in rows]
-    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
-    spread = sum((x - mean_x) ** 2 for x in xs)
-    return sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread if spread else 0.0
+    if len(set(xs)) < 2:
+        return 0.0
+    return float(statistics.linear_regression(xs, [r["rss_added_bytes"] for r in rows]).slope)
 
 
 # ------------------------------------------------------------------------------ one shard at a time
