@@ -153,7 +153,10 @@ def refuse_if_changed(old: dict, new: dict, old_settings: dict | None, new_setti
         return
     for key in changed:
         if key == "settings" and old_settings and new_settings:
-            diffs = _setting_diffs(old_settings, new_settings) or ["fingerprint differs"]
+            from nblib.models.identity import dict_changes
+
+            diffs = [d.removeprefix("settings.") for d in dict_changes("settings", old_settings, new_settings)]
+            diffs = diffs or ["fingerprint differs"]
             details.append("settings changed (" + "; ".join(diffs) + ")")
         else:
             details.append(f"{key} changed ({old[key][:12]} -> {str(new.get(key))[:12]})")
@@ -176,14 +179,3 @@ def _model_changes(old: dict, new: dict) -> list[str]:
     change = describe_changes(old["model"], new["model"])
     return [change] if change else []
 
-
-def _setting_diffs(old: dict, new: dict) -> list[str]:
-    """'key: old -> new' for every setting that differs (model fields as model.<field>)."""
-    diffs = []
-    for key in sorted(set(old) | set(new)):
-        a, b = old.get(key), new.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            diffs += [f"model.{d}" for d in _setting_diffs(a, b)]
-        elif a != b:
-            diffs.append(f"{key}: {a} -> {b}")
-    return diffs
