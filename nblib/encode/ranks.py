@@ -8,6 +8,7 @@ whole run's durable parts, re-counted from the folder. Nothing here imports torc
 """
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import re
@@ -47,10 +48,7 @@ def split(items: Sequence, index: int, count: int) -> list:
 
 def part_writes(run_dir: str | Path) -> dict[str, int]:
     """How many times each part was written, over every process's record (a count of 2: done twice)."""
-    counts: dict[str, int] = {}
-    for record in read_records(run_dir):
-        for name in record["written"]:
-            counts[name] = counts.get(name, 0) + 1
+    counts = collections.Counter(name for record in read_records(run_dir) for name in record["written"])
     return dict(sorted(counts.items()))
 
 
