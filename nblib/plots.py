@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import statistics
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -102,7 +103,7 @@ def budget_bars(budget, save_to=None, top: int = 4) -> Figure:
             ax.text(0, 0.5, "not used", ha="center", transform=ax.get_yaxis_transform())
             continue
         ax.legend(fontsize=6.5, loc="upper center", bbox_to_anchor=(0.5, -0.02), frameon=False)
-    fig.suptitle(_wrap(budget.headline, 120), fontsize=9,
+    fig.suptitle(textwrap.fill(budget.headline, 120), fontsize=9,
                  color="darkgreen" if budget.fits else "crimson")
     return finish(fig, save_to)
 
@@ -182,11 +183,6 @@ def shard_plan_plot(plans, save_to=None) -> Figure:
     ax.legend(handles, [h.get_label() for h in handles], fontsize=8, loc="upper center")
     return finish(fig, save_to)
 
-
-def _wrap(text: str, width: int) -> str:
-    import textwrap
-
-    return "\n".join(textwrap.wrap(text, width))
 
 # ============================================================ 02 cache population (cache.py)
 
@@ -547,12 +543,12 @@ def input_rates(rows, encoder_samples_per_s: float, encoder_label: str = "encode
     med = [float(statistics.median(r.get("runs", [r["samples_per_s"]]))) for r in rows]
     low = [m - min(r.get("runs", [m])) for r, m in zip(rows, med)]
     high = [max(r.get("runs", [m])) - m for r, m in zip(rows, med)]
-    bars = ax.bar([_wrap(r["source"], 18) for r in rows], med, yerr=[low, high], capsize=4, color="C0")
+    bars = ax.bar([textwrap.fill(r["source"], 18) for r in rows], med, yerr=[low, high], capsize=4, color="C0")
     for bar, m in zip(bars, med):
         ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), f"{m:,.0f}/s ", ha="right", va="bottom",
                 fontsize=8)
     ax.axhline(encoder_samples_per_s, color="C3", ls="--",
-               label=f"{_wrap(encoder_label, 60)}: {encoder_samples_per_s:,.0f}/s")
+               label=f"{textwrap.fill(encoder_label, 60)}: {encoder_samples_per_s:,.0f}/s")
     ax.set(ylabel="samples/s (median, range of runs)", title="Can the loader feed the encoder?")
     ax.set_ylim(0, max(max(m + h for m, h in zip(med, high)), encoder_samples_per_s) * 1.2)
     ax.legend(fontsize=7, loc="upper right")
