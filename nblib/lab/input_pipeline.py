@@ -50,9 +50,7 @@ PER_WORKER_BYTES = 100e6     # "each worker builds its own TF": >= 100 MB more p
 FIX_RECOVERS = 0.80          # the mixing fix must recover >= 80% of single-source samples/s
 
 
-def cores() -> int:
-    """CPU cores this process may use: the parallelism budget of this machine (`env.usable_cores`)."""
-    return usable_cores()
+cores = usable_cores     # CPU cores this process may use: the parallelism budget of this machine (lab.cores())
 
 
 def tf_sources(cache, n_images: int | None = None, n_sources: int = 4):
