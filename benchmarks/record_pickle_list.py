@@ -6,7 +6,7 @@
 1. A child with torch writes one `pickle.dump(list_of_traces)` (protocol 4): `Trace` is a dataclass of a
    module that only the writer can import, with `hidden_states` [T, 1024] float16 and
    `target_routing` [T, 4] int64 torch tensors and a `layer_id` int (8 layers, T in 64..192): the
-   records of `nblib.cache.record_traces.trace_records(top_k=4)`.
+   records of `tests/record_traces.trace_records(top_k=4)`.
 2. Another child runs exactly `python -m nblib cache --records FILE --out DIR --shard-size-mb 256
    --group-by layer_id` (no other flag), with a path where that module is not importable (it
    checks). It prints its own peak RSS: `ru_maxrss` (getrusage of itself, which also holds the
@@ -35,7 +35,7 @@ TYPES = ("import dataclasses\n\n\n@dataclasses.dataclass\nclass Trace:\n    hidd
 WRITER = """
 import pickle, sys, torch
 from collector_traces import Trace
-from nblib.cache.record_traces import trace_record_bytes, trace_records
+from tests.record_traces import trace_record_bytes, trace_records
 sizes = eval(sys.argv[3])
 n = int(float(sys.argv[2]) * 1e9 // (trace_record_bytes(**{k: v for k, v in sizes.items() if k != 'layers'}) + 600))
 traces = [Trace(torch.from_numpy(r['hidden_states']), torch.from_numpy(r['target_routing']), r['layer_id'])
@@ -64,7 +64,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "record_pickle_list.json"))
     args = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
-    from nblib.cache import RecordShards, trace_records
+    from nblib.cache import RecordShards
+    from tests.record_traces import trace_records
 
     work = Path(args.work or tempfile.mkdtemp(prefix="record-pickle-list-"))
     (work / "types").mkdir(parents=True, exist_ok=True)

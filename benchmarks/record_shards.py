@@ -3,7 +3,7 @@
     python benchmarks/record_shards.py                       # 1 GB guide-like pickle stream, 400 and 64 MB shards
     python benchmarks/record_shards.py --gb 0.1 --rounds 2   # a quick look
 
-1. Writes a guide-like MoE trace (`nblib.cache.record_traces`: hidden_states [T, 1024] fp16,
+1. Writes a guide-like MoE trace (`tests/record_traces.py`: hidden_states [T, 1024] fp16,
    target_routing [T, 16] fp32, token_ids, layer_id of 8 layers, T in 64..192) as a pickle stream.
 2. Shards it with the real command, `nblib cache --records FILE --out DIR --shard-size-mb S
    --group-by layer_id` (nblib.cli.main in a child process), whose peak RSS is the kernel's
@@ -254,7 +254,8 @@ def main(argv=None) -> int:
                                                  "(e.g. /tmp/peers-venv/bin/python): add the peers' table")
     args = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
-    from nblib.cache import RecordShards, record_source, write_trace_pickle
+    from nblib.cache import RecordShards, record_source
+    from tests.record_traces import write_trace_pickle
 
     work = Path(args.work or tempfile.mkdtemp(prefix="record-shards-"))
     work.mkdir(parents=True, exist_ok=True)

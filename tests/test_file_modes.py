@@ -40,7 +40,9 @@ def test_the_atomic_writers_create_files_with_the_umask_mode(tmp_path, umask):
 
 
 def test_a_cache_record_shards_and_a_run_follow_the_umask(tmp_path, umask, one_torch_thread):
-    from nblib.cache import trace_records, write_records
+    from record_traces import trace_records
+
+    from nblib.cache import write_records
 
     cache = labelled_cache(tmp_path / "images", 48)
     write_records(trace_records(40, hidden=8, experts=4, layers=2, tokens=(2, 4)), tmp_path / "records",

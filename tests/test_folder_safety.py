@@ -30,7 +30,9 @@ def snapshot(folder: Path) -> dict[str, bytes]:
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """(record shards, a finished train --records run on them, an image cache, its images' folder)."""
-    from nblib.cache import trace_records, write_records
+    from record_traces import trace_records
+
+    from nblib.cache import write_records
 
     root = tmp_path_factory.mktemp("safety")
     records = root / "records"

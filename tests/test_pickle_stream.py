@@ -16,9 +16,10 @@ import sys
 import numpy as np
 import pytest
 from cli_runner import run_nblib
+from record_traces import trace_records
 
 from conftest import subprocess_env
-from nblib.cache import RecordShards, record_source, trace_records, write_records
+from nblib.cache import RecordShards, record_source, write_records
 from nblib.cache.pickle_stream import pickle_records
 from nblib.errors import InputError
 

@@ -234,7 +234,9 @@ def test_a_run_of_another_model_is_scored_as_its_training_evaluated_it(trained, 
 
 @pytest.mark.parametrize("case", ["no final.pt", "records given to --cache", "--out is --cache"])
 def test_predict_refusals_that_need_no_model_answer_before_torch_is_imported(trained, tmp_path, case):
-    from nblib.cache import trace_records, write_records
+    from record_traces import trace_records
+
+    from nblib.cache import write_records
 
     root, _, run, test_cache = trained
     records = tmp_path / "records"

@@ -15,6 +15,7 @@ import time
 import numpy as np
 import pytest
 from cli_runner import run_nblib
+from record_traces import trace_records, write_trace_pickle
 from shard_budget import shard_size_for_ram
 
 from conftest import cache_folder_bytes, subprocess_env
@@ -22,10 +23,8 @@ from nblib.cache import (
     RecordShards,
     RecordShardShuffle,
     record_source,
-    trace_records,
     verify_records,
     write_records,
-    write_trace_pickle,
 )
 from nblib.cache.record_format import read_record_manifest
 from nblib.errors import BudgetExceeded, CacheError, InputError, StateError

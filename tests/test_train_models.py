@@ -92,7 +92,9 @@ def models(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def records_dir(tmp_path_factory) -> Path:
     """400 guide-like trace records in ~20 small shards grouped by layer_id."""
-    from nblib.cache import trace_records, write_records
+    from record_traces import trace_records
+
+    from nblib.cache import write_records
 
     out = tmp_path_factory.mktemp("records") / "shards"
     write_records(trace_records(400, **TRACES), out, shard_mb=0.02, group_by="layer_id")

@@ -72,7 +72,9 @@ def pooling_models(tmp_path_factory):
 
 
 def routing_records(folder: Path, top_k: int | None) -> Path:
-    from nblib.cache import trace_records, write_records
+    from record_traces import trace_records
+
+    from nblib.cache import write_records
 
     write_records(trace_records(240, top_k=top_k, **TRACES), folder, shard_mb=0.01, group_by="layer_id")
     return folder

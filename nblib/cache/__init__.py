@@ -7,9 +7,9 @@ Arrow, webdataset tars, with labels or texts in a side table), `verify` (check a
 (`ShardedImageCache`, `CacheDataset`). Record shards (records of tensors, grouped by a key):
 `records` (`write_records`), `record_format`, `record_sources` (any pickle, .npz, .pt; pickles read by
 `pickle_stream` one record at a time through the allow-list of `pickle_globals`),
-`record_reader` (`RecordShards`, `RecordShardShuffle`), `record_verify`, `record_traces` (guide-like
-test data) and `record_torch` (torch datasets; imports torch, so it is not re-exported here); both
-kinds of folder are checked into one `VerifyReport`. The measurements and demos of notebook 02 live
+`record_reader` (`RecordShards`, `RecordShardShuffle`), `record_verify` and `record_torch` (torch
+datasets; imports torch, so it is not re-exported here); both kinds of folder are checked into one
+`VerifyReport`. The measurements and demos of notebook 02 live
 in `nblib.lab.cache_population`; the command line is `python -m nblib cache` (`nblib.cli`).
 """
 from __future__ import annotations
@@ -29,7 +29,6 @@ from nblib.cache.populate import CachePlan, PopulateSummary, cache_bytes_on_disk
 from nblib.cache.reader import CacheDataset, ShardedImageCache
 from nblib.cache.record_reader import RecordShards, RecordShardShuffle
 from nblib.cache.record_sources import RecordSource, record_source
-from nblib.cache.record_traces import trace_records, write_trace_pickle
 from nblib.cache.record_verify import verify_records
 from nblib.cache.records import RecordSummary, write_records
 from nblib.cache.texts import (
@@ -50,5 +49,5 @@ __all__ = [
     "read_cache_manifest", "read_texts", "sample_texts", "sample_texts_path", "source_fingerprint",
     "text_source", "verify", "write_images", "write_shard", "image_source",
     "RecordShardShuffle", "RecordShards", "RecordSource", "RecordSummary", "record_source",
-    "trace_records", "verify_records", "write_records", "write_trace_pickle",
+    "verify_records", "write_records",
 ]

@@ -1,4 +1,4 @@
-"""Guide-like trace records, made at run time: a small MoE-routing dataset for tests, benchmarks, notebooks.
+"""Guide-like trace records, made at run time: a small MoE-routing dataset for the tests and benchmarks.
 
 The sharding guide's records are traces of a mixture-of-experts model: per record, the
 `hidden_states` [T, H] that enter one layer's router and the router's answer `target_routing`,
