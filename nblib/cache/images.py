@@ -1,15 +1,9 @@
 """Your own images in: any iterable of uint8 arrays into the same resumable, verified, sharded cache.
 
-`write_images(images, out)` takes a list or generator of uint8 [H, W, 3] arrays (grey [H, W] and
-RGBA are turned into RGB; torch tensors in [C, H, W] are turned to [H, W, C]), a torch dataset
-(items, or the first element of tuple items), or an HF `datasets.Dataset` (`column`, default
-"image"). `image_source(path)` opens what `python -m nblib cache --images PATH` takes: a folder of
-image files (sorted by name) or of class subfolders (`folder_images`; labels: `nblib.cache.sources`),
-a Parquet file, or an HF datasets folder (`save_to_disk`). Every image is decoded by the one pixel
-policy of `nblib.cache.pixels` (EXIF orientation as `ImageOps.exif_transpose`; a JPEG drafted for
-`size`): sources hand image files' bytes over undecoded (`EncodedImage`) and `write_images` decodes
-them. Images of mixed sizes go in with `size` (`--size N`, at most MAX_SIZE): RESIZE_POLICY, recorded
-in the manifest with the decode policy; without it a second size is refused.
+`write_images(images, out)` takes arrays, PIL images, torch tensors, a torch dataset or an HF `Dataset`
+(its Args say how each is read); `image_source(path)` opens what `cache --images PATH` takes (docs/formats.md).
+Every image is decoded by the one pixel policy (`nblib.cache.pixels`); with `size` (`--size N`) all are
+resized (RESIZE_POLICY, recorded in the manifest), without it a second size is refused.
 
 Shards are written exactly as `populate` writes them (atomic, manifest last, per-image xxh3),
 so a killed run resumes to the same bytes. A resume reads the images again from the start: the
@@ -458,18 +452,42 @@ def _length(images) -> int | None:
 def _parquet_images(path: Path, column: str) -> tuple[Iterable, int]:
     import pyarrow.parquet as pq
 
-    meta = pq.ParquetFile(path)
-    if column not in meta.schema_arrow.names:
-        raise InputError(f"{path} has no column {column!r}; its columns are {meta.schema_arrow.names}: "
-                         f"pass --column")
+    names = pq.read_schema(path).names
+    if column not in names:
+        raise InputError(f"{path} has no column {column!r}; its columns are {names}: pass --column")
+    return table_images([path], column), pq.ParquetFile(path).metadata.num_rows
 
-    def rows():
-        for group in range(meta.num_row_groups):
-            rows_before = sum(meta.metadata.row_group(g).num_rows for g in range(group))
-            for k, value in enumerate(meta.read_row_group(group, columns=[column]).column(0).to_pylist()):
-                yield image_cell(value, f"{path} row {rows_before + k:,}")
 
-    return rows(), meta.metadata.num_rows
+def arrow_reader(path: Path):
+    """An Arrow file (IPC file format) or stream (the format datasets writes) as a batch reader."""
+    import pyarrow as pa
+
+    try:
+        return pa.ipc.open_stream(pa.memory_map(str(path)))
+    except pa.ArrowInvalid:
+        file = pa.ipc.open_file(pa.memory_map(str(path)))
+        batches = (file.get_batch(k) for k in range(file.num_record_batches))
+        return pa.RecordBatchReader.from_batches(file.schema, batches)
+
+
+def column_batches(path: Path, column: str):
+    """One column of a Parquet or Arrow file, batch by batch."""
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        yield from pq.ParquetFile(path).iter_batches(batch_size=256, columns=[column])
+    else:
+        for batch in arrow_reader(path):
+            yield batch.select([column])
+
+
+def table_images(files: list[Path], column: str) -> Iterator:
+    for path in files:
+        row = 0
+        for batch in column_batches(path, column):
+            for value in batch.column(0).to_pylist():
+                yield image_cell(value, f"{path} row {row:,} (column {column!r})")
+                row += 1
 
 
 def image_cell(value, where: str = "a Parquet cell", mode: str | None = None):

@@ -1,25 +1,12 @@
 """Images in from where people keep them: a folder (class subfolders or a labels file), a saved HF
 dataset, Parquet or Arrow files, webdataset tars.
 
-`images_source(path, labels=...)` reads what `cache --images PATH [--labels FILE]` takes: a folder's
-images are labelled by their class subfolder (`root/cat/*.jpg`) or by a CSV or JSON of (file, label).
-
-`hf_source(path, image_column, label_column=..., text_column=...)` reads a `datasets.save_to_disk`
-folder, a Parquet file or folder, or an Arrow file or folder, locally (nothing downloads: a hub
-name is refused). `wds_source("shards-{000..009}.tar")` streams webdataset tars with the standard
-`tarfile` module, member by member (never extracted to disk): a sample is the members that share
-a key (the name up to its first dot); its image is the jpg/jpeg/png/webp member, its label `cls`,
-its text `txt`, or the `label`/`text` field of its `json`; any other member is skipped unread, and a
-tar cut short (even between two members) is refused.
-
-Every image goes undecoded into `write_images`, which decodes it by the one pixel policy of
-`nblib.cache.pixels` (EXIF orientation, JPEG draft for `--size`, mode conversion, 16-bit scaling,
-decompression-bomb refusal), so the cache resumes as `--images` does and one JPEG gives one array
-whatever its source. After the build `labels_line` says which classes were found, and how many
-images each holds, or how this source gets labels (`train` needs them). Every label is checked once,
-here (`nblib.cache.labels`: no negative, absurd, id-like, list or fractional labels). Labels and/or
-texts travel in a side table, `source-labels.json`, hashed in the manifest, which holds the class
-names; `source_labels(cache_dir)` reads both, and `train` takes them.
+`images_source` (`cache --images PATH [--labels FILE]`), `hf_source` (`--hf`: local only, a hub name
+is refused) and `wds_source` (`--wds`: tars streamed member by member with `tarfile`, never
+extracted; a tar cut short is refused) hand every image undecoded to `write_images`, which decodes it
+by the one pixel policy (`nblib.cache.pixels`). What each source reads, and the side table
+`source-labels.json` its labels or texts travel in: docs/formats.md. `labels_line` says which classes
+were found and how many images each holds, or how this source gets labels (`train` needs them).
 Trade-off: the side table is one JSON list (a few bytes a row; 10 M captions make a big file),
 and a tar stream cannot be counted without reading it, so a wds cache has no disk preflight.
 """
@@ -36,12 +23,14 @@ from pathlib import Path
 from nblib.cache.images import (
     _dataset_rows,
     _is_hf_folder,
+    arrow_reader,
+    column_batches,
     encoded_files,
     folder_images,
-    image_cell,
     image_items,
     image_keys,
     recorded_json,
+    table_images,
 )
 from nblib.cache.labels import label_index, labels_and_classes, labels_from_file
 from nblib.cache.pixels import EncodedImage
@@ -237,7 +226,7 @@ def _table_source(files: list[Path], image_column: str, label_column, text_colum
     wanted = [c for c in (image_column, label_column, text_column) if c]
     for f, schema in zip(files, schemas):
         _check_columns(f"--hf {f}", wanted, schema.names)
-    source = ImageSource(images=_table_images(files, image_column), count=sum(_rows(f) for f in files),
+    source = ImageSource(images=table_images(files, image_column), count=sum(_rows(f) for f in files),
                          origin=f"column {label_column!r}", unlabelled=_UNLABELLED["--hf"])
     if label_column:
         values = [v for f in files for v in _read_column(f, label_column)]
@@ -267,7 +256,7 @@ def _schema(path: Path):
         import pyarrow.parquet as pq
 
         return pq.read_schema(path)
-    return _arrow_reader(path).schema
+    return arrow_reader(path).schema
 
 
 def _rows(path: Path) -> int:
@@ -275,42 +264,11 @@ def _rows(path: Path) -> int:
         import pyarrow.parquet as pq
 
         return pq.ParquetFile(path).metadata.num_rows
-    return sum(batch.num_rows for batch in _arrow_reader(path))
-
-
-def _arrow_reader(path: Path):
-    """An Arrow file (IPC file format) or stream (the format datasets writes) as a batch reader."""
-    import pyarrow as pa
-
-    try:
-        return pa.ipc.open_stream(pa.memory_map(str(path)))
-    except pa.ArrowInvalid:
-        file = pa.ipc.open_file(pa.memory_map(str(path)))
-        batches = (file.get_batch(k) for k in range(file.num_record_batches))
-        return pa.RecordBatchReader.from_batches(file.schema, batches)
-
-
-def _batches(path: Path, column: str):
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        yield from pq.ParquetFile(path).iter_batches(batch_size=256, columns=[column])
-    else:
-        for batch in _arrow_reader(path):
-            yield batch.select([column])
+    return sum(batch.num_rows for batch in arrow_reader(path))
 
 
 def _read_column(path: Path, column: str) -> list:
-    return [v for batch in _batches(path, column) for v in batch.column(0).to_pylist()]
-
-
-def _table_images(files: list[Path], column: str) -> Iterator:
-    for path in files:
-        row = 0
-        for batch in _batches(path, column):
-            for value in batch.column(0).to_pylist():
-                yield image_cell(value, f"{path} row {row:,} (column {column!r})")
-                row += 1
+    return [v for batch in column_batches(path, column) for v in batch.column(0).to_pylist()]
 
 
 def _class_names(schema, column: str) -> list[str] | None:
