@@ -7,6 +7,9 @@ nblib's reader builds nothing whole that it can stream: the scan, the hand-outs 
 are what is checked here, at every protocol, across the 1,000-item batch edge, for tuples, dicts,
 streams, one-Pickler streams, shared and self references, and numpy arrays of many dtypes.
 Then CPython's pickletester-style bad inputs and the red team's hostile files, each one line.
+
+Each test runs through both readers (`reader`: NBLIB_PICKLE_READER=pure, and =fast, the C scan and
+CPython's C unpickler, here fed one element at a time so that its memo is pruned between every two).
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+import nblib.cache.pickle_fast as pickle_fast
 from conftest import subprocess_env
 from nblib.cache.pickle_stream import element_records, pickle_records, top_records
 from nblib.errors import InputError
@@ -38,6 +42,15 @@ SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=list(H
 class Point:
     x: object
     y: int
+
+
+@pytest.fixture(params=["pure", "fast"])
+def reader(request, monkeypatch):
+    """Which reader `pickle_records` uses; the fast one a chunk of one element at a time (its memo pruned each time)."""
+    monkeypatch.setenv(pickle_fast.READER_ENV, request.param)
+    if request.param == "fast":
+        monkeypatch.setattr(pickle_fast, "CHUNK", 1)
+    return request.param
 
 
 def arrays():
@@ -162,7 +175,7 @@ def _same_records(want, got) -> bool:
 
 @SETTINGS
 @given(top=tops(), protocol=st.integers(0, pickle.HIGHEST_PROTOCOL))
-def test_one_pickle_of_any_shape_reads_as_the_standard_library_reads_it(tmp_path_factory, top, protocol):
+def test_one_pickle_of_any_shape_reads_as_the_standard_library_reads_it(tmp_path_factory, top, protocol, reader):
     _check(tmp_path_factory.mktemp("one"), [top], protocol)
 
 
@@ -171,12 +184,12 @@ def test_one_pickle_of_any_shape_reads_as_the_standard_library_reads_it(tmp_path
                      min_size=2, max_size=4),
        protocol=st.integers(0, pickle.HIGHEST_PROTOCOL), one_pickler=st.booleans())
 def test_a_stream_of_dumps_separate_or_from_one_pickler_reads_as_the_standard_library_reads_it(
-        tmp_path_factory, tops, protocol, one_pickler):
+        tmp_path_factory, tops, protocol, one_pickler, reader):
     _check(tmp_path_factory.mktemp("stream"), tops, protocol, one_pickler)
 
 
 @pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
-def test_shared_and_self_references_read_as_the_standard_library_reads_them(tmp_path, protocol):
+def test_shared_and_self_references_read_as_the_standard_library_reads_them(tmp_path, protocol, reader):
     shared = np.arange(4.0)
     records_ = [{"x": shared, "i": i} for i in range(3)]
     loop = [{"y": 0}, {"y": 1}]
@@ -188,7 +201,7 @@ def test_shared_and_self_references_read_as_the_standard_library_reads_them(tmp_
     _check(tmp_path, stream, protocol, one_pickler=True)
 
 
-def test_the_shape_is_said_in_one_line(tmp_path):
+def test_the_shape_is_said_in_one_line(tmp_path, reader):
     cases = {"xy": ([np.zeros(2)] * 3, [0, 1, 2]), "dict": {"a": {"v": 1}, "b": {"v": 2}},
              "tuple": ({"v": 1}, {"v": 2}), "list": [{"v": i} for i in range(7)]}
     said = {}
@@ -201,7 +214,7 @@ def test_the_shape_is_said_in_one_line(tmp_path):
     assert said["tuple"] == "a tuple of records: 2 records" and said["list"] == "a list of records: 7 records"
 
 
-def test_a_record_whose_first_field_is_a_dict_stays_one_record_and_dict_keys_are_kept(tmp_path):
+def test_a_record_whose_first_field_is_a_dict_stays_one_record_and_dict_keys_are_kept(tmp_path, reader):
     one = list(pickle_records(_dump(tmp_path / "one.pkl", {"meta": {"k": 1}, "x": np.zeros(2), "y": 3}, 4)))
     assert len(one) == 1 and sorted(one[0]) == ["meta", "x", "y"]
     keyed = list(pickle_records(_dump(tmp_path / "keyed.pkl", {"id7": {"key": 1}, "id9": {"key": 2}}, 4)))
@@ -240,7 +253,7 @@ def _hostile():
 
 
 @pytest.mark.parametrize("name", list(_hostile()))
-def test_a_hostile_or_damaged_pickle_is_one_line_changes_nothing_and_never_crashes(tmp_path, name):
+def test_a_hostile_or_damaged_pickle_is_one_line_changes_nothing_and_never_crashes(tmp_path, name, reader):
     data = _hostile()[name]
     path = tmp_path / "h.pkl"
     path.write_bytes(data)
@@ -249,22 +262,22 @@ def test_a_hostile_or_damaged_pickle_is_one_line_changes_nothing_and_never_crash
             "try:\n    print(len(list(pickle_records(Path(sys.argv[1])))))\n"
             "except InputError as e:\n    print('REFUSED', str(e))\n"
             "print('COUNTER', collections.Counter('aab'))\n")
-    done = subprocess.run([sys.executable, "-c", code, str(path)], env=subprocess_env(), capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120,
+                          env=subprocess_env(**{pickle_fast.READER_ENV: reader}))
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])    # no segfault, no traceback
     out = done.stdout.splitlines()
     assert out[0].startswith("REFUSED ") and len(out[0]) < 600 and "\n" not in out[0], out
     assert out[1] == "COUNTER Counter({'a': 2, 'b': 1})", out
 
 
-def test_an_expanded_tensor_view_is_refused_by_its_size_before_it_is_copied(tmp_path):
+def test_an_expanded_tensor_view_is_refused_by_its_size_before_it_is_copied(tmp_path, reader):
     torch = pytest.importorskip("torch")
     path = _dump(tmp_path / "expand.pkl", {"x": torch.zeros(1).expand(20000, 20000)}, 4)
     with pytest.raises(InputError, match=r"view of 1,600,000,000 bytes over a storage of 4"):
         list(pickle_records(path))
 
 
-def test_an_empty_numpy_string_reads_back_and_is_not_called_damaged(tmp_path):
+def test_an_empty_numpy_string_reads_back_and_is_not_called_damaged(tmp_path, reader):
     values_ = np.array(["alpha", "", "gamma"])
     got = list(pickle_records(_dump(tmp_path / "s.pkl", [{"s": v} for v in values_], 4)))
     assert [r["s"] for r in got] == ["alpha", "", "gamma"] and all(isinstance(r["s"], np.str_) for r in got)
@@ -294,7 +307,7 @@ def test_an_npz_of_a_billion_zero_width_rows_is_refused_before_a_shard_is_writte
     assert not list((tmp_path / "out").glob("shard-*"))
 
 
-def test_crafted_memo_numbering_and_repeated_dict_keys_are_read_as_pickle_does_or_refused(tmp_path):
+def test_crafted_memo_numbering_and_repeated_dict_keys_are_read_as_pickle_does_or_refused(tmp_path, reader):
     """Red team R5-12: pickles no pickler writes, read differently from pickle.load, are refused in one line."""
     cases = {"BINPUT 2 then MEMOIZE": b"\x80\x04\x8c\x01Aq\x02\x94\x94h\x02.",
              "protocol 0 PUT -1": b"(dp-1\nVx\nI1\ns.",
@@ -309,7 +322,7 @@ def test_crafted_memo_numbering_and_repeated_dict_keys_are_read_as_pickle_does_o
     assert list(pickle_records(path)) == [{"x": 1}] == [pickle.loads(path.read_bytes())]
 
 
-def test_randomly_damaged_pickles_read_or_refuse_in_one_line_never_a_traceback(tmp_path):
+def test_randomly_damaged_pickles_read_or_refuse_in_one_line_never_a_traceback(tmp_path, reader):
     """Red team R5-15: 3% of 2,990 mutated pickles ended in a traceback (TypeError, AttributeError, MemoryError).
     Byte flips, inserts, deletes and cuts of valid pickles at every protocol: each reads, or is one InputError.
     """
