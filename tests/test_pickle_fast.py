@@ -1,4 +1,4 @@
-"""The fast reader of pickled lists (nblib/cache/pickle_fast.py, pickle_scan.c) against the pure one and the Python scan.
+"""The fast pickled-list reader (nblib/cache/pickle_fast.py, pickle_scan.c) against the pure one and the Python scan.
 
 The C scan's plan is compared with the Python scanner's (nblib/cache/pickle_scan.py) over generated pickles:
 each element's end and each memo slot's last read, as byte offsets, at every protocol, across the
@@ -17,19 +17,20 @@ import pickletools
 import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_pickle_differential import Point, records, same
 
 import nblib.cache.pickle_fast as pickle_fast
 from conftest import subprocess_env
+from nblib.cache.pickle_globals import PickledObject
 from nblib.cache.pickle_scan import PickleScanner
 from nblib.cache.pickle_stream import pickle_records
 from nblib.errors import InputError
-from nblib.cache.pickle_globals import PickledObject
-from test_pickle_differential import Point, records, same
 
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
 
@@ -229,6 +230,7 @@ def test_protocol_0_and_1_objects_go_to_the_pure_reader(tmp_path, monkeypatch):
 
 def test_the_scanner_is_compiled_into_the_per_user_folder_only():
     lib = pickle_fast.scanner()
-    path = next(p for p in open("/proc/self/maps").read().split() if "nblib-pickle-scan" in p)
+    maps = Path("/proc/self/maps").read_text()
+    path = next(p for p in maps.split() if "nblib-pickle-scan" in p)
     assert lib is not None and os.path.dirname(path).endswith(os.path.join("nblib", "lib"))
     assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700

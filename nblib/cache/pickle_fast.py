@@ -158,24 +158,37 @@ def _elements(data: mmap.mmap, plan: ListPlan) -> Iterator:
     with data, contextlib.closing(plan):
         feed = _Feed()
         unpickler = _Unpickler(feed, plan.protocol)
-        feed.data = memoryview(_unframed(data, plan.frames, 0, plan.prefix_end) + b".")
-        if type(unpickler.load()) is not list:
-            raise NotFast("the top object is not a list")
-        pending, written, released = np.zeros(0, np.int64), 0, 0
-        for i, j in _chunks(plan):
-            feed.data = memoryview(b"](" + _elements_bytes(data, plan, i, j) + b"e.")
-            fed, now = int(plan.ends[j - 1]), int(plan.slots_after[j - 1])
-            upto = fed // mmap.PAGESIZE * mmap.PAGESIZE
-            if upto > released:             # the file's pages copied out: back to the page cache, out of RSS
-                data.madvise(mmap.MADV_DONTNEED, released, upto - released)
-                released = upto
-            yield [_resolved(element, {}) for element in unpickler.load()]
-            candidates = np.concatenate([pending, np.arange(written, now, dtype=np.int64)])
-            dead = plan.last_read[candidates] < fed
-            pending, written = candidates[~dead], now
-            if dead.any():                  # slots no later op reads: None in their place, the count kept
-                feed.data = memoryview(_overwrite(candidates[dead]))
+        try:
+            yield from _read_chunks(data, plan, feed, unpickler)
+        finally:
+            feed.parts = [b"N."]            # the unpickler's last buffer a bytes, not a view of the map to close
+            with contextlib.suppress(pickle.UnpicklingError):
                 unpickler.load()
+            del unpickler, feed
+
+
+def _read_chunks(data: mmap.mmap, plan: ListPlan, feed: _Feed, unpickler: _Unpickler) -> Iterator[list]:
+    feed.parts = [*_unframed(data, plan.frames, 0, plan.prefix_end), b"."]
+    if type(unpickler.load()) is not list:
+        raise NotFast("the top object is not a list")
+    pending, written, released = np.zeros(0, np.int64), 0, 0
+    for i, j in _chunks(plan):
+        feed.parts = [b"](", *_elements_views(data, plan, i, j), b"e."]
+        elements = unpickler.load()
+        feed.parts = [b""]
+        fed, now = int(plan.ends[j - 1]), int(plan.slots_after[j - 1])
+        upto = fed // mmap.PAGESIZE * mmap.PAGESIZE
+        if upto > released:                 # the file's pages read: back to the page cache, out of RSS
+            data.madvise(mmap.MADV_DONTNEED, released, upto - released)
+            released = upto
+        yield [_resolved(element, {}) for element in elements]
+        del elements
+        candidates = np.concatenate([pending, np.arange(written, now, dtype=np.int64)])
+        dead = plan.last_read[candidates] < fed
+        pending, written = candidates[~dead], now
+        if dead.any():                      # slots no later op reads: None in their place, the count kept
+            feed.parts = [_overwrite(candidates[dead])]
+            unpickler.load()
 
 
 def _chunks(plan: ListPlan) -> Iterator[tuple[int, int]]:
@@ -189,25 +202,27 @@ def _chunks(plan: ListPlan) -> Iterator[tuple[int, int]]:
     yield from zip(bounds[:-1].tolist(), bounds[1:].tolist())
 
 
-def _elements_bytes(data: mmap.mmap, plan: ListPlan, i: int, j: int) -> bytes:
-    """The ops of elements i..j-1, in order, without what lies between batches (MARK, APPENDS) nor frames."""
+def _elements_views(data: mmap.mmap, plan: ListPlan, i: int, j: int) -> list[memoryview]:
+    """The ops of elements i..j-1, in order, as views of the map, without what lies between batches (MARK,
+    APPENDS) nor frames.
+    """
     starts, ends = plan.starts[i:j], plan.ends[i:j]
     breaks = np.flatnonzero(ends[:-1] != starts[1:]) + 1
     firsts, lasts = np.concatenate([[0], breaks]), np.concatenate([breaks, [j - i]]) - 1
-    return b"".join(_unframed(data, plan.frames, int(starts[a]), int(ends[b])) for a, b in zip(firsts, lasts))
+    return [view for a, b in zip(firsts.tolist(), lasts.tolist())
+            for view in _unframed(data, plan.frames, int(starts[a]), int(ends[b]))]
 
 
-def _unframed(data: mmap.mmap, frames: np.ndarray, start: int, end: int) -> bytes:
-    """data[start:end] without the 9-byte FRAME ops inside it."""
+def _unframed(data: mmap.mmap, frames: np.ndarray, start: int, end: int) -> list[memoryview]:
+    """data[start:end] without the 9-byte FRAME ops inside it, as views."""
+    whole = memoryview(data)
     inside = frames[np.searchsorted(frames, start):np.searchsorted(frames, end)]
-    if not inside.size:
-        return data[start:end]
-    parts, at = [], start
+    views, at = [], start
     for frame in inside.tolist():
-        parts.append(data[at:frame])
+        views.append(whole[at:frame])
         at = frame + 9
-    parts.append(data[at:end])
-    return b"".join(parts)
+    views.append(whole[at:end])
+    return views
 
 
 def _overwrite(slots: np.ndarray) -> bytes:
@@ -221,23 +236,48 @@ def _overwrite(slots: np.ndarray) -> bytes:
 
 
 class _Feed:
-    """The unpickler's file: `peek` hands it the whole pickle at once, so it calls Python once a chunk."""
+    """The unpickler's file: one pickle in `parts` (bytes, or views of the map). `peek` hands it the rest of a part
+    at once, so it calls Python about once a part; a large string is read or copied (`readinto`) straight from the
+    map into the object the unpickler makes.
+    """
 
     def __init__(self):
-        self.data = memoryview(b"")
+        self.parts: list = []
+
+    @property
+    def parts(self) -> list:
+        return self._parts
+
+    @parts.setter
+    def parts(self, parts: list) -> None:
+        self._parts, self._part, self._at = [memoryview(p) for p in parts], 0, 0
 
     def peek(self, n: int = 0):
-        return self.data
+        while self._part < len(self._parts) and self._at >= len(self._parts[self._part]):
+            self._part, self._at = self._part + 1, 0
+        return self._parts[self._part][self._at:] if self._part < len(self._parts) else b""
 
     def read(self, n: int = -1):
-        data = self.data
-        n = len(data) if n is None or n < 0 else n
-        self.data = data[n:]
-        return data[:n]
+        n = sum(len(p) for p in self._parts) if n is None or n < 0 else n
+        out = []
+        while n > 0:
+            rest = self.peek()
+            if not rest:
+                break
+            out.append(rest[:n])
+            self._at += len(out[-1])
+            n -= len(out[-1])
+        return out[0] if len(out) == 1 else b"".join(out)
+
+    def readinto(self, buffer) -> int:
+        data = self.read(len(buffer))
+        memoryview(buffer).cast("B")[:len(data)] = data
+        return len(data)
 
     def readline(self):
-        at = bytes(self.data).find(b"\n")
-        return self.read(len(self.data) if at < 0 else at + 1)
+        rest = bytes(self.peek())
+        at = rest.find(b"\n")
+        return self.read(len(rest) if at < 0 else at + 1)
 
 
 class _Unpickler(pickle.Unpickler):
