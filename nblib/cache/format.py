@@ -56,6 +56,8 @@ MANIFEST_VERSION = 3    # 3: per-image xxh3 tables in shards, shard xxh3, stats 
 OLD_VERSIONS = (2,)     # readable manifests of older layouts: refused with "rebuild"
 SHARD_SUFFIX = {name: c.suffix for name, c in CODECS.items()}
 DAMAGED = ("missing", "truncated", "corrupt")
+WHY_DAMAGED = {"missing": "missing", "truncated": "of another size than the manifest records",   # a reader's words
+               "corrupt": "not the shard the manifest records (its xxh3 differs)"}
 
 # Packed shard: header, blobs, uint64 offsets [n + 1] (relative to the first blob), uint64 xxh3 [n],
 # trailer. Raw shard: the .npy header, pixels, uint64 xxh3 [n], trailer.

@@ -1,21 +1,10 @@
 """The one pixel policy: how every image nblib decodes becomes a uint8 [H, W, 3] array.
 
-Every source goes through `pil_pixels`: a folder (flat, class subfolders, `--labels`), a Parquet
-file, an HF datasets folder (its `datasets.Image` column is read undecoded, so `datasets` does not
-transpose it a first time), webdataset tars, and the PIL images handed to `write_images`. In order:
-
-1. Pillow opens the bytes; an image over twice `PIL.Image.MAX_IMAGE_PIXELS` is refused as a
-   decompression bomb, one over the limit itself is decoded with one logged line; so is one whose EXIF
-   Pillow calls corrupt (each Pillow warning is a log line naming the image, not a Python warning).
-2. With `--size N`, a JPEG is decoded by libjpeg at the smallest scale of 1/1, 1/2, 1/4, 1/8 whose
-   shorter side is still >= N (`Image.draft`): the resize then starts from at most 2N-1 pixels of
-   shorter side instead of the full photo (DRAFT_POLICY).
-3. EXIF orientation is applied exactly as `PIL.ImageOps.exif_transpose` does (ORIENTATION_POLICY):
-   a phone photo is cached as viewers show it, whatever its source, and a folder of them mixing
-   orientations holds one size.
-4. RGB: `convert("RGB")` (alpha dropped, not composited); 16-bit grey scaled v * 255 / 65535, rounded;
-   float images refused.
-5. With `--size N`: RESIZE_POLICY (`fit_size`); N is at most MAX_SIZE.
+Every source goes through `pil_pixels` (a folder, Parquet, an HF datasets folder read undecoded,
+webdataset tars, the PIL images handed to `write_images`); the five steps (bomb refusal, JPEG draft
+for `--size`, EXIF orientation, RGB, resize) and why: docs/formats.md, "The pixel policy of images
+in". Each Pillow warning (a corrupt EXIF, an image over the pixel limit) is one log line naming the
+image, not a Python warning.
 """
 from __future__ import annotations
 

@@ -31,6 +31,7 @@ from nblib.atomic import sha256_json
 from nblib.cache.codecs import CodecSpec, codec_for
 from nblib.cache.format import (
     STAT_CACHE,
+    WHY_DAMAGED,
     damaged_error,
     open_packed,
     open_raw,
@@ -47,22 +48,11 @@ CHECKS = ("image", "first-touch", "off")
 
 
 class ShardedImageCache:
-    """A cache folder as an indexable array of uint8 [H, W, 3] images, checked when opened and read.
-
-    Opening compares each listed shard's size and stat with the stat cache and hashes (xxh3) any
-    whose stat changed. `cache[i]` is one image; `get_batch`, `iter_shards` and `torch_dataset`
-    read several. Picklable: each process opens its own maps and checks for itself.
-
-    Args:
-        cache_dir: a folder `populate` or `write_images` wrote.
-        check: "image" (default: every image's xxh3 before it is served), "first-touch" (also the
-            whole shard's xxh3 once per process, before its first image is served) or "off"
-            (no check on read).
-
-    Raises:
-        CacheError when the folder holds no cache, its manifest is damaged or of an older format,
-        or a listed shard is missing, resized or (stat changed) hashes differently: the message
-        names the shard and says `cache --verify --repair`. ConfigError for another `check`.
+    """A cache folder as an indexable array of uint8 [H, W, 3] images, checked when opened and read as the
+    module docstring says (`check`: "image", the default, "first-touch" or "off"). `cache[i]` is one
+    image; `get_batch`, `iter_shards` and `torch_dataset` read several. Picklable: each process opens its
+    own maps and checks for itself. CacheError (naming the shard and `cache --verify --repair`) when the
+    folder holds no cache, its manifest is damaged or old, or a listed shard is missing or changed.
     """
 
     def __init__(self, cache_dir: str | Path, *, check: str = "image"):
@@ -172,9 +162,7 @@ class ShardedImageCache:
             if state == "touched":
                 hashed.append(entry)
             elif state is not None:
-                why = {"missing": "missing", "truncated": "of another size than the manifest records",
-                       "corrupt": "not the shard the manifest records (its xxh3 differs)"}[state]
-                raise damaged_error(self.cache_dir, entry["file"], why)
+                raise damaged_error(self.cache_dir, entry["file"], WHY_DAMAGED[state])
         if hashed:
             warnings.warn(
                 f"{len(hashed)} shard(s) of {self.cache_dir} have another stat than {STAT_CACHE} "

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from nblib.cache.format import damaged_error, read_shard_stats, shard_state, xxh3_file
+from nblib.cache.format import WHY_DAMAGED, damaged_error, read_shard_stats, shard_state, xxh3_file
 from nblib.cache.record_format import decode_record, open_record_shard, read_record_manifest, record_coder
 from nblib.errors import CacheError, ConfigError
 from nblib.shuffle.keyed_random import check_n
@@ -143,9 +143,7 @@ class RecordShards:
         for entry in self.shards:
             state = shard_state(self.folder, entry, stats=stats, digest="xxh3")
             if state not in (None, "touched"):
-                why = {"missing": "missing", "truncated": "of another size than the manifest records",
-                       "corrupt": "not the shard the manifest records (its xxh3 differs)"}[state]
-                raise self._damaged(entry["file"], why)
+                raise self._damaged(entry["file"], WHY_DAMAGED[state])
 
     def _handle(self, shard: int) -> tuple:
         if self._open is not None and self._open[0] == shard:

@@ -1,14 +1,9 @@
 """Record shards: records of tensors into size-bounded shards, grouped by a key, written resumably.
 
-`write_records(records, out, shard_mb=400, group_by="layer_id")` streams records (an iterable of
-dicts, dataclasses, namedtuples or objects, or a `RecordSource`: any pickle, .npz, .pt) into
-`shard-NNNNN.rec` files of at most `shard_mb` MB (10^6 bytes) on disk each, header and tables
-included (a record larger than that gets a shard of its own). RAM holds one record, not one shard:
-the record and its payload (2x its bytes; with zstd up to 3x, its compressed copy too; a 2.2 GB
-record built at a 4.34 GB peak RSS raw, 6.49 GB zstd), and reading one back takes its bytes once
-plus the shard's mapped pages (`tests/test_records.py` measures the build).
-With `group_by`, a shard holds the records of one key only, in input order, and a key larger than a shard spans several
-shards of its own (the sharding guide's layer-aware grouping).
+`write_records(records, out, shard_mb=400, group_by="layer_id")` streams records into `shard-NNNNN.rec`
+files of at most `shard_mb` MB on disk each, in the RAM of about one record (what records are, and the
+figures: docs/formats.md). With `group_by`, a shard holds the records of one key only, in input order,
+and a key larger than a shard spans several shards of its own (the sharding guide's layer-aware grouping).
 
 Grouping a stream without holding it: one open shard writer per key, each streaming its stored
 records straight to its temporary file on disk, so RAM holds one record plus 16 bytes per record

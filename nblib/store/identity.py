@@ -1,13 +1,8 @@
 """Which run a mirror folder belongs to: `mirror.json`, written on first use, checked before every copy.
 
-Two runs with their own local folders but one mirror folder would overwrite each other's parts
-and manifest there, and neither could resume from the mirror on a new machine. So the first run
-to use a mirror claims it: `mirror.json` holds the run's identity (for an encode run, the
-fingerprints of its settings, weights and cache), created exclusively (O_EXCL), so of two runs
-started together exactly one claims it. A run of another identity is refused at start, naming
-the mirror folder; the mirror thread re-reads the claim before every copy and stops copying when
-it names another run. A resume of the same run (same identity) from a fresh local folder is
-welcome: that is what the mirror is for.
+The first run to use a mirror claims it with an O_EXCL create holding its identity; another identity
+is refused at start and never copied over, and a resume of the same run from a fresh local folder is
+welcome (why, and what each case looks like: docs/failures.md, the `--mirror` rows).
 """
 from __future__ import annotations
 
