@@ -18,9 +18,9 @@ from __future__ import annotations
 import csv
 import io
 import json
-import unicodedata
 from pathlib import Path
 
+from nblib.cache.images import class_name as _nfc  # a name in Unicode NFC, as class folders are read
 from nblib.errors import InputError
 
 MAX_CLASSES = 1_000_000       # ImageNet-21k has 21,841 classes; a label past this is an id, a hash or a typo
@@ -185,7 +185,3 @@ def _names(keys: list[str]) -> dict[str, str]:
 
 def _key(lookup: dict[str, str], name: str) -> str | None:
     return lookup.get(name, lookup.get(_nfc(name)))
-
-
-def _nfc(name: str) -> str:
-    return unicodedata.normalize("NFC", name)
