@@ -7,13 +7,10 @@ versions newest first across the given folders and takes the first that verifies
 torn or corrupt newest checkpoint costs one version, not the run. torch is imported only when a
 checkpoint is written or loaded.
 
-Cost: torch writes the file itself (no serialized copy in memory, no zip CRCs: the digest covers
-every byte), the digest is read back from the page cache while the file is fsynced, the record
-follows, and the folder is fsynced once for both (3 fsyncs a version). A load reads the file and hashes
-it side by side (`FileOps.load_torch`) and discards the object when the digest differs; it maps nothing,
-so a loaded state outlives any later change to its file. The digest checks what nblib wrote against
-torn writes and bit rot, not against a forger. Failure mode: a crash before the folder's fsync
-may keep the record without its file; that version then reads as damaged and the one before it loads.
+Cost and safety (torch writes the file itself, no zip CRCs, 3 fsyncs a version; a load hashes as it
+reads and maps nothing): docs/training.md, "Writer". The digest checks what nblib wrote against torn
+writes and bit rot, not against a forger. Failure mode: a crash before the folder's fsync may keep the
+record without its file; that version then reads as damaged and the one before it loads.
 """
 from __future__ import annotations
 

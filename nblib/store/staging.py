@@ -1,20 +1,12 @@
 """Host staging for an asynchronous save, and the one background writer whose saves are Futures.
 
-`HostStaging.stage(obj)` copies every tensor storage of a (nested) state into host buffers it
-allocated once and reuses while the storages keep their sizes (pinned memory when the source is
-on CUDA, copied non-blocking, then one stream sync), and rebuilds the containers around views of
-them (`copy.deepcopy` with the tensors memoized, so state-dict metadata and shared storages stay
-as they were): `torch.save` of the result writes the bytes a synchronous save of host tensors
-writes. `begin(obj)` splits that up (`Staged`): a deferred save copies on the loop's thread everything
-but the CUDA tensors only a fenced call changes (the optimizer's moments), builds the containers there
-too, and enqueues those copies in stream order for the writer's thread to wait for.
-`BackgroundWriter.submit(fn)` runs `fn` on one daemon thread, in order, and returns a
-`concurrent.futures.Future`; an exception travels in the future (torchtitan's
-`CheckpointManager` pattern) and the job's references are dropped when it ends, failed or not.
-Trade-off: the buffers stay allocated between saves (one snapshot of host RAM, pinned on CUDA)
-to make the loop's block a memcpy (or, deferred, a walk of the state); the caller must wait for the
-previous write before staging the next (`CheckpointManager.save` does), since the write reads the
-same buffers.
+`HostStaging.stage(obj)` copies every tensor storage of a (nested) state into host buffers allocated
+once and reused (pinned for CUDA sources), and rebuilds the containers around views of them, so
+`torch.save` of the result writes the bytes a synchronous save writes; `begin(obj)` splits that up for
+a deferred save (`Staged`). `BackgroundWriter.submit(fn)` runs `fn` on one daemon thread, in order, and
+returns a `concurrent.futures.Future` carrying its error (torchtitan's `CheckpointManager` pattern).
+What a save copies when, why the state saved is the one of the call, and the trade-off (one snapshot
+of host RAM held between saves; the previous write is waited for before the next stage): docs/training.md.
 """
 from __future__ import annotations
 
