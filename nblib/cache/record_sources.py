@@ -5,12 +5,9 @@ iterated more than once (a resume or a repair reads the input again from its sta
 what it is for the manifest. The kinds:
 
 - a pickle ("pickle-stream": records written by `pickle.dump` in a loop; "pickle-list": one pickled
-  list, tuple or dict of records, of any size): read one record at a time, RAM about one record
-  (`nblib.cache.pickle_stream`). Records may be dicts, dataclasses, namedtuples or any object with
-  a `__dict__` or `__slots__`, read from their pickled state without importing their class; numpy
-  arrays and torch tensors are rebuilt through an exact allow-list, and any other global the file
-  calls is refused by name (`nblib.cache.pickle_globals`); `trust=True` imports and runs what the
-  file names, for a file you made yourself;
+  list, tuple or dict of records, of any size): read one record at a time by nblib's own unpickler
+  (`nblib.cache.pickle_stream`; what it rebuilds and refuses: docs/formats.md, "Pickle safety");
+  `trust=True` imports and runs what the file names, for a file you made yourself;
 - `.npz`: arrays sharing a leading record axis (record i is {name: array[i]}; 1-d arrays give
   scalars), read row by row from the zip members, never a member whole;
 - `.pt`: `torch.load(weights_only=True, mmap=True)` of a list of records, or a dict of tensors with a
