@@ -178,8 +178,9 @@ def _read_chunks(data: mmap.mmap, plan: ListPlan, feed: _Feed, unpickler: _Unpic
         feed.parts = [b""]
         fed, now = int(plan.ends[j - 1]), int(plan.slots_after[j - 1])
         upto = fed // mmap.PAGESIZE * mmap.PAGESIZE
-        if upto > released:                 # the file's pages read: back to the page cache, out of RSS
-            data.madvise(mmap.MADV_DONTNEED, released, upto - released)
+        if upto > released:                 # the file's pages read (and their neighbours the kernel mapped
+            start = max(0, released - 2**20)  # with them, behind too): back to the page cache, out of RSS
+            data.madvise(mmap.MADV_DONTNEED, start, upto - start)
             released = upto
         yield [_resolved(element, {}) for element in elements]
         del elements

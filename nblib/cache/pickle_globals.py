@@ -193,22 +193,30 @@ def array_from_state(state) -> np.ndarray:
     """
     if isinstance(state, tuple) and len(state) == 4:
         state = (1, *state)
-    if not (isinstance(state, tuple) and len(state) == 5 and state[0] == 1 and isinstance(state[1], tuple)
-            and all(map(_is_size, state[1])) and isinstance(state[2], np.dtype)
-            and isinstance(state[3], bool) and isinstance(state[4], (bytes, bytearray))):
+    if not (isinstance(state, tuple) and len(state) == 5):
         raise refusal(f"numpy's ndarray state {short(state)}", does="holds")
-    _, shape, dtype, fortran, data = state
-    if dtype.hasobject:
+    version, shape, dtype, fortran, data = state
+    if not (version == 1 and isinstance(shape, tuple) and (
+            (len(shape) == 1 and type(shape[0]) is int and shape[0] >= 0) or all(map(_is_size, shape)))
+            and isinstance(dtype, np.dtype) and isinstance(fortran, bool) and isinstance(data, (bytes, bytearray))):
+        raise refusal(f"numpy's ndarray state {short(state)}", does="holds")
+    if dtype is not _LAST_DTYPE[0]:       # what is asked of a dtype, once for a run of arrays of the same one
+        _LAST_DTYPE[:] = [dtype, dtype.hasobject, dtype.itemsize, not dtype.isnative and dtype.byteorder in "<>"]
+    _, hasobject, itemsize, swapped = _LAST_DTYPE
+    if hasobject:
         raise refusal(f"an object array ({dtype})", does="holds")
     count = math.prod(shape)              # exact (Python ints): sizes are compared before anything is made
-    if count * dtype.itemsize != len(data):
-        raise InputError(f"an array in the pickle has shape {short(shape)} of {dtype} ({count * dtype.itemsize:,} "
+    if count * itemsize != len(data):
+        raise InputError(f"an array in the pickle has shape {short(shape)} of {dtype} ({count * itemsize:,} "
                          f"bytes) and {len(data):,} bytes of data; the file is damaged")
-    flat = np.frombuffer(data, dtype=dtype, count=count) if dtype.itemsize else np.zeros(count, dtype)
+    flat = np.frombuffer(data, dtype=dtype, count=count) if itemsize else np.zeros(count, dtype)
     array = flat if len(shape) == 1 else flat.reshape(shape, order="F") if fortran else flat.reshape(shape)
-    if not dtype.isnative and dtype.byteorder in "<>":      # numpy's setstate swaps such arrays to native order
+    if swapped:                           # numpy's setstate swaps such arrays to native order
         return array.astype(dtype.newbyteorder("="), order="K")
     return array          # a read-only view of the bytes read: a record of gigabytes is not copied
+
+
+_LAST_DTYPE: list = [None, False, 0, False]   # the last dtype an array was built of, and what was asked of it
 
 
 def _is_size(n) -> bool:

@@ -344,16 +344,18 @@ int nblib_scan_list(const uint8_t *buf, int64_t size, plan_t *plan, int release)
     memset(plan, 0, sizeof(*plan));
     scan_t s = {0};
     s.buf = buf; s.size = size; s.p = plan; s.list_slot = -2; s.elem_start = -1;
-    int64_t page = sysconf(_SC_PAGESIZE), released = 0, window = 256 << 10;
+    /* a page fault maps its neighbours too (the kernel's fault-around, 64 KB), behind the scan as well:
+     * each release starts 1 MB before the last one ended */
+    int64_t page = sysconf(_SC_PAGESIZE), released = 0, window = 256 << 10, back = 1 << 20;
     int r;
     while ((r = step(&s)) == 0) {
         if (release && s.pos - released >= window + page) {
-            int64_t upto = (s.pos - page) / page * page;
-            madvise((void *)(buf + released), (size_t)(upto - released), MADV_DONTNEED);
+            int64_t upto = (s.pos - page) / page * page, from = released > back ? released - back : 0;
+            madvise((void *)(buf + from), (size_t)(upto - from), MADV_DONTNEED);
             released = upto;
         }
     }
-    if (release && released < size) madvise((void *)(buf + released), (size_t)(size - released), MADV_DONTNEED);
+    if (release) madvise((void *)buf, (size_t)size, MADV_DONTNEED);
     free(s.stack); free(s.marks); free(s.mark_at); free(s.mark_slots); free(s.str);
     plan->status = r == 1 ? 0 : 1;
     return plan->status;
