@@ -20,6 +20,7 @@ import stat as stat_mod
 import threading
 import time
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -195,21 +196,15 @@ class FileOps:
         """
         import torch
 
-        algorithm = algorithm_of(digest)
-        box: dict = {}
-        hasher = threading.Thread(target=_hash_into, args=(self, path, box, algorithm), name="nblib-load-hash",
-                                  daemon=True)
-        hasher.start()
         obj, failed = None, None
-        try:
-            obj = torch.load(path, map_location=map_location, weights_only=weights_only)
-        except Exception as exc:          # a corrupt file can fail to unpickle: its digest says why
-            failed = exc
-        finally:
-            hasher.join()
-        if "error" in box:
-            raise box["error"]
-        _check(path, (box["digest"], box["bytes"]), nbytes, digest)
+        with ThreadPoolExecutor(1, thread_name_prefix="nblib-load-hash") as pool:
+            hashing = pool.submit(file_digest, path, algorithm_of(digest), CHUNK, open_file=self.open)
+            try:
+                obj = torch.load(path, map_location=map_location, weights_only=weights_only)
+            except Exception as exc:          # a corrupt file can fail to unpickle: its digest says why
+                failed = exc
+            found = hashing.result()          # the hash's own error, if it failed, is raised here
+        _check(path, found, nbytes, digest)
         if failed is not None:
             raise failed
         return obj
@@ -477,14 +472,6 @@ def _created(raw: bytes) -> float:
         return float(parse_manifest(raw, PART_KIND, versions=(PART_VERSION,)).body["created"])
     except (ManifestDamaged, KeyError, TypeError, ValueError):
         return float("-inf")
-
-
-def _hash_into(ops: FileOps, path: Path, box: dict, algorithm: str = "sha256") -> None:
-    """box['digest'] and box['bytes'] of the file at `path` read through `ops`, or box['error']."""
-    try:
-        box["digest"], box["bytes"] = file_digest(path, algorithm, CHUNK, open_file=ops.open)
-    except BaseException as exc:
-        box["error"] = exc
 
 
 def _check(path: Path, found: tuple[str, int], nbytes: int, digest: str) -> None:
