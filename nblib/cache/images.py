@@ -275,14 +275,10 @@ def folder_images(folder: Path) -> tuple[list[Path], list[str] | None]:
     """(image files in cache order, the class of each or None) of a folder.
 
     A flat folder: its image files, sorted by name, no classes. A folder of class subfolders (the
-    ImageFolder convention, `folder/cat/*.jpg`): the classes are the subfolders, sorted by name, each
-    one's image files (nested folders too) sorted by path. A class is its folder's name in Unicode NFC
-    (`class_name`): the NFC and NFD spellings of one name (a folder copied from a Mac) are one class.
-    Names starting with "." or "__" (checkpoints, __MACOSX) are skipped. Refused, in one line: image
-    files beside class subfolders, a class subfolder holding no image, two class folders that are one
-    folder (a symlink: its images would be cached twice, as two classes), a name that is not UTF-8
-    (no export could write it), and a name with an image suffix that is not a regular file (a FIFO, a
-    device, a socket, a folder, a broken link): reading a FIFO would block forever.
+    ImageFolder convention): the classes are the subfolders, sorted by name (`class_name`), each one's
+    image files (nested folders too) sorted by path; names starting with "." or "__" are skipped. Refused
+    in one line: images beside class subfolders, an empty class subfolder, and what docs/formats.md
+    (class folders: one folder twice, a name not in UTF-8) and docs/failures.md (a FIFO) list.
     """
     top = sorted(p for p in folder.iterdir() if _wanted(p) and p.suffix.lower() in IMAGE_SUFFIXES)
     subs = sorted((p for p in folder.iterdir() if _wanted(p) and p.is_dir() and p not in top),
