@@ -61,7 +61,7 @@ test-browser: $(STAMP)
 # and traces without a GPU) goes into its own venv outside the repo, beside the runtime pins of requirements.txt that
 # budget imports, taken from PyPI by uv (which ignores this machine's find-links, where the CPU wheel lies; pip with no
 # configuration where uv is missing); then tests/test_cuda_build_torch.py runs `budget` there and in .venv.
-# Cold here (2026-12-07): ~2.4 GB downloaded, 43 s (uv), 4.8 GB on disk; the test 4-5 min beside other work.
+# Cold here (2026-12-07): ~2.4 GB downloaded in 43-77 s (uv), 4.9 GB on disk; the test 4-7 min beside other work.
 CUDA_TORCH_VENV ?= $(HOME)/.cache/nblib-cuda-torch
 CUDA_TORCH_PINS := torch|numpy|psutil|pillow|tqdm|matplotlib|ipywidgets|transformers|safetensors|xxhash|zstandard
 test-cuda-build: $(STAMP)
