@@ -428,6 +428,14 @@ def read_cache_manifest(cache_dir: str | Path) -> dict:
                                 f"--texts PATH --out {cache_dir}")
 
 
+def manifest_or_none(read, folder: str | Path) -> dict | None:
+    """`read(folder)` (a manifest reader), or None where the folder holds no manifest that reads."""
+    try:
+        return read(folder)
+    except CacheError:
+        return None
+
+
 def read_shards_manifest(folder: str | Path, kind: str, version: int, what: str, missing: str) -> dict:
     """The manifest body of a folder of shards (images or records) with its `shards` and `source`; CacheError
     naming `what` and the fix when it is missing (`missing` says how to build one), damaged or foreign.

@@ -33,6 +33,7 @@ from nblib.cache.codecs import DICT_SAMPLES, CodecSpec, check_codec, codec_for
 from nblib.cache.format import (
     MANIFEST,
     ShardWriter,
+    manifest_or_none,
     read_cache_manifest,
     read_shard_stats,
     record_shard_stats,
@@ -563,13 +564,8 @@ def _checked(images: Iterable[np.ndarray], shape: list[int], keys=None) -> Itera
 
 def _resumable(out: Path, layout: dict, total: int | None) -> dict | None:
     """The existing manifest to continue when it is an images cache with these settings, else None."""
-    if not (out / MANIFEST).exists():
-        return None
-    try:
-        old = read_cache_manifest(out)
-    except CacheError:
-        return None
-    if old["source"].get("kind") != "images" or any(old.get(k) != v for k, v in layout.items()):
+    old = manifest_or_none(read_cache_manifest, out)
+    if old is None or old["source"].get("kind") != "images" or any(old.get(k) != v for k, v in layout.items()):
         return None
     known = old["source"].get("n_images")
     if known is not None and total is not None and known != total and old["source"].get("sha256"):

@@ -36,6 +36,7 @@ from nblib.cache.format import (
     ShardWriter,
     current_stat,
     images_per_raw_shard,
+    manifest_or_none,
     read_cache_manifest,
     read_shard_stats,
     record_shard_stats,
@@ -555,11 +556,9 @@ def _open_manifest(cache_dir: Path, scan: TextScan, layout: dict, source: TextSo
 
 def _resumable(cache_dir: Path, scan: TextScan, layout: dict) -> bool:
     """True when cache_dir holds a cache of these texts and settings (its shards count as done)."""
-    try:
-        old = read_cache_manifest(cache_dir)
-    except CacheError:
-        return False
-    return _mismatch(old, {"source": {"sha256": scan.sha256, "n_texts": scan.n_texts}, **layout}) is None
+    old = manifest_or_none(read_cache_manifest, cache_dir)
+    source = {"sha256": scan.sha256, "n_texts": scan.n_texts}
+    return old is not None and _mismatch(old, {"source": source, **layout}) is None
 
 
 def _mismatch(old: dict, new: dict) -> str | None:
@@ -602,10 +601,7 @@ def _preflight(cache_dir: Path, plan: CachePlan) -> None:
 
 def _resumed_codec(cache_dir: Path, scan: TextScan) -> str | None:
     """The codec of an existing cache of the same texts, so codec="auto" resumes what it began."""
-    try:
-        manifest = read_cache_manifest(cache_dir)
-    except CacheError:
-        return None
+    manifest = manifest_or_none(read_cache_manifest, cache_dir) or {"source": {}}
     same = (manifest["source"].get("sha256"), manifest["source"].get("n_texts")) == (scan.sha256, scan.n_texts)
     return manifest.get("codec") if same else None
 

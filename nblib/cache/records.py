@@ -41,6 +41,7 @@ from nblib.cache.format import (
     STAT_CACHE,
     TRAILER,
     current_stat,
+    manifest_or_none,
     read_shard_stats,
     record_shard_stats,
     shard_bytes,
@@ -335,11 +336,8 @@ class _ShardRun:
 
 def _resumable(out: Path, layout: dict, source: dict) -> dict | None:
     """The manifest to continue when it has these settings and this input's kind, path and size."""
-    if not (out / MANIFEST).exists():
-        return None
-    try:
-        old = read_record_manifest(out)
-    except CacheError:
+    old = manifest_or_none(read_record_manifest, out)
+    if old is None:
         return None
     same_source = all(old["source"].get(k) == source.get(k) for k in ("kind", "bytes")) and \
         (source.get("path") is None or old["source"].get("path") == source.get("path"))
