@@ -10,7 +10,7 @@ import ipywidgets as W  # noqa: N812
 from IPython.display import display
 from IPython.utils.capture import capture_output
 
-from nblib import encode, train  # noqa: F401  the jobs hand themselves to the trace layer (budgets trace them)
+from nblib import encode  # noqa: F401  hands the encode job to the trace layer; train's: training_panel
 from nblib.units import fmt_bytes, fmt_duration, fmt_duration_range
 
 
@@ -207,6 +207,7 @@ def training_panel(model, state_bytes: int, best_bytes: int, steps: int = 10_000
     is `t4_training_time` (a projection, a range) with `ceiling` (the simulated roofline's samples/s) beside it.
     The Drive and bucket bytes follow the one retention rule (`nblib.budget.training.retained_bytes`).
     """
+    import nblib.train  # noqa: F401  hands the training job to the trace layer
     from nblib.budget.model_vram import model_vram_table
     from nblib.budget.training import retained_bytes, retained_versions, t4_training_time
     from nblib.train.ops import bucket_cost

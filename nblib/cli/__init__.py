@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"usage: python -m nblib {{{','.join(VERBS)}}} [options]\n"
               f"       python -m nblib <verb> --help", file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
-    from nblib import encode, train  # noqa: F401  the jobs hand themselves to the trace layer (budgets trace them)
+    from nblib import encode  # noqa: F401  hands the encode job to the trace layer; train's: nblib.train, when used
 
     try:
         module, function = VERBS[argv[0]].split(":")

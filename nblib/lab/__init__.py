@@ -6,7 +6,7 @@ computed from tolerances, never typed.
 """
 import importlib
 
-from nblib import encode, train  # noqa: F401  the jobs hand themselves to the trace layer (budgets trace them)
+from nblib import encode  # noqa: F401  hands the encode job to the trace layer; train's: the labs that train import it
 
 __all__ = ["cache_population", "input_pipeline", "memory_budgeting", "shuffle_checkpoints", "streaming_encoding",
            "your_model"]

@@ -8,6 +8,7 @@ import math
 import subprocess
 from pathlib import Path
 
+import nblib.train  # noqa: F401  hands the training job to the trace layer (06 budgets training)
 from nblib.budget.training import largest_batch, predict_training, retained_bytes, retained_versions, t4_training_time
 from nblib.proc import cli_command, run_until
 from nblib.units import fmt_bytes, fmt_duration

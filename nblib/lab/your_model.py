@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import nblib.train  # noqa: F401  hands the training job to the trace layer (07 budgets training)
 from nblib.budget.model_vram import ModelVRAM, model_vram, reserved_cap
 from nblib.budget.resources import FIT_MARGIN
 from nblib.compare import progress_bar
