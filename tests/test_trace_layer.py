@@ -2,7 +2,7 @@
 
 nblib.budget.traced_jobs runs a job it is handed (a top-level function) in the shim's child by the reference read
 from the function; nblib.encode and nblib.train hand theirs over when imported, and the composition roots (the CLI,
-the notebooks' lab, the widgets) import both. The budget itself names neither (tests/test_import_graph.py).
+the notebooks' lab, the widgets) import them. The budget itself names neither (tests/test_import_graph.py).
 """
 from __future__ import annotations
 
@@ -35,16 +35,25 @@ def test_a_budget_in_a_process_no_job_was_handed_to_is_refused_in_one_line_namin
 
 @pytest.mark.parametrize("root", ["import nblib.lab", "import nblib.widgets",
                                   "import nblib.cli, contextlib\nwith contextlib.suppress(SystemExit):\n"
-                                  "    nblib.cli.main(['budget', '--help'])"])
-def test_every_composition_root_hands_both_jobs_over(root):
+                                  "    nblib.cli.main(['budget', '--help'])",
+                                  "import nblib.lab.training", "import nblib.lab.your_model"])
+def test_every_composition_root_hands_its_jobs_over_and_only_training_sets_the_cublas_config(root):
+    """The roots hand the encode job over; the training job only where training is budgeted (importing nblib.train
+    sets CUBLAS_WORKSPACE_CONFIG, which an encode budget and an encode run read: 8.1 MiB of workspace became 32 MiB
+    in `budget --model trm:smoke` when the CLI imported it for every verb).
+    """
     if "widgets" in root:
         pytest.importorskip("ipywidgets")
-    done = _python(f"import json\n{root}\nfrom nblib.budget import traced_jobs\n"
-                   "print(json.dumps({k: [f.__module__, f.__name__] for k, f in traced_jobs._JOBS.items()}))")
+    code = (f"import json, os\nos.environ.pop('CUBLAS_WORKSPACE_CONFIG', None)\n{root}\n"
+            "from nblib.budget import traced_jobs\n"
+            "print(json.dumps({k: f.__module__ for k, f in traced_jobs._JOBS.items()}))\n"
+            "print('CUBLAS_WORKSPACE_CONFIG' in os.environ)")
+    done = _python(code)
     assert done.returncode == 0, done.stderr
-    jobs = json.loads(done.stdout.strip().splitlines()[-1])
-    assert jobs == {"encode": ["nblib.encode.traced", "trace_encoding"],
-                    "train": ["nblib.train.traced", "trace_training"]}
+    jobs, cublas_set = done.stdout.strip().splitlines()[-2:]
+    trains = "training" in root or "your_model" in root
+    assert json.loads(jobs) == {"encode": "nblib.encode.traced", **({"train": "nblib.train.traced"} if trains else {})}
+    assert cublas_set == str(trains)
 
 
 def test_the_child_is_given_the_job_by_the_reference_read_from_the_function(monkeypatch):

@@ -80,6 +80,8 @@ def _model_budget(args: argparse.Namespace) -> int:
         from nblib.models import load_model
 
         model = load_model(args.model, args.weights, inputs="images" if args.input == "images" else "tokens")
+    if args.train:
+        import nblib.train  # noqa: F401  hands the training job over (only here: it sets CUBLAS_WORKSPACE_CONFIG)
     budget = model_vram(model, args.batch_size or 64, args.device, precision=args.precision, train=args.train,
                         inputs=args.input)
     print(json.dumps(budget.as_json(), indent=1) if args.json else budget.table())
