@@ -85,11 +85,8 @@ def run_identity(fingerprint: str, environ: dict | None = None) -> str:
 
 def read_holders(folder: str | Path) -> list[LockHolder]:
     """Every lock file in `folder`, as its holder describes itself (ranks in order)."""
-    found = []
-    for path in sorted(Path(folder).glob(f"{LOCK_PREFIX}*")):
-        if path.name[len(LOCK_PREFIX):].isdigit() and (holder := _read_holder(path)) is not None:
-            found.append(holder)
-    return found
+    return [holder for path in sorted(Path(folder).glob(f"{LOCK_PREFIX}*"))
+            if path.name[len(LOCK_PREFIX):].isdigit() and (holder := _read_holder(path)) is not None]
 
 
 def is_stale(holder: LockHolder, stale_after_s: float = STALE_AFTER_S) -> bool:

@@ -130,9 +130,8 @@ class ShuffledIterableDataset(_ReplayFromCheckpoint, torch.utils.data.IterableDa
         if not isinstance(state.get("shuffle"), dict):
             raise StateError("dataset state has no field 'shuffle' (a shuffle state): pass what "
                              "ShuffledIterableDataset.state_dict() returned")
-        shuffle_state = state["shuffle"]
         chunk_origin = int_field(state, "chunk_origin", 0, self.shuffle.n)
-        self._load_shuffle_state(shuffle_state, allow_unchecked)
+        self._load_shuffle_state(state["shuffle"], allow_unchecked)
         self.chunk_origin = chunk_origin
 
     def set_epoch(self, epoch: int) -> None:
