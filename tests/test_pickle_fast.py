@@ -133,11 +133,8 @@ def test_the_c_scan_plans_the_elements_and_memo_reads_the_python_scan_finds(top,
         assert plan is None, "planned what the Python scan builds whole"
         return
     assert plan is not None, why
-    try:
-        assert plan.ends.tolist() == want[0] and plan.last_read.tolist() == want[1]
-        assert plan.end == len(data) and (plan.starts[1:] <= plan.ends[1:]).all()
-    finally:
-        plan.close()
+    assert plan.ends.tolist() == want[0] and plan.last_read.tolist() == want[1]
+    assert plan.end == len(data) and (plan.starts[1:] <= plan.ends[1:]).all()
 
 
 @SETTINGS
@@ -153,10 +150,7 @@ def test_a_stream_is_left_to_the_pure_reader_and_its_first_pickle_planned_to_its
     first = len(pickle.dumps(dumps[0], protocol=protocol)) if not one_pickler else None
     plan, why = pickle_fast.scan_list(data)
     assert plan is not None, why
-    try:
-        assert plan.end < len(data) and (first is None or plan.end == first)
-    finally:
-        plan.close()
+    assert plan.end < len(data) and (first is None or plan.end == first)
 
 
 FUZZ = """
@@ -186,7 +180,6 @@ for k in range(int(sys.argv[2])):
     if plan is not None:
         planned += 1
         assert plan.end <= len(data) and (plan.ends <= len(data)).all() and (plan.starts >= 0).all()
-        plan.close()
 print("ok", planned)
 """
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import gc
 import mmap
 import os
 import pickle
@@ -90,10 +91,9 @@ class ListPlan:
     """The C scan of a file of one pickled list: element byte ranges, memo slots' last reads, frames, globals."""
 
     def __init__(self, plan: _Plan):
-        def array(pointer, n):             # views of the scanner's arrays, freed with the plan (`close`)
-            return np.ctypeslib.as_array(pointer, (n,)) if n else np.zeros(0, np.int64)
+        def array(pointer, n):             # copied: the scanner's arrays are freed right after
+            return np.ctypeslib.as_array(pointer, (n,)).copy() if n else np.zeros(0, np.int64)
 
-        self.plan = plan
 
         self.end, self.protocol, self.prefix_end = plan.end, plan.protocol, plan.prefix_end
         self.starts, self.ends = array(plan.starts, plan.n_elems), array(plan.ends, plan.n_elems)
@@ -101,10 +101,6 @@ class ListPlan:
         self.last_read, self.frames = array(plan.last_read, plan.n_slots), array(plan.frames, plan.n_frames)
         text = ctypes.string_at(plan.globals, plan.globals_len) if plan.globals_len else b""
         self.globals = [tuple(line.decode("utf-8", "replace").split(" ")) for line in text.splitlines()]
-
-    def close(self) -> None:
-        self.starts = self.ends = self.slots_after = self.last_read = self.frames = None
-        scanner().nblib_plan_free(ctypes.byref(self.plan))
 
 
 def scan_list(data) -> tuple[ListPlan | None, str]:
@@ -115,11 +111,12 @@ def scan_list(data) -> tuple[ListPlan | None, str]:
     if not view.size:
         return None, "an empty file"
     lib, plan = scanner(), _Plan()
-    if lib.nblib_scan_list(view.ctypes.data, view.size, ctypes.byref(plan), isinstance(data, mmap.mmap)):
-        why = plan.reason.decode("ascii", "replace")
+    try:
+        if lib.nblib_scan_list(view.ctypes.data, view.size, ctypes.byref(plan), isinstance(data, mmap.mmap)):
+            return None, plan.reason.decode("ascii", "replace")
+        return ListPlan(plan), ""
+    finally:
         lib.nblib_plan_free(ctypes.byref(plan))
-        return None, why
-    return ListPlan(plan), ""
 
 
 def fast_list_records(path: Path) -> Iterator[list] | None:
@@ -147,24 +144,21 @@ def fast_list_records(path: Path) -> Iterator[list] | None:
             return None
     plan, _why = scan_list(data)
     if plan is None or plan.end != size or not all(_fast_global(*name, plan.protocol) for name in plan.globals):
-        if plan is not None:
-            plan.close()
         data.close()
         return None
     return _elements(data, plan)
 
 
 def _elements(data: mmap.mmap, plan: ListPlan) -> Iterator:
-    with data, contextlib.closing(plan):
-        feed = _Feed()
-        unpickler = _Unpickler(feed, plan.protocol)
-        try:
-            yield from _read_chunks(data, plan, feed, unpickler)
-        finally:
-            feed.parts = [b"N."]            # the unpickler's last buffer a bytes, not a view of the map to close
-            with contextlib.suppress(pickle.UnpicklingError):
-                unpickler.load()
-            del unpickler, feed
+    feed = _Feed()
+    unpickler = _Unpickler(feed, plan.protocol)
+    try:
+        yield from _read_chunks(data, plan, feed, unpickler)
+    finally:
+        feed.parts = []
+        del unpickler, feed
+        with contextlib.suppress(BufferError):   # a view still held (by a traceback): the map closes when it goes
+            data.close()
 
 
 def _read_chunks(data: mmap.mmap, plan: ListPlan, feed: _Feed, unpickler: _Unpickler) -> Iterator[list]:
@@ -174,7 +168,7 @@ def _read_chunks(data: mmap.mmap, plan: ListPlan, feed: _Feed, unpickler: _Unpic
     pending, written, released = np.zeros(0, np.int64), 0, 0
     for i, j in _chunks(plan):
         feed.parts = [b"](", *_elements_views(data, plan, i, j), b"e."]
-        elements = unpickler.load()
+        elements = _load(unpickler)
         feed.parts = [b""]
         fed, now = int(plan.ends[j - 1]), int(plan.slots_after[j - 1])
         upto = fed // mmap.PAGESIZE * mmap.PAGESIZE
@@ -182,7 +176,7 @@ def _read_chunks(data: mmap.mmap, plan: ListPlan, feed: _Feed, unpickler: _Unpic
             start = max(0, released - 2**20)  # with them, behind too): back to the page cache, out of RSS
             data.madvise(mmap.MADV_DONTNEED, start, upto - start)
             released = upto
-        yield [_resolved(element, {}) for element in elements]
+        yield [_resolved_record(element) for element in elements]
         del elements
         candidates = np.concatenate([pending, np.arange(written, now, dtype=np.int64)])
         dead = plan.last_read[candidates] < fed
@@ -190,6 +184,19 @@ def _read_chunks(data: mmap.mmap, plan: ListPlan, feed: _Feed, unpickler: _Unpic
         if dead.any():                      # slots no later op reads: None in their place, the count kept
             feed.parts = [_overwrite(candidates[dead])]
             unpickler.load()
+
+
+def _load(unpickler: _Unpickler):
+    """One chunk's elements, the cyclic garbage collector paused meanwhile: it would walk every new object of the
+    chunk, none of them garbage yet (a cycle among them is collected once it resumes).
+    """
+    if not gc.isenabled():
+        return unpickler.load()
+    gc.disable()
+    try:
+        return unpickler.load()
+    finally:
+        gc.enable()
 
 
 def _chunks(plan: ListPlan) -> Iterator[tuple[int, int]]:
@@ -399,6 +406,21 @@ def _plain(value):
     if t is dict:
         return {_plain(k): _plain(v) for k, v in value.items()}
     return value
+
+
+def _resolved_record(element):
+    """`_resolved` of one element: a dict of plain and held values (the commonest record) without a call a value."""
+    if type(element) is not dict:
+        return _resolved(element, {})
+    for k, v in element.items():
+        tv = type(v)
+        if type(k) not in _ATOMS:
+            return _resolved(element, {})
+        if tv is _Held and v.pending is None:
+            element[k] = v.value
+        elif tv not in _ATOMS:
+            return _resolved(element, {})
+    return element
 
 
 def _resolved(value, seen: dict):
