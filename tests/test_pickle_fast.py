@@ -227,3 +227,21 @@ def test_the_scanner_is_compiled_into_the_per_user_folder_only():
     path = next(p for p in maps.split() if "nblib-pickle-scan" in p)
     assert lib is not None and os.path.dirname(path).endswith(os.path.join("nblib", "lib"))
     assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
+
+
+def test_without_a_c_compiler_the_pure_reader_reads_the_file_and_forcing_the_fast_one_says_why(tmp_path):
+    path = tmp_path / "l.pkl"
+    path.write_bytes(pickle.dumps([{"i": i} for i in range(3)], protocol=4))
+    code = ("import sys\nfrom pathlib import Path\nfrom nblib.cache.pickle_stream import pickle_records\n"
+            "from nblib.errors import NblibError\nreport = {}\n"
+            "try:\n    print(len(list(pickle_records(Path(sys.argv[1]), report=report))), report.get('reader'))\n"
+            "except NblibError as e:\n    print('REFUSED', e)\n")
+    said = {}
+    for reader in ("auto", "fast"):
+        done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120,
+                              env=subprocess_env(CC=str(tmp_path / "no-such-cc"), XDG_CACHE_HOME=str(tmp_path / "c"),
+                                                 **{pickle_fast.READER_ENV: reader}))
+        assert done.returncode == 0, done.stderr[-2000:]
+        said[reader] = done.stdout.strip()
+    assert said["auto"] == "3 pure"
+    assert said["fast"].startswith("REFUSED ") and "did not compile" in said["fast"], said

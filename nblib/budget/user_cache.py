@@ -68,8 +68,11 @@ def compiled_library(source: Path, stem: str) -> Path:
         return out
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         built = Path(tmp) / out.name
-        done = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(built), str(source)], capture_output=True,
-                              text=True)
+        try:
+            done = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(built), str(source)],
+                                  capture_output=True, text=True)
+        except OSError as exc:             # $CC names no program
+            raise ConfigError(f"{source.name} did not compile with {cc}: {exc.strerror}") from None
         if done.returncode:
             why = (done.stderr.strip().splitlines() or ["no output"])[-1]
             raise ConfigError(f"{source.name} did not compile with {cc}: {why}")
