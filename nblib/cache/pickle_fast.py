@@ -68,15 +68,27 @@ class _Plan(ctypes.Structure):
                 ("globals", ctypes.c_void_p)]
 
 
-@functools.lru_cache(maxsize=1)
 def scanner() -> ctypes.CDLL:
-    """The compiled scanner (built once into the per-user folder); ConfigError without a C compiler."""
+    """The compiled scanner (built once into the per-user folder); ConfigError without a C compiler (tried once a
+    process).
+    """
+    lib, error = _scanner()
+    if error is not None:
+        raise error
+    return lib
+
+
+@functools.lru_cache(maxsize=1)
+def _scanner() -> tuple[ctypes.CDLL | None, ConfigError | None]:
     from nblib.budget.user_cache import compiled_library
 
-    lib = ctypes.CDLL(str(compiled_library(SOURCE, "nblib-pickle-scan")))
+    try:
+        lib = ctypes.CDLL(str(compiled_library(SOURCE, "nblib-pickle-scan")))
+    except ConfigError as exc:
+        return None, exc
     lib.nblib_scan_list.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(_Plan), ctypes.c_int]
     lib.nblib_plan_free.argtypes = [ctypes.POINTER(_Plan)]
-    return lib
+    return lib, None
 
 
 def reader_choice() -> str:
