@@ -20,12 +20,9 @@ from nblib.lab.shuffle_checkpoints.experiments import (
     shuffle_throughput,
 )
 from nblib.lab.shuffle_checkpoints.maths import (
-    REFERENCE_BUFFERS,
     REFERENCE_SAMPLE_BYTES,
-    REFERENCE_TEMP_FACTOR,
     BytesFit,
     Check,
-    ExtrapolationRow,
     buffer_needed,
     checkpoint_and_quality,
     compression_ratio,
@@ -35,12 +32,9 @@ from nblib.lab.shuffle_checkpoints.maths import (
     measured_factors,
     predicted_same_episode_share,
     reference_checks,
-    resumable_label,
-    smallest_buffer_meeting,
     symbolic_saving,
-    tf_checkpoint,
 )
-from nblib.lab.shuffle_checkpoints.rows import BuiltinRow, OpRow, QualityRow, ResumeProof, StateRow, ThroughputRow
+from nblib.lab.shuffle_checkpoints.rows import BuiltinRow
 from nblib.lab.shuffle_checkpoints.tables import (
     buffer_answer,
     builtins_conclusion,
@@ -57,14 +51,11 @@ from nblib.lab.shuffle_checkpoints.tables import (
 from nblib.verdict import TOLERANCE
 
 __all__ = [
-    "TOLERANCE", "REFERENCE_BUFFERS", "REFERENCE_SAMPLE_BYTES", "REFERENCE_TEMP_FACTOR",
-    "BytesFit", "Check", "ExtrapolationRow", "BuiltinRow", "OpRow", "QualityRow", "ResumeProof", "StateRow",
-    "ThroughputRow",
+    "TOLERANCE", "REFERENCE_SAMPLE_BYTES", "BytesFit", "Check", "BuiltinRow",
     "measure_checkpoint", "measure_ops", "measure_state_checkpoint", "resume_proof", "compare_shuffles",
     "quality_vs_buffer", "shuffle_throughput",
-    "resumable_label", "symbolic_saving", "compression_ratio", "fit_bytes_per_element", "extrapolate",
-    "measured_factors", "disk_model_checks", "reference_checks", "predicted_same_episode_share", "buffer_needed",
-    "smallest_buffer_meeting", "checkpoint_and_quality", "tf_checkpoint",
+    "symbolic_saving", "compression_ratio", "fit_bytes_per_element", "extrapolate", "measured_factors",
+    "disk_model_checks", "reference_checks", "predicted_same_episode_share", "buffer_needed", "checkpoint_and_quality",
     "checkpoint_table", "extrapolation_table", "checks_table", "ram_note", "ops_table", "comparison_table",
     "builtins_table", "builtins_conclusion", "quality_table", "buffer_answer", "describe_setting",
 ]
