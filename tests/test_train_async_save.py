@@ -130,7 +130,7 @@ def test_a_failed_last_write_is_raised_before_final_pt_is_written(cache_dir, tmp
     with pytest.raises(OSError, match="No space left"):
         train(cache_dir, tmp_path / "run", FAST)
     assert not (tmp_path / "run/final.pt").exists()
-    assert max(TrainStore(tmp_path / "run", sync_save=True).local_versions()) == FAST.steps - 2
+    assert max(TrainStore(tmp_path / "run", sync_save=True).local.versions("state")) == FAST.steps - 2
 
 
 FAIL_IN_SUBPROCESS = """
@@ -283,10 +283,11 @@ def test_an_inline_serialized_save_becomes_a_version_only_once_the_writer_commit
     store.local.commit = lambda *args: (release.wait(300), original(*args))[1]
     store.save(_state(model, optimizer), 1, backup=False)
     folder = tmp_path / "run/checkpoints"
-    assert store.local_versions() == [] and list(folder.glob(".tmp-state-000001.pt*"))   # serialized, not a version
+    # serialized, not a version
+    assert store.local.versions("state") == [] and list(folder.glob(".tmp-state-000001.pt*"))
     release.set()
     store.wait_saves()
-    assert store.local_versions() == [1] and not list(folder.glob(".tmp-*"))
+    assert store.local.versions("state") == [1] and not list(folder.glob(".tmp-*"))
     store.close()
 
 
@@ -301,7 +302,7 @@ def test_a_failed_commit_of_an_inline_save_is_raised_at_the_next_save_and_leaves
     with pytest.raises(OSError, match="I/O error") as caught:
         store.save(_state(model, optimizer), 2, backup=False)
     assert any("step 1" in note for note in getattr(caught.value, "__notes__", []))
-    assert store.local_versions() == [] and not list((tmp_path / "run/checkpoints").glob(".tmp-*"))
+    assert store.local.versions("state") == [] and not list((tmp_path / "run/checkpoints").glob(".tmp-*"))
     store.close()
 
 

@@ -141,7 +141,7 @@ def test_a_failed_background_write_lets_the_step_run_and_its_error_reaches_the_n
     assert not stepping.is_alive()                        # the fence never holds a step for a host write
     with pytest.raises(OSError, match="Cannot allocate memory"):
         store.wait_saves()
-    assert store.local_versions() == []
+    assert store.local.versions("state") == []
     store.close()
 
 

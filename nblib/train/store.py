@@ -133,9 +133,6 @@ class TrainStore:
         _warn(found.damaged)
         return found.obj, source
 
-    def local_versions(self, name: str = STATE) -> list[int]:
-        return self.local.versions(name)
-
     def mirror_status(self) -> MirrorStatus:
         return self.manager.mirror_status()
 
