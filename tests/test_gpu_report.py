@@ -138,7 +138,9 @@ def test_simulate_writes_the_same_sections_labelled_simulated(reports):
             assert sim[name]["status"] == "ok" and "simulated" in sim[name].get("label", ""), name
         else:
             assert sim[name]["status"] == "skipped: not simulated (needs a GPU)", name
-    assert sim["offload"]["consolidate"]["peak_vram_reserved"] > sim["offload"]["async"]["peak_vram_reserved"] > 0
+    held, offloaded = sim["offload"]["consolidate"], sim["offload"]["async"]    # consolidate keeps K batches' outputs
+    assert held["peak_vram_allocated"] > offloaded["peak_vram_allocated"] > 0
+    assert held["peak_vram_reserved"] >= offloaded["peak_vram_reserved"] > 0   # the same 2 MiB segments may hold both
     assert "SIMULATED T4" in reports["sim_stdout"]
 
 
