@@ -200,9 +200,11 @@ def array_from_state(state) -> np.ndarray:
             (len(shape) == 1 and type(shape[0]) is int and shape[0] >= 0) or all(map(_is_size, shape)))
             and isinstance(dtype, np.dtype) and isinstance(fortran, bool) and isinstance(data, (bytes, bytearray))):
         raise refusal(f"numpy's ndarray state {short(state)}", does="holds")
-    if dtype is not _LAST_DTYPE[0]:       # what is asked of a dtype, once for a run of arrays of the same one
-        _LAST_DTYPE[:] = [dtype, dtype.hasobject, dtype.itemsize, not dtype.isnative and dtype.byteorder in "<>"]
-    _, hasobject, itemsize, swapped = _LAST_DTYPE
+    global _LAST_DTYPE
+    last = _LAST_DTYPE                    # what is asked of a dtype, once for a run of arrays of the same one (one
+    if last[0] is not dtype:              # tuple, read once: threads building arrays never mix two dtypes' answers)
+        last = _LAST_DTYPE = (dtype, dtype.hasobject, dtype.itemsize, not dtype.isnative and dtype.byteorder in "<>")
+    _, hasobject, itemsize, swapped = last
     if hasobject:
         raise refusal(f"an object array ({dtype})", does="holds")
     count = math.prod(shape)              # exact (Python ints): sizes are compared before anything is made
@@ -216,7 +218,7 @@ def array_from_state(state) -> np.ndarray:
     return array          # a read-only view of the bytes read: a record of gigabytes is not copied
 
 
-_LAST_DTYPE: list = [None, False, 0, False]   # the last dtype an array was built of, and what was asked of it
+_LAST_DTYPE: tuple = (None, False, 0, False)  # the last dtype an array was built of, and what was asked of it
 
 
 def _is_size(n) -> bool:
