@@ -14,22 +14,30 @@ one cuBLAS workspace block lands moves reserved memory by up to a segment: the o
 positions are replayed from the same allocation stream and stated as a margin, never hidden.
 The largest batch that fits is found by bisection with `FIT_MARGIN`, the rule max_batch_size uses.
 A batch-affine job's stream is kept per process (`job_key`: all but the batch): its next batch, a slider's
-move, or the search, is a replay here (`replayed_point`, what the child reports), no new trace.
+move, or the search, is a replay here (`replayed_point`, what the child reports), no new trace. The child's result
+is kept in the user's trace cache too (nblib.budget.trace_store, `stored_key`: the job, the model's source, the
+traced batches), so the same budget in a new process starts no child; a factory whose source file cannot be read
+is traced every time. Trade-off: a factory's module is keyed by its own file, not by the modules it imports.
 Trade-off: a trace sees only what runs through the caching allocator; cuDNN's transient
 workspaces, NCCL buffers and fragmentation under memory pressure are outside it.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import sys
 from dataclasses import dataclass, field
+from importlib.machinery import PathFinder
+from importlib.metadata import PackageNotFoundError, version
 
+from nblib.budget import trace_store
 from nblib.budget.allocator import stream_point, warn_if_not_native
 from nblib.budget.devices import Device, device_preset
 from nblib.budget.memory import Line
 from nblib.budget.resources import FIT_MARGIN  # the one rule for "fits"
 from nblib.budget.shim import run_cublas_config, traced_environment
-from nblib.budget.traced_jobs import job_for, largest_batch, run_job, token_length
+from nblib.budget.traced_jobs import TRACED_BATCHES, job_for, largest_batch, run_job, token_length
 from nblib.errors import BudgetExceeded, ConfigError, NblibError
 from nblib.units import GB, fmt_bytes
 
@@ -159,7 +167,7 @@ def model_vram_table(model, batches, device: str | Device = "t4", *, precision: 
                "max_batch": max(max_batch, *batches)}
     key = job_key(job)
     if key not in _STREAMS:
-        out = trace_child(payload, timeout_s)
+        out = kept_trace(job, payload, timeout_s)
         if out.get("stream") is None:           # not batch-affine: the child traced each batch itself
             return [_budget(payload, dev, b, point, out.get("largest"), tuple(out["nondeterministic"]))
                     for b, point in zip(batches, out["points"])]
@@ -175,6 +183,84 @@ def model_vram_table(model, batches, device: str | Device = "t4", *, precision: 
 def trace_child(payload: dict, timeout_s: float = 600.0) -> dict:
     """The trace layer's child for `payload`: the job of its kind (training or encoding), as handed over."""
     return run_job(job_for("train" if payload["train"] else "encode"), payload, timeout_s)
+
+
+def kept_trace(job: dict, payload: dict, timeout_s: float = 600.0) -> dict:
+    """The child's result for `payload`: the user's trace cache's (trace_store.find_result), else traced and kept
+    there. A batch-affine job's stream is kept under its job (`stored_key`), any batch's; a job that is not affine
+    under its batches, largest-batch search and cap too.
+    """
+    job_kept = stored_key(job)
+    if job_kept is None:                        # a source that cannot be read: never kept
+        return trace_child(payload, timeout_s)
+    asked = {**job_kept, "asked": {k: payload[k] for k in ("batches", "cap", "search", "max_batch")}}
+    found = trace_store.find_result(job_kept)
+    if found is None or found.get("stream") is None:
+        found = trace_store.find_result(asked)
+    if found is not None:
+        return found
+    out = trace_child(payload, timeout_s)
+    trace_store.save_result(job_kept if out.get("stream") is not None else asked, out)
+    return out
+
+
+def stored_key(job: dict) -> dict | None:
+    """The key a job's trace is kept under in the user's trace cache (trace_store.entry_key: torch's major.minor,
+    the format, the shaping variables): `job_key`, the model's source (`model_source`) and the traced batches;
+    None where the model's source cannot be read (the job is then traced every time).
+    """
+    source = model_source(str(job["spec"]))
+    if source is None:
+        return None
+    return trace_store.entry_key({"job": json.loads(job_key(job)), "model": source, "traced": TRACED_BATCHES},
+                                 trace_store.torch_release())
+
+
+def model_source(spec: str) -> dict | None:
+    """What builds a spec's model beyond the spec itself: hf: transformers' version and the config file's sha256;
+    timm: timm's version; a factory: the sha256 of its module's source file (found as a fresh process on
+    PYTHONPATH finds it, without importing it); the TRM: nblib's own code (trace_store.user_key). None where a
+    file it names cannot be read.
+    """
+    head, _, rest = spec.partition(":")
+    if head == "trm":
+        return {}
+    if head in ("hf", "timm"):
+        config = rest.partition(":")[2] if head == "hf" else ""
+        digest = _file_sha256(config) if config else ""
+        return None if digest is None else {head: _installed(head.replace("hf", "transformers")), "config": digest}
+    digest = _file_sha256(_module_file(head))
+    return None if digest is None else {"factory": digest}
+
+
+def _installed(package: str) -> str | None:
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+def _file_sha256(path: str | None) -> str | None:
+    try:
+        with open(path or "", "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    except OSError:
+        return None
+
+
+def _module_file(name: str) -> str | None:
+    """The source file of module `name` as a fresh process finds it (its folder, PYTHONPATH, then this process's
+    path), found without importing it or its packages; None where it has none (a namespace, a compiled module).
+    """
+    path = [os.getcwd(), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)), *sys.path]
+    spec, parts = None, name.split(".")
+    for i in range(len(parts)):
+        spec = PathFinder.find_spec(".".join(parts[:i + 1]), path)
+        if spec is None:
+            return None
+        path = spec.submodule_search_locations or []
+    origin = spec.origin if spec is not None else None
+    return origin if origin and origin.endswith(".py") else None
 
 
 def traced_point(payload: dict, b: int, timeout_s: float = 600.0) -> dict:

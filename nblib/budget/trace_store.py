@@ -10,6 +10,11 @@ trace), else from the user's folder, else traced and written there (`save`): fil
 user's folder is keyed by nblib's own code too (`source_digest`): an upgraded or edited nblib traces again, never
 replays a stream an older trace made.
 
+A `--model` trace's result (nblib.budget.model_vram: the child's stream, or its points where the job is not affine
+in the batch) is kept there too (`save_result`, `find_result`), keyed by the caller's key (the job, the model's
+source, the traced batches) and the same torch, format, variables and nblib digest, with the sha256 of its result:
+an entry that does not match is named in one warning line and traced again, never replayed.
+
 The user's folder is `nblib.budget.user_cache.user_folder("traces")`, beside the fake-CUDA shim's library.
 """
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -25,6 +31,7 @@ from pathlib import Path
 
 from nblib.budget.user_cache import user_folder
 
+log = logging.getLogger("nblib.budget")
 SHIPPED = Path(__file__).parents[1] / "trace_seed"      # data only, shipped beside the Python (pyproject)
 TRACE_FORMAT = 2            # 1: keyed by the spec and the full torch version; 2: this key
 # named by the spec (the TRM's shape is in it, the preset that chose it is not needed; PYTHONPATH finds a user's
@@ -72,9 +79,9 @@ def source_digest() -> str:
     return digest.hexdigest()[:16]
 
 
-def entry_name(key: dict) -> str:
-    """An entry's file name: the key's digest (a TRM encode trace)."""
-    return f"trm-encode-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]}.json"
+def entry_name(key: dict, kind: str = "trm-encode") -> str:
+    """An entry's file name: `kind` (a TRM encode trace, or a --model trace: "model") and the key's digest."""
+    return f"{kind}-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]}.json"
 
 
 def find(spec: dict) -> tuple[dict, Path] | None:
@@ -100,26 +107,54 @@ def _first(paths, key: dict, any_torch: bool = False) -> tuple[dict, Path] | Non
     return None
 
 
-def _read(path: Path) -> dict | None:
+def _read(path: Path, body: str = "stream") -> dict | None:
     """An entry file, or None where it is absent or not one (a half-written or foreign file is never used)."""
     try:
         entry = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None
-    ok = isinstance(entry, dict) and isinstance(entry.get("head"), dict) and isinstance(entry.get("stream"), list)
-    return entry if ok else None
+    ok = isinstance(entry, dict) and isinstance(entry.get("head"), dict) and body in entry
+    return entry if ok and (body != "stream" or isinstance(entry["stream"], list)) else None
 
 
 def save(entry_text: str, key: dict) -> Path:
-    """Write an entry (its head: `user_key(key)`) into the user folder atomically (a temporary file beside it,
-    then os.replace).
+    """Write an entry (its head: `user_key(key)`) into the user folder atomically."""
+    return _write(user_folder("traces") / entry_name(user_key(key)), entry_text)
+
+
+def find_result(key: dict) -> dict | None:
+    """The kept result of a --model trace under `key` (`entry_key` of the caller's key) in the user's folder; None
+    where there is none, or (with one warning line) where its file is not an intact entry of this key.
     """
-    folder = user_folder("traces")
-    path = folder / entry_name(user_key(key))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".entry-")
+    head = json.loads(json.dumps(user_key(key)))            # as its file holds it (a tuple is a list)
+    path = user_folder("traces") / entry_name(head, "model")
+    if not path.exists():
+        return None
+    entry = _read(path, "result")
+    result = entry and entry.get("result")
+    if not (entry and entry["head"] == head and isinstance(result, dict) and entry.get("sha256") == _digest(result)):
+        log.warning("the kept trace %s is damaged or not this job's: ignored, the model is traced again", path)
+        return None
+    return result
+
+
+def save_result(key: dict, result: dict) -> Path:
+    """Keep a --model trace's `result` under `key` in the user's folder (head, sha256 of the result, result)."""
+    head = user_key(key)
+    text = json.dumps({"head": head, "sha256": _digest(result), "result": result}, sort_keys=True)
+    return _write(user_folder("traces") / entry_name(head, "model"), text)
+
+
+def _digest(result: dict) -> str:
+    return hashlib.sha256(json.dumps(result, sort_keys=True).encode()).hexdigest()
+
+
+def _write(path: Path, text: str) -> Path:
+    """Write `text` to `path` atomically (a temporary file beside it, fsync, then os.replace)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".entry-")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as out:
-            out.write(entry_text)
+            out.write(text)
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, path)
