@@ -108,15 +108,20 @@ def test_a_damaged_entry_is_named_in_one_line_and_traced_again(counted_child, tm
 SECOND_RUN = """
 import json, sys
 from nblib import encode, train  # the jobs hand themselves over, as the CLI's budget does
-print(json.dumps(sys.modules["nblib.budget.model_vram"].model_vram(sys.argv[1], 8, train=sys.argv[2] == "train")
-                 .as_json()))
+mv = sys.modules["nblib.budget.model_vram"]
+if sys.argv[3:] == ["searched"]:
+    def no_search(*args):
+        raise AssertionError("the largest batch was searched again")
+    mv.largest_batch = no_search
+print(json.dumps(mv.model_vram(sys.argv[1], 8, train=sys.argv[2] == "train").as_json()))
 """
 
 
 @pytest.mark.parametrize("train", [False, True], ids=["encode", "train"])
 def test_a_second_budget_in_a_new_process_reads_the_kept_trace_and_starts_no_child(tmp_path, train):
     """The first process traces (the shim compiled, a child run); the shim is then removed and cannot be compiled
-    (CXX=/bin/false), so a second process answers only if it starts no child: it answers, the same to the byte.
+    (CXX=/bin/false), so a second process answers only if it starts no child: it answers, the same to the byte,
+    and without searching the largest batch again (kept with the trace).
     """
     transformers = pytest.importorskip("transformers")
     from nblib.simulate.train import backward_capability
@@ -130,13 +135,13 @@ def test_a_second_budget_in_a_new_process_reads_the_kept_trace_and_starts_no_chi
     args = [sys.executable, "-c", SECOND_RUN, f"hf:ViTModel:{config}", "train" if train else "encode"]
     xdg = tmp_path / "xdg"
 
-    def run(**extra):
-        done = subprocess.run(args, cwd=REPO, env=subprocess_env(XDG_CACHE_HOME=str(xdg), NBLIB_WARM_TRACES="0",
-                                                                 **extra), capture_output=True, text=True, timeout=900)
+    def run(*more, **extra):
+        env = subprocess_env(XDG_CACHE_HOME=str(xdg), NBLIB_WARM_TRACES="0", **extra)
+        done = subprocess.run([*args, *more], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
         return json.loads(done.stdout.splitlines()[-1])
 
     first = run()
     assert first["largest_batch"] > 8 and len(list((xdg / "nblib" / "traces").glob("model-*.json"))) == 1
     shutil.rmtree(xdg / "nblib" / "shim")
-    assert run(CXX="/bin/false") == first
+    assert run("searched", CXX="/bin/false") == first

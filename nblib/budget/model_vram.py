@@ -16,10 +16,11 @@ The largest batch that fits is found by bisection with `FIT_MARGIN`, the rule ma
 A batch-affine job's stream is kept per process (`job_key`: all but the batch): its next batch, a slider's
 move, or the search, is a replay here (`replayed_point`, what the child reports), no new trace. The child's result
 is kept in the user's trace cache too (nblib.budget.trace_store, `stored_key`: the job, the model's source, the
-traced batches), so the same budget in a new process starts no child; a factory whose source file cannot be read
-is traced every time. Trade-off: a factory's module is keyed by its own file, not by the modules it imports.
-Trade-off: a trace sees only what runs through the caching allocator; cuDNN's transient
-workspaces, NCCL buffers and fragmentation under memory pressure are outside it.
+traced batches), with the largest batch searched at each cap, so the same budget in a new process starts no child
+and replays only its own batch; a factory whose source file cannot be read is traced every time.
+Trade-offs: a factory's module is keyed by its own file, not by the modules it imports; a trace sees only what
+runs through the caching allocator; cuDNN's transient workspaces, NCCL buffers and fragmentation under memory
+pressure are outside it.
 """
 from __future__ import annotations
 
@@ -167,16 +168,17 @@ def model_vram_table(model, batches, device: str | Device = "t4", *, precision: 
                "max_batch": max(max_batch, *batches)}
     key = job_key(job)
     if key not in _STREAMS:
-        out = kept_trace(job, payload, timeout_s)
+        out, kept = kept_trace(job, payload, timeout_s)
         if out.get("stream") is None:           # not batch-affine: the child traced each batch itself
             return [_budget(payload, dev, b, point, out.get("largest"), tuple(out["nondeterministic"]))
                     for b, point in zip(batches, out["points"])]
         if len(_STREAMS) >= KEPT_JOBS:
             _STREAMS.pop(next(iter(_STREAMS)))  # the oldest job
-        _STREAMS[key] = _Stream(out["stream"], out["peak_op"], tuple(out["nondeterministic"]))
+        _STREAMS[key] = _Stream(out["stream"], out["peak_op"], tuple(out["nondeterministic"]), kept=kept,
+                                searched=dict(out.get("searched", {})))
     job_stream = _STREAMS[key]
     job_stream.trace = lambda b: traced_point(payload, b, timeout_s)
-    largest = largest_batch(job_stream.point, payload["cap"], payload["max_batch"]) if find_largest else None
+    largest = job_stream.largest(payload["cap"], payload["max_batch"]) if find_largest else None
     return [_budget(payload, dev, b, job_stream.point(b), largest, job_stream.nondeterministic) for b in batches]
 
 
@@ -185,23 +187,25 @@ def trace_child(payload: dict, timeout_s: float = 600.0) -> dict:
     return run_job(job_for("train" if payload["train"] else "encode"), payload, timeout_s)
 
 
-def kept_trace(job: dict, payload: dict, timeout_s: float = 600.0) -> dict:
-    """The child's result for `payload`: the user's trace cache's (trace_store.find_result), else traced and kept
-    there. A batch-affine job's stream is kept under its job (`stored_key`), any batch's; a job that is not affine
-    under its batches, largest-batch search and cap too.
+def kept_trace(job: dict, payload: dict, timeout_s: float = 600.0) -> tuple[dict, dict | None]:
+    """(the child's result for `payload`, the key it is kept under): the user's trace cache's
+    (trace_store.find_result), else traced and kept there. A batch-affine job's stream is kept under its job
+    (`stored_key`), any batch's; a job that is not affine under its batches, largest-batch search and cap too.
     """
     job_kept = stored_key(job)
     if job_kept is None:                        # a source that cannot be read: never kept
-        return trace_child(payload, timeout_s)
+        return trace_child(payload, timeout_s), None
     asked = {**job_kept, "asked": {k: payload[k] for k in ("batches", "cap", "search", "max_batch")}}
     found = trace_store.find_result(job_kept)
-    if found is None or found.get("stream") is None:
-        found = trace_store.find_result(asked)
+    if found is not None and found.get("stream") is not None:
+        return found, job_kept
+    found = trace_store.find_result(asked)
     if found is not None:
-        return found
+        return found, asked
     out = trace_child(payload, timeout_s)
-    trace_store.save_result(job_kept if out.get("stream") is not None else asked, out)
-    return out
+    kept = job_kept if out.get("stream") is not None else asked
+    trace_store.save_result(kept, out)
+    return out, kept
 
 
 def stored_key(job: dict) -> dict | None:
@@ -280,11 +284,25 @@ class _Stream:
     nondeterministic: tuple
     points: dict = field(default_factory=dict)
     trace: object = None
+    kept: dict | None = None                    # its key in the user's trace cache (kept_trace); None: not kept
+    searched: dict = field(default_factory=dict)    # "cap:max_batch" -> the largest batch that fits
 
     def point(self, b: int) -> dict:
         if b not in self.points:
             self.points[b] = replayed_point(self.stream, b, self.peak_op) or self.trace(b)
         return self.points[b]
+
+    def largest(self, cap: int, max_batch: int) -> int:
+        """`largest_batch` within `cap`, searched once a stream and cap, and kept with the stream where it is kept:
+        the same budget again replays only its own batch.
+        """
+        at = f"{cap}:{max_batch}"
+        if at not in self.searched:
+            self.searched[at] = largest_batch(self.point, cap, max_batch)
+            if self.kept is not None:
+                trace_store.save_result(self.kept, {"stream": self.stream, "peak_op": self.peak_op, "nondeterministic":
+                                                    list(self.nondeterministic), "searched": self.searched})
+        return self.searched[at]
 
 
 # this process's traced jobs (job_key -> _Stream): a job's second batch, a slider's move, the largest batch's
