@@ -80,18 +80,11 @@ def _encode_config(args: argparse.Namespace, default_profile: str):
 
 
     config = named_config(args.profile or default_profile)
-    changes = {}
-    if args.batch_size is not None:
-        changes["batch_size"] = args.batch_size
+    flags = {"batch_size": args.batch_size, "out_dtype": args.dtype, "seed": args.seed, "workers": args.workers}
+    changes = {knob: value for knob, value in flags.items() if value is not None}
     if args.checkpoint_every is not None:
-        changes["checkpoint_every"] = args.checkpoint_every
-        changes["consolidate_every"] = math.gcd(args.checkpoint_every, config.run.consolidate_every)
-    if args.dtype:
-        changes["out_dtype"] = args.dtype
-    if args.seed is not None:
-        changes["seed"] = args.seed
-    if args.workers is not None:
-        changes["workers"] = args.workers
+        changes.update(checkpoint_every=args.checkpoint_every,
+                       consolidate_every=math.gcd(args.checkpoint_every, config.run.consolidate_every))
     return config.replace(**changes) if changes else config
 
 
