@@ -7,12 +7,14 @@ process from this checkout, as a user starts it, with a user's environment (no N
 thread per library as `make test` runs). Three states of the per-user folder (XDG_CACHE_HOME, a new one each):
 - cold: empty (no compiled fake-CUDA shim, no kept trace): a user's first budget on this machine and torch;
 - cold trace: the shim compiled (timed apart: `shim compile`), no trace kept: a first budget of this model;
-- warm: the same command again in that folder.
+- warm: the same command again in that folder (the trace and the largest batch's search kept there by the first:
+  nblib.budget.model_vram.kept_trace, no child).
 Issue 49's targets: warm <= 5 s, cold <= 30 s on a quiet machine. This machine is shared: the load average (1 min)
 is printed before and after every run, and the verdict says when the load makes a run not "quiet".
-Where the time goes: the parent's parts from cProfile over `nblib.cli.main` in a fresh process (nblib's imports
-before it, the shim's compile, the wait for the traced child, the search's replays), and the child's parts timed
-apart in fresh processes (import torch, import transformers, build the ViT with random weights); the trace itself
+Where the time goes: the parent's parts from cProfile over `nblib.cli.main` in a fresh process, a first (cold trace)
+and a second (warm) run in one folder (nblib's imports before it, the shim's compile, the kept trace's read, the
+wait for the traced child, the search's replays, the replay of the asked batch), and the child's parts timed apart
+in fresh processes (import torch, import transformers, build the ViT with random weights); the trace itself
 is the child's wall less those.
 """
 from __future__ import annotations
@@ -32,8 +34,10 @@ JOBS = {"encode": [], "train": ["--train"]}
 WARM_TARGET_S, COLD_TARGET_S = 5.0, 30.0
 QUIET_LOAD = 1.0                    # a 1-minute load average above this on 2 cores is not a quiet machine
 # the parent's functions whose cumulative time is a part of the breakdown (the first of each name found)
-PARENT_PARTS = {"shim_path": "shim compile (or find)", "run_child": "traced child (wall, in the parent)",
-                "largest_batch": "largest-batch search (replays)", "table": "the printed table"}
+PARENT_PARTS = {"shim_path": "shim compile (or find)", "find_result": "kept trace read (user's folder)",
+                "run_child": "traced child (wall, in the parent)", "save_result": "kept trace written",
+                "largest_batch": "largest-batch search (replays)", "replayed_point": "replays (search and batch)",
+                "table": "the printed table"}
 CHILD_PARTS = """
 import json, time
 t0 = time.perf_counter()
@@ -123,20 +127,22 @@ def breakdown(job: str, root: Path) -> dict:
     home = str(root / f"{job}-profile")
     timed([sys.executable, "-c", "from nblib.budget.shim import shim_path; shim_path()"], home)
     argv = ["budget", "--model", MODEL, "--device", "t4", "--precision", "fp16", *JOBS[job]]
-    parent = json.loads(timed([sys.executable, "-c", PROFILED.format(argv=argv, names=set(PARENT_PARTS))],
-                              home)["stdout"].splitlines()[-1])
+    profiled = [sys.executable, "-c", PROFILED.format(argv=argv, names=set(PARENT_PARTS))]
+    parent = json.loads(timed(profiled, home)["stdout"].splitlines()[-1])
+    warm = json.loads(timed(profiled, home)["stdout"].splitlines()[-1])
     child = json.loads(timed([sys.executable, "-c", CHILD_PARTS.format(model=MODEL)], home)["stdout"].splitlines()[-1])
     waited = parent["parts"].get("run_child")
     if waited is not None:
         child["trace (the child's wall less the above)"] = waited - sum(child.values())
-    print(f"  where the time goes ({job}, shim compiled, load {load():.1f}):")
-    print(f"    {'nblib imports (parent)':<44}{parent['nblib imports']:6.1f} s")
+    print(f"  where the time goes ({job}, shim compiled, load {load():.1f}): cold trace | warm")
+    print(f"    {'nblib imports (parent)':<44}{parent['nblib imports']:6.1f} s | {warm['nblib imports']:6.1f} s")
+    print(f"    {'main (all of the budget)':<44}{parent['main']:6.1f} s | {warm['main']:6.1f} s")
     for name, label in PARENT_PARTS.items():
-        value = parent["parts"].get(name)
-        print(f"    {label:<44}" + ("   not found" if value is None else f"{value:6.1f} s"))
+        print(f"    {label:<44}" + " | ".join("     -  " if run["parts"].get(name) is None else
+                                            f"{run['parts'][name]:6.1f} s" for run in (parent, warm)))
     for label, value in child.items():
         print(f"      child: {label:<37}{value:6.1f} s")
-    return {"parent": parent, "child": child}
+    return {"parent": parent, "parent warm": warm, "child": child}
 
 
 def verdict(results: dict) -> list[str]:
