@@ -3,8 +3,10 @@
     .venv/bin/python benchmarks/budget_speed.py [--json benchmarks/results/budget_speed.json]
 
 Each timed run is `python -m nblib budget --model hf:ViTModel --device t4 --precision fp16 [--train]` in a fresh
-process from this checkout, as a user starts it, with a user's environment (no NBLIB_/PYTORCH_ variables, one
-thread per library as `make test` runs). Three states of the per-user folder (XDG_CACHE_HOME, a new one each):
+process from a snapshot of this checkout's committed nblib (`git archive HEAD nblib`: a kept trace is keyed by
+nblib's code, which other work in this checkout edits meanwhile), as a user starts it, with a user's environment
+(no NBLIB_/PYTORCH_ variables, one thread per library as `make test` runs). Three states of the per-user folder
+(XDG_CACHE_HOME, a new one each):
 - cold: empty (no compiled fake-CUDA shim, no kept trace): a user's first budget on this machine and torch;
 - cold trace: the shim compiled (timed apart: `shim compile`), no trace kept: a first budget of this model;
 - warm: the same command again in that folder (the trace and the largest batch's search kept there by the first:
@@ -29,6 +31,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+CWD = REPO                          # where the timed processes run: a snapshot of nblib (main)
 MODEL = "hf:ViTModel"               # ViT-B/16 at 224 px: transformers' default ViTConfig (docs/your-model.md)
 JOBS = {"encode": [], "train": ["--train"]}
 WARM_TARGET_S, COLD_TARGET_S = 5.0, 30.0
@@ -82,10 +85,10 @@ def load() -> float:
 
 
 def timed(command: list[str], cache_home: str) -> dict:
-    """One fresh process: its seconds, its stdout, and the load before and after."""
+    """One fresh process in the snapshot (`CWD`): its seconds, its stdout, and the load before and after."""
     before = load()
     start = time.perf_counter()
-    done = subprocess.run(command, cwd=REPO, env=user_env(cache_home), capture_output=True, text=True)
+    done = subprocess.run(command, cwd=CWD, env=user_env(cache_home), capture_output=True, text=True)
     seconds = time.perf_counter() - start
     if done.returncode:
         raise SystemExit(f"{' '.join(command)} exited {done.returncode}: {(done.stdout + done.stderr)[-2000:]}")
@@ -164,7 +167,18 @@ def main(argv=None) -> int:
     uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     print(f"{uptime}; {os.cpu_count()} cores; {sys.executable}")
     results = {}
+    global CWD
     with tempfile.TemporaryDirectory(prefix="nblib-budget-speed-") as tmp:
+        CWD = Path(tmp) / "checkout"
+        CWD.mkdir()
+        archive = subprocess.run(["git", "archive", "HEAD", "nblib"], cwd=REPO, capture_output=True, check=True)
+        subprocess.run(["tar", "-x", "-C", str(CWD)], input=archive.stdout, check=True)
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                              text=True).stdout.strip()
+        found = timed([sys.executable, "-c", "import nblib; print(nblib.__file__)"], tmp)["stdout"].strip()
+        if not found.startswith(str(CWD)):
+            raise SystemExit(f"the timed processes import nblib from {found}, not from the snapshot {CWD}")
+        print(f"nblib at {head} (committed), snapshot in {CWD}", flush=True)
         for job in JOBS:
             results[job] = measure(job, Path(tmp))
             results[job]["breakdown"] = breakdown(job, Path(tmp))
@@ -173,7 +187,7 @@ def main(argv=None) -> int:
         for r in results.values():
             for k in ("cold", "shim compile", "cold trace", "warm"):
                 r[k].pop("stdout")
-        args.json.write_text(json.dumps({"uptime": uptime, "model": MODEL, "results": results,
+        args.json.write_text(json.dumps({"uptime": uptime, "nblib": head, "model": MODEL, "results": results,
                                          "verdict": verdict(results)}, indent=1) + "\n", encoding="utf-8")
     return 0
 
