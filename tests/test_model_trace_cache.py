@@ -105,6 +105,25 @@ def test_a_damaged_entry_is_named_in_one_line_and_traced_again(counted_child, tm
     assert len(asked) == 3
 
 
+def test_the_entries_used_last_are_kept_and_older_ones_go(counted_child, tmp_path, monkeypatch):
+    import os
+
+    from nblib.budget import trace_store
+
+    mv, asked = counted_child
+    monkeypatch.setattr(trace_store, "KEPT_RESULTS", 2)
+    for b in (3, 4):
+        mv.model_vram("hf:ViTModel", b)
+    for i, path in enumerate(sorted(_kept(tmp_path), key=lambda p: p.stat().st_mtime_ns)):
+        os.utime(path, ns=(i * 10**9, i * 10**9))                  # 3's entry older than 4's
+    mv.model_vram("hf:ViTModel", 3)                                 # read: touched, now the newest
+    mv.model_vram("hf:ViTModel", 5)                                 # a third entry: 4's, used least lately, goes
+    assert len(asked) == 3 and len(_kept(tmp_path)) == 2
+    mv.model_vram("hf:ViTModel", 3)
+    mv.model_vram("hf:ViTModel", 4)
+    assert len(asked) == 4
+
+
 SECOND_RUN = """
 import json, sys
 from nblib import encode, train  # the jobs hand themselves over, as the CLI's budget does

@@ -13,7 +13,8 @@ replays a stream an older trace made.
 A `--model` trace's result (nblib.budget.model_vram: the child's stream, or its points where the job is not affine
 in the batch) is kept there too (`save_result`, `find_result`), keyed by the caller's key (the job, the model's
 source, the traced batches) and the same torch, format, variables and nblib digest, with the sha256 of its result:
-an entry that does not match is named in one warning line and traced again, never replayed.
+an entry that does not match is named in one warning line and traced again, never replayed. The `KEPT_RESULTS`
+entries used last are kept (an entry read is touched); older ones, such as those of an nblib since edited, go.
 
 The user's folder is `nblib.budget.user_cache.user_folder("traces")`, beside the fake-CUDA shim's library.
 """
@@ -37,6 +38,7 @@ TRACE_FORMAT = 2            # 1: keyed by the spec and the full torch version; 2
 # named by the spec (the TRM's shape is in it, the preset that chose it is not needed; PYTHONPATH finds a user's
 # module, and the TRM is nblib's own)
 SPEC_NAMED_ENV = frozenset({"NBLIB_PROFILE", "PYTHONPATH"})
+KEPT_RESULTS = 256          # --model traces kept in the user's folder (a ViT-B/16 training stream is ~2 MB)
 
 
 def torch_release() -> str | None:
@@ -135,6 +137,7 @@ def find_result(key: dict) -> dict | None:
     if not (entry and entry["head"] == head and isinstance(result, dict) and entry.get("sha256") == _digest(result)):
         log.warning("the kept trace %s is damaged or not this job's: ignored, the model is traced again", path)
         return None
+    os.utime(path)                                          # used now: kept longest
     return result
 
 
@@ -142,7 +145,19 @@ def save_result(key: dict, result: dict) -> Path:
     """Keep a --model trace's `result` under `key` in the user's folder (head, sha256 of the result, result)."""
     head = user_key(key)
     text = json.dumps({"head": head, "sha256": _digest(result), "result": result}, sort_keys=True)
-    return _write(user_folder("traces") / entry_name(head, "model"), text)
+    path = _write(user_folder("traces") / entry_name(head, "model"), text)
+    entries = sorted(path.parent.glob("model-*.json"), key=_used, reverse=True)
+    for old in entries[KEPT_RESULTS:]:                      # the least recently used beyond KEPT_RESULTS
+        old.unlink(missing_ok=True)
+    return path
+
+
+def _used(path: Path) -> int:
+    """When an entry was last written or read (0 where another process just removed it)."""
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return 0
 
 
 def _digest(result: dict) -> str:
