@@ -7,6 +7,7 @@ from nblib.cli.args import (
     finite_positive_float,
     parse_or_refuse,
 )
+from nblib.models.load import spec_forms
 
 
 def budget_main(argv: list[str]) -> int:
@@ -31,8 +32,7 @@ def budget_main(argv: list[str]) -> int:
                                    "per image on a few hundred of them (default: the suite's sample texts, "
                                    "data/sample_texts.jsonl, as notebook 01)")
     p.add_argument("--reference", action="store_true", help="reference analysis vs this suite")
-    p.add_argument("--model", help="budget this model's VRAM from a trace of its own code (trm, hf:CLASS, "
-                                   "hf:CLASS:config.json, timm:NAME, package.module:factory)")
+    p.add_argument("--model", help=f"budget this model's VRAM from a trace of its own code ({spec_forms()})")
     p.add_argument("--weights", help="a state-dict file for --model")
     p.add_argument("--train", action="store_true", help="with --model: a training step, not encoding")
     p.add_argument("--input", default="images", help="with --model: what the model takes: images (the default) or "

@@ -6,6 +6,7 @@ import argparse
 from nblib.cli.args import parse_or_refuse, positive_int, seed_int
 from nblib.config import OUTPUT_DTYPES, OUTPUT_NAMES, named_config
 from nblib.errors import os_errors_name
+from nblib.models.load import spec_forms
 
 
 def encode_main(argv: list[str]) -> int:
@@ -51,8 +52,8 @@ def _encode_parser() -> argparse.ArgumentParser:
                    f"of another model, the names its forward returns (default: all)")
     p.add_argument("--dtype", choices=OUTPUT_DTYPES, help="dtype of the stored outputs")
     p.add_argument("--mirror", help="durable mirror folder (e.g. on Google Drive)")
-    p.add_argument("--model", help="trm (default), trm:PRESET, hf:CLASS, hf:CLASS:config.json, timm:NAME or "
-                   "package.module:factory; built with seeded random weights, nothing downloaded")
+    p.add_argument("--model", help=f"{spec_forms()} (default trm); built with seeded random weights, nothing "
+                   "downloaded")
     p.add_argument("--weights", help="a state-dict file (safetensors or torch) loaded strictly over the model")
     p.add_argument("--seed", type=seed_int, help="seed of the initial weights")
     p.add_argument("--workers", type=int, help="DataLoader worker processes (0: read in the main one)")

@@ -9,6 +9,7 @@ from nblib.cli.args import (
     seed_int,
 )
 from nblib.errors import os_errors_name
+from nblib.models.load import spec_forms
 
 
 def train_main(argv: list[str]) -> int:
@@ -57,8 +58,8 @@ def _train_args(argv: list[str]) -> argparse.Namespace:
                         "counts; a --model whose forward takes attention_mask gets it")
     p.add_argument("--classes", type=positive_int, help="with --records, integer targets and no --model: the classes "
                                                          "(for top-k indices: the experts)")
-    p.add_argument("--model", help="trm (default for --cache), trm:PRESET, hf:CLASS[:config.json], timm:NAME or "
-                                   "package.module:factory; with --records default: a per-token linear map")
+    p.add_argument("--model", help=f"{spec_forms()} (default for --cache: trm; with --records: a per-token "
+                                   "linear map)")
     p.add_argument("--output", help="the model output its head (with --records: its loss) takes (default: logits, "
                                     "else pooler_output, else the first)")
     p.add_argument("--weights", help="a state-dict file (safetensors or torch) the model starts from")

@@ -121,7 +121,7 @@ def encode(cache: ImageSource, run_dir: str | Path, config: PipelineConfig, devi
         offload: "async" (per-batch copies to pinned host buffers) or "consolidate" (keep
             `consolidate_every` batches on the GPU, then one copy).
         weights: a state dict (safetensors or torch) loaded strictly over the model's seeded weights.
-        model: a spec ("trm", "hf:CLASS[:config.json]", "timm:NAME", "package.module:factory"), a
+        model: a spec (`nblib.models.SOURCES`: "trm", "hf:CLASS", ...), a
             `LoadedModel` or an nn.Module (None: the TRM); it stores `outputs` (default: all).
         preflight: check RAM, VRAM and each disk against the budget before the first batch.
         workspace: the `nblib.env.Workspace` the preflight checks (default: run_dir everywhere).

@@ -1,7 +1,7 @@
 """The model contract: any torch module for encode, train, budget and simulate; the TRM is the default.
 
-`load_model(spec, weights)` builds a module from a spec string (trm, hf:CLASS[:config.json],
-timm:NAME, package.module:factory) with seeded random weights and loads a weights file strictly;
+`load_model(spec, weights)` builds a module from a spec string (one per source in `SOURCES`: trm, hf:,
+timm:, package.module:factory) with seeded random weights and loads a weights file strictly;
 its `preprocessing` turns the cache's uint8 NHWC images into the model's input; `named_outputs`
 turns a tensor, a dict or a transformers ModelOutput into named tensors; `model_identity` and
 `identity_changes` let a resume refuse another model, naming what changed.
@@ -15,7 +15,16 @@ from nblib.models.identity import (
     model_identity,
     module_config,
 )
-from nblib.models.load import DEFAULT_SPEC, SPEC_FORMS, LoadedModel, load_model, parse_spec
+from nblib.models.load import (
+    DEFAULT_SPEC,
+    SOURCES,
+    SPEC_FORMS,
+    LoadedModel,
+    ModelSource,
+    load_model,
+    parse_spec,
+    spec_forms,
+)
 from nblib.models.outputs import named_outputs
 from nblib.models.preprocessing import (
     Preprocessing,
@@ -35,7 +44,8 @@ from nblib.models.weights import (
 )
 
 __all__ = [
-    "DEFAULT_SPEC", "SPEC_FORMS", "LoadedModel", "Preprocessing", "check_state_dict", "describe_changes",
+    "DEFAULT_SPEC", "SOURCES", "SPEC_FORMS", "LoadedModel", "ModelSource", "spec_forms", "Preprocessing",
+    "check_state_dict", "describe_changes",
     "hf_config_dict", "hf_processor_defaults", "identity_changes", "load_model", "load_weights", "model_identity",
     "module_config", "named_outputs", "parse_spec", "preprocessing_from", "preprocessing_from_hf",
     "preprocessing_from_timm", "read_state_dict", "read_weights", "save_weights",

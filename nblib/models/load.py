@@ -1,8 +1,10 @@
 """`load_model(spec)`: any torch module from a string, built with seeded random weights, nothing downloaded.
 
-The spec forms (`SPEC_FORMS`, the `--model` argument) and what each builds: "The model contract" in
-docs/your-model.md. Random weights come from `seed` in a forked RNG (the caller's RNG is untouched);
-`weights=` loads a safetensors or torch state dict strictly over them.
+The model sources (`SOURCES`, the `--model` argument) and what each builds: "The model contract" in
+docs/your-model.md. A new source is one `ModelSource` in `SOURCES`: its parser, its builder and its help
+line; every `--model` help text and every refusal of a spec lists the forms from it (`spec_forms`).
+Random weights come from `seed` in a forked RNG (the caller's RNG is untouched); `weights=` loads a
+safetensors or torch state dict strictly over them.
 Trade-off: transformers and timm are imported only here, so a missing one fails at the model, not at
 `import nblib`, with the install line in the message.
 """
@@ -13,6 +15,7 @@ import difflib
 import importlib
 import json
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +32,6 @@ from nblib.models.preprocessing import (
 )
 
 DEFAULT_SPEC = "trm"
-SPEC_FORMS = ("trm", "trm:PRESET", "hf:CLASS", "hf:CLASS:config.json", "timm:NAME", "package.module:factory")
 TRANSFORMERS_PIN = "transformers==5.24.0"
 TIMM_FIX = ("timm needs torchvision built for the installed torch: pip install timm torchvision "
             "--index-url https://download.pytorch.org/whl/cpu (a CPU torch), or the matching CUDA wheel; "
@@ -78,9 +80,8 @@ def load_model(spec: str | None = None, weights: str | Path | None = None, *, co
     of another model.
     """
     spec = (spec or DEFAULT_SPEC).strip()
-    kind, rest = _split(spec)
-    builder = {"trm": _build_trm, "hf": _build_hf, "timm": _build_timm, "factory": _build_factory}[kind]
-    loaded = builder(spec, rest, config=config, seed=seed, **({"inputs": inputs} if kind == "hf" else {}))
+    source, rest = _source(spec)
+    loaded = source.build(spec, rest, config=config, seed=seed, inputs=inputs)
     if preprocessing is not None:
         loaded.preprocessing = preprocessing_from(preprocessing)
     if weights is not None:
@@ -90,23 +91,41 @@ def load_model(spec: str | None = None, weights: str | Path | None = None, *, co
 
 
 def parse_spec(spec: str) -> tuple[str, str]:
-    """(kind, rest) of a spec: kind is trm, hf, timm or factory; ModelSpecError for another form."""
-    return _split((spec or DEFAULT_SPEC).strip())
+    """(kind, rest) of a spec: kind names its source in SOURCES; ModelSpecError for another form."""
+    source, rest = _source((spec or DEFAULT_SPEC).strip())
+    return source.kind, rest
 
 
-def _split(spec: str) -> tuple[str, str]:
+def spec_forms(last: str = "or") -> str:
+    """Every source's spec forms in one phrase, for help texts and refusals: "trm, trm:PRESET, ... or X"."""
+    forms = [form for source in SOURCES for form in source.forms]
+    return f"{', '.join(forms[:-1])} {last} {forms[-1]}"
+
+
+def _source(spec: str) -> tuple[ModelSource, str]:
+    for source in SOURCES:
+        if (rest := source.parse(spec)) is not None:
+            return source, rest
+    raise ModelSpecError(f"model spec {spec!r} is not one nblib knows; write {spec_forms()}")
+
+
+def _prefixed(prefix: str, placeholder: str = "", noun: str = ""):
+    """The parser of `prefix[:REST]` specs; with a `placeholder`, a bare `prefix:` is refused naming it."""
+    def parse(spec: str) -> str | None:
+        head, _, rest = spec.partition(":")
+        if head != prefix:
+            return None
+        if not rest and placeholder:
+            raise ModelSpecError(f"model spec {spec!r} names no {noun}; write {prefix}:{placeholder} "
+                                 f"(e.g. hf:ViTModel)")
+        return rest
+    return parse
+
+
+def _factory_spec(spec: str) -> str | None:
     head, sep, rest = spec.partition(":")
-    if head == "trm":
-        return "trm", rest
-    if head in ("hf", "timm"):
-        if not rest:
-            raise ModelSpecError(f"model spec {spec!r} names no {'class' if head == 'hf' else 'model'}; "
-                                 f"write {head}:{'CLASS' if head == 'hf' else 'NAME'} (e.g. hf:ViTModel)")
-        return head, rest
-    if sep and head and rest and all(part.isidentifier() for part in head.split(".")) \
-            and all(part.isidentifier() for part in rest.split(".")):
-        return "factory", spec
-    raise ModelSpecError(f"model spec {spec!r} is not one nblib knows; write one of: {', '.join(SPEC_FORMS)}")
+    dotted = all(part.isidentifier() for part in head.split(".")) and all(p.isidentifier() for p in rest.split("."))
+    return spec if sep and head and rest and dotted else None
 
 
 def _seeded(seed: int, build):
@@ -117,7 +136,7 @@ def _seeded(seed: int, build):
         return build()
 
 
-def _build_trm(spec: str, rest: str, *, config, seed: int) -> LoadedModel:
+def _build_trm(spec: str, rest: str, *, config, seed: int, inputs: str) -> LoadedModel:
     from nblib.trm import TRMVisionEncoder
 
     if rest:
@@ -227,7 +246,7 @@ def _import_transformers():
     return transformers
 
 
-def _build_timm(spec: str, name: str, *, config, seed: int) -> LoadedModel:
+def _build_timm(spec: str, name: str, *, config, seed: int, inputs: str) -> LoadedModel:
     try:
         import timm
         import timm.data
@@ -242,7 +261,7 @@ def _build_timm(spec: str, name: str, *, config, seed: int) -> LoadedModel:
     return LoadedModel(module, spec, "timm", pre, {"name": name, "timm_version": str(timm.__version__)})
 
 
-def _build_factory(spec: str, rest: str, *, config, seed: int) -> LoadedModel:
+def _build_factory(spec: str, rest: str, *, config, seed: int, inputs: str) -> LoadedModel:
     import torch
 
     module_name, _, attr = rest.partition(":")
@@ -299,4 +318,30 @@ def _load_weights(loaded: LoadedModel, weights) -> None:
         raise WeightsError(f"weights in {weights} do not load into {type(loaded.module).__name__}: "
                            f"{str(exc)[:300]}") from None
     loaded.weights = str(weights)
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """One way to name a model: the spec forms it reads (for help and refusals), a line on what it builds,
+    its parser (a spec -> what its builder takes, None when the spec is another source's) and its builder.
+    """
+
+    kind: str
+    forms: tuple[str, ...]
+    builds: str
+    parse: Callable[[str], str | None]
+    build: Callable[..., LoadedModel]
+
+
+SOURCES: list[ModelSource] = [    # tried in order: the first whose parser takes the spec builds it
+    ModelSource("trm", ("trm", "trm:PRESET"), "the suite's TRM encoder, shaped by the run's config or a preset",
+                _prefixed("trm"), _build_trm),
+    ModelSource("hf", ("hf:CLASS", "hf:CLASS:config.json"), "a transformers class from its default config or a "
+                "config file", _prefixed("hf", "CLASS", "class"), _build_hf),
+    ModelSource("timm", ("timm:NAME",), "timm.create_model(NAME, pretrained=False), where timm imports",
+                _prefixed("timm", "NAME", "model"), _build_timm),
+    ModelSource("factory", ("package.module:factory",), "an importable callable that returns an nn.Module",
+                _factory_spec, _build_factory),
+]
+SPEC_FORMS = tuple(form for source in SOURCES for form in source.forms)
 
