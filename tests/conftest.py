@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -15,6 +16,12 @@ import pytest
 from nblib import encode, train  # noqa: F401  the jobs hand themselves to the trace layer, as cli, lab and widgets do
 
 REPO = Path(__file__).resolve().parents[1]
+
+# One per-user folder (trace cache, kept --model budgets, the compiled shim and pickle scanner) per test run, shared by
+# its xdist workers and the notebooks' kernels: what an earlier run or the user kept never answers for a test that
+# expects a trace, and a fresh clone's run is every run.
+os.environ["XDG_CACHE_HOME"] = str(Path(tempfile.gettempdir()) / "nblib-test-runs"
+                                   / (os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid-{os.getpid()}"))
 
 
 @pytest.fixture(autouse=True)
