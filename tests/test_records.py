@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import pickle
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -15,6 +16,8 @@ import time
 import numpy as np
 import pytest
 from cli_runner import run_nblib
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from record_traces import trace_records, write_trace_pickle
 from shard_budget import shard_size_for_ram
 
@@ -62,6 +65,18 @@ def test_records_of_any_shapes_and_scalars_come_back_identical(tmp_path, codec):
     shards[3]["x"][0, 0] = 99.0  # served arrays are writable copies: the next read is unchanged
     assert shards[3]["x"][0, 0] == records[3]["x"][0, 0]
     assert same_record(pickle.loads(pickle.dumps(shards))[7], records[7])  # spawn-started workers get a copy
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(bits=st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=8))
+def test_a_scalar_float_keeps_every_bit_nan_payloads_and_signs_too(tmp_path_factory, bits):
+    """Scalar fields against struct's own bytes: any 8 bytes, NaNs with payloads and signs half the time."""
+    nans = [b | 0x7FF0000000000001 if i % 2 else b for i, b in enumerate(bits)]        # exponent all ones: a NaN
+    floats = [struct.unpack(">d", b.to_bytes(8, "big"))[0] for b in nans]
+    out = tmp_path_factory.mktemp("bits") / "out"
+    write_records([{"v": v, "x": np.zeros(1)} for v in floats], out, codec="raw")
+    shards = RecordShards(out)
+    assert [struct.pack(">d", shards[i]["v"]) for i in range(len(floats))] == [struct.pack(">d", v) for v in floats]
 
 
 def test_group_by_keeps_one_key_per_shard_in_input_order_within_the_size_bound(tmp_path):

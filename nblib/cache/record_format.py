@@ -73,7 +73,7 @@ def encode_record(record: dict, index: int = 0) -> bytearray:
             arrays.append((str(name), value, offset))
             offset += _aligned(value.nbytes)
         else:
-            scalars[str(name)] = value
+            scalars[str(name)] = _json_scalar(value)
     header = json.dumps({"a": [[n, dtype_code(a.dtype), list(a.shape), o] for n, a, o in arrays], "s": scalars},
                         sort_keys=True, separators=(",", ":"), allow_nan=True).encode()
     start = _aligned(LENGTH.size + len(header))
@@ -99,10 +99,27 @@ def decode_record(payload) -> dict:
             dtype = storage_dtype(dtype)
             count = int(np.prod(shape, dtype=np.int64))
             record[name] = np.frombuffer(buffer, dtype=dtype, count=count, offset=start + at).reshape(shape)
-        record.update(header["s"])
+        record.update({name: _scalar(value) for name, value in header["s"].items()})
     except (struct.error, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"its payload does not decode ({type(exc).__name__}: {exc})") from None
     return record
+
+
+CANONICAL_NAN = struct.pack(">d", float("nan"))
+
+
+def _json_scalar(value):
+    """A scalar as the header's JSON holds it: a NaN whose bits are not the canonical NaN's (a payload, a sign)
+    as {"nan": its 8 bytes in hex}, which JSON's NaN would lose; everything else as it is.
+    """
+    if isinstance(value, float) and value != value and (bits := struct.pack(">d", value)) != CANONICAL_NAN:
+        return {"nan": bits.hex()}
+    return value
+
+
+def _scalar(value):
+    """A header scalar as the record holds it (the inverse of `_json_scalar`)."""
+    return struct.unpack(">d", bytes.fromhex(value["nan"]))[0] if isinstance(value, dict) else value
 
 
 def as_field(value, name, index: int = 0):
