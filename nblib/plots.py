@@ -408,10 +408,17 @@ def tf_checkpoint_vs_buffer(rows, state_rows=(), save_to=None) -> Figure:
     return finish(fig, save_to)
 
 
-def tf_reference_extrapolation(extrapolation, ram_bytes: float = 12.7e9, disk_bytes: float = 80e9,
+def tf_reference_extrapolation(extrapolation, ram_bytes: float | None = None, disk_bytes: float | None = None,
                                save_to=None) -> Figure:
-    """The reference rows (buffer x 500 kB, its temporary-space range) beside the fitted prediction, in GB."""
+    """The reference rows (buffer x 500 kB, its temporary-space range) beside the fitted prediction, in GB; the
+    Colab lines are the t4 device's RAM and disk (nblib.budget.DEVICES, the limits every budget uses) unless given.
+    """
     import numpy as np
+
+    from nblib.budget.devices import DEVICES
+
+    ram_bytes = DEVICES["t4"].ram_bytes if ram_bytes is None else ram_bytes
+    disk_bytes = DEVICES["t4"].disk_bytes if disk_bytes is None else disk_bytes
 
     fig, ax = new_figure(width=8.0)
     x = np.arange(len(extrapolation))
@@ -425,7 +432,7 @@ def tf_reference_extrapolation(extrapolation, ram_bytes: float = 12.7e9, disk_by
     ax.bar(x + 0.5 * width, ours, width, label="measured fit: checkpoint")
     ax.bar(x + 1.5 * width, rot, width, label="budget model: peak, previous checkpoint kept")
     ax.axhline(ram_bytes / GB, color="red", ls="--", lw=1, label=f"Colab RAM {ram_bytes / GB:.1f} GB")
-    ax.axhline(disk_bytes / GB, color="black", ls=":", lw=1, label=f"Colab local disk ~{disk_bytes / GB:.0f} GB")
+    ax.axhline(disk_bytes / GB, color="black", ls=":", lw=1, label=f"Colab local disk {disk_bytes / GB:.0f} GB")
     ax.set_xticks(x, [f"{e.buffer_size:,}" for e in extrapolation])
     ax.set(yscale="log", xlabel="shuffle buffer (samples of ~500 kB)", ylabel="GB (1e9 bytes)",
            title="Reference table vs. extrapolated measurements")

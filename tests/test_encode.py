@@ -144,6 +144,7 @@ def test_rerun_of_a_complete_run_encodes_nothing(cache_dir, reference, tmp_path)
     _run(cache_dir, tmp_path / "r")
     again = _run(cache_dir, tmp_path / "r")
     assert again.parts_encoded == 0 and _hashes(again) == reference
+    assert str(again).startswith(f"already complete: {again.parts_total} of {again.parts_total} parts")
 
 
 def test_resume_after_a_partial_run_recomputes_only_the_missing_parts(cache_dir, reference, tmp_path, caplog):

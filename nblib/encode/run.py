@@ -86,9 +86,13 @@ class EncodeReport:
 
     def __str__(self) -> str:
         resumed = f", resumed at sample {self.resumed_at:,}" if self.resumed_at else ""
-        lines = [f"encoded {self.parts_encoded} of {self.parts_total} parts "
-                 f"({self.n_samples:,} samples{resumed}) on {self.device} in {fmt_duration(self.seconds)}, "
-                 f"{self.samples_per_s:,.1f} samples/s, offload={self.offload}"]
+        if self.parts_encoded == 0 and self.parts_total:      # a rerun of a finished run: nothing to encode
+            lines = [f"already complete: {self.parts_total} of {self.parts_total} parts ({self.n_samples:,} samples) "
+                     f"were encoded before (here or in the mirror); nothing to encode"]
+        else:
+            lines = [f"encoded {self.parts_encoded} of {self.parts_total} parts "
+                     f"({self.n_samples:,} samples{resumed}) on {self.device} in {fmt_duration(self.seconds)}, "
+                     f"{self.samples_per_s:,.1f} samples/s, offload={self.offload}"]
         if self.mirror_caught_up is False:
             lines.append("  the mirror is behind: every part is safe locally; rerun to catch it up")
         lines += [f"  {name:<9} {path}" for name, path in self.outputs.items()]

@@ -18,6 +18,7 @@ import sys
 from dataclasses import dataclass
 
 from nblib.config import ModelConfig
+from nblib.errors import one_line
 
 
 @dataclass(frozen=True)
@@ -157,7 +158,7 @@ def _worker(payload: dict) -> dict:
         step(batch)
         fits, error = True, ""
     except (RuntimeError, MemoryError) as exc:     # CPU: allocator failure; CUDA: OutOfMemoryError
-        fits, error = False, str(exc).splitlines()[0][:200]
+        fits, error = False, one_line(str(exc).splitlines()[0], 120)    # a cut says so ("...")
     device_peak = torch.cuda.max_memory_reserved() if cuda else 0
     if cuda:
         torch.cuda.empty_cache()
