@@ -346,6 +346,8 @@ class PickleScanner:
         elif 0 <= key < keys:
             self.codes[key] = item.code()
             self.items.pop(key, None)
+        elif not self.continued and self.pickles:   # numbered on from an earlier dump: one Pickler's stream
+            raise NotFresh
         else:
             raise pickle.UnpicklingError(f"memo slot {key} is written while {keys} slots are: a pickler writes "
                                          f"slot {keys} next, or rewrites one")
