@@ -368,8 +368,8 @@ def encode_disk_projection(choices, save_to=None) -> Figure:
         limit = choices[0].limits[disk] / GB
         ax.axvline(limit, color=f"C{i + 4}", ls="--", label=f"{disk}: {limit:,.0f} GB")
     ax.set(xlabel="GB on disk (log scale)", xscale="log", xlim=(min(values) / 2, max(local) * 4),
-           title="full run: outputs on disk per choice\n(the budget's verdict, 10% margin: "
-                 "green fits every disk, orange some, red none)")
+           title="full run: outputs on disk per choice\nthe budget's verdict (10% margin):\n"
+                 "green fits every disk, orange some, red none")
     ax.invert_yaxis()
     ax.legend(loc="lower right", fontsize=8, framealpha=0.95)
     return finish(fig, save_to)
@@ -550,7 +550,8 @@ def input_rates(rows, encoder_samples_per_s: float, encoder_label: str = "encode
     med = [float(statistics.median(r.get("runs", [r["samples_per_s"]]))) for r in rows]
     low = [m - min(r.get("runs", [m])) for r, m in zip(rows, med)]
     high = [max(r.get("runs", [m])) - m for r, m in zip(rows, med)]
-    bars = ax.bar([textwrap.fill(r["source"], 18) for r in rows], med, yerr=[low, high], capsize=4, color="C0")
+    names = [textwrap.fill(r["source"], 18) for r in rows]
+    bars = ax.bar(names, med, yerr=[low, high], capsize=4, color="C0")
     for bar, m in zip(bars, med):
         ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), f"{m:,.0f}/s ", ha="right", va="bottom",
                 fontsize=8)
@@ -558,7 +559,8 @@ def input_rates(rows, encoder_samples_per_s: float, encoder_label: str = "encode
                label=f"{textwrap.fill(encoder_label, 60)}: {encoder_samples_per_s:,.0f}/s")
     ax.set(ylabel="samples/s (median, range of runs)", title="Can the loader feed the encoder?")
     ax.set_ylim(0, max(max(m + h for m, h in zip(med, high)), encoder_samples_per_s) * 1.2)
-    ax.legend(fontsize=7, loc="upper right")
+    below_names = -0.1 - 0.08 * max(name.count("\n") + 1 for name in names)   # under the bars' names: no line covered
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, below_names))
     return finish(fig, save_to)
 
 
