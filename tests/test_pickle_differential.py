@@ -27,6 +27,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+from pickle_damage import damaged
 
 import nblib.cache.pickle_fast as pickle_fast
 from conftest import subprocess_env
@@ -329,17 +330,7 @@ def test_randomly_damaged_pickles_read_or_refuse_in_one_line_never_a_traceback(t
         ([np.arange(3)] * 3, [1, 2, 3]))]
     outcomes = collections.Counter()
     for _ in range(300):
-        data = bytearray(bases[rng.integers(len(bases))])
-        for _ in range(rng.integers(1, 4)):
-            at, what = int(rng.integers(len(data))), rng.random()
-            if what < 0.5:
-                data[at] = int(rng.integers(256))
-            elif what < 0.7:
-                data.insert(at, int(rng.integers(256)))
-            elif what < 0.9:
-                del data[at]
-            else:
-                data = data[:at]
+        data = damaged(bases[rng.integers(len(bases))], rng, rng.integers(1, 4))
         (tmp_path / "m.pkl").write_bytes(bytes(data))
         try:
             list(pickle_records(tmp_path / "m.pkl"))

@@ -156,24 +156,13 @@ def test_a_stream_is_left_to_the_pure_reader_and_its_first_pickle_planned_to_its
 FUZZ = """
 import numpy as np, pickle, sys
 import nblib.cache.pickle_fast as pf
+from tests.pickle_damage import damaged
 rng = np.random.default_rng(int(sys.argv[1]))
 bases = [pickle.dumps([{"x": np.arange(5, dtype=np.float32) * i, "s": "ab" * i, "t": (i, None)} for i in range(n)],
                       protocol=p) for p in range(6) for n in (0, 3, 1001)]
 planned = 0
 for k in range(int(sys.argv[2])):
-    data = bytearray(bases[rng.integers(len(bases))])
-    for _ in range(rng.integers(1, 6)):
-        if not data:
-            break
-        at, what = int(rng.integers(len(data))), rng.random()
-        if what < 0.5:
-            data[at] = int(rng.integers(256))
-        elif what < 0.7:
-            data.insert(at, int(rng.integers(256)))
-        elif what < 0.9:
-            del data[at]
-        else:
-            data = data[:at]
+    data = damaged(bases[rng.integers(len(bases))], rng, rng.integers(1, 6))
     if k % 10 == 0:
         data = bytearray(rng.integers(0, 256, int(rng.integers(1, 64)), dtype=np.uint8).tobytes())
     plan, why = pf.scan_list(bytes(data))
