@@ -28,6 +28,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import tempfile
 import time
 import timeit
@@ -42,19 +43,10 @@ from nblib.train.loop import make_task
 
 RESULTS = Path(__file__).parent / "results"
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from tests.sample_cache import labelled_cache  # noqa: E402  the train tests' labelled cache of the sample texts
+
 NEVER = 10 ** 6                      # save_every / eval_every no timed step reaches
-
-
-def labelled_cache(folder: Path, n: int) -> Path:
-    """A real 64 px cache of the first `n` sample texts, built from a .jsonl so its labels come with it."""
-    from nblib.cache import populate
-
-    folder.mkdir(parents=True, exist_ok=True)
-    texts = folder / "texts.jsonl"
-    lines = (REPO / "data" / "sample_texts.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)[:n]
-    texts.write_text("".join(lines), encoding="utf-8")
-    populate(texts, folder / "cache", image_size=64, shard_mb=0.5, workers=0, progress=False)
-    return folder / "cache"
 
 
 class Images(torch.utils.data.Dataset):

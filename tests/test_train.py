@@ -10,26 +10,14 @@ import numpy as np
 import pytest
 import torch
 from cli_runner import run_nblib
+from sample_cache import labelled_cache  # noqa: F401  the train tests import it from here
 
 from nblib.errors import ConfigError, ResumeMismatch, StateError
 from nblib.train import TrainConfig, train
 from nblib.train.data import BatchPlan, labels_for_cache, script_of, split
 from nblib.train.state import capture_rng, restore_rng
 
-REPO = Path(__file__).resolve().parents[1]
 FAST = TrainConfig(steps=8, batch_size=16, save_every=2, backup_every=4, eval_every=4, warmup_steps=2)
-
-
-def labelled_cache(folder: Path, n: int) -> Path:
-    """A real 64 px cache of the first `n` sample texts, built from a .jsonl so labels come with it."""
-    from nblib.cache import populate
-
-    folder.mkdir(parents=True, exist_ok=True)
-    texts = folder / "texts.jsonl"
-    lines = (REPO / "data" / "sample_texts.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)[:n]
-    texts.write_text("".join(lines), encoding="utf-8")
-    populate(texts, folder / "cache", image_size=64, shard_mb=0.5, workers=0, progress=False)
-    return folder / "cache"
 
 
 @pytest.fixture(scope="module")
