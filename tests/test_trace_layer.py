@@ -74,19 +74,19 @@ def test_the_child_is_given_the_job_by_the_reference_read_from_the_function(monk
         traced_jobs.job_for("other")
 
 
-def test_a_records_run_on_cuda_says_in_one_line_that_its_vram_is_not_checked(caplog):
-    """Issue 49: a --records run's inputs are not images; the training budget traces images, so the run is not
-    budgeted, and it says so, naming the budgets that can be made (never a traceback, never silence).
+def test_a_records_run_of_the_builtin_linear_model_on_cuda_says_in_one_line_that_its_vram_is_not_checked(caplog):
+    """Issue 49: a --records run is budgeted from its records' step (tests/test_budget_record_training.py), but the
+    built-in linear model has no spec the trace can rebuild: it says so in one line (never a traceback or silence).
     """
+    from types import SimpleNamespace
+
     from nblib.train.config import TrainConfig
     from nblib.train.task import vram_preflight
 
-    class Records:
-        flag = "--records"
-
+    records = SimpleNamespace(flag="--records", loaded=SimpleNamespace(kind="builtin"))
     with caplog.at_level(logging.WARNING, logger="nblib.train.task"):
-        assert vram_preflight(Records(), TrainConfig(device="cuda:0")) is None
-        assert vram_preflight(Records(), TrainConfig(device="cpu")) is None
+        assert vram_preflight(records, TrainConfig(device="cuda:0")) is None
+        assert vram_preflight(records, TrainConfig(device="cpu")) is None
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 1 and "--records run is not checked" in lines[0]
-    assert "--train" in lines[0] and "--input tokens:LENGTH" in lines[0] and "\n" not in lines[0]
+    assert len(lines) == 1 and "linear model is not checked" in lines[0]
+    assert "--model package.module:factory" in lines[0] and "\n" not in lines[0]

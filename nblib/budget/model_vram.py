@@ -132,23 +132,26 @@ class ModelVRAM:
 def model_vram(model, batch_size: int, device: str | Device = "t4", *, precision: str = "fp16",
                train: bool = False, output: str | None = None, n_classes: int = 12,
                find_largest: bool = True, max_batch: int = 4096, timeout_s: float = 600.0,
-               out_dtype: str = OUT_DTYPE, inputs: str = "images") -> ModelVRAM:
+               out_dtype: str = OUT_DTYPE, inputs: str = "images", record: dict | None = None) -> ModelVRAM:
     """The traced VRAM budget of `model` (a spec string, a LoadedModel, or a TRM's ModelConfig) at `batch_size`
     on `device`.
 
     out_dtype: the dtype encoding casts each output to on the device before its copy out (the run's).
     inputs: what the model is called with: "images" (uint8 [B, H, W, 3] through its preprocessing) or
-    "tokens:LENGTH" (int64 input_ids and attention_mask of [B, LENGTH], a BERT-style text encoder; encoding).
+    "tokens:LENGTH" (int64 input_ids and attention_mask of [B, LENGTH], a BERT-style text encoder). Training on
+    tokens is a `train --records` step on records of LENGTH token ids (its mask from the lengths) with class
+    labels of the output's rows; record: that step on other records (nblib.train.traced.record_batch), as the
+    CUDA preflight of `train --records` gives it.
     """
     return model_vram_table(model, (batch_size,), device, precision=precision, train=train, output=output,
                             n_classes=n_classes, find_largest=find_largest, max_batch=max_batch,
-                            timeout_s=timeout_s, out_dtype=out_dtype, inputs=inputs)[0]
+                            timeout_s=timeout_s, out_dtype=out_dtype, inputs=inputs, record=record)[0]
 
 
 def model_vram_table(model, batches, device: str | Device = "t4", *, precision: str = "fp16", train: bool = False,
                      output: str | None = None, n_classes: int = 12, find_largest: bool = True,
                      max_batch: int = 4096, timeout_s: float = 600.0, out_dtype: str = OUT_DTYPE,
-                     inputs: str = "images") -> list[ModelVRAM]:
+                     inputs: str = "images", record: dict | None = None) -> list[ModelVRAM]:
     """`model_vram` at each of `batches`, from one trace (a slider's range: every row is the same answer)."""
     batches = [int(b) for b in batches]
     dev = device_preset(device)
@@ -158,12 +161,15 @@ def model_vram_table(model, batches, device: str | Device = "t4", *, precision: 
         raise ConfigError(f"precision={precision!r} is unknown; choose one of {PRECISIONS}")
     if not batches or min(batches) < 1:
         raise ConfigError(f"batch sizes {batches} must be >= 1")
-    if token_length(inputs) is not None and train:
-        raise ConfigError(f"--input {inputs} with --train: the training loop feeds images and labels (nblib.train); "
-                          f"a token input is budgeted for encoding: drop --train")
+    length = token_length(inputs)
+    if train and record is None and length is not None:
+        record = {"input": [[length], "int64"], "target": None, "loss": "ce"}
+    if record is not None and not train:
+        raise ConfigError("a record input is budgeted for training (train=True); encoding takes images or tokens")
     warn_if_not_native()
     job = {**model_payload(model), "precision": precision, "train": train, "output": output, "classes": n_classes,
-           "cc": dev.compute_capability, "out_dtype": out_dtype, **({} if inputs == "images" else {"inputs": inputs})}
+           "cc": dev.compute_capability, "out_dtype": out_dtype, **({} if inputs == "images" else {"inputs": inputs}),
+           **({} if record is None else {"record": record})}
     payload = {**job, "batches": batches, "cap": reserved_cap(dev), "search": find_largest,
                "max_batch": max(max_batch, *batches)}
     key = job_key(job)

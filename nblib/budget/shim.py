@@ -199,6 +199,7 @@ def child_model(payload: dict):
 
         config = ModelConfig(**payload["trm_model"])
     inputs = "tokens" if str(payload.get("inputs", "images")).startswith("tokens:") else "images"
+    inputs = (payload.get("record") or {}).get("model_inputs", inputs)    # a train --records run's (records.py)
     loaded = load_model(payload["spec"], payload["weights"], config=config, inputs=inputs)
     from nblib.budget.trace import refuse_unmodelled
 

@@ -36,7 +36,8 @@ def budget_main(argv: list[str]) -> int:
     p.add_argument("--weights", help="a state-dict file for --model")
     p.add_argument("--train", action="store_true", help="with --model: a training step, not encoding")
     p.add_argument("--input", default="images", help="with --model: what the model takes: images (the default) or "
-                   "tokens:LENGTH (input_ids and attention_mask, a BERT-style text encoder; encoding)")
+                   "tokens:LENGTH (input_ids and attention_mask, a BERT-style text encoder; with --train, a train "
+                   "--records step on records of LENGTH token ids with class labels of the output's rows)")
     p.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default="fp16")
     p.add_argument("--json", action="store_true", help="with --model: print the budget as JSON (bytes)")
     p.add_argument("--cache", help="with --model --train: the image cache an epoch reads (its training split is the "
@@ -100,6 +101,8 @@ def t4_epoch_line(args: argparse.Namespace) -> str:
     from nblib.models.head import _image_size
     from nblib.t4_speed import model_projection
 
+    if args.input != "images":
+        return f"T4 time per epoch: not projected for --input {args.input} (nblib.t4_speed projects image models)"
     if args.device != "t4":
         return f"time per epoch: projected for a T4 only (--device t4); {args.device} has no sourced speed"
     n, whose, cache = args.n_samples, "", None

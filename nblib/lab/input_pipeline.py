@@ -75,11 +75,11 @@ def stand_in_encoder() -> tuple[float, str]:
 
 
 def where_time_goes(sources, encoder_samples_per_s: float | None = None, batch_size: int = 32,
-                    steps: int = 8, repeats: int = MIN_REPEATS) -> dict:
+                    steps: int = 8, repeats: int = MIN_REPEATS, progress: bool = False) -> dict:
     """The default tf.data pipeline feeding a stand-in encoder (`stand_in_encoder()`): data-wait is its share.
 
-    Both measurements (fed to the encoder, and the pipeline alone) run `repeats` interleaved times; the
-    row holds the median run and every run's data-wait and pipeline rate.
+    Both measurements (fed to the encoder, and the pipeline alone) run `repeats` interleaved times (`progress`:
+    the suite's bar over them); the row holds the median run and every run's data-wait and pipeline rate.
     """
     from nblib.pipeline.tf_pipelines import tf_pipeline
 
@@ -97,7 +97,7 @@ def where_time_goes(sources, encoder_samples_per_s: float | None = None, batch_s
                                                  steps=3 * steps, warmup=3))
         return reports["alone"][-1].samples_per_s
 
-    got = interleaved({"fed": fed, "alone": alone}, repeats)
+    got = interleaved({"fed": fed, "alone": alone}, repeats, progress=progress and "fed, alone")
     median_fed = sorted(reports["fed"], key=lambda r: r.data_wait)[(len(reports["fed"]) - 1) // 2]
     return {"encoder_samples_per_s": encoder_samples_per_s, "pipeline_samples_per_s": got["alone"].median,
             "pipeline_runs": got["alone"].values, "data_wait_runs": got["fed"].values, **median_fed.as_dict()}
@@ -327,9 +327,9 @@ def _read_cache(mode: str, cache_dir: str) -> dict:
 
 
 def render_vs_cache(cache, texts=None, num_workers: int | None = None, batch_size: int = 32,
-                    steps: int = 12, repeats: int = MIN_REPEATS) -> list[dict]:
+                    steps: int = 12, repeats: int = MIN_REPEATS, progress: bool = False) -> list[dict]:
     """samples/s of the DataLoader reading the cache vs rendering the same images (from `texts`) in its
-    workers, at the cache's image size: `repeats` interleaved runs each (rows keep every run).
+    workers, at the cache's image size: `repeats` interleaved runs each (rows keep every run; `progress`: a bar).
     """
     from nblib.cache.rendered import RenderedImages
     from nblib.pipeline.torch_loaders import cache_loader, repeated
@@ -345,7 +345,8 @@ def render_vs_cache(cache, texts=None, num_workers: int | None = None, batch_siz
         return report.samples_per_s
 
     sources = {f"cache reader ({size} px)": cache, f"render on the fly ({size} px, {workers} workers)": rendered}
-    got = interleaved({name: functools.partial(run, name, src) for name, src in sources.items()}, repeats)
+    got = interleaved({name: functools.partial(run, name, src) for name, src in sources.items()}, repeats,
+                      progress=progress and "cache reader, render")
     rows = []
     for name, spread_ in got.items():
         median_run = sorted(reports[name], key=lambda r: r.samples_per_s)[(len(reports[name]) - 1) // 2]
@@ -354,8 +355,8 @@ def render_vs_cache(cache, texts=None, num_workers: int | None = None, batch_siz
 
 
 def render_loader_rate(texts, image_size: int = 224, num_workers: int | None = None, batch_size: int = 32,
-                       steps: int = 6, repeats: int = MIN_REPEATS) -> Spread:
-    """samples/s of a DataLoader whose workers render `texts` at `image_size`, `repeats` runs.
+                       steps: int = 6, repeats: int = MIN_REPEATS, progress: bool = False) -> Spread:
+    """samples/s of a DataLoader whose workers render `texts` at `image_size`, `repeats` runs (`progress`: a bar).
 
     Measured, not extrapolated from one core: what the workers really give on this machine's cores.
     """
@@ -369,7 +370,7 @@ def render_loader_rate(texts, image_size: int = 224, num_workers: int | None = N
         return measure_pipeline(lambda: repeated(cache_loader(rendered, batch_size, workers)),
                                 steps=steps, warmup=2).samples_per_s
 
-    return interleaved({"render": run}, repeats)["render"]
+    return interleaved({"render": run}, repeats, progress=progress and f"render at {image_size} px")["render"]
 
 
 def encoder_projection(budget) -> tuple[float, str]:

@@ -123,6 +123,21 @@ def run_and_kill(command: list[str], run_dir: str | Path, after_parts: int, time
     return 0 if manifest is None else manifest["samples_done"]
 
 
+def resume(command: list[str], run_dir: str | Path, n_parts: int, progress: bool = True):
+    """Run `command` (the killed encode) again to its end: its CompletedProcess, the suite's bar over the
+    run's `n_parts` parts on disk while it runs (`DurableProgress`, the bar of a launch's rank 0).
+    """
+    import contextlib
+    import subprocess
+
+    from nblib.encode.layout import part_name
+    from nblib.encode.ranks import DurableProgress
+
+    names = [part_name(k) for k in range(n_parts)]
+    with DurableProgress(Path(run_dir) / PARTS_FOLDER, names, "resume") if progress else contextlib.nullcontext():
+        return subprocess.run(command, capture_output=True, text=True)
+
+
 # ------------------------------------------------------------------------------ a look at the outputs
 
 

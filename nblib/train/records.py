@@ -219,9 +219,16 @@ def target_kind(output_shape, target, loss: str) -> str:
                       f"(top-{want[-1]} class indices, k-hot); pick another --output, --loss or --model")
 
 
-def loss_terms(output, target, lengths, loss: str):
+def masked_loss(output, target, lengths, loss: str, checked: bool = True):
+    """A batch's mean loss over the elements that count (`loss_terms`): the step's loss, and its trace's."""
+    per, counted, _ = loss_terms(output, target, lengths, loss, checked)
+    return (per * counted).sum() / counted.sum().clamp(min=1)
+
+
+def loss_terms(output, target, lengths, loss: str, checked: bool = True):
     """(loss per element, the elements that count, the share right per element or None) of a batch
-    (docs/your-model.md). Padding (rows past a record's target length) is not counted.
+    (docs/your-model.md). Padding (rows past a record's target length) is not counted. checked: class targets
+    are checked against the output's classes (a trace's fake tensors hold no values to check).
     """
     output = output.float()
     kind = target_kind(output.shape, target, loss)
@@ -236,7 +243,7 @@ def loss_terms(output, target, lengths, loss: str):
         right = (output.argmax(-1) == target.argmax(-1)).float()
     else:
         classes = output.shape[-1]
-        if target.numel() and (int(target.min()) < 0 or int(target.max()) >= classes):
+        if checked and target.numel() and (int(target.min()) < 0 or int(target.max()) >= classes):
             raise ConfigError(f"a target is {int(target.max())} (or {int(target.min())}) but the model gives "
                               f"{classes} classes: give it one output per class (--classes N for the linear model)")
         if kind == "labels":
@@ -328,6 +335,7 @@ class RecordTask:
             raise ConfigError(f"--target-key {fields.target} holds integers (class labels): use --loss ce")
         if self.loss_name == "mse" and config.best_metric == "heldout_accuracy":
             raise ConfigError("--best-metric heldout_accuracy needs --loss ce; with mse use heldout_loss")
+        self.loaded_as = model_inputs(inputs)              # what load_model builds the --model spec to take
         self.model, self.loaded = self._model(model, output, weights, sample)
         with runs_on(f"--model {model or 'linear'} on --input-key {fields.inputs} {list(inputs.shape)} "
                      f"{inputs.dtype} (one record)"):
@@ -359,6 +367,21 @@ class RecordTask:
         return {"records": sha256_json(data), "inputs": self.fields.inputs, "target": self.fields.target,
                 "loss": self.loss_name, "n_train": int(len(self.train_idx)), "model": self.model_identity}
 
+    def traced_record(self) -> dict:
+        """The step the VRAM budget traces (nblib.train.traced.record_batch): every record padded to the longest
+        shape of each field in the shards, in the dtypes a batch is collated to, and the run's loss.
+        """
+        shards = self.dataset.records.shards.manifest["shards"]
+        sample = self.dataset[int(self.train_idx[0])]
+
+        def longest(name: str, value) -> list:
+            dtype = str(collate_inputs([value]).dtype).removeprefix("torch.")
+            shapes = [s["max_shapes"][name] for s in shards if name in s.get("max_shapes", {})]
+            return [[max(dims) for dims in zip(*shapes)] if shapes else list(value.shape), dtype]
+
+        return {"input": longest(self.fields.inputs, sample[0]), "target": longest(self.fields.target, sample[1]),
+                "loss": self.loss_name, "model_inputs": self.loaded_as}
+
     def forward(self, net, inputs, in_lengths):
         """The model's output on a padded batch; ConfigError when the model sees padding and this batch has some."""
         if self.padding_shift > 1e-4 and int(in_lengths.min()) != int(in_lengths.max()):
@@ -371,8 +394,7 @@ class RecordTask:
         return net(inputs, in_lengths)
 
     def loss(self, net, inputs, target, lengths, in_lengths):
-        per, counted, _ = loss_terms(self.forward(net, inputs, in_lengths), target, lengths, self.loss_name)
-        return (per * counted).sum() / counted.sum().clamp(min=1)
+        return masked_loss(self.forward(net, inputs, in_lengths), target, lengths, self.loss_name)
 
     @torch.no_grad()
     def evaluate(self, model, config: TrainConfig, step: int, train_loss: float) -> dict:
@@ -401,7 +423,7 @@ class RecordTask:
                 "state_dict": host(model.model.state_dict()), "output": model.output,
                 "inputs": self.fields.inputs, "target": self.fields.target, "loss": self.loss_name,
                 "targets": self.targets, "top_k": self.top_k, "classes": list(self.classes),
-                "train": config.to_dict()}
+                "model_inputs": self.loaded_as, "train": config.to_dict()}
 
     def next_step(self, final: Path) -> str:
         """The command that uses final.pt: predict over these records (or others with the --input-key field), into
@@ -429,7 +451,7 @@ class RecordTask:
             if is_trm(spec):
                 raise ConfigError("the TRM takes images; for record shards pass --model package.module:factory "
                                   "(a module that takes the --input-key tensor), or leave --model out")
-            loaded = load_model(spec, weights, seed=self.config.seed)
+            loaded = load_model(spec, weights, seed=self.config.seed, inputs=self.loaded_as)
             return RecordNet(loaded.module, output), loaded
         inputs, target = sample[0], sample[1]
         if not inputs.is_floating_point() or inputs.ndim < 2:
@@ -453,6 +475,13 @@ class RecordTask:
         return int(target.shape[-1]) if target.ndim == inputs_ndim else 1      # else one value per row: squeezed
 
 
+def model_inputs(inputs) -> str:
+    """What a --model spec is loaded to take (nblib.models.load_model's inputs): integer records are token ids
+    (a text encoder: transformers' BertModel, ...), others "images", the default (any factory takes its field).
+    """
+    return "images" if inputs.is_floating_point() else "tokens"
+
+
 def linear_model(in_features: int, out_features: int, seed: int) -> nn.Linear:
     """The built-in model of `train --records`: a seeded Linear applied per row."""
     with torch.random.fork_rng(devices=[]):
@@ -468,7 +497,8 @@ def final_model(payload: dict) -> RecordNet:
     if payload["spec"] == "linear":
         module = linear_model(payload["config"]["in_features"], payload["config"]["out_features"], 0)
     else:
-        module = load_model(payload["spec"], None, seed=int(payload["train"].get("seed", 0))).module
+        module = load_model(payload["spec"], None, seed=int(payload["train"].get("seed", 0)),
+                            inputs=payload.get("model_inputs", "images")).module
     check_state_dict(module, payload["state_dict"], where="final.pt")
     module.load_state_dict(payload["state_dict"], strict=True)
     return RecordNet(module, payload["output"]).eval()

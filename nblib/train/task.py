@@ -103,23 +103,25 @@ def vram_preflight(task, config: TrainConfig, world_size: int = 1):
     a --model with its head; `nblib.budget.model_preflight`, the one answer of `nblib.budget.model_vram`) at the
     run's micro-batch and precision; BudgetExceeded with the numbers and the largest micro-batch that fits.
     The trace is of this package's own job (nblib.train.traced, handed to the trace layer): the budget names none.
-    None (nothing checked) on CPU, and for a --records run, with one line naming the budgets that can be made.
+    A --records run's step is traced on its longest records (`RecordTask.traced_record`). None (nothing checked)
+    on CPU, and for the built-in linear model (a spec the trace can rebuild is needed), with one line saying so.
     """
     from nblib.budget.preflight import model_preflight
     from nblib.errors import BudgetExceeded
 
     if not config.device.startswith("cuda"):
         return None
-    if not isinstance(task, ImageTask):
-        log.warning("preflight: the VRAM of a %s run is not checked: the budget traces training on images (budget "
-                    "--model SPEC --train) and encoding on token ids (budget --model SPEC --input tokens:LENGTH)",
-                    task.flag)
+    if not isinstance(task, ImageTask) and task.loaded.kind == "builtin":
+        log.warning("preflight: the VRAM of the built-in linear model is not checked (the trace rebuilds a model "
+                    "from its spec: pass --model package.module:factory to have it checked)")
         return None
+    record = None if isinstance(task, ImageTask) else task.traced_record()
     micro = config.micro_batch(world_size)
     traced = task.loaded if task.loaded is not None else task.model.encoder.config    # the TRM: its shape
     try:
         vram = model_preflight(traced, micro, config.device, precision=config.precision, train=True,
-                               output=getattr(task.model, "output", None), n_classes=len(task.classes))
+                               output=getattr(task.model, "output", None), n_classes=len(task.classes),
+                               record=record)
     except BudgetExceeded as exc:
         if micro == config.batch_size:
             raise

@@ -45,12 +45,13 @@ from nblib.verdict import MIN_PAIRS, against_base, paired_order
 def measure_checkpoint(buffer_sizes, sample_kb: float, *, symbolic=(False, True), folder=None,
                        seed: int = 0, batch_size: int = 8, prefetch: int = 2, sources: int = 1,
                        content: str = "random", resumable: str | None = None,
-                       steps: int = 3) -> list[CheckpointRow]:
+                       steps: int = 3, progress: bool = False) -> list[CheckpointRow]:
     """Save and restore a real tf.data iterator per buffer size and symbolic flag; measure each.
 
     `resumable=None` measures tf.data's own shuffle; `resumable="buffer"|"global"` measures
     nblib's shuffle in the same pipeline instead (always symbolic). Each checkpoint is deleted
-    once measured; before the first one a preflight refuses buffers that would not fit.
+    once measured; before the first one a preflight refuses buffers that would not fit. `progress`:
+    the suite's bar, one step per checkpoint.
     """
     buffer_sizes = [int(b) for b in buffer_sizes]
     symbolic = (True,) if resumable else tuple(symbolic)
@@ -58,7 +59,8 @@ def measure_checkpoint(buffer_sizes, sample_kb: float, *, symbolic=(False, True)
                         sources=sources, content=content)
     label = resumable_label(resumable) if resumable else TF_SHUFFLE
     rows = []
-    with _work_folder(folder, "nblib-tfckpt-") as root:
+    bar = progress_bar(len(buffer_sizes) * len(symbolic), "checkpoints", "save", disable=not progress)
+    with bar, _work_folder(folder, "nblib-tfckpt-") as root:
         if not resumable:
             preflight_checkpoint(max(buffer_sizes), base.sample_bytes, root)
         for buffer_size in buffer_sizes:
@@ -68,6 +70,7 @@ def measure_checkpoint(buffer_sizes, sample_kb: float, *, symbolic=(False, True)
                 build = lambda s=spec: shuffle_pipeline(s, label)  # noqa: E731
                 where = root / f"{label[:4]}-b{buffer_size}-s{int(flag)}"
                 rows.append(measure_iterator_checkpoint(label, spec, build, where, steps))
+                bar.update()
     return rows
 
 
