@@ -90,7 +90,7 @@ def preflight(config: PipelineConfig, workspace, *, job: str = "encode", device:
 
 def model_vram_check(model, batch_size: int, device: str | Device = "t4", *, precision: str = "fp16",
                      train: bool = False, output: str | None = None, n_classes: int = 12,
-                     out_dtype: str = OUT_DTYPE, record: dict | None = None) -> ModelVRAM:
+                     out_dtype: str = OUT_DTYPE, record: dict | None = None, inputs: str = "images") -> ModelVRAM:
     """Any model's VRAM on the GPU preset `device`: the traced budget (`model_vram`, the one answer) with the
     largest batch that fits; BudgetExceeded naming the GB needed, the GB allowed and that batch when over.
 
@@ -99,14 +99,14 @@ def model_vram_check(model, batch_size: int, device: str | Device = "t4", *, pre
     this machine: no CUDA is touched.
     """
     vram = model_vram(model, batch_size, device, precision=precision, train=train, output=output,
-                      n_classes=n_classes, find_largest=True, out_dtype=out_dtype, record=record)
+                      n_classes=n_classes, find_largest=True, out_dtype=out_dtype, record=record, inputs=inputs)
     vram.refuse_if_over()
     return vram
 
 
 def model_preflight(model, batch_size: int, cuda_device, *, precision: str = "fp16", train: bool = False,
                     output: str | None = None, n_classes: int = 12, out_dtype: str = OUT_DTYPE,
-                    record: dict | None = None) -> ModelVRAM | None:
+                    record: dict | None = None, inputs: str = "images") -> ModelVRAM | None:
     """A CUDA job's VRAM check for any model, before its first batch: `model_vram_check` on the preset of
     this GPU (by its name, else the T4: `preset_of_this_gpu`), then the high end against its free VRAM.
 
@@ -122,7 +122,7 @@ def model_preflight(model, batch_size: int, cuda_device, *, precision: str = "fp
     dev = device_preset(preset_of_this_gpu(_gpu_name(cuda_device)))
     try:
         vram = model_vram_check(model, batch_size, dev, precision=precision, train=train, output=output,
-                                n_classes=n_classes, out_dtype=out_dtype, record=record)
+                                n_classes=n_classes, out_dtype=out_dtype, record=record, inputs=inputs)
     except (SimulationUnavailable, NotModelled) as exc:    # a trace that cannot be made, or an RNN it refuses
         log.warning("preflight: the VRAM of %s is not checked: %s", spec, exc)
         return None

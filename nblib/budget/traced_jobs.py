@@ -78,8 +78,8 @@ def token_length(inputs: str) -> int | None:
 def batch_input(loaded, b: int, size: int, inputs: str) -> tuple:
     """(the batch as the host holds it, call(module, *batch on the device)): uint8 [b, size, size, 3] images
     through the model's preprocessing, or for "tokens:LENGTH" (`token_length`) int64 input_ids and attention_mask
-    of [b, LENGTH] as keywords (a BERT-style encoder; the mask as a padded batch has it, so the attention runs
-    masked).
+    packed as [b, 2, LENGTH] (encode --records' batch: nblib.encode.token_records), called as keywords (a
+    BERT-style encoder; the mask as a padded batch has it, so the attention runs masked).
     """
     import torch
 
@@ -87,8 +87,9 @@ def batch_input(loaded, b: int, size: int, inputs: str) -> tuple:
     if length is None:
         return [torch.empty((b, size, size, 3), dtype=torch.uint8)], \
             lambda module, images: module(loaded.preprocessing.apply(images))
-    ids, mask = torch.zeros((b, length), dtype=torch.int64), torch.ones((b, length), dtype=torch.int64)
-    return [ids, mask], lambda module, ids, mask: module(input_ids=ids, attention_mask=mask)
+    tokens = torch.ones((b, 2, length), dtype=torch.int64)
+    tokens[:, 0] = 0
+    return [tokens], lambda module, tokens: module(input_ids=tokens[:, 0], attention_mask=tokens[:, 1])
 
 
 @contextlib.contextmanager

@@ -5,7 +5,7 @@ import argparse
 
 from nblib.cli.args import parse_or_refuse, positive_int, seed_int
 from nblib.config import OUTPUT_DTYPES, OUTPUT_NAMES, named_config
-from nblib.errors import os_errors_name
+from nblib.errors import ConfigError, os_errors_name
 from nblib.models.load import spec_forms
 
 
@@ -18,13 +18,17 @@ def encode_main(argv: list[str]) -> int:
     from nblib.encode.distributed import join
 
     args = parse_or_refuse(_encode_parser(), argv)
-    refuse_overlap("encode", args.out, {"--cache": args.cache}, suffix="encoded")
-    refuse_overlap("encode", args.mirror, {"--cache": args.cache}, out_flag="--mirror", suffix="mirror")
+    if args.cache and args.input_key:
+        raise ConfigError("--input-key goes with --records (record shards of token ids); --cache holds images")
+    data = {"--cache": args.cache} if args.cache else {"--records": args.records}
+    refuse_overlap("encode", args.out, data, suffix="encoded")
+    refuse_overlap("encode", args.mirror, data, out_flag="--mirror", suffix="mirror")
+    source = ShardedImageCache(args.cache) if args.cache else _token_records(args)
     config = _encode_config(args, env.profile())
     world = join(shard=args.shard, consolidate_only=args.consolidate, device=args.device)  # torchrun ranks too
     try:
         with os_errors_name(args.out):
-            report = encode(ShardedImageCache(args.cache), args.out, config, device=world.device,
+            report = encode(source, args.out, config, device=world.device,
                             mirror_dir=args.mirror, progress=not args.no_progress, offload=args.offload,
                             weights=args.weights, model=args.model, outputs=_encode_outputs(args),
                             preflight=not args.no_preflight, world=world,
@@ -43,7 +47,13 @@ def _encode_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="python -m nblib encode", description=encode_main.__doc__,
                                 exit_on_error=False)
-    p.add_argument("--cache", required=True, help="folder of a ShardedImageCache")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--cache", help="folder of a ShardedImageCache")
+    source.add_argument("--records", help="instead of --cache: record shards (cache --records) whose --input-key "
+                        "field holds each text's token ids, for a text encoder --model (hf:BertModel:config.json)")
+    p.add_argument("--input-key", help="with --records: the field of token ids (1-D integers per record)")
+    p.add_argument("--input", default="tokens", help="with --records: tokens (padded to the longest record) or "
+                   "tokens:LENGTH (each record padded to LENGTH; shorter than the longest record is refused)")
     p.add_argument("--out", required=True, help="run folder: parts, manifest, consolidated .npy")
     p.add_argument("--profile", help="smoke | t4 | full, or a preset name (default: NBLIB_PROFILE)")
     p.add_argument("--batch-size", type=positive_int)
@@ -73,6 +83,18 @@ def _encode_parser() -> argparse.ArgumentParser:
     p.add_argument("--consolidate", action="store_true", help="only merge the parts the shards wrote; "
                    "names the missing parts and shards")
     return p
+
+
+def _token_records(args: argparse.Namespace):
+    """--records with --input-key and --input tokens[:LENGTH]: the records as an encode source."""
+    from nblib.encode.token_records import TokenRecords
+
+    kind, _, length = args.input.partition(":")
+    if kind != "tokens" or not (length == "" or (length.isdigit() and int(length) > 0)):
+        raise ConfigError(f"--input {args.input!r}: --records are read as tokens or tokens:LENGTH (e.g. tokens:128)")
+    if not args.input_key:
+        raise ConfigError("--records needs --input-key: the field of each record that holds its token ids")
+    return TokenRecords(args.records, args.input_key, int(length) if length else None)
 
 
 def _encode_config(args: argparse.Namespace, default_profile: str):

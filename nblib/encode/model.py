@@ -33,6 +33,7 @@ class EncodeModel:
     outputs: tuple[str, ...]
     shapes: dict[str, tuple[int, ...]]
     precision: str = "auto"
+    inputs: str = "images"             # or "tokens:LENGTH": encode --records (nblib.encode.token_records)
 
     @property
     def is_trm(self) -> bool:
@@ -42,15 +43,17 @@ class EncodeModel:
     def module(self):
         return self.loaded.module
 
-    def __call__(self, images) -> dict:
-        """uint8 [B, H, W, 3] on the run's device -> {output: tensor}, under inference mode and autocast."""
+    def __call__(self, batch) -> dict:
+        """uint8 [B, H, W, 3] (or int64 [B, 2, LENGTH] token ids and mask) on the run's device -> {output: tensor},
+        under inference mode and autocast.
+        """
         import torch
 
         from nblib.sdpa import sdpa_context
         from nblib.trm import autocast
 
-        with torch.inference_mode(), autocast(self.precision, images.device), sdpa_context(None):
-            named = self.loaded(images)
+        with torch.inference_mode(), autocast(self.precision, batch.device), sdpa_context(None):
+            named = self.loaded(batch) if self.inputs == "images" else _named_on_tokens(self.loaded, batch)
         return {name: named[name] for name in self.outputs}
 
     def fingerprints(self) -> dict:
@@ -64,7 +67,8 @@ class EncodeModel:
         if self.is_trm:      # the module's shape: the config's, or a trm:PRESET's
             return {**settings, "model": dataclasses.asdict(self.module.config)}
         identity = self.loaded.identity()
-        return {**settings, "model": {"class": identity["class"]}, "outputs": list(self.outputs)}
+        return {**settings, "model": {"class": identity["class"]}, "outputs": list(self.outputs),
+                **({} if self.inputs == "images" else {"inputs": self.inputs})}
 
     def bytes_per_sample(self, out_dtype: str) -> int:
         """Bytes one sample's stored outputs take, in `out_dtype`."""
@@ -73,6 +77,8 @@ class EncodeModel:
 
     def check_image_size(self, image_size: int, config: PipelineConfig) -> None:
         """ConfigError when the model cannot take the cache's images (a model that resizes takes any size)."""
+        if self.inputs != "images":
+            return
         if self.is_trm:
             want = self.module.config.image_size
             if image_size != want:
@@ -91,20 +97,27 @@ class EncodeModel:
 
 def encode_model(config: PipelineConfig, model=None, weights: str | Path | None = None, *,
                  outputs: tuple[str, ...] | None = None, precision: str = "auto",
-                 image_size: int | None = None) -> EncodeModel:
+                 image_size: int | None = None, inputs: str = "images") -> EncodeModel:
     """The model a run encodes with: `model` a spec string, a `LoadedModel` or an nn.Module (None: the TRM).
 
     outputs: the names to store (the TRM: the config's run.outputs; another model: all by default);
-    ConfigError naming the model's outputs for an unknown one.
+    ConfigError naming the model's outputs for an unknown one. inputs: "images", or "tokens:LENGTH" for a text
+    encoder on token ids (encode --records).
     """
     from nblib.models import LoadedModel, load_model, preprocessing_from
 
+    tokens = inputs != "images"
+    if tokens and (model is None or getattr(model, "kind", None) == "trm" or
+                   (isinstance(model, str) and model.strip().partition(":")[0] in ("", "trm"))):
+        raise ConfigError("the TRM takes images; to encode records of token ids pass --model, a text encoder "
+                          "whose forward takes input_ids and attention_mask (hf:BertModel:config.json)")
     if isinstance(model, LoadedModel):
         loaded = model
         if weights is not None:
             raise ConfigError("weights= goes with a model spec; load them into the LoadedModel instead")
     elif model is None or isinstance(model, str):
-        loaded = load_model(model, weights, config=config, seed=config.run.seed)
+        loaded = load_model(model, weights, config=config, seed=config.run.seed,
+                            inputs="tokens" if tokens else "images")
     else:
         loaded = _wrap_module(model, preprocessing_from)
         if weights is not None:
@@ -116,13 +129,29 @@ def encode_model(config: PipelineConfig, model=None, weights: str | Path | None 
         shapes = budget.output_shapes(loaded.module.config)
         return EncodeModel(loaded, tuple(config.run.outputs), {o: tuple(shapes[o]) for o in config.run.outputs},
                            precision)
-    shapes = loaded.output_shapes(image_size or config.model.image_size)
+    if tokens:
+        import torch
+
+        with torch.no_grad():
+            named = _named_on_tokens(loaded, torch.ones((2, 2, int(inputs.partition(":")[2])), dtype=torch.int64))
+        shapes = {name: tuple(t.shape[1:]) for name, t in named.items()}
+    else:
+        shapes = loaded.output_shapes(image_size or config.model.image_size)
     chosen = tuple(outputs) if outputs else tuple(shapes)
     unknown = [o for o in chosen if o not in shapes]
     if unknown or len(set(chosen)) != len(chosen):
         raise ConfigError(f"outputs {list(chosen)}: {loaded.spec} returns {list(shapes)}; pick distinct names "
                           f"among them (--outputs a,b), or leave --outputs out to store them all")
-    return EncodeModel(loaded, chosen, {o: shapes[o] for o in chosen}, precision)
+    return EncodeModel(loaded, chosen, {o: shapes[o] for o in chosen}, precision, inputs)
+
+
+def _named_on_tokens(loaded, tokens) -> dict:
+    """{output name: tensor} of a text encoder on int64 [B, 2, LENGTH] (ids, mask): the budget's call of it."""
+    from nblib.budget.traced_jobs import batch_input
+    from nblib.models.outputs import named_outputs
+
+    call = batch_input(loaded, 0, 0, f"tokens:{tokens.shape[-1]}")[1]
+    return named_outputs(call(loaded.module, tokens))
 
 
 def load_encoder(config: PipelineConfig, weights: str | Path | None = None):

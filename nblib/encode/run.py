@@ -251,7 +251,7 @@ def plan_encode(cache: ImageSource, run_dir: str | Path, config: PipelineConfig,
         # resident and a CPU run peaks 1.5-1.8x above them (see measure.pin_malloc_mmap_threshold)
         pin_malloc_mmap_threshold()
     encoder = encode_model(run_config, model, weights, outputs=outputs, precision=precision,
-                           image_size=source.image_size)
+                           image_size=source.image_size, inputs=getattr(source, "inputs", "images"))
     encoder.check_image_size(source.image_size, run_config)
     plan = plan_run(run_config, len(source))
     fingerprints = {"settings": sha256_json(settings_of(run_config, plan.n_samples, encoder)),
@@ -498,7 +498,7 @@ def _model_vram_preflight(run: RunInputs) -> None:
                     run.config.run.consolidate_every)
     precision = "fp16" if run.model.precision == "auto" else run.model.precision   # auto: fp16 autocast on CUDA
     vram = budget.model_preflight(run.model.loaded, min(run.plan.batch_size, run.plan.n_samples), run.torch_device,
-                                  precision=precision, out_dtype=run.config.run.out_dtype)
+                                  precision=precision, out_dtype=run.config.run.out_dtype, inputs=run.model.inputs)
     if vram is not None:
         log.info("preflight: %s fits: %.2f GB of %.2f GB at batch %d (largest that fits: %s; %s)", spec,
                  vram.high / 1e9, vram.limit / 1e9, vram.batch_size, vram.largest_batch, vram.label)
@@ -522,7 +522,7 @@ def _encode_loop(run: RunInputs, store: PartStore, manifest: dict, parts: list[i
     loader = iter(batch_loader(run.cache, batches, config.run.workers, config.run.prefetch,
                                pin_memory=device.type == "cuda"))
     shapes = {o: tuple(manifest["shapes"][o]) for o in manifest["outputs"]}
-    bar = _progress_bar(plan, manifest, progress)
+    bar = _progress_bar(plan, manifest, progress, "img" if run.model.inputs == "images" else "text")
     shards = VerifiedShards(run.cache)
     clock, encoded, writing = BatchClock(device), 0, 0.0   # on CUDA: completion times, not enqueue times
     try:
@@ -610,11 +610,11 @@ def _write_part(store: PartStore, manifest: dict, plan: RunPlan, k: int, arrays:
         store.write_manifest(manifest)
 
 
-def _progress_bar(plan: RunPlan, manifest: dict, enabled: bool):
+def _progress_bar(plan: RunPlan, manifest: dict, enabled: bool, unit: str = "img"):
     """The encode bar; counts read as they are ('12/60 img') and only large ones scale ('1.91M img')."""
     from nblib.compare import progress_bar
 
-    return progress_bar(plan.n_samples, "encode", "img", initial=manifest["samples_done"], disable=not enabled,
+    return progress_bar(plan.n_samples, "encode", unit, initial=manifest["samples_done"], disable=not enabled,
                         widget=True, unit_scale=plan.n_samples >= 10_000, smoothing=0.1)
 
 
