@@ -247,17 +247,20 @@ def cache_disk_plan(plans: dict, free_bytes: float, save_to=None) -> Figure:
     return finish(fig, save_to)
 
 
-def cache_worker_scaling(rates, save_to=None) -> Figure:
+def cache_worker_scaling(rates, save_to=None, *, cores: int | None = None, load: float | None = None) -> Figure:
     """Render throughput per worker count: medians with their min-max range, and linear from 1 worker.
 
-    `rates` maps worker count to an `nblib.compare.Spread` (a lab `Scaling.rates`).
+    `rates` maps worker count to an `nblib.compare.Spread` (a lab `Scaling.rates`); the machine's `cores` and
+    1-minute `load` average while measuring (a lab `Scaling`'s) go in the linear line's label: it needs idle cores.
     """
     fig, ax = new_figure(width=5.5, height=3.6)
     workers = list(rates)
     med = [rates[w].median for w in workers]
     err = [[m - rates[w].low for w, m in zip(workers, med)], [rates[w].high - m for w, m in zip(workers, med)]]
     ax.errorbar(workers, med, yerr=err, fmt="o-", capsize=4, label=f"measured (median, range of {rates[workers[0]].n})")
-    ax.plot(workers, [med[0] * w / workers[0] for w in workers], ":", color="gray", label="ideal (linear)")
+    busy = "" if None in (cores, load) else f"\nload caps it: {cores} cores, load average {load:.1f} while measuring"
+    ax.plot(workers, [med[0] * w / workers[0] for w in workers], ":", color="gray",
+            label=f"ideal (linear): one free core per worker{busy}")
     for w, r in zip(workers, med):
         ax.annotate(f"{r:,.0f}", (w, r), textcoords="offset points", xytext=(6, -12), fontsize=8)
     ax.set(xlabel="render workers (processes)", ylabel="images / s", xticks=workers,
