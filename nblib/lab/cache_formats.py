@@ -43,8 +43,8 @@ def compare_formats(images: np.ndarray, folder: str | Path, *, formats: Sequence
     time slice of a busy CPU would be the whole measurement). With `reference` and `budget_s`, more repeats
     run after the first `repeats` while a rate of some format against the reference is undecided
     (`PairedVerdict.undecided`), for at most `budget_s` seconds and `max_repeats` repeats: what the
-    budget cannot decide stays "not distinguishable here". `progress` shows the suite's bar over the formats' runs
-    (each added repeat adds its runs to the total).
+    budget cannot decide stays "not distinguishable here". `progress` shows the suite's bar over the first repeats'
+    runs, then a second bar, with no total (the verdicts decide how many), over the added repeats' runs.
     """
     images = np.ascontiguousarray(images, dtype=np.uint8)
     folder = Path(folder)
@@ -53,17 +53,20 @@ def compare_formats(images: np.ndarray, folder: str | Path, *, formats: Sequence
     samples: dict[str, dict[str, list[float]]] = {f: {"write": [], "in_order": [], "random": []} for f in formats}
     sizes: dict[str, int] = {}
     r, deadline, per_repeat = 0, None, 0.0
-    with progress_bar(repeats * len(formats), "formats", "run", disable=not progress) as bar:
+    bar = progress_bar(repeats * len(formats), "formats", "run", disable=not progress)
+    try:
         while r < repeats or _more_repeats(samples, reference, r, max_repeats, deadline, per_repeat, budget_s):
-            if r == repeats and deadline is None and budget_s is not None:
+            if r == repeats:              # a verdict is undecided: more repeats, on a bar of their own
                 deadline = time.perf_counter() + budget_s
-            if r >= repeats:
-                bar.total += len(formats)
-                bar.refresh()
+                bar.close()
+                bar = progress_bar(None, f"formats, more repeats while undecided (up to {budget_s:g} s)", "run",
+                                   disable=not progress)
             start = time.perf_counter()
             _one_repeat(samples, sizes, images, folder, formats, r, picks, shard_mb, batch_size, random_s,
                         min_read_s, bar)
             per_repeat, r = time.perf_counter() - start, r + 1
+    finally:
+        bar.close()
     rows = []
     for fmt in formats:
         row = {"format": fmt, "bytes_per_image": sizes[fmt] / len(images)}
