@@ -22,6 +22,19 @@ def test_the_worker_trap_and_its_remedy_each_show_a_bar_that_completes(monkeypat
     assert "remedy: 100%" in err and "1/1" in err, err
 
 
+def test_where_time_goes_and_the_224_px_render_rate_each_show_a_bar_over_their_runs(monkeypatch, capsys):
+    """Notebook 05's cells [8] and [26] ran ~30 s each on a busy machine with no bar (newcomer C10)."""
+    class Run(Measured):
+        data_wait, samples_per_s = 0.0, 1.0
+
+    monkeypatch.setattr(input_pipeline, "measure_pipeline", lambda make, **options: Run())
+    input_pipeline.where_time_goes([], 100.0, repeats=3, progress=True)
+    input_pipeline.render_loader_rate(["a"], 32, num_workers=0, repeats=3, progress=True)
+    err = capsys.readouterr().err
+    assert "fed, alone: 100%" in err and "6/6" in err, err
+    assert "render at 32 px: 100%" in err and "3/3" in err, err
+
+
 def test_without_progress_the_worker_trap_prints_no_bar(monkeypatch, capsys):
     monkeypatch.setattr(input_pipeline, "measure_pipeline", lambda make, **options: Measured())
     input_pipeline.tf_worker_trap([], (0, 1), progress=False)

@@ -233,10 +233,12 @@ def _retention_line(side: str, held: dict[str, int], keep_last: int) -> str:
 BUCKET = "nblib-demo"
 
 
-def bucket_backup_demo(cache: str | Path, folder: str | Path, config, *, bucket: str = BUCKET) -> str:
+def bucket_backup_demo(cache: str | Path, folder: str | Path, config, *, bucket: str = BUCKET,
+                       progress: bool = True) -> str:
     """A short run backed up to an S3 bucket on a local S3-compatible server (moto's, on 127.0.0.1, stopped
     after): what the bucket holds, by the one retention rule. Where moto or s3fs is missing, says why it is
     skipped. The same `train(..., mirror="s3://bucket/prefix", storage_options=...)` backs up to a real bucket.
+    `progress`: the suite's bar over the whole demo: the server's start, each training step, the bucket's listing.
     """
     import importlib.util
     import logging
@@ -246,6 +248,9 @@ def bucket_backup_demo(cache: str | Path, folder: str | Path, config, *, bucket:
     if missing:
         return (f"bucket demo skipped: {' and '.join(missing)} not installed here (pip install 'moto[server]' "
                 f"s3fs); a real bucket takes the same train(..., mirror='s3://bucket/prefix')")
+    from nblib.compare import progress_bar
+
+    bar = progress_bar(config.steps + 2, "S3 server, training steps, listing", "step", disable=not progress)
     from moto.server import ThreadedMotoServer
 
     from nblib.train import train
@@ -261,14 +266,18 @@ def bucket_backup_demo(cache: str | Path, folder: str | Path, config, *, bucket:
     level = requests_log.level
     requests_log.setLevel(logging.ERROR)
     server.start()
+    bar.update()
     try:
         fs = open_filesystem("s3", options)
         fs.mkdir(bucket)                      # the run never creates a bucket: a mistyped name is refused
-        report = train(cache, Path(folder), config, mirror=f"s3://{bucket}/run", storage_options=options)
+        report = train(cache, Path(folder), config, mirror=f"s3://{bucket}/run", storage_options=options,
+                       on_step=lambda step, _: bar.update(1 + step - bar.n))
         held = {Path(e["name"]).name: e["size"] for e in fs.ls(f"{bucket}/run/checkpoints", detail=True)}
+        bar.update(bar.total - bar.n)
     finally:
         server.stop()                         # nothing of this cell keeps running
         requests_log.setLevel(level)
+        bar.close()
     return "\n".join([f"bucket s3://{bucket}/run on moto's S3 server at {endpoint} (a local stand-in for S3; stopped "
                       f"after this cell)", _retention_line("bucket", held, config.keep_last),
                       report.durability.line() if report.durability is not None else ""])
@@ -282,17 +291,23 @@ def _newest_step(run: Path) -> int:
 def simulated_t4_rows(model, batches: tuple[int, ...], precision: str = "fp16", progress: bool = True) -> list[dict]:
     """Per batch: the traced VRAM budget (`model_vram(train=True)`, extrapolated from batches 2 and 3) and the
     simulated T4 running the same traced step at the batch itself (`simulate_train_step`), with its roofline time.
+    `progress`: the suite's bar over the trace (the longer part on a cold trace cache) and each simulated batch.
     """
     from nblib.budget.model_vram import model_vram_table
+    from nblib.compare import progress_bar
     from nblib.simulate.train import simulate_train_step
 
-    budgets = model_vram_table(model, batches, "t4", precision=precision, train=True, find_largest=False)
     rows = []
-    for b, vram in zip(_bar(batches, progress, "simulating T4 steps", "batch"), budgets):
-        sim = simulate_train_step(model, b, "t4", precision=precision)
-        rows.append({"batch": b, "precision": precision, "budget": vram.reserved, "allocated": sim.max_allocated,
-                     "reserved": sim.max_reserved, "ratio": vram.reserved / sim.max_reserved,
-                     "step_s": sim.step_seconds(), "attention": sim.sdpa_backend, "peak_op": sim.peak_op})
+    with progress_bar(1 + len(batches), "T4: trace the budget, simulate each batch", "step",
+                      disable=not progress) as bar:
+        budgets = model_vram_table(model, batches, "t4", precision=precision, train=True, find_largest=False)
+        bar.update()
+        for b, vram in zip(batches, budgets):
+            sim = simulate_train_step(model, b, "t4", precision=precision)
+            rows.append({"batch": b, "precision": precision, "budget": vram.reserved, "allocated": sim.max_allocated,
+                         "reserved": sim.max_reserved, "ratio": vram.reserved / sim.max_reserved,
+                         "step_s": sim.step_seconds(), "attention": sim.sdpa_backend, "peak_op": sim.peak_op})
+            bar.update()
     return rows
 
 
