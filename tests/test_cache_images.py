@@ -3,6 +3,8 @@ from a folder, Parquet and an HF datasets folder; SIGKILLed three times, resumed
 """
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from test_cache_cli import assert_three_kills_resume_to_the_reference, one_error_line, run_cli
@@ -126,3 +128,21 @@ def test_cache_images_errors_are_one_line(tmp_path):
     assert "does not exist" in one_error_line(run_cli("--images", tmp_path / "nope", "--out", tmp_path / "o"))
     (tmp_path / "empty").mkdir()
     assert "holds no image files" in one_error_line(run_cli("--images", tmp_path / "empty", "--out", tmp_path / "o"))
+
+
+@pytest.mark.parametrize("codec", ["raw", "zstd"])
+def test_cache_images_prints_the_shards_bytes_beside_their_prediction_and_the_manifest_apart(tmp_path, codec):
+    """Newcomer P14: `cache --images` printed 'predicted 56.98 KB' beside '79.86 KB on disk', the prediction of the
+    shards against shards plus a manifest holding zstd's 16 KB dictionary. Now like for like, the manifest apart.
+    """
+    folder = write_png_folder(tmp_path / "pngs", images(300))
+    done = run_cli("--images", folder, "--out", tmp_path / "c", "--codec", codec)
+    assert done.returncode == 0, done.stderr
+    line = next(ln for ln in done.stdout.splitlines() if ln.startswith("cache "))
+    shards = sum(p.stat().st_size for p in (tmp_path / "c").glob("shard-*"))
+    from nblib.units import fmt_bytes
+
+    assert f"shards {fmt_bytes(shards)}, predicted " in line and ", and the manifest " in line, line
+    value, unit = re.search(r", predicted ([\d.,]+) (B|KB|MB)", line).groups()
+    predicted = float(value.replace(",", "")) * {"B": 1, "KB": 1e3, "MB": 1e6}[unit]
+    assert abs(predicted - shards) / shards < 0.03, line

@@ -73,12 +73,13 @@ class PopulateSummary:
     images_rendered: int
     seconds: float         # the whole call: scan, preflight, pool start, render, write
     render_seconds: float  # rendering and writing shards only
-    bytes_on_disk: int
-    predicted_bytes: int
+    bytes_on_disk: int     # the shards, the manifest (a zstd dictionary's 22 KB too) and its stat cache
+    predicted_bytes: int   # the shards' (plan_cache)
     workers: int
     shards_repaired: int = 0  # listed shards found damaged and re-rendered (counted in written)
     coverage: Coverage | None = None  # characters without a glyph in the font chain, per script
     verb: str = "rendered"            # what the run did to each image: rendered (texts), decoded (images)
+    shard_bytes: int | None = None    # of bytes_on_disk, the shard files'
 
     @property
     def images_per_s(self) -> float:
@@ -88,10 +89,17 @@ class PopulateSummary:
     def __str__(self) -> str:
         repaired = f" (repaired {self.shards_repaired} damaged)" if self.shards_repaired else ""
         return (f"cache {self.cache_dir}: {self.n_images:,} images in {self.n_shards} {self.codec} "
-                f"shards ({fmt_bytes(self.bytes_on_disk)} on disk, predicted "
-                f"{fmt_bytes(self.predicted_bytes)}); this run {self.verb} {self.images_rendered:,} "
+                f"shards ({self.disk_text()}); this run {self.verb} {self.images_rendered:,} "
                 f"images into {self.shards_written} shards{repaired} and reused {self.shards_reused}, "
                 f"{self.images_per_s:,.0f} images/s with {self.workers} worker(s)")
+
+    def disk_text(self) -> str:
+        """The bytes on disk beside the prediction, like for like: the shards', then the manifest's apart."""
+        shards = self.bytes_on_disk if self.shard_bytes is None else self.shard_bytes
+        manifest = self.bytes_on_disk - shards
+        kept = f", and the manifest {fmt_bytes(manifest)}" if manifest else ""
+        return (f"{fmt_bytes(self.bytes_on_disk)} on disk: shards {fmt_bytes(shards)}, predicted "
+                f"{fmt_bytes(self.predicted_bytes)}{kept}")
 
 
 def populate(texts, cache_dir: str | Path, image_size: int = 224, shard_mb: float = 400,
@@ -191,6 +199,7 @@ def _populate(source: TextSource, cache_dir, image_size, shard_mb, workers, seed
             images_rendered=done - start + sum(s["count"] for s in repaired),
             seconds=time.perf_counter() - started, render_seconds=time.perf_counter() - render_started,
             bytes_on_disk=cache_bytes_on_disk(cache_dir), predicted_bytes=plan.predicted_bytes,
+            shard_bytes=cache_bytes_on_disk(cache_dir, shards_only=True),
             workers=workers, shards_repaired=len(repaired), coverage=found)
 
 
@@ -296,13 +305,16 @@ def plan_cache(n_images: int, cache_dir: str | Path, image_size: int = 224, shar
                      free_bytes=disk_free(cache_dir), done_bytes=cache_bytes_on_disk(cache_dir))
 
 
-def cache_bytes_on_disk(cache_dir: str | Path) -> int:
-    """Bytes of a cache's shard files, manifest and stat cache (0 when the folder does not exist)."""
+def cache_bytes_on_disk(cache_dir: str | Path, shards_only: bool = False) -> int:
+    """Bytes of a cache's shard files, manifest and stat cache (0 when the folder does not exist); shards_only:
+    the shard files' (what `plan_cache` predicts).
+    """
     folder = Path(cache_dir)
     if not folder.is_dir():
         return 0
+    listed = () if shards_only else (MANIFEST, STAT_CACHE, LEGACY_STAT_CACHE)
     return sum(p.stat().st_size for p in folder.iterdir()
-               if p.is_file() and (p.name.startswith("shard-") or p.name in (MANIFEST, STAT_CACHE, LEGACY_STAT_CACHE)))
+               if p.is_file() and (p.name.startswith("shard-") or p.name in listed))
 
 
 # ====================================================================================== rendering
