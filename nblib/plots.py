@@ -133,17 +133,17 @@ def line_colors(names) -> dict:
 
 def predicted_vs_measured(batch_sizes, predicted, measured, *, what: str = "peak RSS increase",
                           save_to=None) -> Figure:
-    """Predicted and measured memory against batch size, the ratio written at each point."""
+    """Predicted and measured memory against batch size, the measured MB and the ratio written at each point."""
     fig, ax = new_figure(width=6.4, height=4.0)
     ax.plot(batch_sizes, [p / MB for p in predicted], "o--", label="predicted (budget)")
     ax.plot(batch_sizes, [m / MB for m in measured], "s-", label="measured")
     for b, p, m in zip(batch_sizes, predicted, measured):
-        ax.annotate(f"{m / p:.2f}x", (b, m / MB), textcoords="offset points", xytext=(4, 6),
+        ax.annotate(f"{m / MB:,.1f} MB, {m / p:.2f}x", (b, m / MB), textcoords="offset points", xytext=(6, -12),
                     fontsize=8)
     ax.set_xscale("log", base=2)
     ax.margins(x=0.12, y=0.15)
     ax.set(yscale="log", xticks=list(batch_sizes), xlabel="batch size", ylabel=f"{what} (MB)",
-           title=f"{what}: measured / predicted ratio at each point")
+           title=f"{what}: measured, and measured / predicted, at each point")
     ax.legend()
     ax.grid(alpha=0.3, which="both")
     return finish(fig, save_to)
