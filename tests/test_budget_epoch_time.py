@@ -59,9 +59,11 @@ def test_without_a_count_it_says_what_it_needs_and_other_devices_are_not_project
     from nblib.cli.budget import t4_epoch_line
 
     args = argparse.Namespace(device="t4", n_samples=None, cache=None, model="trm:smoke", weights=None,
-                              precision="fp16", batch_size=8)
+                              precision="fp16", batch_size=8, input="images")
     assert "needs the sample count: --samples N (or --cache CACHE" in t4_epoch_line(args)
     args.device = "l4"
     assert "projected for a T4 only" in t4_epoch_line(args)
     args.device, args.n_samples, args.precision = "t4", 10, "bf16"
     assert "not projected: precision='bf16'" in t4_epoch_line(args)
+    args.input = "tokens:128"
+    assert "not projected for --input tokens:128" in t4_epoch_line(args)
