@@ -50,19 +50,23 @@ def fmt_rate(per_second: float, unit: str = "samples") -> str:
     return f"{per_second:,.1f} {unit}/s" if per_second < 1000 else f"{per_second:,.0f} {unit}/s"
 
 
-_DURATION_UNITS = (("h", 3600.0, 3600.0), ("min", 60.0, 120.0), ("s", 1.0, 1.0), ("ms", 1e-3, 0.0))
+_DURATION_UNITS = (("h", 3600.0, 3600.0), ("min", 60.0, 120.0), ("s", 1.0, 1.0), ("ms", 1e-3, 1e-3),
+                   ("µs", 1e-6, 0.0))
 
 
 def _duration_unit(seconds: float) -> tuple[str, float]:
-    """The unit a duration reads in: h from one hour, min from two minutes, s from one second, else ms."""
-    return next(((name, size) for name, size, floor in _DURATION_UNITS if abs(seconds) >= floor), ("ms", 1e-3))
+    """The unit a duration reads in: h from one hour, min from two minutes, s from one second, ms from one
+    millisecond, else µs ('7.96 µs', never '0.00796 ms').
+    """
+    return next(((name, size) for name, size, floor in _DURATION_UNITS if abs(seconds) >= floor), ("µs", 1e-6))
 
 
 def _duration_number(seconds: float, unit: str, size: float) -> str:
     value = seconds / size
     if unit == "h":
         return f"{value:,.2f}"
-    return f"{value:.3g}" if unit == "ms" and abs(value) < 100 else f"{value:,.{0 if unit == 'ms' else 1}f}"
+    small = unit in ("ms", "µs")
+    return f"{value:.3g}" if small and abs(value) < 100 else f"{value:,.{0 if small else 1}f}"
 
 
 def fmt_duration(seconds: float) -> str:

@@ -349,7 +349,7 @@ def test_a_save_that_waited_for_the_previous_write_is_said_once_with_an_interval
 
 def parse_duration(text: str) -> float:
     value, unit = text.split()
-    return float(value) * {"ms": 1e-3, "s": 1.0, "min": 60.0}[unit]
+    return float(value) * {"µs": 1e-6, "ms": 1e-3, "s": 1.0, "min": 60.0}[unit]
 
 
 def test_the_interval_a_waiting_save_names_covers_the_write():
