@@ -74,7 +74,8 @@ def interleaved(runs: Mapping[str, Callable[[], float]], repeats: int = MIN_REPE
     Adaptive repeats: with `decide` (pairs of names, (a, b) judged as `compare` does) and
     `budget_s`, more rounds run after the first `repeats` while one of those verdicts is undecided
     (`PairedVerdict.undecided`), for at most `budget_s` seconds and `max_repeats` rounds: what the
-    budget cannot decide stays "not distinguishable here".
+    budget cannot decide stays "not distinguishable here". Those rounds get a second bar, with no total (a
+    total that grew made the bar fall back from 100%: newcomer P8).
     """
     names = list(runs)
     got: dict[str, list[float]] = {name: [] for name in names}
@@ -84,9 +85,10 @@ def interleaved(runs: Mapping[str, Callable[[], float]], repeats: int = MIN_REPE
         while rounds < repeats or _undecided(got, decide, rounds, max_repeats, budget_s, deadline, per_round):
             if rounds == repeats and deadline is None:
                 deadline = time.perf_counter() + (budget_s or 0.0)
-            if rounds >= repeats and bar is not None:
-                bar.total += len(names)
-                bar.refresh()
+                if bar is not None:   # the added rounds on a bar of their own, with no total (the verdicts decide)
+                    bar.close()
+                    bar = progress_bar(None, f"{bar.desc}, more repeats while undecided (up to {budget_s or 0:g} s)",
+                                       "run")
             start = time.perf_counter()
             for name in interleaved_order(names, rounds + 1)[-len(names):]:
                 got[name].append(float(runs[name]()))

@@ -92,6 +92,25 @@ def test_interleaved_adds_rounds_only_while_a_named_verdict_is_undecided():
                        budget_s=60.0)["a"].n == 5                          # decided at 5 pairs: nothing added
 
 
+def test_interleaved_shows_the_added_rounds_on_a_second_bar_so_no_bar_falls_back_from_100(monkeypatch):
+    """Newcomer P8, in 02 [20] too: the bar ran 10/10 100%, then 10/12 83%, as each added round grew its total."""
+    from nblib import compare
+
+    rng, bars, original = np.random.default_rng(5), [], compare.progress_bar
+
+    def recorded_bar(*args, **kwargs):
+        bars.append(original(*args, **kwargs))
+        return bars[-1]
+
+    monkeypatch.setattr(compare, "progress_bar", recorded_bar)
+    got = interleaved({"a": lambda: 100 * (1 + 0.01 * rng.standard_normal()),
+                       "b": lambda: 115 * (1 + 0.2 * rng.standard_normal())}, 5, "timing", decide=(("a", "b"),),
+                      budget_s=60.0)
+    assert got["a"].n > 5 and len(bars) == 2
+    assert bars[0].n == bars[0].total == 10 and bars[1].total is None and bars[1].n == 2 * (got["a"].n - 5)
+    assert bars[1].desc.startswith("timing, more repeats while undecided")
+
+
 def test_the_formats_comparison_repeats_while_a_verdict_against_the_reference_is_undecided(monkeypatch, tmp_path):
     from nblib.lab import cache_formats
 
