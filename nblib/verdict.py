@@ -144,8 +144,11 @@ class PairedVerdict:
             return f"{head}: too few {self.counted} for a verdict (a call needs {self.min_pairs})"
         if self.within_effect:
             return f"{head}: not distinguishable here (within x{self.min_effect:.2f} either way)"
-        return (f"{head}: not distinguishable here, cannot tell (the interval reaches past x{self.min_effect:.2f}: "
-                f"a difference that size could hide in it)")
+        low, high, edge = round(self.low, DIGITS), round(self.high, DIGITS), round(self.min_effect, DIGITS)
+        past = " and ".join([f"x{1 / edge:.2f} (1/{edge:.2f})"] * (low * edge < 1 - 1e-12)
+                            + [f"x{edge:.2f}"] * (high > edge))          # the side (or sides) it reaches past
+        return (f"{head}: not distinguishable here, cannot tell (the interval reaches past {past}: a difference that "
+                f"size could hide in it)")
 
     def text(self, higher: str = "higher", lower: str = "lower") -> str:
         return f"{self.b} vs {self.a}: {self.short(higher, lower)}"
