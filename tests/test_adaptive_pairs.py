@@ -63,6 +63,23 @@ def test_added_pairs_put_each_run_next_to_a_base_run_and_alternate_the_order(mon
     assert all(a != b for a, b in itertools.pairwise(rounds))       # B c, c B, B c ...: drift lands on both
 
 
+def test_a_sweeps_added_pairs_go_on_a_second_bar_so_no_bar_falls_back_from_100(monkeypatch, sweep_module):
+    """Newcomer P8 in 05's tf.data sweep: 56/56, then 56/58 97%, 58/60 ... as each round of pairs grew the total."""
+    log, bars, original = [], [], sweep_module.progress_bar
+
+    def recorded_bar(*args, **kwargs):
+        bars.append(original(*args, **kwargs))
+        return bars[-1]
+
+    monkeypatch.setattr(sweep_module, "measure_pipeline", _noisy_measure({1: 1.15}, {1: 0.2}, log))
+    monkeypatch.setattr(sweep_module, "progress_bar", recorded_bar)
+    sweep(lambda knob=0: knob, {"knob": [0, 1]}, steps=4, warmup=1, repeats=5, warm_start=False, budget_s=60.0,
+          progress="tf.data sweep")
+    assert len(log) > 10 and len(bars) == 2
+    assert bars[0].n == bars[0].total == 10 and bars[1].total is None and bars[1].n == len(log) - 10
+    assert bars[1].desc == "tf.data sweep, more pairs while undecided"
+
+
 def test_without_a_budget_or_with_none_left_no_pair_is_added(monkeypatch, sweep_module):
     for budget in (None, 0.0):
         log: list = []

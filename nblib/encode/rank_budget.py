@@ -53,10 +53,17 @@ class RankBudget:
         return self.single.seconds / self.world_size
 
     @property
+    def over(self) -> list[str]:
+        """What does not fit (the one rule, resources.fits: a 10% margin): VRAM per rank, RAM per host, the folder."""
+        dev, limits = self.single.device, self.single.limits
+        return [name for name, need, limit, counted in (
+            ("VRAM per rank", self.vram_per_rank, limits["vram"], dev.is_gpu),
+            ("RAM per host", self.host_ram, limits["ram"], True),
+            ("shared folder", self.drive_total, limits["drive"], True)) if counted and not fits(need, limit)]
+
+    @property
     def fits(self) -> bool:
-        dev, limits = self.single.device, self.single.limits      # the one rule, resources.fits (a 10% margin)
-        return (fits(self.vram_per_rank, limits["vram"]) or not dev.is_gpu) and fits(self.host_ram, limits["ram"]) \
-            and fits(self.drive_total, limits["drive"])
+        return not self.over
 
     def __str__(self) -> str:
         dev, limits = self.single.device, self.single.limits
@@ -70,8 +77,8 @@ class RankBudget:
             f"  shared folder     {fmt_bytes(self.drive_total)} of {fmt_bytes(limits['drive'])} "
             f"(every part once + {self.world_size - 1} more in flight)",
             f"  time              {self._time()} = {fmt_duration(self.single.seconds)} / "
-            f"{self.world_size} ranks (projection: perfect scaling{self._source()})",
-            f"  verdict           {'fits' if self.fits else 'does NOT fit'}"])
+            f"{self.world_size} ranks (perfect scaling{self._source()})",
+            f"  verdict           {'fits' if self.fits else 'does NOT fit: ' + ', '.join(self.over)}"])
 
     def _time(self) -> str:
         """The time per rank, with nblib.t4_speed's range (divided as the mid is) where the device has one."""

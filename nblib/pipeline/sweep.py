@@ -200,9 +200,9 @@ class _Runs:
             start = time.perf_counter()
             if start + len(order) * per_run > deadline:
                 return
-            if self.bar is not None:
-                self.bar.total += len(order)
-                self.bar.refresh()
+            if self.bar is not None and self.bar.total is not None:   # the added pairs on a bar with no total
+                self.bar.close()                                      # (a grown total fell back from 100%: P8)
+                self.bar = progress_bar(None, f"{self.bar.desc}, more pairs while undecided", "run")
             for j, slot in order:
                 self.measure(0 if j == 0 else todo[j - 1], ("more", round_, slot))
             per_run = (time.perf_counter() - start) / len(order)
