@@ -36,7 +36,7 @@ def test_the_trm_training_budget_is_the_loops_own_step_the_simulation_runs_at_th
     from nblib.simulate.model import simulate_model
     from nblib.simulate.train import simulate_train_step
 
-    budget = model_vram("trm:t4", 64, train=True, find_largest=False)     # traced at batches 2 and 3
+    budget = model_vram("trm:t4", 64, train=True, find_largest=False)     # traced at batches 2, 3 and 64
     # the same traced step at batch 64 itself, built from the shape and from the spec
     assert budget.reserved == simulate_train_step(T4, 64).max_reserved
     assert budget.reserved == simulate_model("trm:t4", 64, train=True).max_reserved

@@ -289,7 +289,7 @@ def _newest_step(run: Path) -> int:
 
 
 def simulated_t4_rows(model, batches: tuple[int, ...], precision: str = "fp16", progress: bool = True) -> list[dict]:
-    """Per batch: the traced VRAM budget (`model_vram(train=True)`, extrapolated from batches 2 and 3) and the
+    """Per batch: the traced VRAM budget (`model_vram(train=True)`, replayed from batches 2, 3 and 64) and the
     simulated T4 running the same traced step at the batch itself (`simulate_train_step`), with its roofline time.
     `progress`: the suite's bar over the trace (the longer part on a cold trace cache) and each simulated batch.
     """
