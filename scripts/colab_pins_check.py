@@ -31,6 +31,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PINS = {"ipywidgets": "7.7.1", "numpy": "1.26.4", "pillow": "9.4.0", "matplotlib": "3.7.1"}
 # what the light tests need besides nblib's own dependencies (Colab ships these too)
 TEST_TOOLS = ["pytest", "hypothesis", "nbformat", "psutil", "tqdm"]
+# nblib's own small dependencies (pyproject.toml): installed fresh where Colab lacks them, and their ranges are wide
+# enough not to replace a version Colab ships; installed here first, as a Colab that has them
+ADDED = ["xxhash>=3.0", "zstandard>=0.19"]
 HEAVY = ("torch", "tensorflow")
 NOT_LIGHT = ["tests/test_browser.py", "tests/test_colab.py"]
 MISSING_HEAVY = re.compile(r"No module named \\?'(torch|tensorflow)[.'\\]")   # also as repr() escapes it
@@ -45,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         venv = args.venv or Path(tmp) / "venv"
         python = _venv(venv)
         pins = [f"{name}=={version}" for name, version in PINS.items()]
-        _quiet(_pip(python, "install", "-q", *pins, *TEST_TOOLS, capture=True))
+        _quiet(_pip(python, "install", "-q", *pins, *TEST_TOOLS, *ADDED, capture=True))
         problems = _would_change(python) + _pip_check(python) + _moved_pins(python)
         status = _light_tests(python, pytest_args)
     for problem in problems:
