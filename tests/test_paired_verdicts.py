@@ -241,8 +241,10 @@ def test_an_interval_that_only_reaches_the_minimum_effect_is_not_called_firm():
 
     edge = verdict_of_pairs([100.0] * 7, [113, 114, 115, 115, 115, 115, 115])
     assert (edge.low, edge.high, round(edge.ratio, 2)) == (1.13, 1.15, 1.15)
-    assert edge.direction == "same" and "does not reach past the minimum effect" in edge.reason
-    past = verdict_of_pairs([100.0] * 7, [113, 114, 115, 116, 117, 118, 119])
+    assert edge.direction == "same" and "does not lie wholly beyond the minimum effect" in edge.reason
+    across = verdict_of_pairs([100.0] * 7, [113, 114, 115, 116, 117, 118, 119])    # x1.16 (1.13-1.19): across it
+    assert across.direction == "same" and "does not lie wholly beyond" in across.reason, across
+    past = verdict_of_pairs([100.0] * 7, [116, 117, 118, 119, 120, 121, 122])
     assert past.direction == "higher", past
     wide = verdict_of_pairs([10.0] * 7, [4.2, 30, 9, 80, 6, 12, 87.5])
     assert not wide.within_effect and "cannot tell" in wide.short()

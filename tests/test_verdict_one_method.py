@@ -76,11 +76,11 @@ def test_every_printed_firm_verdict_is_firm_by_its_printed_numbers():
     rng = np.random.default_rng(11)
     edge = round(verdict.MIN_EFFECT, verdict.DIGITS)
 
-    def higher(ratio, low, high):     # beyond x edge, the interval past it and clear of 1
-        return low > 1 and ratio >= edge and high > edge
+    def higher(ratio, low, high):     # the whole interval at or beyond x edge, and past it
+        return low >= edge and ratio >= edge and high > edge
 
-    def lower(ratio, low, high):      # the mirror: 1/ratio and 1/low against x edge (x0.87 is x1/1.149)
-        return high < 1 and ratio * edge <= 1 + 1e-12 and low * edge < 1 - 1e-12
+    def lower(ratio, low, high):      # the mirror: 1/high, 1/ratio and 1/low against x edge (x0.87 is x1/1.149)
+        return high * edge <= 1 + 1e-12 and ratio * edge <= 1 + 1e-12 and low * edge < 1 - 1e-12
 
     firm = 0
     for _ in range(600):
