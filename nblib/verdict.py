@@ -287,8 +287,8 @@ def verdict_of_runs(values: Sequence[float], figure: float, names: tuple[str, st
     """Runs against a fixed figure (a projection, a limit): the one-sample twin of `verdict_of_pairs`.
 
     Each run's ratio to `figure` takes the place of a pair's ratio: the median ratio, its 95% interval
-    (`median_interval`), a firm call only with the interval clear of 1 and the median beyond
-    `min_effect`, and `min_runs` runs at least. "higher": the runs are above the figure.
+    (`median_interval`), a firm call only with the whole interval beyond `min_effect`, and
+    `min_runs` runs at least. "higher": the runs are above the figure.
     """
     check_effect(min_effect)
     values = [float(v) for v in values]

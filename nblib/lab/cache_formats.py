@@ -137,8 +137,8 @@ def formats_verdict(rows: list[dict], reference: str = "zlib") -> list[str]:
     """One line per format against `reference`: bytes ratio, and each rate faster, slower or not distinguishable.
 
     The rates of one repeat are a pair (the formats ran back to back, in rotated order), judged by
-    `nblib.verdict.verdict_of_pairs`: faster or slower only when the median pair ratio is beyond the
-    minimum effect (1.15x) and its 95% interval is clear of 1.
+    `nblib.verdict.verdict_of_pairs`: faster or slower only when the 95% interval of
+    the median pair ratio lies wholly beyond the minimum effect (1.15x either way).
     """
     by = {r["format"]: r for r in rows}
     base = by[reference]

@@ -159,7 +159,7 @@ def read_throughput_runs(caches: dict, repeats: int = MIN_REPEATS) -> dict[str, 
 def read_verdict(rates: dict[str, Spread], encoder_samples_per_s: float, encoder_method: str,
                  image_size: int = 224, encoder_image_size: int = 224) -> str:
     """Does every read pattern feed the encoder? Each pattern's runs against the encoder's rate (`verdict_of_runs`):
-    only when every pattern is faster by the minimum effect, with its interval clear of 1, at the same image
+    only when every pattern's whole interval is faster by the minimum effect or more, at the same image
     size: a cache of smaller images than the encoder's cannot answer it (like for like).
     """
     where = f"the encoder's {encoder_samples_per_s:,.0f} images/s at {encoder_image_size} px ({encoder_method})"

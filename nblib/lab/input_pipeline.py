@@ -45,7 +45,7 @@ from nblib.verdict import (
 # what "agrees" means for each finding of the tuning log (the reference's own numbers are in TUNING_LOG)
 DOMINATES_SHARE = 0.5        # "the pipeline dominated": data-wait at least half the step
 # "helped", "was slower", "mixing cost throughput": a firm paired verdict against the base (or one
-# source), nblib.verdict: a 95% interval of the median pair ratio clear of 1 and at least MIN_EFFECT (1.15x)
+# source), nblib.verdict: a 95% interval of the median pair ratio wholly beyond MIN_EFFECT (1.15x) either way
 PER_WORKER_BYTES = 100e6     # "each worker builds its own TF": >= 100 MB more per worker
 FIX_RECOVERS = 0.80          # the mixing fix must recover >= 80% of single-source samples/s
 
@@ -138,7 +138,7 @@ def sweep_verdict(table) -> str:
             "no knob's effect stood out of the noise on this machine: no knob value is faster or slower than "
             "the base beyond the noise")
     return "\n".join([head, f"each knob value against the base ({pairs} pairs, each next to a base run; a call "
-                             f"needs x{MIN_EFFECT:.2f} either way and a 95% interval clear of 1):", *lines])
+                             f"needs the whole 95% interval beyond x{MIN_EFFECT:.2f} either way):", *lines])
 
 
 # ------------------------------------------------------------------------------ mixing
@@ -393,7 +393,7 @@ def cacheless_verdict(rendered: Spread, encoder_samples_per_s: float, encoder_me
     """Does rendering in the loader's workers keep up with the encoder? Both at `image_size`.
 
     `verdict_of_runs`: each run's rate over the encoder's, their median and its 95% interval. "keeps up"
-    only when the interval is clear of 1 and the median beyond the minimum effect (a margin, not a median
+    only when the whole interval lies beyond the minimum effect (a margin, not a median
     that touches the rate), "starves" the same way below, otherwise no verdict. The line prints what it judged.
     """
     workers = cores() if workers is None else workers

@@ -119,7 +119,7 @@ def most_effective_knob(effects: dict, verdicts: dict[str, Verdict]) -> str | No
 def _mattered_text(mattered: str | None, verdicts: dict[str, Verdict]) -> str:
     if mattered is None:
         return ("no knob's effect stood out of the noise: no knob value is faster or slower than the base "
-                f"beyond the noise (a call needs x{MIN_EFFECT:.2f} and a 95% interval clear of 1)")
+                f"beyond the noise (a call needs the whole 95% interval beyond x{MIN_EFFECT:.2f})")
     v = verdicts[mattered]
     return f"{mattered} mattered most ({v.b} vs {v.a}: {v.short('faster', 'slower')})"
 
