@@ -114,6 +114,27 @@ def traceable_models(tmp_path_factory, factory_source: str):
         yield folder
 
 
+@pytest.fixture(scope="module")
+def tiny_bert(tmp_path_factory) -> str:
+    """A 2-layer BertModel built from its config (hf:BertModel:config.json), random weights: a text encoder on ids."""
+    transformers = pytest.importorskip("transformers")
+    path = tmp_path_factory.mktemp("bert") / "bert.json"
+    transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                            vocab_size=200, max_position_embeddings=256).to_json_file(path)
+    return f"hf:BertModel:{path}"
+
+
+@pytest.fixture(scope="module")
+def traced_bert(tiny_bert) -> str:
+    """`tiny_bert` where this machine can trace it (the fake-CUDA shim builds); skipped with the reason elsewhere."""
+    from nblib.budget.shim import backward_capability
+
+    ok, why = backward_capability()
+    if not ok:
+        pytest.skip(why)
+    return tiny_bert
+
+
 def shared_artifact(tmp_path_factory, name: str, build) -> Path:
     """A folder built once per test session, whichever xdist worker asks first: `build(folder)` under a file lock.
 

@@ -11,16 +11,8 @@ transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
-def bert(tmp_path_factory) -> str:
-    from nblib.budget.shim import backward_capability
-
-    ok, why = backward_capability()
-    if not ok:
-        pytest.skip(why)
-    path = tmp_path_factory.mktemp("bert") / "bert.json"
-    transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                            vocab_size=200, max_position_embeddings=256).to_json_file(path)
-    return f"hf:BertModel:{path}"
+def bert(traced_bert) -> str:
+    return traced_bert
 
 
 def test_budget_of_a_bert_style_encoder_on_token_ids_and_a_mask(bert):

@@ -21,11 +21,8 @@ THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")
-def bert(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("bert") / "bert.json"
-    transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                            vocab_size=200, max_position_embeddings=256).to_json_file(path)
-    return f"hf:BertModel:{path}"
+def bert(tiny_bert) -> str:
+    return tiny_bert
 
 
 def token_records(folder, n: int, seed: int = 0) -> list:
