@@ -7,9 +7,10 @@ b/a of each pair, so slow drift in the machine's load cancels inside a pair inst
 one configuration. The verdict is firm ("higher", "lower") only when a 95% interval of the
 median pair ratio (a seeded bootstrap, never narrower than the sign test's) lies wholly beyond a minimum effect
 (MIN_EFFECT, 1.15x on a shared CPU) and reaches past it: x1.13-1.15 and x1.11-1.19 are not firm. Anything less
-is "not distinguishable here", plus "cannot tell" where the interval reaches past the minimum effect
-("0.42-8.75": a difference that size could hide in it). While the interval straddles the minimum effect and the
-time budget allows, `interleaved` runs more pairs, so a firm call is one no further pair is sought for.
+is "not distinguishable here", plus "cannot tell" where the interval reaches across the minimum effect
+("0.42-8.75", "1.09-2.20": the difference may be smaller or larger than a call needs). While the interval
+straddles the minimum effect and the time budget allows, `interleaved` runs more pairs, so a firm call is one no
+further pair is sought for.
 Memory works the same way on pair differences, against the noise of RSS itself (the spread of
 repeated identical measurements): an effect smaller than that noise is "too small to see here".
 
@@ -145,9 +146,9 @@ class PairedVerdict:
             return f"{head}: not distinguishable here (within x{self.min_effect:.2f} either way)"
         low, high, edge = round(self.low, DIGITS), round(self.high, DIGITS), round(self.min_effect, DIGITS)
         past = " and ".join([f"x{1 / edge:.2f} (1/{edge:.2f})"] * (low * edge < 1 - 1e-12)
-                            + [f"x{edge:.2f}"] * (high > edge))          # the side (or sides) it reaches past
-        return (f"{head}: not distinguishable here, cannot tell (the interval reaches past {past}: a difference that "
-                f"size could hide in it)")
+                            + [f"x{edge:.2f}"] * (high > edge))          # the edge (or edges) it reaches across
+        return (f"{head}: not distinguishable here, cannot tell (the interval reaches across {past}: the difference "
+                f"may be smaller or larger than a call needs)")
 
     def text(self, higher: str = "higher", lower: str = "lower") -> str:
         return f"{self.b} vs {self.a}: {self.short(higher, lower)}"

@@ -70,9 +70,9 @@ def test_every_firm_call_is_firm_by_the_numbers_it_prints(ratios):
         else:
             assert "not distinguishable" in m.group("call") or "too few" in m.group("call"), got.short()
             assert ("cannot tell" in m.group("call")) == (not got.within_effect and got.enough_runs), got.short()
-            if "cannot tell" in m.group("call"):      # it names the side it reaches past (02 said x1.15 of 0.85-0.95)
+            if "cannot tell" in m.group("call"):      # it names the edge it reaches across (02 said x1.15 of 0.85-0.95)
                 assert (f"x{1 / EDGE:.2f} (1/{EDGE:.2f})" in m.group("call")) == _reaches_past_down(low), got.short()
-                assert (f"past x{EDGE:.2f}" in m.group("call") or f"and x{EDGE:.2f}" in m.group("call")) == \
+                assert (f"across x{EDGE:.2f}" in m.group("call") or f"and x{EDGE:.2f}" in m.group("call")) == \
                     _reaches_past_up(high), got.short()
 
 
