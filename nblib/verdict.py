@@ -8,9 +8,8 @@ one configuration. The verdict is firm ("higher", "lower") only when a 95% inter
 median pair ratio (a seeded bootstrap, never narrower than the sign test's) lies wholly beyond a minimum effect
 (MIN_EFFECT, 1.15x on a shared CPU) and reaches past it: x1.13-1.15 and x1.11-1.19 are not firm. Anything less
 is "not distinguishable here", plus "cannot tell" where the interval reaches across the minimum effect
-("0.42-8.75", "1.09-2.20": the difference may be smaller or larger than a call needs). While the interval
-straddles the minimum effect and the time budget allows, `interleaved` runs more pairs, so a firm call is one no
-further pair is sought for.
+("0.42-8.75", "1.09-2.20": the difference may be smaller or larger than a call needs). While it straddles the
+minimum effect and the time budget allows, `interleaved` runs more pairs: a firm call needs no further pair.
 Memory works the same way on pair differences, against the noise of RSS itself (the spread of
 repeated identical measurements): an effect smaller than that noise is "too small to see here".
 
