@@ -89,7 +89,12 @@ def batch_input(loaded, b: int, size: int, inputs: str) -> tuple:
             lambda module, images: module(loaded.preprocessing.apply(images))
     tokens = torch.ones((b, 2, length), dtype=torch.int64)
     tokens[:, 0] = 0
-    return [tokens], lambda module, tokens: module(input_ids=tokens[:, 0], attention_mask=tokens[:, 1])
+    return [tokens], call_on_tokens
+
+
+def call_on_tokens(module, tokens):
+    """A text encoder called on int64 [B, 2, LENGTH] (ids, then the mask): `batch_input`'s call, and encode's."""
+    return module(input_ids=tokens[:, 0], attention_mask=tokens[:, 1])
 
 
 @contextlib.contextmanager

@@ -107,8 +107,7 @@ def encode_model(config: PipelineConfig, model=None, weights: str | Path | None 
     from nblib.models import LoadedModel, load_model, preprocessing_from
 
     tokens = inputs != "images"
-    if tokens and (model is None or getattr(model, "kind", None) == "trm" or
-                   (isinstance(model, str) and model.strip().partition(":")[0] in ("", "trm"))):
+    if tokens and names_trm(model):
         raise ConfigError("the TRM takes images; to encode records of token ids pass --model, a text encoder "
                           "whose forward takes input_ids and attention_mask (hf:BertModel:config.json)")
     if isinstance(model, LoadedModel):
@@ -145,13 +144,18 @@ def encode_model(config: PipelineConfig, model=None, weights: str | Path | None 
     return EncodeModel(loaded, chosen, {o: shapes[o] for o in chosen}, precision, inputs)
 
 
+def names_trm(model) -> bool:
+    """Whether `model` (a spec, a LoadedModel, an nn.Module; None: the default) is the suite's TRM."""
+    return model is None or getattr(model, "kind", None) == "trm" or \
+        (isinstance(model, str) and model.strip().partition(":")[0] in ("", "trm"))
+
+
 def _named_on_tokens(loaded, tokens) -> dict:
     """{output name: tensor} of a text encoder on int64 [B, 2, LENGTH] (ids, mask): the budget's call of it."""
-    from nblib.budget.traced_jobs import batch_input
+    from nblib.budget.traced_jobs import call_on_tokens
     from nblib.models.outputs import named_outputs
 
-    call = batch_input(loaded, 0, 0, f"tokens:{tokens.shape[-1]}")[1]
-    return named_outputs(call(loaded.module, tokens))
+    return named_outputs(call_on_tokens(loaded.module, tokens))
 
 
 def load_encoder(config: PipelineConfig, weights: str | Path | None = None):

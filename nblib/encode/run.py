@@ -42,7 +42,7 @@ from nblib.encode.layout import (
     refuse_if_changed,
     settings_of,
 )
-from nblib.encode.model import EncodeModel, encode_model, load_encoder
+from nblib.encode.model import EncodeModel, encode_model, load_encoder, names_trm
 from nblib.encode.protocols import ImageSource, PartStore, require_image_source, require_part_store
 from nblib.encode.ranks import RankRecord, require_all_parts
 from nblib.env import Workspace
@@ -239,9 +239,7 @@ def plan_encode(cache: ImageSource, run_dir: str | Path, config: PipelineConfig,
                            default=Path(mirror_dir))
         world.refuse_mirror()                      # one process only: ranks write --out directly
     source = require_image_source(cache)
-    trm = model is None or getattr(model, "kind", None) == "trm" or \
-        (isinstance(model, str) and model.strip().partition(":")[0] in ("", "trm"))
-    run_config = _effective_config(config, len(source), outputs if trm else None, out_dtype)
+    run_config = _effective_config(config, len(source), outputs if names_trm(model) else None, out_dtype)
     if offload not in OFFLOAD_MODES:
         raise ConfigError(f"offload={offload!r} is unknown; choose one of {OFFLOAD_MODES}")
     _require_complete_cache(source)
