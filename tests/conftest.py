@@ -114,25 +114,35 @@ def traceable_models(tmp_path_factory, factory_source: str):
         yield folder
 
 
+def hf_spec(path: Path, model_class: str, traced: bool = False, **sizes) -> str:
+    """`hf:model_class:path` of a small transformers config (`sizes` over the class's defaults) written to `path`;
+    traced: where this machine can trace a backward pass (the fake-CUDA shim builds), else skipped with the reason.
+    """
+    transformers = pytest.importorskip("transformers")
+    if traced:
+        from nblib.budget.shim import backward_capability
+
+        ok, why = backward_capability()
+        if not ok:
+            pytest.skip(why)
+    getattr(transformers, model_class).config_class(**sizes).to_json_file(path)
+    return f"hf:{model_class}:{path}"
+
+
+TINY_BERT = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64,
+             "vocab_size": 200, "max_position_embeddings": 256}
+
+
 @pytest.fixture(scope="module")
 def tiny_bert(tmp_path_factory) -> str:
     """A 2-layer BertModel built from its config (hf:BertModel:config.json), random weights: a text encoder on ids."""
-    transformers = pytest.importorskip("transformers")
-    path = tmp_path_factory.mktemp("bert") / "bert.json"
-    transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                            vocab_size=200, max_position_embeddings=256).to_json_file(path)
-    return f"hf:BertModel:{path}"
+    return hf_spec(tmp_path_factory.mktemp("bert") / "bert.json", "BertModel", **TINY_BERT)
 
 
 @pytest.fixture(scope="module")
-def traced_bert(tiny_bert) -> str:
+def traced_bert(tmp_path_factory) -> str:
     """`tiny_bert` where this machine can trace it (the fake-CUDA shim builds); skipped with the reason elsewhere."""
-    from nblib.budget.shim import backward_capability
-
-    ok, why = backward_capability()
-    if not ok:
-        pytest.skip(why)
-    return tiny_bert
+    return hf_spec(tmp_path_factory.mktemp("bert") / "bert.json", "BertModel", traced=True, **TINY_BERT)
 
 
 def shared_artifact(tmp_path_factory, name: str, build) -> Path:

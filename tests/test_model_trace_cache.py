@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import subprocess_env
+from conftest import hf_spec, subprocess_env
 
 REPO = Path(__file__).resolve().parents[1]
 POINT = {"weights": 1, "resident": 1, "workspace": 0, "max_allocated": 2, "reserved_pytorch": 2 << 20,
@@ -142,16 +142,9 @@ def test_a_second_budget_in_a_new_process_reads_the_kept_trace_and_starts_no_chi
     (CXX=/bin/false), so a second process answers only if it starts no child: it answers, the same to the byte,
     and without searching the largest batch again (kept with the trace).
     """
-    transformers = pytest.importorskip("transformers")
-    from nblib.simulate.train import backward_capability
-
-    ok, why = backward_capability()
-    if not ok:
-        pytest.skip(why)
-    config = tmp_path / "vit.json"
-    transformers.ViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
-                           image_size=32, patch_size=8).to_json_file(config)
-    args = [sys.executable, "-c", SECOND_RUN, f"hf:ViTModel:{config}", "train" if train else "encode"]
+    spec = hf_spec(tmp_path / "vit.json", "ViTModel", traced=True, hidden_size=64, num_hidden_layers=2,
+                   num_attention_heads=2, intermediate_size=128, image_size=32, patch_size=8)
+    args = [sys.executable, "-c", SECOND_RUN, spec, "train" if train else "encode"]
     xdg = tmp_path / "xdg"
 
     def run(*more, **extra):

@@ -11,6 +11,7 @@ import time
 import psutil
 import pytest
 
+from conftest import hf_spec
 from nblib.budget.warm import WarmProcess, WarmUnavailable
 
 PROBE = textwrap.dedent('''
@@ -121,17 +122,10 @@ def test_a_warm_process_holding_a_second_thread_refuses_to_fork(warm_probe_path,
 
 @pytest.mark.slow
 def test_a_warm_budget_equals_a_fresh_process_budget(tmp_path, monkeypatch):
-    transformers = pytest.importorskip("transformers")
     from nblib.budget.model_vram import model_vram
-    from nblib.budget.shim import backward_capability
 
-    ok, why = backward_capability()
-    if not ok:
-        pytest.skip(why)
-    config = tmp_path / "vit.json"
-    transformers.ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
-                           image_size=32, patch_size=8).to_json_file(config)
-    spec = f"hf:ViTModel:{config}"
+    spec = hf_spec(tmp_path / "vit.json", "ViTModel", traced=True, hidden_size=32, num_hidden_layers=1,
+                   num_attention_heads=2, intermediate_size=64, image_size=32, patch_size=8)
     monkeypatch.setenv("NBLIB_WARM_TRACES", "1")
     warm = model_vram(spec, 8, precision="fp16", train=True, find_largest=False)
     monkeypatch.setenv("NBLIB_WARM_TRACES", "0")
