@@ -8,9 +8,10 @@ first, as a fresh child does), then forks one child per request. The child chang
 the same clean state.
 
 Protocol, one JSON line each way: the caller sends {"module", "payload", "cwd", "result", "log"};
-the warm process forks, answers {"pid"}, waits for the child and answers {"status"}. A trace past
-its time limit is killed by pid (the warm process survives it). Where fork is missing, or the
-warm process cannot start or dies before it forks, `run_child` runs a fresh process as before.
+the warm process forks, answers {"pid"}, lets the child start, waits for it and answers {"status"}. A trace
+past its time limit is killed by pid (the warm process survives it). Where fork is missing, or the warm
+process cannot start or dies before it answers a pid (its child then exits unstarted), `run_child` runs a
+fresh process as before.
 It forks only while it holds one thread (a fork copies no other thread, so a lock one held would
 stay locked in the child): with more it refuses, and this process runs fresh ones from then on.
 Fail closed: a warm process that ends while a trace runs (after it answered the trace's pid) is an
@@ -195,10 +196,17 @@ def serve(shim: str | None) -> None:
         if threads != 1:
             _answer({"refused": f"the warm process holds {threads} threads, and a fork copies only one"})
             continue
-        pid = os.fork()
+        go, told = os.pipe()              # the child starts once its pid is answered: never a trace the caller
+        pid = os.fork()                   # cannot name (a warm process killed in between left one running)
         if pid == 0:
+            os.close(told)
+            if not os.read(go, 1):        # the warm process ended before it answered: nothing runs
+                os._exit(1)
             _run_request(request)         # never returns
+        os.close(go)
         _answer({"pid": pid})
+        os.write(told, b"1")
+        os.close(told)
         _, status = os.waitpid(pid, 0)
         _answer({"status": os.waitstatus_to_exitcode(status)})
 
