@@ -47,7 +47,7 @@ import numpy as np
 import psutil
 import torch
 
-from nblib import budget, env, reference, t4_speed
+from nblib import budget, reference, t4_speed
 from nblib.atomic import atomic_write_json, sha256_json
 from nblib.config import preset
 from nblib.lab import memory_budgeting
@@ -103,7 +103,7 @@ class Context:
 
     @property
     def precisions(self) -> tuple[str, ...]:
-        bf16 = env.bf16_native(torch) if self.cuda else True   # a T4 emulates bf16: not a candidate
+        bf16 = bf16_native(torch) if self.cuda else True   # a T4 emulates bf16: not a candidate
         return ("fp32", "fp16", "bf16") if bf16 else ("fp32", "fp16")
 
     @property
@@ -1090,13 +1090,47 @@ def _free_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def smi_number(text: str | None) -> float | None:
+    """One nvidia-smi CSV field as a number; None for "[N/A]", "[Not Supported]" or nothing.
+
+    nvidia-smi prints [N/A] for fields it cannot read (MIG slices, restricted containers).
+    """
+    try:
+        return float((text or "").strip())
+    except ValueError:
+        return None
+
+
+def smi_device_id(cuda_visible_devices: str | None, torch_index: int = 0) -> str | None:
+    """The id nvidia-smi -i takes for torch's cuda:<torch_index> under CUDA_VISIBLE_DEVICES.
+
+    torch numbers the visible devices 0..n-1; nvidia-smi numbers all of them. The entry may be
+    an index, a GPU-/MIG- UUID (nvidia-smi takes those too), or empty (no GPU visible).
+    """
+    if cuda_visible_devices is None:
+        return str(torch_index)
+    entries = [e.strip() for e in cuda_visible_devices.split(",") if e.strip()]
+    return entries[torch_index] if torch_index < len(entries) else None
+
+
+def bf16_native(torch_module) -> bool:
+    """True when this GPU runs bf16 on hardware (sm_80+), not through fp32 emulation (a T4)."""
+    cuda = torch_module.cuda
+    if not cuda.is_available():
+        return False
+    try:
+        return bool(cuda.is_bf16_supported(including_emulation=False))
+    except TypeError:   # torch before 2.3: no emulation, the plain check is the hardware one
+        return bool(cuda.is_bf16_supported())
+
+
 def _nvidia_smi(field: str, torch_index: int | None = None) -> str | None:
     """One field of nvidia-smi for torch's device (its id under CUDA_VISIBLE_DEVICES); None when unreadable."""
     if shutil.which("nvidia-smi") is None:
         return None
     if torch_index is None:
         torch_index = torch.cuda.current_device() if torch.cuda.is_available() else 0
-    index = env.smi_device_id(os.environ.get("CUDA_VISIBLE_DEVICES"), torch_index)
+    index = smi_device_id(os.environ.get("CUDA_VISIBLE_DEVICES"), torch_index)
     if index is None:
         return None
     try:
@@ -1108,7 +1142,7 @@ def _nvidia_smi(field: str, torch_index: int | None = None) -> str | None:
 
 
 def _nvidia_smi_used_bytes() -> int | None:
-    used = env.smi_number(_nvidia_smi("memory.used"))   # MiB, or [N/A] on MIG / restricted containers
+    used = smi_number(_nvidia_smi("memory.used"))   # MiB, or [N/A] on MIG / restricted containers
     return int(used * 2**20) if used is not None else None
 
 

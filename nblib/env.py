@@ -263,40 +263,6 @@ def _require_writable(root: Path) -> Path:
     return root
 
 
-def smi_number(text: str | None) -> float | None:
-    """One nvidia-smi CSV field as a number; None for "[N/A]", "[Not Supported]" or nothing.
-
-    nvidia-smi prints [N/A] for fields it cannot read (MIG slices, restricted containers).
-    """
-    try:
-        return float((text or "").strip())
-    except ValueError:
-        return None
-
-
-def smi_device_id(cuda_visible_devices: str | None, torch_index: int = 0) -> str | None:
-    """The id nvidia-smi -i takes for torch's cuda:<torch_index> under CUDA_VISIBLE_DEVICES.
-
-    torch numbers the visible devices 0..n-1; nvidia-smi numbers all of them. The entry may be
-    an index, a GPU-/MIG- UUID (nvidia-smi takes those too), or empty (no GPU visible).
-    """
-    if cuda_visible_devices is None:
-        return str(torch_index)
-    entries = [e.strip() for e in cuda_visible_devices.split(",") if e.strip()]
-    return entries[torch_index] if torch_index < len(entries) else None
-
-
-def bf16_native(torch_module) -> bool:
-    """True when this GPU runs bf16 on hardware (sm_80+), not through fp32 emulation (a T4)."""
-    cuda = torch_module.cuda
-    if not cuda.is_available():
-        return False
-    try:
-        return bool(cuda.is_bf16_supported(including_emulation=False))
-    except TypeError:   # torch before 2.3: no emulation, the plain check is the hardware one
-        return bool(cuda.is_bf16_supported())
-
-
 def _gpu_info() -> dict:
     none = dict(gpu_name=None, vram_total_bytes=None, vram_free_bytes=None,
                 compute_capability=None, fp16_tensor_cores=False)

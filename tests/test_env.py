@@ -153,17 +153,3 @@ def test_import_nblib_loads_neither_torch_nor_tensorflow():
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                          env=subprocess_env(), timeout=60)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
-
-
-@pytest.mark.parametrize("text,expected", [("15360", 15360.0), (" 1234.5 ", 1234.5), ("[N/A]", None),
-                                           ("[Not Supported]", None), ("", None), ("N/A", None)])
-def test_nvidia_smi_fields_read_as_numbers_or_none(text, expected):
-    assert env.smi_number(text) == expected
-
-
-@pytest.mark.parametrize("visible,index,expected", [
-    (None, 0, "0"), ("", 0, None), ("2,3", 0, "2"), ("2,3", 1, "3"),
-    ("GPU-8f3c1e2a-0000-1111-2222-333344445555", 0, "GPU-8f3c1e2a-0000-1111-2222-333344445555"),
-    ("MIG-GPU-aaaa/1/0", 0, "MIG-GPU-aaaa/1/0"), ("1", 3, None)])
-def test_the_nvidia_smi_id_of_a_torch_device_follows_cuda_visible_devices(visible, index, expected):
-    assert env.smi_device_id(visible, index) == expected

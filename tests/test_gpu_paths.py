@@ -1,12 +1,10 @@
 """GPU-only code paths, shown on a CPU: each test is one bug that only a GPU run would have met."""
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 
-from nblib import budget, env
+from nblib import budget
 from nblib.budget.preflight import preset_of_this_gpu, ram_already_held, vram_needed
 from nblib.config import preset
 from nblib.encode.offload import HostPart
@@ -80,16 +78,6 @@ def test_consolidate_keeps_its_own_copy_of_outputs_a_graph_replay_overwrites():
     out["a"].fill_(7.0)                              # a CUDA-graph replay reuses the output buffer
     host.add({"a": torch.zeros(2, 3)}, 2)
     assert (host.arrays(4)["a"][:2] == 1.0).all()
-
-
-def test_emulated_bf16_is_not_native():
-    def fake(native: bool):
-        def supported(including_emulation=True):
-            return True if including_emulation else native
-        return types.SimpleNamespace(cuda=types.SimpleNamespace(is_available=lambda: True, is_bf16_supported=supported))
-
-    assert env.bf16_native(fake(False)) is False     # a T4: bf16 only through emulation
-    assert env.bf16_native(fake(True)) is True
 
 
 def test_one_set_of_sdpa_names_for_the_encoder_the_budget_and_the_cli():

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -179,3 +180,27 @@ def test_a_cuda_run_compares_the_traced_vram_lines_of_the_budget():
     assert pairs["parameters and buffers"] == (traced.line("parameters and buffers"), 1)
     assert pairs["CUDA context (driver - reserved)"] == (traced.line("CUDA context"), 5)
     assert pairs["VRAM total (mem_get_info)"] == (predicted.totals["vram"], 6)
+
+
+@pytest.mark.parametrize("text,expected", [("15360", 15360.0), (" 1234.5 ", 1234.5), ("[N/A]", None),
+                                           ("[Not Supported]", None), ("", None), ("N/A", None)])
+def test_nvidia_smi_fields_read_as_numbers_or_none(text, expected):
+    assert gpu_report.smi_number(text) == expected
+
+
+@pytest.mark.parametrize("visible,index,expected", [
+    (None, 0, "0"), ("", 0, None), ("2,3", 0, "2"), ("2,3", 1, "3"),
+    ("GPU-8f3c1e2a-0000-1111-2222-333344445555", 0, "GPU-8f3c1e2a-0000-1111-2222-333344445555"),
+    ("MIG-GPU-aaaa/1/0", 0, "MIG-GPU-aaaa/1/0"), ("1", 3, None)])
+def test_the_nvidia_smi_id_of_a_torch_device_follows_cuda_visible_devices(visible, index, expected):
+    assert gpu_report.smi_device_id(visible, index) == expected
+
+
+def test_emulated_bf16_is_not_native():
+    def fake(native: bool):
+        def supported(including_emulation=True):
+            return True if including_emulation else native
+        return types.SimpleNamespace(cuda=types.SimpleNamespace(is_available=lambda: True, is_bf16_supported=supported))
+
+    assert gpu_report.bf16_native(fake(False)) is False     # a T4: bf16 only through emulation
+    assert gpu_report.bf16_native(fake(True)) is True
