@@ -21,8 +21,18 @@ GB = 1e9
 MB = 1e6
 
 
-def finish(fig: Figure, save_to: str | Path | None = None) -> Figure:
-    """Readable log ticks, a tight layout and, if asked, a PNG; returns the figure."""
+def finish(fig: Figure, save_to: str | Path | None = None, *, legend: dict | None = None,
+           grid: str | None = None) -> Figure:
+    """Readable log ticks, a tight layout and, if asked, a PNG; returns the figure.
+
+    `legend`: its options, for a legend on every axis that has labelled artists; `grid`: "major" or "both", a
+    light grid on every axis.
+    """
+    for ax in fig.axes:
+        if legend is not None and ax.get_legend_handles_labels()[0]:
+            ax.legend(**legend)
+        if grid is not None:
+            ax.grid(alpha=0.3, which=grid)
     readable_log_ticks(fig)
     fig.tight_layout()
     if save_to is not None:
@@ -144,9 +154,7 @@ def predicted_vs_measured(batch_sizes, predicted, measured, *, what: str = "peak
     ax.margins(x=0.12, y=0.15)
     ax.set(yscale="log", xticks=list(batch_sizes), xlabel="batch size", ylabel=f"{what} (MB)",
            title=f"{what}: measured, and measured / predicted, at each point")
-    ax.legend()
-    ax.grid(alpha=0.3, which="both")
-    return finish(fig, save_to)
+    return finish(fig, save_to, legend={}, grid="both")
 
 
 def shuffle_checkpoint_plot(rows, disk_bytes: float | None = None, save_to=None) -> Figure:
@@ -160,9 +168,7 @@ def shuffle_checkpoint_plot(rows, disk_bytes: float | None = None, save_to=None)
         ax.axhline(disk_bytes / GB, color="crimson", ls="--", label=f"free disk {disk_bytes / GB:.0f} GB")
     ax.set(xscale="log", yscale="log", xlabel="shuffle buffer (samples)", ylabel="GB",
            title=f"tf.data shuffle checkpoint at {rows[0].sample_bytes / 1e3:.0f} KB/sample")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3, which="both")
-    return finish(fig, save_to)
+    return finish(fig, save_to, legend={"fontsize": 8}, grid="both")
 
 
 def shard_plan_plot(plans, save_to=None) -> Figure:
@@ -243,8 +249,7 @@ def cache_disk_plan(plans: dict, free_bytes: float, save_to=None) -> Figure:
     first = plans[names[0]]
     ax.set(xlabel="predicted cache size (GB)", xlim=(0, max(sizes + [free_bytes / GB]) * 1.25),
            title=f"{first.n_images:,} images at {first.image_size} px: which codec fits?")
-    ax.legend(loc="lower right", fontsize=8)
-    return finish(fig, save_to)
+    return finish(fig, save_to, legend={"loc": "lower right", "fontsize": 8})
 
 
 def cache_worker_scaling(rates, save_to=None, *, cores: int | None = None, load: float | None = None) -> Figure:
@@ -266,8 +271,7 @@ def cache_worker_scaling(rates, save_to=None, *, cores: int | None = None, load:
     ax.set(xlabel="render workers (processes)", ylabel="images / s", xticks=workers,
            ylim=(0, max([rates[w].high for w in workers] + [med[0] * workers[-1] / workers[0]]) * 1.15),
            title="cache population throughput")
-    ax.legend(fontsize=8)
-    return finish(fig, save_to)
+    return finish(fig, save_to, legend={"fontsize": 8})
 
 
 def cache_read_throughput(rates: dict, consumer_images_per_s: float | None = None,
@@ -316,9 +320,8 @@ def encode_throughput(timeline, part_samples: int | None = None, resumed_at: int
         ax_rate.plot([], [], " ", label=f"{clipped} batch(es) above {top:,.0f}/s not shown")
     ax_rate.set(xlabel="seconds", ylabel="samples / s", title="throughput over time",
                 ylim=(0, top if clipped else None))
-    ax_rate.legend(loc="best")
     fig.suptitle(title)
-    return finish(fig, save_to)
+    return finish(fig, save_to, legend={"loc": "best"})
 
 
 def sketch_projection(coords, explained, save_to=None) -> Figure:
@@ -329,8 +332,7 @@ def sketch_projection(coords, explained, save_to=None) -> Figure:
     ax.set(xlabel=f"PC1 ({explained[0]:.0%} of variance)",
            ylabel=f"PC2 ({explained[1]:.0%} of variance)",
            title=f"sketches of {coords.shape[0]:,} images, PCA to 2-D")
-    ax.legend(markerscale=2, fontsize=8, ncol=2 if coords.shape[1] > 6 else 1)
-    return finish(fig, save_to)
+    return finish(fig, save_to, legend={"markerscale": 2, "fontsize": 8, "ncol": 2 if coords.shape[1] > 6 else 1})
 
 
 def checksum_hamming(collisions, save_to=None) -> Figure:
@@ -345,8 +347,7 @@ def checksum_hamming(collisions, save_to=None) -> Figure:
     ax.set(xlabel=f"Hamming distance between {collisions.bits}-bit codes",
            ylabel="pairs of images", xlim=(-1, collisions.bits + 1),
            title=f"{(h == 0).sum():,} colliding pairs among {len(h):,}")
-    ax.legend()
-    return finish(fig, save_to)
+    return finish(fig, save_to, legend={})
 
 
 def encode_disk_projection(choices, save_to=None) -> Figure:
@@ -374,8 +375,7 @@ def encode_disk_projection(choices, save_to=None) -> Figure:
            title="full run: outputs on disk per choice\nthe budget's verdict (10% margin):\n"
                  "green fits every disk, orange some, red none")
     ax.invert_yaxis()
-    ax.legend(loc="lower right", fontsize=8, framealpha=0.95)
-    return finish(fig, save_to)
+    return finish(fig, save_to, legend={"loc": "lower right", "fontsize": 8, "framealpha": 0.95})
 
 
 # ============================================================ 04 shuffle checkpoints (shuffle.py, tfdata.py)
@@ -406,9 +406,7 @@ def tf_checkpoint_vs_buffer(rows, state_rows=(), save_to=None) -> Figure:
                 title="What one iterator checkpoint writes")
     time_ax.set(xscale="log", yscale="log", xlabel="shuffle buffer (samples)", ylabel="save seconds",
                 title="How long the save takes")
-    size_ax.legend(fontsize=7)
-    time_ax.legend(fontsize=7)
-    return finish(fig, save_to)
+    return finish(fig, save_to, legend={"fontsize": 7})
 
 
 def tf_reference_extrapolation(extrapolation, ram_bytes: float | None = None, disk_bytes: float | None = None,
@@ -439,8 +437,7 @@ def tf_reference_extrapolation(extrapolation, ram_bytes: float | None = None, di
     ax.set_xticks(x, [f"{e.buffer_size:,}" for e in extrapolation])
     ax.set(yscale="log", xlabel="shuffle buffer (samples of ~500 kB)", ylabel="GB (1e9 bytes)",
            title="Reference table vs. extrapolated measurements")
-    ax.legend(fontsize=7, loc="upper left")
-    return finish(fig, save_to)
+    return finish(fig, save_to, legend={"fontsize": 7, "loc": "upper left"})
 
 
 def shuffle_quality_vs_buffer(rows, target_share: float | None = None, save_to=None) -> Figure:
@@ -468,9 +465,7 @@ def shuffle_quality_vs_buffer(rows, target_share: float | None = None, save_to=N
                  title=f"Episodes of k={k} consecutive samples, n={first.n_samples:,}")
     rank_ax.set(xscale="log", xlabel="shuffle buffer B (samples)", ylabel="Spearman(position, source index)",
                 title="Order left over (1 = unshuffled, 0 = random)")
-    share_ax.legend(fontsize=7)
-    rank_ax.legend(fontsize=7)
-    return finish(fig, save_to)
+    return finish(fig, save_to, legend={"fontsize": 7})
 
 
 # ============================================================ 05 input pipeline (pipeline/, lab/input_pipeline.py)
@@ -525,11 +520,10 @@ def pipeline_memory(table, trap_rows, buffer_knob: str = "shuffle_buffer", save_
     from matplotlib.ticker import MaxNLocator
 
     work_ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    work_ax.legend(fontsize=7)
     for ax in (buf_ax, work_ax):      # from 0: a truncated axis would turn a few MB of drift into a trend
         low, high = ax.get_ylim()
         ax.set_ylim(min(0.0, low), max(high, 1.0) * 1.1)
-    return finish(fig, save_to)
+    return finish(fig, save_to, legend={"fontsize": 7})
 
 
 def mixing_bars(mixing, save_to=None) -> Figure:
@@ -543,8 +537,7 @@ def mixing_bars(mixing, save_to=None) -> Figure:
     ax.axhline(0.8 * mixing.single, color="black", ls="--", lw=0.8, label="80% of one dataset")
     ax.set(ylabel=f"samples/s (median, range of {mixing.repeats} runs)",
            title=f"Mixing under a parallelism budget of {mixing.budget}")
-    ax.legend(fontsize=8)
-    return finish(fig, save_to)
+    return finish(fig, save_to, legend={"fontsize": 8})
 
 
 def input_rates(rows, encoder_samples_per_s: float, encoder_label: str = "encoder", save_to=None) -> Figure:
@@ -563,8 +556,7 @@ def input_rates(rows, encoder_samples_per_s: float, encoder_label: str = "encode
     ax.set(ylabel="samples/s (median, range of runs)", title="Can the loader feed the encoder?")
     ax.set_ylim(0, max(max(m + h for m, h in zip(med, high)), encoder_samples_per_s) * 1.2)
     below_names = -0.1 - 0.08 * max(name.count("\n") + 1 for name in names)   # under the bars' names: no line covered
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, below_names))
-    return finish(fig, save_to)
+    return finish(fig, save_to, legend={"fontsize": 7, "loc": "upper center", "bbox_to_anchor": (0.5, below_names)})
 
 
 # ============================================================ 06 training (nblib.train)
@@ -584,10 +576,7 @@ def training_curves(history, chance: float, save_to=None) -> Figure:
     acc_ax.axhline(100 * chance, color="gray", ls="--", label=f"chance ({100 * chance:.1f}%)")
     loss_ax.set(xlabel="optimizer step", ylabel="cross-entropy", title="loss")
     acc_ax.set(xlabel="optimizer step", ylabel="accuracy (%)", title="held-out accuracy", ylim=(0, 100))
-    for ax in (loss_ax, acc_ax):
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
-    return finish(fig, save_to)
+    return finish(fig, save_to, legend={"fontsize": 8}, grid="major")
 
 
 # ============================================================ 07 your model (nblib.lab.your_model)
@@ -607,9 +596,7 @@ def model_budget_vs_simulated(checks: dict, limit_bytes: float | None = None, sa
     ax.set_xscale("log", base=2)
     ax.set(yscale="log", xlabel="batch size", ylabel="reserved VRAM, GB (simulated T4)",
            title="Budget against the simulated loop (simulated T4, no GPU)")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3, which="both")
-    return finish(fig, save_to)
+    return finish(fig, save_to, legend={"fontsize": 7}, grid="both")
 
 
 # ============================================================ 06 training: scoring a run (nblib.train.evaluate)
