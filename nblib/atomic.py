@@ -18,13 +18,13 @@ import os
 import queue
 import secrets
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
 __all__ = [
-    "TMP_PREFIX", "AtomicWriter", "WrittenFile", "algorithm_of", "atomic_open", "atomic_torch_save",
+    "TMP_PREFIX", "AtomicWriter", "WrittenFile", "algorithm_of", "atomic_torch_save",
     "atomic_write_bytes", "atomic_write_json", "digest_bytes", "file_digest", "fsync_dir", "json_bytes",
     "leftover_temporaries", "new_hash", "npy_header", "remove_temporaries", "sha256_file", "sha256_json",
     "torch_zip_crc32",
@@ -168,23 +168,6 @@ class AtomicWriter:
 
     def __exit__(self, *exc) -> None:
         self.discard()
-
-
-@contextlib.contextmanager
-def atomic_open(path: str | Path, mode: str = "wb") -> Iterator[IO]:
-    """A writable file beside `path`; on clean exit it is fsynced and renamed onto `path`."""
-    if mode not in ("wb", "w"):
-        raise ValueError(f"atomic_open writes new files only; mode {mode!r} is not 'wb' or 'w'")
-    writer = AtomicWriter(path, background_hash=False)
-    with writer:
-        f = _WriterFile(writer)
-        if mode == "wb":
-            yield f
-        else:
-            text = io.TextIOWrapper(f, encoding="utf-8", newline="")
-            yield text
-            text.flush()
-        writer.commit()
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> WrittenFile:
@@ -442,26 +425,6 @@ def remove_temporaries(folder: str | Path) -> int:
     for path in leftovers:
         path.unlink(missing_ok=True)
     return len(leftovers)
-
-
-class _WriterFile(io.RawIOBase):
-    """A binary file object over an AtomicWriter (what np.save and text wrappers write into)."""
-
-    def __init__(self, writer: AtomicWriter):
-        super().__init__()
-        self._writer = writer
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data) -> int:
-        return self._writer.write(data)
-
-    def fileno(self) -> int:
-        return self._writer._file.fileno()
-
-    def close(self) -> None:  # the writer owns the file; a wrapper closing us must not close it
-        pass
 
 
 class _BackgroundSha256:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nblib.atomic import atomic_open
+from nblib.atomic import AtomicWriter
 from nblib.errors import ConfigError
 
 VOCAB = 32_000
@@ -80,7 +80,8 @@ def write_trace_pickle(path: str | Path, *, n_records: int | None = None, target
     if n_records is None:
         shape = {k: v for k, v in sizes.items() if k not in ("layers", "seed", "start")}
         n_records = max(1, int(np.ceil(target_bytes / trace_record_bytes(**shape))))
-    with atomic_open(path, "wb") as f:
+    with AtomicWriter(path, background_hash=False) as writer:
         for record in trace_records(n_records, **sizes):
-            pickle.dump(record, f, protocol=pickle.HIGHEST_PROTOCOL)
+            pickle.dump(record, writer, protocol=pickle.HIGHEST_PROTOCOL)
+        writer.commit()
     return n_records
