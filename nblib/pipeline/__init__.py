@@ -11,7 +11,6 @@ experiments and verdicts live in `nblib.lab.input_pipeline`.
 from __future__ import annotations
 
 from nblib.pipeline.harness import (
-    REPORT_FIELDS,
     ComputeStandIn,
     EmptyPipelineError,
     PipelineReport,
@@ -22,7 +21,7 @@ from nblib.pipeline.recommend import Recommendation, knob_effects, recommend
 from nblib.pipeline.sweep import SweepTable, knob_names, knob_text, plan_configs, sweep
 
 __all__ = [
-    "REPORT_FIELDS", "ComputeStandIn", "EmptyPipelineError", "PipelineReport", "Recommendation", "SweepTable",
+    "ComputeStandIn", "EmptyPipelineError", "PipelineReport", "Recommendation", "SweepTable",
     "batch_size_of", "knob_effects", "knob_names", "knob_text", "measure_pipeline", "plan_configs", "recommend",
     "sweep",
 ]

@@ -22,9 +22,6 @@ from nblib.errors import ConfigError, EmptyPipelineError
 from nblib.measure import PeakMemory
 from nblib.units import fmt_bytes, fmt_duration, fmt_rate
 
-REPORT_FIELDS = ("samples_per_s", "data_wait", "startup_s", "peak_rss_bytes", "rss_added_bytes",
-                 "batch_size", "steps", "step_ms")
-
 
 @dataclass(frozen=True)
 class PipelineReport:

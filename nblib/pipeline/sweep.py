@@ -50,7 +50,6 @@ class SweepTable:
     interrupted: bool = False
     skipped: dict = field(default_factory=dict)   # knob -> why it was not swept
 
-
     def __len__(self) -> int:
         return len(self.rows)
 
@@ -84,10 +83,6 @@ class SweepTable:
         n = min(len(a), len(b))
         return verdict_of_pairs(a[:n], b[:n], names)
 
-    def find(self, **knobs) -> dict | None:
-        """The row whose knobs have these values (None when it was not measured)."""
-        return next((r for r in self.rows if all(r[k] == v for k, v in knobs.items())), None)
-
     def __str__(self) -> str:
         head = [*self.knobs, "samples/s", "range", "data-wait", "startup", "peak RSS"]
         body = [[knob_text(r[k]) for k in self.knobs] + [f"{r['samples_per_s']:,.0f}", _range_text(self.spread(r)),
@@ -112,7 +107,7 @@ def sweep(make_pipeline_for: Callable[..., Iterable], grid: Mapping[str, Sequenc
           consumer: Callable | None = None, steps: int = 20, warmup: int = 2, repeats: int = MIN_REPEATS,
           budget_s: float | None = None, max_repeats: int = MAX_PAIRS,
           inert: Callable[[str, dict], str | None] | None = None, warm_start: bool = True,
-          progress: bool | str = False, on_row: Callable[[dict], None] | None = None) -> SweepTable:
+          progress: bool | str = False) -> SweepTable:
     """Measure `make_pipeline_for(**config)` for each config of `grid` (see `measure_pipeline`).
 
     `grid` maps knob names to the values to try; the first value of each is the base (or give
@@ -134,7 +129,7 @@ def sweep(make_pipeline_for: Callable[..., Iterable], grid: Mapping[str, Sequenc
     order = paired_order(len(configs) - 1, max(1, repeats)) if paired else \
         [(i, None) for i in interleaved_order(range(len(configs)), max(1, repeats))]
     runs = _Runs(configs, functools.partial(measure_pipeline, consumer_ms=consumer_ms, consumer=consumer,
-                                            steps=steps, warmup=warmup), make_pipeline_for, on_row,
+                                            steps=steps, warmup=warmup), make_pipeline_for,
                  _bar(len(order) + bool(warm_start and configs), progress))
     try:
         if warm_start and configs:
@@ -160,23 +155,20 @@ def sweep(make_pipeline_for: Callable[..., Iterable], grid: Mapping[str, Sequenc
 class _Runs:
     """A sweep's runs so far: each config's reports, the base slot each is paired with, the base run of each slot."""
 
-    def __init__(self, configs: list, measure: Callable, make_pipeline_for: Callable, on_row, bar):
-        self.configs, self._measure, self._make = configs, measure, make_pipeline_for
-        self._on_row, self.bar = on_row, bar
+    def __init__(self, configs: list, measure: Callable, make_pipeline_for: Callable, bar):
+        self.configs, self._measure, self._make, self.bar = configs, measure, make_pipeline_for, bar
         self.reports: list[list] = [[] for _ in configs]
         self.slots: list[list] = [[] for _ in configs]     # the base slot each run of a config is paired with
         self.base_by_slot: dict = {}
 
     def measure(self, i: int, slot) -> None:
-        varied, config = self.configs[i]
+        config = self.configs[i][1]
         self.reports[i].append(self._measure(lambda: self._make(**config)))
         if slot is not None:
             self.slots[i].append(slot)
             if i == 0:
                 self.base_by_slot[slot] = self.reports[i][-1]
         _tick(self.bar)
-        if self._on_row is not None:
-            self._on_row({**config, "varied": varied, **self.reports[i][-1].as_dict()})
 
     def verdict(self, i: int) -> PairedVerdict:
         """Config i against the base on its pairs so far (samples/s)."""

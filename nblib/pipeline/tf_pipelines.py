@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nblib.errors import ConfigError
+from nblib.errors import ConfigError, require_choice
 from nblib.tfdata import tensorflow
 
 AUTOTUNE = -1
@@ -88,8 +88,7 @@ def mixed_pipeline(sources: EncodedSources, strategy: str = "sample_from_dataset
     "interleave": the fix; the encoded records of the n sources are interleaved first (cheap),
     then decoded once with the whole budget.
     """
-    if strategy not in MIXING_STRATEGIES:
-        raise ConfigError(f"strategy={strategy!r} is unknown; choose one of {MIXING_STRATEGIES}")
+    require_choice("strategy", strategy, MIXING_STRATEGIES)
     tf = tensorflow()
     n, decode, budget = sources.n_sources, _decode(tf), _parallel(num_parallel_calls, tf)
     if strategy == "single":
