@@ -125,15 +125,82 @@ def images_per_raw_shard(shard_size: int, shape) -> int:
 # ====================================================================================== writing
 
 
-class ShardWriter:
-    """Stream one shard to a temporary file (an `AtomicWriter`, hashed as written); `commit` keeps it.
+class SealedShard:
+    """One shard file (images or records) streamed to a temporary file: an `AtomicWriter` (sha256 as
+    written) plus a whole-file xxh3. Its leading bytes, then each stored item (`add`: its xxh3 goes into
+    the shard's checksum table), then `seal`: the tables and the trailer, fsync and rename. `discard` (or
+    leaving a `with` block unsealed) deletes it. `source`: also hash what each item was stored from
+    (the raw pixels, a record's payload: what a resume checks the input against).
+    """
+
+    def __init__(self, path: Path, leading: bytes, *, source: bool, **writer_options):
+        self.name = path.name
+        self.sizes: list[int] = []
+        self.checksums: list[int] = []
+        self.stored_bytes = 0
+        self.stat: dict | None = None
+        self._file_xxh3 = xxhash.xxh3_64()
+        self._source = xxhash.xxh3_64() if source else None
+        self._writer = AtomicWriter(path, **writer_options)
+        self._leading = leading
+        self._write(leading)
+
+    def add(self, stored: bytes, source=None) -> None:
+        """Append one item's stored bytes (and feed the bytes it was stored from to the source hash)."""
+        self._write(stored)
+        self.sizes.append(len(stored))
+        self.checksums.append(xxhash.xxh3_64_intdigest(stored))
+        self.stored_bytes += len(stored)
+        if self._source is not None:
+            self._source.update(source)
+
+    def seal(self, expect_sha256: str | None, why: str, *, offsets: bool = True) -> dict:
+        """Write the tables (the offsets index unless a raw shard's, the xxh3 table) and the trailer, fsync
+        and rename; the entry's file, count, bytes, sha256 and xxh3 (and source_xxh3). `stat` then holds the
+        file's stat for the stat cache. A re-written shard whose sha256 differs from its manifest's is a
+        CacheError: `why` says what changed.
+        """
+        tables = np.array(self.checksums, dtype="<u8").tobytes()
+        if offsets:
+            ends = np.zeros(len(self.sizes) + 1, dtype="<u8")
+            np.cumsum(self.sizes, out=ends[1:])
+            tables = ends.tobytes() + tables
+        self._write(tables)
+        self._write(TRAILER.pack(len(self.sizes), xxhash.xxh3_64_intdigest(self._leading),
+                                 xxhash.xxh3_64_intdigest(tables), SHARD_MAGIC))
+        try:
+            written = self._writer.commit(expect_digest=expect_sha256)
+        except ValueError:
+            raise CacheError(f"re-written {self.name} does not match its manifest sha256: {why} with "
+                             f"overwrite=True (--overwrite)") from None
+        self.stat = {"bytes": written.bytes, "mtime_ns": written.mtime_ns, "sha256": written.sha256}
+        entry = {"file": self.name, "count": len(self.sizes), "bytes": written.bytes, "sha256": written.sha256,
+                 "xxh3": self._file_xxh3.hexdigest()}
+        if self._source is not None:
+            entry["source_xxh3"] = self._source.hexdigest()
+        return entry
+
+    def discard(self) -> None:
+        """Delete the temporary file; nothing is renamed (a no-op after seal)."""
+        self._writer.discard()
+
+    def _write(self, data) -> None:
+        self._writer.write(data)
+        self._file_xxh3.update(data)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.discard()
+
+
+class ShardWriter(SealedShard):
+    """Stream one image shard (a `SealedShard`); `commit` keeps it and returns its manifest entry.
 
     Raw shards need their image `count` up front (it is in the .npy header); packed shards append
-    their offsets index at the end. Each image's xxh3 goes into the shard's checksum table.
-    `commit` fsyncs and renames onto shard-NNNNN.ext and returns the manifest entry (`stat` then
-    holds the file's stat for the stat cache); `discard` (or leaving a `with` block without commit)
-    deletes it. `source_hash`: also record an xxh3 over the raw pixels passed to `add` (what
-    `write_images` checks on resume).
+    their offsets index at the end. `source_hash`: also record an xxh3 over the raw pixels passed to
+    `add` (what `write_images` checks on resume).
     """
 
     def __init__(self, cache_dir: str | Path, index: int, start: int, codec: str | CodecSpec, shape,
@@ -141,15 +208,9 @@ class ShardWriter:
         spec = codec_spec(codec)
         if spec.name == "raw" and count is None:
             raise ValueError("a raw shard needs its image count up front")
-        self.name = shard_name(index, spec.name)
         self.codec, self.shape, self.start, self.count = spec.name, tuple(shape), start, count
-        self.blob_bytes, self.sizes, self.checksums = 0, [], []
-        self.stat: dict | None = None
-        self._file_xxh3 = xxhash.xxh3_64()
-        self._source = xxhash.xxh3_64() if source_hash else None
-        self._writer = AtomicWriter(Path(cache_dir) / self.name)
-        self._leading = leading_bytes(spec.name, self.shape, count)
-        self._write(self._leading)
+        super().__init__(Path(cache_dir) / shard_name(index, spec.name), leading_bytes(spec.name, self.shape, count),
+                         source=source_hash)
 
     @property
     def stop(self) -> int:
@@ -157,44 +218,16 @@ class ShardWriter:
 
     def add(self, blob: bytes, pixels: np.ndarray | None = None) -> None:
         """Append one image's stored bytes (and feed its raw `pixels` to the source hash)."""
-        self._write(blob)
-        self.sizes.append(len(blob))
-        self.checksums.append(xxhash.xxh3_64_intdigest(blob))
-        self.blob_bytes += len(blob)
-        if self._source is not None:
-            self._source.update(np.ascontiguousarray(pixels, dtype=np.uint8))
+        super().add(blob, None if self._source is None else np.ascontiguousarray(pixels, dtype=np.uint8))
 
     def commit(self, expect_sha256: str | None = None) -> dict:
         """Finish, fsync and rename the shard; its manifest entry (range, bytes, sha256, xxh3)."""
         if self.codec == "raw" and len(self.sizes) != self.count:
             self.discard()
             raise CacheError(f"{self.name}: {len(self.sizes)} images written, header says {self.count}")
-        tables = np.array(self.checksums, dtype="<u8").tobytes()
-        if self.codec != "raw":
-            offsets = np.zeros(len(self.sizes) + 1, dtype="<u8")
-            np.cumsum(self.sizes, out=offsets[1:])
-            tables = offsets.tobytes() + tables
-        written = seal_shard(self, tables, expect_sha256, "the renderer, Pillow or the images changed since "
-                                                           "the cache was built; rebuild it")
-        entry = {"file": self.name, "start": self.start, "stop": self.stop, "count": len(self.sizes),
-                 "bytes": written.bytes, "sha256": written.sha256, "xxh3": self._file_xxh3.hexdigest()}
-        if self._source is not None:
-            entry["source_xxh3"] = self._source.hexdigest()
-        return entry
-
-    def discard(self) -> None:
-        """Delete the temporary file; nothing is renamed (a no-op after commit)."""
-        self._writer.discard()
-
-    def _write(self, data: bytes) -> None:
-        self._writer.write(data)
-        self._file_xxh3.update(data)
-
-    def __enter__(self) -> ShardWriter:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.discard()
+        entry = self.seal(expect_sha256, "the renderer, Pillow or the images changed since the cache was built; "
+                                         "rebuild it", offsets=self.codec != "raw")
+        return {**entry, "start": self.start, "stop": self.stop}
 
 
 def write_shard(cache_dir: str | Path, index: int, start: int, blobs: Sequence[bytes],
@@ -224,23 +257,6 @@ def shard_index(name: str) -> int:
 
 
 # ====================================================================================== checking
-
-
-def seal_shard(shard, tables: bytes, expect_sha256: str | None, why: str):
-    """Finish a shard writer (images or records): its tables, the trailer, fsync and rename, its stat.
-
-    A re-written shard whose sha256 differs from its manifest's is a CacheError: `why` says what changed.
-    """
-    shard._write(tables)
-    shard._write(TRAILER.pack(len(shard.sizes), xxhash.xxh3_64_intdigest(shard._leading),
-                              xxhash.xxh3_64_intdigest(tables), SHARD_MAGIC))
-    try:
-        written = shard._writer.commit(expect_digest=expect_sha256)
-    except ValueError:
-        raise CacheError(f"re-written {shard.name} does not match its manifest sha256: {why} with "
-                         f"overwrite=True (--overwrite)") from None
-    shard.stat = {"bytes": written.bytes, "mtime_ns": written.mtime_ns, "sha256": written.sha256}
-    return written
 
 
 def shard_findings(folder: Path, shards: list[dict]) -> tuple[dict[str, list[str]], list[str]]:

@@ -477,7 +477,7 @@ def stream_shards(blobs: Iterable, cache_dir: Path, index: int, start: int, n_to
                     index, start, pending = index + 1, start + len(pending), []
                 bar.update(1)
                 continue
-            if writer is not None and writer.blob_bytes + len(blob) > target:
+            if writer is not None and writer.stored_bytes + len(blob) > target:
                 yield writer.commit(), {writer.name: writer.stat}
                 writer, index, start = None, index + 1, writer.stop
             if writer is None:

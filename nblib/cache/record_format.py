@@ -28,17 +28,15 @@ import struct
 from pathlib import Path
 
 import numpy as np
-import xxhash
 
-from nblib.atomic import AtomicWriter
 from nblib.cache.codecs import ZSTD_LEVEL
 from nblib.cache.format import (
     HEADER,
     RECORDS_KIND,
     SHARD_MAGIC,
+    SealedShard,
     open_packed,
     read_shards_manifest,
-    seal_shard,
 )
 from nblib.cache.pickle_globals import bfloat16, storage_dtype
 from nblib.errors import InputError
@@ -255,8 +253,8 @@ def record_shard_name(index: int) -> str:
     return f"shard-{index:05d}{SHARD_SUFFIX}"
 
 
-class RecordShardWriter:
-    """Stream one record shard to a temporary file beside its name; `commit` makes it durable.
+class RecordShardWriter(SealedShard):
+    """Stream one record shard (a `SealedShard`) to a temporary file beside its name; `commit` makes it durable.
 
     Stored records go straight to disk (RAM: the offsets and checksums, 16 bytes a record), so
     many writers may be open at once (one per group key). `commit` appends the tables and the
@@ -264,18 +262,12 @@ class RecordShardWriter:
     """
 
     def __init__(self, folder: str | Path, index: int, key, codec: str):
-        self.name, self.index, self.key, self.codec = record_shard_name(index), index, key, codec
-        self.sizes: list[int] = []
-        self.checksums: list[int] = []
-        self.stored_bytes = 0
+        self.index, self.key, self.codec = index, key, codec
         self.raw_bytes = 0
         self.max_shapes: dict[str, list[int]] = {}
-        self.stat: dict | None = None
-        self._source = xxhash.xxh3_64()
-        self._file_xxh3 = xxhash.xxh3_64()
-        self._writer = AtomicWriter(Path(folder) / self.name, background_hash=False)
-        self._leading = HEADER.pack(SHARD_MAGIC, codec.encode().ljust(4, b"\0"), 0, 0, RECORD_LAYOUT)
-        self._write(self._leading)
+        super().__init__(Path(folder) / record_shard_name(index),
+                         HEADER.pack(SHARD_MAGIC, codec.encode().ljust(4, b"\0"), 0, 0, RECORD_LAYOUT),
+                         source=True, background_hash=False)
 
     @property
     def count(self) -> int:
@@ -288,36 +280,18 @@ class RecordShardWriter:
 
     def add(self, stored: bytes, payload: bytes) -> None:
         """Append one stored record (and feed its payload to the source hash and the shapes)."""
-        self._write(stored)
-        self.sizes.append(len(stored))
-        self.checksums.append(xxhash.xxh3_64_intdigest(stored))
-        self.stored_bytes += len(stored)
+        super().add(stored, payload)
         self.raw_bytes += len(payload)
-        self._source.update(payload)
         for name, shape in array_shapes(payload).items():
             old = self.max_shapes.get(name)
             self.max_shapes[name] = list(shape) if old is None else [max(a, b) for a, b in zip(old, shape)]
 
     def commit(self, expect_sha256: str | None = None) -> dict:
         """Write the tables and trailer, fsync and rename; the shard's manifest entry."""
-        offsets = np.zeros(len(self.sizes) + 1, dtype="<u8")
-        np.cumsum(self.sizes, out=offsets[1:])
-        tables = offsets.tobytes() + np.array(self.checksums, dtype="<u8").tobytes()
-        written = seal_shard(self, tables, expect_sha256, "zstandard or numpy changed how these records are "
-                                                           "stored since the shards were written; rebuild")
-        return {"file": self.name, "index": self.index, "key": self.key, "count": self.count,
-                "bytes": written.bytes, "raw_bytes": self.raw_bytes,
-                "max_shapes": dict(sorted(self.max_shapes.items())),
-                "sha256": written.sha256, "xxh3": self._file_xxh3.hexdigest(),
-                "source_xxh3": self._source.hexdigest()}
-
-    def discard(self) -> None:
-        """Delete the temporary file (a no-op after commit)."""
-        self._writer.discard()
-
-    def _write(self, data) -> None:
-        self._writer.write(data)
-        self._file_xxh3.update(data)
+        entry = self.seal(expect_sha256, "zstandard or numpy changed how these records are stored since the "
+                                         "shards were written; rebuild")
+        return {**entry, "index": self.index, "key": self.key, "raw_bytes": self.raw_bytes,
+                "max_shapes": dict(sorted(self.max_shapes.items()))}
 
 
 def open_record_shard(path: Path, count: int, codec: str):
