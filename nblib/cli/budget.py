@@ -3,10 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from nblib.cli.args import (
-    finite_positive_float,
-    parse_or_refuse,
-)
+from nblib.cli.args import finite_positive_float, parse_or_refuse
 from nblib.models.load import spec_forms
 
 

@@ -101,7 +101,6 @@ def _encode_config(args: argparse.Namespace, default_profile: str):
     """The profile's (or preset's) config with the flags given applied."""
     import math
 
-
     config = named_config(args.profile or default_profile)
     flags = {"batch_size": args.batch_size, "out_dtype": args.dtype, "seed": args.seed, "workers": args.workers}
     changes = {knob: value for knob, value in flags.items() if value is not None}

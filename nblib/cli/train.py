@@ -3,11 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from nblib.cli.args import (
-    finite_positive_float,
-    positive_int,
-    seed_int,
-)
+from nblib.cli.args import finite_positive_float, parse_or_refuse, positive_int, seed_int
 from nblib.errors import os_errors_name
 from nblib.models.load import spec_forms
 
@@ -93,10 +89,7 @@ def _train_args(argv: list[str]) -> argparse.Namespace:
                    help="let ops torch has no deterministic CUDA kernel for run (warn-only); this run and its resume "
                         "will NOT be bit-identical (default: such a model is refused before its first step)")
     p.add_argument("--no-progress", action="store_true")
-    try:
-        args = p.parse_args(argv)
-    except argparse.ArgumentError as exc:
-        raise ConfigError(f"{exc}; see python -m nblib train --help") from None
+    args = parse_or_refuse(p, argv)
     data = "records" if args.records is not None else "cache"
     needs = ("out", "steps", "input_key", "target_key") if data == "records" else ("cache", "out", "steps")
     missing = [f"--{name.replace('_', '-')}" for name in needs if getattr(args, name) is None]
