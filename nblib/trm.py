@@ -225,16 +225,6 @@ class TRMVisionEncoder(nn.Module):
             object.__setattr__(self, "_compiled", compiled)
         return self._compiled
 
-    def weights_fingerprint(self) -> str:
-        """sha256 over every parameter and buffer: changes when any weight changes."""
-        import hashlib
-
-        h = hashlib.sha256()
-        for name, tensor in sorted(self.state_dict().items()):
-            h.update(name.encode())
-            h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
-        return h.hexdigest()
-
 
 def autocast(precision: str, device):
     """The forward's autocast for a precision on `device` (a torch.device or its name): fp16 or bf16, none for

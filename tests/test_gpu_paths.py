@@ -9,6 +9,7 @@ from nblib.budget.preflight import preset_of_this_gpu, ram_already_held, vram_ne
 from nblib.config import preset
 from nblib.encode.offload import HostPart
 from nblib.errors import ConfigError
+from nblib.models.weights import weights_sha256
 from nblib.sdpa import SDPA_BACKENDS, sdpa_context
 from nblib.trm import TRMVisionEncoder
 
@@ -21,7 +22,7 @@ def test_a_compiled_encoder_still_moves_evals_and_fingerprints():
     assert enc._compiled is not None and "_compiled" not in dict(enc.named_children())
     enc.to("cpu").eval()
     assert set(enc.state_dict()) == set(TRMVisionEncoder(cfg).state_dict())
-    assert enc.weights_fingerprint() == TRMVisionEncoder(cfg).weights_fingerprint()
+    assert weights_sha256(enc) == weights_sha256(TRMVisionEncoder(cfg))
 
 
 def test_preflight_never_charges_the_cuda_context_against_free_vram():

@@ -1,6 +1,7 @@
 """The TRM vision encoder: output shapes, seeded weights, weight files, CPU inference."""
 from __future__ import annotations
 
+import hashlib
 import shutil
 
 import numpy as np
@@ -9,6 +10,7 @@ import torch
 
 from nblib.config import preset
 from nblib.errors import ConfigError, WeightsError
+from nblib.models.weights import weights_sha256
 from nblib.trm import TRMVisionEncoder
 
 SMOKE = preset("smoke")
@@ -39,8 +41,8 @@ def test_outputs_have_the_documented_shapes():
 
 def test_same_seed_gives_same_weights_and_other_seed_differs():
     a, b, c = TRMVisionEncoder(SMOKE, seed=7), TRMVisionEncoder(SMOKE, seed=7), TRMVisionEncoder(SMOKE, seed=8)
-    assert a.weights_fingerprint() == b.weights_fingerprint()
-    assert a.weights_fingerprint() != c.weights_fingerprint()
+    assert weights_sha256(a) == weights_sha256(b)
+    assert weights_sha256(a) != weights_sha256(c)
     images = _images(2)
     assert torch.equal(a.encode(images)["sketches"], b.encode(images)["sketches"])
 
@@ -56,7 +58,7 @@ def test_saved_weights_load_back_bit_exact(tmp_path):
     trained = TRMVisionEncoder(SMOKE, seed=1)
     path = trained.save_weights(tmp_path / "w.pt")
     fresh = load_trm_weights(TRMVisionEncoder(SMOKE, seed=2), path)
-    assert fresh.weights_fingerprint() == trained.weights_fingerprint()
+    assert weights_sha256(fresh) == weights_sha256(trained)
     images = _images(2)
     assert torch.equal(fresh.encode(images)["children"], trained.encode(images)["children"])
 
@@ -94,11 +96,22 @@ def test_default_inference_options_run_the_plain_forward_byte_for_byte():
         assert all(torch.equal(out[k], plain[k]) for k in plain)
 
 
+def test_the_trms_run_fingerprint_is_the_hash_old_run_manifests_record():
+    # encode manifests record the TRM's weights as sha256 over each name and its bytes (no dtype or shape):
+    # a resume of a run started before the model contract compares against this very value
+    enc = TRMVisionEncoder(SMOKE, seed=5)
+    h = hashlib.sha256()
+    for name, tensor in sorted(enc.state_dict().items()):
+        h.update(name.encode())
+        h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    assert weights_sha256(enc, typed=False) == h.hexdigest() != weights_sha256(enc)
+
+
 def test_inference_options_leave_the_weights_alone():
     enc = TRMVisionEncoder(SMOKE, seed=5)
-    before = enc.weights_fingerprint()
+    before = weights_sha256(enc)
     enc.set_inference(precision="bf16", sdpa_backend="math", channels_last_patch_embed=True)
-    assert enc.weights_fingerprint() == before
+    assert weights_sha256(enc) == before
     assert set(enc.state_dict()) == set(TRMVisionEncoder(SMOKE).state_dict())
 
 
@@ -157,13 +170,13 @@ def test_compiled_encoder_matches_eager_exactly(aot_eager):
 
 def test_a_compiled_encoder_is_still_a_usable_module(aot_eager):
     # issue 18 bug 1: torch.compile kept the compiled twin as a submodule, so .eval(), state_dict()
-    # and weights_fingerprint() recursed forever
+    # and the weights hash recursed forever
     fresh = TRMVisionEncoder(SMOKE, seed=1)
-    keys, fingerprint = list(fresh.state_dict()), fresh.weights_fingerprint()
+    keys, fingerprint = list(fresh.state_dict()), weights_sha256(fresh)
     enc, compiled, _, images = aot_eager
     assert enc.eval() is enc and not enc.training
     assert list(enc.state_dict()) == keys               # no second copy of the weights under the twin
-    assert enc.weights_fingerprint() == fingerprint
+    assert weights_sha256(enc) == fingerprint
     assert all(torch.equal(compiled[k], v) for k, v in enc.encode(images).items())
 
 

@@ -58,8 +58,10 @@ class EncodeModel:
 
     def fingerprints(self) -> dict:
         """The run fingerprints that say which model made the outputs (see the module docstring)."""
+        from nblib.models.weights import weights_sha256
+
         if self.is_trm:
-            return {"weights": self.module.weights_fingerprint()}
+            return {"weights": weights_sha256(self.module, typed=False)}   # the TRM's, as manifests record it
         return {"model": self.loaded.identity()}
 
     def settings(self, settings: dict) -> dict:
@@ -104,7 +106,8 @@ def encode_model(config: PipelineConfig, model=None, weights: str | Path | None 
     ConfigError naming the model's outputs for an unknown one. inputs: "images", or "tokens:LENGTH" for a text
     encoder on token ids (encode --records).
     """
-    from nblib.models import LoadedModel, load_model, preprocessing_from
+    from nblib.models import LoadedModel, load_model
+    from nblib.models.load import module_model
 
     tokens = inputs != "images"
     if tokens and names_trm(model):
@@ -118,7 +121,8 @@ def encode_model(config: PipelineConfig, model=None, weights: str | Path | None 
         loaded = load_model(model, weights, config=config, seed=config.run.seed,
                             inputs="tokens" if tokens else "images")
     else:
-        loaded = _wrap_module(model, preprocessing_from)
+        cls = type(model)
+        loaded = module_model(model.eval(), f"{cls.__module__}.{cls.__qualname__}", "module")
         if weights is not None:
             raise ConfigError("weights= goes with a model spec; load them into the module instead")
     if loaded.kind == "trm":
@@ -164,12 +168,3 @@ def load_encoder(config: PipelineConfig, weights: str | Path | None = None):
 
     return load_model("trm", weights, config=config).module
 
-
-def _wrap_module(module, preprocessing_from):
-    from nblib.models import LoadedModel, Preprocessing, module_config
-
-    pre = getattr(module, "preprocessing", None)
-    pre = preprocessing_from(pre) if pre is not None else Preprocessing()
-    cls = type(module)
-    module.eval()
-    return LoadedModel(module, f"{cls.__module__}.{cls.__qualname__}", "module", pre, module_config(module))

@@ -10,15 +10,11 @@ from __future__ import annotations
 
 from nblib.models.identity import (
     describe_changes,
-    hf_config_dict,
     identity_changes,
     model_identity,
-    module_config,
 )
 from nblib.models.load import (
-    DEFAULT_SPEC,
     SOURCES,
-    SPEC_FORMS,
     LoadedModel,
     ModelSource,
     load_model,
@@ -28,26 +24,18 @@ from nblib.models.load import (
 from nblib.models.outputs import named_outputs
 from nblib.models.preprocessing import (
     Preprocessing,
-    hf_processor_defaults,
     preprocessing_from,
-    preprocessing_from_hf,
     preprocessing_from_timm,
-    trm_preprocessing,
 )
 from nblib.models.weights import (
     check_state_dict,
     load_weights,
-    read_state_dict,
-    read_weights,
     save_weights,
     weights_sha256,
 )
 
 __all__ = [
-    "DEFAULT_SPEC", "SOURCES", "SPEC_FORMS", "LoadedModel", "ModelSource", "spec_forms", "Preprocessing",
-    "check_state_dict", "describe_changes",
-    "hf_config_dict", "hf_processor_defaults", "identity_changes", "load_model", "load_weights", "model_identity",
-    "module_config", "named_outputs", "parse_spec", "preprocessing_from", "preprocessing_from_hf",
-    "preprocessing_from_timm", "read_state_dict", "read_weights", "save_weights",
-    "trm_preprocessing", "weights_sha256",
+    "SOURCES", "LoadedModel", "ModelSource", "spec_forms", "Preprocessing", "check_state_dict", "describe_changes",
+    "identity_changes", "load_model", "load_weights", "model_identity", "named_outputs", "parse_spec",
+    "preprocessing_from", "preprocessing_from_timm", "save_weights", "weights_sha256",
 ]

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nblib.config import ModelConfig, PipelineConfig, preset
-from nblib.errors import MissingDependency, ModelSpecError, NblibError, WeightsError, one_line
+from nblib.errors import MissingDependency, ModelSpecError, NblibError, one_line
 from nblib.models.identity import hf_config_dict, model_identity, module_config
 from nblib.models.preprocessing import (
     Preprocessing,
@@ -30,6 +30,7 @@ from nblib.models.preprocessing import (
     preprocessing_from_timm,
     trm_preprocessing,
 )
+from nblib.models.weights import load_weights
 
 DEFAULT_SPEC = "trm"
 TRANSFORMERS_PIN = "transformers==5.24.0"
@@ -85,7 +86,8 @@ def load_model(spec: str | None = None, weights: str | Path | None = None, *, co
     if preprocessing is not None:
         loaded.preprocessing = preprocessing_from(preprocessing)
     if weights is not None:
-        _load_weights(loaded, weights)
+        load_weights(loaded.module, weights, loaded.config["model"] if loaded.kind == "trm" else None)
+        loaded.weights = str(weights)
     loaded.module.eval()
     return loaded
 
@@ -165,10 +167,7 @@ def _build_hf(spec: str, rest: str, *, config, seed: int, inputs: str = "images"
     if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module) and getattr(cls, "config_class", None)):
         raise ModelSpecError(f"transformers.{class_name} is not a model class (an nn.Module with a "
                              f"config_class); name one such as ViTModel")
-    if inputs == "images":
-        _takes_images(cls, transformers)
-    else:
-        _takes_tokens(cls)
+    _takes_first(cls, "pixel_values" if inputs == "images" else "input_ids", transformers)
     hf_config = _hf_config(cls, config_path) if config_path else cls.config_class()
     module = _built(seed, lambda: cls(hf_config), f"{spec} (transformers.{class_name}({cls.config_class.__name__}))",
                     "pass a config it builds from (hf:CLASS:config.json)")
@@ -198,30 +197,24 @@ def _hf_config(cls, path: str):
                              f"({type(exc).__name__}: {one_line(exc, 300)}); fix that field") from None
 
 
-def _takes_tokens(cls) -> None:
-    """Refuse, for token inputs, a class whose forward does not take input_ids first (an image model)."""
-    import inspect
-
-    names = [n for n in inspect.signature(cls.forward).parameters if n != "self"]
-    if names[:1] != ["input_ids"]:
-        raise ModelSpecError(f"transformers.{cls.__name__}.forward takes {', '.join(names[:3])}, ... (not input_ids "
-                             f"first): token inputs are for text encoders (BertModel, RobertaModel, ...); drop --input "
-                             f"tokens:N for an image model")
-
-
-def _takes_images(cls, transformers) -> None:
-    """Refuse a class whose forward takes something before pixel_values (CLIPModel: input_ids, text and images):
-    nblib calls a model with one batch of images.
+def _takes_first(cls, first: str, transformers) -> None:
+    """Refuse a class whose forward does not take `first` first: pixel_values for images (CLIPModel takes
+    input_ids, text and images: nblib calls a model with one batch of images), input_ids for token inputs
+    (a text encoder, not an image model).
     """
     import inspect
 
     names = [n for n in inspect.signature(cls.forward).parameters if n != "self"]
-    if names[:1] != ["pixel_values"]:
-        tower = f"{cls.__name__.removesuffix('Model')}VisionModel"
-        fix = (f"use its image tower, hf:{tower}" if hasattr(transformers, tower) else
-               "name a vision model whose forward takes pixel_values first (ViTModel, ResNetModel, ...)")
-        raise ModelSpecError(f"transformers.{cls.__name__}.forward takes {', '.join(names[:3])}, ... "
-                             f"(not pixel_values first): nblib calls a model with images alone; {fix}")
+    if names[:1] == [first]:
+        return
+    takes = f"transformers.{cls.__name__}.forward takes {', '.join(names[:3])}, ... (not {first} first)"
+    if first == "input_ids":
+        raise ModelSpecError(f"{takes}: token inputs are for text encoders (BertModel, RobertaModel, ...); drop "
+                             f"--input tokens:N for an image model")
+    tower = f"{cls.__name__.removesuffix('Model')}VisionModel"
+    fix = (f"use its image tower, hf:{tower}" if hasattr(transformers, tower) else
+           "name a vision model whose forward takes pixel_values first (ViTModel, ResNetModel, ...)")
+    raise ModelSpecError(f"{takes}: nblib calls a model with images alone; {fix}")
 
 
 def _built(seed: int, build, what: str, fix: str):
@@ -283,9 +276,16 @@ def _build_factory(spec: str, rest: str, *, config, seed: int, inputs: str) -> L
     if not isinstance(module, torch.nn.Module):
         raise ModelSpecError(f"model factory {spec!r} returned a {type(module).__name__}, not a "
                              f"torch.nn.Module; return the module itself")
+    return module_model(module, spec, "factory")
+
+
+def module_model(module, spec: str, kind: str) -> LoadedModel:
+    """A built module as a LoadedModel: its own `preprocessing` (a Preprocessing or a dict of its fields)
+    or the default, and its config when it carries one.
+    """
     pre = getattr(module, "preprocessing", None)
     pre = preprocessing_from(pre) if pre is not None else Preprocessing()
-    return LoadedModel(module, spec, "factory", pre, module_config(module))
+    return LoadedModel(module, spec, kind, pre, module_config(module))
 
 
 def _no_arguments(spec: str, target) -> None:
@@ -302,22 +302,6 @@ def _no_arguments(spec: str, target) -> None:
         raise ModelSpecError(f"model factory {spec!r} needs {', '.join(needed)}, and nblib calls it with no "
                              f"arguments: give them defaults, or name a function of none that calls it "
                              f"(def build(): return {target.__name__}({', '.join(f'{n}=...' for n in needed)}))")
-
-
-def _load_weights(loaded: LoadedModel, weights) -> None:
-    from nblib.models.weights import check_state_dict, read_weights
-
-    state, saved_config = read_weights(weights)
-    if loaded.kind == "trm" and saved_config is not None and saved_config != loaded.config["model"]:
-        raise WeightsError(f"weights in {weights} are for TRM {saved_config}, this model is "
-                           f"{loaded.config['model']}; build it with the config the weights came from")
-    check_state_dict(loaded.module, state, where=str(weights))
-    try:
-        loaded.module.load_state_dict(state, strict=True)
-    except RuntimeError as exc:    # dtype casts torch refuses; keys and shapes were checked above
-        raise WeightsError(f"weights in {weights} do not load into {type(loaded.module).__name__}: "
-                           f"{str(exc)[:300]}") from None
-    loaded.weights = str(weights)
 
 
 @dataclass(frozen=True)
@@ -343,5 +327,4 @@ SOURCES: list[ModelSource] = [    # tried in order: the first whose parser takes
     ModelSource("factory", ("package.module:factory",), "an importable callable that returns an nn.Module",
                 _factory_spec, _build_factory),
 ]
-SPEC_FORMS = tuple(form for source in SOURCES for form in source.forms)
 

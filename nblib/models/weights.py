@@ -17,11 +17,6 @@ from nblib.errors import MissingDependency, WeightsError
 _SHOWN = 5
 
 
-def read_state_dict(path: str | Path) -> dict:
-    """The {name: tensor} a weights file holds (safetensors or torch); WeightsError when it is neither."""
-    return read_weights(path)[0]
-
-
 def read_weights(path: str | Path) -> tuple[dict, dict | None]:
     """(state dict, the config saved beside it or None) from a safetensors or torch weights file."""
     import torch
@@ -51,11 +46,21 @@ def read_weights(path: str | Path) -> tuple[dict, dict | None]:
     return payload, saved_config
 
 
-def load_weights(module, path: str | Path):
-    """Load a weights file into `module` strictly; returns the module. WeightsError names what differs."""
-    state = read_state_dict(path)
+def load_weights(module, path: str | Path, trm_config: dict | None = None):
+    """Load a weights file into `module` strictly; returns the module. WeightsError names what differs.
+
+    trm_config: the TRM's config; weights saved with another one (`TRMVisionEncoder.save_weights`) are refused.
+    """
+    state, saved_config = read_weights(path)
+    if trm_config is not None and saved_config is not None and saved_config != trm_config:
+        raise WeightsError(f"weights in {path} are for TRM {saved_config}, this model is "
+                           f"{trm_config}; build it with the config the weights came from")
     check_state_dict(module, state, where=str(path))
-    module.load_state_dict(state, strict=True)
+    try:
+        module.load_state_dict(state, strict=True)
+    except RuntimeError as exc:    # dtype casts torch refuses; keys and shapes were checked above
+        raise WeightsError(f"weights in {path} do not load into {type(module).__name__}: "
+                           f"{str(exc)[:300]}") from None
     return module
 
 
@@ -90,14 +95,18 @@ def save_weights(module, path: str | Path) -> Path:
     return atomic_torch_save(state, path).path
 
 
-def weights_sha256(module) -> str:
-    """sha256 over every parameter and buffer (name, dtype, shape, bytes), in name order."""
+def weights_sha256(module, *, typed: bool = True) -> str:
+    """sha256 over every parameter and buffer (name, dtype, shape, bytes), in name order.
+
+    typed=False hashes each name and its bytes only: the TRM's fingerprint that encode run manifests record
+    under "weights" (`EncodeModel.fingerprints`), kept so runs started before the model contract still resume.
+    """
     import torch
 
     h = hashlib.sha256()
     for name, tensor in sorted(module.state_dict().items()):
         t = tensor.detach().cpu().contiguous()
-        h.update(f"{name}|{t.dtype}|{list(t.shape)}|".encode())
+        h.update(f"{name}|{t.dtype}|{list(t.shape)}|".encode() if typed else name.encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
