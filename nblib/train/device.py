@@ -152,10 +152,3 @@ def dropout_seed(seed: int, step: int, rank: int) -> int:
     """The seed of torch's generator for `step` on `rank`: one stream per (seed, step, rank), in [0, 2^63)."""
     digest = hashlib.sha256(f"nblib.train.dropout:{seed}:{step}:{rank}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
-
-
-def autocast(device: str, precision: str):
-    """The forward's autocast for a run's precision on `device` (none for fp32): `nblib.trm.autocast`'s rule."""
-    from nblib.trm import autocast as precision_autocast
-
-    return precision_autocast(precision, device)

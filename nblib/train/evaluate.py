@@ -106,7 +106,7 @@ def class_scores(net, cache, *, batch_size: int, device: str, precision: str) ->
     """Softmax probabilities [images, classes] (float32) of every image of `cache`, in index order."""
     import torch
 
-    from .device import autocast
+    from nblib.trm import autocast
 
     if precision == "fp16" and not device.startswith("cuda"):
         precision = "fp32"                          # fp16 autocast is a CUDA thing; bf16 and fp32 run anywhere
@@ -115,7 +115,7 @@ def class_scores(net, cache, *, batch_size: int, device: str, precision: str) ->
         for start in range(0, len(cache), batch_size):
             stop = min(len(cache), start + batch_size)
             images = torch.from_numpy(cache.get_batch(start, stop)).to(device)
-            with autocast(device, precision):
+            with autocast(precision, device):
                 logits = net(images).float()
             if scores is None:
                 scores = np.empty((len(cache), logits.shape[1]), dtype=np.float32)

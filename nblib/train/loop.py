@@ -26,11 +26,12 @@ from nblib.atomic import atomic_torch_save, sha256_json
 from nblib.disk import refuse_overlap
 from nblib.errors import ConfigError, ResumeMismatch, TrainingDiverged
 from nblib.manifest import write_manifest
+from nblib.trm import autocast
 from nblib.units import fmt_duration, fmt_rate
 
 from .config import TrainConfig
 from .data import BatchPlan, StepBatches
-from .device import as_nblib_error, autocast, deterministic, dropout_seed, require_device
+from .device import as_nblib_error, deterministic, dropout_seed, require_device
 from .objstore import check_run_folders
 from .records import RecordTask
 from .state import STATE_FORMAT, capture_rng, check_identity, check_model, restore_rng, seed_everything
@@ -377,7 +378,7 @@ def train_step(net, optimizer, scheduler, scaler, batches, config, loss_fn=None)
         tensors = [t.to(config.device, non_blocking=True) for t in tensors]  # from pinned memory on CUDA: async
         sync = k == config.accumulation - 1 or not hasattr(net, "no_sync")
         with contextlib.nullcontext() if sync else net.no_sync():
-            with autocast(config.device, config.precision):
+            with autocast(config.precision, config.device):
                 loss = (loss_fn or _cross_entropy)(net, *tensors) / config.accumulation
             scaler.scale(loss).backward()
         total += float(loss.detach())

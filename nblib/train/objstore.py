@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import errno
 import functools
+import itertools
 import logging
 import os
 import re
 from pathlib import Path, PurePosixPath
 
 from nblib.atomic import WrittenFile, algorithm_of, digest_bytes, torch_zip_crc32
+from nblib.disk import overlap
 from nblib.errors import ConfigError, InputError, StateError
 from nblib.store.parts import CHECKPOINT_HASH, FileOps
 
@@ -117,18 +119,16 @@ def check_bucket_exists(url: str, storage_options: dict | None = None, timeout_s
 def _refuse_nesting(folders: dict[str, Path]) -> None:
     """ConfigError naming two of the run's folders that are one folder, or one inside the other."""
     resolved = {flag: path.expanduser().resolve() for flag, path in folders.items()}
-    names = list(resolved)
-    for i, a in enumerate(names):
-        for b in names[i + 1:]:
-            pa, pb = resolved[a], resolved[b]
-            if pa == pb:
-                raise ConfigError(f"{a} and {b} are the same folder ({pa}): {_why(b, a, same=True)}; "
-                                  f"pass another {b}")
-            if pa.is_relative_to(pb) or pb.is_relative_to(pa):
-                inner, outer = (a, b) if pa.is_relative_to(pb) else (b, a)
-                raise ConfigError(f"{inner} {resolved[inner]} is inside {outer} {resolved[outer]}: "
-                                  f"{_why(inner, outer)}; keep them side by side (e.g. work/cache, work/run, "
-                                  f"/content/drive/MyDrive/run)")
+    for a, b in itertools.combinations(resolved, 2):
+        how = overlap(resolved[a], resolved[b])
+        if how == "is":
+            raise ConfigError(f"{a} and {b} are the same folder ({resolved[a]}): {_why(b, a, same=True)}; "
+                              f"pass another {b}")
+        if how is not None:
+            inner, outer = (a, b) if how == "sits inside" else (b, a)
+            raise ConfigError(f"{inner} {resolved[inner]} is inside {outer} {resolved[outer]}: "
+                              f"{_why(inner, outer)}; keep them side by side (e.g. work/cache, work/run, "
+                              f"/content/drive/MyDrive/run)")
 
 
 def _why(inner: str, outer: str, same: bool = False) -> str:

@@ -24,10 +24,10 @@ from torch import nn
 from nblib.atomic import sha256_json
 from nblib.cache.record_reader import RecordShardShuffle
 from nblib.errors import ConfigError, InputError
+from nblib.trm import autocast
 
 from .config import TrainConfig
 from .data import BatchPlan, split
-from .device import autocast
 from .task import EVAL_BATCH, contract_identity, freeze_unreached, host, is_trm, runs_on
 
 LOSSES = ("auto", "ce", "mse")
@@ -404,7 +404,7 @@ class RecordTask:
         for start in range(0, len(self.held_idx), EVAL_BATCH):
             batch = collate_records([self.dataset[int(i)] for i in self.held_idx[start:start + EVAL_BATCH]])
             inputs, target, lengths, in_lengths = (t.to(config.device) for t in batch[:4])
-            with autocast(config.device, config.precision):
+            with autocast(config.precision, config.device):
                 out = self.forward(model, inputs, in_lengths)
             per, counted, right = loss_terms(out, target, lengths, self.loss_name)
             total += float((per * counted).sum())

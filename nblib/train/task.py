@@ -29,10 +29,10 @@ import torch.nn.functional as F
 
 from nblib.config import named_config as model_config  # the encoder shape a profile or preset trains
 from nblib.errors import ConfigError, NblibError
+from nblib.trm import autocast
 
 from .config import EVAL_BATCH, TrainConfig
 from .data import BatchPlan, LabelledImages, label_digest, labels_for_cache, split
-from .device import autocast
 from .model import HEAD_SEED_SALT, Classifier
 
 log = logging.getLogger(__name__)
@@ -185,7 +185,7 @@ class ImageTask:
             idx = self.held_idx[start:start + EVAL_BATCH]
             images = torch.from_numpy(np.stack([self.held_cache[int(i)] for i in idx])).to(config.device)
             target = torch.from_numpy(self.held_labels[idx]).to(config.device)
-            with autocast(config.device, config.precision):
+            with autocast(config.precision, config.device):
                 logits = model(images).float()
             loss_sum += float(F.cross_entropy(logits, target, reduction="sum"))
             correct += int((logits.argmax(1) == target).sum())
