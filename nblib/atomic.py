@@ -18,7 +18,6 @@ import os
 import queue
 import secrets
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -97,16 +96,23 @@ class AtomicWriter:
 
     sha256 runs on a background thread (sha256 and file writes both release the GIL), and the
     fsync in `commit` overlaps the hashing thread's last blocks; xxh3_128 (`algorithm`) is fast
-    enough to run inline. `discard` (or leaving a `with` block without `commit`) deletes the
-    temporary file; nothing is renamed.
+    enough to run inline. Each 1 MiB piece is hashed right after its copy into the file, while it is
+    still in the CPU's cache (a 210 MB state hashed from memory took 0.08 s, its pieces 0.01 s).
+    `writeback=False` starts no writeback while writing (`start_writeback`): the fsync in `commit` does.
+    `discard` (or leaving a `with` block without `commit`) deletes the temporary file; nothing is
+    renamed. A caller whose threads keep every core busy writes on its own thread (the CPU work) and
+    leaves `commit` (the wait for the disk) to another.
     """
 
-    def __init__(self, path: str | Path, *, background_hash: bool = True, algorithm: str = "sha256"):
+    PIECE = 1 << 20
+
+    def __init__(self, path: str | Path, *, background_hash: bool = True, algorithm: str = "sha256",
+                 writeback: bool = True):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd, self.temporary = new_temporary(self.path)
         self._file: IO[bytes] | None = os.fdopen(fd, "wb")
-        self.algorithm = algorithm
+        self.algorithm, self.writeback = algorithm, writeback
         self._hash = _BackgroundSha256() if background_hash and algorithm == "sha256" else new_hash(algorithm)
         self.bytes = 0
         self._written_back = 0
@@ -118,21 +124,28 @@ class AtomicWriter:
         The hash reads the buffer later, on its thread: do not change it before `commit`.
         """
         view = memoryview(data).cast("B")
-        self._file.write(view)
-        self._hash.update(view)
+        for start in range(0, view.nbytes, self.PIECE):
+            piece = view[start:start + self.PIECE]
+            self._file.write(piece)
+            self._hash.update(piece)
         self.bytes += view.nbytes
-        if self.bytes - self._written_back >= WRITEBACK_BYTES:
+        if self.writeback and self.bytes - self._written_back >= WRITEBACK_BYTES:
             self._file.flush()
             start_writeback(self._file.fileno(), self._written_back, self.bytes - self._written_back)
             self._written_back = self.bytes
         return view.nbytes
 
+    def flush(self) -> None:
+        """Flush the file's buffer (a writer such as torch.save calls it when it ends)."""
+        self._file.flush()
+
     def commit(self, expect_digest: str | None = None, *, sync_dir: bool = True) -> WrittenFile:
         """Flush, fsync, rename onto `path`, fsync the folder; the file's size and digest.
 
         With `expect_digest` (of this writer's algorithm), a file whose bytes hash differently is
-        discarded and ValueError raised, so a mismatching rewrite never replaces anything. `sync_dir=False` leaves the
-        folder's fsync to the caller (one fsync after several renames, the last file's commit).
+        discarded and ValueError raised, so a mismatching rewrite never replaces anything. A failed
+        close or rename discards the temporary too. `sync_dir=False` leaves the folder's fsync to the
+        caller (one fsync after several renames, the last file's commit).
         """
         if self.result is not None:
             return self.result
@@ -143,12 +156,15 @@ class AtomicWriter:
             if expect_digest is not None and digest != expect_digest:
                 raise ValueError(f"{self.path.name}: the bytes written hash to {digest[:21]}..., "
                                  f"expected {expect_digest[:21]}...")
+            file, self._file = self._file, None
+            file.close()
+            os.replace(self.temporary, self.path)
         except BaseException:
             self.discard()
             raise
-        self.result = _publish(self._file.close, self.temporary, self.path, self.discard, sync_dir=sync_dir,
-                               nbytes=self.bytes, digest=digest)
-        self._file = None
+        if sync_dir:
+            fsync_dir(self.path.parent)
+        self.result = WrittenFile(self.path, self.bytes, digest, self.path.stat().st_mtime_ns)
         return self.result
 
     def discard(self) -> None:
@@ -199,8 +215,10 @@ def atomic_torch_save(obj, path: str | Path, *, sync_dir: bool = True, algorithm
     return torch_save_temporary(obj, path, algorithm=algorithm, zip_crc32=zip_crc32).commit(sync_dir=sync_dir)
 
 
-def torch_save_temporary(obj, path: str | Path, *, algorithm: str = "sha256", zip_crc32: bool = True) -> TorchTemporary:
-    """`torch.save` into a temporary beside `path`, hashed as written: the first half of `atomic_torch_save`.
+def torch_save_temporary(obj, path: str | Path, *, algorithm: str = "sha256", zip_crc32: bool = True) -> AtomicWriter:
+    """`torch.save` into a temporary beside `path`, hashed as written, not yet durable: the first half of
+    `atomic_torch_save`; the writer's `commit` fsyncs it, renames it onto `path` and fsyncs the folder, its
+    `discard` deletes it.
 
     torch writes through the temporary's own descriptor: given the path, it opened the file `new_temporary` made
     again with O_TRUNC, and ext4 allocates a truncated file's blocks as it is closed (auto_da_alloc, its guard for
@@ -209,92 +227,14 @@ def torch_save_temporary(obj, path: str | Path, *, algorithm: str = "sha256", zi
     """
     import torch
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = new_temporary(path)
-    pending = TorchTemporary(path, fd, tmp)
+    writer = AtomicWriter(path, background_hash=False, algorithm=algorithm, writeback=False)
     try:
-        with torch_zip_crc32(zip_crc32), open(fd, "wb", closefd=False) as file:
-            hashed = _HashedWrites(file, new_hash(algorithm))
-            torch.save(obj, hashed)
-        pending.digest, pending.bytes = digest_string(algorithm, hashed.digest.hexdigest()), hashed.bytes
+        with torch_zip_crc32(zip_crc32):
+            torch.save(obj, writer)
     except BaseException:
-        pending.discard()
+        writer.discard()
         raise
-    return pending
-
-
-class _HashedWrites:
-    """A binary file's write and flush, each block hashed as it is written (no reading back): in 1 MiB pieces, each
-    hashed right after its copy into the file, while it is still in the CPU's cache (a 210 MB state hashed from
-    memory took 0.08 s, its pieces 0.01 s).
-    """
-
-    PIECE = 1 << 20
-
-    def __init__(self, file: IO, digest):
-        self.file, self.digest, self.bytes = file, digest, 0
-
-    def write(self, data) -> int:
-        view = memoryview(data).cast("B")
-        for start in range(0, view.nbytes, self.PIECE):
-            piece = view[start:start + self.PIECE]
-            self.file.write(piece)
-            self.digest.update(piece)
-        self.bytes += view.nbytes
-        return view.nbytes
-
-    def flush(self) -> None:
-        self.file.flush()
-
-
-class TorchTemporary:
-    """A torch.save in its temporary, hashed as written, not yet durable: `commit` fsyncs it, renames it onto `path`
-    and fsyncs the folder; `discard` deletes it. A caller whose threads keep every core busy serializes on its own
-    thread (the CPU work) and leaves `commit` (the wait for the disk) to another.
-    """
-
-    def __init__(self, path: Path, fd: int, tmp: Path):
-        self.path, self.fd, self.tmp = path, fd, tmp
-        self.digest, self.bytes = "", 0              # what torch wrote, set once it has
-
-    def commit(self, *, sync_dir: bool = True) -> WrittenFile:
-        try:
-            os.fsync(self.fd)
-        except BaseException:
-            self.discard()
-            raise
-        return _publish(self._close, self.tmp, self.path, self.discard, sync_dir=sync_dir,
-                        nbytes=self.bytes, digest=self.digest)
-
-    def _close(self) -> None:
-        fd, self.fd = self.fd, None
-        os.close(fd)
-
-    def discard(self) -> None:
-        """Close and delete the temporary (nothing is renamed)."""
-        if self.fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(self.fd)
-            self.fd = None
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.tmp)
-
-
-def _publish(close: Callable[[], None], temporary: Path, path: Path, discard: Callable[[], None], *,
-             sync_dir: bool, nbytes: int, digest: str) -> WrittenFile:
-    """The end of a commit, its temporary fsynced: close it, rename it onto `path` (discarded if either fails),
-    fsync the folder unless the caller does (`sync_dir=False`); what was written.
-    """
-    try:
-        close()
-        os.replace(temporary, path)
-    except BaseException:
-        discard()
-        raise
-    if sync_dir:
-        fsync_dir(path.parent)
-    return WrittenFile(path, nbytes, digest, path.stat().st_mtime_ns)
+    return writer
 
 
 def new_temporary(path: Path) -> tuple[int, Path]:

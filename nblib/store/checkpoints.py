@@ -80,7 +80,7 @@ class CheckpointFolder:
         return written.path
 
     def serialize(self, obj, name: str, version: int):
-        """The CPU half of `save`, now: torch.save `obj` into a temporary (`atomic.TorchTemporary`), hashed as
+        """The CPU half of `save`, now: torch.save `obj` into a temporary (an `atomic.AtomicWriter`), hashed as
         written; `commit` does the rest (fsync, rename, record), the wait for the disk, on any thread. A local
         folder only.
         """
