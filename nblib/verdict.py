@@ -56,8 +56,23 @@ def verdict(right: bool) -> str:
     return "right" if right else "wrong"
 
 
+class _Call:
+    """What both verdicts share: a call is firm unless its direction is "same", and its text names b and a."""
+
+    @property
+    def distinguishable(self) -> bool:
+        return self.direction != "same"
+
+    def text(self, *words: str) -> str:
+        """'b vs a: ' and the call (`short(*words)`: a paired verdict's words for higher and lower)."""
+        return f"{self.b} vs {self.a}: {self.short(*words)}"
+
+    def __str__(self) -> str:
+        return self.text()
+
+
 @dataclass(frozen=True)
-class PairedVerdict:
+class PairedVerdict(_Call):
     """How `b` compares with `a` over paired runs (or runs against a fixed figure `a`): median ratio, interval, call."""
 
     a: str
@@ -93,10 +108,6 @@ class PairedVerdict:
         if not self.enough_runs:
             return "same"
         return firm_direction(self.ratio, self.low, self.high, self.min_effect)
-
-    @property
-    def distinguishable(self) -> bool:
-        return self.direction != "same"
 
     @property
     def within_effect(self) -> bool:
@@ -149,15 +160,9 @@ class PairedVerdict:
         return (f"{head}: not distinguishable here, cannot tell (the interval reaches across {past}: the difference "
                 f"may be smaller or larger than a call needs)")
 
-    def text(self, higher: str = "higher", lower: str = "lower") -> str:
-        return f"{self.b} vs {self.a}: {self.short(higher, lower)}"
-
-    def __str__(self) -> str:
-        return self.text()
-
 
 @dataclass(frozen=True)
-class MemoryVerdict:
+class MemoryVerdict(_Call):
     """How much more memory `b` holds than `a`, over paired runs, against the noise of RSS itself."""
 
     a: str
@@ -180,10 +185,6 @@ class MemoryVerdict:
         if self.high < 0 and -self.difference > floor:
             return "less"
         return "same"
-
-    @property
-    def distinguishable(self) -> bool:
-        return self.direction != "same"
 
     @property
     def reason(self) -> str:
@@ -209,12 +210,6 @@ class MemoryVerdict:
         if self.direction == "same":
             return f"{head}: too small to see here"
         return f"{head}: {self.direction}"
-
-    def text(self) -> str:
-        return f"{self.b} vs {self.a}: {self.short()}"
-
-    def __str__(self) -> str:
-        return self.text()
 
 
 def paired_order(n_others: int, passes: int) -> list[tuple[int, int]]:
