@@ -10,7 +10,6 @@ from __future__ import annotations
 from nblib.disk import DiskDelta, disk_usage
 from nblib.malloc import pin_malloc_mmap_threshold
 from nblib.measure.encoder import encoder_peak
-from nblib.measure.rss import PeakMemory
-from nblib.measure.tensors import synchronize
+from nblib.measure.rss import PeakMemory, synchronize
 
 __all__ = ["PeakMemory", "DiskDelta", "disk_usage", "encoder_peak", "pin_malloc_mmap_threshold", "synchronize"]

@@ -8,6 +8,7 @@ when this process has already started CUDA it reads torch's max allocated/reserv
 an RSS measurement would add ~1.5 GB of RSS and ~0.5 GB of VRAM to it. Trade-off: children are only
 sampled, so a child's millisecond spike can slip between samples; the thread costs < 1% of a core.
 torch is imported only if it is already loaded, so measuring never drags torch into a process.
+`synchronize` waits for a device's kernels before a clock is read.
 """
 from __future__ import annotations
 
@@ -127,6 +128,17 @@ def peak_rss() -> int:
     except OSError:
         pass
     return 0
+
+
+def synchronize(device) -> None:
+    """Wait for `device`'s queued kernels (CUDA), so a clock read after it times the work; no-op on CPU.
+
+    `device`: a torch.device or its name ("cuda:0", "cpu"). torch is imported inside, as everywhere here.
+    """
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _cuda_torch():
