@@ -79,36 +79,44 @@ def interleaved(runs: Mapping[str, Callable[[], float]], repeats: int = MIN_REPE
     """
     names = list(runs)
     got: dict[str, list[float]] = {name: [] for name in names}
-    bar = _bar(len(names) * repeats, progress)
-    rounds, deadline, per_round = 0, None, 0.0
-    try:
-        while rounds < repeats or _undecided(got, decide, rounds, max_repeats, budget_s, deadline, per_round):
-            if rounds == repeats and deadline is None:
-                deadline = time.perf_counter() + (budget_s or 0.0)
-                if bar is not None:   # the added rounds on a bar of their own, with no total (the verdicts decide)
-                    bar.close()
-                    bar = progress_bar(None, f"{bar.desc}, more repeats while undecided (up to {budget_s or 0:g} s)",
-                                       "run")
-            start = time.perf_counter()
-            for name in interleaved_order(names, rounds + 1)[-len(names):]:
-                got[name].append(float(runs[name]()))
-                if bar is not None:
-                    bar.update(1)
-            per_round, rounds = time.perf_counter() - start, rounds + 1
-    finally:
-        if bar is not None:
-            bar.close()
+
+    def measure_round(r: int, bar) -> None:
+        for name in interleaved_order(names, r + 1)[-len(names):]:
+            got[name].append(float(runs[name]()))
+            bar.update(1)
+
+    rounds(measure_round, repeats, len(names), progress if isinstance(progress, str) else "measuring",
+           lambda: any(verdict_of_pairs(got[a], got[b]).undecided for a, b in decide),
+           budget_s=budget_s, max_repeats=max_repeats, progress=bool(progress))
     return {name: Spread(tuple(values)) for name, values in got.items()}
 
 
-def _undecided(got: dict, decide, rounds: int, max_repeats: int, budget_s: float | None, deadline: float | None,
-               per_round: float) -> bool:
-    """Another round: a verdict of `decide` is undecided, and a round fits the budget and the cap."""
-    if not decide or budget_s is None or rounds >= max_repeats:
-        return False
-    if deadline is not None and time.perf_counter() + per_round > deadline:
-        return False
-    return any(verdict_of_pairs(got[a], got[b]).undecided for a, b in decide)
+def rounds(measure_round: Callable[[int, object], None], repeats: int, runs_per_round: int, desc: str,
+           undecided: Callable[[], bool], *, budget_s: float | None = None, max_repeats: int = MAX_PAIRS,
+           progress: bool = True) -> int:
+    """Call `measure_round(round, bar)` `repeats` times, then again while `undecided()` and a round fits.
+
+    The added rounds run for at most `budget_s` seconds (a round that would end past it is not begun) and up to
+    `max_repeats` rounds in all. `measure_round` updates the suite's bar once per run: `runs_per_round` runs a
+    round on a bar with their total, then the added rounds on a second bar with none (a total that grew made the
+    bar fall back from 100%: newcomer P8). Returns the rounds run.
+    """
+    bar = progress_bar(repeats * runs_per_round, desc, "run", disable=not progress)
+    done, deadline, per_round = 0, None, 0.0
+    try:
+        while done < repeats or (budget_s is not None and done < max_repeats and (
+                deadline is None or time.perf_counter() + per_round <= deadline) and undecided()):
+            if done == repeats:           # the added rounds, on a bar of their own (the verdicts decide how many)
+                deadline = time.perf_counter() + budget_s
+                bar.close()
+                bar = progress_bar(None, f"{desc}, more repeats while undecided (up to {budget_s:g} s)", "run",
+                                   disable=not progress)
+            start = time.perf_counter()
+            measure_round(done, bar)
+            per_round, done = time.perf_counter() - start, done + 1
+    finally:
+        bar.close()
+    return done
 
 
 def interleaved_order(names: Sequence, repeats: int) -> list:
@@ -131,12 +139,6 @@ def compare(a: Spread, b: Spread, names: tuple[str, str] = ("a", "b")) -> Verdic
     """
     n = min(a.n, b.n)
     return verdict_of_pairs(a.values[:n], b.values[:n], names)
-
-
-def _bar(total: int, progress: bool | str):
-    if not progress:
-        return None
-    return progress_bar(total, progress if isinstance(progress, str) else "measuring", "run")
 
 
 def progress_bar(total: int, desc: str, unit: str, *, initial: int = 0, disable: bool = False,

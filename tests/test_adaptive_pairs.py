@@ -162,7 +162,7 @@ def test_the_formats_comparison_shows_the_suites_bar_over_every_run_it_makes(mon
 
     rates = {"zlib": 1.0, "raw": 1.15, "zstd": 3.0}
     rng = np.random.default_rng(7)
-    current, bars = ["zlib"], []
+    current, bars, original = ["zlib"], [], compare.progress_bar
 
     def fake_functions(fmt, images, target, shard_mb, batch_size):
         current[0] = fmt
@@ -171,14 +171,14 @@ def test_the_formats_comparison_shows_the_suites_bar_over_every_run_it_makes(mon
         return (lambda: None), (lambda: None), (lambda: (lambda i: None))
 
     def recorded_bar(*args, **kwargs):
-        bars.append(compare.progress_bar(*args, **kwargs))
+        bars.append(original(*args, **kwargs))
         return bars[-1]
 
     monkeypatch.setattr(cache_formats, "_functions", fake_functions)
     monkeypatch.setattr(cache_formats, "_seconds",
                         lambda fn: 1.0 / (rates[current[0]] * (1 + 0.2 * rng.standard_normal())))
     monkeypatch.setattr(cache_formats, "_until", lambda deadline, picks, read: 10)
-    monkeypatch.setattr(cache_formats, "progress_bar", recorded_bar)
+    monkeypatch.setattr(compare, "progress_bar", recorded_bar)        # the bars of `compare.rounds`
     rows = cache_formats.compare_formats(np.zeros((4, 8, 8, 3), np.uint8), tmp_path, formats=tuple(rates),
                                          repeats=5, reference="zlib", budget_s=60.0, random_s=0.0, min_read_s=0.0)
     runs = len(rates) * len(rows[0]["write_runs"])

@@ -12,6 +12,7 @@ interleaved, and returns the ratio (the check's cost). `benchmarks/cache_through
 """
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import statistics
@@ -22,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from nblib.cache import ShardedImageCache, write_images
-from nblib.compare import progress_bar
+from nblib.compare import rounds
 from nblib.verdict import MAX_PAIRS, MIN_PAIRS, verdict_of_pairs
 
 NBLIB_CODECS = ("raw", "zlib", "zstd", "png")
@@ -52,21 +53,16 @@ def compare_formats(images: np.ndarray, folder: str | Path, *, formats: Sequence
     picks = rng.integers(0, len(images), size=min(n_random, 4 * len(images)))
     samples: dict[str, dict[str, list[float]]] = {f: {"write": [], "in_order": [], "random": []} for f in formats}
     sizes: dict[str, int] = {}
-    r, deadline, per_repeat = 0, None, 0.0
-    bar = progress_bar(repeats * len(formats), "formats", "run", disable=not progress)
-    try:
-        while r < repeats or _more_repeats(samples, reference, r, max_repeats, deadline, per_repeat, budget_s):
-            if r == repeats:              # a verdict is undecided: more repeats, on a bar of their own
-                deadline = time.perf_counter() + budget_s
-                bar.close()
-                bar = progress_bar(None, f"formats, more repeats while undecided (up to {budget_s:g} s)", "run",
-                                   disable=not progress)
-            start = time.perf_counter()
-            _one_repeat(samples, sizes, images, folder, formats, r, picks, shard_mb, batch_size, random_s,
-                        min_read_s, bar)
-            per_repeat, r = time.perf_counter() - start, r + 1
-    finally:
-        bar.close()
+
+    def undecided() -> bool:
+        """A rate of some format against `reference` is undecided: more repeats could change its call."""
+        base = samples.get(reference)
+        return base is not None and any(verdict_of_pairs(base[key], runs[key]).undecided
+                                        for fmt, runs in samples.items() if fmt != reference for key in runs)
+
+    rounds(functools.partial(_one_repeat, samples, sizes, images, folder, formats, picks, shard_mb, batch_size,
+                             random_s, min_read_s), repeats, len(formats), "formats", undecided,
+           budget_s=budget_s, max_repeats=max_repeats, progress=progress)
     rows = []
     for fmt in formats:
         row = {"format": fmt, "bytes_per_image": sizes[fmt] / len(images)}
@@ -78,8 +74,9 @@ def compare_formats(images: np.ndarray, folder: str | Path, *, formats: Sequence
     return rows
 
 
-def _one_repeat(samples: dict, sizes: dict, images: np.ndarray, folder: Path, formats: Sequence[str], r: int,
-                picks: np.ndarray, shard_mb: float, batch_size: int, random_s: float, min_read_s: float, bar) -> None:
+def _one_repeat(samples: dict, sizes: dict, images: np.ndarray, folder: Path, formats: Sequence[str],
+                picks: np.ndarray, shard_mb: float, batch_size: int, random_s: float, min_read_s: float, r: int,
+                bar) -> None:
     """Repeat `r` of `compare_formats`: every format written, read in order and at random, rotated by `r`."""
     order = list(formats[r % len(formats):]) + list(formats[:r % len(formats)])
     for fmt in order:
@@ -155,18 +152,6 @@ def formats_verdict(rows: list[dict], reference: str = "zlib") -> list[str]:
 
 
 # ====================================================================================== helpers
-
-
-def _more_repeats(samples: dict, reference: str | None, done: int, max_repeats: int, deadline: float | None,
-                  per_repeat: float, budget_s: float | None) -> bool:
-    """Another repeat after the first ones: a verdict against `reference` is undecided, and one fits the budget."""
-    if reference is None or budget_s is None or done >= max_repeats:
-        return False
-    if deadline is not None and time.perf_counter() + per_repeat > deadline:
-        return False
-    base = samples[reference]
-    return any(verdict_of_pairs(base[key], runs[key]).undecided
-               for fmt, runs in samples.items() if fmt != reference for key in runs)
 
 
 def _rate(fn: Callable[[], object], n: int, min_s: float) -> float:
