@@ -229,44 +229,43 @@ def check_level(fmt: str, level: int | None) -> int | None:
 
 def _export(out: Path, fmt: str, identity: dict, features: dict, n_files: int, table: Callable[[int], dict],
             overwrite: bool, command: list[str], level: int | None) -> ExportSummary:
-    """Stage files 0..n_files-1 that the manifest lacks, move them in place, record completion; the summary."""
+    """Stage files 0..n_files-1 that the manifest lacks, move them in place, record completion; the summary.
+
+    All of it under the folder's lock: one export writes a folder at a time, or two would mix their files.
+    """
     if out.exists() and not out.is_dir():
         raise InputError(f"{out} is a file, not a folder: an export needs a folder; pass another --out")
     with FolderLock(out, identity=run_identity(f"nblib.export:{sha256_json(identity)[:16]}"),
                     what="export folder", hint="pass another --out") as lock:
-        return _export_locked(out, fmt, identity, features, n_files, table, overwrite, command, level, lock)
-
-
-def _export_locked(out: Path, fmt: str, identity: dict, features: dict, n_files: int, table: Callable[[int], dict],
-                   overwrite: bool, command: list[str], level: int | None, lock: FolderLock) -> ExportSummary:
-    """The export, under the folder's lock: one export writes a folder at a time, or two would mix their files."""
-    names = [_file_name(fmt, k, n_files) for k in range(n_files)]
-    body = _open_manifest(out, identity, overwrite, names, command)
-    body["command"] = command  # how to finish it, as last run (the inputs may have moved)
-    remove_temporaries(out)
-    hf = _hf_features(features)
-    written, digest = 0, sha256_json(identity).encode()
-    for k, name in enumerate(names):
-        listed = body["files"].get(name)
-        if listed and any(_intact(path, listed) and _read_stamp(path, fmt) == digest
-                          for path in (out / name, _staged(out, name))):
-            continue                # in place or staged, of this export: a file of another one is rewritten
-        if body.get("complete"):
-            body["complete"] = False  # a file is redone: not complete until it is in place again
+        names = [_file_name(fmt, k, n_files) for k in range(n_files)]
+        body = _open_manifest(out, identity, overwrite, names, command)
+        body["command"] = command  # how to finish it, as last run (the inputs may have moved)
+        remove_temporaries(out)
+        hf = _hf_features(features)
+        written, digest = 0, sha256_json(identity).encode()
+        for k, name in enumerate(names):
+            listed = body["files"].get(name)
+            if listed and any(_intact(path, listed) and _read_stamp(path, fmt) == digest
+                              for path in (out / name, _staged(out, name))):
+                continue                # in place or staged, of this export: a file of another one is rewritten
+            if body.get("complete"):
+                body["complete"] = False  # a file is redone: not complete until it is in place again
+                _write_manifest(out, body, seq=len(body["files"]))
+            columns = table(k)
+            stamped = _arrow_table(columns, hf) if fmt == "hf" else _parquet_table(columns, features)
+            # the export's digest in the schema metadata (pyarrow, polars and datasets ignore it)
+            stamped = stamped.replace_schema_metadata({**(stamped.schema.metadata or {}), STAMP: digest})
+            data = _encode(fmt, stamped, level)
+            result = atomic_write_bytes(_staged(out, name), data)
+            body["files"][name] = {"bytes": result.bytes, "sha256": result.sha256}
             _write_manifest(out, body, seq=len(body["files"]))
-        columns = table(k)
-        stamped = _arrow_table(columns, hf) if fmt == "hf" else _parquet_table(columns, features)
-        data = _encode(fmt, _stamp(stamped, identity), level)
-        result = atomic_write_bytes(_staged(out, name), data)
-        body["files"][name] = {"bytes": result.bytes, "sha256": result.sha256}
-        _write_manifest(out, body, seq=len(body["files"]))
-        written += 1
-    if not body.get("complete"):
-        lock.check()
-        _finish(out, body, fmt, hf, names, identity)
-    n_rows = sum(stop - start for start, stop in identity["rows"])
-    on_disk = sum(p.stat().st_size for p in out.iterdir() if p.is_file() and not p.name.startswith(LOCK_PREFIX))
-    return ExportSummary(str(out), fmt, n_rows, n_files, written, n_files - written, on_disk)
+            written += 1
+        if not body.get("complete"):
+            lock.check()
+            _finish(out, body, fmt, hf, names, identity)
+        n_rows = sum(stop - start for start, stop in identity["rows"])
+        on_disk = sum(p.stat().st_size for p in out.iterdir() if p.is_file() and not p.name.startswith(LOCK_PREFIX))
+        return ExportSummary(str(out), fmt, n_rows, n_files, written, n_files - written, on_disk)
 
 
 def _finish(out: Path, body: dict, fmt: str, hf, names: list[str], identity: dict) -> None:
@@ -387,11 +386,6 @@ def _read_stamp(path: Path, fmt: str) -> bytes | None:
     except (OSError, pa.ArrowInvalid):
         return None
     return (schema.metadata or {}).get(STAMP)
-
-
-def _stamp(table, identity: dict):
-    """The table with its export's digest in the schema metadata (pyarrow, polars and datasets ignore it)."""
-    return table.replace_schema_metadata({**(table.schema.metadata or {}), STAMP: sha256_json(identity).encode()})
 
 
 def _command(folder: Path, body: dict) -> str:
