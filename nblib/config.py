@@ -15,7 +15,7 @@ from nblib.errors import ConfigError
 
 __all__ = [
     "CODECS", "OUTPUT_CHOICES", "OUTPUT_DTYPES", "OUTPUT_NAMES", "PROFILES", "ModelConfig", "PipelineConfig",
-    "RunConfig", "for_profile", "named_config", "preset", "preset_names", "table", "validate",
+    "RunConfig", "for_profile", "named_config", "preset", "preset_names", "table",
 ]
 
 OUTPUT_NAMES = ("sketches", "checksums", "children")
@@ -106,8 +106,40 @@ class PipelineConfig:
         return cfg.validate()
 
     def validate(self) -> PipelineConfig:
-        """Return self if every field is in range, else raise ConfigError naming the field."""
-        validate(self)
+        """Self if every field is in range, else a ConfigError naming the first one out and the allowed range."""
+        m, r = self.model, self.run
+        for section, obj in (("model", m), ("run", r)):
+            for f in fields(obj):
+                value = getattr(obj, f.name)
+                if f.type in ("int", int):
+                    _require_int(f"{section}.{f.name}", value,
+                                 minimum=0 if f.name in ("workers", "seed") else 1)
+        if r.seed >= SEED_LIMIT:
+            raise ConfigError(f"run.seed={r.seed} is out of range; allowed: integers from 0 to 2**64 - 1 "
+                              f"(torch.manual_seed and numpy's SeedSequence take no larger seed)")
+        if m.image_size % m.patch:
+            raise ConfigError(
+                f"model.image_size={m.image_size} is not divisible by model.patch={m.patch}; "
+                f"pick an image size that is a multiple of the patch "
+                f"(e.g. {m.image_size // m.patch * m.patch or m.patch})")
+        if m.dim % m.heads:
+            raise ConfigError(
+                f"model.dim={m.dim} is not divisible by model.heads={m.heads}; "
+                f"use heads in {{{', '.join(str(h) for h in _divisors(m.dim) if h <= 64)}}}")
+        if m.capsules > m.tokens:
+            raise ConfigError(f"model.capsules={m.capsules} exceeds the {m.tokens} patch tokens; allowed range is "
+                              f"1..{m.tokens}")
+        if r.out_dtype not in OUTPUT_DTYPES:
+            raise ConfigError(f"run.out_dtype={r.out_dtype!r} is not supported; choose one of {OUTPUT_DTYPES}")
+        if not r.outputs or any(o not in OUTPUT_NAMES for o in r.outputs) or len(set(r.outputs)) != len(r.outputs):
+            raise ConfigError(f"run.outputs={r.outputs!r}: pick one or more distinct names of {OUTPUT_NAMES}")
+        if r.checkpoint_every % r.consolidate_every:
+            raise ConfigError(
+                f"run.checkpoint_every={r.checkpoint_every} is not a multiple of "
+                f"run.consolidate_every={r.consolidate_every}; make it one (e.g. "
+                f"{max(1, r.checkpoint_every // r.consolidate_every) * r.consolidate_every})")
+        if r.codec not in CODECS:
+            raise ConfigError(f"run.codec={r.codec!r} is not supported; choose one of {CODECS}")
         return self
 
     def to_dict(self) -> dict:
@@ -159,42 +191,6 @@ def preset_names() -> tuple[str, ...]:
 
 
 SEED_LIMIT = 2 ** 64  # torch.manual_seed and numpy's SeedSequence take seeds below this
-
-
-def validate(cfg: PipelineConfig) -> None:
-    """Raise ConfigError naming the first field out of range, with the allowed range."""
-    m, r = cfg.model, cfg.run
-    for section, obj in (("model", m), ("run", r)):
-        for f in fields(obj):
-            value = getattr(obj, f.name)
-            if f.type in ("int", int):
-                _require_int(f"{section}.{f.name}", value,
-                             minimum=0 if f.name in ("workers", "seed") else 1)
-    if r.seed >= SEED_LIMIT:
-        raise ConfigError(f"run.seed={r.seed} is out of range; allowed: integers from 0 to 2**64 - 1 "
-                          f"(torch.manual_seed and numpy's SeedSequence take no larger seed)")
-    if m.image_size % m.patch:
-        raise ConfigError(
-            f"model.image_size={m.image_size} is not divisible by model.patch={m.patch}; "
-            f"pick an image size that is a multiple of the patch (e.g. {m.image_size // m.patch * m.patch or m.patch})")
-    if m.dim % m.heads:
-        raise ConfigError(
-            f"model.dim={m.dim} is not divisible by model.heads={m.heads}; "
-            f"use heads in {{{', '.join(str(h) for h in _divisors(m.dim) if h <= 64)}}}")
-    if m.capsules > m.tokens:
-        raise ConfigError(f"model.capsules={m.capsules} exceeds the {m.tokens} patch tokens; allowed range is "
-                          f"1..{m.tokens}")
-    if r.out_dtype not in OUTPUT_DTYPES:
-        raise ConfigError(f"run.out_dtype={r.out_dtype!r} is not supported; choose one of {OUTPUT_DTYPES}")
-    if not r.outputs or any(o not in OUTPUT_NAMES for o in r.outputs) or len(set(r.outputs)) != len(r.outputs):
-        raise ConfigError(f"run.outputs={r.outputs!r}: pick one or more distinct names of {OUTPUT_NAMES}")
-    if r.checkpoint_every % r.consolidate_every:
-        raise ConfigError(
-            f"run.checkpoint_every={r.checkpoint_every} is not a multiple of "
-            f"run.consolidate_every={r.consolidate_every}; make it one (e.g. "
-            f"{max(1, r.checkpoint_every // r.consolidate_every) * r.consolidate_every})")
-    if r.codec not in CODECS:
-        raise ConfigError(f"run.codec={r.codec!r} is not supported; choose one of {CODECS}")
 
 
 def _require_int(name: str, value, minimum: int) -> None:
