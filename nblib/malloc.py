@@ -21,32 +21,19 @@ def pin_malloc_mmap_threshold(threshold_bytes: int = 256 * 1024) -> bool:
     inflates a CPU forward pass's peak RSS 1.5-1.7x over its live buffers. Pinning the
     threshold (mallopt M_MMAP_THRESHOLD) stops that. Returns False where glibc is absent.
     """
-    libc = _libc()
-    if libc is None:
-        return False
-    try:
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, int(threshold_bytes)))
-    except AttributeError:
-        return False
+    return bool(_glibc("mallopt", M_MMAP_THRESHOLD, int(threshold_bytes)))
 
 
 def release_free_heap() -> bool:
     """Hand freed heap back to the OS (glibc malloc_trim), so RSS deltas measure new memory only."""
-    libc = _libc()
-    if libc is None:
-        return False
-    try:
-        libc.malloc_trim(0)
-    except AttributeError:   # not glibc: deltas are then lower bounds
-        return False
-    return True
+    return _glibc("malloc_trim", 0) is not None   # None where glibc is absent: deltas are then lower bounds
 
 
-def _libc():
-    """The C library on Linux, or None."""
+def _glibc(function: str, *args) -> int | None:
+    """The C library's `function(*args)` on Linux; None where there is no such library or function."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), function)(*args)
+    except (OSError, AttributeError):
         return None
