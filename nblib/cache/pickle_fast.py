@@ -141,13 +141,13 @@ def fast_list_records(path: Path) -> Iterator[list] | None:
     if choice == "pure":
         return None
     try:
-        lib_ok = scanner() is not None
+        scanner()
     except ConfigError:
         if choice == "fast":
             raise
         return None
     size = path.stat().st_size
-    if not lib_ok or not size:
+    if not size:
         return None
     with open(path, "rb") as f:
         try:
@@ -338,7 +338,7 @@ class _Held:
                 and state[2].pending is None:     # numpy's (1, shape, dtype, fortran, bytes), its dtype held
             self.value = array_from_state((state[0], state[1], state[2].value, state[3], state[4]))
         else:
-            self.value = pending.build(_plain(state))
+            self.value = pending.build(_resolved(state, {}))
 
 
 class _Call:
@@ -350,7 +350,8 @@ class _Call:
         self.call = call
 
     def __call__(self, *args):
-        value = self.call(*[_plain(a) for a in args])
+        seen = {}
+        value = self.call(*[_resolved(a, seen) for a in args])
         if type(value) in _PLAIN:
             return value
         return _Held(pending=value) if isinstance(value, Pending) else _Held(value)
@@ -400,26 +401,6 @@ def _fast_global(module: str, name: str, protocol: int):
     return _Call(allowed)
 
 
-def _plain(value):
-    """An argument or state as the pure path's stand-ins receive it: held values and wrapped functions unwrapped."""
-    t = type(value)
-    if t in _ATOMS:
-        return value
-    if t is _Held:
-        if value.pending is not None:
-            raise NotFast("an array or dtype used before its BUILD")
-        return value.value
-    if t is _Call or t is _Reconstruct:
-        return value.call
-    if t is tuple:
-        return tuple([_plain(v) for v in value])
-    if t is list:
-        return [_plain(v) for v in value]
-    if t is dict:
-        return {_plain(k): _plain(v) for k, v in value.items()}
-    return value
-
-
 def _resolved_record(element):
     """`_resolved` of one element: a dict of plain and held values (the commonest record) without a call a value."""
     if type(element) is not dict:
@@ -437,7 +418,8 @@ def _resolved_record(element):
 
 def _resolved(value, seen: dict):
     """`value` with every held value and wrapped function replaced by what the pure path holds there (in place in
-    lists, dicts and objects; tuples and sets rebuilt where they change).
+    lists, dicts and objects; tuples and sets rebuilt where they change): a record, or an argument or state as the
+    pure path's stand-ins receive it.
     """
     t = type(value)
     if t in _ATOMS:

@@ -2,19 +2,9 @@
 
 Unpickling calls whatever global the file names (`os.system`, an `eval`, any importable function),
 so a record pickle is read with `ALLOWED`, an exact map from (module, name) to what runs instead:
-
-- numpy's own reconstruction (`_reconstruct`, `_frombuffer`, `scalar`, `ndarray`, `dtype`, and
-  `ml_dtypes.bfloat16` for bf16 arrays), each checked to build plain arrays only;
-- torch's `weights_only` globals for dense tensors (`torch._utils._rebuild_tensor_v2` and
-  `_rebuild_parameter`, `torch._tensor._rebuild_from_type_v2`, `torch.Size`, `torch.device`,
-  `collections.OrderedDict`/`Counter`, the `torch.*Storage` types), reimplemented to give numpy
-  arrays; plus `torch.storage._load_from_bytes`, the storage of a tensor that plain `pickle.dump`
-  wrote, which torch loads with `weights_only=False`: here its bytes are parsed, and its inner pickle
-  may name a storage type only. torch is never imported; bf16 comes back as `ml_dtypes.bfloat16`;
-- a few builtin types (`set`, `frozenset`, `complex`, `bytes`, `bytearray`, `slice`, `range`, `object`,
-  `tuple`, `list`, `dict`),
-  `_codecs.encode` (latin-1 only: how protocols 0-2 write bytes) and `copyreg._reconstructor`
-  (how protocols 0-1 write objects), checked.
+numpy's own array and dtype reconstruction, torch's `weights_only` globals for dense tensors
+(reimplemented to give numpy arrays, torch never imported), a few builtin types, `_codecs.encode`
+and `copyreg._reconstructor`, each checked (the list: docs/formats.md, "Pickle safety").
 
 Any other global (a dataclass, a namedtuple, your `Trace`) becomes a `PickledObject` subclass of that
 name: creating it (NEWOBJ) records the arguments, BUILD records the state, and calling it (REDUCE:
