@@ -186,11 +186,11 @@ def test_the_torch_dataset_checks_first_touch_by_default_in_every_dataloader_wor
 
 def test_first_touch_hashes_each_shard_once_per_process(tmp_path, monkeypatch):
     build(tmp_path, "raw")
-    from nblib.cache import reader
+    from nblib.cache import format
 
     calls = []
-    real = reader.xxh3_file
-    monkeypatch.setattr(reader, "xxh3_file", lambda p: calls.append(p.name) or real(p))
+    real = format.xxh3_file
+    monkeypatch.setattr(format, "xxh3_file", lambda p: calls.append(p.name) or real(p))
     images = ShardedImageCache(tmp_path, check="first-touch")
     for _ in range(2):
         for i in range(len(images)):

@@ -315,11 +315,54 @@ def xxh3_file(path: str | Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def damaged_error(cache_dir: Path, name: str, why: str) -> CacheError:
-    """The error a reader raises for a shard it cannot trust, with both ways to fix it."""
+def damaged_error(cache_dir: Path, name: str, why: str, rerun: str = "populate / cache") -> CacheError:
+    """The error a reader raises for a shard it cannot trust, with both ways to fix it (`rerun`: the command
+    that wrote the folder).
+    """
     return CacheError(f"shard {name} of {cache_dir} is {why}; run python -m nblib cache --verify "
-                      f"--repair {cache_dir} (or rerun the same populate / cache command with the "
+                      f"--repair {cache_dir} (or rerun the same {rerun} command with the "
                       f"inputs at hand: it rewrites damaged shards)")
+
+
+def corrupt_error(folder: Path, item: str, index: int, local: int, name: str, why: str) -> CacheError:
+    """The error a reader raises for one image or record (`item`) whose stored bytes it cannot trust."""
+    return CacheError(f"{item} {index:,} (number {local} of shard {name}) of {folder} is corrupt: {why}; it was "
+                      f"not served. Run python -m nblib cache --verify --repair {folder}")
+
+
+def check_listed_shards(folder: Path, shards: list[dict], damaged) -> list[dict]:
+    """What a reader checks on open: `damaged(name, why)` (its error) for a listed shard that is missing,
+    resized, or (stat changed) hashes differently; the shards whose stat changed but whose bytes match.
+    """
+    touched, stats = [], read_shard_stats(folder)
+    for entry in shards:
+        state = shard_state(folder, entry, stats=stats, digest="xxh3")
+        if state == "touched":
+            touched.append(entry)
+        elif state is not None:
+            raise damaged(entry["file"], WHY_DAMAGED[state])
+    return touched
+
+
+def open_listed_shard(folder: Path, entry: dict, opener, damaged, touched: set | None, items: str):
+    """`opener(path)` of a listed shard; first, where `touched` is a set (check="first-touch") not yet holding
+    its file, its whole-file xxh3 against the manifest's. `damaged(name, why)` for a malformed or changed
+    shard: none of its `items` ("images", "records") is served.
+    """
+    path = folder / entry["file"]
+    if touched is not None and entry["file"] not in touched:
+        try:
+            same = xxh3_file(path) == entry["xxh3"]
+        except OSError as exc:
+            raise damaged(entry["file"], f"unreadable ({exc})") from None
+        if not same:
+            raise damaged(entry["file"], f"not the shard the manifest records: its xxh3 differs (edited in "
+                                         f"place, its size and mtime kept); none of its {items} was served")
+        touched.add(entry["file"])
+    try:
+        return opener(path)
+    except (OSError, ValueError) as exc:
+        raise damaged(entry["file"], f"malformed ({exc})") from None
 
 
 def open_packed(path: Path, count: int, codec: str, shape) -> tuple[mmap.mmap, np.ndarray, int, np.ndarray]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -31,15 +32,14 @@ from nblib.atomic import sha256_json
 from nblib.cache.codecs import CodecSpec, codec_for
 from nblib.cache.format import (
     STAT_CACHE,
-    WHY_DAMAGED,
+    check_listed_shards,
+    corrupt_error,
     damaged_error,
+    open_listed_shard,
     open_packed,
     open_raw,
     read_cache_manifest,
-    read_shard_stats,
-    shard_state,
     warn_many_files,
-    xxh3_file,
 )
 from nblib.errors import CacheError, ConfigError
 from nblib.units import fmt_bytes
@@ -67,7 +67,7 @@ class ShardedImageCache:
         self._image_bytes = int(np.prod(self.shape))
         self._starts = np.array([s["start"] for s in self.manifest["shards"]], dtype=np.int64)
         self._open: dict[int, tuple] = {}
-        self._touched: set[int] = set()  # shards whose whole-file xxh3 matched in this process
+        self._touched: set[str] = set()  # shards whose whole-file xxh3 matched in this process
         warn_many_files(len(self.manifest["shards"]) + 1, self.cache_dir, self.manifest["shard_mb"])
         self._check_shards()
 
@@ -156,13 +156,7 @@ class ShardedImageCache:
 
     def _check_shards(self) -> None:
         """Refuse a listed shard that is missing, resized, or (stat changed) hashes differently."""
-        hashed, stats = [], read_shard_stats(self.cache_dir)
-        for entry in self.manifest["shards"]:
-            state = shard_state(self.cache_dir, entry, stats=stats, digest="xxh3")
-            if state == "touched":
-                hashed.append(entry)
-            elif state is not None:
-                raise damaged_error(self.cache_dir, entry["file"], WHY_DAMAGED[state])
+        hashed = check_listed_shards(self.cache_dir, self.manifest["shards"], partial(damaged_error, self.cache_dir))
         if hashed:
             warnings.warn(
                 f"{len(hashed)} shard(s) of {self.cache_dir} have another stat than {STAT_CACHE} "
@@ -170,33 +164,18 @@ class ShardedImageCache:
                 f"and match. python -m nblib cache --verify --repair {self.cache_dir} records the new "
                 f"stats, so opening skips the hash", stacklevel=3)
 
-    def _path(self, shard: int) -> Path:
-        return self.cache_dir / self.manifest["shards"][shard]["file"]
-
     def _handle(self, shard: int) -> tuple:
         """(memory map, ...) of a shard, opened once; with first-touch, its whole file hashed first."""
         handle = self._open.get(shard)
-        if handle is not None:
-            return handle
-        entry = self.manifest["shards"][shard]
-        if self.check == "first-touch" and shard not in self._touched:
-            try:
-                same = xxh3_file(self._path(shard)) == entry["xxh3"]
-            except OSError as exc:
-                raise damaged_error(self.cache_dir, entry["file"], f"unreadable ({exc})") from None
-            if not same:
-                raise damaged_error(self.cache_dir, entry["file"],
-                                    "not the shard the manifest records: its xxh3 differs (edited in "
-                                    "place, its size and mtime kept); none of its images was served")
-            self._touched.add(shard)
-        try:
+        if handle is None:
+            entry = self.manifest["shards"][shard]
             if self.codec == "raw":
-                handle = open_raw(self._path(shard), entry["count"], self.shape)
+                opener = partial(open_raw, count=entry["count"], shape=self.shape)
             else:
-                handle = open_packed(self._path(shard), entry["count"], self.codec, self.shape)
-        except (OSError, ValueError) as exc:
-            raise damaged_error(self.cache_dir, entry["file"], f"malformed ({exc})") from None
-        self._open[shard] = handle
+                opener = partial(open_packed, count=entry["count"], codec=self.codec, shape=self.shape)
+            handle = self._open[shard] = open_listed_shard(
+                self.cache_dir, entry, opener, partial(damaged_error, self.cache_dir),
+                self._touched if self.check == "first-touch" else None, "images")
         return handle
 
     def _copy_range(self, shard: int, lo: int, hi: int, out: np.ndarray) -> None:
@@ -236,10 +215,7 @@ class ShardedImageCache:
 
     def _corrupt(self, shard: int, local: int, why: str) -> CacheError:
         entry = self.manifest["shards"][shard]
-        return CacheError(
-            f"image {entry['start'] + local:,} (number {local} of shard {entry['file']}) of "
-            f"{self.cache_dir} is corrupt: {why}; it was not served. Run python -m nblib cache "
-            f"--verify --repair {self.cache_dir}")
+        return corrupt_error(self.cache_dir, "image", entry["start"] + local, local, entry["file"], why)
 
 
 class CacheDataset:

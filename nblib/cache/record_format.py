@@ -35,7 +35,6 @@ from nblib.cache.format import (
     RECORDS_KIND,
     SHARD_MAGIC,
     SealedShard,
-    open_packed,
     read_shards_manifest,
 )
 from nblib.cache.pickle_globals import bfloat16, storage_dtype
@@ -46,6 +45,7 @@ MANIFEST = "manifest.json"
 MANIFEST_KIND = RECORDS_KIND
 MANIFEST_VERSION = 1
 RECORD_LAYOUT = 1               # the payload layout above; sits where image shards keep their shape
+RECORD_SHAPE = (0, 0, RECORD_LAYOUT)   # what a record shard's header holds for an image shard's shape
 RECORD_CODECS = ("zstd", "raw")   # levels and their checks: the image codecs' (`nblib.cache.codecs.CODECS`)
 SHARD_SUFFIX = ".rec"
 ALIGN = 8
@@ -266,7 +266,7 @@ class RecordShardWriter(SealedShard):
         self.raw_bytes = 0
         self.max_shapes: dict[str, list[int]] = {}
         super().__init__(Path(folder) / record_shard_name(index),
-                         HEADER.pack(SHARD_MAGIC, codec.encode().ljust(4, b"\0"), 0, 0, RECORD_LAYOUT),
+                         HEADER.pack(SHARD_MAGIC, codec.encode().ljust(4, b"\0"), *RECORD_SHAPE),
                          source=True, background_hash=False)
 
     @property
@@ -292,11 +292,6 @@ class RecordShardWriter(SealedShard):
                                          "shards were written; rebuild")
         return {**entry, "index": self.index, "key": self.key, "raw_bytes": self.raw_bytes,
                 "max_shapes": dict(sorted(self.max_shapes.items()))}
-
-
-def open_record_shard(path: Path, count: int, codec: str):
-    """Map a record shard: (bytes, offsets [n + 1], start of the records, xxh3 [n]); ValueError if malformed."""
-    return open_packed(path, count, codec, (0, 0, RECORD_LAYOUT))
 
 
 # ====================================================================================== manifest

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import xxhash
 
-from nblib.cache.format import WHY_DAMAGED, damaged_error, read_shard_stats, shard_state, xxh3_file
-from nblib.cache.record_format import decode_record, open_record_shard, read_record_manifest, record_coder
+from nblib.cache.format import check_listed_shards, corrupt_error, damaged_error, open_listed_shard, open_packed
+from nblib.cache.record_format import RECORD_SHAPE, decode_record, read_record_manifest, record_coder
 from nblib.errors import CacheError, ConfigError
 from nblib.shuffle.keyed_random import check_n
 from nblib.shuffle.positional import PositionalShuffle
@@ -60,8 +61,8 @@ class RecordShards:
         self.counts = np.array([s["count"] for s in self.shards], dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(self.counts)])
         self._open: tuple | None = None   # (shard number, mapped bytes, offsets, base, checksums)
-        self._touched: set[int] = set()
-        self._check_stats()
+        self._touched: set[str] = set()
+        check_listed_shards(self.folder, self.shards, self._damaged)
 
     def __len__(self) -> int:
         return int(self.starts[-1])
@@ -138,39 +139,23 @@ class RecordShards:
 
     # ------------------------------------------------------------------------------ internals
 
-    def _check_stats(self) -> None:
-        stats = read_shard_stats(self.folder)
-        for entry in self.shards:
-            state = shard_state(self.folder, entry, stats=stats, digest="xxh3")
-            if state not in (None, "touched"):
-                raise self._damaged(entry["file"], WHY_DAMAGED[state])
-
     def _handle(self, shard: int) -> tuple:
         if self._open is not None and self._open[0] == shard:
             return self._open
         self.close()  # one shard resident at a time
         entry = self.shards[shard]
-        path = self.folder / entry["file"]
-        if self.check == "first-touch" and shard not in self._touched:
-            if xxh3_file(path) != entry["xxh3"]:
-                raise self._damaged(entry["file"], "not the shard the manifest records: its xxh3 differs "
-                                                   "(edited in place); none of its records was served")
-            self._touched.add(shard)
-        try:
-            self._open = (shard, *open_record_shard(path, entry["count"], self.manifest["codec"]))
-        except (OSError, ValueError) as exc:
-            raise self._damaged(entry["file"], f"malformed ({exc})") from None
+        opened = open_listed_shard(self.folder, entry, partial(open_packed, count=entry["count"],
+                                                               codec=self.manifest["codec"], shape=RECORD_SHAPE),
+                                   self._damaged, self._touched if self.check == "first-touch" else None, "records")
+        self._open = (shard, *opened)
         return self._open
 
     def _damaged(self, name: str, why: str) -> CacheError:
-        error = damaged_error(self.folder, name, why)
-        return CacheError(str(error).replace("populate / cache command", "cache --records command"))
+        return damaged_error(self.folder, name, why, rerun="cache --records")
 
     def _corrupt(self, shard: int, local: int, why: str) -> CacheError:
-        entry = self.shards[shard]
-        return CacheError(f"record {int(self.starts[shard]) + local:,} (number {local} of shard {entry['file']}) "
-                          f"of {self.folder} is corrupt: {why}; it was not served. Run python -m nblib cache "
-                          f"--verify --repair {self.folder}")
+        name = self.shards[shard]["file"]
+        return corrupt_error(self.folder, "record", int(self.starts[shard]) + local, local, name, why)
 
 
 class RecordShardShuffle(WindowedShuffle):
