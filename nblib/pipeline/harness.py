@@ -126,13 +126,9 @@ class ComputeStandIn:
             raise ConfigError(f"a step of {ms} ms + {per_sample_ms} ms/sample: both must be >= 0")
         self.ms, self.per_sample_ms = float(ms), float(per_sample_ms)
 
-    def seconds(self, batch=None) -> float:
-        """How long the step takes for `batch`."""
-        per_sample = self.per_sample_ms * batch_size_of(batch) if self.per_sample_ms and batch is not None else 0.0
-        return (self.ms + per_sample) / 1e3
-
     def __call__(self, batch=None) -> None:
-        seconds = self.seconds(batch)
+        per_sample = self.per_sample_ms * batch_size_of(batch) if self.per_sample_ms and batch is not None else 0.0
+        seconds = (self.ms + per_sample) / 1e3
         if seconds <= 0:
             return
         deadline = time.perf_counter() + seconds
