@@ -45,10 +45,10 @@ from nblib.units import GB, fmt_exception
 __all__ = [
     "CONTENTS", "SHUFFLE_ALGORITHMS", "TF_SHUFFLE", "TF_GLOBAL_SHUFFLE", "TF_INDEX_SHUFFLE", "GLOBAL_SHUFFLE_SINCE",
     "ShuffleMethod", "SHUFFLE_METHODS", "PipelineSpec", "image_shape", "tensorflow", "synthetic_image", "sample_at",
-    "source_dataset", "reference_pipeline", "shuffle_pipeline", "method_unavailable", "global_shuffle_op",
-    "index_shuffle_dataset", "indexed_dataset", "index_dataset", "make_shuffle", "resumable_shuffle_pipeline",
-    "tf_shuffle_order", "one_op_pipelines", "in_memory_shuffles", "CheckpointRow", "measure_iterator_checkpoint",
-    "RoundTrip", "checkpoint_round_trip", "iterator_checkpoint_bytes", "preflight_checkpoint", "same_element",
+    "source_dataset", "shuffle_pipeline", "method_unavailable", "global_shuffle_op", "indexed_dataset", "index_dataset",
+    "make_shuffle", "resumable_shuffle_pipeline", "tf_shuffle_order", "one_op_pipelines", "in_memory_shuffles",
+    "CheckpointRow", "measure_iterator_checkpoint", "RoundTrip", "checkpoint_round_trip", "iterator_checkpoint_bytes",
+    "preflight_checkpoint", "same_element",
 ]
 
 CONTENTS = ("random", "constant")
@@ -162,18 +162,10 @@ def source_dataset(spec: PipelineSpec):
         cycle_length=spec.sources, num_parallel_calls=spec.sources, deterministic=True)
 
 
-def reference_pipeline(spec: PipelineSpec):
-    """The reference pipeline: source -> shuffle(buffer, seed) -> batch -> prefetch, with options."""
-    ds = source_dataset(spec)
-    if spec.buffer_size:
-        ds = ds.shuffle(spec.buffer_size, seed=spec.seed, reshuffle_each_iteration=False)
-    return _batch_prefetch(ds, spec)
-
-
 def shuffle_pipeline(spec: PipelineSpec, method: str):
     """The reference pipeline (samples -> shuffle -> batch -> prefetch, spec.symbolic) with any of SHUFFLE_METHODS.
 
-    "tf.data shuffle": `Dataset.shuffle(spec.buffer_size)`; "tf.data global_shuffle": the private
+    "tf.data shuffle": `Dataset.shuffle(spec.buffer_size)` (none when it is 0); "tf.data global_shuffle": the private
     global shuffle over the random-access source (ConfigError where this TensorFlow lacks it);
     "tf index_shuffle": `range(n)` mapped through `tf.random.experimental.index_shuffle`;
     "resumable (buffer)" / "resumable (global)": nblib's shuffles (`index_dataset`). All share
@@ -181,15 +173,21 @@ def shuffle_pipeline(spec: PipelineSpec, method: str):
     """
     tf = tensorflow()
     if method == TF_SHUFFLE:
-        return reference_pipeline(spec)
+        ds = source_dataset(spec)
+        if spec.buffer_size:
+            ds = ds.shuffle(spec.buffer_size, seed=spec.seed, reshuffle_each_iteration=False)
+        return _batch_prefetch(ds, spec)
     if method == TF_GLOBAL_SHUFFLE:
         op = global_shuffle_op()
         if op is None:
             raise ConfigError(f"{TF_GLOBAL_SHUFFLE} needs TensorFlow >= {GLOBAL_SHUFFLE_SINCE} "
                               f"(this is {tf.__version__}); use 'resumable (global)' instead")
         return _batch_prefetch(op(source_dataset(spec), seed=spec.seed, reshuffle_each_iteration=False), spec)
-    if method == TF_INDEX_SHUFFLE:
-        return _batch_prefetch(index_shuffle_dataset(spec.n_samples, spec.seed).map(sample_at(spec)), spec)
+    if method == TF_INDEX_SHUFFLE:       # a stateless keyed permutation of range(n)
+        key, last = tf.constant([spec.seed, 0], tf.int64), spec.n_samples - 1
+        order = tf.data.Dataset.range(spec.n_samples).map(
+            lambda i: tf.random.experimental.index_shuffle(i, seed=key, max_index=last))
+        return _batch_prefetch(order.map(sample_at(spec)), spec)
     for algorithm in SHUFFLE_ALGORITHMS:
         if method == f"resumable ({algorithm})":
             shuffler = make_shuffle(spec.n_samples, spec.buffer_size, spec.seed, algorithm)
@@ -205,14 +203,6 @@ def global_shuffle_op():
     except ImportError:
         return None
     return _global_shuffle
-
-
-def index_shuffle_dataset(n: int, seed: int):
-    """0..n-1 in the order of `tf.random.experimental.index_shuffle` (a stateless keyed permutation)."""
-    tf = tensorflow()
-    key = tf.constant([seed, 0], tf.int64)
-    return tf.data.Dataset.range(n).map(
-        lambda i: tf.random.experimental.index_shuffle(i, seed=key, max_index=n - 1))
 
 
 def indexed_dataset(indices, fetch: Callable, *, batch_size: int = 0, prefetch: int = 0):
@@ -383,9 +373,7 @@ def checkpoint_round_trip(build: Callable, folder, cut_after: int, compared: int
     `folder` is emptied first and removed afterwards, also on an exception.
     """
     tf = tensorflow()
-    folder = Path(folder)
-    shutil.rmtree(folder, ignore_errors=True)
-    try:
+    with _scratch(folder) as folder:
         iterator = iter(build())
         for _ in range(cut_after):
             next(iterator)
@@ -398,8 +386,6 @@ def checkpoint_round_trip(build: Callable, folder, cut_after: int, compared: int
         status = tf.train.Checkpoint(iterator=fresh).read(path)
         status.assert_consumed() if strict else status.expect_partial()
         got = [e for _, e in zip(range(len(expected)), fresh)]
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
     identical = len(got) == len(expected) and all(same_element(a, b) for a, b in zip(expected, got))
     return RoundTrip(size, identical, got)
 
@@ -412,15 +398,25 @@ def iterator_checkpoint_bytes(dataset, consumed: int, folder) -> tuple[int, str]
     afterwards, in every case.
     """
     tf = tensorflow()
-    folder = Path(folder)
     iterator = iter(dataset)
     for _ in range(consumed):
         next(iterator)
+    with _scratch(folder) as folder:
+        try:
+            tf.train.Checkpoint(iterator=iterator).write(str(folder / "ckpt"))
+            return disk_usage(folder), ""
+        except Exception as exc:  # TF raises several types for an iterator it cannot save
+            return 0, fmt_exception(exc, 160, with_type=True)
+
+
+@contextlib.contextmanager
+def _scratch(folder):
+    """`folder` (a Path) emptied and created for a checkpoint, and removed afterwards, also on an exception."""
+    folder = Path(folder)
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
     try:
-        tf.train.Checkpoint(iterator=iterator).write(str(folder / "ckpt"))
-        return disk_usage(folder), ""
-    except Exception as exc:  # TF raises several types for an iterator it cannot save
-        return 0, fmt_exception(exc, 160, with_type=True)
+        yield folder
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -473,12 +469,8 @@ def measure_iterator_checkpoint(label: str, spec: PipelineSpec, build: Callable,
     the new one is complete). RSS peaks come from nblib.measure.PeakMemory, disk peaks from
     `nblib.disk.DiskPeak`. A pipeline TensorFlow refuses to save gives a row with `error` set.
     """
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
-    try:
+    with _scratch(folder) as folder:
         return _measure_in(label, spec, build, folder, steps)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _measure_in(label: str, spec: PipelineSpec, build: Callable, folder: Path, steps: int) -> CheckpointRow:

@@ -117,17 +117,10 @@ def _env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
 
 
-def _statm(field: int) -> int:
-    """Bytes of this process from /proc/self/statm: field 0 its virtual size, 1 its resident set."""
-    import os
-
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[field]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def _worker(payload: dict) -> dict:
     import resource
 
+    import psutil
     import torch
 
     from nblib.measure import pin_malloc_mmap_threshold
@@ -145,9 +138,9 @@ def _worker(payload: dict) -> dict:
             torch.cuda.set_per_process_memory_fraction(min(1.0, float(cap) / total), index)
     step = _steps(payload)
     step(2)
-    rss_before = _statm(1)
+    rss_before = psutil.Process().memory_info().rss
     if cap and not cuda:
-        limit = _statm(0) + int(cap)
+        limit = psutil.Process().memory_info().vms + int(cap)
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     reset_peak_rss()
     if cuda:
