@@ -130,12 +130,13 @@ def sweep(make_pipeline_for: Callable[..., Iterable], grid: Mapping[str, Sequenc
         [(i, None) for i in interleaved_order(range(len(configs)), max(1, repeats))]
     runs = _Runs(configs, functools.partial(measure_pipeline, consumer_ms=consumer_ms, consumer=consumer,
                                             steps=steps, warmup=warmup), make_pipeline_for,
-                 _bar(len(order) + bool(warm_start and configs), progress))
+                 progress_bar(len(order) + bool(warm_start and configs),
+                              progress if isinstance(progress, str) else "sweep", "run", disable=not progress))
     try:
         if warm_start and configs:
             measure_pipeline(lambda: make_pipeline_for(**configs[0][1]), consumer_ms, consumer=consumer,
                              steps=max(1, steps // 2), warmup=warmup)
-            _tick(runs.bar)
+            runs.bar.update(1)
         for i, slot in order:
             runs.measure(i, slot)
         if paired and budget_s is not None:
@@ -143,8 +144,7 @@ def sweep(make_pipeline_for: Callable[..., Iterable], grid: Mapping[str, Sequenc
     except KeyboardInterrupt:
         table.interrupted = True
     finally:
-        if runs.bar is not None:
-            runs.bar.close()
+        runs.bar.close()
     table.rows = runs.rows(paired)
     if table.interrupted:
         warnings.warn(f"sweep interrupted: returning the {len(table.rows)} of {len(configs)} configs "
@@ -168,7 +168,7 @@ class _Runs:
             self.slots[i].append(slot)
             if i == 0:
                 self.base_by_slot[slot] = self.reports[i][-1]
-        _tick(self.bar)
+        self.bar.update(1)
 
     def verdict(self, i: int) -> PairedVerdict:
         """Config i against the base on its pairs so far (samples/s)."""
@@ -192,7 +192,7 @@ class _Runs:
             start = time.perf_counter()
             if start + len(order) * per_run > deadline:
                 return
-            if self.bar is not None and self.bar.total is not None:   # the added pairs on a bar with no total
+            if not self.bar.disable and self.bar.total is not None:   # the added pairs on a bar with no total
                 self.bar.close()                                      # (a grown total fell back from 100%: P8)
                 self.bar = progress_bar(None, f"{self.bar.desc}, more pairs while undecided", "run")
             for j, slot in order:
@@ -281,18 +281,6 @@ def _knobs_diff(row: dict, base: dict, knobs) -> str:
 
 def _range_text(spread: Spread) -> str:
     return f"{spread.low:,.0f}-{spread.high:,.0f}" if spread.n > 1 else "1 run"
-
-
-def _bar(total: int, progress: bool | str):
-    if not progress:
-        return None
-
-    return progress_bar(total, progress if isinstance(progress, str) else "sweep", "run")
-
-
-def _tick(bar) -> None:
-    if bar is not None:
-        bar.update(1)
 
 
 def _median_run(reports: list):
