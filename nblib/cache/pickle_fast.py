@@ -106,7 +106,6 @@ class ListPlan:
         def array(pointer, n):             # copied: the scanner's arrays are freed right after
             return np.ctypeslib.as_array(pointer, (n,)).copy() if n else np.zeros(0, np.int64)
 
-
         self.end, self.protocol, self.prefix_end = plan.end, plan.protocol, plan.prefix_end
         self.starts, self.ends = array(plan.starts, plan.n_elems), array(plan.ends, plan.n_elems)
         self.slots_after = array(plan.slots_after, plan.n_elems)

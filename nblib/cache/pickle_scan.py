@@ -37,12 +37,10 @@ _NEW = {"EMPTY_LIST": "list", "EMPTY_DICT": "dict", "EMPTY_TUPLE": "tuple", "EMP
 _MARKED = {"LIST": "list", "DICT": "dict", "TUPLE": "tuple", "FROZENSET": "set"}
 _TUPLES = {"TUPLE1": 1, "TUPLE2": 2, "TUPLE3": 3}
 _CALLS = {"REDUCE": 2, "NEWOBJ": 2, "NEWOBJ_EX": 3}       # the callable is the deepest of the items popped
-_REFUSED = {"PERSID": "a persistent id (pickled with a persistent_id hook)",
-            "BINPERSID": "a persistent id (pickled with a persistent_id hook)",
-            "EXT1": "an extension code (copyreg.add_extension)", "EXT2": "an extension code (copyreg.add_extension)",
-            "EXT4": "an extension code (copyreg.add_extension)",
-            "NEXT_BUFFER": "an out-of-band buffer (dumped with buffer_callback; dump without it)",
-            "READONLY_BUFFER": "an out-of-band buffer (dumped with buffer_callback; dump without it)"}
+_REFUSED = {**dict.fromkeys(("PERSID", "BINPERSID"), "a persistent id (pickled with a persistent_id hook)"),
+            **dict.fromkeys(("EXT1", "EXT2", "EXT4"), "an extension code (copyreg.add_extension)"),
+            **dict.fromkeys(("NEXT_BUFFER", "READONLY_BUFFER"),
+                            "an out-of-band buffer (dumped with buffer_callback; dump without it)")}
 _MEMOIZE, _BINGET, _MARK = -1, -2, -3
 _FAST = {**{op.code.encode("latin-1"): op.arg.n if op.arg else 0 for op in pickletools.opcodes
             if op.name in ("NONE", "NEWTRUE", "NEWFALSE", "BININT", "BININT1", "BININT2", "BINFLOAT")},
@@ -69,7 +67,7 @@ class _Item:
             self.ends, self.kinds = array("q"), bytearray()
         self.ends.append(end)
         self.kinds.append(element.code())
-        element.forget()
+        element.ends = element.kinds = element.children = None   # an element's own elements are never served
 
     def code(self) -> int:
         """What this value is to a reader of records: RECORD, LIST, TUPLE or OTHER (an array, a scalar...)."""
@@ -78,10 +76,6 @@ class _Item:
         if self.kind == "dict" or (self.kind == "call" and global_kind(self.name) == "record"):
             return RECORD
         return OTHER
-
-    def forget(self) -> None:
-        """An element of a list or dict: its own elements are never served, so their ends are dropped."""
-        self.ends = self.kinds = self.children = None
 
 
 VALUE = _Item("value")
@@ -117,11 +111,6 @@ class PickleScanner:
         self.pickles = 0
 
     def scan(self, start: int) -> PicklePlan:
-        plan = self.one(start)
-        self.pickles += 1
-        return plan
-
-    def one(self, start: int) -> PicklePlan:
         """Scan the pickle at byte `start` to its STOP."""
         f = self.f
         f.seek(start)
@@ -169,6 +158,7 @@ class PickleScanner:
             if name == "STOP":
                 if len(self.levels) != 1 or len(self.levels[0]) != 1:
                     raise pickle.UnpicklingError("STOP with other than one object on the stack")
+                self.pickles += 1
                 return PicklePlan(start, f.tell(), self.levels[0][0][1], None if self.continued else self.last_get)
             self.apply(name, op, arg, index)
 

@@ -3,15 +3,10 @@
 `pickle_records(path)` yields the records of a file holding one or more pickles, read as
 `pickle.Unpickler(f).load()` in a loop reads them, through the allow-list of
 `nblib.cache.pickle_globals`. Each pickle is first scanned (`nblib.cache.pickle_scan`): its top
-object, as STOP returns it, decides what its records are:
-
-- a list: each element is a record (a tuple or list of records gives each; a tuple of values
-  `(x, y)` is one record with fields x, y; more values: fields "0", "1", ...);
-- a dict whose values are all records: each value, its key kept in the field `key`;
-- a tuple of records, or of lists of records: each record, in order;
-- a file of one pickle whose top object is a tuple of equal-length lists or arrays `(X, y)`: record i
-  is `{x: X[i], y: y[i]}` (three or more: fields "0", "1", ...);
-- anything else (a dict of fields, an object): one record.
+object, as STOP returns it, decides what its records are (the table of docs/formats.md, "Pickle safety"):
+each element of a list, each value of a dict of records (its key kept in the field `key`), each record
+of a tuple of records or of lists of records, row i of a file's only pickle `(X, y)` of equal-length
+lists or arrays, and anything else (a dict of fields, an object) is one record.
 
 Lists, dicts of records and tuples are not built whole: at each element's end the pure-Python
 unpickler hands the element out and leaves None in its place, and memo slots no later op reads are
@@ -39,7 +34,7 @@ from nblib.cache.pickle_globals import (
     short,
     stub_class,
 )
-from nblib.cache.pickle_scan import LIST, OPS, RECORD, NotFresh, PicklePlan, PickleScanner
+from nblib.cache.pickle_scan import OPS, RECORD, NotFresh, PicklePlan, PickleScanner
 from nblib.errors import InputError
 
 KEY_FIELD = "key"
@@ -396,4 +391,4 @@ def pickle_kind(path: Path) -> str:
     return "pickle-list" if name in ("EMPTY_LIST", "MARK", "LIST") else "pickle-stream"
 
 
-__all__ = ["pickle_records", "pickle_kind", "element_records", "top_records", "positional_names", "LIST"]
+__all__ = ["pickle_records", "pickle_kind", "element_records", "top_records", "positional_names"]
