@@ -40,7 +40,7 @@ from nblib.errors import DriveError, StateError
 from .checkpoints import CheckpointFolder, load_latest, stem
 from .deadline import MirrorStalled
 from .identity import ForeignMirror
-from .manager import CheckpointManager, default_remount
+from .manager import CheckpointManager
 from .mirror import CopyManifest, CopyPart, Mirror, MirrorStatus, MirrorWarning
 from .parts import DamagedCopy, FileEntry, FileOps, PartFolder, PartInfo, VerifyLevel, check_name
 from .retention import retained_parts
@@ -81,27 +81,18 @@ class DurableStore:
                  deadline_s: float | None = None, _ops: FileOps | None = None):
         self.local_dir = Path(local_dir)
         self.mirror_dir = Path(mirror_dir) if mirror_dir is not None else None
-        self.keep_checkpoints = keep_checkpoints
         self.checkpoints = CheckpointManager(
             self.local_dir, self.mirror_dir, mirror_ops=_ops, keep_last=keep_checkpoints, keep_local=keep_local,
             keep_every=keep_every, identity=identity, retries=retries, backoff_s=backoff_s,
-            retry_interval_s=retry_interval_s, verify_mirror=verify_mirror,
-            remount=remount if remount is not None or _ops is not None else _default_remount(),
-            deadline_s=deadline_s)
+            retry_interval_s=retry_interval_s, verify_mirror=verify_mirror, remount=remount, deadline_s=deadline_s)
         self.local = self.checkpoints.local_parts
-        self._checkpoints = [self.checkpoints.local]
         self._folders = [self.local]
         self._mirror: Mirror | None = self.checkpoints.mirror
         self._versions: dict[str, int] = {}
         self._manifest_seq: int | None = None
         self._stall_warned = False
-        self._one_try: list = []                # the mirror's folders read once, without retries
         if self.mirror_dir is not None:
-            reads, once = self.checkpoints.reads, self.checkpoints.once
-            self._folders.append(PartFolder(self.mirror_dir, reads, "mirror"))
-            self._one_try = [PartFolder(self.mirror_dir, once, "mirror"),
-                             CheckpointFolder(self.mirror_dir, once, "mirror")]
-            self._checkpoints.append(self.checkpoints.remote)
+            self._folders.append(PartFolder(self.mirror_dir, self.checkpoints.reads, "mirror"))
 
     # ------------------------------------------------------------------------------ parts
 
@@ -184,7 +175,8 @@ class DurableStore:
 
     def load_latest(self, name: str, map_location="cpu", weights_only: bool = True):
         """The newest checkpoint `name` that verifies and loads, from either side; None if none does."""
-        loaded = load_latest(self._checkpoints, name, map_location, weights_only)
+        sides = [self.checkpoints.local] + ([self.checkpoints.remote] if self.mirror_dir is not None else [])
+        loaded = load_latest(sides, name, map_location, weights_only)
         self._versions[name] = max(self._versions.get(name, 0), loaded.newest_version)
         what = "skipped; no checkpoint of this name loads, load_latest returns None"
         _warn_damaged(loaded.damaged, what if loaded.obj is None else "skipped; loaded an older one instead")
@@ -199,7 +191,7 @@ class DurableStore:
 
     def mirror_status(self) -> MirrorStatus:
         """Pending parts and items, whether the mirror is failing, its last error, what it re-filled."""
-        return self._mirror.status() if self._mirror is not None else MirrorStatus(0, 0, False, None, 0)
+        return self.checkpoints.mirror_status()
 
     def flush(self, timeout: float | None = None, *, unmount: bool = False, strict: bool = False) -> bool:
         """Wait until the mirror caught up (and was audited): True; False and a MirrorWarning if not.
@@ -207,9 +199,7 @@ class DurableStore:
         `strict` raises DriveError instead of warning. `unmount` (Colab only) then calls
         `google.colab.drive.flush_and_unmount()`; use it last, the mirror is gone afterwards.
         """
-        if self._mirror is None:
-            return True
-        if not self._mirror.wait(timeout):
+        if not self.checkpoints.flush(timeout):
             msg = behind_message(self.mirror_status(), self.mirror_dir, self.local_dir, timeout)
             if strict:
                 raise DriveError(msg)
@@ -281,7 +271,9 @@ class DurableStore:
 
     def _checkpoint_versions(self, name: str) -> list[int]:
         """Versions of `name` on either side, one try each; an unreachable mirror is skipped."""
-        folders = [self._checkpoints[0], *self._one_try[1:]]
+        folders = [self.checkpoints.local]
+        if self.mirror_dir is not None:
+            folders.append(CheckpointFolder(self.mirror_dir, self.checkpoints.once, "mirror"))
         versions = []
         for folder in folders:
             with contextlib.suppress(OSError):   # mirror down: the thread catches up later
@@ -290,7 +282,9 @@ class DurableStore:
 
     def _newest_manifest_seq(self) -> int:
         """The highest seq on either side, one try each (the thread never overwrites a newer one)."""
-        folders = [self.local, *self._one_try[:1]]
+        folders = [self.local]
+        if self.mirror_dir is not None:
+            folders.append(PartFolder(self.mirror_dir, self.checkpoints.once, "mirror"))
         seqs = [0]
         for folder in folders:
             with contextlib.suppress(OSError):
@@ -319,11 +313,6 @@ def _warn_damaged(damaged: list[DamagedCopy], what: str) -> None:
     """One WARNING log record per damaged copy (a second damaged part is never folded into the first)."""
     for d in damaged:
         log.warning("damaged copy %s (%s: %s) %s", d.name, d.side, d.reason, what)
-
-
-def _default_remount() -> Callable[[], Any] | None:
-    """nblib.env.remount_drive inside Colab; nothing elsewhere (kept here: tests replace it on this module)."""
-    return default_remount()
 
 
 def _colab_flush_and_unmount() -> None:

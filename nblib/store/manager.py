@@ -94,9 +94,9 @@ class CheckpointManager:
         check_knobs(self.local_dir, self.mirror_dir if mirror_ops is None else None,
                     keep_local=keep_local, keep_every=keep_every, keep_checkpoints=keep_last, retries=retries,
                     backoff_s=backoff_s)
-        self.keep_last, self.writer, self.prune_unmirrored = keep_last, writer, prune_unmirrored
-        self.keep_per_name = dict(keep_per_name or {})
-        for kept in self.keep_per_name.values():
+        self.writer, self.prune_unmirrored = writer, prune_unmirrored
+        self.retention = Retention(keep_local, keep_every, keep_last, dict(keep_per_name or {}))
+        for kept in self.retention.keep_per_name.values():
             check_knobs(self.local_dir, None, keep_checkpoints=kept)
         self.identity = None if identity is None else json.loads(json.dumps(identity))   # as mirror.json holds it
         self.on_saved, self.version_label = on_saved, version_label
@@ -120,11 +120,11 @@ class CheckpointManager:
         self.inline_saves = 0                             # asynchronous saves serialized on the caller's thread
         self._cores = SpareCore()                         # whether the caller's loop leaves the writer a core
         if self.mirror_dir is not None:
-            self._open_mirror(mirror_ops, identity is not None, keep_local, keep_every, retries, backoff_s,
-                              retry_interval_s, verify_mirror, remount, deadline_s)
+            self._open_mirror(mirror_ops, identity is not None, retries, backoff_s, retry_interval_s, verify_mirror,
+                              remount, deadline_s)
 
-    def _open_mirror(self, mirror_ops, claimed, keep_local, keep_every, retries, backoff_s, retry_interval_s,
-                     verify_mirror, remount, deadline_s) -> None:
+    def _open_mirror(self, mirror_ops, claimed, retries, backoff_s, retry_interval_s, verify_mirror, remount,
+                     deadline_s) -> None:
         ops = mirror_ops if mirror_ops is not None else FileOps()
         if remount is None and mirror_ops is None:
             remount = default_remount()
@@ -139,9 +139,9 @@ class CheckpointManager:
             claim_or_warn(self.reads, self.mirror_dir, self.identity, self.local_dir)  # ForeignMirror: refused
         sides = Sides(self.local_parts, PartFolder(self.mirror_dir, ops, "mirror"), self.local,
                       CheckpointFolder(self.mirror_dir, ops, "mirror"))
-        self.mirror = Mirror(sides, Retention(keep_local, keep_every, self.keep_last, self.keep_per_name),
-                             Retrier(retries, backoff_s, remount), retry_interval_s=retry_interval_s,
-                             verify_readback=verify_mirror, identity=self.identity, stall_s=deadline_s)
+        self.mirror = Mirror(sides, self.retention, Retrier(retries, backoff_s, remount),
+                             retry_interval_s=retry_interval_s, verify_readback=verify_mirror, identity=self.identity,
+                             stall_s=deadline_s)
 
     # ------------------------------------------------------------------------------ saving
 
@@ -278,15 +278,11 @@ class CheckpointManager:
             if name not in objects:
                 self.enqueue_newest(name)
 
-    def versions_kept(self, name: str) -> int:
-        """Versions of `name` retention keeps on each side."""
-        return self.keep_per_name.get(name, self.keep_last)
-
     def _prune_local(self, name: str, coming: int | None = None) -> None:
         """Remove the local versions retention drops (`local_versions_to_drop`; with `coming`, before it is written)."""
         if self.mirror is not None and not self.prune_unmirrored:
             return                                # the mirror thread prunes once a newer version is copied
-        for version in local_versions_to_drop(self.local.versions(name), self.versions_kept(name),
+        for version in local_versions_to_drop(self.local.versions(name), self.retention.versions_kept(name),
                                               self._queued.get(name), coming):
             self.local.remove(name, version)
 

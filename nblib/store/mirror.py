@@ -301,7 +301,8 @@ class Mirror:
 
     def _do(self, item: Item) -> None:
         if self.identity is not None and not isinstance(item, Audit):
-            self._check_claim()                  # before every copy: the folder is still this run's
+            # before every copy: ForeignMirror unless the mirror folder is this run's (claimed here when unclaimed)
+            claim(self.sides.remote.ops, self.sides.remote.root, self.identity, self.sides.local.root)
         if isinstance(item, CopyPart):
             self._copy_part(item.name)
         elif isinstance(item, CopyManifest):
@@ -312,10 +313,6 @@ class Mirror:
             self._audit(item.full)
         else:
             self._resync()
-
-    def _check_claim(self) -> None:
-        """ForeignMirror unless the mirror folder is claimed for this run (claimed here when unclaimed)."""
-        claim(self.sides.remote.ops, self.sides.remote.root, self.identity, self.sides.local.root)
 
     def _copy_part(self, name: str) -> None:
         local, remote = self.sides.local, self.sides.remote
@@ -337,18 +334,34 @@ class Mirror:
         self._apply_retention()
 
     def _copy_manifest(self) -> None:
+        """Write the local run manifest to the mirror, listing the parts present there; not over a newer one."""
         with self._cond:
             present = sorted(self._present)
-        copy_manifest(self.sides, present)
+        local = read_run_manifest(FileOps(), self.sides.local.root, "local")
+        if local is None:
+            return
+        if isinstance(local, DamagedCopy):
+            raise StateError(f"the local manifest no longer verifies: {local.reason}")
+        remote = self.sides.remote
+        theirs = read_run_manifest(remote.ops, remote.root, "mirror")
+        if isinstance(theirs, Manifest) and theirs.seq > local.seq:
+            log.warning("mirror manifest seq %d is newer than local seq %d: not overwritten", theirs.seq, local.seq)
+            return
+        body = run_manifest_bytes(local.body["run"], local.seq, present)
+        remote.ops.write_atomic(remote.root / MANIFEST_FILE, [body])
 
     def _copy_checkpoint(self, name: str, version: int) -> None:
-        remote = self.sides.remote_checkpoints
-        if remote.copy_from(self.sides.local_checkpoints, name, version):
-            self.prune_checkpoints(name, mirrored_up_to=version)
-
-    def prune_checkpoints(self, name: str, mirrored_up_to: int) -> None:
-        """Keep the newest versions on both sides; older local ones go only once a newer is mirrored."""
-        prune_checkpoint_versions(self.sides, self.retention.versions_kept(name), name, mirrored_up_to)
+        """Copy one version, then keep the newest versions on both sides; older local ones go only once a newer is
+        mirrored.
+        """
+        local, remote = self.sides.local_checkpoints, self.sides.remote_checkpoints
+        if not remote.copy_from(local, name, version):
+            return
+        keep = self.retention.versions_kept(name)
+        for old in checkpoints_to_drop(local.versions(name), keep, up_to=version):
+            local.remove(name, old)
+        for old in checkpoints_to_drop(remote.versions(name), keep):
+            remote.remove(name, old)
 
     def _audit(self, full: bool) -> None:
         """Re-fill parts the mirror held and lost; re-copy the manifest so it lists what is there.
@@ -367,7 +380,14 @@ class Mirror:
             self._present -= set(vanished)
             for name in vanished:
                 self._verified.pop(name, None)
-        refill, lost = refillable(local, remote.root, vanished)
+        refill = [n for n in vanished if isinstance(local.check(n, verify=VerifyLevel.SIZES), PartInfo)]
+        lost = sorted(set(vanished) - set(refill))
+        if vanished:                             # run events: how many are re-filled, which must be recomputed
+            log.warning("the mirror %s lost %d parts; re-filling %d from local staging", remote.root, len(vanished),
+                        len(refill))
+        if lost:
+            log.warning("the mirror %s lost parts %s and local staging no longer has them (retention "
+                        "deleted them after they were mirrored); they must be recomputed", remote.root, lost)
         with self._cond:
             self._refilled += len(refill)
             self._lost += len(lost)
@@ -378,8 +398,29 @@ class Mirror:
             self.enqueue(CopyManifest())
 
     def _resync(self) -> None:
-        """Queue what an earlier process left unmirrored: parts, manifest, checkpoints that differ."""
-        there, items = unmirrored_items(self.sides, self._check_remote)
+        """Queue what an earlier process left unmirrored, in the order to copy it: parts the mirror lacks or holds
+        older different content of, checkpoint versions whose records differ, and the run manifest when the
+        mirror's is missing or behind.
+        """
+        local, remote = self.sides.local, self.sides.remote
+        remote.ops.makedirs(remote.root)
+        there, items = set(remote.names()), []
+        for name in local.names():
+            mine = local.check(name, verify=VerifyLevel.SIZES)
+            if not isinstance(mine, PartInfo):
+                continue
+            theirs = self._check_remote(name) if name in there else None
+            if not isinstance(theirs, PartInfo) or (theirs.content_id != mine.content_id
+                                                     and theirs.created <= mine.created):
+                items.append(CopyPart(name))
+        ckpts_local, ckpts_remote = self.sides.local_checkpoints, self.sides.remote_checkpoints
+        for name, version in ckpts_local.stems():
+            if ckpts_local.record_bytes(name, version) != ckpts_remote.record_bytes(name, version):
+                items.append(CopyCheckpoint(name, version))
+        mine = read_run_manifest(FileOps(), local.root, "local")
+        theirs = read_run_manifest(remote.ops, remote.root, "mirror")
+        if isinstance(mine, Manifest) and not (isinstance(theirs, Manifest) and theirs.seq >= mine.seq):
+            items.append(CopyManifest())
         with self._cond:
             self._present |= there
         for item in items:
@@ -398,7 +439,12 @@ class Mirror:
             return
         with self._cond:
             known = set(self._present)
-        drop_mirrored_local_parts(self.sides.local, known, self.retention, self._verified_on_mirror)
+        local = self.sides.local
+        for name in local_parts_to_drop(local.names(), known, self.retention.keep_local, self.retention.keep_every):
+            mine = local.check(name, verify=VerifyLevel.SIZES)
+            verified = isinstance(mine, PartInfo) and self._verified_on_mirror(name, mine.content_id)
+            if verified and local.delete(name, if_content=mine.content_id):   # not if rewritten meanwhile
+                log.debug("retention: deleted local copy of %s (verified on the mirror)", name)
 
     def _verified_on_mirror(self, name: str, content_id: str) -> bool:
         """True when the mirror holds this part's content and its files verify by sha256."""
@@ -413,86 +459,6 @@ class Mirror:
         with self._cond:
             self._verified[name] = content_id
         return True
-
-
-def copy_manifest(sides: Sides, present: list[str]) -> None:
-    """Write the local run manifest to the mirror, listing the parts `present` there; not over a newer one."""
-    local = read_run_manifest(FileOps(), sides.local.root, "local")
-    if local is None:
-        return
-    if isinstance(local, DamagedCopy):
-        raise StateError(f"the local manifest no longer verifies: {local.reason}")
-    theirs = read_run_manifest(sides.remote.ops, sides.remote.root, "mirror")
-    if isinstance(theirs, Manifest) and theirs.seq > local.seq:
-        log.warning("mirror manifest seq %d is newer than local seq %d: not overwritten", theirs.seq, local.seq)
-        return
-    sides.remote.ops.write_atomic(sides.remote.root / MANIFEST_FILE,
-                                  [run_manifest_bytes(local.body["run"], local.seq, present)])
-
-
-def refillable(local, mirror_root, vanished: list[str]) -> tuple[list[str], list[str]]:
-    """(the parts that vanished from the mirror and the local side still holds whole: to copy again, those
-    lost on both sides); logged.
-    """
-    refill = [n for n in vanished if isinstance(local.check(n, verify=VerifyLevel.SIZES), PartInfo)]
-    lost = sorted(set(vanished) - set(refill))
-    _log_vanished(mirror_root, vanished, refill, lost)
-    return refill, lost
-
-
-def unmirrored_items(sides, check_remote) -> tuple[set[str], list]:
-    """(the part names the mirror holds, the copy items that bring it up to the local side).
-
-    Parts the mirror lacks or holds older different content of, checkpoint versions whose records
-    differ, and the run manifest when the mirror's is missing or behind; in the order to queue them.
-    """
-    local, remote = sides.local, sides.remote
-    remote.ops.makedirs(remote.root)
-    there, items = set(remote.names()), []
-    for name in local.names():
-        mine = local.check(name, verify=VerifyLevel.SIZES)
-        if not isinstance(mine, PartInfo):
-            continue
-        theirs = check_remote(name) if name in there else None
-        if not isinstance(theirs, PartInfo) or (theirs.content_id != mine.content_id
-                                                 and theirs.created <= mine.created):
-            items.append(CopyPart(name))
-    ckpts_local, ckpts_remote = sides.local_checkpoints, sides.remote_checkpoints
-    for name, version in ckpts_local.stems():
-        if ckpts_local.record_bytes(name, version) != ckpts_remote.record_bytes(name, version):
-            items.append(CopyCheckpoint(name, version))
-    mine = read_run_manifest(FileOps(), local.root, "local")
-    theirs = read_run_manifest(remote.ops, remote.root, "mirror")
-    if isinstance(mine, Manifest) and not (isinstance(theirs, Manifest) and theirs.seq >= mine.seq):
-        items.append(CopyManifest())
-    return there, items
-
-
-def _log_vanished(root, vanished: list[str], refill: list[str], lost: list[str]) -> None:
-    """Run events for parts the mirror lost: how many are re-filled, which must be recomputed."""
-    if vanished:
-        log.warning("the mirror %s lost %d parts; re-filling %d from local staging", root, len(vanished), len(refill))
-    if lost:
-        log.warning("the mirror %s lost parts %s and local staging no longer has them (retention "
-                    "deleted them after they were mirrored); they must be recomputed", root, lost)
-
-
-def prune_checkpoint_versions(sides, keep: int, name: str, mirrored_up_to: int) -> None:
-    """Keep the newest `keep` versions on both sides; older local ones go only once a newer is mirrored."""
-    local, remote = sides.local_checkpoints, sides.remote_checkpoints
-    for version in checkpoints_to_drop(local.versions(name), keep, up_to=mirrored_up_to):
-        local.remove(name, version)
-    for version in checkpoints_to_drop(remote.versions(name), keep):
-        remote.remove(name, version)
-
-
-def drop_mirrored_local_parts(local, known: set[str], retention, verified_on_mirror) -> None:
-    """Delete local parts outside keep_local / keep_every, only those `verified_on_mirror(name, content_id)`."""
-    for name in local_parts_to_drop(local.names(), known, retention.keep_local, retention.keep_every):
-        mine = local.check(name, verify=VerifyLevel.SIZES)
-        verified = isinstance(mine, PartInfo) and verified_on_mirror(name, mine.content_id)
-        if verified and local.delete(name, if_content=mine.content_id):   # not if rewritten meanwhile
-            log.debug("retention: deleted local copy of %s (verified on the mirror)", name)
 
 
 def failure_message(exc: OSError, sides, label: str, pending: int, attempts: int, retry_interval_s: float) -> str:
