@@ -118,7 +118,7 @@ def test_reader_pickles_without_its_open_maps(reference):
 def test_torch_dataset_feeds_a_dataloader_the_same_images(reference):
     torch = pytest.importorskip("torch")
     images = ShardedImageCache(reference)
-    loader = torch.utils.data.DataLoader(images.torch_dataset(), batch_size=16, shuffle=False)
+    loader = torch.utils.data.DataLoader(cache.CacheDataset(str(reference)), batch_size=16, shuffle=False)
     batch = next(iter(loader))
     assert batch.dtype == torch.uint8 and tuple(batch.shape) == (16, SIZE, SIZE, 3)
     assert np.array_equal(batch.numpy(), images.get_batch(0, 16))

@@ -102,7 +102,7 @@ def read_iter_shards(folder):
 
 
 def read_torch_dataset(folder):
-    ShardedImageCache(folder).torch_dataset(check="image")[7]
+    cache.CacheDataset(str(folder), check="image")[7]
 
 
 def read_dataloader_workers(folder):

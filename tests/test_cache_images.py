@@ -10,7 +10,9 @@ import pytest
 from test_cache_cli import assert_three_kills_resume_to_the_reference, one_error_line, run_cli
 
 from conftest import cache_folder_bytes
-from nblib.cache import ShardedImageCache, image_source, read_cache_manifest, verify, write_images
+from nblib.cache import ShardedImageCache, read_cache_manifest, verify, write_images
+from nblib.cache.images import as_image
+from nblib.cache.sources import images_source
 from nblib.errors import CacheError, InputError
 from nblib.render import render_text
 
@@ -98,6 +100,12 @@ def test_images_of_two_sizes_or_floats_are_refused_naming_the_image(tmp_path):
     assert not (tmp_path / "a").exists()            # the refused build left nothing behind
     with pytest.raises(InputError, match="image 0 has dtype float64, not uint8"):
         write_images([a / 255.0 for a in arrays], tmp_path / "b", progress=False)
+
+
+def image_source(path):
+    """(images, count) of what `cache --images PATH` takes, each decoded as write_images decodes it."""
+    source = images_source(path)
+    return (as_image(item, None, k) for k, item in enumerate(source.images)), source.count
 
 
 def test_image_source_reads_a_folder_a_parquet_file_and_an_hf_folder(tmp_path):

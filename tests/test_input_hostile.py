@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from cli_runner import run_nblib
 from test_cache_cli import one_error_line, run_cli
+from test_cache_images import image_source
 
-from nblib.cache import ShardedImageCache, image_source, write_images
+from nblib.cache import ShardedImageCache, write_images
 from nblib.errors import InputError
 
 Image = pytest.importorskip("PIL.Image")
@@ -117,7 +118,7 @@ def test_a_fifo_named_like_an_image_is_refused_at_once_not_waited_on(tmp_path):
     (folder / "d.png").mkdir()
     result = run_cli("--images", str(folder), "--out", str(tmp_path / "cache"), timeout=60)  # hung before
     line = one_error_line(result)
-    assert "x.png (a FIFO (named pipe))" in line and "d.png (a folder)" in line
+    assert "x.png (a named pipe (FIFO))" in line and "d.png (a folder)" in line
     assert not (tmp_path / "cache").exists()
 
 
@@ -140,7 +141,7 @@ def test_a_file_that_turns_into_a_fifo_after_the_listing_is_refused_not_waited_o
     thread.start()
     thread.join(30)
     assert not thread.is_alive(), "reading the image folder blocked on a FIFO"
-    assert re.search(r"x\.png is not a regular file \(a FIFO", box["error"])
+    assert re.search(r"x\.png is not a regular file \(a named pipe", box["error"])
 
 
 def test_a_read_that_outlasts_the_deadline_is_refused_with_the_file_and_the_knob(tmp_path, monkeypatch):

@@ -24,7 +24,7 @@ from nblib.cache.format import (
     read_cache_manifest,
     write_shard,
 )
-from nblib.cache.images import image_source, write_images
+from nblib.cache.images import write_images
 from nblib.cache.populate import CachePlan, PopulateSummary, cache_bytes_on_disk, plan_cache, populate
 from nblib.cache.reader import CacheDataset, ShardedImageCache
 from nblib.cache.record_reader import RecordShards, RecordShardShuffle
@@ -47,7 +47,7 @@ __all__ = [
     "ShardWriter", "ShardedImageCache", "TextSource", "VerifyReport", "cache_bytes_on_disk",
     "encode_image", "measure_codecs", "plan_cache", "populate",
     "read_cache_manifest", "read_texts", "sample_texts", "sample_texts_path", "source_fingerprint",
-    "text_source", "verify", "write_images", "write_shard", "image_source",
+    "text_source", "verify", "write_images", "write_shard",
     "RecordShardShuffle", "RecordShards", "RecordSource", "RecordSummary", "record_source",
     "verify_records", "write_records",
 ]

@@ -1,7 +1,7 @@
 """Your own images in: any iterable of uint8 arrays into the same resumable, verified, sharded cache.
 
 `write_images(images, out)` takes arrays, PIL images, torch tensors, a torch dataset or an HF `Dataset`
-(its Args say how each is read); `image_source(path)` opens what `cache --images PATH` takes (docs/formats.md).
+(its Args say how each is read); `image_items(path)` opens what `cache --images PATH` takes (docs/formats.md).
 Every image is decoded by the one pixel policy (`nblib.cache.pixels`); with `size` (`--size N`) all are
 resized (RESIZE_POLICY, recorded in the manifest), without it a second size is refused.
 
@@ -238,19 +238,11 @@ def _is_hf_folder(path: Path) -> bool:
     return (path / "dataset_info.json").exists() or (path / "state.json").exists()
 
 
-def image_source(path: str | Path, column: str | None = None, size: int | None = None) -> tuple[Iterable, int]:
-    """(images, count) of what `cache --images PATH` takes: a folder of image files (sorted by
-    name) or of class subfolders (`folder_images`), a Parquet file (`column`, default "image"), or
-    an HF datasets folder (`save_to_disk`); each image decoded by the one pixel policy
-    (`nblib.cache.pixels`: EXIF orientation applied; a JPEG drafted for `size`, not resized).
-    """
-    items, count = image_items(path, column)
-    return (as_image(item, None, k, size) for k, item in enumerate(items)), count
-
-
 def image_items(path: str | Path, column: str | None = None) -> tuple[Iterable, int]:
-    """`image_source`'s (items, count), image files not yet decoded (`EncodedImage`): `write_images`
-    decodes them, knowing its `size`.
+    """(items, count) of what `cache --images PATH` takes: a folder of image files (sorted by name) or of
+    class subfolders (`folder_images`), a Parquet file (`column`, default "image"), or an HF datasets folder
+    (`save_to_disk`); image files not yet decoded (`EncodedImage`): `write_images` decodes them by the one
+    pixel policy (`nblib.cache.pixels`), knowing its `size`.
     """
     path = Path(path)
     if not path.exists():
@@ -352,7 +344,7 @@ def _regular(folder: Path, files: list[Path]) -> list[Path]:
             raise InputError(f"--images {folder}: the file name {os.fsencode(path.relative_to(folder))!r} is "
                              f"not UTF-8 (no export could write it as a key); rename it to UTF-8 (e.g. convmv "
                              f"-f latin1 -t utf-8 --notest), then rerun") from None
-    odd = [(p, _not_regular(p)) for p in files]
+    odd = [(p, not_regular(p)) for p in files]
     odd = [(p, kind) for p, kind in odd if kind]
     if odd:
         named = ", ".join(f"{p.relative_to(folder)} ({kind})" for p, kind in odd[:5]) + (" ..." if len(odd) > 5 else "")
@@ -517,7 +509,7 @@ def read_file_within(path: Path, deadline_s: float) -> bytes:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
         try:
             if not stat_mode.S_ISREG(os.fstat(fd).st_mode):
-                raise InputError(f"{path} is not a regular file ({_not_regular(path)}); move it out of "
+                raise InputError(f"{path} is not a regular file ({not_regular(path)}); move it out of "
                                  f"the folder and rerun")
             with os.fdopen(os.dup(fd), "rb") as f:
                 return f.read()
@@ -532,7 +524,7 @@ def read_file_within(path: Path, deadline_s: float) -> bytes:
                          f"resumes), or raise {READ_DEADLINE_ENV}") from None
 
 
-def _not_regular(path: Path) -> str | None:
+def not_regular(path: Path) -> str | None:
     """What a path is when it is not a regular file ("a FIFO", "a folder", ...), else None."""
     try:
         mode = os.stat(path).st_mode
@@ -540,7 +532,7 @@ def _not_regular(path: Path) -> str | None:
         return "a broken link"
     if stat_mode.S_ISREG(mode):
         return None
-    kinds = ((stat_mode.S_ISFIFO, "a FIFO (named pipe)"), (stat_mode.S_ISDIR, "a folder"),
+    kinds = ((stat_mode.S_ISFIFO, "a named pipe (FIFO)"), (stat_mode.S_ISDIR, "a folder"),
              (stat_mode.S_ISSOCK, "a socket"), (stat_mode.S_ISCHR, "a character device"),
              (stat_mode.S_ISBLK, "a block device"))
     return next((name for test, name in kinds if test(mode)), "not a regular file")

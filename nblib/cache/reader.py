@@ -50,9 +50,10 @@ CHECKS = ("image", "first-touch", "off")
 class ShardedImageCache:
     """A cache folder as an indexable array of uint8 [H, W, 3] images, checked when opened and read as the
     module docstring says (`check`: "image", the default, "first-touch" or "off"). `cache[i]` is one
-    image; `get_batch`, `iter_shards` and `torch_dataset` read several. Picklable: each process opens its
-    own maps and checks for itself. CacheError (naming the shard and `cache --verify --repair`) when the
-    folder holds no cache, its manifest is damaged or old, or a listed shard is missing or changed.
+    image; `get_batch` and `iter_shards` read several (`CacheDataset`: the torch dataset). Picklable: each
+    process opens its own maps and checks for itself. CacheError (naming the shard and `cache --verify
+    --repair`) when the folder holds no cache, its manifest is damaged or old, or a listed shard is missing
+    or changed.
     """
 
     def __init__(self, cache_dir: str | Path, *, check: str = "image"):
@@ -132,10 +133,6 @@ class ShardedImageCache:
             self.close(shard)
             yield images
             del images  # the caller's reference is the only one left: RAM stays near one shard
-
-    def torch_dataset(self, transform=None, check: str = "first-touch") -> CacheDataset:
-        """A map-style dataset for torch's DataLoader (torch is imported only when items are read)."""
-        return CacheDataset(str(self.cache_dir), transform, check=check)
 
     def close(self, shard: int | None = None) -> None:
         """Release opened shard maps (all, or one)."""

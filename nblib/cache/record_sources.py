@@ -16,7 +16,6 @@ what it is for the manifest. The kinds:
 from __future__ import annotations
 
 import pickle
-import stat
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -24,12 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
+from nblib.cache.images import not_regular
 from nblib.cache.pickle_globals import record_fields
 from nblib.cache.pickle_stream import pickle_kind, pickle_records
 from nblib.errors import InputError
-
-FILE_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"),
-              (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
 
 
 @dataclass(frozen=True)
@@ -65,7 +62,8 @@ def record_source(path: str | Path, *, trust: bool = False) -> RecordSource:
     """
     path = Path(path).absolute()  # the manifest's path must lead back to it from any folder (repair)
     if not path.is_file():
-        raise InputError(f"--records {path} {_not_a_file(path)}; pass a file: a pickle of records, an .npz "
+        what = f"is {not_regular(path)}" if path.exists() else "does not exist"
+        raise InputError(f"--records {path} {what}; pass a file: a pickle of records, an .npz "
                          f"or a .pt (a build reads its input again to resume or repair, so a pipe cannot serve)")
     size = path.stat().st_size
     if path.suffix == ".npz":
@@ -73,14 +71,6 @@ def record_source(path: str | Path, *, trust: bool = False) -> RecordSource:
     if path.suffix in (".pt", ".pth"):
         return RecordSource("pt", str(path), size, trust)
     return RecordSource(pickle_kind(path), str(path), size, trust)
-
-
-def _not_a_file(path: Path) -> str:
-    try:
-        mode = path.stat().st_mode
-    except OSError:
-        return "does not exist"
-    return "is " + next((what for test, what in FILE_KINDS if test(mode)), "not a regular file")
 
 
 # ====================================================================================== readers
