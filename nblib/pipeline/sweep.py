@@ -103,16 +103,16 @@ class SweepTable:
 
 
 def sweep(make_pipeline_for: Callable[..., Iterable], grid: Mapping[str, Sequence], *,
-          base: Mapping | None = None, product: bool = False, consumer_ms: float = 0.0,
+          product: bool = False, consumer_ms: float = 0.0,
           consumer: Callable | None = None, steps: int = 20, warmup: int = 2, repeats: int = MIN_REPEATS,
           budget_s: float | None = None, max_repeats: int = MAX_PAIRS,
           inert: Callable[[str, dict], str | None] | None = None, warm_start: bool = True,
           progress: bool | str = False) -> SweepTable:
     """Measure `make_pipeline_for(**config)` for each config of `grid` (see `measure_pipeline`).
 
-    `grid` maps knob names to the values to try; the first value of each is the base (or give
-    `base`). Every config runs `repeats` times in passes of alternating order, after one discarded
-    run of the base (`warm_start`); a row keeps the median run and every run's samples/s (`runs`).
+    `grid` maps knob names to the values to try; the first value of each is the base. Every config
+    runs `repeats` times in passes of alternating order, after one discarded run of the base
+    (`warm_start`); a row keeps the median run and every run's samples/s (`runs`).
     With `budget_s` (one-at-a-time sweeps), configs whose verdict against the base is still
     undecided (`PairedVerdict.undecided`) get more pairs, round by round, for at most `budget_s`
     seconds after the `repeats` passes and up to `max_repeats` pairs a config: what the budget
@@ -122,7 +122,7 @@ def sweep(make_pipeline_for: Callable[..., Iterable], grid: Mapping[str, Sequenc
     """
     started = time.perf_counter()
     known = knob_names(make_pipeline_for)
-    configs, skipped = _drop_inert(plan_configs(grid, base=base, product=product, known=known), grid, inert)
+    configs, skipped = _drop_inert(plan_configs(grid, product=product, known=known), grid, inert)
     table = SweepTable(knobs=tuple(k for k in grid if k not in skipped or product), planned=len(configs),
                        skipped=skipped)
     paired = not product and len(configs) > 1 and configs[0][0] == BASE
@@ -232,14 +232,11 @@ def _drop_inert(configs: list, grid: Mapping, inert) -> tuple[list, dict]:
     return kept, skipped
 
 
-def plan_configs(grid: Mapping[str, Sequence], *, base: Mapping | None = None, product: bool = False,
+def plan_configs(grid: Mapping[str, Sequence], *, product: bool = False,
                  known: Iterable[str] | None = None) -> list[tuple[str, dict]]:
     """The configs a sweep measures, each as (knob it varies or "base", {knob: value})."""
     values = _checked_grid(grid, known)
     start = {k: v[0] for k, v in values.items()}
-    if base:
-        _check_known(base, values, "base")
-        start.update(base)
     if product:
         combos = [dict(zip(values, combo)) for combo in itertools.product(*values.values())]
         return [(BASE if combo == start else "product", combo) for combo in combos]
@@ -299,15 +296,11 @@ def _checked_grid(grid: Mapping[str, Sequence], known: Iterable[str] | None) -> 
             raise ConfigError(f"grid[{knob!r}] has no values; give at least one")
         values[knob] = options
     if known is not None:
-        _check_known(values, tuple(known), "grid")
+        known = tuple(known)
+        unknown = [k for k in values if k not in known]
+        if unknown:
+            raise ConfigError(f"unknown knob {unknown[0]!r} in the grid; known knobs: {', '.join(known)}")
     return values
-
-
-def _check_known(names: Iterable[str], known: Iterable[str], where: str) -> None:
-    known = tuple(known)
-    unknown = [k for k in names if k not in known]
-    if unknown:
-        raise ConfigError(f"unknown knob {unknown[0]!r} in the {where}; known knobs: {', '.join(known)}")
 
 
 def sort_key(value):
