@@ -266,15 +266,6 @@ def seed_t4(precision: str = "fp16", n_samples: int = SEED_T4_IMAGES) -> Project
     return project(SEED_T4_FLOPS, precision, False, n_samples, counted_by=TRM_COUNTED_BY)
 
 
-def table() -> list[dict]:
-    """Every measurement with its derived rate and achieved TFLOP/s, for a notebook or the README."""
-    return [{"model": m.name, "precision": m.precision, "batch": m.batch,
-             "ms per batch": round(m.seconds_per_batch * 1e3, 2), "samples/s": round(m.samples_per_s, 1),
-             "GFLOP per sample": round(m.flops_per_sample / 1e9, 2),
-             "achieved TFLOP/s": round(m.achieved_flops / 1e12, 2), "source": SOURCES[m.source].url,
-             "published": SOURCES[m.source].published} for m in MEASUREMENTS]
-
-
 def _check_precision(precision: str) -> None:
     if precision not in PRECISIONS:
         raise ConfigError(f"precision={precision!r}: a T4 projection takes fp16 or fp32 (a T4 has no bf16 "

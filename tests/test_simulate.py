@@ -47,7 +47,7 @@ def test_best_fit_reuses_the_smallest_free_block_that_fits():
     alloc.free(b)
     alloc.malloc(22 * MiB)                       # takes the 24 MiB block, not the 40 MiB one
     alloc.malloc(38 * MiB)                       # fits the 40 MiB block: no new segment
-    assert alloc.reserved == 64 * MiB and alloc.segment_count == 2
+    assert alloc.reserved == 64 * MiB and len(alloc.segments) == 2
 
 
 def test_a_large_block_is_split_only_when_more_than_1_mib_remains():
@@ -66,7 +66,7 @@ def test_freed_neighbours_coalesce():
     for h in hs:
         alloc.free(h)
     alloc.malloc(18 * MiB)                        # fits only if the six merged back with the tail
-    assert alloc.segment_count == 1 and alloc.max_reserved == 20 * MiB
+    assert len(alloc.segments) == 1 and alloc.max_reserved == 20 * MiB
 
 
 # ------------------------------------------------------------------ the fake CUDA device

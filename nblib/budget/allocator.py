@@ -101,10 +101,6 @@ class CachingAllocatorModel:
                 blocks.remove(other)
         self._insert_free(block)
 
-    @property
-    def segment_count(self) -> int:
-        return len(self.segments)
-
     # -------------------------------------------------------------- helpers
 
     def _should_split(self, block: _Block, size: int) -> bool:

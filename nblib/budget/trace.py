@@ -72,8 +72,6 @@ _CUBLAS_GEMMS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "addmv", "mv", "dot"
 _GEMMS = _CUBLAS_GEMMS | {"_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
                           "_scaled_dot_product_cudnn_attention", "convolution", "_convolution"}   # tensor-core kernels
 
-
-CUBLAS_WORKSPACE = {False: cublas_workspace_bytes(75), True: cublas_workspace_bytes(90)}   # unset, before / on sm_90
 _run = {"cublas_config": None}     # the traced run's CUBLAS_WORKSPACE_CONFIG (set_run_cublas_config)
 
 
@@ -193,7 +191,7 @@ class DeviceTrace(TorchDispatchMode):
     # -------------------------------------------------------------- public
     @property
     def workspace_bytes(self) -> int:
-        """The cuBLAS workspaces held: one per handle that ran a GEMM (CUBLAS_WORKSPACE above)."""
+        """The cuBLAS workspaces held: one per handle that ran a GEMM (see the note above _CUBLAS_GEMMS)."""
         return self.workspace_size * len(self._workspaces)
 
     def sdpa_backend(self, masked: bool = False, gqa: bool = False) -> str:
@@ -213,11 +211,6 @@ class DeviceTrace(TorchDispatchMode):
         raise ConfigError(f"no attention kernel: the enabled SDPA backends {forced} need sm_80 or "
                           f"newer and this simulated GPU is sm_{self.cc}; use 'efficient' or 'math'")
 
-    def track(self, *tensors: torch.Tensor) -> None:
-        """Count tensors made outside the trace (already on the device) as allocated now."""
-        for t in tensors:
-            self._record(t, "external")
-
     # -------------------------------------------------------------- dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -232,7 +225,7 @@ class DeviceTrace(TorchDispatchMode):
         out = func(*args, **kwargs)
         self._after(func, args, kwargs, out)           # the output first (structured kernel) ...
         if func.namespace == "aten" and func.__name__.split(".")[0] in _CUBLAS_GEMMS:
-            self._cublas_workspace(args)                # ... then cuBLAS's workspace (see CUBLAS_WORKSPACE)
+            self._cublas_workspace(args)                # ... then cuBLAS's workspace (see _CUBLAS_GEMMS)
         return out
 
     def mark(self, name: str) -> None:

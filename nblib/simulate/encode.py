@@ -48,13 +48,6 @@ class SimulatedRun:
     def flops_per_image(self) -> float:
         return sum(k.flops for k in self.kernels) / self.config.run.batch_size
 
-    def summary(self) -> str:
-        mb = 1e6
-        return (f"{LABEL} {self.gpu} ({self.precision}, offload={self.offload}, batch "
-                f"{self.config.run.batch_size}, {self.sdpa_backend} attention): max allocated "
-                f"{self.max_allocated / mb:,.0f} MB, max reserved {self.max_reserved / mb:,.0f} MB, "
-                f"peak at {self.peak_op} {list(self.peak_shape)}")
-
 
 def simulate_encode(config: PipelineConfig, gpu: str | Device = "t4", *, precision: str = "fp16",
                     offload: str = "async", sdpa_backend: str | None = None,

@@ -72,13 +72,6 @@ class SimulatedStep:
 
         return roofline(self.kernels, self.batch_size, device or self.gpu).seconds
 
-    def summary(self) -> str:
-        mb = 1e6
-        return (f"{LABEL} {self.gpu} training step ({self.precision}, batch {self.batch_size}, "
-                f"{self.sdpa_backend} attention, {self.steps} steps): max allocated "
-                f"{self.max_allocated / mb:,.1f} MB, max reserved {self.max_reserved / mb:,.1f} MB, "
-                f"peak at {self.peak_op} {list(self.peak_shape)}")
-
 
 def simulate_train_step(model: ModelConfig, batch_size: int, gpu: str | Device = "t4", *,
                         precision: str = "fp16", n_classes: int = 12, steps: int = STEPS,
