@@ -27,13 +27,15 @@ def can_trace():
 def test_the_shipped_trace_table_is_the_live_trace_to_the_byte(can_trace):
     """Every file of nblib/trace_seed is what tracing its spec gives now, byte for byte, and no other
     file is there: a change to the TRM, the encode loop, the offload or the trace fails here until
-    `nblib.budget.encode_trace.write_table()` writes the table again.
+    `tests/trace_table.py` writes the table again.
     """
-    entries = encode_trace.table_entries()
+    from trace_table import entry_path, table_entries
+
+    entries = table_entries()
     shipped = sorted(encode_trace.TABLE.glob("*.json"))
-    assert sorted(encode_trace.entry_path(e["spec"]) for e in entries) == shipped, "stale or missing table files"
+    assert sorted(entry_path(e["spec"]) for e in entries) == shipped, "stale or missing table files"
     for entry in entries:
-        path = encode_trace.entry_path(entry["spec"])
+        path = entry_path(entry["spec"])
         assert path.read_text(encoding="utf-8") == encode_trace.entry_text(entry), f"{path.name} is stale"
 
 

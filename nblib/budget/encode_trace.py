@@ -10,18 +10,17 @@ cache keeps the stream, not a formula, and any batch is a replay of it through t
 Python.
 The streams of the suite's own configs (and 01's largest batch on the other GPUs) ship in `nblib/trace_seed/`
 (JSON, keyed by the spec, torch's major.minor, the trace format and the variables that shape a trace:
-nblib.budget.trace_store); `tests/test_encode_trace.py` traces them again and compares the files to the byte. A spec
-not in the table, or traced under another torch, is traced once and kept in the user's trace cache (trace_store).
+nblib.budget.trace_store); `tests/test_encode_trace.py` traces them again and compares the files to the byte
+(`tests/trace_table.py` writes them). A spec not in the table, or traced under another torch, is traced once and
+kept in the user's trace cache (trace_store).
 """
 from __future__ import annotations
 
 import json
 from dataclasses import replace
 from functools import lru_cache
-from pathlib import Path
 
 from nblib.budget import trace_store
-from nblib.budget._checks import attention_on
 from nblib.budget.allocator import cublas_workspace_bytes, warn_if_not_native
 from nblib.budget.devices import Device, device_preset
 from nblib.budget.memory import Line
@@ -86,44 +85,6 @@ def entry_text(entry: dict) -> str:
                       sort_keys=True)
     events = ",\n".join(json.dumps(list(e), separators=(",", ":")) for e in entry["stream"])
     return f'{{"head": {head},\n"stream": [\n{events}\n]}}\n'
-
-
-def entry_path(spec: dict) -> Path:
-    """The shipped table's file for `spec` under this torch and environment (trace_store.entry_key)."""
-    return TABLE / trace_store.entry_name(trace_store.entry_key(spec, trace_store.torch_release()))
-
-
-def write_table() -> list[Path]:
-    """Trace every (config, device) of TABLE_CONFIGS and write its entry (`.venv/bin/python -c "from
-    nblib.budget.encode_trace import write_table; write_table()"`).
-    """
-    TABLE.mkdir(exist_ok=True)
-    paths = []
-    for entry in table_entries():
-        paths.append(entry_path(entry["spec"]))
-        paths[-1].write_text(entry_text(entry), encoding="utf-8")
-    return paths
-
-
-def table_entries() -> list[dict]:
-    """The table's entries, traced now: one child process per model."""
-    specs = table_specs()
-    models = {json.dumps(model_payload_of(s), sort_keys=True): [] for s in specs}
-    for spec in specs:
-        models[json.dumps(model_payload_of(spec), sort_keys=True)].append(spec)
-    return [entry for group in models.values() for entry in traced_entries(group)]
-
-
-def model_payload_of(spec: dict) -> dict:
-    """What a child builds once for several specs: the model."""
-    return {k: spec[k] for k in ("spec", "weights", "trm_model")}
-
-
-def table_specs() -> list[dict]:
-    """The distinct specs of TABLE_CONFIGS, each with the attention its device runs (seed_t4 and t4 share a model)."""
-    specs = [encode_spec(c, dev := device_preset(d), "fp16", attention_on(dev, None), "async")
-             for c, d in TABLE_CONFIGS]
-    return [s for i, s in enumerate(specs) if s not in specs[:i]]
 
 
 @lru_cache(maxsize=64)
