@@ -13,6 +13,7 @@ when no single knob fits); choosing the best whole config is `plan_budget`'s job
 """
 from __future__ import annotations
 
+import ast
 import itertools
 import math
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from nblib.budget.disk import (
     size_source,
 )
 from nblib.budget.drive import smallest_checkpoint_every
-from nblib.budget.resources import FIT_MARGIN, KNOBS, fits, room, shortfall_figure
+from nblib.budget.resources import FIT_MARGIN, KNOBS, fits, largest_fitting, room, shortfall_figure
 from nblib.config import OUTPUT_CHOICES
 from nblib.units import GB
 
@@ -141,8 +142,8 @@ def cache_knobs(config, need: float, free: float, *, codec_sizes=None) -> str:
     if codec is not None:
         turns.append(f"run.codec={codec!r} (the cache {sizes[codec] / GB:,.2f} GB, the fastest-decoding codec "
                      f"that fits, {size_source(codec, codec_sizes)})")
-    most = _largest(1, r.n_samples - 1, lambda n: fits(need * n / r.n_samples, free))
-    if most is not None:
+    most = largest_fitting(lambda n: fits(need * n / r.n_samples, free), r.n_samples - 1)
+    if most:
         turns.append(f"run.n_samples={most:,} (the cache {need * most / r.n_samples / GB:,.2f} GB)")
     turns.append(f"{shortfall_figure(need, free)} more free disk on that folder")
     return "; or ".join(turns)
@@ -328,8 +329,8 @@ class _Search:
             return {"checkpoint_every": every, "consolidate_every": _largest_divisor(every, r.consolidate_every)}
 
         batches = -(-r.n_samples // r.batch_size)     # a part never holds more than the run's batches
-        best = _largest(1, min(r.checkpoint_every - 1, batches), lambda every: self.fits(**changes(every)))
-        if best is None:
+        best = largest_fitting(lambda every: self.fits(**changes(every)), min(r.checkpoint_every - 1, batches))
+        if not best:
             return None
         if best >= r.consolidate_every:
             best -= best % r.consolidate_every       # keep consolidate_every as it is
@@ -429,24 +430,8 @@ def _changes(s: Suggestion) -> dict:
     changes = {s.knob.removeprefix("run."): s.value}
     for part in filter(None, s.also.split(" and ")):
         name, value = part.split("=", 1)
-        changes[name.removeprefix("run.")] = _literal(value)
+        changes[name.removeprefix("run.")] = ast.literal_eval(value)
     return changes
-
-
-def _literal(text: str):
-    import ast
-
-    return ast.literal_eval(text)
-
-
-def _largest(lo: int, hi: int, fits) -> int | None:
-    """The largest n in [lo, hi] with fits(n), for fits true below a threshold and false above it."""
-    if hi < lo or not fits(lo):
-        return None
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-    return lo
 
 
 def _largest_divisor(n: int, at_most: int) -> int:

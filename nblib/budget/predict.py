@@ -261,7 +261,7 @@ def _sourced_speed(dev: Device, flops: float, precision: str, n_samples: int) ->
     if not dev.sourced_speed:
         return None
     speed = t4_speed.project(flops, "fp16" if precision == "fp16" else "fp32", n_samples=n_samples,
-                             counted_by="flops_per_image from the TRM's shapes, FlopCounterMode's count to 0.1%")
+                             counted_by=t4_speed.TRM_COUNTED_BY)
     if precision == "bf16":
         speed = dataclass_replace(speed, method=speed.method + "; bf16 has no tensor cores on a T4 (sm_75): "
                                                                "fp32's range")
@@ -270,13 +270,9 @@ def _sourced_speed(dev: Device, flops: float, precision: str, n_samples: int) ->
 
 def _disk_lines(cfg: PipelineConfig, codec: str, bytes_per_image: float | None, codec_sizes) -> tuple:
     """The local disk and Drive lines of a capped config: the cache sized as given, measured, else estimated."""
-    measured = measured_bytes_per_image(codec_sizes, codec) if bytes_per_image is None else bytes_per_image
-    return disk_lines(cfg, codec=codec, bytes_per_image=measured)
-
-
-def measured_bytes_per_image(codec_sizes, codec: str) -> float | None:
-    """The bytes per image of `codec` in `codec_sizes` (a CodecSizes); None if it holds none."""
-    return codec_sizes.bytes_per_image.get(codec) if codec_sizes is not None else None
+    if bytes_per_image is None and codec_sizes is not None:
+        bytes_per_image = codec_sizes.bytes_per_image.get(codec)
+    return disk_lines(cfg, codec=codec, bytes_per_image=bytes_per_image)
 
 
 def capped_to_samples(config: PipelineConfig) -> PipelineConfig:

@@ -62,7 +62,7 @@ def shortfall_words(need: float, limit: float, unit: str = "free", margin: float
 
 def largest_fitting(fits, cap: int) -> int:
     """The largest b in [1, cap] with fits(b) (fits is monotone), by doubling then bisection; 0 if none."""
-    if not fits(1):
+    if cap < 1 or not fits(1):
         return 0
     lo, hi = 1, 2
     while hi <= cap and fits(hi):
