@@ -10,11 +10,12 @@ from pathlib import Path
 
 import nblib.train  # noqa: F401  hands the training job to the trace layer (06 budgets training)
 from nblib.budget.training import largest_batch, predict_training, retained_bytes, retained_versions, t4_training_time
+from nblib.cache import sample_texts_path
+from nblib.compare import progress_bar
 from nblib.proc import cli_command, run_until
 from nblib.units import fmt_bytes, fmt_duration
 
 REPO = Path(__file__).resolve().parents[2]
-SAMPLE_TEXTS = REPO / "data" / "sample_texts.jsonl"
 PEAK_TOLERANCE = 0.10
 
 
@@ -23,7 +24,7 @@ def texts_subset(n: int, folder: str | Path) -> Path:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"sample_texts_{n}.jsonl"
-    lines = SAMPLE_TEXTS.read_text(encoding="utf-8").splitlines(keepends=True)[:n]
+    lines = sample_texts_path().read_text(encoding="utf-8").splitlines(keepends=True)[:n]
     path.write_text("".join(lines), encoding="utf-8")
     return path
 
@@ -50,14 +51,17 @@ def memory_rows(model, batches: tuple[int, ...], progress: bool = True) -> list[
     from nblib.train.probe import step_peak
 
     rows = []
-    for b in _bar(batches, progress, "measuring steps", "batch"):
-        measured = step_peak(model, b)
-        budget = predict_training(model, b)
-        predicted = measured.rss_before + budget.step_bytes
-        rows.append({"batch": b, "fixed": measured.rss_before, "predicted": predicted, "measured": measured.peak_rss,
-                     "ratio": predicted / measured.peak_rss if measured.peak_rss else float("nan"),
-                     "step_share": (measured.peak_rss - measured.rss_before) / max(1, measured.peak_rss),
-                     "full_prediction": budget.total})
+    with progress_bar(len(batches), "measuring steps", "batch", disable=not progress) as bar:
+        for b in batches:
+            measured = step_peak(model, b)
+            budget = predict_training(model, b)
+            predicted = measured.rss_before + budget.step_bytes
+            rows.append({"batch": b, "fixed": measured.rss_before, "predicted": predicted,
+                         "measured": measured.peak_rss,
+                         "ratio": predicted / measured.peak_rss if measured.peak_rss else float("nan"),
+                         "step_share": (measured.peak_rss - measured.rss_before) / max(1, measured.peak_rss),
+                         "full_prediction": budget.total})
+            bar.update(1)
     return rows
 
 
@@ -122,8 +126,6 @@ def kill_and_resume(cache: str | Path, folder: str | Path, steps: int, kill_afte
                     *extra: str, progress: bool = True) -> dict:
     """An uninterrupted CLI run, and one SIGKILLed once step `kill_after_step` is saved, then rerun."""
     import os
-
-    from nblib.compare import progress_bar
 
     folder = Path(folder)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
@@ -248,8 +250,6 @@ def bucket_backup_demo(cache: str | Path, folder: str | Path, config, *, bucket:
     if missing:
         return (f"bucket demo skipped: {' and '.join(missing)} not installed here (pip install 'moto[server]' "
                 f"s3fs); a real bucket takes the same train(..., mirror='s3://bucket/prefix')")
-    from nblib.compare import progress_bar
-
     bar = progress_bar(config.steps + 2, "S3 server, training steps, listing", "step", disable=not progress)
     from moto.server import ThreadedMotoServer
 
@@ -284,8 +284,7 @@ def bucket_backup_demo(cache: str | Path, folder: str | Path, config, *, bucket:
 
 
 def _newest_step(run: Path) -> int:
-    return max((int(p.stem.split("-")[1]) for p in (run / "checkpoints").glob("state-*.json")), default=0) \
-        if (run / "checkpoints").exists() else 0
+    return max((int(p.stem.split("-")[1]) for p in (run / "checkpoints").glob("state-*.json")), default=0)
 
 
 def simulated_t4_rows(model, batches: tuple[int, ...], precision: str = "fp16", progress: bool = True) -> list[dict]:
@@ -294,7 +293,6 @@ def simulated_t4_rows(model, batches: tuple[int, ...], precision: str = "fp16", 
     `progress`: the suite's bar over the trace (the longer part on a cold trace cache) and each simulated batch.
     """
     from nblib.budget.model_vram import model_vram_table
-    from nblib.compare import progress_bar
     from nblib.simulate.train import simulate_train_step
 
     rows = []
@@ -340,14 +338,3 @@ def t4_training_time_lines(model, steps: int, batch: int, rows: list[dict], prec
                      f"projection's fast end {time.samples_per_s.high:,.0f} is "
                      f"{'below it' if time.samples_per_s.high <= ceiling else 'ABOVE it: the projection is too fast'}")
     return "\n".join(lines)
-
-
-def _bar(items, progress: bool, desc: str, unit: str):
-    """`items`, behind the suite's progress bar (`nblib.compare.progress_bar`) when `progress`."""
-    from nblib.compare import progress_bar
-
-    items = list(items)
-    with progress_bar(len(items), desc, unit, disable=not progress) as bar:
-        for item in items:
-            yield item
-            bar.update(1)
