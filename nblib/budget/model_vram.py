@@ -129,12 +129,18 @@ class ModelVRAM:
                 + ("" if self.precision != "fp32" else ", or --precision fp16"))
 
 
-def model_vram(model, batch_size: int, device: str | Device = "t4", *, precision: str = "fp16",
-               train: bool = False, output: str | None = None, n_classes: int = 12,
-               find_largest: bool = True, max_batch: int = 4096, timeout_s: float = 600.0,
-               out_dtype: str = OUT_DTYPE, inputs: str = "images", record: dict | None = None) -> ModelVRAM:
+def model_vram(model, batch_size: int, device: str | Device = "t4", **options) -> ModelVRAM:
     """The traced VRAM budget of `model` (a spec string, a LoadedModel, or a TRM's ModelConfig) at `batch_size`
-    on `device`.
+    on `device`; `options`: `model_vram_table`'s.
+    """
+    return model_vram_table(model, (batch_size,), device, **options)[0]
+
+
+def model_vram_table(model, batches, device: str | Device = "t4", *, precision: str = "fp16", train: bool = False,
+                     output: str | None = None, n_classes: int = 12, find_largest: bool = True,
+                     max_batch: int = 4096, timeout_s: float = 600.0, out_dtype: str = OUT_DTYPE,
+                     inputs: str = "images", record: dict | None = None) -> list[ModelVRAM]:
+    """`model_vram` at each of `batches`, from one trace (a slider's range: every row is the same answer).
 
     out_dtype: the dtype encoding casts each output to on the device before its copy out (the run's).
     inputs: what the model is called with: "images" (uint8 [B, H, W, 3] through its preprocessing) or
@@ -143,16 +149,6 @@ def model_vram(model, batch_size: int, device: str | Device = "t4", *, precision
     labels of the output's rows; record: that step on other records (nblib.train.traced.record_batch), as the
     CUDA preflight of `train --records` gives it.
     """
-    return model_vram_table(model, (batch_size,), device, precision=precision, train=train, output=output,
-                            n_classes=n_classes, find_largest=find_largest, max_batch=max_batch,
-                            timeout_s=timeout_s, out_dtype=out_dtype, inputs=inputs, record=record)[0]
-
-
-def model_vram_table(model, batches, device: str | Device = "t4", *, precision: str = "fp16", train: bool = False,
-                     output: str | None = None, n_classes: int = 12, find_largest: bool = True,
-                     max_batch: int = 4096, timeout_s: float = 600.0, out_dtype: str = OUT_DTYPE,
-                     inputs: str = "images", record: dict | None = None) -> list[ModelVRAM]:
-    """`model_vram` at each of `batches`, from one trace (a slider's range: every row is the same answer)."""
     batches = [int(b) for b in batches]
     dev = device_preset(device)
     if not dev.is_gpu:

@@ -24,7 +24,7 @@ from nblib.budget.devices import Device, device_preset, device_preset_name
 from nblib.budget.disk import cache_bytes, check_disk
 from nblib.budget.drive import cache_folder_check, run_folder_check, upload_check
 from nblib.budget.memory import RUNTIME_RAM_CPU, RUNTIME_RAM_CUDA
-from nblib.budget.model_vram import OUT_DTYPE, ModelVRAM, model_vram
+from nblib.budget.model_vram import ModelVRAM, model_vram
 from nblib.budget.predict import Budget, predict_budget
 from nblib.budget.resources import fits, shortfall_words
 from nblib.budget.shim import SimulationUnavailable
@@ -88,27 +88,22 @@ def preflight(config: PipelineConfig, workspace, *, job: str = "encode", device:
     return budget
 
 
-def model_vram_check(model, batch_size: int, device: str | Device = "t4", *, precision: str = "fp16",
-                     train: bool = False, output: str | None = None, n_classes: int = 12,
-                     out_dtype: str = OUT_DTYPE, record: dict | None = None, inputs: str = "images") -> ModelVRAM:
+def model_vram_check(model, batch_size: int, device: str | Device = "t4", **job) -> ModelVRAM:
     """Any model's VRAM on the GPU preset `device`: the traced budget (`model_vram`, the one answer) with the
     largest batch that fits; BudgetExceeded naming the GB needed, the GB allowed and that batch when over.
 
-    `model`: a spec or a `nblib.models.LoadedModel`; train: a training step with a head of `n_classes` on
-    `output` (as `nblib.models.with_head`), else the encode loop storing its outputs in `out_dtype`. Pure of
-    this machine: no CUDA is touched.
+    `model`: a spec or a `nblib.models.LoadedModel`; `job`: model_vram_table's precision, train (a training step
+    with a head of n_classes on output, as `nblib.models.with_head`, else the encode loop storing its outputs in
+    out_dtype), record and inputs. Pure of this machine: no CUDA is touched.
     """
-    vram = model_vram(model, batch_size, device, precision=precision, train=train, output=output,
-                      n_classes=n_classes, find_largest=True, out_dtype=out_dtype, record=record, inputs=inputs)
+    vram = model_vram(model, batch_size, device, find_largest=True, **job)
     vram.refuse_if_over()
     return vram
 
 
-def model_preflight(model, batch_size: int, cuda_device, *, precision: str = "fp16", train: bool = False,
-                    output: str | None = None, n_classes: int = 12, out_dtype: str = OUT_DTYPE,
-                    record: dict | None = None, inputs: str = "images") -> ModelVRAM | None:
-    """A CUDA job's VRAM check for any model, before its first batch: `model_vram_check` on the preset of
-    this GPU (by its name, else the T4: `preset_of_this_gpu`), then the high end against its free VRAM.
+def model_preflight(model, batch_size: int, cuda_device, **job) -> ModelVRAM | None:
+    """A CUDA job's VRAM check for any model, before its first batch: `model_vram_check` (of `job`) on the preset
+    of this GPU (by its name, else the T4: `preset_of_this_gpu`), then the high end against its free VRAM.
 
     None, with a warning logged, where no trace can be made: a module passed as an object (the trace
     rebuilds the model from its spec in its own process) or a model whose trace fails (the reason is
@@ -121,8 +116,7 @@ def model_preflight(model, batch_size: int, cuda_device, *, precision: str = "fp
         return None
     dev = device_preset(preset_of_this_gpu(_gpu_name(cuda_device)))
     try:
-        vram = model_vram_check(model, batch_size, dev, precision=precision, train=train, output=output,
-                                n_classes=n_classes, out_dtype=out_dtype, record=record, inputs=inputs)
+        vram = model_vram_check(model, batch_size, dev, **job)
     except (SimulationUnavailable, NotModelled) as exc:    # a trace that cannot be made, or an RNN it refuses
         log.warning("preflight: the VRAM of %s is not checked: %s", spec, exc)
         return None
@@ -130,7 +124,7 @@ def model_preflight(model, batch_size: int, cuda_device, *, precision: str = "fp
     need, limit = vram_needed(vram.high, dev.cuda_context_bytes), free + dev.cuda_context_bytes
     if not fits(vram.high, limit):
         raise BudgetExceeded(
-            f"{vram.spec} at batch {batch_size} ({precision}, {'training' if train else 'encoding'}) needs "
+            f"{vram.spec} at batch {batch_size} ({vram.precision}, {'training' if vram.train else 'encoding'}) needs "
             f"{need / GB:.2f} GB of VRAM beside the CUDA context but {free / GB:.2f} GB is free on this GPU "
             f"(another process holds the rest): {shortfall_words(vram.high, limit, 'of VRAM')}; free the GPU, "
             f"or lower --batch-size (the largest batch that fits an idle {dev.name}: {vram.largest_batch:,})")
