@@ -23,6 +23,7 @@ from nblib import encode as enc
 from nblib.atomic import sha256_file
 from nblib.cache import ShardedImageCache, populate
 from nblib.config import preset
+from nblib.encode.layout import part_name
 from nblib.errors import ConfigError, ResumeMismatch, StateError
 from nblib.lab import streaming_encoding as lab
 from nblib.manifest import read_stat_cache
@@ -151,7 +152,7 @@ def test_resume_after_a_partial_run_recomputes_only_the_missing_parts(cache_dir,
     _run(cache_dir, tmp_path / "r", do_consolidate=False)
     store = enc.open_store(tmp_path / "r")
     for k in range(3, 8):
-        store.delete_part(enc.RunPlan.part_name(k))
+        store.delete_part(part_name(k))
     with caplog.at_level(logging.WARNING, logger="nblib"):
         resumed = _run(cache_dir, tmp_path / "r")
     assert re.search("part-000003.*recomputed", caplog.text)

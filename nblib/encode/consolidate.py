@@ -24,11 +24,11 @@ from nblib.atomic import TMP_PREFIX, AtomicWriter, WrittenFile, npy_header, sha2
 from nblib.budget.resources import fits, margin_words, shortfall_figure
 from nblib.disk import disk_free
 from nblib.encode.layout import RUN_KIND, RUN_VERSION, open_store, read_run_manifest, refuse_if_changed
-from nblib.encode.protocols import PartRecord, PartStore, require_part_store
+from nblib.encode.protocols import PartStore, require_part_store
 from nblib.errors import BudgetExceeded, DriveError, ManifestDamaged, StateError, os_errors_name
 from nblib.lock import FolderLock, run_identity
 from nblib.manifest import read_manifest, read_stat_cache, stat_record, stat_vouches, write_manifest, write_stat_cache
-from nblib.store.parts import VerifyLevel
+from nblib.store.parts import PartInfo, VerifyLevel
 from nblib.units import fmt_bytes_pair
 
 __all__ = [
@@ -159,7 +159,7 @@ def hash_outputs(out_dir: str | Path) -> dict[str, str]:
 # ------------------------------------------------------------------------------ helpers: the parts
 
 
-def _readable_parts(store: PartStore, run_dir: Path) -> tuple[dict, Callable, dict[str, PartRecord]]:
+def _readable_parts(store: PartStore, run_dir: Path) -> tuple[dict, Callable, dict[str, PartInfo]]:
     """(run manifest, how to read a part, the complete parts by name): local staging when it has them all.
 
     Reading local staging is faster than Drive and does not race the mirror thread's copies in
@@ -179,7 +179,7 @@ def _readable_parts(store: PartStore, run_dir: Path) -> tuple[dict, Callable, di
     return manifest, store.read_part, parts
 
 
-def _require_complete(manifest: dict | None, parts: dict[str, PartRecord], run_dir: Path) -> None:
+def _require_complete(manifest: dict | None, parts: dict[str, PartInfo], run_dir: Path) -> None:
     """StateError unless the run manifest says the run is complete and every part it lists is there."""
     lost = sorted(set((manifest or {}).get("parts", {})) - set(parts))
     if manifest is None or not manifest.get("complete") or lost:
@@ -190,7 +190,7 @@ def _require_complete(manifest: dict | None, parts: dict[str, PartRecord], run_d
                          f"rerun encode with the same arguments to finish it")
 
 
-def _require_parts_of_this_run(manifest: dict, parts: dict[str, PartRecord], folder: Path) -> None:
+def _require_parts_of_this_run(manifest: dict, parts: dict[str, PartInfo], folder: Path) -> None:
     """Refuse a part whose meta names another run (fingerprints), another layout or other samples."""
     for name, rng in manifest["parts"].items():
         meta = dict(parts[name].meta or {})
@@ -284,7 +284,7 @@ def _hash_problem(path: Path, entry: dict) -> str | None:
 # ------------------------------------------------------------------------------ helpers: writing
 
 
-def _write_outputs(read_part: Callable, manifest: dict, parts: dict[str, PartRecord], out_dir: Path,
+def _write_outputs(read_part: Callable, manifest: dict, parts: dict[str, PartInfo], out_dir: Path,
                    stale: list[str], index: dict | None, stats: dict[str, dict], *, seq: int,
                    check_space: bool) -> None:
     """Stream the stale outputs part by part through one AtomicWriter each; then the index, last."""

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 from nblib.config import PipelineConfig
 from nblib.encode.layout import part_name, parts_dir
-from nblib.encode.protocols import PartRecord, PartStore
+from nblib.encode.protocols import PartStore
 from nblib.encode.rank_budget import RankBudget, check_host_ram, rank_budget
 from nblib.encode.ranks import (
     RANKS_FOLDER,
@@ -36,7 +36,7 @@ from nblib.encode.ranks import (
 )
 from nblib.errors import ConfigError, PeerLost, StateError
 from nblib.lock import launch_id
-from nblib.store.parts import VerifyLevel
+from nblib.store.parts import PartInfo, VerifyLevel
 from nblib.units import fmt_duration, fmt_exception
 
 __all__ = [
@@ -90,7 +90,7 @@ class World:
         """This process's share of the parts not yet durable (`pending`); it touches no store."""
         raise NotImplementedError
 
-    def durable_parts(self, store: PartStore, n_parts: int, verify: VerifyLevel) -> list[PartRecord]:
+    def durable_parts(self, store: PartStore, n_parts: int, verify: VerifyLevel) -> list[PartInfo]:
         """The verified parts of the run folder: those another process writes now are not reported."""
         return durable_parts_shared(store, verify, {part_name(k) for k in range(n_parts)})
 
@@ -133,7 +133,7 @@ class Single(World):
     def assign(self, pending: list[int], n_parts: int, fingerprints: dict | None = None) -> list[int]:
         return list(pending)
 
-    def durable_parts(self, store: PartStore, n_parts: int, verify: VerifyLevel) -> list[PartRecord]:
+    def durable_parts(self, store: PartStore, n_parts: int, verify: VerifyLevel) -> list[PartInfo]:
         return store.list_parts(verify=verify)
 
     def record(self, run_dir: str | Path, assigned: list[int]) -> None:
@@ -166,7 +166,7 @@ class Shard(World):
         left = set(pending)
         return [k for k in split(range(n_parts), self.rank, self.size) if k in left]
 
-    def durable_parts(self, store: PartStore, n_parts: int, verify: VerifyLevel) -> list[PartRecord]:
+    def durable_parts(self, store: PartStore, n_parts: int, verify: VerifyLevel) -> list[PartInfo]:
         block = split(range(n_parts), self.rank, self.size)   # the other shards' parts may be in flight
         return durable_parts_shared(store, verify, {part_name(k) for k in block})
 

@@ -61,10 +61,6 @@ class RunPlan:
         """How many samples the parts `parts` hold together."""
         return sum(self.part_range(k)[1] - self.part_range(k)[0] for k in parts)
 
-    @staticmethod
-    def part_name(k: int) -> str:
-        return part_name(k)
-
 
 def part_name(k: int) -> str:
     """The folder name of part k: part-000000, part-000001, ..."""
@@ -94,7 +90,7 @@ def part_meta(plan: RunPlan, k: int, fingerprints: dict, settings: dict | None =
     """The meta written with part k: what it is, which samples it holds, the run's fingerprints and
     settings (so a refusal names the setting that changed, even with no run manifest: shards).
     """
-    meta = {"kind": RUN_KIND, "version": RUN_VERSION, "name": plan.part_name(k),
+    meta = {"kind": RUN_KIND, "version": RUN_VERSION, "name": part_name(k),
             "range": list(plan.part_range(k)), "fingerprints": fingerprints}
     if settings is not None:
         meta["settings"] = settings

@@ -7,18 +7,16 @@ the code below never guesses with getattr or hasattr.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from nblib.errors import ConfigError
-from nblib.store.parts import VerifyLevel
+from nblib.store.parts import PartFolder, PartInfo, VerifyLevel
 
 __all__ = [
-    "ImageSource", "LocalParts", "PartFile", "PartRecord", "PartStore", "require_image_source",
-    "require_part_store",
+    "ImageSource", "PartStore", "require_image_source", "require_part_store",
 ]
 
 @runtime_checkable
@@ -43,28 +41,6 @@ class ImageSource(Protocol):
         """Images [start, stop) as one uint8 array [n, H, W, 3]."""
 
 
-class PartFile(Protocol):
-    """One array file of a stored part (what `PartInfo.files` holds)."""
-
-    sha256: str
-
-
-class PartRecord(Protocol):
-    """A complete part as `list_parts` reports it: its name, files and the meta written with it."""
-
-    name: str
-    files: Mapping[str, PartFile]
-    meta: dict
-
-
-class LocalParts(Protocol):
-    """A store's local part folder (`DurableStore.local`): its parts, read without the mirror."""
-
-    def list(self, verify: VerifyLevel = VerifyLevel.HASH) -> tuple[list[PartRecord], list]: ...
-
-    def read(self, name: str, mmap: bool = True, verify: VerifyLevel = VerifyLevel.HASH) -> dict[str, np.ndarray]: ...
-
-
 @runtime_checkable
 class PartStore(Protocol):
     """The DurableStore calls encode makes: parts, the run manifest, the mirror's progress."""
@@ -72,7 +48,7 @@ class PartStore(Protocol):
     local_dir: Path
 
     @property
-    def local(self) -> LocalParts:
+    def local(self) -> PartFolder:
         """The local staging side's parts, read without touching the mirror."""
 
     @property
@@ -81,7 +57,7 @@ class PartStore(Protocol):
 
     def write_part(self, name: str, arrays: dict[str, np.ndarray], meta: dict | None = None) -> Any: ...
 
-    def list_parts(self, verify: VerifyLevel = VerifyLevel.HASH) -> list[PartRecord]: ...
+    def list_parts(self, verify: VerifyLevel = VerifyLevel.HASH) -> list[PartInfo]: ...
 
     def read_part(self, name: str, mmap: bool = True,
                   verify: VerifyLevel = VerifyLevel.HASH) -> dict[str, np.ndarray]: ...

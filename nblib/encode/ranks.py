@@ -19,10 +19,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from nblib.encode.layout import part_name
-from nblib.encode.protocols import PartRecord, PartStore
+from nblib.encode.protocols import PartStore
 from nblib.errors import ManifestDamaged, StateError
 from nblib.manifest import read_manifest, write_manifest
-from nblib.store.parts import VerifyLevel
+from nblib.store.parts import PartInfo, VerifyLevel
 
 __all__ = [
     "PROGRESS_POLL_S", "RANKS_FOLDER", "RECORD_KIND", "RECORD_VERSION", "DurableProgress", "RankRecord",
@@ -80,7 +80,7 @@ def require_all_parts(run_dir: str | Path, durable: Sequence[str], n_parts: int)
     raise StateError("; ".join(lines))
 
 
-def durable_parts_shared(store: PartStore, verify: VerifyLevel, watched: set[str]) -> list[PartRecord]:
+def durable_parts_shared(store: PartStore, verify: VerifyLevel, watched: set[str]) -> list[PartInfo]:
     """The verified parts of a folder several processes write; damaged ones are logged only when `watched`.
 
     A part another process is writing right now looks torn (its .npy files without part.json), so

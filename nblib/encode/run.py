@@ -24,7 +24,7 @@ import numpy as np
 from nblib import budget
 from nblib.atomic import sha256_json
 from nblib.cache import ShardedImageCache
-from nblib.cache.format import DAMAGED, damaged_error, shard_state
+from nblib.cache.format import DAMAGED, WHY_DAMAGED, damaged_error, shard_state
 from nblib.config import PipelineConfig
 from nblib.encode import numerics
 from nblib.encode.consolidate import consolidate
@@ -37,6 +37,7 @@ from nblib.encode.layout import (
     is_run_part,
     open_store,
     part_meta,
+    part_name,
     plan_run,
     read_run_manifest,
     refuse_if_changed,
@@ -289,7 +290,7 @@ def resume(store: PartStore, run: RunInputs, world: World, verify: VerifyLevel =
 
 def pending_parts(plan: RunPlan, manifest: dict) -> list[int]:
     """The parts the manifest does not list as durable, in order."""
-    return [k for k in range(plan.n_parts) if plan.part_name(k) not in manifest["parts"]]
+    return [k for k in range(plan.n_parts) if part_name(k) not in manifest["parts"]]
 
 
 def encode_parts(run: RunInputs, store: PartStore, manifest: dict, parts: list[int], lock: FolderLock,
@@ -329,14 +330,13 @@ def consolidate_run(run: RunInputs, store: PartStore, manifest: dict, lock: Fold
         return Consolidated(consolidate(run.run_dir, store=store, lock=lock, verify=verify is VerifyLevel.HASH), ())
     except StateError as exc:
         damaged = {d.name for d in store.verify()[1]} & set(manifest["parts"])
-        ks = [k for k in range(run.plan.n_parts) if run.plan.part_name(k) in damaged]
+        ks = [k for k in range(run.plan.n_parts) if part_name(k) in damaged]
         if not ks:
             raise
-        log.warning("consolidation found damaged parts (%s); recomputing parts %s", exc,
-                    [run.plan.part_name(k) for k in ks])
-    for k in ks:
-        store.delete_part(run.plan.part_name(k))
-    kept = _without_parts(manifest, [run.plan.part_name(k) for k in ks])
+        log.warning("consolidation found damaged parts (%s); recomputing parts %s", exc, sorted(damaged))
+    for name in sorted(damaged):
+        store.delete_part(name)
+    kept = _listing(copy.deepcopy(manifest), {n: r for n, r in manifest["parts"].items() if n not in damaged})
     encode_parts(run, store, kept, ks, lock, write_manifest=True)
     return Consolidated(consolidate(run.run_dir, store=store, lock=lock), tuple(ks))
 
@@ -431,20 +431,17 @@ def _manifest_of(run: RunInputs, durable: list, old_settings: dict | None, encod
         parts[meta["name"]] = meta["range"]
     if other:
         log.warning("encoding %d parts made with other numerics again: %s", len(other), other)
-    fresh["parts"] = {name: parts[name] for name in sorted(parts)}
-    fresh["samples_done"] = sum(stop - start for start, stop in fresh["parts"].values())
-    fresh["complete"] = fresh["samples_done"] == run.plan.n_samples
-    return fresh
+    return _listing(fresh, parts)
 
 
-def _without_parts(manifest: dict, names: list[str]) -> dict:
-    """The manifest with the parts `names` no longer listed (they are recomputed)."""
-    kept = copy.deepcopy(manifest)
-    for name in names:
-        start, stop = kept["parts"].pop(name)
-        kept["samples_done"] -= stop - start
-    kept["complete"] = kept["samples_done"] == kept["n_samples"]
-    return kept
+def _listing(manifest: dict, parts: dict) -> dict:
+    """`manifest` listing exactly `parts` (name -> [start, stop]) in name order, with its samples done and
+    whether the run is complete; returns it.
+    """
+    manifest["parts"] = dict(sorted(parts.items()))
+    manifest["samples_done"] = sum(stop - start for start, stop in manifest["parts"].values())
+    manifest["complete"] = manifest["samples_done"] == manifest["n_samples"]
+    return manifest
 
 
 def _require_folder(folder: Path, what: str) -> Path:
@@ -540,7 +537,7 @@ def _encode_loop(run: RunInputs, store: PartStore, manifest: dict, parts: list[i
             shards.require(start, stop)                 # never a part from a shard that is not the manifest's
             _write_part(store, manifest, plan, k, arrays, write_manifest)
             if record is not None:
-                record.wrote(plan.part_name(k))
+                record.wrote(part_name(k))
             writing += time.perf_counter() - write_started
             bar.set_postfix(_postfix(store, manifest, plan, device), refresh=True)
     except (MemoryError, RuntimeError) as exc:
@@ -582,9 +579,7 @@ class VerifiedShards:
                 continue
             state = shard_state(self.folder, entry, full=True, digest="xxh3")
             if state in DAMAGED:
-                why = {"missing": "missing", "truncated": "of another size than the manifest records",
-                       "corrupt": "not the shard the manifest records (its checksum differs)"}[state]
-                raise damaged_error(self.folder, entry["file"], why + "; nothing was encoded from it")
+                raise damaged_error(self.folder, entry["file"], WHY_DAMAGED[state] + "; nothing was encoded from it")
             self.verified.add(i)
 
 
@@ -598,12 +593,9 @@ def _out_of_memory(exc: BaseException) -> bool:
 def _write_part(store: PartStore, manifest: dict, plan: RunPlan, k: int, arrays: dict[str, np.ndarray],
                 write_manifest: bool = True) -> None:
     """Write part k durably, then list it in the manifest (written last, by a single process only)."""
-    name, (start, stop) = plan.part_name(k), plan.part_range(k)
+    name, (start, stop) = part_name(k), plan.part_range(k)
     store.write_part(name, arrays, part_meta(plan, k, manifest["fingerprints"], manifest["settings"]))
-    manifest["parts"][name] = [start, stop]
-    manifest["parts"] = dict(sorted(manifest["parts"].items()))
-    manifest["samples_done"] += stop - start
-    manifest["complete"] = manifest["samples_done"] == plan.n_samples
+    _listing(manifest, {**manifest["parts"], name: [start, stop]})
     if write_manifest:
         store.write_manifest(manifest)
 
