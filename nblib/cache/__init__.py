@@ -7,10 +7,10 @@ Arrow, webdataset tars, with labels or texts in a side table), `verify` (check a
 (`ShardedImageCache`, `CacheDataset`). Record shards (records of tensors, grouped by a key):
 `records` (`write_records`), `record_format`, `record_sources` (any pickle, .npz, .pt; pickles read by
 `pickle_stream` one record at a time through the allow-list of `pickle_globals`),
-`record_reader` (`RecordShards`, `RecordShardShuffle`), `record_verify` and `record_torch` (torch
-datasets; imports torch, so it is not re-exported here); both kinds of folder are checked into one
-`VerifyReport`. The measurements and demos of notebook 02 live
-in `nblib.lab.cache_population`; the command line is `python -m nblib cache` (`nblib.cli`).
+`record_reader` (`RecordShards`, `RecordShardShuffle`) and `record_torch` (torch datasets; imports
+torch, so it is not re-exported here); `verify` checks both kinds of folder into one `VerifyReport`.
+The measurements and demos of notebook 02 live in `nblib.lab.cache_population`; the command line is
+`python -m nblib cache` (`nblib.cli`).
 """
 from __future__ import annotations
 
@@ -29,7 +29,6 @@ from nblib.cache.populate import CachePlan, PopulateSummary, cache_bytes_on_disk
 from nblib.cache.reader import CacheDataset, ShardedImageCache
 from nblib.cache.record_reader import RecordShards, RecordShardShuffle
 from nblib.cache.record_sources import RecordSource, record_source
-from nblib.cache.record_verify import verify_records
 from nblib.cache.records import RecordSummary, write_records
 from nblib.cache.texts import (
     TextSource,
@@ -39,7 +38,7 @@ from nblib.cache.texts import (
     source_fingerprint,
     text_source,
 )
-from nblib.cache.verify import VerifyReport, verify
+from nblib.cache.verify import VerifyReport, verify, verify_records
 
 __all__ = [
     "CODECS", "MANIFEST", "SHARD_SUFFIX", "STAT_CACHE", "CacheDataset", "CachePlan", "Codec", "CodecSpec",

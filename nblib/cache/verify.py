@@ -1,11 +1,14 @@
-"""Verify a cache against its manifest (every shard's size and sha256), and repair what is wrong.
+"""Verify a folder of shards against its manifest (every shard's size and sha256), and repair what is wrong.
 
-`verify` hashes every listed shard, so it also catches what the readers' quick check (a stat per
-shard) cannot: a same-size edit that kept the file's mtime. Repair deletes leftover temporaries
-and unlisted shard files, re-renders exactly the damaged shards from the source texts (the
-recorded path, or `texts`), and records in the local stat cache the new stat of shards whose bytes
-match but whose stat changed (a copied cache), so readers trust them again without hashing.
-`verify` hashes with sha256 (identity), where readers use xxh3 (integrity).
+`verify` (an image cache) and `verify_records` (record shards) hash every listed shard, so they also
+catch what the readers' quick check (a stat per shard) cannot: a same-size edit that kept the file's
+mtime. Repair deletes leftover temporaries and unlisted shard files and records in the local stat
+cache the new stat of shards whose bytes match but whose stat changed (a copied cache), so readers
+trust them again without hashing. An image cache's damaged shards are re-rendered from the source
+texts (the recorded path, or `texts`); record shards are rebuilt by rerunning `write_records` over
+the source (the path the manifest recorded, or the records passed): listed shards whose records hash
+as recorded are skipped, damaged ones are rewritten to their recorded sha256, and an unfinished folder
+is finished. Verify hashes with sha256 (identity), where readers use xxh3 (integrity).
 """
 from __future__ import annotations
 
@@ -23,16 +26,17 @@ from nblib.cache.format import (
 )
 from nblib.cache.populate import cache_lock, rerender_shard, resolve_workers
 from nblib.cache.reader import expected_images
+from nblib.cache.record_format import read_record_manifest
 from nblib.cache.texts import TextSource, scan_texts, text_source
 from nblib.errors import CacheError
 
-RECORD_SHARDS = "record shards"      # a VerifyReport's `kind` for record shards (nblib.cache.record_verify)
+RECORD_SHARDS = "record shards"      # a VerifyReport's `kind` for record shards (`verify_records`)
 
 
 @dataclass(frozen=True)
 class VerifyReport:
     """A shard folder's health against its manifest: missing, truncated and corrupt shards, stray files, what
-    a repair did. One report for an image cache (`verify`) and record shards (`record_verify.verify_records`).
+    a repair did. One report for an image cache (`verify`) and record shards (`verify_records`).
     """
 
     folder: str
@@ -130,9 +134,7 @@ def _repair(cache_dir: Path, texts, field: str | None, workers: int | None) -> V
     if report.manifest_problem or (report.ok and not report.touched):
         return report
     manifest = read_cache_manifest(cache_dir)
-    removed = [*report.temporaries, *report.unlisted]
-    for name in removed:
-        (cache_dir / name).unlink(missing_ok=True)
+    removed = _mend(cache_dir, report, manifest["shards"])
     source = _repair_source(manifest, texts, field) if report.damaged else None
     workers = resolve_workers(workers) if report.damaged else 1
     repaired = []
@@ -141,30 +143,44 @@ def _repair(cache_dir: Path, texts, field: str | None, workers: int | None) -> V
             manifest["shards"][i] = rerender_shard(cache_dir, manifest, entry, source, workers)
             repaired.append(entry["file"])
             write_cache_manifest(cache_dir, manifest)
-        elif entry["file"] in report.touched:
-            record_shard_stats(cache_dir, current_stat(cache_dir, entry))
     after = _inspect(cache_dir)
     return dataclasses.replace(after, repaired=tuple(repaired), removed=tuple(removed))
 
 
-def _inspect(cache_dir: Path) -> VerifyReport:
-    """Full check: stat and sha256 of every listed shard, plus stray files."""
+def _inspect(folder: Path, kind: str = "cache") -> VerifyReport:
+    """Full check of an image cache or record shards (`kind`): stat and sha256 of every listed shard, plus stray
+    files (`shard_findings`).
+    """
+    records = kind == RECORD_SHARDS
     try:
-        manifest = read_cache_manifest(cache_dir)
+        manifest = (read_record_manifest if records else read_cache_manifest)(folder)
     except CacheError as exc:
-        return VerifyReport(folder=str(cache_dir), manifest_problem=str(exc))
+        return VerifyReport(folder=str(folder), kind=kind, manifest_problem=str(exc))
     shards = manifest["shards"]
-    n_images, expected = shards[-1]["stop"] if shards else 0, expected_images(manifest) or 0
-    return shard_report(cache_dir, shards, n_items=n_images, expected_items=expected, complete=n_images == expected)
-
-
-def shard_report(folder: Path, shards: list[dict], **counts) -> VerifyReport:
-    """The report of a full check of a folder's listed shards (`shard_findings`) and its stray files."""
+    if records:
+        n_items = expected = sum(s["count"] for s in shards)
+        complete = bool(manifest.get("complete"))
+    else:
+        n_items, expected = shards[-1]["stop"] if shards else 0, expected_images(manifest) or 0
+        complete = n_items == expected
     found, unlisted = shard_findings(folder, shards)
     return VerifyReport(
-        folder=str(folder), n_shards=len(shards), **counts, unlisted=tuple(unlisted),
-        **{state: tuple(names) for state, names in found.items()},
+        folder=str(folder), kind=kind, n_shards=len(shards), n_items=n_items, expected_items=expected,
+        complete=complete, unlisted=tuple(unlisted), **{state: tuple(names) for state, names in found.items()},
         temporaries=tuple(str(p.relative_to(folder)) for p in leftover_temporaries(folder)))
+
+
+def _mend(folder: Path, report: VerifyReport, shards: list[dict], damaged: tuple[str, ...] = ()) -> list[str]:
+    """Delete leftover temporaries, unlisted shard files and `damaged` ones, and record the new stat of the
+    listed shards that were only copied; the names of the strays removed.
+    """
+    removed = [*report.temporaries, *report.unlisted]
+    for name in [*removed, *damaged]:
+        (folder / name).unlink(missing_ok=True)
+    for entry in shards:
+        if entry["file"] in report.touched:
+            record_shard_stats(folder, current_stat(folder, entry))
+    return removed
 
 
 def _repair_source(manifest: dict, texts, field_name: str | None) -> TextSource:
@@ -187,3 +203,58 @@ def _repair_source(manifest: dict, texts, field_name: str | None) -> TextSource:
                          f"{scan.n_texts:,} texts) are not the ones this cache was built from "
                          f"({recorded['sha256'][:12]}, {recorded['n_texts']:,}); pass the original with --texts")
     return source
+
+
+# ====================================================================================== record shards
+
+
+def verify_records(folder: str | Path, *, repair: bool = False, records=None,
+                   trust: bool = False) -> VerifyReport:
+    """Check every shard's size and sha256; with `repair`, rebuild what is wrong from the source.
+
+    Args:
+        folder: the folder of record shards.
+        repair: delete strays and rewrite damaged shards from the source.
+        records: the source to rebuild from (default: the file the manifest recorded; a folder written
+            from an iterable needs it passed again).
+        trust: as for `record_source` (a pickle's globals).
+
+    Raises:
+        CacheError: not a folder; a repair without a source at hand; another input than the one written.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CacheError(f"{folder} is not a folder of record shards; check the path")
+    report = _inspect(folder, RECORD_SHARDS)
+    if not repair or report.manifest_problem or (report.ok and not report.touched):
+        return report
+    manifest = read_record_manifest(folder)
+    rebuild = report.damaged or not report.complete
+    source = _records_source(folder, manifest, records, trust) if rebuild else None  # before anything is deleted
+    with cache_lock(folder):
+        # a damaged shard may keep its size and mtime (only sha256 saw it): remove it, so the rerun rewrites it
+        removed = _mend(folder, report, manifest["shards"], report.truncated + report.corrupt)
+    if rebuild:
+        from nblib.cache.records import write_records
+
+        write_records(source, folder, shard_mb=manifest["shard_mb"], group_by=manifest["group_by"],
+                      codec=manifest["codec"], codec_level=manifest["codec_level"])
+    after = _inspect(folder, RECORD_SHARDS)
+    return dataclasses.replace(after, repaired=tuple(n for n in report.damaged if n not in after.damaged),
+                               removed=tuple(removed))
+
+
+def _records_source(folder: Path, manifest: dict, records, trust: bool):
+    """What to rebuild from: `records`, or the file the manifest recorded (CacheError when neither is at hand)."""
+    from nblib.cache.record_sources import record_source
+
+    if records is None:
+        path = manifest["source"].get("path")
+        if not path:
+            raise CacheError(f"{folder} was written from records in memory; pass them again "
+                             f"(verify_records(folder, repair=True, records=...)) to rebuild its damaged shards")
+        if not Path(path).is_file():
+            raise CacheError(f"the source {path} these shards were written from is not there; pass "
+                             f"records=... (or put the file back) to rebuild the damaged shards")
+        records = record_source(path, trust=trust)
+    return records

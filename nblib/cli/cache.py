@@ -91,8 +91,8 @@ def _cache_images(args: argparse.Namespace) -> int:
 def _cache_records(args: argparse.Namespace, verify_folder=None) -> int:
     """`cache --records FILE --out DIR [--shard-size-mb --group-by]`: record shards (nblib.cache.records)."""
     from nblib.cache.record_sources import record_source
-    from nblib.cache.record_verify import verify_records
     from nblib.cache.records import write_records
+    from nblib.cache.verify import verify_records
 
     if verify_folder is not None:
         source = record_source(args.records, trust=args.trust_pickle) if args.records else None
