@@ -144,7 +144,9 @@ class FolderLock:
         if taken:
             self._pid = os.getpid()
             atexit.register(self.release)
-            self._start_heartbeat()
+            self._stop.clear()
+            self._beat = threading.Thread(target=self._heartbeat, name="nblib-lock-heartbeat", daemon=True)
+            self._beat.start()
             return self
         raise FolderBusyError(f"could not lock the {self.what} {self.folder}: its lock file {self.path.name} "
                               f"changed hands {ATTEMPTS} times while this run tried to take it; rerun "
@@ -265,11 +267,6 @@ class FolderLock:
         holder = _read_holder(self.path)
         if holder is not None and holder.token == self.token:
             self.path.unlink(missing_ok=True)
-
-    def _start_heartbeat(self) -> None:
-        self._stop.clear()
-        self._beat = threading.Thread(target=self._heartbeat, name="nblib-lock-heartbeat", daemon=True)
-        self._beat.start()
 
     def _heartbeat(self) -> None:
         """Touch the lock file every stale_after_s / 4 while it is ours (its mtime is the heartbeat)."""

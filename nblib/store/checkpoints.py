@@ -31,6 +31,7 @@ from .parts import CHECKPOINT_HASH, DamagedCopy, FileOps, check_name
 CHECKPOINT_KIND = "nblib.store.checkpoint"
 CHECKPOINT_VERSION = 3
 READABLE_VERSIONS = (2, 3)      # 2: the record holds a sha256
+RECORD = re.compile(r"(.+)-(\d{6,})\.json")     # a version's record: <name>-000001.json
 
 
 @dataclass(frozen=True)
@@ -53,11 +54,7 @@ class CheckpointFolder:
 
     def versions(self, name: str) -> list[int]:
         """Version numbers of `name` that have a record here (unchecked), ascending."""
-        try:
-            entries = self.ops.listdir(self.root)
-        except FileNotFoundError:
-            return []
-        return versions_in(entries, name)
+        return sorted(version for stem_name, version in self.stems() if stem_name == name)
 
     def stems(self) -> list[tuple[str, int]]:
         """(name, version) of every record here, for a resync after a restart."""
@@ -65,7 +62,7 @@ class CheckpointFolder:
             entries = self.ops.listdir(self.root)
         except FileNotFoundError:
             return []
-        found = [re.fullmatch(r"(.+)-(\d{6,})\.json", e) for e in sorted(entries)]
+        found = [RECORD.fullmatch(e) for e in sorted(entries)]
         return [(m.group(1), int(m.group(2))) for m in found if m]
 
     def save(self, obj, name: str, version: int) -> Path:
@@ -161,8 +158,7 @@ def stem(name: str, version: int) -> str:
 
 
 def versions_in(entries: Iterable[str], name: str) -> list[int]:
-    pattern = re.compile(rf"{re.escape(name)}-(\d{{6,}})\.json")
-    return sorted(int(m.group(1)) for e in entries if (m := pattern.fullmatch(e)))
+    return sorted(int(m.group(2)) for e in entries if (m := RECORD.fullmatch(e)) and m.group(1) == name)
 
 
 def _record_body(raw: bytes, name: str, version: int) -> dict:

@@ -65,10 +65,6 @@ class Stall:
         self.root, self.deadline_s = Path(root), deadline_s
         self.what: str | None = None
 
-    @property
-    def stalled(self) -> bool:
-        return self.what is not None
-
     def error(self) -> MirrorStalled:
         return MirrorStalled(f"mirror=stalled: the mirror {self.root} did not answer within "
                              f"{self.deadline_s:g} s ({self.what}; a frozen Drive mount?); the run goes on "
@@ -77,7 +73,7 @@ class Stall:
 
     def call(self, what: str, fn: Callable[[], Any]):
         """fn() on a daemon thread, waited for `deadline_s`; MirrorStalled past it (and for every later call)."""
-        if self.stalled:
+        if self.what is not None:
             raise self.error()
         try:
             return call_within(fn, self.deadline_s, thread_name=f"nblib-mirror-call {what}")

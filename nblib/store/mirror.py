@@ -289,7 +289,15 @@ class Mirror:
             first = not self._failing or (isinstance(exc, RemountPending) and not self._paused)
             self._failing, self._paused = True, isinstance(exc, RemountPending)
             pending = sum(isinstance(i, CopyPart) for i in self._backlog)
-        msg = failure_message(exc, self.sides, item.label, pending, self.retrier.retries + 1, self.retry_interval_s)
+        remote, local = self.sides.remote.root, self.sides.local.root   # what failed, what waits locally, what to do
+        if isinstance(exc, RemountPending):
+            msg = (f"the mirror {remote} is paused: {exc.strerror}. {pending} parts wait in {local} and the run "
+                   f"continues locally. {REAUTHORIZE_HINT}")
+        else:
+            fix = "free Drive space; " if exc.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+            msg = (f"mirror {remote} failed {self.retrier.retries + 1} times on {item.label} ({describe(exc)}); "
+                   f"{pending} parts wait in {local} and the run continues locally; {fix}the mirror retries on "
+                   f"the next write, flush(), or every {self.retry_interval_s:g} s")
         if first:
             log.warning(msg)
             warnings.warn(msg, MirrorWarning, stacklevel=1)
@@ -459,14 +467,3 @@ class Mirror:
         with self._cond:
             self._verified[name] = content_id
         return True
-
-
-def failure_message(exc: OSError, sides, label: str, pending: int, attempts: int, retry_interval_s: float) -> str:
-    """What a failing or paused mirror tells the user: what failed, what waits locally, what to do."""
-    if isinstance(exc, RemountPending):
-        return (f"the mirror {sides.remote.root} is paused: {exc.strerror}. {pending} parts wait in "
-                f"{sides.local.root} and the run continues locally. {REAUTHORIZE_HINT}")
-    fix = "free Drive space; " if exc.errno in (errno.ENOSPC, errno.EDQUOT) else ""
-    return (f"mirror {sides.remote.root} failed {attempts} times on {label} ({describe(exc)}); {pending} parts "
-            f"wait in {sides.local.root} and the run continues locally; {fix}the mirror retries on the next "
-            f"write, flush(), or every {retry_interval_s:g} s")

@@ -282,15 +282,15 @@ class PartFolder:
             except (FileNotFoundError, NotADirectoryError):
                 return None
             has_npy = any(n.endswith(".npy") and not n.startswith(".") for n in names)
-            return self._damaged(name, "torn: .npy files without part.json") if has_npy else None
+            return DamagedCopy(name, self.side, "torn: .npy files without part.json") if has_npy else None
         try:
             info = self._parse_record(name, raw)
         except (ManifestDamaged, ValueError, KeyError, TypeError, AttributeError) as exc:
-            return self._damaged(name, f"part.json is damaged ({type(exc).__name__}: {exc})")
+            return DamagedCopy(name, self.side, f"part.json is damaged ({type(exc).__name__}: {exc})")
         for entry in info.files.values():
             reason = self._file_problem(folder / entry.file, entry, level)
             if reason is not None:
-                return self._damaged(name, reason)
+                return DamagedCopy(name, self.side, reason)
         return info
 
     def list(self, verify: VerifyLevel = VerifyLevel.HASH) -> tuple[list[PartInfo], list[DamagedCopy]]:
@@ -398,9 +398,6 @@ class PartFolder:
         if must_hash and self.ops.sha256(path) != entry.sha256:
             return f"{entry.file} sha256 differs from part.json (corrupt)"
         return None
-
-    def _damaged(self, name: str, reason: str) -> DamagedCopy:
-        return DamagedCopy(name, self.side, reason)
 
     def _remove_tree(self, folder: Path) -> None:
         """Remove a renamed-away part folder: part.json first, then its files, then the folder."""

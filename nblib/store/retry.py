@@ -44,7 +44,7 @@ class Retrier:
                  stop: threading.Event | None = None):
         self.retries, self.backoff_s, self.remount = retries, backoff_s, remount
         self.stop = stop if stop is not None else threading.Event()
-        self.remount_timeout_s = remount_timeout()
+        self.remount_timeout_s = seconds_from_env(REMOUNT_TIMEOUT_ENV, DEFAULT_REMOUNT_TIMEOUT_S, example=60)
         self._remounting: threading.Thread | None = None
 
     def call(self, fn: Callable[[], Any], what: str, passes: tuple = ()):
@@ -58,7 +58,8 @@ class Retrier:
                 if attempt == self.retries or self.stop.is_set():
                     raise
                 log.info("%s: %s (attempt %d of %d)", what, describe(exc), attempt + 1, self.retries + 1)
-                if is_disconnected(exc) and self.remount is not None:
+                disconnected = exc.errno == errno.ENOTCONN or "Transport endpoint is not connected" in str(exc)
+                if disconnected and self.remount is not None:
                     self._remount_within_timeout(exc)
                 self.stop.wait(min(self.backoff_s * 2 ** attempt, MAX_BACKOFF_S))
 
@@ -146,11 +147,6 @@ class RetryingOps(WrappedOps):
                 f"retry, or open the store with mirror_dir=None to use local staging only") from None
 
 
-def remount_timeout() -> float:
-    """Seconds a remount may take before the mirror pauses: NBLIB_REMOUNT_TIMEOUT_S, default 60."""
-    return seconds_from_env(REMOUNT_TIMEOUT_ENV, DEFAULT_REMOUNT_TIMEOUT_S, example=60)
-
-
 def seconds_from_env(name: str, default: float, *, example: float, finite: bool = False) -> float:
     """A positive number of seconds from the environment variable `name` (unset or empty: `default`).
 
@@ -165,10 +161,6 @@ def seconds_from_env(name: str, default: float, *, example: float, finite: bool 
         raise ConfigError(f"{name}={raw!r} is not a positive number of seconds; "
                           f"unset it (default {default:g} s) or set it to e.g. {example:g}")
     return value
-
-
-def is_disconnected(exc: OSError) -> bool:
-    return exc.errno == errno.ENOTCONN or "Transport endpoint is not connected" in str(exc)
 
 
 def describe(exc: BaseException) -> str:
