@@ -243,9 +243,7 @@ def cache_disk_plan(plans: dict, free_bytes: float, save_to=None) -> Figure:
     sizes = [plans[c].predicted_bytes / GB for c in names]
     bars = ax.barh(names, sizes, color=["tab:red" if s * GB > free_bytes else "tab:green" for s in sizes])
     ax.axvline(free_bytes / GB, color="black", linestyle="--", label=f"free disk {free_bytes / GB:,.0f} GB")
-    for bar, size in zip(bars, sizes):
-        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {size:,.1f} GB",
-                va="center", fontsize=8)
+    ax.bar_label(bars, [f" {size:,.1f} GB" for size in sizes], fontsize=8)
     first = plans[names[0]]
     ax.set(xlabel="predicted cache size (GB)", xlim=(0, max(sizes + [free_bytes / GB]) * 1.25),
            title=f"{first.n_images:,} images at {first.image_size} px: which codec fits?")
@@ -279,9 +277,8 @@ def cache_read_throughput(rates: dict, consumer_images_per_s: float | None = Non
     """Read images/s per access pattern (log scale), optionally against what a consumer needs."""
     fig, ax = new_figure(width=7.5, height=0.45 * len(rates) + 1.4)
     names = list(rates)
-    ax.barh(names, [rates[n] for n in names], color="tab:purple")
-    for k, n in enumerate(names):
-        ax.text(rates[n], k, f" {rates[n]:,.0f}/s", va="center", fontsize=8)
+    bars = ax.barh(names, [rates[n] for n in names], color="tab:purple")
+    ax.bar_label(bars, [f" {rates[n]:,.0f}/s" for n in names], fontsize=8)
     if consumer_images_per_s:
         ax.axvline(consumer_images_per_s, color="black", linestyle="--")
         ax.text(consumer_images_per_s, len(names) - 0.45, f" encoder needs ~{consumer_images_per_s:,.0f}/s",
