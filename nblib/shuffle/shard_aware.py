@@ -43,9 +43,15 @@ class WindowedShuffle(PositionalShuffle):
         return int(self._window_indices(window, np.array([position]))[0])
 
     def indices(self, start: int = 0, stop: int | None = None) -> np.ndarray:
-        """Source indices of output positions [start, stop) as an int64 array."""
+        """Source indices of output positions [start, stop) as an int64 array, window by window."""
         start, stop = self.check_range(start, stop)
-        return windowed_indices(self._window_starts, start, stop, self._window_indices)
+        parts = []
+        window = int(np.searchsorted(self._window_starts, start, side="right")) - 1
+        while start < stop:
+            window_stop = min(stop, int(self._window_starts[window + 1]))
+            parts.append(self._window_indices(window, np.arange(start, window_stop)))
+            start, window = window_stop, window + 1
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
     def _window_indices(self, window: int, positions: np.ndarray) -> np.ndarray:
         """Source indices of positions that all lie in `window`."""
@@ -98,16 +104,3 @@ def check_shard_count(n: int, shard_size: int, num_shards: int) -> None:
                           f"({need / 2**30:,.1f} GiB), more than the {MAX_SHARDS:,} shards it allows: pass "
                           f"shard_size >= {-(-n // MAX_SHARDS):,} (the source's real shard size), or use "
                           "GlobalShuffle, whose state and memory are O(1) at any n")
-
-
-def windowed_indices(window_starts: np.ndarray, start: int, stop: int, window_indices) -> np.ndarray:
-    """Output positions [start, stop) of a shuffle cut into windows (window w holds positions
-    window_starts[w] to window_starts[w + 1]), each window's slice from `window_indices(w, positions)`.
-    """
-    parts = []
-    window = int(np.searchsorted(window_starts, start, side="right")) - 1
-    while start < stop:
-        window_stop = min(stop, int(window_starts[window + 1]))
-        parts.append(window_indices(window, np.arange(start, window_stop)))
-        start, window = window_stop, window + 1
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
