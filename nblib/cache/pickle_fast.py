@@ -384,13 +384,9 @@ _new_held = object.__new__
 @functools.lru_cache(maxsize=4096)
 def _fast_global(module: str, name: str, protocol: int):
     """What find_class gives for `module.name` here, or None where the pure path reads such files."""
-    if protocol < 3:
-        from _compat_pickle import IMPORT_MAPPING, NAME_MAPPING
-
-        module, name = NAME_MAPPING.get((module, name), (IMPORT_MAPPING.get(module, module), name))
+    module, name, allowed = allowed_global(module, name, protocol)
     if (module, name) in NOT_FAST:
         return None
-    allowed = allowed_global(module, name)
     if allowed is None:
         return stub_class(module, name)
     if isinstance(allowed, _Marker):

@@ -301,10 +301,6 @@ def _with_unit(base: np.dtype, metadata) -> np.dtype:
     return np.dtype(f"{base.char}8[{count if count != 1 else ''}{unit}]")
 
 
-def _ml_bfloat16():
-    return bfloat16().type
-
-
 class Pending:
     """An array or dtype that numpy's pickles make in two steps: REDUCE, then BUILD with its state.
 
@@ -481,11 +477,14 @@ _RECORD_MAKERS = {("collections", "OrderedDict"), ("collections", "Counter"), ("
                   ("builtins", "dict")}
 
 
-def allowed_global(module: str, name: str):
-    """What runs for the global `module.name`: its allow-listed stand-in, or None."""
-    if (module, name) == ("ml_dtypes", "bfloat16"):
-        return _ml_bfloat16()
-    return ALLOWED.get((module, name))
+def allowed_global(module: str, name: str, protocol: int) -> tuple[str, str, object]:
+    """The global `module.name` as Python 3 names it (protocols 0-2 may name Python 2's modules: pickle's own
+    mapping), and what runs for it: its allow-listed stand-in, or None.
+    """
+    if protocol < 3:
+        module, name = NAME_MAPPING.get((module, name), (IMPORT_MAPPING.get(module, module), name))
+    allowed = bfloat16().type if (module, name) == ("ml_dtypes", "bfloat16") else ALLOWED.get((module, name))
+    return module, name, allowed
 
 
 @functools.lru_cache(maxsize=4096)
@@ -496,7 +495,7 @@ def global_kind(dotted: str | None) -> str:
     if dotted is None:
         return "value"
     module, _, name = dotted.rpartition(".")
-    module, name = NAME_MAPPING.get((module, name), (IMPORT_MAPPING.get(module, module), name))
+    module, name, allowed = allowed_global(module, name, protocol=0)
     if (module, name) in _RECORD_MAKERS:
         return "record"
-    return "value" if allowed_global(module, name) is not None else "record"
+    return "value" if allowed is not None else "record"

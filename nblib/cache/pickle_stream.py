@@ -261,11 +261,7 @@ class _Reader(pickle._Unpickler):
         self.keys = 0
 
     def find_class(self, module: str, name: str):
-        if self.proto < 3:
-            from _compat_pickle import IMPORT_MAPPING, NAME_MAPPING
-
-            module, name = NAME_MAPPING.get((module, name), (IMPORT_MAPPING.get(module, module), name))
-        allowed = allowed_global(module, name)
+        module, name, allowed = allowed_global(module, name, self.proto)
         if allowed is not None:
             return allowed
         if self.trust:
