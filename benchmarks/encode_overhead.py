@@ -26,6 +26,7 @@ import torch
 from nblib import budget, cache, encode, reference
 from nblib.config import preset
 from nblib.measure import synchronize as _sync
+from nblib.models import load_model
 
 REFERENCE_SAMPLES_PER_S = float(reference.ANALYSIS["samples per second"].value)  # seed_t4, T4, fp32
 
@@ -80,7 +81,7 @@ def streaming(images, config, device, folder: Path) -> tuple[float, float, float
 
 def compare(images, config, device, folder: Path, repeats: int) -> dict:
     """Interleaved best-of-`repeats` rates of both sides, and their ratio."""
-    encoder = encode.load_encoder(config).to(device).eval()
+    encoder = load_model("trm", config=config).module.to(device).eval()
     bare, stream, write_share, consolidate_s = 0.0, 0.0, 0.0, float("inf")
     streaming(images, config, device, folder / "warm")   # warm-up: imports, page cache
     for _ in range(repeats):

@@ -21,6 +21,7 @@ from nblib.atomic import sha256_file
 from nblib.cache import ShardedImageCache
 from nblib.config import preset
 from nblib.errors import ConfigError, ResumeMismatch
+from nblib.models import load_model
 from nblib.models.weights import weights_sha256
 
 pytest.importorskip("transformers")
@@ -199,7 +200,7 @@ def test_the_trm_is_the_default_spec_with_its_old_fingerprints_and_bytes(cache_d
     assert _every_output_byte(named.run_dir) == _every_output_byte(default.run_dir)
     fingerprints = enc.read_index(default.run_dir)["fingerprints"]
     assert set(fingerprints) >= {"settings", "weights", "cache"} and "model" not in fingerprints
-    assert fingerprints["weights"] == weights_sha256(enc.load_encoder(CONFIG), typed=False)
+    assert fingerprints["weights"] == weights_sha256(load_model("trm", config=CONFIG).module, typed=False)
 
 
 def test_preflight_checks_the_disks_from_the_models_own_output_shapes(cache_dir, models, tmp_path):

@@ -3,12 +3,10 @@
 `encode` streams an `ImageSource` through the encoder into durable parts (`run`), moving outputs
 off the device per batch or every K batches (`offload`), then `consolidate` merges the parts into
 one `.npy` per output plus an index, and `load_outputs` maps them back, checked against it.
-Importing this package does not import torch: a run imports it when it starts, and the loader
-names (`batch_loader`, `BatchDataset`, `HostPart`) import it when first used.
+Importing this package does not import torch: a run imports it when it starts (the loader and
+`HostPart` live in `nblib.encode.offload`, which imports it).
 """
 from __future__ import annotations
-
-import importlib
 
 from nblib.encode import traced  # noqa: F401  (hands the encode job to the trace layer: nblib.budget.traced_jobs)
 from nblib.encode.consolidate import (
@@ -30,21 +28,12 @@ from nblib.encode.layout import (
     settings_of,
 )
 from nblib.encode.protocols import ImageSource, PartStore
-from nblib.encode.run import OFFLOAD_MODES, EncodeReport, encode, load_encoder
+from nblib.encode.run import OFFLOAD_MODES, EncodeReport, encode
 from nblib.store.parts import VerifyLevel
-
-_OFFLOAD_NAMES = ("BatchDataset", "HostPart", "batch_loader")
 
 __all__ = [
     "INDEX_NAME", "OFFLOAD_MODES", "PARTS_FOLDER", "RUN_KIND", "RUN_VERSION", "EncodeReport",
     "ImageSource", "PartStore", "RunPlan", "VerifyLevel", "consolidate", "encode", "hash_outputs",
-    "load_encoder", "load_outputs", "open_store", "plan_run", "read_index", "read_run_manifest",
-    "recorded_hashes", "settings_of", *_OFFLOAD_NAMES,
+    "load_outputs", "open_store", "plan_run", "read_index", "read_run_manifest",
+    "recorded_hashes", "settings_of",
 ]
-
-
-def __getattr__(name: str):
-    """The loader names, from nblib.encode.offload (which imports torch) on first use."""
-    if name in _OFFLOAD_NAMES:
-        return getattr(importlib.import_module("nblib.encode.offload"), name)
-    raise AttributeError(f"module 'nblib.encode' has no attribute {name!r}")

@@ -22,7 +22,7 @@ import numpy as np
 from nblib.config import PipelineConfig
 from nblib.errors import ConfigError
 
-__all__ = ["EncodeModel", "encode_model", "load_encoder"]
+__all__ = ["EncodeModel", "encode_model"]
 
 
 @dataclass(frozen=True)
@@ -160,11 +160,4 @@ def _named_on_tokens(loaded, tokens) -> dict:
     from nblib.models.outputs import named_outputs
 
     return named_outputs(call_on_tokens(loaded.module, tokens))
-
-
-def load_encoder(config: PipelineConfig, weights: str | Path | None = None):
-    """The seeded TRM encoder of a config, with trained weights loaded when a path is given (WeightsError)."""
-    from nblib.models import load_model
-
-    return load_model("trm", weights, config=config).module
 

@@ -43,7 +43,7 @@ from nblib.encode.layout import (
     refuse_if_changed,
     settings_of,
 )
-from nblib.encode.model import EncodeModel, encode_model, load_encoder, names_trm
+from nblib.encode.model import EncodeModel, encode_model, names_trm
 from nblib.encode.protocols import ImageSource, PartStore, require_image_source, require_part_store
 from nblib.encode.ranks import RankRecord, require_all_parts
 from nblib.env import Workspace
@@ -56,7 +56,7 @@ from nblib.units import fmt_duration, fmt_exception
 __all__ = [
     "DISK_BLOCK", "OFFLOAD_MODES", "Consolidated", "EncodeReport", "EncodedParts", "RunInputs",
     "VerifiedShards", "check_disks", "consolidate_run", "disk_needs", "encode", "encode_parts",
-    "load_encoder", "pending_parts", "plan_encode", "resolve_device", "resume", "run_lock",
+    "pending_parts", "plan_encode", "resolve_device", "resume", "run_lock",
 ]
 
 log = logging.getLogger(__name__)
