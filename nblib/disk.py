@@ -2,7 +2,7 @@
 that a verb never writes into, or removes, a folder it reads (`refuse_overlap`).
 
 Budgets (`nblib.budget`), preflights and runs read free space here; the measured twin of a disk
-prediction is `DiskDelta`. A job's folder may not exist yet, so free space is read on its nearest
+prediction is `DiskPeak`. A job's folder may not exist yet, so free space is read on its nearest
 existing parent. Trade-off: `disk_usage` walks the tree (O(files)), exact but not free on huge folders.
 """
 from __future__ import annotations
@@ -43,25 +43,6 @@ def disk_space(folder: str | Path) -> tuple[int, int]:
 def disk_free(folder: str | Path) -> int:
     """Free bytes on the filesystem holding `folder` (or its nearest existing parent)."""
     return disk_space(folder)[1]
-
-
-class DiskDelta:
-    """Context manager: bytes a folder grew by (files under it)."""
-
-    def __init__(self, folder: str | Path):
-        self.folder = Path(folder)
-        self.before = self.after = 0
-
-    @property
-    def delta(self) -> int:
-        return self.after - self.before
-
-    def __enter__(self) -> DiskDelta:
-        self.before = disk_usage(self.folder)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.after = disk_usage(self.folder)
 
 
 class DiskPeak:

@@ -48,12 +48,12 @@ def test_peak_memory_refuses_slow_sampling():
         measure.PeakMemory(interval_s=0.2)
 
 
-def test_disk_delta_measures_bytes_written(tmp_path):
+def test_disk_usage_counts_the_bytes_of_every_file_under_a_folder(tmp_path):
     (tmp_path / "old").write_bytes(b"x" * 1000)
-    with measure.DiskDelta(tmp_path) as dd:
-        (tmp_path / "sub").mkdir()
-        (tmp_path / "sub" / "new").write_bytes(b"y" * 12_345)
-    assert dd.before == 1000 and dd.delta == 12_345
+    before = measure.disk_usage(tmp_path)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "new").write_bytes(b"y" * 12_345)
+    assert before == 1000 and measure.disk_usage(tmp_path) - before == 12_345
     assert measure.disk_usage(tmp_path / "missing") == 0
 
 
