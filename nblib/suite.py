@@ -42,11 +42,6 @@ class NotebookResult:
     error: str = ""
 
 
-def notebooks_in_order(folder: str | Path) -> list[Path]:
-    """The numbered notebooks (NN_name.ipynb) of a folder, in their order."""
-    return sorted(p for p in Path(folder).glob("[0-9][0-9]_*.ipynb"))
-
-
 def inactivity_limit(seconds: float | None = None) -> float:
     """The runner's inactivity limit: `seconds`, else NBLIB_SUITE_INACTIVITY_S, else INACTIVITY_S."""
     raw = seconds if seconds is not None else os.environ.get("NBLIB_SUITE_INACTIVITY_S", INACTIVITY_S)
@@ -101,7 +96,7 @@ def run_suite(notebooks_dir: str | Path | None = None, out_dir: str | Path | Non
     notebooks_dir = Path(notebooks_dir or root / "notebooks")
     out_dir = Path(out_dir or env.outputs_dir() / "notebooks")
     results = []
-    for path in notebooks_in_order(notebooks_dir):
+    for path in sorted(notebooks_dir.glob("[0-9][0-9]_*.ipynb")):     # the numbered notebooks, in their order
         if progress:
             print(f"running {path.name} ...", flush=True)
         results.append(run_notebook(path, out_dir, inactivity_s=limit))
