@@ -144,20 +144,19 @@ class Workspace:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def workspace(drive: str | Path | None = None, create: bool = True) -> Workspace:
-    """The workspace folders under `drive` (default: `mount_drive()`), created if asked."""
+def workspace(drive: str | Path | None = None) -> Workspace:
+    """The workspace folders under `drive` (default: `mount_drive()`), created."""
     drive_root = Path(drive) if drive is not None else mount_drive()
     local = outputs_dir()
     ws = Workspace(drive=drive_root, cache=drive_root / "cache", runs=drive_root / "runs",
                    checkpoints=drive_root / "checkpoints", local=local,
                    staging=local / "staging", figures=local / "figures")
-    if create:
-        for folder in ws.as_dict().values():
-            try:
-                folder.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise DriveError(f"cannot create workspace folder {folder}: {exc.strerror}; "
-                                 f"point NBLIB_DRIVE_DIR / NBLIB_OUTPUTS at a writable folder") from None
+    for folder in ws.as_dict().values():
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise DriveError(f"cannot create workspace folder {folder}: {exc.strerror}; "
+                             f"point NBLIB_DRIVE_DIR / NBLIB_OUTPUTS at a writable folder") from None
     return ws
 
 
