@@ -20,7 +20,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from nblib.atomic import atomic_torch_save, sha256_json
 from nblib.disk import refuse_overlap
@@ -36,7 +35,7 @@ from .objstore import check_run_folders
 from .records import RecordTask
 from .state import STATE_FORMAT, capture_rng, check_identity, check_model, restore_rng, seed_everything
 from .store import Durability, TrainStore
-from .task import ImageTask, model_config, vram_preflight
+from .task import ImageTask, cross_entropy, model_config, vram_preflight
 
 __all__ = ["TrainReport", "model_config", "train", "train_step", "training_objects"]
 
@@ -379,7 +378,7 @@ def train_step(net, optimizer, scheduler, scaler, batches, config, loss_fn=None)
         sync = k == config.accumulation - 1 or not hasattr(net, "no_sync")
         with contextlib.nullcontext() if sync else net.no_sync():
             with autocast(config.precision, config.device):
-                loss = (loss_fn or _cross_entropy)(net, *tensors) / config.accumulation
+                loss = (loss_fn or cross_entropy)(net, *tensors) / config.accumulation
             scaler.scale(loss).backward()
         total += float(loss.detach())
     scale = scaler.get_scale() if scaler.is_enabled() else None
@@ -389,10 +388,6 @@ def train_step(net, optimizer, scheduler, scaler, batches, config, loss_fn=None)
     if scale is None or not scaler.get_scale() < scale:         # update() lowers the scale after a skipped step
         scheduler.step()
     return total, seen
-
-
-def _cross_entropy(net, images, labels):
-    return F.cross_entropy(net(images), labels)
 
 
 def _check_finite(step: int, loss: float, model, config, world, out: Path, *, saving: bool) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from nblib.trm import autocast
 
 from .config import TrainConfig
 from .data import BatchPlan, split
-from .task import EVAL_BATCH, contract_identity, freeze_unreached, host, is_trm, runs_on
+from .task import EVAL_BATCH, Task, contract_identity, freeze_unreached, host, is_trm, runs_on
 
 LOSSES = ("auto", "ce", "mse")
 
@@ -311,7 +310,7 @@ def follows_rows(net, inputs, lengths) -> bool:
     return out.ndim >= 2 and int(out.shape[1]) == int(inputs.shape[1]) + 1
 
 
-class RecordTask:
+class RecordTask(Task):
     """Record shards, one field in and one out, read one shard at a time (see the module docstring)."""
 
     flag = "--records"
@@ -396,24 +395,17 @@ class RecordTask:
     def loss(self, net, inputs, target, lengths, in_lengths):
         return masked_loss(self.forward(net, inputs, in_lengths), target, lengths, self.loss_name)
 
-    @torch.no_grad()
-    def evaluate(self, model, config: TrainConfig, step: int, train_loss: float) -> dict:
-        """Held-out loss (and accuracy for ce) over the counted elements, read in index order: shard by shard."""
-        model.eval()
-        total, count, correct = 0.0, 0, 0.0
-        for start in range(0, len(self.held_idx), EVAL_BATCH):
-            batch = collate_records([self.dataset[int(i)] for i in self.held_idx[start:start + EVAL_BATCH]])
-            inputs, target, lengths, in_lengths = (t.to(config.device) for t in batch[:4])
-            with autocast(config.precision, config.device):
-                out = self.forward(model, inputs, in_lengths)
-            per, counted, right = loss_terms(out, target, lengths, self.loss_name)
-            total += float((per * counted).sum())
-            count += int(counted.sum())
-            correct += float((right * counted).sum()) if right is not None else 0.0
-        model.train()
-        accuracy = correct / max(1, count) if self.loss_name == "ce" else math.nan
-        return {"step": step, "train_loss": train_loss, "heldout_loss": total / max(1, count),
-                "heldout_accuracy": accuracy}
+    def held_out_sums(self, model, config: TrainConfig, idx) -> tuple[float, int, float]:
+        """(summed loss, elements counted, elements right: nan for mse) of the held-out records `idx` (read in index
+        order: shard by shard).
+        """
+        batch = collate_records([self.dataset[int(i)] for i in idx])
+        inputs, target, lengths, in_lengths = (t.to(config.device) for t in batch[:4])
+        with autocast(config.precision, config.device):
+            out = self.forward(model, inputs, in_lengths)
+        per, counted, right = loss_terms(out, target, lengths, self.loss_name)
+        right = float((right * counted).sum()) if right is not None else math.nan
+        return float((per * counted).sum()), int(counted.sum()), right
 
     def final_payload(self, model, config: TrainConfig) -> dict:
         """final.pt: the model's weights under state_dict (`--weights` of a later run, `predict --run`), and what
@@ -424,16 +416,6 @@ class RecordTask:
                 "inputs": self.fields.inputs, "target": self.fields.target, "loss": self.loss_name,
                 "targets": self.targets, "top_k": self.top_k, "classes": list(self.classes),
                 "model_inputs": self.loaded_as, "train": config.to_dict()}
-
-    def next_step(self, final: Path) -> str:
-        """The command that uses final.pt: predict over these records (or others with the --input-key field), into
-        a folder beside the run (never inside what predict reads).
-        """
-        from nblib.disk import beside
-
-        run = Path(final).parent
-        return (f"python -m nblib predict --run {shlex.quote(str(run))} --records {shlex.quote(str(self.folder))} "
-                f"--out {shlex.quote(str(beside(run, 'predictions')))}")
 
     def _check_fields(self, schema: dict) -> None:
         for flag, name in (("--input-key", self.fields.inputs), ("--target-key", self.fields.target)):

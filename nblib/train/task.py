@@ -136,16 +136,51 @@ def vram_preflight(task, config: TrainConfig, world_size: int = 1):
     return vram
 
 
+def cross_entropy(net, images, labels):
+    """An image batch's loss: the cross entropy of the model's logits and the labels (`train_step`'s default)."""
+    return F.cross_entropy(net(images), labels)
+
+
 def host(state: dict) -> dict:
     """A state dict on the host (a no-op on CPU): a T4 run's weights open with a plain torch.load anywhere."""
     return {k: v.cpu() for k, v in state.items()}
 
 
-class ImageTask:
+class Task:
+    """What the image and record tasks share: the held-out evaluation's loop and the command that scores final.pt."""
+
+    flag = ""                           # what predict reads the task's data with: --cache or --records
+    chance = None                       # accuracy by guessing: 1 / classes
+    val = None                          # an image run's --val (folder, cache, labels): predict scores it instead
+
+    @torch.no_grad()
+    def evaluate(self, model, config: TrainConfig, step: int, train_loss: float) -> dict:
+        """Held-out loss and accuracy over what `held_out_sums` counts, EVAL_BATCH in index order (no RNG drawn)."""
+        model.eval()
+        sums = np.zeros(3)              # summed loss, elements counted, elements right
+        for start in range(0, len(self.held_idx), EVAL_BATCH):
+            sums += self.held_out_sums(model, config, self.held_idx[start:start + EVAL_BATCH])
+        model.train()
+        loss, count, right = map(float, sums)
+        return {"step": step, "train_loss": train_loss, "heldout_loss": loss / max(1, count),
+                "heldout_accuracy": right / max(1, count)}
+
+    def next_step(self, final: Path) -> str:
+        """The command that scores final.pt: predict over the --val cache (else the task's data), into a folder
+        beside the run, never inside what predict reads (nblib.train.evaluate, nblib.train.records.predict_records).
+        """
+        from nblib.disk import beside
+
+        run, quote = Path(final).parent, shlex.quote
+        data = self.val[0] if self.val else self.folder
+        return (f"python -m nblib predict --run {quote(str(run))} {self.flag} {quote(str(data))} "
+                f"--out {quote(str(beside(run, 'predictions')))}")
+
+
+class ImageTask(Task):
     """A cache of images and the labels of its texts (or side table), for the TRM or any model with a head."""
 
     flag = "--cache"
-    chance = None                       # accuracy by guessing: 1 / classes
 
     def __init__(self, cache_dir, config: TrainConfig, *, texts=None, model: str | None = None,
                  output: str | None = None, weights=None, val=None):
@@ -173,26 +208,16 @@ class ImageTask:
                 "model": self.model_identity,
                 **({"val": [self.val[1].fingerprint, label_digest(self.val[2], self.classes)]} if self.val else {})}
 
-    def loss(self, net, images, labels):
-        return F.cross_entropy(net(images), labels)
+    loss = staticmethod(cross_entropy)
 
-    @torch.no_grad()
-    def evaluate(self, model, config: TrainConfig, step: int, train_loss: float) -> dict:
-        """Held-out loss and accuracy (no augmentation, no RNG drawn)."""
-        model.eval()
-        loss_sum, correct = 0.0, 0
-        for start in range(0, len(self.held_idx), EVAL_BATCH):
-            idx = self.held_idx[start:start + EVAL_BATCH]
-            images = torch.from_numpy(np.stack([self.held_cache[int(i)] for i in idx])).to(config.device)
-            target = torch.from_numpy(self.held_labels[idx]).to(config.device)
-            with autocast(config.precision, config.device):
-                logits = model(images).float()
-            loss_sum += float(F.cross_entropy(logits, target, reduction="sum"))
-            correct += int((logits.argmax(1) == target).sum())
-        model.train()
-        n = len(self.held_idx)
-        return {"step": step, "train_loss": train_loss, "heldout_loss": loss_sum / n,
-                "heldout_accuracy": correct / n}
+    def held_out_sums(self, model, config: TrainConfig, idx) -> tuple[float, int, int]:
+        """(summed cross entropy, images, images right) of the held-out images `idx` (no augmentation)."""
+        images = torch.from_numpy(np.stack([self.held_cache[int(i)] for i in idx])).to(config.device)
+        target = torch.from_numpy(self.held_labels[idx]).to(config.device)
+        with autocast(config.precision, config.device):
+            logits = model(images).float()
+        loss = float(F.cross_entropy(logits, target, reduction="sum"))
+        return loss, len(idx), int((logits.argmax(1) == target).sum())
 
     def final_payload(self, model, config: TrainConfig) -> dict:
         """What final.pt holds. The TRM: its save_weights payload plus the head and classes. Another model:
@@ -206,17 +231,6 @@ class ImageTask:
         return {"spec": self.spec, "model": self.model_identity, "config": self.loaded.config,
                 "state_dict": host(model.model.state_dict()), "head": host(model.head.state_dict()),
                 "output": model.output, "classes": list(self.classes), "train": config.to_dict()}
-
-    def next_step(self, final: Path) -> str:
-        """The command that scores final.pt: predict over the --val cache (else this one), into a folder beside the
-        run (nblib.train.evaluate: predictions.csv, accuracy, the confusion matrix).
-        """
-        from nblib.disk import beside
-
-        run, quote = Path(final).parent, shlex.quote
-        cache = self.val[0] if self.val else self.folder
-        return (f"python -m nblib predict --run {quote(str(run))} --cache {quote(str(cache))} "
-                f"--out {quote(str(beside(run, 'predictions')))}")
 
     def _val(self, folder: Path):
         """(folder, cache, labels as the run's class indices) of a --val cache: the user's own held-out images."""
