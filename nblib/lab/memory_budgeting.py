@@ -14,8 +14,6 @@ from nblib.budget.reference_check import (  # noqa: F401  notebook 01 reads thes
     reference_comparison,
     reference_summary,
     reference_table,
-    show,
-    show_exact,
 )
 from nblib.units import GB, MB, fmt_bytes
 from nblib.verdict import TOLERANCE
@@ -142,10 +140,12 @@ def forward_peak(config, device="cpu", sdpa_backend: str | None = None) -> int:
 
 
 def this_gpu() -> str:
-    """The device preset of this machine's GPU (`budget.device_preset_name`), a T4 where no preset fits it."""
+    """The device preset of this machine's GPU (`budget.preflight.preset_of_this_gpu`: by its name, else a T4)."""
     import torch
 
-    return budget.device_preset_name(torch.cuda.get_device_name(0)) or "t4"
+    from nblib.budget.preflight import preset_of_this_gpu
+
+    return preset_of_this_gpu(torch.cuda.get_device_name(0))
 
 
 def measure_forward_peaks(config, batch_sizes, on_gpu: bool = False, progress: bool = True,
