@@ -230,13 +230,15 @@ class ShardWriter(SealedShard):
         return {**entry, "start": self.start, "stop": self.stop}
 
 
-def write_shard(cache_dir: str | Path, index: int, start: int, blobs: Sequence[bytes],
-                codec: str | CodecSpec, shape) -> dict:
-    """Write a whole shard of stored images at once (what the benchmark times); its entry."""
-    with ShardWriter(cache_dir, index, start, codec, shape, count=len(blobs)) as writer:
-        for blob in blobs:
-            writer.add(blob)
-        return writer.commit()
+def write_shard(cache_dir: str | Path, index: int, start: int, items: Sequence, codec: str | CodecSpec, shape, *,
+                source_hash: bool = False) -> tuple[dict, dict]:
+    """Write a whole shard of stored images at once (what the benchmark times; with `source_hash`, `items` are
+    (stored bytes, pixels) pairs); its manifest entry and {file: stat} for the stat cache.
+    """
+    with ShardWriter(cache_dir, index, start, codec, shape, count=len(items), source_hash=source_hash) as writer:
+        for item in items:
+            writer.add(*item) if source_hash else writer.add(item)
+        return writer.commit(), {writer.name: writer.stat}
 
 
 def leading_bytes(codec: str, shape, count: int | None) -> bytes:

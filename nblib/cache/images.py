@@ -239,27 +239,29 @@ def _is_hf_folder(path: Path) -> bool:
 
 
 def image_items(path: str | Path, column: str | None = None) -> tuple[Iterable, int]:
-    """(items, count) of what `cache --images PATH` takes: a folder of image files (sorted by name) or of
-    class subfolders (`folder_images`), a Parquet file (`column`, default "image"), or an HF datasets folder
-    (`save_to_disk`); image files not yet decoded (`EncodedImage`): `write_images` decodes them by the one
-    pixel policy (`nblib.cache.pixels`), knowing its `size`.
+    """(items, count) of what `cache --images PATH` takes where PATH is no folder of image files (those
+    `sources.images_source` lists with `folder_images`): a Parquet file (`column`, default "image") or an HF
+    datasets folder (`save_to_disk`); images not yet decoded (`EncodedImage`): `write_images` decodes them by
+    the one pixel policy (`nblib.cache.pixels`), knowing its `size`.
     """
-    path = Path(path)
+    path, column = Path(path), column or "image"
     if not path.exists():
         raise InputError(f"--images {path} does not exist; pass a folder of images, a Parquet file or "
                          f"an HF datasets folder")
-    if path.is_file():
-        if path.suffix != ".parquet":
-            raise InputError(f"--images {path} is a {path.suffix or 'suffix-less'} file; pass a .parquet "
-                             f"file, a folder of image files or an HF datasets folder")
-        return _parquet_images(path, column or "image")
-    if _is_hf_folder(path):
+    if path.is_dir():
         import datasets
 
         dataset = datasets.load_from_disk(str(path))
-        return _column(dataset, column or "image"), len(dataset)
-    files, _ = folder_images(path)
-    return encoded_files(files), len(files)
+        return _column(dataset, column), len(dataset)
+    if path.suffix != ".parquet":
+        raise InputError(f"--images {path} is a {path.suffix or 'suffix-less'} file; pass a .parquet "
+                         f"file, a folder of image files or an HF datasets folder")
+    import pyarrow.parquet as pq
+
+    names = pq.read_schema(path).names
+    if column not in names:
+        raise InputError(f"{path} has no column {column!r}; its columns are {names}: pass --column")
+    return table_images([path], column), pq.ParquetFile(path).metadata.num_rows
 
 
 def encoded_files(files: list[Path]) -> Iterator[EncodedImage]:
@@ -440,15 +442,6 @@ def _length(images) -> int | None:
         return len(images)
     except TypeError:
         return None
-
-
-def _parquet_images(path: Path, column: str) -> tuple[Iterable, int]:
-    import pyarrow.parquet as pq
-
-    names = pq.read_schema(path).names
-    if column not in names:
-        raise InputError(f"{path} has no column {column!r}; its columns are {names}: pass --column")
-    return table_images([path], column), pq.ParquetFile(path).metadata.num_rows
 
 
 def arrow_reader(path: Path):

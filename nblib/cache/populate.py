@@ -45,6 +45,7 @@ from nblib.cache.format import (
     shard_state,
     warn_many_files,
     write_cache_manifest,
+    write_shard,
 )
 from nblib.cache.texts import TextScan, TextSource, require_texts, scan_texts, text_source
 from nblib.disk import disk_free
@@ -473,7 +474,7 @@ def stream_shards(blobs: Iterable, cache_dir: Path, index: int, start: int, n_to
             if spec.name == "raw" and n_total is None:
                 pending.append(item)
                 if len(pending) == per_raw_shard:
-                    yield _write_whole(cache_dir, index, start, spec, shape, pending, source_hash)
+                    yield write_shard(cache_dir, index, start, pending, spec, shape, source_hash=source_hash)
                     index, start, pending = index + 1, start + len(pending), []
                 bar.update(1)
                 continue
@@ -487,22 +488,13 @@ def stream_shards(blobs: Iterable, cache_dir: Path, index: int, start: int, n_to
             writer.add(*item) if source_hash else writer.add(blob)
             bar.update(1)
         if pending:
-            yield _write_whole(cache_dir, index, start, spec, shape, pending, source_hash)
+            yield write_shard(cache_dir, index, start, pending, spec, shape, source_hash=source_hash)
         if writer is not None:
             yield writer.commit(), {writer.name: writer.stat}
             writer = None
     finally:
         if writer is not None:
             writer.discard()
-
-
-def _write_whole(cache_dir: Path, index: int, start: int, spec: CodecSpec, shape, items: list,
-                 source_hash: bool) -> tuple[dict, dict]:
-    """Write one shard from a list of blobs (or (blob, pixels) pairs); its (entry, stat)."""
-    with ShardWriter(cache_dir, index, start, spec, shape, count=len(items), source_hash=source_hash) as writer:
-        for item in items:
-            writer.add(*item) if source_hash else writer.add(item)
-        return writer.commit(), {writer.name: writer.stat}
 
 
 def _repair_listed_shards(cache_dir: Path, manifest: dict, source: TextSource, workers: int) -> list[dict]:
