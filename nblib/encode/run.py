@@ -300,15 +300,57 @@ def encode_parts(run: RunInputs, store: PartStore, manifest: dict, parts: list[i
 
     The manifest given is not changed (the one returned is a copy); it is written after each
     part when `write_manifest` (a single process), and each part is added to `record` (a rank's).
+    Buffers hold at most the run's samples (a batch size above the cache's length costs no
+    more); running out of RAM or VRAM anyway stops with BudgetExceeded, not a traceback.
     """
     manifest = copy.deepcopy(manifest)
     started = time.perf_counter()
-    timeline, writing = [], 0.0
-    if parts:
-        run.model.module.to(run.torch_device).eval()
-        timeline, writing = _encode_loop(run, store, manifest, parts, lock, record, write_manifest, progress)
-    return EncodedParts(manifest, run.plan.samples_in(parts), time.perf_counter() - started, writing,
-                        tuple(timeline))
+    if not parts:
+        return EncodedParts(manifest, 0, time.perf_counter() - started, 0.0, ())
+    from nblib.encode.offload import BatchClock, HostPart, batch_loader  # imports torch
+
+    plan, config, device = run.plan, run.config, run.torch_device
+    run.model.module.to(device).eval()
+    batches = [b for k in parts for b in plan.part_batches(k)]
+    loader = iter(batch_loader(run.cache, batches, config.run.workers, config.run.prefetch,
+                               pin_memory=device.type == "cuda"))
+    shapes = {o: tuple(manifest["shapes"][o]) for o in manifest["outputs"]}
+    bar = _progress_bar(plan, manifest, progress, "img" if run.model.inputs == "images" else "text")
+    shards = VerifiedShards(run.cache)
+    clock, encoded, writing = BatchClock(device), 0, 0.0   # on CUDA: completion times, not enqueue times
+    try:
+        host = HostPart(shapes, min(plan.part_samples, plan.n_samples), config.run.out_dtype, device,
+                        run.offload, config.run.consolidate_every)
+        for k in parts:
+            start, stop = plan.part_range(k)
+            for b_start, b_stop in plan.part_batches(k):
+                images = next(loader).to(device, non_blocking=True)
+                host.add(run.model(images), b_start - start)
+                encoded += b_stop - b_start
+                clock.mark(encoded)
+                bar.update(b_stop - b_start)
+            arrays = host.arrays(stop - start)          # waits for the last copy to land
+            write_started = time.perf_counter()
+            lock.check()                                # still ours: no other run took the folder
+            shards.require(start, stop)                 # never a part from a shard that is not the manifest's
+            _write_part(store, manifest, plan, k, arrays, write_manifest)
+            if record is not None:
+                record.wrote(part_name(k))
+            writing += time.perf_counter() - write_started
+            bar.set_postfix(_postfix(store, manifest, plan, device), refresh=True)
+    except (MemoryError, RuntimeError) as exc:
+        if not _out_of_memory(exc):
+            raise
+        batch = min(plan.batch_size, plan.n_samples)
+        raise BudgetExceeded(
+            f"out of {'GPU ' if device.type == 'cuda' else ''}memory encoding batches of {batch:,} "
+            f"samples (batch_size {plan.batch_size:,}) on {device}: {fmt_exception(exc)}; lower "
+            f"--batch-size, or run without --no-preflight to see the predicted peak first. "
+            f"Finished parts are kept: rerun to resume") from exc
+    finally:
+        bar.close()
+    timeline = tuple(clock.series())
+    return EncodedParts(manifest, plan.samples_in(parts), time.perf_counter() - started, writing, timeline)
 
 
 def consolidate_run(run: RunInputs, store: PartStore, manifest: dict, lock: FolderLock,
@@ -500,58 +542,6 @@ def _model_vram_preflight(run: RunInputs) -> None:
 
 
 # ------------------------------------------------------------------------------ helpers: the loop
-
-
-def _encode_loop(run: RunInputs, store: PartStore, manifest: dict, parts: list[int], lock: FolderLock,
-                 record: RankRecord | None, write_manifest: bool,
-                 progress: bool) -> tuple[list[tuple[float, int]], float]:
-    """Encode the parts in order, each written then listed in `manifest`: (timeline, seconds writing).
-
-    Buffers hold at most the run's samples (a batch size above the cache's length costs no
-    more); running out of RAM or VRAM anyway stops with BudgetExceeded, not a traceback.
-    """
-    from nblib.encode.offload import BatchClock, HostPart, batch_loader  # imports torch
-
-    plan, config, device = run.plan, run.config, run.torch_device
-    batches = [b for k in parts for b in plan.part_batches(k)]
-    loader = iter(batch_loader(run.cache, batches, config.run.workers, config.run.prefetch,
-                               pin_memory=device.type == "cuda"))
-    shapes = {o: tuple(manifest["shapes"][o]) for o in manifest["outputs"]}
-    bar = _progress_bar(plan, manifest, progress, "img" if run.model.inputs == "images" else "text")
-    shards = VerifiedShards(run.cache)
-    clock, encoded, writing = BatchClock(device), 0, 0.0   # on CUDA: completion times, not enqueue times
-    try:
-        host = HostPart(shapes, min(plan.part_samples, plan.n_samples), config.run.out_dtype, device,
-                        run.offload, config.run.consolidate_every)
-        for k in parts:
-            start, stop = plan.part_range(k)
-            for b_start, b_stop in plan.part_batches(k):
-                images = next(loader).to(device, non_blocking=True)
-                host.add(run.model(images), b_start - start)
-                encoded += b_stop - b_start
-                clock.mark(encoded)
-                bar.update(b_stop - b_start)
-            arrays = host.arrays(stop - start)          # waits for the last copy to land
-            write_started = time.perf_counter()
-            lock.check()                                # still ours: no other run took the folder
-            shards.require(start, stop)                 # never a part from a shard that is not the manifest's
-            _write_part(store, manifest, plan, k, arrays, write_manifest)
-            if record is not None:
-                record.wrote(part_name(k))
-            writing += time.perf_counter() - write_started
-            bar.set_postfix(_postfix(store, manifest, plan, device), refresh=True)
-    except (MemoryError, RuntimeError) as exc:
-        if not _out_of_memory(exc):
-            raise
-        batch = min(plan.batch_size, plan.n_samples)
-        raise BudgetExceeded(
-            f"out of {'GPU ' if device.type == 'cuda' else ''}memory encoding batches of {batch:,} "
-            f"samples (batch_size {plan.batch_size:,}) on {device}: {fmt_exception(exc)}; lower "
-            f"--batch-size, or run without --no-preflight to see the predicted peak first. "
-            f"Finished parts are kept: rerun to resume") from exc
-    finally:
-        bar.close()
-    return clock.series(), writing
 
 
 class VerifiedShards:
