@@ -312,9 +312,6 @@ class _Unpickler(pickle.Unpickler):
             raise NotFast(f"{module}.{name}")
         return found
 
-    def persistent_load(self, pid):
-        raise refusal(f"a persistent id {short(pid)}", does="holds")
-
 
 # ====================================================================================== stand-ins BUILD cannot reach
 

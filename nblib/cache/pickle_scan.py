@@ -172,8 +172,7 @@ class PickleScanner:
             data = f.read(n)
             if len(data) != n:
                 raise EOFError("the file ends inside an opcode")
-            return int.from_bytes(data, "little") if op.name in ("BINGET", "LONG_BINGET", "BINPUT",
-                                                                  "LONG_BINPUT") else None
+            return int.from_bytes(data, "little") if op.name in ("LONG_BINGET", "BINPUT", "LONG_BINPUT") else None
         if n == pickletools.UP_TO_NEWLINE:
             line = f.readline()
             if op.name in ("GLOBAL", "INST"):
@@ -197,24 +196,20 @@ class PickleScanner:
         return None
 
     def apply(self, name: str, op, arg, index: int) -> None:
-        """The stack after one opcode."""
-        levels = self.levels
-        top = levels[-1]
+        """The stack after one opcode (MARK, MEMOIZE, BINGET and the plain values of `_FAST` never reach it)."""
+        top = self.levels[-1]
         if name in ("PROTO", "FRAME"):
             return
-        if name == "MARK":
-            levels.append([])
-            self.marks.append(index)
-        elif name in ("POP", "POP_MARK"):
+        if name in ("POP", "POP_MARK"):
             if name == "POP" and top:
                 top.pop()
             else:
                 self.pop_mark()
         elif name == "DUP":
             top.append(self.need(1)[-1])
-        elif name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"):
-            self.put(arg if name != "MEMOIZE" else self.keys)
-        elif name in ("GET", "BINGET", "LONG_BINGET"):
+        elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
+            self.put(arg)
+        elif name in ("GET", "LONG_BINGET"):
             self.get(arg, index)
         elif name in _NEW:
             top.append([index, _Item(_NEW[name])])

@@ -271,9 +271,6 @@ class _Reader(pickle._Unpickler):
                 pass
         return stub_class(module, name)
 
-    def persistent_load(self, pid):
-        raise refusal(f"a persistent id {short(pid)}", does="holds")
-
     def load_build(self):
         state, inst = self.stack.pop(), self.stack[-1]
         if isinstance(inst, Pending):
