@@ -169,16 +169,16 @@ def _populate(source: TextSource, cache_dir, image_size, shard_mb, workers, seed
         if codec == "auto":
             codec = _resumed_codec(cache_dir, scan) or _auto_codec(scan.n_texts, cache_dir, sample_images)
         layout = _layout(params, codec, shard_mb, seed, codec_level)
-        resumable = _resumable(cache_dir, scan, layout)
-        spec = recorded_spec(read_cache_manifest(cache_dir)) if resumable else \
+        old = _resumable(cache_dir, scan, layout)
+        spec = recorded_spec(old) if old else \
             fresh_spec(codec, layout["codec_level"], lambda: _first_images(source, params))
         bytes_per_image = float(np.mean([len(codec_for(spec).encode(im)) for im in sample_images]))
         plan = plan_cache(scan.n_texts, cache_dir, image_size, shard_mb, codec, bytes_per_image)
-        if not resumable:
+        if not old:
             plan = dataclasses.replace(plan, done_bytes=0)  # nothing on disk counts toward this cache
         _preflight(cache_dir, plan)  # before anything is written or cleared
         warn_many_files(plan.n_shards + 1, cache_dir, shard_mb)
-        manifest = _open_manifest(cache_dir, scan, layout, source, overwrite, spec)
+        manifest = _open_manifest(cache_dir, old, scan, layout, source, overwrite, spec)
         manifest["coverage"] = found.as_dict()
         remove_temporaries(cache_dir)
         workers = resolve_workers(workers)
@@ -527,42 +527,37 @@ def _layout(params: RenderParams, codec: str, shard_mb: float, seed: int, codec_
             "image_shape": [params.size, params.size, 3]}
 
 
-def _open_manifest(cache_dir: Path, scan: TextScan, layout: dict, source: TextSource,
+def _open_manifest(cache_dir: Path, old: dict | None, scan: TextScan, layout: dict, source: TextSource,
                    overwrite: bool, spec: CodecSpec) -> dict:
-    """The manifest to continue: the existing one if it matches, else a fresh (empty) one."""
+    """The manifest to continue: `old` (the existing one, when it matches), else a fresh (empty) one."""
     fresh = {"source": {"sha256": scan.sha256, "n_texts": scan.n_texts, **source.describe()},
              **layout, "codec_options": spec.record(), "shards": []}
-    if (cache_dir / MANIFEST).exists():
-        try:
-            old = read_cache_manifest(cache_dir)
-        except CacheError:
-            if not overwrite:
-                raise
-            old = None
-        problem = _mismatch(old, fresh) if old else None
-        if old and problem is None:
-            if old["source"] != fresh["source"]:
-                old["source"] = fresh["source"]  # the texts moved; their bytes are the same
-                write_cache_manifest(cache_dir, old)
-            return old
-        if not overwrite:
-            raise CacheError(f"the cache at {cache_dir} was built from other inputs: {problem}; "
-                             f"pass overwrite=True (--overwrite) to rebuild it, or pick another --out")
-        _clear(cache_dir)
-    elif any(cache_dir.glob("shard-*")):
-        if not overwrite:
-            raise CacheError(f"{cache_dir} holds shard files but no {MANIFEST}; pass "
-                             f"overwrite=True (--overwrite) to rebuild, or pick an empty folder")
+    if old is not None:
+        if old["source"] != fresh["source"]:
+            old["source"] = fresh["source"]  # the texts moved; their bytes are the same
+            write_cache_manifest(cache_dir, old)
+        return old
+    listed, shards = (cache_dir / MANIFEST).exists(), any(cache_dir.glob("shard-*"))
+    if listed and not overwrite:
+        problem = _mismatch(read_cache_manifest(cache_dir), fresh)  # a manifest that does not read: its CacheError
+        raise CacheError(f"the cache at {cache_dir} was built from other inputs: {problem}; "
+                         f"pass overwrite=True (--overwrite) to rebuild it, or pick another --out")
+    if shards and not overwrite:
+        raise CacheError(f"{cache_dir} holds shard files but no {MANIFEST}; pass "
+                         f"overwrite=True (--overwrite) to rebuild, or pick an empty folder")
+    if listed or shards:
         _clear(cache_dir)
     write_cache_manifest(cache_dir, fresh)
     return fresh
 
 
-def _resumable(cache_dir: Path, scan: TextScan, layout: dict) -> bool:
-    """True when cache_dir holds a cache of these texts and settings (its shards count as done)."""
+def _resumable(cache_dir: Path, scan: TextScan, layout: dict) -> dict | None:
+    """The manifest of the cache in cache_dir when it is one of these texts and settings (its shards count as
+    done), else None.
+    """
     old = manifest_or_none(read_cache_manifest, cache_dir)
     source = {"sha256": scan.sha256, "n_texts": scan.n_texts}
-    return old is not None and _mismatch(old, {"source": source, **layout}) is None
+    return old if old is not None and _mismatch(old, {"source": source, **layout}) is None else None
 
 
 def _mismatch(old: dict, new: dict) -> str | None:
