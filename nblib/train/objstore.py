@@ -262,7 +262,6 @@ class FsspecOps(FileOps):
 
         import torch
 
-
         data = self.read_bytes(path)
         if data is None or len(data) != nbytes:
             got = 0 if data is None else len(data)

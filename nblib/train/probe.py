@@ -13,6 +13,7 @@ within the allocator's slack.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -48,7 +49,7 @@ def step_peak(model: ModelConfig, batch_size: int, *, n_classes: int = 12, cap_b
     payload = json.dumps({"model": model.__dict__, "batch": batch_size, "classes": n_classes, "cap": cap_bytes,
                           "device": device, "precision": precision})
     done = subprocess.run([sys.executable, "-m", "nblib.train.probe", payload], capture_output=True, text=True,
-                          timeout=timeout, env=_env())
+                          timeout=timeout, env={"OMP_NUM_THREADS": "1", **os.environ})
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if not lines:
         return StepPeak(batch_size, 0, 0, False, (done.stderr.strip().splitlines() or ["killed"])[-1])
@@ -109,12 +110,6 @@ def saved_bytes(model: ModelConfig, batch_size: int, n_classes: int = 12) -> int
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         net(images).sum()
     return sum(n for ptr, n in seen.items() if ptr not in params)
-
-
-def _env() -> dict:
-    import os
-
-    return {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
 
 
 def _worker(payload: dict) -> dict:
