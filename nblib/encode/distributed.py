@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 from nblib.config import PipelineConfig
 from nblib.encode.layout import part_name, parts_dir
 from nblib.encode.protocols import PartStore
-from nblib.encode.rank_budget import RankBudget, check_host_ram, rank_budget
+from nblib.encode.rank_budget import check_host_ram, rank_budget
 from nblib.encode.ranks import (
     RANKS_FOLDER,
     RECORD_KIND,
@@ -31,7 +31,6 @@ from nblib.encode.ranks import (
     durable_parts_shared,
     part_writes,
     read_records,
-    require_all_parts,
     split,
 )
 from nblib.errors import ConfigError, PeerLost, StateError
@@ -41,9 +40,8 @@ from nblib.units import fmt_duration, fmt_exception
 
 __all__ = [
     "DEFAULT_TIMEOUT_S", "RANKS_FOLDER", "RECORD_KIND", "RECORD_VERSION", "ROLES", "SINGLE", "TIMEOUT_ENV",
-    "Consolidator", "PeerLost", "Rank", "RankBudget", "Shard", "Single", "World", "check_host_ram", "join",
-    "parse_shard", "part_writes", "rank_budget", "read_records", "require_all_parts", "split",
-    "world_from_environment",
+    "Consolidator", "PeerLost", "Rank", "Shard", "Single", "World", "check_host_ram", "join", "parse_shard",
+    "part_writes", "rank_budget", "read_records", "split", "world_from_environment",
 ]
 
 TIMEOUT_ENV = "NBLIB_DIST_TIMEOUT_S"
