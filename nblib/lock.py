@@ -209,8 +209,9 @@ class FolderLock:
             fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
             return False
+        stat = _proc_stat(os.getpid())
         record = {"pid": os.getpid(), "host": socket.gethostname(), "boot_id": _boot_id(),
-                  "pid_start": _proc_start(os.getpid()), "started": time.time(),
+                  "pid_start": stat[1] if stat else None, "started": time.time(),
                   "identity": self.identity, "rank": self.rank, "token": self.token}
         try:
             os.write(fd, json.dumps(record, sort_keys=True).encode())
@@ -333,11 +334,6 @@ def _pid_alive(pid: int, pid_start: str | None) -> bool:
         return True  # no /proc here: trust os.kill
     state, start = stat
     return state not in ("Z", "X") and (pid_start is None or start == pid_start)
-
-
-def _proc_start(pid: int) -> str | None:
-    stat = _proc_stat(pid)
-    return stat[1] if stat else None
 
 
 def _proc_stat(pid: int) -> tuple[str, str] | None:

@@ -104,15 +104,11 @@ class DurableStore:
 
     def list_parts(self, verify: VerifyLevel = VerifyLevel.HASH) -> list[PartInfo]:
         """Complete parts, newest copy of either side, checked at the `VerifyLevel` asked."""
-        parts, damaged = self._scan(verify)
-        _warn_damaged(damaged, "ignored; the caller should recompute the parts that have no good copy")
-        return parts
+        return self._scan(verify)[0]
 
     def verify(self) -> tuple[list[PartInfo], list[DamagedCopy]]:
         """Full sha256 check of every part on both sides: (good parts, damaged copies)."""
-        parts, damaged = self._scan(VerifyLevel.HASH)
-        _warn_damaged(damaged, "ignored; the caller should recompute the parts that have no good copy")
-        return parts, damaged
+        return self._scan(VerifyLevel.HASH)
 
     def read_part(self, name: str, mmap: bool = True, verify: VerifyLevel = VerifyLevel.HASH) -> dict[str, np.ndarray]:
         """The arrays of part `name` from a checked copy (newest; local on a tie), memory-mapped if `mmap`."""
@@ -245,6 +241,7 @@ class DurableStore:
             return default
 
     def _scan(self, verify: VerifyLevel) -> tuple[list[PartInfo], list[DamagedCopy]]:
+        """(good parts, damaged copies): the damaged ones logged, a good local copy queued to repair the mirror."""
         verify = VerifyLevel.of(verify)
         names = sorted({n for folder in self._folders for n in self._unless_stalled(folder.names, folder, [])})
         parts, damaged = [], []
@@ -255,6 +252,7 @@ class DurableStore:
                 parts.append(best[1])
                 if best[0] is self.local and any(d.side == "mirror" for d in bad):
                     self._enqueue(CopyPart(name))   # repair the mirror from the good local copy
+        _warn_damaged(damaged, "ignored; the caller should recompute the parts that have no good copy")
         return parts, damaged
 
     def _best_copy(self, name: str,

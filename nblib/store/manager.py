@@ -126,8 +126,8 @@ class CheckpointManager:
     def _open_mirror(self, mirror_ops, claimed, retries, backoff_s, retry_interval_s, verify_mirror, remount,
                      deadline_s) -> None:
         ops = mirror_ops if mirror_ops is not None else FileOps()
-        if remount is None and mirror_ops is None:
-            remount = default_remount()
+        if remount is None and mirror_ops is None:   # Colab's remount; a local folder elsewhere needs none
+            remount = env.remount_drive if env.runtime() == "colab" else None
         deadline_s = deadline_s if deadline_s is not None else mirror_deadline()
         self.stall = Stall(self.mirror_dir, deadline_s)
         self.reads = DeadlineOps(RetryingOps(ops, Retrier(retries, backoff_s, remount), self.mirror_dir), self.stall)
@@ -135,8 +135,12 @@ class CheckpointManager:
         self.remote = CheckpointFolder(self.mirror_dir, self.reads, "mirror")
         if not self.writer:
             return
-        if claimed:
-            claim_or_warn(self.reads, self.mirror_dir, self.identity, self.local_dir)  # ForeignMirror: refused
+        if claimed:                               # claimed now: ForeignMirror refuses another run's folder
+            try:
+                claim(self.reads, self.mirror_dir, self.identity, self.local_dir)
+            except MirrorStalled as exc:          # the mount stalls: warn, the thread claims it later
+                warnings.warn(f"{exc}; the mirror thread claims {self.mirror_dir} for this run before its first "
+                              f"copy", MirrorWarning, stacklevel=2)
         sides = Sides(self.local_parts, PartFolder(self.mirror_dir, ops, "mirror"), self.local,
                       CheckpointFolder(self.mirror_dir, ops, "mirror"))
         self.mirror = Mirror(sides, self.retention, Retrier(retries, backoff_s, remount),
@@ -421,15 +425,6 @@ def thread_demand() -> dict[int, int]:
     return found
 
 
-def claim_or_warn(ops: FileOps, mirror_dir: Path, identity: dict, local_dir: Path) -> None:
-    """Claim the mirror folder for this run now; when the mount stalls, warn (the thread claims it later)."""
-    try:
-        claim(ops, mirror_dir, identity, local_dir)
-    except MirrorStalled as exc:
-        warnings.warn(f"{exc}; the mirror thread claims {mirror_dir} for this run before its first copy",
-                      MirrorWarning, stacklevel=3)
-
-
 def deferrable(staged, tensors) -> set:
     """The keys of `staged`'s CUDA storages that `tensors`, what the caller defers, hold (matched by address):
     what `Staged.enqueue` copies in stream order. Host storages are never deferred (see `save`).
@@ -449,8 +444,3 @@ def check_knobs(local: Path, mirror: Path | None, **knobs) -> None:
             raise ConfigError(f"{knob}={value!r} is out of range; set it to an integer >= {low}")
     if knobs.get("backoff_s", 0) < 0:
         raise ConfigError(f"backoff_s={knobs['backoff_s']} is negative; set it to 0 or more seconds")
-
-
-def default_remount() -> Callable[[], Any] | None:
-    """nblib.env.remount_drive inside Colab; nothing elsewhere (a local folder needs no remount)."""
-    return env.remount_drive if env.runtime() == "colab" else None

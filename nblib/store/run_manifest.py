@@ -46,8 +46,4 @@ def read_run_manifest(ops: FileOps, root: Path, side: str) -> Manifest | Damaged
 
 def newest(copies: list[Manifest]) -> Manifest | None:
     """The copy with the highest sequence number; the first listed (local) on a tie."""
-    best = None
-    for copy in copies:
-        if best is None or copy.seq > best.seq:
-            best = copy
-    return best
+    return max(copies, key=lambda copy: copy.seq, default=None)

@@ -133,10 +133,6 @@ class BackgroundWriter:
         self._jobs.put((fn, future, note))
         return future
 
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
     def stop(self, timeout: float | None = None) -> bool:
         """End the thread after the queued jobs (or at once when `timeout` is 0); True if it ended."""
         self._jobs.put(None)
