@@ -166,21 +166,21 @@ def _elements(data: mmap.mmap, plan: ListPlan) -> Iterator:
     try:
         yield from _read_chunks(data, plan, feed, unpickler)
     finally:
-        feed.parts = []
+        feed.fill([])
         del unpickler, feed
         with contextlib.suppress(BufferError):   # a view still held (by a traceback): the map closes when it goes
             data.close()
 
 
 def _read_chunks(data: mmap.mmap, plan: ListPlan, feed: _Feed, unpickler: _Unpickler) -> Iterator[list]:
-    feed.parts = [*_unframed(data, plan.frames, 0, plan.prefix_end), b"."]
+    feed.fill([*_unframed(data, plan.frames, 0, plan.prefix_end), b"."])
     if type(unpickler.load()) is not list:
         raise NotFast("the top object is not a list")
     pending, written, released = np.zeros(0, np.int64), 0, 0
     for i, j in _chunks(plan):
-        feed.parts = [b"](", *_elements_views(data, plan, i, j), b"e."]
+        feed.fill([b"](", *_elements_views(data, plan, i, j), b"e."])
         elements = _load(unpickler)
-        feed.parts = [b""]
+        feed.fill([b""])
         fed, now = int(plan.ends[j - 1]), int(plan.slots_after[j - 1])
         upto = fed // mmap.PAGESIZE * mmap.PAGESIZE
         if upto > released:                 # the file's pages read (and their neighbours the kernel mapped
@@ -193,7 +193,7 @@ def _read_chunks(data: mmap.mmap, plan: ListPlan, feed: _Feed, unpickler: _Unpic
         dead = plan.last_read[candidates] < fed
         pending, written = candidates[~dead], now
         if dead.any():                      # slots no later op reads: None in their place, the count kept
-            feed.parts = [_overwrite(candidates[dead])]
+            feed.fill([_overwrite(candidates[dead])])
             unpickler.load()
 
 
@@ -255,20 +255,15 @@ def _overwrite(slots: np.ndarray) -> bytes:
 
 
 class _Feed:
-    """The unpickler's file: one pickle in `parts` (bytes, or views of the map). `peek` hands it the rest of a part
-    at once, so it calls Python about once a part; a large string is read or copied (`readinto`) straight from the
-    map into the object the unpickler makes.
+    """The unpickler's file: one pickle in the parts it is filled with (bytes, or views of the map). `peek` hands it
+    the rest of a part at once, so it calls Python about once a part; a large string is read or copied (`readinto`)
+    straight from the map into the object the unpickler makes.
     """
 
     def __init__(self):
-        self.parts: list = []
+        self.fill([])
 
-    @property
-    def parts(self) -> list:
-        return self._parts
-
-    @parts.setter
-    def parts(self, parts: list) -> None:
+    def fill(self, parts: list) -> None:
         self._parts, self._part, self._at = [memoryview(p) for p in parts], 0, 0
 
     def peek(self, n: int = 0):
