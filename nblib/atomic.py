@@ -320,17 +320,13 @@ def _sync_file_range():
 
 
 def fsync_dir(folder: str | Path) -> None:
-    """fsync a folder so a rename inside it is durable (a no-op where folders cannot be opened)."""
-    try:
+    """fsync a folder so a rename inside it is durable (a no-op where folders cannot be opened or synced)."""
+    with contextlib.suppress(OSError):
         fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def file_digest(path: str | Path, algorithm: str = "sha256", chunk: int = 1 << 20,
