@@ -26,10 +26,10 @@ import json
 import logging
 import os
 import sys
-import tempfile
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from nblib.atomic import atomic_write_bytes, sha256_json
 from nblib.budget.user_cache import user_folder
 
 log = logging.getLogger("nblib.budget")
@@ -83,7 +83,7 @@ def source_digest() -> str:
 
 def entry_name(key: dict, kind: str = "trm-encode") -> str:
     """An entry's file name: `kind` (a TRM encode trace, or a --model trace: "model") and the key's digest."""
-    return f"{kind}-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]}.json"
+    return f"{kind}-{sha256_json(key)[:12]}.json"
 
 
 def find(spec: dict) -> tuple[dict, Path] | None:
@@ -134,7 +134,8 @@ def find_result(key: dict) -> dict | None:
         return None
     entry = _read(path, "result")
     result = entry and entry.get("result")
-    if not (entry and entry["head"] == head and isinstance(result, dict) and entry.get("sha256") == _digest(result)):
+    intact = isinstance(result, dict) and entry.get("sha256") == sha256_json(result)
+    if not (entry and entry["head"] == head and intact):
         log.warning("the kept trace %s is damaged or not this job's: ignored, the model is traced again", path)
         return None
     os.utime(path)                                          # used now: kept longest
@@ -144,7 +145,7 @@ def find_result(key: dict) -> dict | None:
 def save_result(key: dict, result: dict) -> Path:
     """Keep a --model trace's `result` under `key` in the user's folder (head, sha256 of the result, result)."""
     head = user_key(key)
-    text = json.dumps({"head": head, "sha256": _digest(result), "result": result}, sort_keys=True)
+    text = json.dumps({"head": head, "sha256": sha256_json(result), "result": result}, sort_keys=True)
     path = _write(user_folder("traces") / entry_name(head, "model"), text)
     entries = sorted(path.parent.glob("model-*.json"), key=_used, reverse=True)
     for old in entries[KEPT_RESULTS:]:                      # the least recently used beyond KEPT_RESULTS
@@ -160,20 +161,7 @@ def _used(path: Path) -> int:
         return 0
 
 
-def _digest(result: dict) -> str:
-    return hashlib.sha256(json.dumps(result, sort_keys=True).encode()).hexdigest()
-
-
 def _write(path: Path, text: str) -> Path:
-    """Write `text` to `path` atomically (a temporary file beside it, fsync, then os.replace)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".entry-")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            out.write(text)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write `text` to `path` atomically (nblib.atomic: a temporary file beside it, fsync, then os.replace)."""
+    atomic_write_bytes(path, text.encode("utf-8"))
     return path
