@@ -269,7 +269,7 @@ def test_a_wds_tar_cut_between_two_members_is_refused_not_a_short_cache(tmp_path
 
 
 def test_a_class_tree_with_images_beside_it_or_an_empty_class_is_refused_and_hidden_folders_are_skipped(tmp_path):
-    from nblib.cache.images import folder_images
+    from nblib.cache.sources import folder_images
 
     root = class_tree(tmp_path / "tree", per_class=1)
     (root / "__MACOSX" / "ant").mkdir(parents=True)

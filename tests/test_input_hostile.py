@@ -145,7 +145,7 @@ def test_a_file_that_turns_into_a_fifo_after_the_listing_is_refused_not_waited_o
 
 
 def test_a_read_that_outlasts_the_deadline_is_refused_with_the_file_and_the_knob(tmp_path, monkeypatch):
-    from nblib.cache import images as module
+    from nblib.cache import sources as module
 
     gate = threading.Event()
     folder = tmp_path / "in"

@@ -2,7 +2,7 @@
 
 Parts: `codecs` (the codec registry `CODECS`), `format` (the shard files, `ShardWriter`, the
 manifest, the local stat cache), `texts` (what is rendered), `populate` (render into shards,
-resumably), `images` (`write_images`: your own arrays in), `sources` (a saved HF dataset, Parquet,
+resumably), `images` (`write_images`: your own arrays in), `sources` (a folder, a saved HF dataset, Parquet,
 Arrow, webdataset tars, with labels or texts in a side table), `verify` (check and repair), `reader`
 (`ShardedImageCache`, `CacheDataset`). Record shards (records of tensors, grouped by a key):
 `records` (`write_records`), `record_format`, `record_sources` (any pickle, .npz, .pt; pickles read by

@@ -18,13 +18,18 @@ from __future__ import annotations
 import csv
 import io
 import json
+import unicodedata
 from pathlib import Path
 
-from nblib.cache.images import class_name as _nfc  # a name in Unicode NFC, as class folders are read
 from nblib.errors import InputError
 
 MAX_CLASSES = 1_000_000       # ImageNet-21k has 21,841 classes; a label past this is an id, a hash or a typo
 DISTINCT_ROWS = 100           # at least this many rows, each with a label of its own: not a class column
+
+
+def class_name(folder_name: str) -> str:
+    """The class a subfolder names: its name in Unicode NFC (macOS writes NFD, Linux keeps either)."""
+    return unicodedata.normalize("NFC", folder_name)
 
 
 def label_index(value, where: str) -> int:
@@ -180,8 +185,8 @@ def _names(keys: list[str]) -> dict[str, str]:
     for k in keys:
         stems.setdefault(k.rsplit(".", 1)[0], []).append(k)
     lookup.update({stem: found[0] for stem, found in stems.items() if len(found) == 1 and stem not in lookup})
-    return {**{_nfc(name): key for name, key in lookup.items()}, **lookup}
+    return {**{class_name(name): key for name, key in lookup.items()}, **lookup}
 
 
 def _key(lookup: dict[str, str], name: str) -> str | None:
-    return lookup.get(name, lookup.get(_nfc(name)))
+    return lookup.get(name, lookup.get(class_name(name)))

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
-from nblib.cache.images import not_regular
 from nblib.cache.pickle_globals import record_fields
 from nblib.cache.pickle_stream import pickle_kind, pickle_records
+from nblib.cache.sources import not_regular
 from nblib.errors import InputError
 
 

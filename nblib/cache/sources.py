@@ -12,29 +12,22 @@ and a tar stream cannot be counted without reading it, so a wds cache has no dis
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
+import stat as stat_mode
 import tarfile
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nblib.cache.images import (
-    _dataset_rows,
-    _is_hf_folder,
-    arrow_reader,
-    column_batches,
-    encoded_files,
-    folder_images,
-    image_items,
-    image_keys,
-    recorded_json,
-    table_images,
-)
-from nblib.cache.labels import label_index, labels_and_classes, labels_from_file
+import numpy as np
+
+from nblib.cache.labels import class_name, label_index, labels_and_classes, labels_from_file
 from nblib.cache.pixels import EncodedImage
-from nblib.errors import InputError, one_line
+from nblib.errors import CacheError, InputError, one_line
 
 WDS_IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
 WDS_USED = (*WDS_IMAGE_EXTENSIONS, "cls", "txt", "json")   # members read; any other is skipped, unread
@@ -46,6 +39,9 @@ _UNLABELLED = {                                             # how each source ge
     "--wds": "give each sample a .cls member (or a json 'label'), then cache into a new --out",
 }
 _BRACE = re.compile(r"\{([^{}]*)\}")
+READ_DEADLINE_ENV = "NBLIB_READ_DEADLINE_S"
+DEFAULT_READ_DEADLINE_S = 60.0
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
 
 
 @dataclass
@@ -362,3 +358,255 @@ def _wds_annotation(path: Path, key: str, members: dict[str, bytes]) -> tuple[in
     if raw is not None:
         text = raw.decode("utf-8", errors="replace") if isinstance(raw, bytes) else str(raw)
     return label, text
+
+
+
+# ====================================================================================== reading images
+
+
+def recorded_json(cache_dir: str | Path, recorded: dict):
+    """The JSON file a cache's manifest records ({"file", "sha256"}: its keys, its side table), checked by its hash."""
+    path = Path(cache_dir) / recorded["file"]
+    raw = path.read_bytes() if path.exists() else b""
+    if hashlib.sha256(raw).hexdigest() != recorded["sha256"]:
+        raise CacheError(f"{path} is missing or damaged (its sha256 differs from the manifest's); rerun "
+                         f"the cache command that built {cache_dir} to rewrite it")
+    return json.loads(raw)
+
+
+def _is_hf_folder(path: Path) -> bool:
+    return (path / "dataset_info.json").exists() or (path / "state.json").exists()
+
+
+def image_items(path: str | Path, column: str | None = None) -> tuple[Iterable, int]:
+    """(items, count) of what `cache --images PATH` takes where PATH is no folder of image files (those
+    `sources.images_source` lists with `folder_images`): a Parquet file (`column`, default "image") or an HF
+    datasets folder (`save_to_disk`); images not yet decoded (`EncodedImage`): `write_images` decodes them by
+    the one pixel policy (`nblib.cache.pixels`), knowing its `size`.
+    """
+    path, column = Path(path), column or "image"
+    if not path.exists():
+        raise InputError(f"--images {path} does not exist; pass a folder of images, a Parquet file or "
+                         f"an HF datasets folder")
+    if path.is_dir():
+        import datasets
+
+        dataset = datasets.load_from_disk(str(path))
+        return dataset_column(dataset, column), len(dataset)
+    if path.suffix != ".parquet":
+        raise InputError(f"--images {path} is a {path.suffix or 'suffix-less'} file; pass a .parquet "
+                         f"file, a folder of image files or an HF datasets folder")
+    import pyarrow.parquet as pq
+
+    names = pq.read_schema(path).names
+    if column not in names:
+        raise InputError(f"{path} has no column {column!r}; its columns are {names}: pass --column")
+    return table_images([path], column), pq.ParquetFile(path).metadata.num_rows
+
+
+def encoded_files(files: list[Path]) -> Iterator[EncodedImage]:
+    """Each file's bytes, read within the read deadline (a FIFO refused), as an `EncodedImage`."""
+    deadline_s = read_deadline()
+    return (EncodedImage(read_file_within(p, deadline_s), str(p)) for p in files)
+
+
+def folder_images(folder: Path) -> tuple[list[Path], list[str] | None]:
+    """(image files in cache order, the class of each or None) of a folder.
+
+    A flat folder: its image files, sorted by name, no classes. A folder of class subfolders (the
+    ImageFolder convention): the classes are the subfolders, sorted by name (`class_name`), each one's
+    image files (nested folders too) sorted by path; names starting with "." or "__" are skipped. Refused
+    in one line: images beside class subfolders, an empty class subfolder, and what docs/formats.md
+    (class folders: one folder twice, a name not in UTF-8) and docs/failures.md (a FIFO) list.
+    """
+    top = sorted(p for p in folder.iterdir() if _wanted(p) and p.suffix.lower() in IMAGE_SUFFIXES)
+    subs = sorted((p for p in folder.iterdir() if _wanted(p) and p.is_dir() and p not in top),
+                  key=lambda p: (class_name(p.name), p.name))
+    trees = {sub: _tree_files(sub) for sub in subs}
+    if top and any(trees.values()):
+        filled = [s.name for s, files in trees.items() if files]
+        raise InputError(f"--images {folder} holds {len(top):,} image files beside {len(filled):,} subfolders of "
+                         f"images ({', '.join(filled[:3])}): keep every image in a class subfolder (labels "
+                         f"from the folder names) or all at the top (no labels), then rerun")
+    if not top and subs:
+        empty = [s.name for s, files in trees.items() if not files]
+        if empty and len(empty) < len(subs):
+            raise InputError(f"--images {folder}: the class subfolder {empty[0]!r} holds no image files "
+                             f"({', '.join(IMAGE_SUFFIXES)}); add its images or move it out, then rerun")
+        _one_folder_per_class(folder, [sub for sub in subs if trees[sub]])
+        files = [p for sub in subs for p in trees[sub]]
+        classes = [class_name(sub.name) for sub in subs for _ in trees[sub]]
+        return _regular(folder, files), classes or None
+    return _regular(folder, top), None
+
+
+def _one_folder_per_class(folder: Path, subs: list[Path]) -> None:
+    """Refuse two class folders that are one folder, or one inside the other (a symlink), naming both."""
+    real = {sub: Path(os.path.realpath(sub)) for sub in subs}
+    owner = {}
+    for sub in sorted(subs, key=Path.is_symlink):                   # a real folder owns its path
+        owner.setdefault(real[sub], sub)
+    for sub in sorted(subs, key=lambda s: not s.is_symlink()):     # links first: each named as one
+        for place in (real[sub], *real[sub].parents):
+            other = owner.get(place)
+            if other is not None and other != sub:
+                how = "is" if place == real[sub] else "is inside"
+                raise InputError(f"--images {folder}: the class folders {sub.name!r} and {other.name!r} hold the "
+                                 f"same images ({sub.name!r} {how} {place}{', a link' if sub.is_symlink() else ''}): "
+                                 f"they would be cached twice, as two classes; remove the link (or copy the "
+                                 f"images, if both classes are meant) and rerun")
+
+
+def image_keys(folder: Path, files: list[Path]) -> list[str]:
+    """The key of each file: its path under `folder` (`a.png`, or `cat/a.png` in a class subfolder)."""
+    return [p.relative_to(folder).as_posix() for p in files]
+
+
+def _wanted(path: Path) -> bool:
+    return not path.name.startswith((".", "__"))
+
+
+def _tree_files(sub: Path) -> list[Path]:
+    found = (p for p in sub.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
+    return sorted((p for p in found if all(_wanted(Path(part)) for part in p.relative_to(sub).parts)),
+                  key=lambda p: p.relative_to(sub).as_posix())
+
+
+def _regular(folder: Path, files: list[Path]) -> list[Path]:
+    """`files` when every one is a regular file named in UTF-8; else InputError naming those that are not."""
+    for path in files:
+        try:
+            path.relative_to(folder).as_posix().encode("utf-8")
+        except UnicodeEncodeError:
+            raise InputError(f"--images {folder}: the file name {os.fsencode(path.relative_to(folder))!r} is "
+                             f"not UTF-8 (no export could write it as a key); rename it to UTF-8 (e.g. convmv "
+                             f"-f latin1 -t utf-8 --notest), then rerun") from None
+    odd = [(p, not_regular(p)) for p in files]
+    odd = [(p, kind) for p, kind in odd if kind]
+    if odd:
+        named = ", ".join(f"{p.relative_to(folder)} ({kind})" for p, kind in odd[:5]) + (" ..." if len(odd) > 5 else "")
+        raise InputError(f"--images {folder}: {len(odd)} of its {len(files)} image names are not regular "
+                         f"files: {named}; a FIFO or device would block the read. Move them out of the "
+                         f"folder (nothing was written) and rerun")
+    if not files:
+        raise InputError(f"--images {folder} holds no image files ({', '.join(IMAGE_SUFFIXES)})")
+    return files
+
+
+def read_deadline() -> float:
+    """Seconds one image file may take to read: NBLIB_READ_DEADLINE_S (default 60; a frozen mount)."""
+    from nblib.store.retry import seconds_from_env
+
+    return seconds_from_env(READ_DEADLINE_ENV, DEFAULT_READ_DEADLINE_S, example=120, finite=True)
+
+
+def dataset_column(dataset, column: str):
+    if column not in dataset.column_names:
+        raise InputError(f"the dataset has no column {column!r}; its columns are {dataset.column_names}: "
+                         f"pass column=... (--column)")
+    return _dataset_rows(dataset, column)
+
+
+def _dataset_rows(dataset, column: str) -> Iterator:
+    """The column's cells. A `datasets.Image` column is read undecoded ({bytes, path}) and decoded by
+    the one pixel policy: `datasets` would apply EXIF orientation itself, and draft no JPEG.
+    """
+    import datasets
+
+    dataset = dataset.select_columns([column])      # no other column decoded, nor read
+    feature = (dataset.features or {}).get(column)
+    mode = feature.mode if isinstance(feature, datasets.Image) else None
+    if isinstance(feature, datasets.Image) and feature.decode:
+        dataset = dataset.cast_column(column, datasets.Image(decode=False))
+    for k, row in enumerate(dataset):
+        where = f"row {k:,} of the dataset (column {column!r})"
+        if row[column] is None:
+            raise InputError(f"{where} has no image (None): a missing image; fill it or drop the row")
+        yield image_cell(row[column], where, mode)
+
+
+def arrow_reader(path: Path):
+    """An Arrow file (IPC file format) or stream (the format datasets writes) as a batch reader."""
+    import pyarrow as pa
+
+    try:
+        return pa.ipc.open_stream(pa.memory_map(str(path)))
+    except pa.ArrowInvalid:
+        file = pa.ipc.open_file(pa.memory_map(str(path)))
+        batches = (file.get_batch(k) for k in range(file.num_record_batches))
+        return pa.RecordBatchReader.from_batches(file.schema, batches)
+
+
+def column_batches(path: Path, column: str):
+    """One column of a Parquet or Arrow file, batch by batch."""
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        yield from pq.ParquetFile(path).iter_batches(batch_size=256, columns=[column])
+    else:
+        for batch in arrow_reader(path):
+            yield batch.select([column])
+
+
+def table_images(files: list[Path], column: str) -> Iterator:
+    for path in files:
+        row = 0
+        for batch in column_batches(path, column):
+            for value in batch.column(0).to_pylist():
+                yield image_cell(value, f"{path} row {row:,} (column {column!r})")
+                row += 1
+
+
+def image_cell(value, where: str = "a Parquet cell", mode: str | None = None):
+    """A table cell as `as_image` takes it: an HF Image struct {bytes, path} (a local path read within the
+    read deadline) or encoded bytes as an `EncodedImage`; nested lists (Array3D) or arrays as an array.
+    """
+    if isinstance(value, dict):
+        data, path = value.get("bytes"), value.get("path")
+        value = data if data is not None or not path else read_file_within(Path(path), read_deadline())
+    if value is None:
+        raise InputError(f"{where} has no image (null): a missing image; fill it or drop the row")
+    if isinstance(value, (bytes, bytearray)):
+        return EncodedImage(bytes(value), where, mode)
+    if hasattr(value, "convert") and hasattr(value, "mode"):    # a PIL image, as a decoded column gives
+        return value
+    return np.asarray(value, dtype=np.uint8)
+
+
+def read_file_within(path: Path, deadline_s: float) -> bytes:
+    """A regular file's bytes, read on a daemon thread within `deadline_s` (a frozen mount cannot
+    hang the build); opened non-blocking and checked with fstat, so a FIFO is refused, not waited on.
+    """
+    from nblib.store.deadline import call_within
+
+    def read() -> bytes:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            if not stat_mode.S_ISREG(os.fstat(fd).st_mode):
+                raise InputError(f"{path} is not a regular file ({not_regular(path)}); move it out of "
+                                 f"the folder and rerun")
+            with os.fdopen(os.dup(fd), "rb") as f:
+                return f.read()
+        finally:
+            os.close(fd)
+
+    try:
+        return call_within(read, deadline_s, what=str(path), thread_name="nblib-image-read")
+    except TimeoutError:
+        raise InputError(f"{path} could not be read within {deadline_s:g} s (a frozen mount, or a "
+                         f"special file?); fix the mount or move the file away and rerun (the cache "
+                         f"resumes), or raise {READ_DEADLINE_ENV}") from None
+
+
+def not_regular(path: Path) -> str | None:
+    """What a path is when it is not a regular file ("a FIFO", "a folder", ...), else None."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "a broken link"
+    if stat_mode.S_ISREG(mode):
+        return None
+    kinds = ((stat_mode.S_ISFIFO, "a named pipe (FIFO)"), (stat_mode.S_ISDIR, "a folder"),
+             (stat_mode.S_ISSOCK, "a socket"), (stat_mode.S_ISCHR, "a character device"),
+             (stat_mode.S_ISBLK, "a block device"))
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
