@@ -26,7 +26,6 @@ from nblib.errors import StateError
 from nblib.manifest import Manifest
 
 from .checkpoints import CheckpointFolder
-from .deadline import mirror_deadline
 from .identity import ForeignMirror, claim
 from .parts import DamagedCopy, FileOps, PartFolder, PartInfo, VerifyLevel
 from .retention import checkpoints_to_drop, local_parts_to_drop
@@ -130,12 +129,11 @@ class Mirror:
     """A daemon thread working through a backlog of copy items; its status is a MirrorStatus."""
 
     def __init__(self, sides: Sides, retention: Retention, retrier: Retrier, *,
-                 retry_interval_s: float = 30.0, verify_readback: bool = True, identity: dict | None = None,
-                 stall_s: float | None = None):
+                 retry_interval_s: float, verify_readback: bool, identity: dict | None, stall_s: float):
         self.sides, self.retention, self.retrier = sides, retention, retrier
         self.retry_interval_s, self.verify_readback = retry_interval_s, verify_readback
         self.identity = identity
-        self.stall_s = stall_s if stall_s is not None else mirror_deadline()
+        self.stall_s = stall_s
         self._taken_at = 0.0        # when the item in flight was taken up (monotonic)
         self._foreign: str | None = None
         self._cond = threading.Condition()
@@ -217,7 +215,6 @@ class Mirror:
             caught_up = not self._backlog and not self._in_flight
             self.retrier.stop.set()
             self._cond.notify_all()
-        with self._cond:
             blocked = self._stalled_on() is not None
         self._thread.join(timeout=0.1 if blocked else 5.0)   # a call blocked in the kernel never returns
         return caught_up

@@ -40,10 +40,9 @@ class RemountPending(OSError):
 class Retrier:
     """Call a function, retrying OSError with exponential backoff; remount on Errno 107."""
 
-    def __init__(self, retries: int, backoff_s: float, remount: Callable[[], Any] | None,
-                 stop: threading.Event | None = None):
+    def __init__(self, retries: int, backoff_s: float, remount: Callable[[], Any] | None):
         self.retries, self.backoff_s, self.remount = retries, backoff_s, remount
-        self.stop = stop if stop is not None else threading.Event()
+        self.stop = threading.Event()
         self.remount_timeout_s = seconds_from_env(REMOUNT_TIMEOUT_ENV, DEFAULT_REMOUNT_TIMEOUT_S, example=60)
         self._remounting: threading.Thread | None = None
 
