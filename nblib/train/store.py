@@ -79,7 +79,6 @@ class TrainStore:
             retries=retries, backoff_s=backoff_s, retry_interval_s=retry_interval_s, remount=remount,
             deadline_s=deadline_s, on_saved=self._saved, version_label="step")
         self.local = self.manager.local
-        self.remote = self.manager.remote
         self._guarded = self._hook = None
         self.fence_seconds = 0.0          # what optimizer steps waited for a deferred snapshot, in all
 
