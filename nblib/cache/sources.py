@@ -396,12 +396,10 @@ def image_items(path: str | Path, column: str | None = None) -> tuple[Iterable, 
     if path.suffix != ".parquet":
         raise InputError(f"--images {path} is a {path.suffix or 'suffix-less'} file; pass a .parquet "
                          f"file, a folder of image files or an HF datasets folder")
-    import pyarrow.parquet as pq
-
-    names = pq.read_schema(path).names
+    names = _schema(path).names
     if column not in names:
         raise InputError(f"{path} has no column {column!r}; its columns are {names}: pass --column")
-    return table_images([path], column), pq.ParquetFile(path).metadata.num_rows
+    return table_images([path], column), _rows(path)
 
 
 def encoded_files(files: list[Path]) -> Iterator[EncodedImage]:
