@@ -445,15 +445,13 @@ def _resolved(value, seen: dict):
     if t in (tuple, set, frozenset):
         seen[key] = _IN_PROGRESS
         items = [_resolved(v, seen) for v in value]
-        same = all(a is b for a, b in zip(items, value)) if t is tuple else False
         if t is set:
             value.clear()
             value.update(items)
-            result = value
-        else:
-            result = value if same else t(items)
-        seen[key] = result
-        return result
+        elif t is frozenset or any(a is not b for a, b in zip(items, value)):
+            value = t(items)
+        seen[key] = value
+        return value
     if isinstance(value, PickledObject):
         seen[key] = value
         fields = value.__dict__
