@@ -276,13 +276,13 @@ def json_bytes(obj) -> bytes:
     return (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode()
 
 
-def npy_header(dtype, shape) -> bytes:
-    """The exact .npy header `np.save` writes for an array of `dtype` and `shape`."""
+def npy_header(dtype, shape, fortran_order: bool = False) -> bytes:
+    """The exact .npy header `np.save` writes for an array of `dtype` and `shape` (in Fortran order if asked)."""
     import numpy as np  # not at module level: nblib.config imports this module, numpy costs ~150 ms
 
     header = io.BytesIO()
     np.lib.format.write_array_header_1_0(
-        header, {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False,
+        header, {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": fortran_order,
                  "shape": tuple(int(s) for s in shape)})
     return header.getvalue()
 

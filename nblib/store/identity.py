@@ -28,11 +28,8 @@ class ForeignMirror(ResumeMismatch):
     """The mirror folder belongs to another run: nothing of this run is copied there."""
 
 
-def claim(ops: FileOps, root: Path, identity: dict, local_dir: Path) -> dict:
-    """Claim `root` for `identity`, or check an existing claim; ForeignMirror when it is another run's.
-
-    Returns the claim record (its identity, the local folder and host that first used it).
-    """
+def claim(ops: FileOps, root: Path, identity: dict, local_dir: Path) -> None:
+    """Claim `root` for `identity`, or check an existing claim; ForeignMirror when it is another run's."""
     record = read_claim(ops, root)
     if record is None:
         ops.makedirs(root)
@@ -42,7 +39,6 @@ def claim(ops: FileOps, root: Path, identity: dict, local_dir: Path) -> dict:
             ops.create_exclusive(root / IDENTITY_FILE, json.dumps(mine, sort_keys=True).encode())
         record = read_claim(ops, root)
     require_same(record, identity, root)
-    return record
 
 
 def read_claim(ops: FileOps, root: Path) -> dict | None:

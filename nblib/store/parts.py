@@ -436,9 +436,7 @@ def _checked_array(key: str, array) -> np.ndarray:
 def _npy_blocks(array: np.ndarray) -> list:
     """np.save's exact bytes for `array` as (header, data) buffers, without copying C or F data."""
     if array.flags.f_contiguous and not array.flags.c_contiguous:   # np.save keeps Fortran order
-        header = io.BytesIO()
-        np.lib.format.write_array_header_1_0(header, np.lib.format.header_data_from_array_1_0(array))
-        return [header.getvalue(), array.T.reshape(-1).view(np.uint8)]
+        return [npy_header(array.dtype, array.shape, fortran_order=True), array.T.reshape(-1).view(np.uint8)]
     data = np.ascontiguousarray(array).reshape(-1)
     return [npy_header(array.dtype, array.shape), data.view(np.uint8) if data.size else b""]
 
