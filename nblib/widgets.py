@@ -156,12 +156,6 @@ def pipeline_sweep_panel(table) -> Panel:
     value = _dropdown("value", "value", [], None)
     out = W.Output()
 
-    def values_of(name):
-        return [(knob_text(r[name]), r[name]) for r in table.curve(name)]
-
-    def render(_change=None):
-        show(out, draw)
-
     def draw():
         row = next((r for r in table.curve(knob.value) if r[knob.value] == value.value), None)
         if row is None:
@@ -178,14 +172,14 @@ def pipeline_sweep_panel(table) -> Panel:
 
     def new_value(_change=None):
         if not switching[0]:
-            render()
+            show(out, draw)
 
     def new_knob(_change=None):
-        switching[0] = True
-        value.options = values_of(knob.value)      # only the values measured with the other knobs at base
+        switching[0] = True       # the value's options: only those measured with the other knobs at base
+        value.options = [(knob_text(r[knob.value]), r[knob.value]) for r in table.curve(knob.value)]
         value.value = table.base[knob.value]
         switching[0] = False
-        render()
+        show(out, draw)
 
     knob.observe(new_knob, names="value")
     value.observe(new_value, names="value")

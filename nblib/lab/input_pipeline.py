@@ -112,7 +112,7 @@ def time_share_verdict(share: dict) -> str:
     waits = Spread(tuple(share.get("data_wait_runs", (share["data_wait"],))))
     alone = Spread(tuple(share.get("pipeline_runs", (share["pipeline_samples_per_s"],))))
     encoder = share["encoder_samples_per_s"]
-    versus = verdict_of_runs(alone.values, encoder, ("the encoder", "the pipeline alone"))
+    versus = _alone_vs_encoder(share)      # the pipeline alone against the encoder's rate
     numbers = (f"data-wait {waits.low:.1%}-{waits.high:.1%} of each step over {waits.n} runs; the pipeline alone "
                f"{alone.text(unit='samples/s')} against the encoder's {encoder:,.0f}: "
                f"{versus.short('faster', 'slower')}")
@@ -412,13 +412,12 @@ def cacheless_verdict(rendered: Spread, encoder_samples_per_s: float, encoder_me
 def rates_table(rows: list[dict]) -> str:
     """Sources side by side: samples/s (median and range of the runs), startup, RAM added, and the verdict."""
     lines = [f"{'source':<42} {'samples/s':>10} {'range':>13} {'startup':>8} {'RAM added':>10}"]
-    for r in rows:
-        got = Spread(tuple(r.get("runs", (r["samples_per_s"],))))
+    spreads = [Spread(tuple(r.get("runs", (r["samples_per_s"],)))) for r in rows]
+    for r, got in zip(rows, spreads):
         lines.append(f"{r['source']:<42} {got.median:>10,.0f} {f'{got.low:,.0f}-{got.high:,.0f}':>13} "
                      f"{fmt_duration(r['startup_s']):>8} {fmt_bytes(r['rss_added_bytes']):>10}")
     if len(rows) == 2:
-        a, b = (Spread(tuple(r.get("runs", (r["samples_per_s"],)))) for r in rows)
-        lines.append(compare(a, b, (rows[0]["source"], rows[1]["source"])).text("faster", "slower"))
+        lines.append(compare(*spreads, (rows[0]["source"], rows[1]["source"])).text("faster", "slower"))
     return "\n".join(lines)
 
 
