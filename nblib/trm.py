@@ -193,7 +193,7 @@ class TRMVisionEncoder(nn.Module):
     @torch.inference_mode()
     def encode(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
         """Inference: fp16 autocast on CUDA (a T4 has no fast bf16), fp32 on CPU (see set_inference)."""
-        with autocast(self.inference.precision, images.device), self._sdpa_backend():
+        with autocast(self.inference.precision, images.device), sdpa_context(self.inference.sdpa_backend):
             return self._runner()(images)
 
     def save_weights(self, path: str | Path) -> Path:
@@ -209,9 +209,6 @@ class TRMVisionEncoder(nn.Module):
                 f"{self.config.image_size}x{self.config.image_size}x3 and does not resize; build a cache at "
                 f"that size: python -m nblib cache --images DIR --size {self.config.image_size} --out NEW")
         return b, hgt, wid, ch
-
-    def _sdpa_backend(self):
-        return sdpa_context(self.inference.sdpa_backend)
 
     def _runner(self):
         """self, or its torch.compile'd twin (built on first use, rebuilt after set_inference)."""

@@ -20,8 +20,7 @@ def with_head(loaded, n_classes: int, output: str | None = None, *, image_size: 
 
     size = image_size or _image_size(loaded)
     with torch.no_grad():
-        outs = named_outputs(loaded.module(loaded.preprocessing.apply(torch.zeros(1, size, size, 3,
-                                                                                     dtype=torch.uint8))))
+        outs = loaded(torch.zeros(1, size, size, 3, dtype=torch.uint8))
     name = output or ("logits" if "logits" in outs else "pooler_output" if "pooler_output" in outs
                       else next(iter(outs)))
     if name not in outs:
