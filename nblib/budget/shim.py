@@ -20,7 +20,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from nblib.budget import warm
@@ -90,23 +89,16 @@ def shim_path() -> Path:
                                     "here; install one (apt-get install g++) or read the closed-form budget")
     version = (root / "version.py").read_text(encoding="utf-8") if (root / "version.py").exists() else ""
     key = hashlib.sha256((SHIM_SOURCE + version + str(root)).encode()).hexdigest()[:16]
-    from nblib.budget.user_cache import user_folder
+    from nblib.budget.user_cache import built_once, user_folder
 
-    folder = user_folder("shim")
-    out = folder / f"nblib-fake-cuda-{key}.so"
-    if out.exists():
-        return out
-    with tempfile.TemporaryDirectory(dir=folder) as tmp:
-        src, built = Path(tmp) / "shim.cpp", Path(tmp) / "shim.so"
+    def command(tmp: Path, built: Path) -> list[str]:
+        src = tmp / "shim.cpp"
         src.write_text(SHIM_SOURCE, encoding="utf-8")
-        done = subprocess.run([cxx, "-O1", "-std=c++17", "-shared", "-fPIC", f"-I{include}", str(src), f"-L{lib}",
-                               "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}", "-o", str(built)],
-                              capture_output=True, text=True)
-        if done.returncode:
-            why = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            raise SimulationUnavailable(f"the fake-CUDA shim did not compile with {cxx}: {why}")
-        os.replace(built, out)             # same filesystem: atomic; a concurrent build writes the same bytes
-    return out
+        return [cxx, "-O1", "-std=c++17", "-shared", "-fPIC", f"-I{include}", str(src), f"-L{lib}", "-lc10",
+                "-ltorch_cpu", f"-Wl,-rpath,{lib}", "-o", str(built)]
+
+    return built_once(user_folder("shim") / f"nblib-fake-cuda-{key}.so", command, "the fake-CUDA shim",
+                      SimulationUnavailable)
 
 
 # nblib's variables that name where files go or how long to wait: a trace reads none of them, so a notebook that

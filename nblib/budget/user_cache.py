@@ -56,25 +56,35 @@ def compiled_library(source: Path, stem: str) -> Path:
     """
     import hashlib
     import shutil
-    import subprocess
-    import tempfile
 
     text = source.read_bytes()
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise ConfigError(f"no C compiler ($CC, cc or gcc) to build {source.name}; install one (apt-get install gcc)")
     out = user_folder("lib") / f"{stem}-{hashlib.sha256(text + cc.encode()).hexdigest()[:16]}.so"
+    return built_once(out, lambda tmp, built: [cc, "-O2", "-shared", "-fPIC", "-o", str(built), str(source)],
+                      source.name)
+
+
+def built_once(out: Path, command, what: str, error: type[Exception] = ConfigError) -> Path:
+    """`out`, built once: `command(folder, built)` gives the compiler's arguments that write `built` (`folder`: a
+    temporary folder beside `out`, for its inputs), and `built` then moves onto `out`; `error` naming `what`, the
+    compiler and its last line when it does not compile.
+    """
+    import subprocess
+    import tempfile
+
     if out.exists():
         return out
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         built = Path(tmp) / out.name
+        args = command(Path(tmp), built)
         try:
-            done = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(built), str(source)],
-                                  capture_output=True, text=True)
-        except OSError as exc:             # $CC names no program
-            raise ConfigError(f"{source.name} did not compile with {cc}: {exc.strerror}") from None
+            done = subprocess.run(args, capture_output=True, text=True)
+        except OSError as exc:             # the compiler names no program
+            raise error(f"{what} did not compile with {args[0]}: {exc.strerror}") from None
         if done.returncode:
             why = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            raise ConfigError(f"{source.name} did not compile with {cc}: {why}")
+            raise error(f"{what} did not compile with {args[0]}: {why}")
         os.replace(built, out)             # same filesystem: atomic; a concurrent build writes the same bytes
     return out
