@@ -38,7 +38,6 @@ from nblib.cache.codecs import CODECS
 from nblib.cache.format import (
     DAMAGED,
     HEADER,
-    STAT_CACHE,
     TRAILER,
     current_stat,
     manifest_or_none,
@@ -49,7 +48,7 @@ from nblib.cache.format import (
     warn_many_files,
 )
 from nblib.cache.pickle_globals import record_fields
-from nblib.cache.populate import cache_bytes_on_disk, cache_folder, cache_lock
+from nblib.cache.populate import _clear, cache_bytes_on_disk, cache_folder, cache_lock
 from nblib.cache.record_format import (
     MANIFEST,
     RECORD_CODECS,
@@ -347,14 +346,12 @@ def _resumable(out: Path, layout: dict, source: dict) -> dict | None:
 
 
 def _clear_or_refuse(out: Path, overwrite: bool) -> None:
-    ours = [*out.glob("shard-*"), *leftover_temporaries(out)]
-    if (out / MANIFEST).exists() or ours:
+    if (out / MANIFEST).exists() or any(out.glob("shard-*")) or leftover_temporaries(out):
         if not overwrite:
             raise CacheError(f"the folder {out} holds other shards (another input, codec, shard size or "
                              f"group key); pass overwrite=True (--overwrite) to rebuild it, or pick "
                              f"another --out")
-        for path in [*ours, out / MANIFEST, out / STAT_CACHE]:
-            path.unlink(missing_ok=True)
+        _clear(out)
 
 
 def _preflight(out: Path, source: dict, old: dict | None) -> None:
