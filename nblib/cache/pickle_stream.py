@@ -96,7 +96,7 @@ class _FileReading:
         self.pickles = self.records_read = 0
 
     def records(self) -> Iterator[dict]:
-        path, size, count = self.path, self.path.stat().st_size, 0
+        path, size = self.path, self.path.stat().st_size
         with open(path, "rb") as f, open(path, "rb") as scan:
             scanner, reader = PickleScanner(scan, size, self.continued), _Reader(f, self.trust)
             at = 0
@@ -105,13 +105,12 @@ class _FileReading:
                     plan = scanner.scan(at)
                     for record in self.pickle(reader, plan, size):
                         yield record
-                        count += 1
-                        self.records_read = count
+                        self.records_read += 1
                 except InputError:
                     raise
                 except DATA_ERRORS as exc:
-                    raise _damaged(path, count, at, size, exc, later=self.pickles > 0 and not self.continued) \
-                        from None
+                    later = self.pickles > 0 and not self.continued
+                    raise _damaged(path, self.records_read, at, size, exc, later) from None
                 at = plan.end
                 self.pickles += 1
 
