@@ -11,6 +11,7 @@ pipeline for cores, which only the real callable shows. Works with anything iter
 from __future__ import annotations
 
 import contextlib
+import numbers
 import time
 import types
 from collections.abc import Callable, Iterable, Mapping
@@ -137,6 +138,14 @@ class ComputeStandIn:
             time.sleep(remaining - self.SPIN_S)
         while time.perf_counter() < deadline:
             pass
+
+
+def check_knobs(*knobs: tuple[str, object, int]) -> None:
+    """ConfigError unless every (name, value, low) holds an integer value >= low (-1: tf.data.AUTOTUNE)."""
+    for name, value, low in knobs:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+            raise ConfigError(f"{name}={value!r} must be an integer >= {low}" +
+                              (" (-1 is tf.data.AUTOTUNE)" if low == -1 else ""))
 
 
 def batch_size_of(batch) -> int:

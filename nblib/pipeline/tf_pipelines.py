@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nblib.errors import ConfigError, require_choice
+from nblib.pipeline.harness import check_knobs
 from nblib.tfdata import tensorflow
 
 AUTOTUNE = -1
@@ -66,7 +67,8 @@ def tf_pipeline_for(sources: EncodedSources, seed: int = 0):
 def tf_pipeline(sources: EncodedSources, batch_size: int = 32, prefetch: int = 2, num_parallel_calls: int = 2,
                 cycle_length: int = 4, shuffle_buffer: int = 256, deterministic: bool = True, seed: int = 0):
     """The swept pipeline: interleave(cycle_length) -> decode(num_parallel_calls) -> shuffle -> batch -> prefetch."""
-    _check_knobs(batch_size, prefetch, num_parallel_calls, cycle_length, shuffle_buffer)
+    check_knobs(("batch_size", batch_size, 1), ("cycle_length", cycle_length, 1), ("shuffle_buffer", shuffle_buffer, 0),
+                ("prefetch", prefetch, -1), ("num_parallel_calls", num_parallel_calls, -1))
     tf = tensorflow()
     cycle = min(cycle_length, sources.n_sources)
     reading = _parallel(num_parallel_calls if num_parallel_calls == AUTOTUNE else min(num_parallel_calls, cycle), tf)
@@ -91,30 +93,21 @@ def mixed_pipeline(sources: EncodedSources, strategy: str = "sample_from_dataset
     require_choice("strategy", strategy, MIXING_STRATEGIES)
     tf = tensorflow()
     n, decode, budget = sources.n_sources, _decode(tf), _parallel(num_parallel_calls, tf)
+    read = _source_reader(sources, tf)
     if strategy == "single":
         everything = tf.data.Dataset.from_tensor_slices(tf.constant(list(sources.blobs), dtype=tf.string))
         ds = everything.repeat().map(decode, num_parallel_calls=budget)
     elif strategy == "sample_from_datasets":
         share = _parallel(max(1, num_parallel_calls // n) if num_parallel_calls > 0 else num_parallel_calls, tf)
-        decoded = [_records(sources, k, tf).repeat().map(decode, num_parallel_calls=share) for k in range(n)]
+        decoded = [read(k).repeat().map(decode, num_parallel_calls=share) for k in range(n)]
         ds = tf.data.Dataset.sample_from_datasets(decoded, weights=[1 / n] * n, seed=seed)
     else:
-        ds = tf.data.Dataset.range(n).repeat().interleave(_source_reader(sources, tf), cycle_length=n, block_length=1)
+        ds = tf.data.Dataset.range(n).repeat().interleave(read, cycle_length=n, block_length=1)
         ds = ds.map(decode, num_parallel_calls=budget)
     return _shuffle_batch_prefetch(ds, 0, batch_size, prefetch, seed, tf)
 
 
 # ------------------------------------------------------------------------------ helpers
-
-
-def _check_knobs(batch_size: int, prefetch: int, num_parallel_calls: int, cycle_length: int,
-                 shuffle_buffer: int) -> None:
-    for name, value, low in (("batch_size", batch_size, 1), ("cycle_length", cycle_length, 1),
-                             ("shuffle_buffer", shuffle_buffer, 0), ("prefetch", prefetch, -1),
-                             ("num_parallel_calls", num_parallel_calls, -1)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-            raise ConfigError(f"{name}={value!r} must be an integer >= {low}" +
-                              (" (-1 is tf.data.AUTOTUNE)" if low == -1 else ""))
 
 
 def _parallel(value: int, tf):
@@ -125,11 +118,6 @@ def _parallel(value: int, tf):
 def _order(parallel, deterministic: bool) -> dict:
     """tf.data takes `deterministic` only beside a num_parallel_calls (it warns otherwise)."""
     return {} if parallel is None else {"deterministic": bool(deterministic)}
-
-
-def _records(sources: EncodedSources, k: int, tf):
-    lo, hi = sources.bounds[k], sources.bounds[k + 1]
-    return tf.data.Dataset.from_tensor_slices(tf.constant(list(sources.blobs[lo:hi]), dtype=tf.string))
 
 
 def _source_reader(sources: EncodedSources, tf):

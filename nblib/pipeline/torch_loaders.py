@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from nblib.encode.offload import BatchDataset
-from nblib.errors import ConfigError
+from nblib.pipeline.harness import check_knobs
 
 
 def cache_loader_for(source):
@@ -34,10 +34,7 @@ def cache_loader_for(source):
 def cache_loader(source, batch_size: int = 32, num_workers: int = 0, prefetch_factor: int = 2,
                  pin_memory: bool = False, persistent_workers: bool = False, context: str | None = None):
     """A DataLoader of the source's contiguous batches of `batch_size` (the last one may be short)."""
-    for name, value, low in (("batch_size", batch_size, 1), ("num_workers", num_workers, 0),
-                             ("prefetch_factor", prefetch_factor, 1)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-            raise ConfigError(f"{name}={value!r} must be an integer >= {low}")
+    check_knobs(("batch_size", batch_size, 1), ("num_workers", num_workers, 0), ("prefetch_factor", prefetch_factor, 1))
     batches = [(s, min(s + batch_size, len(source))) for s in range(0, len(source), batch_size)]
     kwargs = {"num_workers": num_workers, "pin_memory": bool(pin_memory) and torch.cuda.is_available(),
               "batch_size": None, "shuffle": False}
