@@ -107,7 +107,7 @@ def encode_model(config: PipelineConfig, model=None, weights: str | Path | None 
     encoder on token ids (encode --records).
     """
     from nblib.models import LoadedModel, load_model
-    from nblib.models.load import module_model
+    from nblib.models.load import module_model, names_trm
 
     tokens = inputs != "images"
     if tokens and names_trm(model):
@@ -146,12 +146,6 @@ def encode_model(config: PipelineConfig, model=None, weights: str | Path | None 
         raise ConfigError(f"outputs {list(chosen)}: {loaded.spec} returns {list(shapes)}; pick distinct names "
                           f"among them (--outputs a,b), or leave --outputs out to store them all")
     return EncodeModel(loaded, chosen, {o: shapes[o] for o in chosen}, precision, inputs)
-
-
-def names_trm(model) -> bool:
-    """Whether `model` (a spec, a LoadedModel, an nn.Module; None: the default) is the suite's TRM."""
-    return model is None or getattr(model, "kind", None) == "trm" or \
-        (isinstance(model, str) and model.strip().partition(":")[0] in ("", "trm"))
 
 
 def _named_on_tokens(loaded, tokens) -> dict:

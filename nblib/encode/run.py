@@ -43,7 +43,7 @@ from nblib.encode.layout import (
     refuse_if_changed,
     settings_of,
 )
-from nblib.encode.model import EncodeModel, encode_model, names_trm
+from nblib.encode.model import EncodeModel, encode_model
 from nblib.encode.protocols import ImageSource, PartStore, require_image_source, require_part_store
 from nblib.encode.ranks import RankRecord, require_all_parts
 from nblib.env import Workspace
@@ -232,6 +232,8 @@ def plan_encode(cache: ImageSource, run_dir: str | Path, config: PipelineConfig,
 
     Nothing is written. ConfigError, CacheError as `encode` documents.
     """
+    from nblib.models.load import names_trm
+
     folder = _require_folder(Path(run_dir), "run folder (--out)")
     mirror = None
     if mirror_dir is not None:

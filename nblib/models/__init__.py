@@ -18,6 +18,7 @@ from nblib.models.load import (
     LoadedModel,
     ModelSource,
     load_model,
+    names_trm,
     parse_spec,
     spec_forms,
 )
@@ -36,6 +37,6 @@ from nblib.models.weights import (
 
 __all__ = [
     "SOURCES", "LoadedModel", "ModelSource", "spec_forms", "Preprocessing", "check_state_dict", "describe_changes",
-    "identity_changes", "load_model", "load_weights", "model_identity", "named_outputs", "parse_spec",
+    "identity_changes", "load_model", "load_weights", "model_identity", "named_outputs", "names_trm", "parse_spec",
     "preprocessing_from", "preprocessing_from_timm", "save_weights", "weights_sha256",
 ]

@@ -98,6 +98,12 @@ def parse_spec(spec: str) -> tuple[str, str]:
     return source.kind, rest
 
 
+def names_trm(model) -> bool:
+    """Whether `model` (a spec, a LoadedModel, an nn.Module; None: the default) is the suite's TRM."""
+    return model is None or getattr(model, "kind", None) == "trm" or \
+        (isinstance(model, str) and model.strip().partition(":")[0] in ("", "trm"))
+
+
 def spec_forms(last: str = "or") -> str:
     """Every source's spec forms in one phrase, for help texts and refusals: "trm, trm:PRESET, ... or X"."""
     forms = [form for source in SOURCES for form in source.forms]

@@ -27,7 +27,7 @@ from nblib.trm import autocast
 
 from .config import TrainConfig
 from .data import BatchPlan, split
-from .task import EVAL_BATCH, Task, contract_identity, freeze_unreached, host, is_trm, runs_on
+from .task import EVAL_BATCH, Task, contract_identity, freeze_unreached, host, runs_on
 
 LOSSES = ("auto", "ce", "mse")
 
@@ -427,10 +427,10 @@ class RecordTask(Task):
                               f"array field (one of {[n for n, f in schema.items() if f['kind'] == 'array']})")
 
     def _model(self, spec, output, weights, sample):
-        from nblib.models import LoadedModel, Preprocessing, load_model, load_weights
+        from nblib.models import LoadedModel, Preprocessing, load_model, load_weights, names_trm
 
         if spec is not None and spec != "linear":
-            if is_trm(spec):
+            if names_trm(spec):
                 raise ConfigError("the TRM takes images; for record shards pass --model package.module:factory "
                                   "(a module that takes the --input-key tensor), or leave --model out")
             loaded = load_model(spec, weights, seed=self.config.seed, inputs=self.loaded_as)

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from nblib.config import named_config as model_config  # the encoder shape a profile or preset trains
 from nblib.errors import ConfigError, NblibError
+from nblib.models.load import names_trm
 from nblib.trm import autocast
 
 from .config import EVAL_BATCH, TrainConfig
@@ -36,13 +37,6 @@ from .data import BatchPlan, LabelledImages, label_digest, labels_for_cache, spl
 from .model import HEAD_SEED_SALT, Classifier
 
 log = logging.getLogger(__name__)
-
-def is_trm(spec: str | None) -> bool:
-    """Whether a --model spec names the suite's TRM (None: the default, the TRM)."""
-    from nblib.models import parse_spec
-
-    return spec is None or parse_spec(spec)[0] == "trm"
-
 
 def contract_identity(loaded, output: str | None, **extra) -> dict:
     """A model's part of a run identity: the contract's identity without the spec, plus the output trained."""
@@ -197,7 +191,7 @@ class ImageTask(Task):
         self.held_cache, self.held_labels = self.val[1:] if self.val else (self.cache, self.labels)
         self.plan = BatchPlan(self.train_idx, config.batch_size, config.seed)
         self.dataset, self.collate = LabelledImages(str(cache_dir), self.labels), None
-        if is_trm(model):
+        if names_trm(model):
             self.model, self.model_identity, self.loaded = self._trm(model, output, weights)
         else:
             self.model, self.model_identity, self.loaded = self._any(model, output, weights)
