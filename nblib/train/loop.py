@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from nblib.atomic import atomic_torch_save, sha256_json
+from nblib.compare import progress_bar
 from nblib.disk import refuse_overlap
 from nblib.errors import ConfigError, ResumeMismatch, TrainingDiverged
 from nblib.manifest import write_manifest
@@ -237,7 +238,7 @@ def _train(cache_dir, out, config: TrainConfig, *, mirror, progress, world, stor
         else:
             seed_everything(config.seed)
         state = None                        # the loaded weights were copied into the model: free them
-        bar = _bar(progress and writer, config.steps, step)
+        bar = progress_bar(config.steps, "train", "step", initial=step, disable=not (progress and writer))
         while step < stop:
             tick, fenced_before = time.perf_counter(), store.fence_seconds if writer else 0.0
             torch.manual_seed(dropout_seed(config.seed, step, rank))
@@ -254,12 +255,11 @@ def _train(cache_dir, out, config: TrainConfig, *, mirror, progress, world, stor
             if writer:
                 _after_step(step, loss, model, task, config, optimizer, scheduler, scaler, identity, store, report,
                             stop)
-            if bar is not None:
+            if not bar.disable:
                 _show(bar, report, store, loss)
             if on_step is not None:
                 on_step(step, report)
-        if bar is not None:
-            bar.close()
+        bar.close()
         if writer:
             report.final_wait_seconds = store.wait_saves()      # the last state is on disk (or its error raised)
         if writer and step == config.steps:
@@ -500,14 +500,6 @@ def _warmup_cosine(warmup: int, total: int):
         progress = (step - warmup) / max(1, total - warmup)
         return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
     return factor
-
-
-def _bar(show: bool, total: int, initial: int):
-    if not show:
-        return None
-    from nblib.compare import progress_bar
-
-    return progress_bar(total, "train", "step", initial=initial)
 
 
 def _show(bar, report: TrainReport, store, loss: float) -> None:
