@@ -7,7 +7,6 @@ no-ops returning False where glibc is absent (macOS, musl): measured deltas are 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import sys
 
 M_MMAP_THRESHOLD = -3   # mallopt's parameter number in glibc's malloc.h
@@ -21,19 +20,21 @@ def pin_malloc_mmap_threshold(threshold_bytes: int = 256 * 1024) -> bool:
     inflates a CPU forward pass's peak RSS 1.5-1.7x over its live buffers. Pinning the
     threshold (mallopt M_MMAP_THRESHOLD) stops that. Returns False where glibc is absent.
     """
-    return bool(_glibc("mallopt", M_MMAP_THRESHOLD, int(threshold_bytes)))
+    return bool(libc_call("mallopt", M_MMAP_THRESHOLD, int(threshold_bytes)))
 
 
 def release_free_heap() -> bool:
     """Hand freed heap back to the OS (glibc malloc_trim), so RSS deltas measure new memory only."""
-    return _glibc("malloc_trim", 0) is not None   # None where glibc is absent: deltas are then lower bounds
+    return libc_call("malloc_trim", 0) is not None   # None where glibc is absent: deltas are then lower bounds
 
 
-def _glibc(function: str, *args) -> int | None:
-    """The C library's `function(*args)` on Linux; None where there is no such library or function."""
+def libc_call(function: str, *args) -> int | None:
+    """The C library's `function(*args)` on Linux (malloc's here, prctl for nblib.pool); None where there is no
+    such library or function.
+    """
     if not sys.platform.startswith("linux"):
         return None
     try:
-        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), function)(*args)
+        return getattr(ctypes.CDLL(None), function)(*args)
     except (OSError, AttributeError):
         return None

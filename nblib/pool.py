@@ -20,6 +20,8 @@ import signal
 import sys
 import threading
 
+from nblib.malloc import libc_call
+
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
@@ -35,26 +37,13 @@ def pool_context():
 
 def watch_owner(owner_pid: int) -> None:
     """Pool initializer: exit this worker as soon as `owner_pid` is gone (or the direct parent dies)."""
-    _set_parent_death_signal(signal.SIGKILL)
+    libc_call("prctl", PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)   # Linux: SIGKILL when the parent dies
     if not _alive(owner_pid):
         os._exit(1)
     threading.Thread(target=_watchdog, args=(owner_pid,), name="nblib-owner-watchdog", daemon=True).start()
 
 
 # ====================================================================================== helpers
-
-
-def _set_parent_death_signal(sig: int) -> bool:
-    """prctl(PR_SET_PDEATHSIG, sig) on Linux; False where there is no prctl."""
-    if not sys.platform.startswith("linux"):
-        return False
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
 
 
 def _watchdog(owner_pid: int) -> None:
