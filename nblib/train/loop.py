@@ -151,15 +151,14 @@ def _resume(state: dict | None, source: str, out: Path, identity: dict, plan: Ba
     return step, list(state["history"]), state["best"], source
 
 
-def _close_store(store: TrainStore | None, report: TrainReport, mirror_timeout_s: float, lock=None) -> None:
+def _close_store(store: TrainStore | None, report: TrainReport, mirror_timeout_s: float, lock) -> None:
     """Join the writer, wait (bounded) for the mirror, record what is durable in the report; release the lock."""
     try:
         if store is not None:
             report.durability = store.close(mirror_timeout_s)
             report.write_seconds = list(store.write_seconds)
     finally:
-        if lock is not None:
-            lock.release()
+        lock.release()
 
 
 def train(cache_dir: str | Path, out: str | Path, config: TrainConfig, *, mirror: str | None = None,
@@ -219,7 +218,7 @@ def _train(cache_dir, out, config: TrainConfig, *, mirror, progress, world, stor
     try:
         model = task.model.to(config.device)
         optimizer, scheduler, scaler = training_objects(model, config)
-        state, source = _load(store, world, out)
+        state, source = _load(store, world)
         step, history, best, source = _resume(state, source, out, identity, plan,
                                               (model, optimizer, scheduler, scaler))
         report.start_step, report.resumed_from, report.history, report.best_step = step, source, history, best
@@ -431,7 +430,7 @@ def _improved(report: TrainReport, metric: str) -> bool:
     return best is scored[-1] and best["step"] != report.best_step
 
 
-def _load(store, world, out):
+def _load(store, world):
     """Rank 0 loads the newest state and hands it to the other ranks (one reader, the same state)."""
     state, source = store.load_latest() if store is not None else (None, "none")
     if world is not None and world.size > 1:
