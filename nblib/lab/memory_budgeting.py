@@ -164,12 +164,9 @@ def measure_forward_peaks(config, batch_sizes, on_gpu: bool = False, progress: b
     predicted = tuple(forward_peak(config.replace(batch_size=b), device) for b in batch_sizes)
     runs: dict[int, list[float]] = {b: [] for b in batch_sizes}
     order = interleaved_order(batch_sizes, max(1, repeats))
-    bar = progress_bar(len(order), "forward passes", "run") if progress else None
-    for b in order:
-        run = encoder_peak(config.replace(batch_size=b), b, device="cuda" if on_gpu else "cpu")
-        runs[b].append(run["cuda_allocated_delta"] if on_gpu else run["rss_delta"])
-        if bar is not None:
+    with progress_bar(len(order), "forward passes", "run", disable=not progress) as bar:
+        for b in order:
+            run = encoder_peak(config.replace(batch_size=b), b, device="cuda" if on_gpu else "cpu")
+            runs[b].append(run["cuda_allocated_delta"] if on_gpu else run["rss_delta"])
             bar.update(1)
-    if bar is not None:
-        bar.close()
     return ForwardPeaks(batch_sizes, predicted, tuple(tuple(runs[b]) for b in batch_sizes))

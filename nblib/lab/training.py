@@ -130,18 +130,17 @@ def kill_and_resume(cache: str | Path, folder: str | Path, steps: int, kill_afte
     folder = Path(folder)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     whole, killed = folder / "uninterrupted", folder / "killed"
-    bar = progress_bar(3, "uninterrupted run, killed run, rerun", "run", disable=not progress)
-    subprocess.run(train_command(cache, whole, steps, *extra), env=env, check=True, capture_output=True)
-    bar.update(1)
-    run_until(train_command(cache, killed, steps, *extra), lambda: _newest_step(killed) >= kill_after_step,
-              timeout=math.inf, env=env)
-    bar.update(1)
-    at_kill = _newest_step(killed)
-    finished_before_kill = (killed / "final.pt").exists()
-    rerun = subprocess.run(train_command(cache, killed, steps, *extra), env=env, check=True, capture_output=True,
-                           text=True)
-    bar.update(1)
-    bar.close()
+    with progress_bar(3, "uninterrupted run, killed run, rerun", "run", disable=not progress) as bar:
+        subprocess.run(train_command(cache, whole, steps, *extra), env=env, check=True, capture_output=True)
+        bar.update(1)
+        run_until(train_command(cache, killed, steps, *extra), lambda: _newest_step(killed) >= kill_after_step,
+                  timeout=math.inf, env=env)
+        bar.update(1)
+        at_kill = _newest_step(killed)
+        finished_before_kill = (killed / "final.pt").exists()
+        rerun = subprocess.run(train_command(cache, killed, steps, *extra), env=env, check=True,
+                               capture_output=True, text=True)
+        bar.update(1)
     return {"killed_after_saved_step": at_kill, "finished_before_kill": finished_before_kill,
             "rerun_output": rerun.stdout.strip(), "identical": weights_identical(whole, killed)}
 

@@ -102,20 +102,19 @@ def budget_vs_simulated(spec: str, batches: tuple[int, ...], *, train: bool = Fa
     """The budget (largest batch searched at the first batch) and the simulated loop at each batch, and with
     `add_largest` at the largest batch that fits too: the budget's answer checked where it matters most.
     """
-    bar = progress_bar(len(batches) + add_largest, f"budget and simulation ({'training' if train else 'encoding'})",
-                       "batch", disable=not progress)
     rows: list[BudgetCheck] = []
     todo = list(batches)
-    while todo:
-        b = todo.pop(0)
-        first = not rows
-        vram = model_vram(spec, b, "t4", precision=precision, train=train, find_largest=first,
-                          max_batch=SEARCH_CEILING)
-        if first and add_largest and vram.largest_batch and vram.largest_batch not in batches:
-            todo.append(vram.largest_batch)
-        rows.append(BudgetCheck(vram, simulate_model(spec, b, "t4", precision=precision, train=train)))
-        bar.update(1)
-    bar.close()
+    with progress_bar(len(batches) + add_largest, f"budget and simulation ({'training' if train else 'encoding'})",
+                      "batch", disable=not progress) as bar:
+        while todo:
+            b = todo.pop(0)
+            first = not rows
+            vram = model_vram(spec, b, "t4", precision=precision, train=train, find_largest=first,
+                              max_batch=SEARCH_CEILING)
+            if first and add_largest and vram.largest_batch and vram.largest_batch not in batches:
+                todo.append(vram.largest_batch)
+            rows.append(BudgetCheck(vram, simulate_model(spec, b, "t4", precision=precision, train=train)))
+            bar.update(1)
     return rows
 
 
@@ -180,14 +179,13 @@ def kill_and_resume(cache_dir: str | Path, folder: str | Path, spec: str, profil
     config = for_profile(profile).replace(batch_size=batch_size, checkpoint_every=1, consolidate_every=1)
     command = encode_command(cache_dir, killed, model=spec, profile=profile, batch_size=batch_size,
                              checkpoint_every=1, no_progress=True)       # the same config, from the command line
-    bar = progress_bar(3, "unkilled run, killed run, rerun", "run", disable=not progress)
-    encode(ShardedImageCache(cache_dir), whole, config, model=spec, progress=False)
-    bar.update(1)
-    durable = run_and_kill(command, killed, after_parts=after_parts)
-    bar.update(1)
-    subprocess.run(command, check=True, capture_output=True)
-    bar.update(1)
-    bar.close()
+    with progress_bar(3, "unkilled run, killed run, rerun", "run", disable=not progress) as bar:
+        encode(ShardedImageCache(cache_dir), whole, config, model=spec, progress=False)
+        bar.update(1)
+        durable = run_and_kill(command, killed, after_parts=after_parts)
+        bar.update(1)
+        subprocess.run(command, check=True, capture_output=True)
+        bar.update(1)
     outputs = load_outputs(whole)
     same = {name: (whole / f"{name}.npy").read_bytes() == (killed / f"{name}.npy").read_bytes() for name in outputs}
     n = len(next(iter(outputs.values())))
