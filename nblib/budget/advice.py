@@ -201,6 +201,7 @@ _CANDIDATES = {
     "local disk": ["out_dtype", "outputs"],
     "drive": ["out_dtype", "outputs", "codec", "drive_quota"],
 }
+_SEARCHED = ("batch_size", "checkpoint_every", "consolidate_every")    # each with its own search (_Search's method)
 
 
 class _Search:
@@ -228,7 +229,8 @@ class _Search:
 
     def closing(self, knobs: list[str], *, buy: bool) -> tuple[tuple[Suggestion, ...], str]:
         """(the knobs that close the gap alone, with values; else the smallest combination) and a fallback line."""
-        single = [getattr(self, knob)() for knob in knobs if knob != "drive_quota"]
+        single = [getattr(self, knob)() if knob in _SEARCHED else self._first_fitting(knob)
+                  for knob in knobs if knob != "drive_quota"]
         found = [s for s in single if s is not None and s.value != s.current and self.fits(**_changes(s))]
         fallback = ""
         if not found:
@@ -351,25 +353,6 @@ class _Search:
                                   self._effect(consolidate_every=cons))
         return None
 
-    def prefetch(self) -> Suggestion | None:
-        return self._first_fitting("prefetch")
-
-    def workers(self) -> Suggestion | None:
-        return self._first_fitting("workers")
-
-    def out_dtype(self) -> Suggestion | None:
-        return self._first_fitting("out_dtype")
-
-    def outputs(self) -> Suggestion | None:
-        """The largest output subset that fits."""
-        return self._first_fitting("outputs")
-
-    def codec(self) -> Suggestion | None:
-        """The one codec rule's pick (`choose_codec`): the fastest-decoding smaller codec that fits (sized by the
-        measured codec_sizes, else the estimated ratios; none for a measured bytes_per_image of one codec).
-        """
-        return self._first_fitting("codec")
-
     def drive_quota(self, changes: dict | str = "") -> Suggestion:
         """The Drive that holds the run (with `changes`, the knobs at their most, when no knob of the run closes it)."""
         need = self.total(resource="drive", **(changes or {}))
@@ -379,6 +362,10 @@ class _Search:
                           + (" and the knobs above" if changes else ""))
 
     def _first_fitting(self, knob: str) -> Suggestion | None:
+        """The first option of `knob` that fits (`options`: from the least change to the most): the largest output
+        subset; for the codec, the one codec rule's pick (`choose_codec`: the fastest-decoding smaller codec that
+        fits, sized by the measured codec_sizes, else the estimated ratios; none for a measured bytes_per_image).
+        """
         for value, changes in self.options(knob):
             if self.fits(**changes):
                 return Suggestion(_knob_name(knob), value, self.current(knob), self._effect(**changes))
