@@ -86,15 +86,12 @@ def settings_of(config: PipelineConfig, n_samples: int, model=None) -> dict:
     return model.settings(settings) if model is not None else settings
 
 
-def part_meta(plan: RunPlan, k: int, fingerprints: dict, settings: dict | None = None) -> dict:
+def part_meta(plan: RunPlan, k: int, fingerprints: dict, settings: dict) -> dict:
     """The meta written with part k: what it is, which samples it holds, the run's fingerprints and
     settings (so a refusal names the setting that changed, even with no run manifest: shards).
     """
-    meta = {"kind": RUN_KIND, "version": RUN_VERSION, "name": part_name(k),
-            "range": list(plan.part_range(k)), "fingerprints": fingerprints}
-    if settings is not None:
-        meta["settings"] = settings
-    return meta
+    return {"kind": RUN_KIND, "version": RUN_VERSION, "name": part_name(k),
+            "range": list(plan.part_range(k)), "fingerprints": fingerprints, "settings": settings}
 
 
 def is_run_part(meta: dict) -> bool:
