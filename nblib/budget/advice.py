@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 from nblib.budget.disk import (
     CODEC_RATIO_ESTIMATE,
-    by_decode_speed,
     cache_bytes,
     codec_stats,
     fastest_fitting,
     size_source,
+    smaller_codecs,
 )
 from nblib.budget.drive import smallest_checkpoint_every
 from nblib.budget.resources import FIT_MARGIN, KNOBS, fits, largest_fitting, room, shortfall_figure
@@ -174,11 +174,9 @@ def knob_words(config, resource: str, *, on_drive: bool = True, codec_sizes=None
         turns += ["a float16 run.out_dtype"] if r.out_dtype != "float16" else []
         turns += ["free disk on that folder"]
     elif resource in ("drive", "cache"):
-        stats = codec_stats(codec_sizes) if codec_sizes is not None else {}
-        sizes = {c: s["bytes_per_image"] for c, s in stats.items()} or CODEC_RATIO_ESTIMATE
-        smaller = by_decode_speed([c for c in sizes if sizes[c] < sizes.get(r.codec, 0)],
-                                  {c: s["decode_images_per_s"] for c, s in stats.items()})
-        source = "sizes measured" if stats else "sizes by the estimated ratios, not measured"
+        smaller = smaller_codecs(r.codec, codec_sizes)
+        measured = codec_sizes is not None and codec_sizes.bytes_per_image
+        source = "sizes measured" if measured else "sizes by the estimated ratios, not measured"
         if resource == "drive":
             turns += ["keep fewer run.outputs"] if len(r.outputs) > 1 else []
             turns += ["a float16 run.out_dtype"] if r.out_dtype != "float16" else []
@@ -379,12 +377,7 @@ class _Search:
         opts = self.budget.options
         if opts.get("bytes_per_image") is not None or "drive" not in self.resources:
             return []
-        codec = opts.get("codec") or self.config.run.codec
-        stats = codec_stats(opts["codec_sizes"]) if opts.get("codec_sizes") is not None else {}
-        sizes = {c: s["bytes_per_image"] for c, s in stats.items()} or CODEC_RATIO_ESTIMATE
-        size = sizes.get(codec, 0.0)
-        return by_decode_speed([c for c in sizes if sizes[c] < size],
-                               {c: s["decode_images_per_s"] for c, s in stats.items()})
+        return smaller_codecs(opts.get("codec") or self.config.run.codec, opts.get("codec_sizes"))
 
     def _size_source(self, codec: str) -> str:
         """'zstd measured on 300 texts' or 'zstd at the estimated ratio 0.09 of raw, not measured'."""

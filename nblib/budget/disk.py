@@ -122,6 +122,16 @@ def fastest_fitting(cache_sizes: dict[str, float], free_bytes: float, decode_rat
                  if fits(cache_sizes[c], free_bytes, margin)), None)
 
 
+def smaller_codecs(codec: str, codec_sizes=None) -> list[str]:
+    """The codecs whose cache is smaller than `codec`'s, in the one codec rule's order (`by_decode_speed`), sized
+    by `codec_sizes` (an `nblib.codec_sizes.CodecSizes`, measured on the user's texts), else CODEC_RATIO_ESTIMATE.
+    """
+    stats = codec_stats(codec_sizes) if codec_sizes is not None else {}
+    sizes = {c: s["bytes_per_image"] for c, s in stats.items()} or CODEC_RATIO_ESTIMATE
+    return by_decode_speed([c for c in sizes if sizes[c] < sizes.get(codec, 0)],
+                           {c: s["decode_images_per_s"] for c, s in stats.items()})
+
+
 def codec_stats(codec_sizes) -> dict[str, dict[str, float]]:
     """{codec: {"bytes_per_image", "decode_images_per_s"}} of an `nblib.codec_sizes.CodecSizes` (the one shape
     codec sizes travel in); decode rates not measured are CODEC_DECODE_ESTIMATE's.
