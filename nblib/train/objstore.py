@@ -210,9 +210,6 @@ class FsspecOps(FileOps):
 
     def __init__(self, fs, label: str):
         self.fs, self.label = fs, label
-        self._bind()
-
-    def _bind(self) -> None:
         for name in ("open", "listdir", "is_dir", "stat", "makedirs", "unlink", "replace", "read_bytes",
                      "write_atomic", "create_exclusive", "load_torch", "write_torch"):
             setattr(self, name, _as_oserror(getattr(self, name), self.label))

@@ -56,14 +56,10 @@ class BucketCost:
     reads: int
     price: BucketPrice
 
-    @property
-    def total_usd(self) -> float:
-        return self.storage_usd + self.requests_usd
-
     def line(self) -> str:
         return (f"{self.price.name}: {fmt_bytes(self.stored_bytes)} kept -> ${self.storage_usd:.4f} storage + "
                 f"{self.writes:,} writes / {self.reads:,} reads -> ${self.requests_usd:.4f} requests = "
-                f"${self.total_usd:.4f} (list prices of {self.price.as_of}, {self.price.source})")
+                f"${self.storage_usd + self.requests_usd:.4f} (list prices of {self.price.as_of}, {self.price.source})")
 
 
 def bucket_cost(state_bytes: int, best_bytes: int, *, steps: int, backup_every: int, keep_last: int,

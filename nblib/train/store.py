@@ -129,7 +129,9 @@ class TrainStore:
                           f"training starts from step 0 (a deterministic run: nothing it writes conflicts with "
                           f"what the mirror may hold)", stacklevel=2)
             return None, "start (mirror unreachable)"
-        _warn(found.damaged)
+        if found.damaged:
+            listed = "; ".join(f"{d.name} ({d.side}: {d.reason})" for d in found.damaged[:3])
+            warnings.warn(f"{len(found.damaged)} damaged checkpoint copies skipped: {listed}", stacklevel=2)
         return found.obj, source
 
     def mirror_status(self) -> MirrorStatus:
@@ -187,9 +189,3 @@ def optimizer_moments(optimizer) -> list:
     import torch
 
     return [v for per_param in optimizer.state.values() for v in per_param.values() if isinstance(v, torch.Tensor)]
-
-
-def _warn(damaged) -> None:
-    if damaged:
-        listed = "; ".join(f"{d.name} ({d.side}: {d.reason})" for d in damaged[:3])
-        warnings.warn(f"{len(damaged)} damaged checkpoint copies skipped: {listed}", stacklevel=3)
