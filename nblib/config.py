@@ -125,7 +125,7 @@ class PipelineConfig:
         if m.dim % m.heads:
             raise ConfigError(
                 f"model.dim={m.dim} is not divisible by model.heads={m.heads}; "
-                f"use heads in {{{', '.join(str(h) for h in _divisors(m.dim) if h <= 64)}}}")
+                f"use heads in {{{', '.join(str(h) for h in range(1, 65) if m.dim % h == 0)}}}")
         if m.capsules > m.tokens:
             raise ConfigError(f"model.capsules={m.capsules} exceeds the {m.tokens} patch tokens; allowed range is "
                               f"1..{m.tokens}")
@@ -198,10 +198,6 @@ def _require_int(name: str, value, minimum: int) -> None:
         raise ConfigError(f"{name}={value!r} must be an integer >= {minimum}")
     if value < minimum:
         raise ConfigError(f"{name}={value} is out of range; allowed: integers >= {minimum}")
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 _PRESETS = {    # frozen, so one instance each serves every caller

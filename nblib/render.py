@@ -229,8 +229,8 @@ def coverage(texts, params: RenderParams | None = None) -> Coverage:
     missing = dict.fromkeys(SCRIPTS, 0)
     for text in texts:
         for char in clean_text(text):
-            script = _counted_script(char)
-            if script is not None:
+            if unicodedata.category(char)[0] not in "ZPC":    # spaces, punctuation, format characters: not counted
+                script = script_of(char)
                 characters[script] += 1
                 missing[script] += ord(char) not in covered
     return Coverage(characters={s: n for s, n in characters.items() if n},
@@ -459,14 +459,6 @@ def _can_break_before(word: str, i: int) -> bool:
     """A line may break before word[i]: not inside a cluster, not after a joiner or a virama."""
     before = word[i - 1]
     return not (_is_attached(word[i]) or before == "\u200d" or unicodedata.combining(before) == 9)
-
-
-def _counted_script(char: str) -> str | None:
-    """The script `coverage` counts `char` under; None for spaces, punctuation and format characters."""
-    category = unicodedata.category(char)
-    if category[0] in "ZPC":
-        return None
-    return script_of(char)
 
 
 def _checked_path(font: FontFile) -> Path:

@@ -25,12 +25,14 @@ def encode_main(argv: list[str]) -> int:
     refuse_overlap("encode", args.mirror, data, out_flag="--mirror", suffix="mirror")
     source = ShardedImageCache(args.cache) if args.cache else _token_records(args)
     config = _encode_config(args, env.profile())
+    # the --outputs names; None: the TRM's configured ones, or all another model returns
+    outputs = tuple(o.strip() for o in args.outputs.split(",") if o.strip()) if args.outputs else None
     world = join(shard=args.shard, consolidate_only=args.consolidate, device=args.device)  # torchrun ranks too
     try:
         with os_errors_name(args.out):
             report = encode(source, args.out, config, device=world.device,
                             mirror_dir=args.mirror, progress=not args.no_progress, offload=args.offload,
-                            weights=args.weights, model=args.model, outputs=_encode_outputs(args),
+                            weights=args.weights, model=args.model, outputs=outputs,
                             preflight=not args.no_preflight, world=world,
                             verify=VerifyLevel.HASH if args.verify else VerifyLevel.STAT,
                             precision=args.precision, reencode_numerics=args.reencode_numerics)
@@ -108,10 +110,3 @@ def _encode_config(args: argparse.Namespace, default_profile: str):
         changes.update(checkpoint_every=args.checkpoint_every,
                        consolidate_every=math.gcd(args.checkpoint_every, config.run.consolidate_every))
     return config.replace(**changes) if changes else config
-
-
-def _encode_outputs(args: argparse.Namespace) -> tuple[str, ...] | None:
-    """The --outputs names (None: the TRM's configured ones, or all another model returns)."""
-    if not args.outputs:
-        return None
-    return tuple(o.strip() for o in args.outputs.split(",") if o.strip())
