@@ -19,21 +19,16 @@ from nblib.encode.consolidate import (
 )
 from nblib.encode.layout import (
     PARTS_FOLDER,
-    RUN_KIND,
-    RUN_VERSION,
-    RunPlan,
     open_store,
     plan_run,
     read_run_manifest,
-    settings_of,
 )
 from nblib.encode.protocols import ImageSource, PartStore
 from nblib.encode.run import OFFLOAD_MODES, EncodeReport, encode
 from nblib.store.parts import VerifyLevel
 
 __all__ = [
-    "INDEX_NAME", "OFFLOAD_MODES", "PARTS_FOLDER", "RUN_KIND", "RUN_VERSION", "EncodeReport",
-    "ImageSource", "PartStore", "RunPlan", "VerifyLevel", "consolidate", "encode", "hash_outputs",
-    "load_outputs", "open_store", "plan_run", "read_index", "read_run_manifest",
-    "recorded_hashes", "settings_of",
+    "INDEX_NAME", "OFFLOAD_MODES", "PARTS_FOLDER", "EncodeReport", "ImageSource", "PartStore", "VerifyLevel",
+    "consolidate", "encode", "hash_outputs", "load_outputs", "open_store", "plan_run", "read_index",
+    "read_run_manifest", "recorded_hashes",
 ]
