@@ -136,6 +136,5 @@ def _descending_choices(top: int) -> list[int]:
 
 
 def _knobs(cfg: PipelineConfig) -> dict:
-    r = cfg.run
-    return {"codec": r.codec, "batch_size": r.batch_size, "out_dtype": r.out_dtype, "outputs": r.outputs,
-            "checkpoint_every": r.checkpoint_every, "consolidate_every": r.consolidate_every}
+    knobs = ("codec", "batch_size", "out_dtype", "outputs", "checkpoint_every", "consolidate_every")
+    return {k: getattr(cfg.run, k) for k in knobs}

@@ -22,8 +22,6 @@ import importlib
 _LAZY = {
     "simulate_encode": "nblib.simulate.encode", "SimulatedRun": "nblib.simulate.encode",
     "LABEL": "nblib.simulate.encode",
-    "CachingAllocatorModel": "nblib.budget.allocator",
-    "fake_cuda": "nblib.budget.trace", "DeviceTrace": "nblib.budget.trace",
     "simulate_train_step": "nblib.simulate.train", "SimulatedStep": "nblib.simulate.train",
     "SimulationUnavailable": "nblib.simulate.train",
     "simulate_model": "nblib.simulate.model", "SimulatedModelRun": "nblib.simulate.model",

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nblib.budget.devices import Device, gpu_preset
+from nblib.budget.memory import output_shapes
 from nblib.config import PipelineConfig
 from nblib.encode.traced import simulated_host_part
 from nblib.errors import ConfigError
@@ -75,7 +76,8 @@ def simulate_encode(config: PipelineConfig, gpu: str | Device = "t4", *, precisi
             device = torch.device("cuda", 0)
             encoder.to(device)
             weights = trace.allocator.allocated
-            host = simulated_host_part(_shapes(cfg), r.batch_size * n, r.out_dtype, device, offload, every)
+            shapes = {name: output_shapes(m)[name] for name in r.outputs}
+            host = simulated_host_part(shapes, r.batch_size * n, r.out_dtype, device, offload, every)
             loaded = torch.empty(pixels, dtype=torch.uint8)          # the loader's host batch
             images = None
             kernels_before = 0
@@ -95,11 +97,3 @@ def simulate_encode(config: PipelineConfig, gpu: str | Device = "t4", *, precisi
                         max_allocated=trace.allocator.max_allocated,
                         max_reserved=trace.allocator.max_reserved, weights=weights,
                         peak_op=peak.op, peak_shape=peak.shape, kernels=kernels)
-
-
-def _shapes(cfg: PipelineConfig) -> dict[str, tuple[int, ...]]:
-    from nblib.budget.memory import output_shapes
-
-    shapes = output_shapes(cfg.model)
-    return {name: shapes[name] for name in cfg.run.outputs}
-
