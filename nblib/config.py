@@ -109,11 +109,13 @@ class PipelineConfig:
         """Self if every field is in range, else a ConfigError naming the first one out and the allowed range."""
         m, r = self.model, self.run
         for section, obj in (("model", m), ("run", r)):
-            for f in fields(obj):
+            for f in (f for f in fields(obj) if f.type in ("int", int)):
                 value = getattr(obj, f.name)
-                if f.type in ("int", int):
-                    _require_int(f"{section}.{f.name}", value,
-                                 minimum=0 if f.name in ("workers", "seed") else 1)
+                minimum = 0 if f.name in ("workers", "seed") else 1
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise ConfigError(f"{section}.{f.name}={value!r} must be an integer >= {minimum}")
+                if value < minimum:
+                    raise ConfigError(f"{section}.{f.name}={value} is out of range; allowed: integers >= {minimum}")
         if r.seed >= SEED_LIMIT:
             raise ConfigError(f"run.seed={r.seed} is out of range; allowed: integers from 0 to 2**64 - 1 "
                               f"(torch.manual_seed and numpy's SeedSequence take no larger seed)")
@@ -191,13 +193,6 @@ def preset_names() -> tuple[str, ...]:
 
 
 SEED_LIMIT = 2 ** 64  # torch.manual_seed and numpy's SeedSequence take seeds below this
-
-
-def _require_int(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name}={value!r} must be an integer >= {minimum}")
-    if value < minimum:
-        raise ConfigError(f"{name}={value} is out of range; allowed: integers >= {minimum}")
 
 
 _PRESETS = {    # frozen, so one instance each serves every caller

@@ -237,7 +237,7 @@ def _export(out: Path, fmt: str, identity: dict, features: dict, n_files: int, t
         raise InputError(f"{out} is a file, not a folder: an export needs a folder; pass another --out")
     with FolderLock(out, identity=run_identity(f"nblib.export:{sha256_json(identity)[:16]}"),
                     what="export folder", hint="pass another --out") as lock:
-        names = [_file_name(fmt, k, n_files) for k in range(n_files)]
+        names = [f"data-{k:05d}-of-{n_files:05d}.{'parquet' if fmt == 'parquet' else 'arrow'}" for k in range(n_files)]
         body = _open_manifest(out, identity, overwrite, names, command)
         body["command"] = command  # how to finish it, as last run (the inputs may have moved)
         remove_temporaries(out)
@@ -448,10 +448,6 @@ def _intact(path: Path, listed: dict) -> bool:
         return path.stat().st_size == listed["bytes"]
     except FileNotFoundError:
         return False
-
-
-def _file_name(fmt: str, k: int, n: int) -> str:
-    return f"data-{k:05d}-of-{n:05d}." + ("parquet" if fmt == "parquet" else "arrow")
 
 
 def _hf_features(features: dict):

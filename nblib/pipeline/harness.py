@@ -73,7 +73,8 @@ def measure_pipeline(make_pipeline: Callable[[], Iterable], consumer_ms: float =
             raise EmptyPipelineError(f"the pipeline ended during its {warmup} warm-up batches; give it more "
                                 f"batches (e.g. .repeat()) or lower warmup") from None
         finally:
-            _close(iterator)
+            if isinstance(iterator, types.GeneratorType):   # stop a generator now (its finally blocks run)
+                iterator.close()
     if timed == 0:
         raise EmptyPipelineError(f"the pipeline ended right after its {warmup} warm-up batches; give it "
                             f"at least {warmup + 1} batches (e.g. .repeat()) or lower warmup")
@@ -200,9 +201,3 @@ def _timed_steps(iterator, consume, steps: int) -> tuple[float, int, int, float]
         waited += t1 - t0
         samples, timed, ended = samples + batch_size_of(batch), timed + 1, t2
     return waited, samples, timed, ended - started
-
-
-def _close(iterator) -> None:
-    """Stop a generator now (its finally blocks run); other iterators let go when dropped."""
-    if isinstance(iterator, types.GeneratorType):
-        iterator.close()

@@ -49,7 +49,8 @@ def encoded_sources(images: Iterable[np.ndarray], n_sources: int = 4) -> Encoded
     if len(blobs) < n_sources:
         raise ConfigError(f"{len(blobs)} images cannot fill {n_sources} sources; give at least {n_sources}")
     bounds = tuple(int(b) for b in np.linspace(0, len(blobs), n_sources + 1).round())
-    return EncodedSources(blobs=blobs, bounds=bounds, image_size=_png_size(blobs[0]))
+    # the image size: the first PNG's width, bytes 16-20 of its IHDR chunk
+    return EncodedSources(blobs=blobs, bounds=bounds, image_size=int.from_bytes(blobs[0][16:20], "big"))
 
 
 def tf_pipeline_for(sources: EncodedSources, seed: int = 0):
@@ -138,8 +139,3 @@ def _shuffle_batch_prefetch(ds, shuffle_buffer: int, batch_size: int, prefetch: 
     if prefetch:
         ds = ds.prefetch(tf.data.AUTOTUNE if prefetch == AUTOTUNE else prefetch)
     return ds
-
-
-def _png_size(blob: bytes) -> int:
-    """Width of a PNG from its IHDR chunk (bytes 16-20)."""
-    return int.from_bytes(blob[16:20], "big")
