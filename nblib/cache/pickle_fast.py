@@ -329,7 +329,7 @@ class _Held:
                 and state[2].pending is None:     # numpy's (1, shape, dtype, fortran, bytes), its dtype held
             self.value = array_from_state((state[0], state[1], state[2].value, state[3], state[4]))
         else:
-            self.value = pending.build(_resolved(state, {}))
+            self.value = pending.build(_plain(state))
 
 
 class _Call:
@@ -341,8 +341,7 @@ class _Call:
         self.call = call
 
     def __call__(self, *args):
-        seen = {}
-        value = self.call(*[_resolved(a, seen) for a in args])
+        value = self.call(*[_plain(a) for a in args])
         if type(value) in _PLAIN:
             return value
         return _Held(pending=value) if isinstance(value, Pending) else _Held(value)
@@ -388,6 +387,26 @@ def _fast_global(module: str, name: str, protocol: int):
     return _Call(allowed)
 
 
+def _plain(value):
+    """An argument or state as the pure path's stand-ins receive it: held values and wrapped functions unwrapped."""
+    t = type(value)
+    if t in _ATOMS:
+        return value
+    if t is _Held:
+        if value.pending is not None:
+            raise NotFast("an array or dtype used before its BUILD")
+        return value.value
+    if t is _Call or t is _Reconstruct:
+        return value.call
+    if t is tuple:
+        return tuple([_plain(v) for v in value])
+    if t is list:
+        return [_plain(v) for v in value]
+    if t is dict:
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    return value
+
+
 def _resolved_record(element):
     """`_resolved` of one element: a dict of plain and held values (the commonest record) without a call a value."""
     if type(element) is not dict:
@@ -405,8 +424,7 @@ def _resolved_record(element):
 
 def _resolved(value, seen: dict):
     """`value` with every held value and wrapped function replaced by what the pure path holds there (in place in
-    lists, dicts and objects; tuples and sets rebuilt where they change): a record, or an argument or state as the
-    pure path's stand-ins receive it.
+    lists, dicts and objects; tuples and sets rebuilt where they change).
     """
     t = type(value)
     if t in _ATOMS:
