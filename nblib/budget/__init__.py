@@ -18,7 +18,7 @@ simulated GPU, in a subprocess: trace, shim, allocator).
 from __future__ import annotations
 
 from nblib.budget._checks import require_positive
-from nblib.budget.advice import Advice, Suggestion, advise, advise_resource, cache_knobs, closing_knobs
+from nblib.budget.advice import cache_knobs, closing_knobs
 from nblib.budget.devices import DEVICES, Device, device_preset, device_preset_name
 from nblib.budget.disk import (
     CODEC_RATIO_ESTIMATE,
@@ -29,27 +29,17 @@ from nblib.budget.disk import (
     cache_shards,
     check_disk,
     choose_codec,
-    disk_lines,
     plan_shards,
     raw_bytes_per_image,
     uploaded_bytes,
 )
-from nblib.budget.drive import (
-    FOLDER_ITEMS_LIMIT,
-    FREE_QUOTA_GB,
-    UPLOAD_PER_DAY,
-    DriveLimitCheck,
-    drive_limit_checks,
-    smallest_checkpoint_every,
-)
+from nblib.budget.drive import FOLDER_ITEMS_LIMIT, smallest_checkpoint_every
 from nblib.budget.encode_trace import encode_vram
-from nblib.budget.knobs import BudgetPlan, plan_budget
+from nblib.budget.knobs import plan_budget
 from nblib.budget.memory import (
-    LOADER_WORKER_RAM,
     RUNTIME_RAM_CPU,
     RUNTIME_RAM_CUDA,
     Line,
-    autocast_weight_count,
     flops_per_image,
     forward_peak_delta,
     model_memory_lines,
@@ -58,12 +48,11 @@ from nblib.budget.memory import (
     output_shapes,
     param_count,
 )
-from nblib.budget.model_vram import FIT_MARGIN, ModelVRAM, model_vram
+from nblib.budget.model_vram import FIT_MARGIN, model_vram
 from nblib.budget.predict import Budget, calibrate, max_batch_size, predict_budget
 from nblib.budget.preflight import model_preflight, model_vram_check, preflight
 from nblib.budget.resources import KNOBS, RESOURCES
 from nblib.budget.shuffle_checkpoint import (
-    RESTORE_RAM_FACTOR,
     ShuffleCheckpoint,
     checkpoint_disk_peak,
     checkpoint_ram_peak,
@@ -73,17 +62,15 @@ from nblib.budget.shuffle_checkpoint import (
 from nblib.config import OUTPUT_CHOICES
 
 __all__ = [
-    "FIT_MARGIN", "ModelVRAM", "encode_vram", "model_vram",
-    "FOLDER_ITEMS_LIMIT", "FREE_QUOTA_GB", "UPLOAD_PER_DAY", "Advice", "DriveLimitCheck", "Suggestion",
-    "advise", "advise_resource", "cache_knobs", "cache_shards", "closing_knobs", "drive_limit_checks",
-    "smallest_checkpoint_every",
+    "FIT_MARGIN", "encode_vram", "model_vram",
+    "FOLDER_ITEMS_LIMIT", "cache_knobs", "cache_shards", "closing_knobs", "smallest_checkpoint_every",
     "uploaded_bytes",
-    "CODEC_RATIO_ESTIMATE", "DEVICES", "KNOBS", "LOADER_WORKER_RAM",
-    "NO_CACHE", "NPY_HEADER_BYTES", "OUTPUT_CHOICES", "RESOURCES", "RESTORE_RAM_FACTOR", "RUNTIME_RAM_CPU",
-    "RUNTIME_RAM_CUDA", "Budget", "BudgetPlan", "Device", "Line", "ShardPlan", "ShuffleCheckpoint",
-    "autocast_weight_count", "cache_bytes", "calibrate", "check_disk", "checkpoint_disk_peak",
+    "CODEC_RATIO_ESTIMATE", "DEVICES", "KNOBS",
+    "NO_CACHE", "NPY_HEADER_BYTES", "OUTPUT_CHOICES", "RESOURCES", "RUNTIME_RAM_CPU",
+    "RUNTIME_RAM_CUDA", "Budget", "Device", "Line", "ShardPlan", "ShuffleCheckpoint",
+    "cache_bytes", "calibrate", "check_disk", "checkpoint_disk_peak",
     "checkpoint_ram_peak", "choose_codec", "device_preset", "device_preset_name",
-    "disk_lines", "flops_per_image",
+    "flops_per_image",
     "forward_peak_delta", "max_batch_size", "model_memory_lines", "output_bytes_per_batch",
     "output_bytes_per_image", "output_shapes", "param_count", "plan_budget", "plan_shards",
     "model_preflight", "model_vram_check", "predict_budget", "preflight", "require_positive", "shuffle_checkpoint",
