@@ -34,7 +34,8 @@ def test_the_cublas_workspace_comes_after_the_first_gemms_output():
     """PyTorch's order (Blas.cpp structured addmm, CublasHandlePool.cpp): output first, workspace second."""
     import torch
 
-    from nblib.budget.trace import WORKSPACE_POSITIONS, DeviceTrace, fake_cuda, replay_events
+    from nblib.budget.allocator import replay_stats
+    from nblib.budget.trace import WORKSPACE_POSITIONS, DeviceTrace, fake_cuda
 
     with fake_cuda():
         trace = DeviceTrace(75)
@@ -46,7 +47,7 @@ def test_the_cublas_workspace_comes_after_the_first_gemms_output():
     w = kinds.index("w")
     assert kinds[w - 1] == "m" and trace.events[w - 1][2] == 512 * 512 * 4      # the mm's output, then the workspace
     by_pos = trace.reserved_by_position()
-    assert by_pos[WORKSPACE_POSITIONS[0]] == trace.allocator.max_reserved == replay_events(trace.events)
+    assert by_pos[WORKSPACE_POSITIONS[0]] == trace.allocator.max_reserved == replay_stats(trace.events)["max_reserved"]
     assert set(by_pos) == set(WORKSPACE_POSITIONS)
 
 

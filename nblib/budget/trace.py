@@ -236,7 +236,7 @@ class DeviceTrace(TorchDispatchMode):
         """Max reserved with the cuBLAS workspace at each of WORKSPACE_POSITIONS (the same stream of
         allocations replayed through a fresh allocator model; the first is what the trace ran).
         """
-        return {pos: replay_events(self.events, pos) for pos in WORKSPACE_POSITIONS}
+        return {pos: replay_stats(self.events, pos)["max_reserved"] for pos in WORKSPACE_POSITIONS}
 
     def _attention(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                    enable_gqa=False):
@@ -415,11 +415,6 @@ def step_trace_class():
             return super().__torch_dispatch__(func, types, args, kwargs)
 
     return StepTrace
-
-
-def replay_events(events: list[tuple], position: str = WORKSPACE_POSITIONS[0]) -> int:
-    """Max reserved of a trace's allocation stream, with the cuBLAS workspace moved to `position`."""
-    return replay_stats(events, position)["max_reserved"]
 
 
 def _flops(func, args, kwargs, out) -> int:
