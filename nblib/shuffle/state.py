@@ -139,7 +139,11 @@ def verify_checksum(state: dict, progress_fields: tuple[str, ...]) -> None:
     """
     fields = state_fields(state)
     if "kind" in state:
-        stored, expected, name = state.get("sha256"), _body_sha256(fields), "sha256"
+        try:
+            stored, expected, name = state.get("sha256"), body_sha256(fields), "sha256"
+        except (RecursionError, TypeError, ValueError):
+            raise StateError("shuffle state's body cannot be hashed (nested too deep or not JSON values): "
+                             "the state is corrupt; use an older checkpoint or start the epoch afresh") from None
     else:
         if CHECKSUM_FIELD not in fields:
             if fields.get("version", 1) == 1:
@@ -220,11 +224,3 @@ def decode_indices(state: dict, n: int, expected_len: int) -> np.ndarray:
 def index_dtype(n: int) -> np.dtype:
     """The narrowest unsigned dtype holding indices < n (uint32 up to 4 billion samples)."""
     return np.dtype(np.uint32) if n <= 2**32 else np.dtype(np.uint64)
-
-
-def _body_sha256(fields: dict) -> str:
-    try:
-        return body_sha256(fields)
-    except (RecursionError, TypeError, ValueError):
-        raise StateError("shuffle state's body cannot be hashed (nested too deep or not JSON values): "
-                         "the state is corrupt; use an older checkpoint or start the epoch afresh") from None

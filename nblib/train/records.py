@@ -320,7 +320,14 @@ class RecordTask(Task):
         from nblib.cache.record_format import read_record_manifest
 
         self.folder, self.config, self.fields, self.spec = Path(folder), config, fields, model
-        self._check_fields(read_record_manifest(folder)["fields"])
+        schema = read_record_manifest(folder)["fields"]
+        for flag, name in (("--input-key", fields.inputs), ("--target-key", fields.target)):
+            if name not in schema:
+                raise ConfigError(f"{flag} {name!r} is not a field of the records in {self.folder}; their fields "
+                                  f"are {list(schema)}")
+        if schema[fields.inputs]["kind"] != "array":
+            raise ConfigError(f"--input-key {fields.inputs!r} is a scalar field; the model's input is an "
+                              f"array field (one of {[n for n, f in schema.items() if f['kind'] == 'array']})")
         self.dataset, self.collate = IndexedRecords(str(folder), fields.inputs, fields.target), collate_records
         shards = self.dataset.records.shards
         self.train_idx, self.held_idx = split(len(shards), config.holdout)
@@ -417,15 +424,6 @@ class RecordTask(Task):
                 "targets": self.targets, "top_k": self.top_k, "classes": list(self.classes),
                 "model_inputs": self.loaded_as, "train": config.to_dict()}
 
-    def _check_fields(self, schema: dict) -> None:
-        for flag, name in (("--input-key", self.fields.inputs), ("--target-key", self.fields.target)):
-            if name not in schema:
-                raise ConfigError(f"{flag} {name!r} is not a field of the records in {self.folder}; their fields "
-                                  f"are {list(schema)}")
-        if schema[self.fields.inputs]["kind"] != "array":
-            raise ConfigError(f"--input-key {self.fields.inputs!r} is a scalar field; the model's input is an "
-                              f"array field (one of {[n for n, f in schema.items() if f['kind'] == 'array']})")
-
     def _model(self, spec, output, weights, sample):
         from nblib.models import LoadedModel, Preprocessing, load_model, load_weights, names_trm
 
@@ -439,22 +437,21 @@ class RecordTask(Task):
         if not inputs.is_floating_point() or inputs.ndim < 2:
             raise ConfigError(f"the built-in linear model maps float features (the last dim of --input-key "
                               f"{self.fields.inputs}, here {inputs.dtype} {list(inputs.shape[1:])}); pass --model")
-        module = linear_model(int(inputs.shape[-1]), self._linear_width(target, inputs.ndim), self.config.seed)
+        if target.is_floating_point():
+            width = int(target.shape[-1]) if target.ndim == inputs.ndim else 1      # else one value per row: squeezed
+        elif self.fields.classes is None:
+            raise ConfigError(f"--target-key {self.fields.target} holds class labels: pass --classes N (how "
+                              f"many classes, or experts for top-k indices) for the built-in linear model, or "
+                              f"pass --model")
+        else:
+            width = self.fields.classes
+        module = linear_model(int(inputs.shape[-1]), width, self.config.seed)
         if weights is not None:
             load_weights(module, weights)
         loaded = LoadedModel(module, "linear", "builtin", Preprocessing(),
                              {"in_features": module.in_features, "out_features": module.out_features},
                              None if weights is None else str(weights))
         return RecordNet(module, output), loaded
-
-    def _linear_width(self, target, inputs_ndim: int) -> int:
-        if not target.is_floating_point():
-            if self.fields.classes is None:
-                raise ConfigError(f"--target-key {self.fields.target} holds class labels: pass --classes N (how "
-                                  f"many classes, or experts for top-k indices) for the built-in linear model, or "
-                                  f"pass --model")
-            return self.fields.classes
-        return int(target.shape[-1]) if target.ndim == inputs_ndim else 1      # else one value per row: squeezed
 
 
 def model_inputs(inputs) -> str:
