@@ -30,16 +30,16 @@ def texts_subset(n: int, folder: str | Path) -> Path:
 
 
 def label_shares(texts_path: str | Path) -> str:
-    """Each label the loop can train on (`read_labels`: the texts' kind, or their script) and its classes' shares:
+    """Each label the loop can train on (`scan_labels`: the texts' kind, or their script) and its classes' shares:
     the smallest and the largest, against chance (one over the number of classes).
     """
     import numpy as np
 
-    from nblib.train.data import read_labels
+    from nblib.train.data import scan_labels
 
     lines = []
     for labels in ("kind", "script"):
-        ids, classes = read_labels(texts_path, labels)
+        ids, classes, _ = scan_labels(texts_path, labels)
         shares = np.bincount(ids, minlength=len(classes)) / len(ids)
         lines.append(f"{labels:<7} {len(classes)} classes (chance {1 / len(classes):.1%}): each {shares.min():.1%}-"
                      f"{shares.max():.1%} of the {len(ids):,} texts, the largest '{classes[int(shares.argmax())]}'")

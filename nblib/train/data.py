@@ -28,11 +28,6 @@ def script_of(text: str) -> str:
     return counts.most_common(1)[0][0].lower() if counts else "none"
 
 
-def read_labels(texts_path: str | Path, labels: str = "kind") -> tuple[np.ndarray, list[str]]:
-    """(label of each line as int64, class names) from a JSONL texts file."""
-    return scan_labels(texts_path, labels)[:2]
-
-
 def scan_labels(texts_path: str | Path, labels: str = "kind", field: str | None = None,
                 errors: str = "strict") -> tuple[np.ndarray, list[str], str]:
     """One pass over a JSONL texts file: (label of each record as int64, class names, fingerprint of the texts
