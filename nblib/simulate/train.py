@@ -12,11 +12,9 @@ Stock torch 2.13 (CPU build) runs the forward on fake CUDA tensors but cannot re
 backward: each autograd node asks the CUDA device guard for its stream, and a CPU build has no
 CUDA guard ("PyTorch is not linked with support for cuda devices", thrown where the process can
 only abort); backward then asks `at::accelerator` for the current stream ("Cannot access
-accelerator device when none is available"). What is added: a 20-line C++ shim, compiled once
-with the local C++ compiler against torch's own headers and loaded before torch in a fresh
-process, installs torch's own `FakeGuardImpl<CUDA>` (what `c10::impl::ensureCUDADeviceGuardSet`
-installs on a CUDA build without a device) and CUDA hooks that report "built, with a primary
-context". That changes global torch state, so the simulation always runs in a subprocess.
+accelerator device when none is available"). What is added: the fake-CUDA shim (nblib.budget.shim),
+torch's own `FakeGuardImpl<CUDA>` (what `c10::impl::ensureCUDADeviceGuardSet` installs on a CUDA build
+without a device) and CUDA hooks; it changes global torch state, so the simulation always runs in a subprocess.
 Reads of device values (the loss the loop logs, GradScaler's found-inf flag) have no value on a
 fake device: they read 0 (finite gradients, the optimizer steps: the steady state). The autograd
 engine runs single-threaded. bf16 autocast asks `torch.cuda.is_bf16_supported()`, True on every
