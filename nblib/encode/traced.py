@@ -30,8 +30,8 @@ def trace_encoding(loaded, b: int, payload: dict) -> dict:
     return traced_figures(trace, weights, resident)
 
 
-def encode_batches(trace, module, loaded, b: int, size: int, dtype, payload: dict, n: int | None = None) -> int:
-    """As nblib.encode.run's loop, `n` batches (default: as many as reach the steady state): the input copy,
+def encode_batches(trace, module, loaded, b: int, size: int, dtype, payload: dict) -> int:
+    """As nblib.encode.run's loop, as many batches as reach the steady state: the input copy,
     the forward under inference_mode and autocast, and the run's own HostPart (the kept outputs cast to
     out_dtype on the device; offload "async", or "consolidate": `every` batches kept, concatenated, copied).
     Returns the bytes of the module's weights on the device.
@@ -41,7 +41,7 @@ def encode_batches(trace, module, loaded, b: int, size: int, dtype, payload: dic
     from nblib.models.outputs import named_outputs
 
     offload, every = payload.get("offload", "async"), payload.get("every", 1)
-    batches = n or (every + 2 if offload == "consolidate" else ENCODE_BATCHES)
+    batches = every + 2 if offload == "consolidate" else ENCODE_BATCHES
     host_batch, call = batch_input(loaded, b, size, payload.get("inputs", "images"))
     module.to("cuda:0")
     weights = trace.allocator.allocated
