@@ -470,43 +470,38 @@ def measure_iterator_checkpoint(label: str, spec: PipelineSpec, build: Callable,
     `nblib.disk.DiskPeak`. A pipeline TensorFlow refuses to save gives a row with `error` set.
     """
     with _scratch(folder) as folder:
-        return _measure_in(label, spec, build, folder, steps)
-
-
-def _measure_in(label: str, spec: PipelineSpec, build: Callable, folder: Path, steps: int) -> CheckpointRow:
-    """measure_iterator_checkpoint's work inside `folder` (which the caller removes)."""
-    tf = tensorflow()
-    iterator = iter(build())
-    for _ in range(steps):
+        tf = tensorflow()
+        iterator = iter(build())
+        for _ in range(steps):
+            next(iterator)
+        manager = tf.train.CheckpointManager(tf.train.Checkpoint(iterator=iterator), str(folder), max_to_keep=1)
+        release_free_heap()
+        try:
+            with PeakMemory(interval_s=0.005) as save_mem, DiskPeak(folder) as first:
+                t0 = time.perf_counter()
+                manager.save()
+                save_s = time.perf_counter() - t0
+        except Exception as exc:  # TF refuses some pipelines (e.g. stateful ops): report, don't crash
+            return CheckpointRow(label, spec.buffer_size, spec.symbolic, spec.sample_bytes, 0, 0.0, 0.0, 0, 0,
+                                 0, 0, 0, False, fmt_exception(exc, with_type=True))
         next(iterator)
-    manager = tf.train.CheckpointManager(tf.train.Checkpoint(iterator=iterator), str(folder), max_to_keep=1)
-    release_free_heap()
-    try:
-        with PeakMemory(interval_s=0.005) as save_mem, DiskPeak(folder) as first:
+        with DiskPeak(folder) as rotating, _sampled_before_sweep(manager, rotating):
+            path = manager.save()
+        expected = next(iterator)
+        bytes_on_disk = disk_usage(folder)
+        del iterator, manager
+        fresh = iter(build())
+        release_free_heap()
+        with PeakMemory(interval_s=0.005) as restore_mem:
             t0 = time.perf_counter()
-            manager.save()
-            save_s = time.perf_counter() - t0
-    except Exception as exc:  # TF refuses some pipelines (e.g. stateful ops): report, don't crash
-        return CheckpointRow(label, spec.buffer_size, spec.symbolic, spec.sample_bytes, 0, 0.0, 0.0, 0, 0,
-                             0, 0, 0, False, fmt_exception(exc, with_type=True))
-    next(iterator)
-    with DiskPeak(folder) as rotating, _sampled_before_sweep(manager, rotating):
-        path = manager.save()
-    expected = next(iterator)
-    bytes_on_disk = disk_usage(folder)
-    del iterator, manager
-    fresh = iter(build())
-    release_free_heap()
-    with PeakMemory(interval_s=0.005) as restore_mem:
-        t0 = time.perf_counter()
-        tf.train.Checkpoint(iterator=fresh).read(path).expect_partial()
-        got = next(fresh)
-        restore_s = time.perf_counter() - t0
-    exact = same_element(expected, got)
-    del fresh
-    return CheckpointRow(label, spec.buffer_size, spec.symbolic, spec.sample_bytes, bytes_on_disk, save_s,
-                         restore_s, first.peak, rotating.peak, max(save_mem.peak, restore_mem.peak),
-                         max(0, save_mem.delta), max(0, restore_mem.delta), exact)
+            tf.train.Checkpoint(iterator=fresh).read(path).expect_partial()
+            got = next(fresh)
+            restore_s = time.perf_counter() - t0
+        exact = same_element(expected, got)
+        del fresh
+        return CheckpointRow(label, spec.buffer_size, spec.symbolic, spec.sample_bytes, bytes_on_disk, save_s,
+                             restore_s, first.peak, rotating.peak, max(save_mem.peak, restore_mem.peak),
+                             max(0, save_mem.delta), max(0, restore_mem.delta), exact)
 
 
 @contextlib.contextmanager
