@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from pathlib import Path
 
 from nblib.budget.disk import (
     CODEC_DECODE_ESTIMATE,
@@ -86,15 +87,8 @@ def measure_codec_sizes(texts, image_size: int = 224, n: int = SAMPLE_TEXTS,
     stats = measure_codecs(sample, codecs, min_seconds=0.0)
     sizes = {c: stored_bytes_per_image(c, s["bytes_per_image"]) for c, s in stats.items()}
     rates = {c: s["decode_images_per_s"] for c, s in stats.items()}
-    return CodecSizes(sizes, image_size, f"measured on {len(sample):,} texts of {_texts_name(texts)}",
-                      True, rates, len(sample))
-
-
-def _texts_name(texts) -> str:
-    """How a measurement names its texts: the file's name ('sample_texts.txt'), else 'the texts given'."""
-    from pathlib import Path
-
-    return Path(texts).name if isinstance(texts, (str, Path)) else "the texts given"
+    name = Path(texts).name if isinstance(texts, (str, Path)) else "the texts given"   # 'sample_texts.txt'
+    return CodecSizes(sizes, image_size, f"measured on {len(sample):,} texts of {name}", True, rates, len(sample))
 
 
 def reference_codec_sizes(image_size: int = 224) -> CodecSizes:

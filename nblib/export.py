@@ -99,6 +99,7 @@ def export_outputs(outputs_dir: str | Path, out: str | Path, fmt: str = "parquet
                    field: str | None = None, compression_level: int | None = None,
                    overwrite: bool = False) -> ExportSummary:
     """Export an encode run's consolidated outputs, row-aligned with `texts` (a path or a list), if given."""
+    from nblib.cache.texts import text_source
     from nblib.encode.consolidate import load_outputs, read_index
 
     check_format(fmt)
@@ -107,7 +108,10 @@ def export_outputs(outputs_dir: str | Path, out: str | Path, fmt: str = "parquet
     if not arrays:
         raise StateError(f"{outputs_dir} holds no consolidated outputs to export; run encode first")
     n = len(next(iter(arrays.values())))
-    text_list = _texts(texts, field, n) if texts is not None else None
+    text_list = None if texts is None else list(text_source(texts, field, "strict"))
+    if text_list is not None and len(text_list) != n:
+        raise InputError(f"{len(text_list):,} texts for {n:,} output rows: pass the texts the run encoded "
+                         f"(the cache's --texts), in the same order")
     features = {"index": ("int64", None), **({"text": ("string", None)} if text_list is not None else {}),
                 **{name: (str(a.dtype), tuple(a.shape[1:])) for name, a in arrays.items()}}
     row_bytes = sum(int(np.prod(a.shape[1:])) * a.itemsize for a in arrays.values()) or 1
@@ -550,16 +554,6 @@ def _write_hf_metadata(out: Path, features, files: list[str], identity: dict) ->
              "_fingerprint": sha256_json(identity)[:16], "_format_columns": None, "_format_kwargs": {},
              "_format_type": None, "_output_all_columns": False, "_split": None}
     atomic_write_bytes(out / "state.json", json_bytes(state))
-
-
-def _texts(texts, field: str | None, n: int) -> list[str]:
-    from nblib.cache.texts import text_source
-
-    text_list = list(text_source(texts, field, "strict"))
-    if len(text_list) != n:
-        raise InputError(f"{len(text_list):,} texts for {n:,} output rows: pass the texts the run encoded "
-                         f"(the cache's --texts), in the same order")
-    return text_list
 
 
 def _to_numpy(column) -> np.ndarray:
