@@ -61,9 +61,6 @@ class SweepTable:
         """The base config's row (the first row of a product sweep); None before it was measured."""
         return next((r for r in self.rows if r["varied"] == BASE), self.rows[0] if self.rows else None)
 
-    def column(self, name: str) -> list:
-        return [row[name] for row in self.rows]
-
     def curve(self, knob: str) -> list[dict]:
         """The rows that vary `knob` alone (with the base row), sorted by the knob's value."""
         rows = [r for r in self.rows if r["varied"] in (knob, BASE)]
