@@ -130,9 +130,8 @@ def shuffle_checkpoint_panel(fit, buffer_size: int = 250_000, sample_kb: int = 5
     """Buffer size, sample kB and episode length -> checkpoint sizes (tf.data vs resumable) and quality."""
     from nblib.lab import shuffle_checkpoints as lab
 
-    buffer = W.FloatLogSlider(value=buffer_size, base=10, min=1, max=6, step=0.25, description="buffer",
-                              continuous_update=False, readout_format=",.0f")
-    _keyed(buffer, "buffer_size")
+    buffer = _keyed(W.FloatLogSlider(value=buffer_size, base=10, min=1, max=6, step=0.25, description="buffer",
+                                     continuous_update=False, readout_format=",.0f"), "buffer_size")
     controls = [buffer, _slider("sample_kb", "sample kB", sample_kb, 1, 2000, 1),
                 _slider("episode_len", "episode length", episode_len, 1, 10_000, 1)]
 
