@@ -43,10 +43,6 @@ class CodecSizes:
     n_texts: int = 0                                       # texts measured (0: borrowed)
 
     @property
-    def codecs(self) -> tuple[str, ...]:
-        return tuple(self.bytes_per_image)
-
-    @property
     def stats(self) -> dict[str, dict[str, float]]:
         """{codec: {"bytes_per_image", "decode_images_per_s"}}: what `nblib.budget.choose_codec` takes."""
         return codec_stats(self)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field, fields
 
-from nblib.atomic import sha256_json
 from nblib.errors import ConfigError
 
 __all__ = [
@@ -147,12 +146,6 @@ class PipelineConfig:
     def to_dict(self) -> dict:
         return {"name": self.name, "model": dataclasses.asdict(self.model),
                 "run": {**dataclasses.asdict(self.run), "outputs": list(self.run.outputs)}}
-
-    def fingerprint(self, *, model_only: bool = False) -> str:
-        """sha256 of the config's fields (the name excluded): equal configs give equal prints."""
-        d = self.to_dict()
-        payload = d["model"] if model_only else {"model": d["model"], "run": d["run"]}
-        return sha256_json(payload)
 
     @classmethod
     def from_dict(cls, d: dict) -> PipelineConfig:

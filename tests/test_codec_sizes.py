@@ -16,7 +16,7 @@ SEED = config.preset("seed_t4")
 def test_sizes_are_measured_on_the_given_texts_and_borrowed_only_without_them():
     measured = codec_sizes(sample_texts_path(), 64, n=40)
     assert measured.measured and "measured on 40 texts of sample_texts.jsonl" in measured.source
-    assert set(measured.codecs) == set(config.CODECS)
+    assert set(measured.bytes_per_image) == set(config.CODECS)
     assert 0 <= measured.bytes_per_image["raw"] - 64 * 64 * 3 <= 16      # the pixels, plus a per-image checksum
     assert measured.bytes_per_image["zlib"] < measured.bytes_per_image["raw"] / 5
     borrowed = codec_sizes(None, 224)
