@@ -29,7 +29,7 @@ from nblib.pipeline.grids import (  # noqa: F401  notebook 05 reads the grids an
     tf_sweep,
     torch_sweep,
 )
-from nblib.pipeline.recommend import knob_effects, knob_verdicts, most_effective_knob, value_verdicts
+from nblib.pipeline.recommend import knob_verdicts, most_effective_knob, value_verdicts
 from nblib.reference import TUNING_LOG
 from nblib.units import fmt_bytes, fmt_duration, fmt_rate
 from nblib.verdict import (
@@ -128,7 +128,7 @@ def sweep_verdict(table) -> str:
     """The sweep's conclusion from paired runs: each knob value against the base, and the knob that mattered."""
     values = value_verdicts(table)
     verdicts = knob_verdicts(table)
-    mattered = most_effective_knob(knob_effects(table), verdicts)
+    mattered = most_effective_knob(verdicts)
     counts = sorted({v.n for vs in values.values() for v in vs}) or [0]
     pairs = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
     lines = [f"  {v.b:<24} {v.short('faster', 'slower')}" for vs in values.values() for v in vs]

@@ -17,11 +17,11 @@ from nblib.pipeline.harness import (
     batch_size_of,
     measure_pipeline,
 )
-from nblib.pipeline.recommend import Recommendation, knob_effects, recommend
+from nblib.pipeline.recommend import Recommendation, recommend
 from nblib.pipeline.sweep import SweepTable, knob_names, knob_text, plan_configs, sweep
 
 __all__ = [
     "ComputeStandIn", "EmptyPipelineError", "PipelineReport", "Recommendation", "SweepTable",
-    "batch_size_of", "knob_effects", "knob_names", "knob_text", "measure_pipeline", "plan_configs", "recommend",
+    "batch_size_of", "knob_names", "knob_text", "measure_pipeline", "plan_configs", "recommend",
     "sweep",
 ]

@@ -18,28 +18,22 @@ from dataclasses import dataclass
 
 from nblib.compare import Verdict
 from nblib.errors import BudgetExceeded, ConfigError
-from nblib.pipeline.sweep import BASE, SweepTable, knob_text, sort_key
+from nblib.pipeline.sweep import SweepTable, knob_text, sort_key
 from nblib.units import fmt_bytes, fmt_rate
 from nblib.verdict import MIN_EFFECT
 
 
 @dataclass(frozen=True)
 class Recommendation:
-    """The chosen row, the base row it beats, the speed-up, each knob's effect, and why, in one line."""
+    """The chosen row, the base row it beats, the speed-up, the knob that mattered, and why, in one line."""
 
     row: dict
     base: dict
     speedup: float
     rss_cap_bytes: float
-    effects: dict            # knob -> (spread of samples/s, its best value)
     knob_that_mattered: str | None   # None when no knob's effect stood out of the noise
     reason: str
     against_base: Verdict | None = None   # the pick against the base, with the spread
-
-    @property
-    def config(self) -> dict:
-        """The knobs of the chosen row."""
-        return {k: self.row[k] for k in self.effects}
 
     def __str__(self) -> str:
         return self.reason
@@ -57,9 +51,8 @@ def recommend(table: SweepTable, rss_cap_bytes: float) -> Recommendation:
             f"{fmt_bytes(smallest['peak_rss_bytes'])} ({_knobs_text(smallest, table.knobs)}); raise the "
             f"cap to at least that, or sweep smaller buffers and fewer workers")
     base = table.base
-    effects = knob_effects(table)
     verdicts = knob_verdicts(table)
-    mattered = most_effective_knob(effects, verdicts)
+    mattered = most_effective_knob(verdicts)
     faster = [(r, table.versus_base(r)) for r in fitting if r is not base]
     faster = [(r, v) for r, v in faster if v.direction == "higher"]
     tied: list = []
@@ -84,7 +77,7 @@ def recommend(table: SweepTable, rss_cap_bytes: float) -> Recommendation:
               f"{fmt_bytes(rss_cap_bytes)} cap{f' ({over} configs over the cap left out)' if over else ''}; "
               + ties + _mattered_text(mattered, verdicts))
     return Recommendation(row=best, base=base, speedup=speedup, rss_cap_bytes=rss_cap_bytes,
-                          effects=effects, knob_that_mattered=mattered, reason=reason, against_base=versus)
+                          knob_that_mattered=mattered, reason=reason, against_base=versus)
 
 
 def value_verdicts(table: SweepTable) -> dict[str, list[Verdict]]:
@@ -110,7 +103,7 @@ def knob_verdicts(table: SweepTable) -> dict[str, Verdict]:
             for knob, vs in value_verdicts(table).items()}
 
 
-def most_effective_knob(effects: dict, verdicts: dict[str, Verdict]) -> str | None:
+def most_effective_knob(verdicts: dict[str, Verdict]) -> str | None:
     """The knob whose value moved samples/s firmly by the most against the base (None if none did)."""
     real = [k for k, v in verdicts.items() if v.distinguishable]
     return max(real, key=lambda k: abs(math.log(verdicts[k].ratio))) if real else None
@@ -131,21 +124,6 @@ def _versus_text(v: Verdict) -> str:
     if not v.distinguishable:
         return f"not distinguishable from the base here, {interval}"
     return f"{'faster' if v.ratio > 1 else 'slower'} than the base, {interval}"
-
-
-def knob_effects(table: SweepTable) -> dict[str, tuple[float, object]]:
-    """Each knob's (spread of samples/s across its values, the value with the most samples/s)."""
-    one_at_a_time = any(r["varied"] not in (BASE, "product") for r in table.rows)
-    effects = {}
-    for knob in table.knobs:
-        rows = table.curve(knob) if one_at_a_time else table.rows
-        means: dict = {}
-        for row in rows:
-            means.setdefault(row[knob], []).append(row["samples_per_s"])
-        means = {value: sum(rates) / len(rates) for value, rates in means.items()}
-        best = max(means, key=means.get)
-        effects[knob] = (max(means.values()) - min(means.values()), best)
-    return effects
 
 
 def _knobs_text(row: dict, knobs) -> str:
