@@ -65,7 +65,9 @@ def decode_image_bytes(data: bytes, where: str, size: int | None = None, mode: s
         with _pillow_warnings_logged(where), Image.open(io.BytesIO(data)) as image:
             return pil_pixels(image, where, size, mode)
     except Image.DecompressionBombError as exc:
-        raise InputError(_bomb(where, exc)) from None
+        raise InputError(f"{where} is refused as a decompression bomb: over Pillow's limit of "
+                         f"{2 * (Image.MAX_IMAGE_PIXELS or 0):,} pixels ({exc}); shrink it, or raise "
+                         f"PIL.Image.MAX_IMAGE_PIXELS if you trust the file") from None
     except OSError as exc:
         raise InputError(f"{where} is not an image Pillow can read ({exc}); remove it or fix it") from None
 
@@ -135,14 +137,6 @@ def _check_resize_ram(nbytes: int, where: str, new_w: int, new_h: int, size: int
         raise InputError(f"{where} resized to --size {size:,} is {new_w:,}x{new_h:,} px before its centre crop, "
                          f"{2 * nbytes / 1e9:,.1f} GB to resize, over the {available / 1e9:,.1f} GB of RAM "
                          f"free; pass a smaller --size, or crop that image first")
-
-
-def _bomb(where: str, exc: BaseException) -> str:
-    from PIL import Image
-
-    return (f"{where} is refused as a decompression bomb: over Pillow's limit of "
-            f"{2 * (Image.MAX_IMAGE_PIXELS or 0):,} pixels ({exc}); shrink it, or raise "
-            f"PIL.Image.MAX_IMAGE_PIXELS if you trust the file")
 
 
 @contextlib.contextmanager

@@ -136,8 +136,12 @@ def write_records(records, out: str | Path, *, shard_mb: float = 400, group_by: 
     out = cache_folder(out, "record shards need a folder of their own")
     with cache_lock(out) as lock:
         old = _resumable(out, layout, source)
-        if old is None:
-            _clear_or_refuse(out, overwrite)
+        if old is None and ((out / MANIFEST).exists() or any(out.glob("shard-*")) or leftover_temporaries(out)):
+            if not overwrite:
+                raise CacheError(f"the folder {out} holds other shards (another input, codec, shard size or "
+                                 f"group key); pass overwrite=True (--overwrite) to rebuild it, or pick "
+                                 f"another --out")
+            _clear(out)
         remove_temporaries(out)
         _preflight(out, source, old)
         run = _ShardRun(out, layout, source, old, lock, max_open_groups)
@@ -343,15 +347,6 @@ def _resumable(out: Path, layout: dict, source: dict) -> dict | None:
     if not same_source or any(old.get(k) != v for k, v in layout.items()):
         return None
     return old
-
-
-def _clear_or_refuse(out: Path, overwrite: bool) -> None:
-    if (out / MANIFEST).exists() or any(out.glob("shard-*")) or leftover_temporaries(out):
-        if not overwrite:
-            raise CacheError(f"the folder {out} holds other shards (another input, codec, shard size or "
-                             f"group key); pass overwrite=True (--overwrite) to rebuild it, or pick "
-                             f"another --out")
-        _clear(out)
 
 
 def _preflight(out: Path, source: dict, old: dict | None) -> None:

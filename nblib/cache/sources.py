@@ -75,7 +75,8 @@ def images_source(path: str | Path, column: str | None = None, labels: str | Pat
     `nblib.cache.labels`); a Parquet file's or HF folder's images (no keys, no labels).
     """
     folder = Path(path)
-    if not folder.is_dir() or _is_hf_folder(folder):
+    saved = (folder / "dataset_info.json").exists() or (folder / "state.json").exists()   # an HF datasets folder
+    if not folder.is_dir() or saved:
         if labels is not None:
             raise InputError(f"--labels names files of an image folder; {path} is not one: for a dataset's "
                              f"labels pass --hf {path} --label-column COLUMN")
@@ -89,14 +90,10 @@ def images_source(path: str | Path, column: str | None = None, labels: str | Pat
         source.origin = f"--labels {Path(labels).name}"
     elif classes is not None:                       # class subfolders, sorted by name as ImageFolder does
         source.classes = sorted(set(classes))
-        source.labels = _indices(classes, source.classes)
+        lookup = {c: k for k, c in enumerate(source.classes)}
+        source.labels = [lookup[c] for c in classes]
         source.origin = "subfolders"
     return source
-
-
-def _indices(values: list[str], classes: list[str]) -> list[int]:
-    lookup = {c: k for k, c in enumerate(classes)}
-    return [lookup[v] for v in values]
 
 
 def hf_source(path: str | Path, image_column: str = "image", *, label_column: str | None = None,
@@ -125,7 +122,8 @@ def wds_source(pattern: str) -> ImageSource:
                          f"({', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}); fix the pattern")
     source = ImageSource(images=iter(()), count=None, keys=[], origin="the samples' labels",
                          unlabelled=_UNLABELLED["--wds"])
-    source.images = _wds_images(paths, source)
+    source.images = (_wds_sample(path, key, members, source)
+                     for path in paths for key, members in _wds_samples(path))
     return source
 
 
@@ -277,12 +275,6 @@ def _class_names(schema, column: str) -> list[str] | None:
     return feature.get("names") if isinstance(feature, dict) else None
 
 
-def _wds_images(paths: list[Path], source: ImageSource) -> Iterator:
-    for path in paths:
-        for key, members in _wds_samples(path):
-            yield _wds_sample(path, key, members, source)
-
-
 def _wds_samples(path: Path) -> Iterator[tuple[str, dict[str, bytes | None]]]:
     """(key, {extension: bytes}) of each sample of one tar, in order (members of a sample are adjacent).
 
@@ -372,10 +364,6 @@ def recorded_json(cache_dir: str | Path, recorded: dict):
         raise CacheError(f"{path} is missing or damaged (its sha256 differs from the manifest's); rerun "
                          f"the cache command that built {cache_dir} to rewrite it")
     return json.loads(raw)
-
-
-def _is_hf_folder(path: Path) -> bool:
-    return (path / "dataset_info.json").exists() or (path / "state.json").exists()
 
 
 def image_items(path: str | Path, column: str | None = None) -> tuple[Iterable, int]:
