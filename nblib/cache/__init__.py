@@ -14,39 +14,20 @@ The measurements and demos of notebook 02 live in `nblib.lab.cache_population`; 
 """
 from __future__ import annotations
 
-from nblib.cache.codecs import CODECS, Codec, CodecSpec, encode_image
-from nblib.cache.format import (
-    MANIFEST,
-    SHARD_SUFFIX,
-    STAT_CACHE,
-    ShardWriter,
-    measure_codecs,
-    read_cache_manifest,
-    write_shard,
-)
+from nblib.cache.codecs import CODECS, encode_image
+from nblib.cache.format import STAT_CACHE, measure_codecs, read_cache_manifest, write_shard
 from nblib.cache.images import write_images
-from nblib.cache.populate import CachePlan, PopulateSummary, cache_bytes_on_disk, plan_cache, populate
+from nblib.cache.populate import plan_cache, populate
 from nblib.cache.reader import CacheDataset, ShardedImageCache
 from nblib.cache.record_reader import RecordShards, RecordShardShuffle
-from nblib.cache.record_sources import RecordSource, record_source
-from nblib.cache.records import RecordSummary, write_records
-from nblib.cache.texts import (
-    TextSource,
-    read_texts,
-    sample_texts,
-    sample_texts_path,
-    source_fingerprint,
-    text_source,
-)
-from nblib.cache.verify import VerifyReport, verify, verify_records
+from nblib.cache.record_sources import record_source
+from nblib.cache.records import write_records
+from nblib.cache.texts import read_texts, sample_texts, sample_texts_path
+from nblib.cache.verify import verify, verify_records
 
 __all__ = [
-    "CODECS", "MANIFEST", "SHARD_SUFFIX", "STAT_CACHE", "CacheDataset", "CachePlan", "Codec", "CodecSpec",
-    "PopulateSummary",
-    "ShardWriter", "ShardedImageCache", "TextSource", "VerifyReport", "cache_bytes_on_disk",
-    "encode_image", "measure_codecs", "plan_cache", "populate",
-    "read_cache_manifest", "read_texts", "sample_texts", "sample_texts_path", "source_fingerprint",
-    "text_source", "verify", "write_images", "write_shard",
-    "RecordShardShuffle", "RecordShards", "RecordSource", "RecordSummary", "record_source",
-    "verify_records", "write_records",
+    "CODECS", "STAT_CACHE", "CacheDataset", "ShardedImageCache", "encode_image", "measure_codecs",
+    "plan_cache", "populate", "read_cache_manifest", "read_texts", "sample_texts",
+    "sample_texts_path", "verify", "write_images", "write_shard", "RecordShardShuffle",
+    "RecordShards", "record_source", "verify_records", "write_records",
 ]
