@@ -24,7 +24,6 @@ pressure are outside it.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -32,6 +31,7 @@ from dataclasses import dataclass, field
 from importlib.machinery import PathFinder
 from importlib.metadata import PackageNotFoundError, version
 
+from nblib.atomic import sha256_file
 from nblib.budget import trace_store
 from nblib.budget.allocator import stream_point, warn_if_not_native
 from nblib.budget.devices import Device, device_preset
@@ -248,8 +248,7 @@ def _installed(package: str) -> str | None:
 
 def _file_sha256(path: str | None) -> str | None:
     try:
-        with open(path or "", "rb") as f:
-            return hashlib.file_digest(f, "sha256").hexdigest()
+        return sha256_file(path or "")
     except OSError:
         return None
 
