@@ -121,22 +121,18 @@ def fit_size(image: np.ndarray, size: int | None, where: str = "an image") -> np
 
     scale = size / min(height, width)
     new_h, new_w = max(size, round(height * scale)), max(size, round(width * scale))
-    _check_resize_ram(new_h * new_w * 3, f"{where} ({width}x{height} px)", new_w, new_h, size)
+    nbytes = new_h * new_w * 3
+    if nbytes >= RESIZE_RAM_CHECK:
+        import psutil
+
+        available = psutil.virtual_memory().available
+        if 2 * nbytes > available:                  # Pillow's resize holds its two passes' images
+            raise InputError(f"{where} ({width}x{height} px) resized to --size {size:,} is {new_w:,}x{new_h:,} px "
+                             f"before its centre crop, {2 * nbytes / 1e9:,.1f} GB to resize, over the "
+                             f"{available / 1e9:,.1f} GB of RAM free; pass a smaller --size, or crop that image first")
     resized = np.asarray(Image.fromarray(image).resize((new_w, new_h), Image.Resampling.BICUBIC))
     top, left = (new_h - size) // 2, (new_w - size) // 2
     return np.ascontiguousarray(resized[top:top + size, left:left + size])
-
-
-def _check_resize_ram(nbytes: int, where: str, new_w: int, new_h: int, size: int) -> None:
-    if nbytes < RESIZE_RAM_CHECK:
-        return
-    import psutil
-
-    available = psutil.virtual_memory().available
-    if 2 * nbytes > available:                  # Pillow's resize holds its two passes' images
-        raise InputError(f"{where} resized to --size {size:,} is {new_w:,}x{new_h:,} px before its centre crop, "
-                         f"{2 * nbytes / 1e9:,.1f} GB to resize, over the {available / 1e9:,.1f} GB of RAM "
-                         f"free; pass a smaller --size, or crop that image first")
 
 
 @contextlib.contextmanager

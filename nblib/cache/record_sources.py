@@ -130,8 +130,10 @@ class _NpyRows:
 def _pt_records(path: Path, trust: bool) -> Iterator[dict]:
     import torch
 
+    with open(path, "rb") as f:
+        zipped = f.read(4) == b"PK\x03\x04"   # torch's zip format: memory-mapped
     try:
-        loaded = torch.load(path, map_location="cpu", weights_only=not trust, mmap=_is_zip(path))
+        loaded = torch.load(path, map_location="cpu", weights_only=not trust, mmap=zipped)
     except pickle.UnpicklingError as exc:
         raise InputError(f"--records {path} does not load with torch.load(weights_only=True) "
                          f"({str(exc).splitlines()[0]}); save plain tensors, or pass trust=True "
@@ -149,8 +151,3 @@ def _pt_records(path: Path, trust: bool) -> Iterator[dict]:
                          f"of records, or a dict of tensors with a leading record axis")
     for record in loaded:
         yield record_fields(record)
-
-
-def _is_zip(path: Path) -> bool:
-    with open(path, "rb") as f:
-        return f.read(4) == b"PK\x03\x04"

@@ -109,7 +109,14 @@ def hf_source(path: str | Path, image_column: str = "image", *, label_column: st
     saved = ("dataset_info.json", "state.json", "dataset_dict.json")
     if local.is_dir() and any((local / name).exists() for name in saved):
         return _saved_dataset(local, image_column, label_column, text_column)
-    files = _table_files(local)
+    if local.is_file():
+        if local.suffix not in (".parquet", ".arrow"):
+            raise InputError(f"--hf {local} is a {local.suffix or 'suffix-less'} file; pass a .parquet or "
+                             f".arrow file, a folder of them, or a save_to_disk folder")
+        return _table_source([local], image_column, label_column, text_column)
+    files = sorted(local.glob("*.parquet")) or sorted(local.glob("*.arrow"))
+    if not files:
+        raise InputError(f"--hf {local} holds no .parquet or .arrow files and is no save_to_disk folder")
     return _table_source(files, image_column, label_column, text_column)
 
 
@@ -201,18 +208,6 @@ def _saved_dataset(folder: Path, image_column: str, label_column, text_column) -
     elif text_column:
         source.texts = _texts(dataset[text_column], f"--hf {folder}")
     return source
-
-
-def _table_files(path: Path) -> list[Path]:
-    if path.is_file():
-        if path.suffix not in (".parquet", ".arrow"):
-            raise InputError(f"--hf {path} is a {path.suffix or 'suffix-less'} file; pass a .parquet or "
-                             f".arrow file, a folder of them, or a save_to_disk folder")
-        return [path]
-    files = sorted(path.glob("*.parquet")) or sorted(path.glob("*.arrow"))
-    if not files:
-        raise InputError(f"--hf {path} holds no .parquet or .arrow files and is no save_to_disk folder")
-    return files
 
 
 def _table_source(files: list[Path], image_column: str, label_column, text_column) -> ImageSource:

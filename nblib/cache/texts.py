@@ -157,7 +157,15 @@ def _lines(path: Path, errors: str) -> Iterator[tuple[int, str]]:
         for number, raw in enumerate(f, start=1):
             if number == 1 and raw.startswith(BOM):
                 raw = raw[len(BOM):]  # a byte order mark (Windows editors write one) is not text
-            yield number, _decode_line(raw, path, number, errors)
+            raw = raw.removesuffix(b"\n").removesuffix(b"\r")
+            try:
+                line = raw.decode("utf-8", errors=errors)
+            except UnicodeDecodeError as exc:
+                raise InputError(
+                    f"{path}: line {number} is not valid UTF-8 (byte {exc.start}: "
+                    f"{raw[exc.start:exc.start + 4]!r}); fix the file or pass errors='replace' "
+                    f"(--errors replace) to substitute U+FFFD") from None
+            yield number, line
 
 
 def _read_lines(path: Path, field: str | None, errors: str) -> Iterator[str]:
@@ -184,17 +192,6 @@ def _check_text_file(path, field: str | None, errors: str) -> tuple[Path, str | 
     if field is None and path.suffix in (".jsonl", ".ndjson"):
         field = "text"
     return path, field
-
-
-def _decode_line(raw: bytes, path: Path, number: int, errors: str) -> str:
-    raw = raw.removesuffix(b"\n").removesuffix(b"\r")
-    try:
-        return raw.decode("utf-8", errors=errors)
-    except UnicodeDecodeError as exc:
-        raise InputError(
-            f"{path}: line {number} is not valid UTF-8 (byte {exc.start}: "
-            f"{raw[exc.start:exc.start + 4]!r}); fix the file or pass errors='replace' "
-            f"(--errors replace) to substitute U+FFFD") from None
 
 
 def _json_record(line: str, field_name: str, path: Path, number: int) -> dict:
