@@ -98,7 +98,6 @@ class PeakOp:
     op: str
     shape: tuple
     dtype: str
-    live_bytes: int
 
 
 # CUDA autocast where each torch function is called (`_autocast_at_call`): a dispatch mode's handler runs below
@@ -177,8 +176,7 @@ class DeviceTrace(TorchDispatchMode):
         self.allocator = CachingAllocatorModel()
         self.kernels: list[Kernel] = []
         self.live = self.max_live = 0          # exact storage bytes
-        self.live_rounded = self.max_live_rounded = 0   # in 512 B granules (MemTracker's unit)
-        self.tensor_rounded = self.max_tensor_rounded = 0   # the same without the cuBLAS workspace
+        self.tensor_rounded = self.max_tensor_rounded = 0   # in 512 B granules (MemTracker's unit), no cuBLAS workspace
         self.peak: PeakOp | None = None
         self.sdpa_used: dict[str, int] = {}
         self._seen: weakref.WeakSet = weakref.WeakSet()
@@ -252,7 +250,7 @@ class DeviceTrace(TorchDispatchMode):
             size = self.workspace_size
             self._workspaces[handle] = self.allocator.malloc(size)   # held for the handle's life
             self.events.append(("w", self._workspaces[handle], size))
-            self._add_live(size, PeakOp("cuBLAS workspace", (size,), "uint8", 0), tensor=False)
+            self._add_live(size, PeakOp("cuBLAS workspace", (size,), "uint8"), tensor=False)
 
     def _after(self, func, args, kwargs, out) -> None:
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
@@ -278,25 +276,22 @@ class DeviceTrace(TorchDispatchMode):
         handle = self.allocator.malloc(nbytes)
         self.events.append(("m", handle, nbytes))
         weakref.finalize(st, self._free, handle, nbytes)
-        self._add_live(nbytes, PeakOp(op, tuple(t.shape), str(t.dtype).replace("torch.", ""), 0))
+        self._add_live(nbytes, PeakOp(op, tuple(t.shape), str(t.dtype).replace("torch.", "")))
         return True
 
     def _add_live(self, nbytes: int, op: PeakOp, tensor: bool = True) -> None:
         self.live += nbytes
-        self.live_rounded += round_size(nbytes)
         if tensor:
             self.tensor_rounded += round_size(nbytes)
             self.max_tensor_rounded = max(self.max_tensor_rounded, self.tensor_rounded)
         if self.live > self.max_live:
             self.max_live = self.live
-            self.peak = PeakOp(op.op, op.shape, op.dtype, self.live)
-        self.max_live_rounded = max(self.max_live_rounded, self.live_rounded)
+            self.peak = op
 
     def _free(self, handle: int, nbytes: int) -> None:
         self.allocator.free(handle)
         self.events.append(("f", handle))
         self.live -= nbytes
-        self.live_rounded -= round_size(nbytes)
         self.tensor_rounded -= round_size(nbytes)
 
 

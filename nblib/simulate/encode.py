@@ -36,7 +36,6 @@ class SimulatedRun:
     sdpa_backend: str           # the attention kernel the GPU ran
     batches: int                # batches simulated
     max_live: int               # peak bytes of live device tensors (exact storage sizes)
-    max_live_rounded: int       # the same in the allocator's 512 B granules (MemTracker's unit)
     max_allocated: int          # simulated torch.cuda.max_memory_allocated()
     max_reserved: int           # simulated torch.cuda.max_memory_reserved()
     weights: int                # bytes of the model on the device
@@ -93,7 +92,6 @@ def simulate_encode(config: PipelineConfig, gpu: str | Device = "t4", *, precisi
     peak = trace.peak
     return SimulatedRun(config=cfg, gpu=dev.name, precision=precision, offload=offload,
                         sdpa_backend=backend, batches=n, max_live=trace.max_live,
-                        max_live_rounded=trace.max_live_rounded,
                         max_allocated=trace.allocator.max_allocated,
                         max_reserved=trace.allocator.max_reserved, weights=weights,
                         peak_op=peak.op, peak_shape=peak.shape, kernels=kernels)

@@ -35,10 +35,6 @@ class Roofline:
     def samples_per_s(self) -> float:
         return self.batch_size / self.seconds if self.seconds else 0.0
 
-    @property
-    def achieved_flops(self) -> float:
-        return self.flops / self.seconds if self.seconds else 0.0
-
 
 def kernel_rate(kernel, device: Device) -> float:
     """Peak FLOP/s the kernel's math runs at on `device`."""
