@@ -511,30 +511,11 @@ def read_shards_manifest(folder: str | Path, kind: str, version: int, what: str,
     try:
         body = parse_manifest(raw, kind, versions=(version,), where=str(path)).body
     except ManifestDamaged as exc:
-        other = other_kind_line(folder, raw, kind)
-        if other is not None:
-            raise CacheError(other) from None
-        raise CacheError(f"{_why_unusable(raw, exc)}; {what} cannot be trusted as it is: rebuild "
-                         f"it with overwrite=True (--overwrite), or point at another folder") from None
+        raise CacheError(_unusable(folder, raw, kind, what, exc)) from None
     if not isinstance(body.get("shards"), list) or not isinstance(body.get("source"), dict):
         raise CacheError(f"{path} is an {kind} record without shards or source; rebuild it "
                          f"with overwrite=True (--overwrite)")
     return body
-
-
-def other_kind_line(folder: str | Path, raw: bytes, kind: str) -> str | None:
-    """The one line for a healthy folder of the other kind of shards (record shards where an image cache is read,
-    or the other way round): what it holds and which flag reads it; None for any other manifest. Never
-    "rebuild it with --overwrite": the folder is fine, and a build with --overwrite into it deletes its shards.
-    """
-    try:
-        found = json.loads(raw).get("kind")
-    except (ValueError, AttributeError):
-        return None
-    if found == kind or found not in SHARD_FOLDERS or kind not in SHARD_FOLDERS:
-        return None
-    holds, flag = SHARD_FOLDERS[found]
-    return f"{folder} holds {holds}, not {SHARD_FOLDERS[kind][0]}: read it with {flag} {folder}"
 
 
 def write_cache_manifest(cache_dir: str | Path, body: dict) -> None:
@@ -543,16 +524,28 @@ def write_cache_manifest(cache_dir: str | Path, body: dict) -> None:
                    seq=len(body["shards"]))
 
 
-def _why_unusable(raw: bytes, exc: ManifestDamaged) -> str:
+def _unusable(folder: str | Path, raw: bytes, kind: str, what: str, exc: ManifestDamaged) -> str:
+    """The one line for a manifest that is no `kind` record this nblib reads. For a healthy folder of the other
+    kind of shards (record shards where an image cache is read, or the other way round): what it holds and which
+    flag reads it; never "rebuild it with --overwrite": the folder is fine, and a build with --overwrite into it
+    deletes its shards. Else why `what` cannot be trusted (an older nblib's layout, or the damage) and the fix.
+    """
     try:
         old = json.loads(raw)
     except ValueError:
         old = None
+    found = old.get("kind") if isinstance(old, dict) else None
+    if found != kind and found in SHARD_FOLDERS and kind in SHARD_FOLDERS:
+        holds, flag = SHARD_FOLDERS[found]
+        return f"{folder} holds {holds}, not {SHARD_FOLDERS[kind][0]}: read it with {flag} {folder}"
     if isinstance(old, dict) and old.get("format") == "nblib-image-cache":
-        return (f"{MANIFEST} was written by an older nblib (cache format v{old.get('version')}); "
-                f"this nblib reads {MANIFEST_KIND} v{MANIFEST_VERSION}")
-    if isinstance(old, dict) and old.get("kind") == MANIFEST_KIND and old.get("version") in OLD_VERSIONS:
-        return (f"{MANIFEST} was written by an older nblib ({MANIFEST_KIND} v{old.get('version')}: its "
-                f"shards carry no per-image checksums, so no read of them can be checked); this nblib "
-                f"reads v{MANIFEST_VERSION}")
-    return str(exc).split(";")[0]
+        why = (f"{MANIFEST} was written by an older nblib (cache format v{old.get('version')}); "
+               f"this nblib reads {MANIFEST_KIND} v{MANIFEST_VERSION}")
+    elif found == MANIFEST_KIND and old.get("version") in OLD_VERSIONS:
+        why = (f"{MANIFEST} was written by an older nblib ({MANIFEST_KIND} v{old.get('version')}: its "
+               f"shards carry no per-image checksums, so no read of them can be checked); this nblib "
+               f"reads v{MANIFEST_VERSION}")
+    else:
+        why = str(exc).split(";")[0]
+    return (f"{why}; {what} cannot be trusted as it is: rebuild it with overwrite=True (--overwrite), or point "
+            f"at another folder")
