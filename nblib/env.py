@@ -213,7 +213,15 @@ def hardware_report(drive: str | Path | None = None, local: str | Path | None = 
 
     from nblib.disk import disk_space
 
-    gpu = _gpu_info()
+    gpu = dict(gpu_name=None, vram_total_bytes=None, vram_free_bytes=None, compute_capability=None,
+               fp16_tensor_cores=False)
+    if cuda_available():
+        import torch
+
+        props = torch.cuda.get_device_properties(0)
+        free, total = torch.cuda.mem_get_info(0)
+        gpu = dict(gpu_name=props.name, vram_total_bytes=int(total), vram_free_bytes=int(free),
+                   compute_capability=f"{props.major}.{props.minor}", fp16_tensor_cores=props.major >= 7)
     local_path = Path(local) if local is not None else outputs_dir()
     local_total, local_free = disk_space(local_path)
     drive_total, drive_free = disk_space(drive) if drive is not None else (None, None)
@@ -260,20 +268,6 @@ def _require_writable(root: Path) -> Path:
             f"the workspace folder {root} is not writable ({exc.strerror or exc}); set "
             f"NBLIB_DRIVE_DIR to a folder you can write, or fix its permissions") from None
     return root
-
-
-def _gpu_info() -> dict:
-    none = dict(gpu_name=None, vram_total_bytes=None, vram_free_bytes=None,
-                compute_capability=None, fp16_tensor_cores=False)
-    if not cuda_available():
-        return none
-    import torch
-
-    props = torch.cuda.get_device_properties(0)
-    free, total = torch.cuda.mem_get_info(0)
-    return dict(gpu_name=props.name, vram_total_bytes=int(total), vram_free_bytes=int(free),
-                compute_capability=f"{props.major}.{props.minor}",
-                fp16_tensor_cores=props.major >= 7)
 
 
 def _version(module: str) -> str | None:
