@@ -113,7 +113,6 @@ class EmptyPipelineError(NblibError, ValueError):
     """A pipeline yielded no batch (or fewer than its warm-up) to measure."""
 
 
-
 class DeterminismError(NblibError):
     """A run cannot be made reproducible here: an op without a deterministic kernel, or cuBLAS set up too early."""
 
