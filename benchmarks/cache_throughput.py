@@ -31,7 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from nblib import cache
-from nblib.lab.cache_formats import checked_read_ratio, compare_formats, format_table
+from nblib.cache import ShardedImageCache
+from nblib.lab.cache_formats import compare_formats, format_table
 from nblib.lab.cache_population import worker_scaling
 from nblib.render import render_params, render_with
 
@@ -150,6 +151,28 @@ def formats_side_by_side(repeats: int) -> int:
                   f"{ratio['ratio']:.2f} (pairs {ratio['ratio_spread'][0]:.2f}-{ratio['ratio_spread'][1]:.2f}; "
                   f"target >= 0.8)")
     return 0
+
+
+def checked_read_ratio(cache_dir: str | Path, repeats: int = 5, batch_size: int = 64) -> dict:
+    """In-order images/s with the per-image xxh3 check ("image") and without ("off"), interleaved.
+
+    Each repeat times both, in alternating order; the ratio is the median of the repeats'
+    checked/unchecked ratios (a slow moment of the machine hits both halves of a pair), with
+    their spread (min, max).
+    """
+    rates: dict[str, list[float]] = {"image": [], "off": []}
+    for r in range(repeats):
+        for check in (("image", "off") if r % 2 == 0 else ("off", "image")):
+            cache = ShardedImageCache(cache_dir, check=check)
+            n = len(cache)
+            start = time.perf_counter()
+            for first in range(0, n, batch_size):
+                cache.get_batch(first, min(n, first + batch_size))
+            rates[check].append(n / (time.perf_counter() - start))
+            cache.close()
+    pairs = [c / u for c, u in zip(rates["image"], rates["off"])]
+    return {"checked_per_s": statistics.median(rates["image"]), "unchecked_per_s": statistics.median(rates["off"]),
+            "ratio": statistics.median(pairs), "ratio_spread": (min(pairs), max(pairs)), "repeats": repeats}
 
 
 if __name__ == "__main__":

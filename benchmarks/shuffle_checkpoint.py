@@ -18,9 +18,12 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from nblib import tfdata
+import numpy as np
+
+from nblib import shuffle, tfdata
 from nblib.lab import shuffle_checkpoints as lab
 
 
@@ -73,7 +76,7 @@ def throughput(n: int, buffer_size: int, sample_kb: float) -> None:
     """Print samples/s of the resumable shuffle and of tf.data's shuffle over one in-memory source, and ratios."""
     print(f"\n== throughput: {n:,} samples of {sample_kb:g} kB in memory, buffer {buffer_size:,}")
     for batch_size in (0, 64):
-        rows = lab.shuffle_throughput(n, buffer_size, sample_kb, batch_size=batch_size)
+        rows = shuffle_throughput(n, buffer_size, sample_kb, batch_size=batch_size)
         by = {r.name: r for r in rows}
         mode = "one sample at a time" if not batch_size else f"batches of {batch_size}"
         print(f"{mode}:")
@@ -82,6 +85,67 @@ def throughput(n: int, buffer_size: int, sample_kb: float) -> None:
         base = by["tf.data shuffle"].samples_per_s
         print(f"  ratio resumable (Python) / tf.data shuffle: {by['resumable (Python)'].samples_per_s / base:.1f}x;"
               f" resumable in tf.data / tf.data shuffle: {by['resumable in tf.data'].samples_per_s / base:.2f}x")
+
+
+@dataclass(frozen=True)
+class ThroughputRow:
+    """Samples per second of one shuffle over the same in-memory source, iterated from Python."""
+
+    name: str
+    buffer_size: int
+    sample_bytes: int
+    samples: int
+    seconds: float
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.seconds if self.seconds else float("nan")
+
+
+def in_memory_shuffles(source: np.ndarray, buffer_size: int, seed: int, batch_size: int = 0) -> dict:
+    """tf.data's shuffle and nblib's buffer shuffle (indices gathered in TF) over one in-memory uint8 array."""
+    tf = tfdata.tensorflow()
+    with tf.device("/CPU:0"):
+        constant = tf.constant(source)
+    tf_ds = tf.data.Dataset.from_tensor_slices(constant).shuffle(buffer_size, seed=seed)
+    indexed_ds = tfdata.index_dataset(tfdata.make_shuffle(len(source), buffer_size, seed, "buffer"))
+    if batch_size:
+        tf_ds, indexed_ds = tf_ds.batch(batch_size), indexed_ds.batch(batch_size)
+    return {tfdata.TF_SHUFFLE: tf_ds, "resumable in tf.data": indexed_ds.map(lambda i: tf.gather(constant, i))}
+
+
+def shuffle_throughput(n: int, buffer_size: int, sample_kb: float, *, batch_size: int = 0,
+                       seed: int = 0) -> list[ThroughputRow]:
+    """ResumableShuffleBuffer from Python, tf.data's shuffle, and it in tf.data over one in-memory source.
+
+    The source is a uint8 array [n, sample bytes] of random bytes, iterated from Python one
+    sample at a time (`batch_size=0`) or in batches. Unbatched, the Python shuffle yields
+    `source[i]` (a view, as a memory-mapped cache would) while tf.data copies each sample into its
+    buffer and into an EagerTensor, so the ratio is mostly per-element overhead; batched, both copy
+    every sample. Dataset construction is not timed; the first element is.
+    """
+    sample_bytes = tfdata.PipelineSpec(sample_kb=sample_kb).sample_bytes
+    source = np.random.default_rng(seed).integers(0, 256, size=(n, sample_bytes), dtype=np.uint8)
+    order = tfdata.make_shuffle(n, buffer_size, seed, "buffer")
+    t0 = time.perf_counter()
+    if batch_size:
+        count = sum(len(source[chunk]) for chunk in _chunks(iter(order), batch_size))
+    else:
+        count = sum(1 for _ in shuffle.iter_samples(source, order))
+    rows = [ThroughputRow("resumable (Python)", buffer_size, sample_bytes, count, time.perf_counter() - t0)]
+    datasets = in_memory_shuffles(source, buffer_size, seed, batch_size)
+    del source
+    for name, ds in datasets.items():
+        t0 = time.perf_counter()
+        count = sum(int(x.shape[0]) if batch_size else 1 for x in ds)
+        rows.append(ThroughputRow(name, buffer_size, sample_bytes, count, time.perf_counter() - t0))
+    return rows
+
+
+def _chunks(iterator, size: int):
+    """Lists of up to `size` items from `iterator`."""
+    while chunk := [x for _, x in zip(range(size), iterator)]:
+        yield chunk
 
 
 if __name__ == "__main__":

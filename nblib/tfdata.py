@@ -46,7 +46,7 @@ __all__ = [
     "CONTENTS", "SHUFFLE_ALGORITHMS", "TF_SHUFFLE", "TF_GLOBAL_SHUFFLE", "TF_INDEX_SHUFFLE", "GLOBAL_SHUFFLE_SINCE",
     "ShuffleMethod", "SHUFFLE_METHODS", "PipelineSpec", "image_shape", "tensorflow", "synthetic_image", "sample_at",
     "source_dataset", "shuffle_pipeline", "method_unavailable", "global_shuffle_op", "indexed_dataset", "index_dataset",
-    "make_shuffle", "resumable_shuffle_pipeline", "tf_shuffle_order", "one_op_pipelines", "in_memory_shuffles",
+    "make_shuffle", "resumable_shuffle_pipeline", "tf_shuffle_order", "one_op_pipelines",
     "CheckpointRow", "measure_iterator_checkpoint", "RoundTrip", "checkpoint_round_trip", "iterator_checkpoint_bytes",
     "preflight_checkpoint", "same_element",
 ]
@@ -341,18 +341,6 @@ def one_op_pipelines(spec: PipelineSpec) -> dict[str, Callable]:
         "range -> map -> shuffle(32)": lambda: tf.data.Dataset.range(n).map(fetch).shuffle(32, seed=seed),
     }
     return {name: (lambda b=build: _with_symbolic(b(), spec.symbolic)) for name, build in builds.items()}
-
-
-def in_memory_shuffles(source: np.ndarray, buffer_size: int, seed: int, batch_size: int = 0) -> dict:
-    """tf.data's shuffle and nblib's buffer shuffle (indices gathered in TF) over one in-memory uint8 array."""
-    tf = tensorflow()
-    with tf.device("/CPU:0"):
-        constant = tf.constant(source)
-    tf_ds = tf.data.Dataset.from_tensor_slices(constant).shuffle(buffer_size, seed=seed)
-    indexed_ds = index_dataset(make_shuffle(len(source), buffer_size, seed, "buffer"))
-    if batch_size:
-        tf_ds, indexed_ds = tf_ds.batch(batch_size), indexed_ds.batch(batch_size)
-    return {TF_SHUFFLE: tf_ds, "resumable in tf.data": indexed_ds.map(lambda i: tf.gather(constant, i))}
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,7 @@ spread (min-max) of each rate; `formats_verdict` judges each format against a re
 runs of the same repeat, in pairs (`nblib.verdict`). Like for like: the same images, the same batch size, arrays in and
 arrays out (Parquet rows are decoded to uint8 arrays, as a training loop needs them), every file
 fsynced. Parquet gets its fastest layout (raw pixel bytes per row, zstd across the column chunk).
-`checked_read_ratio` times in-order raw reads with the per-image xxh3 check on and off,
-interleaved, and returns the ratio (the check's cost). `benchmarks/cache_throughput.py` prints both.
+`benchmarks/cache_throughput.py` prints the table, and the cost of the per-image xxh3 check.
 """
 from __future__ import annotations
 
@@ -92,28 +91,6 @@ def _one_repeat(samples: dict, sizes: dict, images: np.ndarray, folder: Path, fo
         samples[fmt]["random"].append(done / (time.perf_counter() - start_random))
         shutil.rmtree(target, ignore_errors=True)
         bar.update(1)
-
-
-def checked_read_ratio(cache_dir: str | Path, repeats: int = 5, batch_size: int = 64) -> dict:
-    """In-order images/s with the per-image xxh3 check ("image") and without ("off"), interleaved.
-
-    Each repeat times both, in alternating order; the ratio is the median of the repeats'
-    checked/unchecked ratios (a slow moment of the machine hits both halves of a pair), with
-    their spread (min, max).
-    """
-    rates: dict[str, list[float]] = {"image": [], "off": []}
-    for r in range(repeats):
-        for check in (("image", "off") if r % 2 == 0 else ("off", "image")):
-            cache = ShardedImageCache(cache_dir, check=check)
-            n = len(cache)
-            start = time.perf_counter()
-            for first in range(0, n, batch_size):
-                cache.get_batch(first, min(n, first + batch_size))
-            rates[check].append(n / (time.perf_counter() - start))
-            cache.close()
-    pairs = [c / u for c, u in zip(rates["image"], rates["off"])]
-    return {"checked_per_s": statistics.median(rates["image"]), "unchecked_per_s": statistics.median(rates["off"]),
-            "ratio": statistics.median(pairs), "ratio_spread": (min(pairs), max(pairs)), "repeats": repeats}
 
 
 def format_table(rows: list[dict]) -> str:

@@ -17,7 +17,6 @@ from nblib.lab.shuffle_checkpoints.experiments import (
     measure_state_checkpoint,
     quality_vs_buffer,
     resume_proof,
-    shuffle_throughput,
 )
 from nblib.lab.shuffle_checkpoints.maths import (
     REFERENCE_SAMPLE_BYTES,
@@ -53,7 +52,7 @@ from nblib.verdict import TOLERANCE
 __all__ = [
     "TOLERANCE", "REFERENCE_SAMPLE_BYTES", "BytesFit", "Check", "BuiltinRow",
     "measure_checkpoint", "measure_ops", "measure_state_checkpoint", "resume_proof", "compare_shuffles",
-    "quality_vs_buffer", "shuffle_throughput",
+    "quality_vs_buffer",
     "symbolic_saving", "compression_ratio", "fit_bytes_per_element", "extrapolate", "measured_factors",
     "disk_model_checks", "reference_checks", "predicted_same_episode_share", "buffer_needed", "checkpoint_and_quality",
     "checkpoint_table", "extrapolation_table", "checks_table", "ram_note", "ops_table", "comparison_table",

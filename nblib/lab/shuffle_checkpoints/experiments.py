@@ -22,14 +22,13 @@ import numpy as np
 from nblib import shuffle
 from nblib.compare import progress_bar
 from nblib.lab.shuffle_checkpoints.maths import resumable_label
-from nblib.lab.shuffle_checkpoints.rows import BuiltinRow, OpRow, QualityRow, ResumeProof, StateRow, ThroughputRow
+from nblib.lab.shuffle_checkpoints.rows import BuiltinRow, OpRow, QualityRow, ResumeProof, StateRow
 from nblib.tfdata import (
     SHUFFLE_METHODS,
     TF_SHUFFLE,
     CheckpointRow,
     PipelineSpec,
     checkpoint_round_trip,
-    in_memory_shuffles,
     iterator_checkpoint_bytes,
     make_shuffle,
     measure_iterator_checkpoint,
@@ -206,34 +205,6 @@ def quality_vs_buffer(n: int, buffer_sizes, episode_len: int, seed: int = 0) -> 
     return rows
 
 
-def shuffle_throughput(n: int, buffer_size: int, sample_kb: float, *, batch_size: int = 0,
-                       seed: int = 0) -> list[ThroughputRow]:
-    """ResumableShuffleBuffer from Python, tf.data's shuffle, and it in tf.data over one in-memory source.
-
-    The source is a uint8 array [n, sample bytes] of random bytes, iterated from Python one
-    sample at a time (`batch_size=0`) or in batches. Unbatched, the Python shuffle yields
-    `source[i]` (a view, as a memory-mapped cache would) while tf.data copies each sample into its
-    buffer and into an EagerTensor, so the ratio is mostly per-element overhead; batched, both copy
-    every sample. Dataset construction is not timed; the first element is.
-    """
-    sample_bytes = PipelineSpec(sample_kb=sample_kb).sample_bytes
-    source = np.random.default_rng(seed).integers(0, 256, size=(n, sample_bytes), dtype=np.uint8)
-    order = make_shuffle(n, buffer_size, seed, "buffer")
-    t0 = time.perf_counter()
-    if batch_size:
-        count = sum(len(source[chunk]) for chunk in _chunks(iter(order), batch_size))
-    else:
-        count = sum(1 for _ in shuffle.iter_samples(source, order))
-    rows = [ThroughputRow("resumable (Python)", buffer_size, sample_bytes, count, time.perf_counter() - t0)]
-    datasets = in_memory_shuffles(source, buffer_size, seed, batch_size)
-    del source
-    for name, ds in datasets.items():
-        t0 = time.perf_counter()
-        count = sum(int(x.shape[0]) if batch_size else 1 for x in ds)
-        rows.append(ThroughputRow(name, buffer_size, sample_bytes, count, time.perf_counter() - t0))
-    return rows
-
-
 @contextmanager
 def _work_folder(folder, prefix: str, *, remove_given: bool = False):
     """`folder` (created if needed) or a fresh temporary folder named `prefix`...; yields it as a Path.
@@ -277,9 +248,3 @@ def _same_order_in_numpy(spec: PipelineSpec, method: str, order: np.ndarray) -> 
 def _quality_row(name: str, buffer_size: int, episode_len: int, q: dict) -> QualityRow:
     return QualityRow(name, buffer_size, q["n"], episode_len, q["same_episode_share"],
                       q["same_episode_share_random"], q["spearman"], q["displacement_mean_vs_random"])
-
-
-def _chunks(iterator, size: int):
-    """Lists of up to `size` items from `iterator`."""
-    while chunk := [x for _, x in zip(range(size), iterator)]:
-        yield chunk

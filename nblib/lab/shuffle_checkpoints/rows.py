@@ -92,18 +92,3 @@ class QualityRow:
     same_episode_share_random: float  # what a full random permutation gives: (k-1)/(n-1)
     spearman: float                # rank correlation output position vs source index (1 = none)
     displacement_mean_vs_random: float  # mean |position - index| / n/3 (1 = as far as random)
-
-
-@dataclass(frozen=True)
-class ThroughputRow:
-    """Samples per second of one shuffle over the same in-memory source, iterated from Python."""
-
-    name: str
-    buffer_size: int
-    sample_bytes: int
-    samples: int
-    seconds: float
-
-    @property
-    def samples_per_s(self) -> float:
-        return self.samples / self.seconds if self.seconds else float("nan")
