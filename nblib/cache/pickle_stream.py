@@ -63,16 +63,22 @@ def pickle_records(path: Path, trust: bool = False, report: dict | None = None) 
         except (NotFast, InputError, *DATA_ERRORS):
             pass                              # read again the pure way: the same records, and its one line
     reading = _FileReading(path, trust, continued=_one_pickler(path))
-    for count, record in enumerate(reading.records()):
-        if count >= served:
-            yield record
+    try:
+        for count, record in enumerate(reading.records()):
+            if count >= served:
+                yield record
+                served += 1
+    except _FreshFailed as failed:            # a later dump misread with a fresh memo: read on as one Pickler's
+        reading = _FileReading(path, trust, continued=True)
+        yield from _read_on(reading, served, failed.refusal)
     if report is not None:
         report["shape"], report["reader"] = reading.shape(), "pure"
 
 
 def _one_pickler(path: Path) -> bool:
     """Whether one Pickler wrote the file's dumps (a dump reads a memo slot only an earlier one wrote): every
-    pickle after the first is scanned before any record is served, so the whole file is read one way.
+    pickle after the first is scanned before any record is served, so the whole file is read one way. At
+    protocol 4+ (MEMOIZE numbers implicitly) one Pickler's stream may look fresh here: see `_read_on`.
     """
     size = path.stat().st_size
     with open(path, "rb") as f:
@@ -85,6 +91,68 @@ def _one_pickler(path: Path) -> bool:
         except (InputError, *DATA_ERRORS):
             pass                          # reported, with the records before it, when the file is read
     return False
+
+
+class _FreshFailed(Exception):
+    """A dump after the first does not read with a fresh memo: the file may be one Pickler's stream."""
+
+    def __init__(self, refusal: InputError):
+        super().__init__(str(refusal))
+        self.refusal = refusal
+
+
+def _read_on(reading: _FileReading, served: int, refusal: InputError) -> Iterator[dict]:
+    """The records after the first `served` of a file whose later dump did not read with a fresh memo, read again
+    as one Pickler's stream (`reading`, continued): only where each record served from a later dump reads the same
+    that way (the first dump reads the same either way), else `refusal`, as where that reading fails too before a
+    new record. The served records are read again fresh, one at a time, to be compared: nothing is kept meanwhile.
+    """
+    fresh, end = _FileReading(reading.path, reading.trust, continued=False), object()
+    again, records = fresh.records(), reading.records()
+    try:
+        for _ in range(served):
+            old, new = next(again), next(records)
+            if fresh.pickles and not _same(old, new):
+                raise refusal
+        following = next(records, end)
+    except (InputError, StopIteration, RecursionError):
+        raise refusal from None
+    finally:
+        again.close()
+    if following is not end:
+        yield following
+        yield from records
+
+
+def _same(a, b, seen: set | None = None) -> bool:
+    """Whether two readings of a value are the same: types, float bits, containers item by item (one met again
+    inside itself paired as before), objects read from their state by it, anything else by its pickle; False
+    where unsure.
+    """
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, PickledObject):
+        a, b = vars(a), vars(b)
+    if isinstance(a, (dict, list, tuple)):
+        seen = set() if seen is None else seen
+        if (id(a), id(b)) in seen:
+            return True
+        seen.add((id(a), id(b)))
+    if isinstance(a, dict):
+        return len(a) == len(b) and all(_same(ka, kb, seen) and _same(va, vb, seen)
+                                        for (ka, va), (kb, vb) in zip(a.items(), b.items()))
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y, seen) for x, y in zip(a, b))
+    if isinstance(a, float):
+        return struct.pack("<d", a) == struct.pack("<d", b)
+    if isinstance(a, (int, str, bytes)):
+        return a == b
+    try:
+        return pickle.dumps(a, protocol=5) == pickle.dumps(b, protocol=5)
+    except Exception:       # noqa: BLE001 - whatever pickling a value raises: not known to be the same
+        return False
 
 
 class _FileReading:
@@ -110,7 +178,10 @@ class _FileReading:
                     raise
                 except DATA_ERRORS as exc:
                     later = self.pickles > 0 and not self.continued
-                    raise _damaged(path, self.records_read, at, size, exc, later) from None
+                    refusal = _damaged(path, self.records_read, at, size, exc, later)
+                    if later and not isinstance(exc, EOFError):   # cut short reads no better continued
+                        raise _FreshFailed(refusal) from None
+                    raise refusal from None
                 at = plan.end
                 self.pickles += 1
 
