@@ -64,3 +64,10 @@ def test_the_sources_parse_the_forms_they_list():
     assert [source.kind for source in SOURCES] == list(examples)
     for kind, spec in examples.items():
         assert parse_spec(spec)[0] == kind
+
+
+def test_only_a_blank_spec_or_trm_names_the_trm():
+    from nblib.models import names_trm
+
+    specs = (None, "", "trm", "trm:seed_t4", ":seed_t4", ":x", "hf:BertModel")
+    assert [names_trm(s) for s in specs] == [True, True, True, True, False, False, False]

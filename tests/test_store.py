@@ -777,3 +777,15 @@ def test_a_torch_save_is_written_through_its_temporarys_descriptor_and_hashed_as
     assert written.bytes == (tmp_path / "s.pt").stat().st_size
     loaded = torch.load(tmp_path / "s.pt", weights_only=True)
     assert torch.equal(loaded["w"], state["w"]) and loaded["step"] == 3
+
+
+def test_a_store_without_a_mirror_flushes_at_once_and_unmounts_no_drive(tmp_path, monkeypatch):
+    import nblib.store
+
+    def unmount():
+        raise AssertionError("a store with no mirror unmounted Drive")
+
+    monkeypatch.setattr(nblib.store, "_colab_flush_and_unmount", unmount)
+    store = nblib.store.DurableStore(tmp_path / "local")
+    assert store.flush(unmount=True) is True
+    store.close()

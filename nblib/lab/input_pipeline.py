@@ -27,6 +27,7 @@ from nblib.pipeline.grids import (  # noqa: F401  notebook 05 reads the grids an
     TORCH_GRID_SMALL,
     device_step,
     tf_sweep,
+    torch_inert_knob,
     torch_sweep,
 )
 from nblib.pipeline.recommend import knob_verdicts, most_effective_knob, value_verdicts

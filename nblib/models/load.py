@@ -101,7 +101,7 @@ def parse_spec(spec: str) -> tuple[str, str]:
 def names_trm(model) -> bool:
     """Whether `model` (a spec, a LoadedModel, an nn.Module; None: the default) is the suite's TRM."""
     return model is None or getattr(model, "kind", None) == "trm" or \
-        (isinstance(model, str) and model.strip().partition(":")[0] in ("", "trm"))
+        (isinstance(model, str) and (not model.strip() or model.strip().partition(":")[0] == "trm"))
 
 
 def spec_forms(last: str = "or") -> str:

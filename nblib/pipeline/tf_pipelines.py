@@ -94,7 +94,7 @@ def mixed_pipeline(sources: EncodedSources, strategy: str = "sample_from_dataset
     require_choice("strategy", strategy, MIXING_STRATEGIES)
     tf = tensorflow()
     n, decode, budget = sources.n_sources, _decode(tf), _parallel(num_parallel_calls, tf)
-    read = _source_reader(sources, tf)
+    read = None if strategy == "single" else _source_reader(sources, tf)   # its copy of the blobs
     if strategy == "single":
         everything = tf.data.Dataset.from_tensor_slices(tf.constant(list(sources.blobs), dtype=tf.string))
         ds = everything.repeat().map(decode, num_parallel_calls=budget)

@@ -195,6 +195,8 @@ class DurableStore:
         `strict` raises DriveError instead of warning. `unmount` (Colab only) then calls
         `google.colab.drive.flush_and_unmount()`; use it last, the mirror is gone afterwards.
         """
+        if self.mirror_dir is None:
+            return True                       # no mirror: nothing to wait for, and no Drive of ours to unmount
         if not self.checkpoints.flush(timeout):
             msg = behind_message(self.mirror_status(), self.mirror_dir, self.local_dir, timeout)
             if strict:
