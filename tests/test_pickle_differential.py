@@ -222,6 +222,9 @@ def test_one_picklers_stream_that_looks_fresh_is_read_on_as_unpickler_reads_it(t
         assert report["shape"] == "2 pickles (2 x one record): 2 records"
         path.write_bytes(_write(one, protocol, one_pickler=False))        # separate dumps: still read fresh
         assert list(pickle_records(path)) == one
+    refused = [[], {"x": np.zeros((), np.float32)}]      # fresh, dump 1's memo reads call ndarray.dtype(...)
+    path.write_bytes(_write(refused, 4, one_pickler=True))
+    assert _same_records(_loaded(path.read_bytes(), False, True), list(pickle_records(path)))
     ambiguous = [[], {"key": None}, collections.OrderedDict([("key", None)])]     # reads fresh too, as pickle.load
     path.write_bytes(_write(ambiguous, 4, one_pickler=True))
     fresh, carried = _readings(path.read_bytes(), alone=False)

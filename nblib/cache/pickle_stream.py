@@ -94,7 +94,9 @@ def _one_pickler(path: Path) -> bool:
 
 
 class _FreshFailed(Exception):
-    """A dump after the first does not read with a fresh memo: the file may be one Pickler's stream."""
+    """A dump after the first does not read with a fresh memo (damaged, or refused by the allow-list): the file
+    may be one Pickler's stream; `refusal` is what is said where it does not read continued either.
+    """
 
     def __init__(self, refusal: InputError):
         super().__init__(str(refusal))
@@ -174,7 +176,9 @@ class _FileReading:
                     for record in self.pickle(reader, plan, size):
                         yield record
                         self.records_read += 1
-                except InputError:
+                except InputError as refused:
+                    if self.pickles > 0 and not self.continued:     # a later dump may be misread with a fresh memo
+                        raise _FreshFailed(refused) from None
                     raise
                 except DATA_ERRORS as exc:
                     later = self.pickles > 0 and not self.continued
