@@ -20,10 +20,9 @@ def sdpa_context(name: str | None):
 
     if name is None:
         return contextlib.nullcontext()
-    from nblib.errors import ConfigError
+    from nblib.errors import require_choice
 
-    if name not in SDPA_BACKENDS:
-        raise ConfigError(f"sdpa_backend={name!r} is unknown; choose one of {SDPA_BACKENDS}")
+    require_choice("sdpa_backend", name, SDPA_BACKENDS)
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return sdpa_kernel(getattr(SDPBackend, _TORCH_NAMES[name]))

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from nblib.config import PipelineConfig
-from nblib.errors import ConfigError
+from nblib.errors import ConfigError, require_choice
 from nblib.sdpa import SDPA_BACKENDS, runs_on
 
 
@@ -16,8 +16,7 @@ def validated(config: PipelineConfig) -> PipelineConfig:
 def checked_sdpa_backend(name: str | None) -> str:
     """The attention backend to budget for; default "flash"."""
     name = name or "flash"
-    if name not in SDPA_BACKENDS:
-        raise ConfigError(f"sdpa_backend={name!r} is unknown; choose one of {SDPA_BACKENDS}")
+    require_choice("sdpa_backend", name, SDPA_BACKENDS)
     return name
 
 

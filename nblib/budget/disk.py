@@ -18,7 +18,7 @@ from nblib.budget._checks import require_positive
 from nblib.budget.memory import Line, output_bytes_per_image
 from nblib.budget.resources import FIT_MARGIN, fits, room, shortfall_words
 from nblib.config import PipelineConfig
-from nblib.errors import BudgetExceeded, ConfigError
+from nblib.errors import BudgetExceeded, ConfigError, require_choice
 from nblib.units import GB, MB, fmt_bytes, fmt_size
 
 # Each codec of the cache's registry (nblib.cache.codecs.CODECS, nblib.config.CODECS: the same
@@ -51,8 +51,7 @@ def cache_bytes(n_images: int, image_size: int, codec: str = "raw",
     require_positive("n_images", n_images)
     require_positive("image_size", image_size)
     require_positive("shard_mb", shard_mb)
-    if codec not in CODEC_RATIO_ESTIMATE:
-        raise ConfigError(f"codec={codec!r} is unknown; choose one of {tuple(CODEC_RATIO_ESTIMATE)}")
+    require_choice("codec", codec, tuple(CODEC_RATIO_ESTIMATE))
     if bytes_per_image is not None:
         require_positive("bytes_per_image", bytes_per_image, number=True)
         per_image = float(bytes_per_image)

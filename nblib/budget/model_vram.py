@@ -39,7 +39,7 @@ from nblib.budget.memory import Line
 from nblib.budget.resources import FIT_MARGIN  # the one rule for "fits"
 from nblib.budget.shim import run_cublas_config, traced_environment
 from nblib.budget.traced_jobs import TRACED_BATCHES, job_for, largest_batch, run_job, token_length
-from nblib.errors import BudgetExceeded, ConfigError, NblibError
+from nblib.errors import BudgetExceeded, ConfigError, NblibError, require_choice
 from nblib.units import GB, fmt_bytes
 
 PRECISIONS = ("fp16", "bf16", "fp32")
@@ -153,8 +153,7 @@ def model_vram_table(model, batches, device: str | Device = "t4", *, precision: 
     dev = device_preset(device)
     if not dev.is_gpu:
         raise ConfigError(f"device {dev.name!r} has no VRAM; name a GPU preset such as t4")
-    if precision not in PRECISIONS:
-        raise ConfigError(f"precision={precision!r} is unknown; choose one of {PRECISIONS}")
+    require_choice("precision", precision, PRECISIONS)
     if not batches or min(batches) < 1:
         raise ConfigError(f"batch sizes {batches} must be >= 1")
     length = token_length(inputs)

@@ -47,7 +47,7 @@ from nblib.encode.model import EncodeModel, encode_model
 from nblib.encode.protocols import ImageSource, PartStore, require_image_source, require_part_store
 from nblib.encode.ranks import RankRecord, require_all_parts
 from nblib.env import Workspace
-from nblib.errors import BudgetExceeded, CacheError, ConfigError, StateError
+from nblib.errors import BudgetExceeded, CacheError, ConfigError, StateError, require_choice
 from nblib.lock import FolderLock, run_identity
 from nblib.malloc import pin_malloc_mmap_threshold
 from nblib.store.parts import VerifyLevel
@@ -243,8 +243,7 @@ def plan_encode(cache: ImageSource, run_dir: str | Path, config: PipelineConfig,
         world.refuse_mirror()                      # one process only: ranks write --out directly
     source = require_image_source(cache)
     run_config = _effective_config(config, len(source), outputs if names_trm(model) else None, out_dtype)
-    if offload not in OFFLOAD_MODES:
-        raise ConfigError(f"offload={offload!r} is unknown; choose one of {OFFLOAD_MODES}")
+    require_choice("offload", offload, OFFLOAD_MODES)
     _require_complete_cache(source)
     torch_device = resolve_device(device)
     if torch_device.type == "cpu":

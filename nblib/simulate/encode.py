@@ -18,7 +18,7 @@ from nblib.budget.devices import Device, gpu_preset
 from nblib.budget.memory import output_shapes
 from nblib.config import PipelineConfig
 from nblib.encode.traced import simulated_host_part
-from nblib.errors import ConfigError
+from nblib.errors import require_choice
 
 LABEL = "simulated"
 PRECISIONS = ("fp16", "fp32")
@@ -58,10 +58,8 @@ def simulate_encode(config: PipelineConfig, gpu: str | Device = "t4", *, precisi
     from nblib.trm import TRMVisionEncoder
 
     dev = gpu_preset(gpu)
-    if precision not in PRECISIONS:
-        raise ConfigError(f"precision={precision!r} is unknown; choose one of {PRECISIONS}")
-    if offload not in OFFLOAD_MODES:
-        raise ConfigError(f"offload={offload!r} is unknown; choose one of {OFFLOAD_MODES}")
+    require_choice("precision", precision, PRECISIONS)
+    require_choice("offload", offload, OFFLOAD_MODES)
     cfg, r, m = config, config.run, config.model
     every = r.consolidate_every if offload == "consolidate" else 1
     n = batches or (every + 2 if offload == "consolidate" else 3)

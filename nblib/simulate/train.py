@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from nblib.budget.devices import Device, gpu_preset
 from nblib.budget.shim import SHIM_SOURCE, SimulationUnavailable, backward_capability, run_child, shim_path
 from nblib.config import ModelConfig
-from nblib.errors import ConfigError
+from nblib.errors import ConfigError, require_choice
 
 LABEL = "simulated"
 PRECISIONS = ("fp16", "bf16", "fp32")
@@ -78,8 +78,7 @@ def simulate_train_step(model: ModelConfig, batch_size: int, gpu: str | Device =
     from nblib.budget.trace import Kernel
 
     dev = gpu_preset(gpu)
-    if precision not in PRECISIONS:
-        raise ConfigError(f"precision={precision!r} is unknown; choose one of {PRECISIONS}")
+    require_choice("precision", precision, PRECISIONS)
     if steps < 2:
         raise ConfigError(f"steps={steps}: AdamW's moments exist only after the first step; use >= 2")
     shim_path()                            # SimulationUnavailable here (a CUDA build, no compiler) names why

@@ -22,7 +22,7 @@ from torch import nn
 
 from nblib.atomic import sha256_json
 from nblib.cache.record_reader import RecordShardShuffle
-from nblib.errors import ConfigError, InputError
+from nblib.errors import ConfigError, InputError, require_choice
 from nblib.trm import autocast
 
 from .config import TrainConfig
@@ -42,8 +42,7 @@ class RecordFields:
     classes: int | None = None
 
     def __post_init__(self):
-        if self.loss not in LOSSES:
-            raise ConfigError(f"loss={self.loss!r} is unknown; choose one of {LOSSES}")
+        require_choice("loss", self.loss, LOSSES)
         if self.classes is not None and (isinstance(self.classes, bool) or not isinstance(self.classes, int)
                                          or self.classes < 2):
             raise ConfigError(f"classes={self.classes!r} must be an integer >= 2")
