@@ -232,8 +232,8 @@ def hardware_report(drive: str | Path | None = None, local: str | Path | None = 
         cpu_count=os.cpu_count() or 1,
         local_disk_total_bytes=local_total, local_disk_free_bytes=local_free,
         drive_disk_total_bytes=drive_total, drive_disk_free_bytes=drive_free,
-        python=platform.python_version(), numpy=_version("numpy"), torch=_version("torch"),
-        tensorflow=_version("tensorflow"),
+        python=platform.python_version(), numpy=installed_version("numpy"), torch=installed_version("torch"),
+        tensorflow=installed_version("tensorflow"),
     )
 
 
@@ -270,7 +270,8 @@ def _require_writable(root: Path) -> Path:
     return root
 
 
-def _version(module: str) -> str | None:
+def installed_version(module: str) -> str | None:
+    """The installed version of package `module` (tensorflow: or tensorflow-cpu); None when it is not installed."""
     from importlib.metadata import PackageNotFoundError, version
 
     for dist in {"tensorflow": ("tensorflow", "tensorflow-cpu")}.get(module, (module,)):

@@ -29,7 +29,6 @@ import os
 import sys
 from dataclasses import dataclass, field
 from importlib.machinery import PathFinder
-from importlib.metadata import PackageNotFoundError, version
 
 from nblib.atomic import sha256_file
 from nblib.budget import trace_store
@@ -39,6 +38,7 @@ from nblib.budget.memory import Line
 from nblib.budget.resources import FIT_MARGIN  # the one rule for "fits"
 from nblib.budget.shim import run_cublas_config, traced_environment
 from nblib.budget.traced_jobs import TRACED_BATCHES, job_for, largest_batch, run_job, token_length
+from nblib.env import installed_version
 from nblib.errors import BudgetExceeded, ConfigError, NblibError, require_choice
 from nblib.units import GB, fmt_bytes
 
@@ -233,16 +233,10 @@ def model_source(spec: str) -> dict | None:
     if head in ("hf", "timm"):
         config = rest.partition(":")[2] if head == "hf" else ""
         digest = _file_sha256(config) if config else ""
-        return None if digest is None else {head: _installed(head.replace("hf", "transformers")), "config": digest}
+        package = head.replace("hf", "transformers")
+        return None if digest is None else {head: installed_version(package), "config": digest}
     digest = _file_sha256(_module_file(head))
     return None if digest is None else {"factory": digest}
-
-
-def _installed(package: str) -> str | None:
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return None
 
 
 def _file_sha256(path: str | None) -> str | None:
