@@ -16,11 +16,11 @@ from nblib.encode.protocols import ImageSource
 
 
 def batch_loader(cache: ImageSource, batches: list[tuple[int, int]], workers: int, prefetch: int,
-                 pin_memory: bool) -> torch.utils.data.DataLoader:
+                 pin_memory: bool, persistent: bool = False, context: str | None = None) -> torch.utils.data.DataLoader:
     """A DataLoader yielding the given batches in order (workers read ahead, pinned on CUDA)."""
     kwargs = dict(num_workers=workers, pin_memory=pin_memory, batch_size=None, shuffle=False)
     if workers > 0:
-        kwargs.update(prefetch_factor=prefetch, persistent_workers=False)
+        kwargs.update(prefetch_factor=prefetch, persistent_workers=persistent, multiprocessing_context=context)
     return torch.utils.data.DataLoader(BatchDataset(cache, batches), **kwargs)
 
 

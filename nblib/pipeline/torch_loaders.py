@@ -16,7 +16,7 @@ import itertools
 import numpy as np
 import torch
 
-from nblib.encode.offload import BatchDataset
+from nblib.encode.offload import batch_loader
 from nblib.pipeline.harness import check_knobs
 
 
@@ -36,12 +36,8 @@ def cache_loader(source, batch_size: int = 32, num_workers: int = 0, prefetch_fa
     """A DataLoader of the source's contiguous batches of `batch_size` (the last one may be short)."""
     check_knobs(("batch_size", batch_size, 1), ("num_workers", num_workers, 0), ("prefetch_factor", prefetch_factor, 1))
     batches = [(s, min(s + batch_size, len(source))) for s in range(0, len(source), batch_size)]
-    kwargs = {"num_workers": num_workers, "pin_memory": bool(pin_memory) and torch.cuda.is_available(),
-              "batch_size": None, "shuffle": False}
-    if num_workers > 0:
-        kwargs.update(prefetch_factor=prefetch_factor, persistent_workers=bool(persistent_workers),
-                      multiprocessing_context=context)
-    return torch.utils.data.DataLoader(BatchDataset(source, batches), **kwargs)
+    return batch_loader(source, batches, num_workers, prefetch_factor, bool(pin_memory) and torch.cuda.is_available(),
+                        bool(persistent_workers), context)
 
 
 def repeated(loader, epochs: int | None = None):
