@@ -136,7 +136,8 @@ def _factory_spec(spec: str) -> str | None:
     return spec if sep and head and rest and dotted else None
 
 
-def _seeded(seed: int, build):
+def seeded(seed: int, build):
+    """`build()` under torch seed `seed`, leaving the caller's CPU random state as it was."""
     import torch
 
     with torch.random.fork_rng(devices=[]):
@@ -226,7 +227,7 @@ def _takes_first(cls, first: str, transformers) -> None:
 def _built(seed: int, build, what: str, fix: str):
     """`build()` under the seed; what it raises as one line (MissingDependency for an ImportError)."""
     try:
-        return _seeded(seed, build)
+        return seeded(seed, build)
     except NblibError:
         raise
     except ImportError as exc:
@@ -253,7 +254,7 @@ def _build_timm(spec: str, name: str, *, config, seed: int, inputs: str) -> Load
         raise MissingDependency(f"timm:{name} needs timm, which does not import here "
                                 f"({type(exc).__name__}: {str(exc)[:160]}); {TIMM_FIX}") from None
     try:
-        module = _seeded(seed, lambda: timm.create_model(name, pretrained=False))
+        module = seeded(seed, lambda: timm.create_model(name, pretrained=False))
     except RuntimeError as exc:
         raise ModelSpecError(f"timm has no model {name!r} ({exc}); list them with timm.list_models()") from None
     pre = preprocessing_from_timm(timm.data.resolve_data_config({}, model=module))

@@ -23,6 +23,7 @@ from torch import nn
 from nblib.atomic import sha256_json
 from nblib.cache.record_reader import RecordShardShuffle
 from nblib.errors import ConfigError, InputError, require_choice
+from nblib.models.load import seeded
 from nblib.trm import autocast
 
 from .config import TrainConfig
@@ -462,9 +463,7 @@ def model_inputs(inputs) -> str:
 
 def linear_model(in_features: int, out_features: int, seed: int) -> nn.Linear:
     """The built-in model of `train --records`: a seeded Linear applied per row."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return nn.Linear(in_features, out_features)
+    return seeded(seed, lambda: nn.Linear(in_features, out_features))
 
 
 def final_model(payload: dict) -> RecordNet:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from nblib.config import named_config as model_config  # the encoder shape a profile or preset trains
 from nblib.errors import ConfigError, NblibError
-from nblib.models.load import names_trm
+from nblib.models.load import names_trm, seeded
 from nblib.trm import autocast
 
 from .config import EVAL_BATCH, TrainConfig
@@ -73,9 +73,7 @@ def loop_module(model, n_classes: int, output: str | None = None, image_size: in
         return Classifier(model, n_classes, seed=config.seed, dropout=config.dropout)
     from nblib.models.head import with_head
 
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(config.seed ^ HEAD_SEED_SALT)
-        net = with_head(model, n_classes, output, image_size=image_size)
+    net = seeded(config.seed ^ HEAD_SEED_SALT, lambda: with_head(model, n_classes, output, image_size=image_size))
     freeze_unreached(net, torch.zeros(1, image_size, image_size, 3, dtype=torch.uint8))
     return net
 
