@@ -74,9 +74,11 @@ def budget(python: Path, args: list[str], cache_home: Path, cxx: str | None = No
 
 
 def table_cases() -> list[list[str]]:
-    """One `budget` command line per spec of the shipped table (encode_trace.TABLE_CONFIGS, one per spec)."""
+    """One `budget` command line per spec of the shipped table (trace_table.TABLE_CONFIGS, one per spec)."""
+    from trace_table import TABLE_CONFIGS
+
     from nblib.budget.devices import device_preset
-    from nblib.budget.encode_trace import TABLE_CONFIGS, encode_spec
+    from nblib.budget.encode_trace import encode_spec
     from nblib.budget.trace_store import SHIPPED, entry_key, entry_name
     from nblib.config import preset
 

@@ -12,7 +12,14 @@ from pathlib import Path
 from nblib.budget import trace_store
 from nblib.budget._checks import attention_on
 from nblib.budget.devices import device_preset
-from nblib.budget.encode_trace import TABLE, TABLE_CONFIGS, encode_spec, entry_text, traced_entries
+from nblib.budget.encode_trace import TABLE, encode_spec, entry_text, traced_entries
+from nblib.config import OUTPUT_CHOICES, OUTPUT_DTYPES, preset
+
+# (config, device) of every budget the notebooks, panels and plans make: on a T4 the widget's outputs and dtypes
+# over the presets; on the other GPUs seed_t4 as it is (01's largest batch per device; h200 shares h100's sm_90)
+TABLE_CONFIGS = (*((preset(name).replace(outputs=outputs, out_dtype=dtype), "t4") for name in ("seed_t4", "t4", "smoke")
+                   for outputs in OUTPUT_CHOICES for dtype in OUTPUT_DTYPES),
+                 *((preset("seed_t4"), gpu) for gpu in ("l4", "a100-40gb", "h100")))
 
 
 def entry_path(spec: dict) -> Path:

@@ -27,15 +27,10 @@ from nblib.budget.memory import Line
 from nblib.budget.model_vram import ModelVRAM, _budget, model_payload, replayed_point
 from nblib.budget.shim import run_cublas_config
 from nblib.budget.traced_jobs import job_for, run_job
-from nblib.config import OUTPUT_CHOICES, OUTPUT_DTYPES, PipelineConfig, preset
+from nblib.config import PipelineConfig
 from nblib.units import fmt_bytes
 
 TABLE = trace_store.SHIPPED
-# (config, device) of every budget the notebooks, panels and plans make: on a T4 the widget's outputs and dtypes
-# over the presets; on the other GPUs seed_t4 as it is (01's largest batch per device; h200 shares h100's sm_90)
-TABLE_CONFIGS = (*((preset(name).replace(outputs=outputs, out_dtype=dtype), "t4") for name in ("seed_t4", "t4", "smoke")
-                   for outputs in OUTPUT_CHOICES for dtype in OUTPUT_DTYPES),
-                 *((preset("seed_t4"), gpu) for gpu in ("l4", "a100-40gb", "h100")))
 
 
 def encode_vram(config: PipelineConfig, device: str | Device = "t4", *, precision: str = "fp16",
